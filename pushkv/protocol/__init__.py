@@ -1,0 +1,64 @@
+"""The sans-IO protocol core: messages, state machines, mapping and planning.
+
+Nothing here reads a clock, starts a thread or does I/O; it needs only the
+standard library, numpy and msgspec.
+"""
+
+from .config import ConsumerConfig, ProducerConfig
+from .consumer import Consumer
+from .errors import (
+    ConfigError,
+    DecodeError,
+    LocalProtocolError,
+    PlanError,
+    PushKVError,
+    RemoteProtocolError,
+    ValidationError,
+)
+from .events import (
+    Action,
+    FailurePolicy,
+    IssueRead,
+    IssueWrite,
+    Mode,
+    Peer,
+    Publish,
+    Rejected,
+    ReleaseDestination,
+    ReleaseSource,
+    SendMessage,
+    TransferCancelled,
+    TransferFailed,
+    TransferReady,
+)
+from .layout import EngineSpec, KVLayout, RankInfo, uniform_ranks
+from .mapping import Assignment, assignment, expected_writers, targets_of, writers_of
+from .messages import (
+    Cancel,
+    CancelAck,
+    Fail,
+    FailReason,
+    Heartbeat,
+    Hello,
+    Message,
+    Notify,
+    ReadDone,
+    Register,
+    decode,
+    encode,
+)
+from .planner import TransferPlan, coalesce, plan_transfer
+from .producer import Producer
+from .states import ConsumerState, ProducerState
+
+__all__ = [
+    "Action", "Assignment", "Cancel", "CancelAck", "ConfigError", "Consumer",
+    "ConsumerConfig", "ConsumerState", "DecodeError", "EngineSpec", "Fail", "FailReason",
+    "FailurePolicy", "Heartbeat", "Hello", "IssueRead", "IssueWrite", "KVLayout",
+    "LocalProtocolError", "Message", "Mode", "Notify", "Peer", "PlanError", "Producer",
+    "ProducerConfig", "ProducerState", "Publish", "PushKVError", "RankInfo", "ReadDone",
+    "Register", "Rejected", "ReleaseDestination", "ReleaseSource", "RemoteProtocolError",
+    "SendMessage", "TransferCancelled", "TransferFailed", "TransferPlan", "TransferReady",
+    "ValidationError", "assignment", "coalesce", "decode", "encode", "expected_writers",
+    "plan_transfer", "targets_of", "uniform_ranks", "writers_of",
+]

@@ -1,0 +1,75 @@
+"""Timeouts and bounds of the endpoints, with the defaults vLLM uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+from .events import FailurePolicy
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProducerConfig:
+    """Settings of a producer (prefill) rank."""
+
+    lease_s: float = field(
+        default=30.0,
+        metadata={"help": "how long source KV is held without a heartbeat (vLLM: 30 s)"},
+    )
+    renew_fraction: float = field(
+        default=2 / 3,
+        metadata={"help": "a heartbeat extends the lease to now + lease * this"},
+    )
+    max_pending_registrations: int = field(
+        default=4096,
+        metadata={"help": "registrations waiting for KV; beyond this, Fail(OVERLOADED)"},
+    )
+    orphan_ttl_s: float = field(
+        default=60.0,
+        metadata={"help": "how long a cancel for an unknown transfer is remembered"},
+    )
+    max_tombstones: int = field(
+        default=8192,
+        metadata={"help": "finished transfers remembered to answer late messages"},
+    )
+
+    def __post_init__(self) -> None:
+        if not self.lease_s > 0:
+            raise ConfigError(f"lease_s must be > 0, got {self.lease_s}")
+        if not 0 < self.renew_fraction <= 1:
+            raise ConfigError(f"renew_fraction must be in (0, 1], got {self.renew_fraction}")
+        if self.max_pending_registrations < 1 or self.max_tombstones < 0:
+            raise ConfigError("table bounds must be positive")
+        if not self.orphan_ttl_s > 0:
+            raise ConfigError(f"orphan_ttl_s must be > 0, got {self.orphan_ttl_s}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumerConfig:
+    """Settings of a consumer (decode) rank."""
+
+    window_s: float = field(
+        default=480.0,
+        metadata={"help": "a producer may start the write up to this long after the "
+                  "registration (vLLM's decode watchdog: 480 s)"},
+    )
+    fence_grace_s: float = field(
+        default=30.0,
+        metadata={"help": "after the window, blocks are released without a fence; must "
+                  "exceed message transit plus the longest write"},
+    )
+    heartbeat_s: float = field(
+        default=5.0,
+        metadata={"help": "heartbeat period renewing producer leases (vLLM: lease/6)"},
+    )
+    policy: FailurePolicy = field(
+        default=FailurePolicy.FAIL,
+        metadata={"help": "what a failed transfer means for the request"},
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("window_s", "fence_grace_s", "heartbeat_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not isinstance(self.policy, FailurePolicy):
+            raise ConfigError(f"policy must be a FailurePolicy, got {self.policy!r}")

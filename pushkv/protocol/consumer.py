@@ -1,0 +1,630 @@
+"""The consumer (decode) rank endpoint.
+
+One :class:`Consumer` per consumer rank. For each transfer it registers its
+destination blocks with the producer ranks the mapping assigns (push) or reads
+the published blocks (pull), counts one notification per producer rank for the
+current attempt, and never lets a block go back to the engine while a write of
+any attempt may still land in it. The transitions live in :mod:`.states`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from .config import ConsumerConfig
+from .errors import (
+    ConfigError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    ValidationError,
+)
+from .events import (
+    Action,
+    IssueRead,
+    Mode,
+    Peer,
+    Rejected,
+    ReleaseDestination,
+    SendMessage,
+    sender_of,
+    TransferCancelled,
+    TransferFailed,
+    TransferReady,
+)
+from .layout import EngineSpec, RankInfo
+from .mapping import assignment, expected_writers
+from .messages import (
+    MAX_HEARTBEAT_ITEMS,
+    Cancel,
+    CancelAck,
+    DecodeError,
+    Fail,
+    Heartbeat,
+    Hello,
+    Message,
+    Notify,
+    ReadDone,
+    Register,
+    decode,
+)
+from .planner import plan_transfer
+from .states import (
+    CONSUMER_FENCING,
+    CONSUMER_TABLE,
+    CONSUMER_TERMINAL,
+    ConsumerEffect,
+    ConsumerInput,
+    ConsumerState,
+    consumer_step,
+)
+
+CS, CI, CE = ConsumerState, ConsumerInput, ConsumerEffect
+
+
+@dataclass(slots=True)
+class _Attempt:
+    attempt: int
+    block_ids: tuple[int, ...]
+    expected: frozenset[int]
+    deadline: float
+    hard: float
+    notified: set[int] = field(default_factory=set)
+    fenced: set[int] = field(default_factory=set)
+
+    def all_fenced(self) -> bool:
+        return self.fenced >= self.expected
+
+
+@dataclass(slots=True)
+class _Transfer:
+    transfer_id: str
+    producer: str
+    mode: Mode
+    state: ConsumerState
+    cur: _Attempt
+    num_tokens: int
+    first_token: int
+    src_ids: tuple[int, ...] = ()
+    zombies: dict[int, _Attempt] = field(default_factory=dict)
+    reason: str = ""
+
+
+class Consumer:
+    """Sans-IO endpoint of one consumer rank. Every method takes ``now``."""
+
+    def __init__(self, info: RankInfo, config: ConsumerConfig | None = None) -> None:
+        info.validate()
+        self.info = info
+        self.peer = Peer(info.engine_id, info.rank)
+        self.config = config or ConsumerConfig()
+        self.stats: Counter[str] = Counter()
+        self._peers: dict[Peer, RankInfo] = {}
+        self._engines: dict[str, EngineSpec] = {}
+        self._transfers: dict[str, _Transfer] = {}
+        self._lent: dict[int, str] = {}  # block id -> transfer that may still be written
+        self._timers: list[tuple[float, int, str]] = []
+        self._seq = 0
+        self._next_heartbeat: float | None = None
+
+    # ------------------------------------------------------------------ peers
+
+    def add_peer(self, info: RankInfo) -> None:
+        """Accept a producer rank's handshake. Raises ConfigError if incompatible."""
+        info.validate()
+        expected_writers(info.engine, self.info.engine, self.peer.rank)  # compatibility
+        known = self._engines.get(info.engine_id)
+        if known is not None and known != info.engine:
+            raise ConfigError(f"engine {info.engine_id!r} changed its spec")
+        self._peers[Peer(info.engine_id, info.rank)] = info
+        self._engines[info.engine_id] = info.engine
+
+    def peer_died(self, engine_id: str, now: float) -> list[Action]:
+        """The transport confirmed ``engine_id`` dead: it fences every attempt it owed."""
+        out = self._run_timers(now)
+        for p in [p for p in self._peers if p.engine_id == engine_id]:
+            del self._peers[p]
+        self._engines.pop(engine_id, None)
+        for t in list(self._transfers.values()):
+            if t.producer != engine_id:
+                continue
+            for z in list(t.zombies.values()):
+                z.fenced |= z.expected
+                out += self._settle_zombie(t, z)
+            if t.state not in CONSUMER_TERMINAL and t.state is not CS.PREEMPTED:
+                out += self._input(t, CI.PEER_DIED, now, ranks=t.cur.expected)
+            self._maybe_forget(t)
+        return out
+
+    # ----------------------------------------------------------- local input
+
+    def _check_blocks(self, transfer_id: str, block_ids: npt.ArrayLike, num_tokens: int,
+                      first_token: int) -> tuple[int, ...]:
+        ids = tuple(int(b) for b in np.asarray(block_ids, dtype=np.int64).ravel())
+        lo = self.info.layout
+        if any(b < 0 or b >= lo.num_blocks for b in ids):
+            raise ConfigError(f"block id outside [0, {lo.num_blocks})", transfer_id=transfer_id)
+        if len(set(ids)) != len(ids):
+            raise ConfigError("a block id appears twice", transfer_id=transfer_id)
+        if not 0 <= first_token <= num_tokens or len(ids) * lo.block_size < num_tokens:
+            raise ConfigError(
+                f"{len(ids)} blocks of {lo.block_size} tokens cannot hold tokens "
+                f"[{first_token}, {num_tokens})",
+                transfer_id=transfer_id,
+            )
+        for b in ids:  # invariant 2: never lend a block a write may still hit
+            owner = self._lent.get(b)
+            if owner is not None:
+                raise LocalProtocolError(
+                    f"block {b} may still be written by transfer {owner!r}",
+                    transfer_id=transfer_id,
+                )
+        return ids
+
+    def _engine(self, engine_id: str) -> EngineSpec:
+        spec = self._engines.get(engine_id)
+        if spec is None:
+            raise LocalProtocolError(f"no handshake with producer engine {engine_id!r}")
+        return spec
+
+    def register(
+        self,
+        transfer_id: str,
+        producer_engine_id: str,
+        block_ids: npt.ArrayLike,
+        num_tokens: int,
+        now: float,
+        first_token: int = 0,
+    ) -> list[Action]:
+        """Push: ask the producer to write tokens ``[first_token, num_tokens)`` into ``block_ids``."""
+        return self._open(
+            transfer_id, producer_engine_id, Mode.PUSH, (), block_ids, num_tokens, now,
+            first_token,
+        )
+
+    def start_pull(
+        self,
+        transfer_id: str,
+        producer_engine_id: str,
+        src_block_ids: npt.ArrayLike,
+        block_ids: npt.ArrayLike,
+        num_tokens: int,
+        now: float,
+        first_token: int = 0,
+    ) -> list[Action]:
+        """Pull: read the producer's published ``src_block_ids`` into ``block_ids``."""
+        src = tuple(int(b) for b in np.asarray(src_block_ids, dtype=np.int64).ravel())
+        return self._open(
+            transfer_id, producer_engine_id, Mode.PULL, src, block_ids, num_tokens, now,
+            first_token,
+        )
+
+    def _open(
+        self,
+        transfer_id: str,
+        producer: str,
+        mode: Mode,
+        src: tuple[int, ...],
+        block_ids: npt.ArrayLike,
+        num_tokens: int,
+        now: float,
+        first_token: int,
+    ) -> list[Action]:
+        if transfer_id in self._transfers:
+            raise LocalProtocolError("transfer already registered", transfer_id=transfer_id)
+        spec = self._engine(producer)
+        ids = self._check_blocks(transfer_id, block_ids, num_tokens, first_token)
+        out = self._run_timers(now)
+        cur = self._attempt(0, ids, spec, now)
+        t = _Transfer(
+            transfer_id=transfer_id, producer=producer, mode=mode, state=CS.REGISTERED,
+            cur=cur, num_tokens=num_tokens, first_token=first_token, src_ids=src,
+        )
+        self._transfers[transfer_id] = t
+        self._lend(t, cur)
+        self.stats["registered"] += 1
+        return out + self._start_attempt(t, now)
+
+    def reissue(self, transfer_id: str, block_ids: npt.ArrayLike, now: float) -> list[Action]:
+        """Register a preempted transfer again, with a new attempt, into ``block_ids``."""
+        t = self._get(transfer_id)
+        if (t.state, CI.REISSUE) not in CONSUMER_TABLE:
+            raise LocalProtocolError(
+                "reissue needs a preempted transfer", transfer_id=transfer_id,
+                state=t.state.value, input=CI.REISSUE.value,
+            )
+        ids = self._check_blocks(transfer_id, block_ids, t.num_tokens, t.first_token)
+        self._engine(t.producer)  # the producer must still be known
+        out = self._run_timers(now)
+        self.stats["reissued"] += 1
+        return out + self._input(t, CI.REISSUE, now, block_ids=ids)
+
+    def preempt(self, transfer_id: str, now: float) -> list[Action]:
+        """The engine preempted the waiting request: fence, release, await a reissue."""
+        return self._local(transfer_id, CI.PREEMPT, now)
+
+    def abort(self, transfer_id: str, now: float) -> list[Action]:
+        """The engine aborted the request: fence and end the transfer."""
+        return self._local(transfer_id, CI.ABORT, now)
+
+    def _local(self, transfer_id: str, inp: ConsumerInput, now: float) -> list[Action]:
+        t = self._get(transfer_id)
+        if t.state in CONSUMER_TERMINAL:
+            raise LocalProtocolError(
+                "transfer already over", transfer_id=transfer_id, state=t.state.value,
+                input=inp.value,
+            )
+        out = self._run_timers(now)
+        if self._transfers.get(transfer_id) is not t or t.state in CONSUMER_TERMINAL:
+            return out  # a deadline ended it first
+        return out + self._input(t, inp, now)
+
+    def read_completed(
+        self, transfer_id: str, attempt: int, peer: Peer, ok: bool, now: float
+    ) -> list[Action]:
+        """Pull: the transport finished (``ok``) or failed a read issued by IssueRead."""
+        t = self._transfers.get(transfer_id)
+        if t is None or t.mode is not Mode.PULL or peer.engine_id != t.producer:
+            raise LocalProtocolError("read completion for an unknown read",
+                                     transfer_id=transfer_id, attempt=attempt)
+        out = self._run_timers(now)
+        self.stats["reads_ok" if ok else "reads_failed"] += 1
+        if not ok:
+            t.reason = t.reason or f"read from {peer} failed"
+        return out + self._report(t, attempt, peer.rank, CI.NOTIFY if ok else CI.FAIL, now)
+
+    def _get(self, transfer_id: str) -> _Transfer:
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            raise LocalProtocolError("unknown transfer", transfer_id=transfer_id)
+        return t
+
+    # ----------------------------------------------------------- peer input
+
+    def receive_bytes(self, frame: bytes, now: float) -> list[Action]:
+        """Decode and handle one frame (control message or write notification)."""
+        try:
+            msg = decode(frame)
+        except DecodeError as exc:
+            self.stats["decode_error"] += 1
+            return [Rejected(peer=None, error=exc)]
+        return self.receive(msg, now)
+
+    def receive(self, msg: Message, now: float) -> list[Action]:
+        out = self._run_timers(now)
+        try:
+            if isinstance(msg, Notify):
+                out += self._from_producer(msg, CI.NOTIFY, now)
+            elif isinstance(msg, CancelAck):
+                out += self._from_producer(msg, CI.CANCEL_ACK, now)
+            elif isinstance(msg, Fail):
+                out += self._from_producer(msg, CI.FAIL, now)
+            elif isinstance(msg, Hello):
+                try:
+                    self.add_peer(msg.info)
+                except ConfigError as exc:
+                    raise ValidationError(f"handshake refused: {exc.message}") from exc
+            else:
+                raise ValidationError(f"{type(msg).__name__} is not for a consumer")
+        except RemoteProtocolError as exc:
+            self.stats["rejected"] += 1
+            out.append(Rejected(peer=sender_of(msg), error=exc))
+        return out
+
+    def _from_producer(
+        self, msg: Notify | CancelAck | Fail, inp: ConsumerInput, now: float
+    ) -> list[Action]:
+        t = self._transfers.get(msg.transfer_id)
+        if t is None:
+            self.stats["stale"] += 1
+            return []
+        ctx = {"transfer_id": msg.transfer_id, "attempt": msg.attempt, "input": inp.value}
+        if msg.engine_id != t.producer:
+            raise ValidationError(f"{msg.engine_id!r} is not this transfer's producer", **ctx)
+        if t.mode is Mode.PULL:
+            if inp is CI.CANCEL_ACK:  # late answer to our final cancel
+                self.stats["stale"] += 1
+                return []
+            raise ValidationError("producer message for a pull transfer", **ctx)
+        if isinstance(msg, Fail):
+            t.reason = t.reason or f"{msg.reason.name} from rank {msg.rank}: {msg.detail}"
+        return self._report(t, msg.attempt, msg.rank, inp, now)
+
+    def _report(
+        self, t: _Transfer, attempt: int, rank: int, inp: ConsumerInput, now: float
+    ) -> list[Action]:
+        """Route one producer rank's outcome to the current attempt or a zombie."""
+        ctx = {"transfer_id": t.transfer_id, "attempt": attempt, "input": inp.value}
+        z = t.zombies.get(attempt)
+        a = t.cur if attempt == t.cur.attempt else z
+        if a is None:
+            self.stats["stale"] += 1  # rule 6: other attempts never count
+            return []
+        if rank not in a.expected:
+            raise ValidationError(f"rank {rank} is not an expected writer", **ctx)
+        if rank in a.fenced:
+            self.stats["duplicate"] += 1
+            return []
+        if z is not None:
+            z.fenced.add(rank)
+            return self._settle_zombie(t, z)
+        if t.state not in (CS.REGISTERED, *CONSUMER_FENCING):
+            self.stats["stale"] += 1
+            return []
+        if inp is CI.CANCEL_ACK and t.state is CS.REGISTERED:
+            raise ValidationError("CancelAck for an attempt that was not cancelled", **ctx)
+        return self._input(t, inp, now, ranks=frozenset((rank,)))
+
+    # ---------------------------------------------------------- transitions
+
+    def _input(
+        self,
+        t: _Transfer,
+        inp: ConsumerInput,
+        now: float,
+        *,
+        ranks: frozenset[int] = frozenset(),
+        block_ids: tuple[int, ...] = (),
+    ) -> list[Action]:
+        effect, nxt = consumer_step(t.state, inp)
+        t.state = nxt
+        out = self._effect(t, effect, inp, now, ranks, block_ids)
+        # Derived inputs (rules 6 and 7), fed whichever input completed them.
+        if t.state is CS.REGISTERED and t.cur.notified >= t.cur.expected:
+            out += self._input(t, CI.ALL_NOTIFIED, now)
+        elif t.state in CONSUMER_FENCING and t.cur.all_fenced():
+            out += self._input(t, CI.FENCED, now)
+        self._maybe_forget(t)
+        return out
+
+    def _effect(
+        self,
+        t: _Transfer,
+        effect: ConsumerEffect,
+        inp: ConsumerInput,
+        now: float,
+        ranks: frozenset[int],
+        block_ids: tuple[int, ...],
+    ) -> list[Action]:
+        cur, tid = t.cur, t.transfer_id
+        if effect is CE.NONE:
+            return []
+        if effect is CE.COUNT:
+            cur.notified |= ranks
+            cur.fenced |= ranks  # a finished write is its own fence
+            return []
+        if effect is CE.READY:
+            self._unlend(cur)
+            self.stats["ready"] += 1
+            out: list[Action] = [TransferReady(transfer_id=tid, attempt=cur.attempt)]
+            if t.mode is Mode.PULL:
+                out += [
+                    SendMessage(peer=Peer(t.producer, r), message=ReadDone(
+                        transfer_id=tid, attempt=cur.attempt, engine_id=self.peer.engine_id,
+                        rank=self.peer.rank, producer_engine_id=t.producer))
+                    for r in sorted(cur.expected)
+                ]
+            return out
+        if effect is CE.FENCE:
+            cur.fenced |= ranks
+            return []
+        if effect is CE.FAIL_REST:
+            cur.fenced |= ranks
+            if inp is CI.PEER_DIED:
+                t.reason = t.reason or f"producer engine {t.producer!r} died"
+            return self._cancel(t, final=True)
+        if effect is CE.CANCEL_ALL:
+            if inp is CI.DEADLINE:
+                t.reason = t.reason or "no write within the registration window"
+            return self._cancel(t, final=True)
+        if effect is CE.PREEMPT_ALL:
+            return self._cancel(t, final=False)
+        if effect in (CE.RELEASE, CE.RELEASE_CANCELLED, CE.RELEASE_FAILED):
+            if inp is CI.HARD_DEADLINE:
+                self.stats["forced_release"] += 1
+            out = [self._release(cur, tid)]
+            if effect is not CE.RELEASE and t.mode is Mode.PULL:
+                out += self._final_cancel(t)
+            if effect is CE.RELEASE_CANCELLED:
+                self.stats["cancelled"] += 1
+                out.append(TransferCancelled(transfer_id=tid, attempt=cur.attempt))
+            elif effect is CE.RELEASE_FAILED:
+                self.stats["failed"] += 1
+                out.append(TransferFailed(transfer_id=tid, attempt=cur.attempt,
+                                          reason=t.reason or "failed",
+                                          policy=self.config.policy))
+            return out
+        if effect in (CE.REGISTER, CE.ZOMBIFY_AND_REGISTER):
+            spec = self._engines.get(t.producer)
+            if spec is None:  # the producer left while we were preempted
+                raise LocalProtocolError("producer engine is gone", transfer_id=tid)
+            if effect is CE.ZOMBIFY_AND_REGISTER:
+                t.zombies[cur.attempt] = cur
+            t.cur = self._attempt(cur.attempt + 1, block_ids, spec, now)
+            t.reason = ""
+            self._lend(t, t.cur)
+            return self._start_attempt(t, now)
+        if effect is CE.FINAL_CANCEL_RELEASED:
+            self.stats["cancelled"] += 1
+            return [*self._final_cancel(t),
+                    TransferCancelled(transfer_id=tid, attempt=cur.attempt)]
+        raise AssertionError(f"unhandled effect {effect}")  # pragma: no cover
+
+    def _attempt(
+        self, attempt: int, ids: tuple[int, ...], spec: EngineSpec, now: float
+    ) -> _Attempt:
+        deadline = now + self.config.window_s
+        a = _Attempt(
+            attempt=attempt, block_ids=ids,
+            expected=expected_writers(spec, self.info.engine, self.peer.rank),
+            deadline=deadline, hard=deadline + self.config.fence_grace_s,
+        )
+        return a
+
+    def _start_attempt(self, t: _Transfer, now: float) -> list[Action]:
+        cur = t.cur
+        self._schedule(cur.deadline, t.transfer_id)
+        self._schedule(cur.hard, t.transfer_id)
+        if self._next_heartbeat is None:
+            self._next_heartbeat = now + self.config.heartbeat_s
+        if t.mode is Mode.PUSH:
+            window_ms = max(1, int(self.config.window_s * 1000))
+            return [
+                SendMessage(peer=Peer(t.producer, r), message=Register(
+                    transfer_id=t.transfer_id, attempt=cur.attempt,
+                    engine_id=self.peer.engine_id, rank=self.peer.rank,
+                    producer_engine_id=t.producer, block_ids=cur.block_ids,
+                    num_tokens=t.num_tokens, first_token=t.first_token, window_ms=window_ms))
+                for r in sorted(cur.expected)
+            ]
+        out: list[Action] = []
+        for r in sorted(cur.expected):
+            info = self._peers.get(Peer(t.producer, r))
+            if info is None:
+                raise LocalProtocolError(f"no handshake with producer rank {r}",
+                                         transfer_id=t.transfer_id)
+            plan = plan_transfer(
+                info.layout, self.info.layout,
+                assignment(info.engine, self.info.engine, r, self.peer.rank),
+                t.src_ids, cur.block_ids, t.num_tokens, t.first_token,
+            )
+            out.append(IssueRead(transfer_id=t.transfer_id, attempt=cur.attempt,
+                                 peer=Peer(t.producer, r), plan=plan))
+        return out
+
+    def _cancel(self, t: _Transfer, *, final: bool) -> list[Action]:
+        if t.mode is Mode.PULL:  # our own reads are the fence
+            return []
+        cur = t.cur
+        return [
+            SendMessage(peer=Peer(t.producer, r), message=Cancel(
+                transfer_id=t.transfer_id, attempt=cur.attempt,
+                engine_id=self.peer.engine_id, rank=self.peer.rank, final=final))
+            for r in sorted(cur.expected - cur.fenced)
+        ]
+
+    def _final_cancel(self, t: _Transfer) -> list[Action]:
+        """Tell every producer rank it may drop the source KV."""
+        return [
+            SendMessage(peer=Peer(t.producer, r), message=Cancel(
+                transfer_id=t.transfer_id, attempt=t.cur.attempt,
+                engine_id=self.peer.engine_id, rank=self.peer.rank, final=True))
+            for r in sorted(t.cur.expected)
+        ]
+
+    def _release(self, a: _Attempt, transfer_id: str) -> ReleaseDestination:
+        self._unlend(a)
+        self.stats["released"] += 1
+        return ReleaseDestination(transfer_id=transfer_id, attempt=a.attempt,
+                                  block_ids=a.block_ids)
+
+    def _settle_zombie(self, t: _Transfer, z: _Attempt) -> list[Action]:
+        if not z.all_fenced():
+            return []
+        del t.zombies[z.attempt]
+        out: list[Action] = [self._release(z, t.transfer_id)]
+        self._maybe_forget(t)
+        return out
+
+    def _lend(self, t: _Transfer, a: _Attempt) -> None:
+        for b in a.block_ids:
+            self._lent[b] = t.transfer_id
+
+    def _unlend(self, a: _Attempt) -> None:
+        for b in a.block_ids:
+            self._lent.pop(b, None)
+
+    def _maybe_forget(self, t: _Transfer) -> None:
+        if t.state in CONSUMER_TERMINAL and not t.zombies:
+            self._transfers.pop(t.transfer_id, None)
+
+    # ---------------------------------------------------------------- timers
+
+    def next_deadline(self) -> float | None:
+        """Earliest time at which :meth:`handle_timer` may have work (maybe spurious)."""
+        cands = [self._timers[0][0]] if self._timers else []
+        if self._next_heartbeat is not None:
+            cands.append(self._next_heartbeat)
+        return min(cands) if cands else None
+
+    def handle_timer(self, now: float) -> list[Action]:
+        return self._run_timers(now)
+
+    def _schedule(self, when: float, transfer_id: str) -> None:
+        self._seq += 1
+        heapq.heappush(self._timers, (when, self._seq, transfer_id))
+
+    def _run_timers(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        while self._timers and self._timers[0][0] <= now:
+            _, _, tid = heapq.heappop(self._timers)
+            t = self._transfers.get(tid)
+            if t is not None:
+                out += self._expire(t, now)
+        if self._next_heartbeat is not None and self._next_heartbeat <= now:
+            out += self._heartbeats()
+            live = any(t.state not in CONSUMER_TERMINAL for t in self._transfers.values())
+            self._next_heartbeat = now + self.config.heartbeat_s if live else None
+        return out
+
+    def _expire(self, t: _Transfer, now: float) -> list[Action]:
+        out: list[Action] = []
+        for z in list(t.zombies.values()):
+            if z.hard <= now:
+                self.stats["forced_release"] += 1
+                z.fenced |= z.expected
+                out += self._settle_zombie(t, z)
+        if t.state is CS.REGISTERED and t.cur.deadline <= now:
+            out += self._input(t, CI.DEADLINE, now)
+        if t.state in CONSUMER_FENCING and t.cur.hard <= now:
+            out += self._input(t, CI.HARD_DEADLINE, now)
+        self._maybe_forget(t)
+        return out
+
+    def _heartbeats(self) -> list[Action]:
+        by_peer: dict[Peer, list[tuple[str, int]]] = {}
+        for t in self._transfers.values():
+            if t.state in (CS.REGISTERED, CS.PREEMPTING, CS.PREEMPTED):
+                for r in t.cur.expected:
+                    by_peer.setdefault(Peer(t.producer, r), []).append(
+                        (t.transfer_id, t.cur.attempt))
+        out: list[Action] = []
+        for peer, items in sorted(by_peer.items()):
+            for i in range(0, len(items), MAX_HEARTBEAT_ITEMS):
+                out.append(SendMessage(peer=peer, message=Heartbeat(
+                    engine_id=self.peer.engine_id, rank=self.peer.rank,
+                    transfers=tuple(items[i:i + MAX_HEARTBEAT_ITEMS]))))
+        return out
+
+    # --------------------------------------------------------- introspection
+
+    @property
+    def num_transfers(self) -> int:
+        return len(self._transfers)
+
+    def state_of(self, transfer_id: str) -> ConsumerState | None:
+        t = self._transfers.get(transfer_id)
+        return t.state if t else None
+
+    def attempt_of(self, transfer_id: str) -> int | None:
+        t = self._transfers.get(transfer_id)
+        return t.cur.attempt if t else None
+
+    def blocks_of(self, transfer_id: str, attempt: int) -> tuple[int, ...]:
+        """Destination blocks of a live attempt (current or zombie), else ()."""
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            return ()
+        if t.cur.attempt == attempt:
+            return t.cur.block_ids
+        z = t.zombies.get(attempt)
+        return z.block_ids if z else ()
+
+    def lent_blocks(self) -> dict[int, str]:
+        """Blocks a write may still land in, with their transfer."""
+        return dict(self._lent)
+

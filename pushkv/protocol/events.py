@@ -1,0 +1,149 @@
+"""Outputs of the endpoints: what the driver must do next.
+
+Endpoints never act; every method returns a list of these and the driver (a
+transport, the simulator, the vLLM connector) carries them out. They are
+frozen, keyword-only, slotted dataclasses with Python-valid reprs.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .errors import RemoteProtocolError
+from .messages import Hello, Message, Notify
+from .planner import TransferPlan
+
+
+class Peer(NamedTuple):
+    """One rank of one engine."""
+
+    engine_id: str
+    rank: int
+
+
+def sender_of(message: Message) -> Peer:
+    """The rank a message claims to come from."""
+    if isinstance(message, Hello):
+        return Peer(message.info.engine_id, message.info.rank)
+    return Peer(message.engine_id, message.rank)
+
+
+class Mode(enum.Enum):
+    """How a transfer's bytes move."""
+
+    PUSH = "push"  #: the producer writes into registered consumer blocks
+    PULL = "pull"  #: the consumer reads the producer's published blocks
+
+
+class FailurePolicy(enum.Enum):
+    """What a consumer engine does when a transfer fails."""
+
+    FAIL = "fail"  #: the request errors
+    RECOMPUTE = "recompute"  #: the consumer computes the prefill itself
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendMessage:
+    """Send ``message`` to ``peer`` on the control plane."""
+
+    peer: Peer
+    message: Message
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IssueWrite:
+    """Producer: copy ``plan`` from local source blocks into ``peer``'s blocks,
+    then deliver ``notify`` to it. Report back with ``write_completed``."""
+
+    transfer_id: str
+    attempt: int
+    peer: Peer
+    plan: TransferPlan
+    notify: Notify
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IssueRead:
+    """Consumer (pull): copy ``plan`` from ``peer``'s source blocks into local
+    blocks. Report back with ``read_completed``."""
+
+    transfer_id: str
+    attempt: int
+    peer: Peer
+    plan: TransferPlan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Publish:
+    """Producer (pull): tell the consumer (through the router) where the KV is."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReleaseSource:
+    """Producer: the source blocks of this transfer may be freed. Emitted once."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReleaseDestination:
+    """Consumer: no write of this attempt can land any more; the blocks may be reused."""
+
+    transfer_id: str
+    attempt: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferReady:
+    """Consumer: every expected writer notified; the KV is in place."""
+
+    transfer_id: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferFailed:
+    """Consumer: the transfer failed and is fenced; apply ``policy``."""
+
+    transfer_id: str
+    attempt: int
+    reason: str
+    policy: FailurePolicy
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferCancelled:
+    """Consumer: an aborted transfer is fenced and over."""
+
+    transfer_id: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejected:
+    """A peer's message was refused; state is unchanged."""
+
+    peer: Peer | None
+    error: RemoteProtocolError
+
+
+Action = (
+    SendMessage
+    | IssueWrite
+    | IssueRead
+    | Publish
+    | ReleaseSource
+    | ReleaseDestination
+    | TransferReady
+    | TransferFailed
+    | TransferCancelled
+    | Rejected
+)

@@ -1,0 +1,173 @@
+"""Control-plane messages and their wire codec.
+
+Every message is an immutable, keyword-only msgspec struct whose repr is valid
+Python. On the wire a frame is ``b"PK"``, one version byte, then the message
+as a MessagePack array whose first element is the message tag. Decoding is
+defensive: a frame that is too large, has the wrong magic or version, is not
+MessagePack, names an unknown tag, or carries an out-of-range field raises
+:class:`~pushkv.protocol.errors.DecodeError` -- and nothing else.
+
+Identities carried by every per-transfer message: ``transfer_id`` (chosen by
+the router, shared by both legs), ``attempt`` (the consumer's epoch for that
+transfer) and the sender's ``engine_id`` + global ``rank``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Final
+
+import msgspec
+
+from .errors import DecodeError
+from .layout import MAX_ID_LEN, MAX_RANKS, RankInfo
+
+MAGIC: Final = b"PK"
+VERSION: Final = 1
+#: Largest frame accepted (bytes). A 1M-token request at block size 16 is 64k ids.
+MAX_FRAME: Final = 4 << 20
+MAX_BLOCK_IDS: Final = 1 << 19
+MAX_HEARTBEAT_ITEMS: Final = 1 << 16
+MAX_TOKENS: Final = 1 << 31
+
+TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+Attempt = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS * MAX_RANKS)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+Detail = Annotated[str, msgspec.Meta(max_length=1024)]
+
+
+class FailReason(enum.IntEnum):
+    """Why a producer gives up on an attempt (carried by :class:`Fail`)."""
+
+    PREFILL_ABORTED = 1  #: the producer engine aborted the request
+    WRITE_FAILED = 2  #: the write failed to post or to complete
+    DEADLINE = 3  #: the registration's window passed before KV was ready
+    SOURCE_RELEASED = 4  #: a reissue arrived after the source KV was released
+    OVERLOADED = 5  #: too many registrations are waiting for KV
+    INVALID = 6  #: the registration was rejected (see detail)
+    PEER_DIED = 7  #: the transport lost the peer
+
+
+class Hello(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=1):
+    """Handshake: who I am and how my KV memory is laid out."""
+
+    info: RankInfo
+
+
+class Register(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=2):
+    """Consumer rank -> producer rank: write this transfer into these blocks."""
+
+    transfer_id: TransferId
+    attempt: Attempt
+    engine_id: EngineId
+    rank: Rank
+    producer_engine_id: EngineId
+    block_ids: Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
+    num_tokens: Tokens
+    first_token: Tokens = 0
+    #: The producer must not *start* the write later than this after receipt.
+    window_ms: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)] = 480_000
+
+
+class Cancel(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=3):
+    """Consumer -> producer: do not write this attempt.
+
+    ``final`` means the consumer gave the transfer up (abort): the producer may
+    release its source KV. A non-final cancel (preemption) keeps the source
+    for a reissue.
+    """
+
+    transfer_id: TransferId
+    attempt: Attempt
+    engine_id: EngineId
+    rank: Rank
+    final: bool = True
+
+
+class CancelAck(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=4):
+    """Producer -> consumer: fence -- this attempt will never be written by me."""
+
+    transfer_id: TransferId
+    attempt: Attempt
+    engine_id: EngineId
+    rank: Rank
+
+
+class Fail(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=5):
+    """Producer -> consumer: this attempt failed; nothing more will land from me."""
+
+    transfer_id: TransferId
+    attempt: Attempt
+    engine_id: EngineId
+    rank: Rank
+    reason: FailReason
+    detail: Detail = ""
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=6):
+    """Consumer -> producer: these transfers are alive; renew their leases."""
+
+    engine_id: EngineId
+    rank: Rank
+    transfers: Annotated[
+        tuple[tuple[TransferId, Attempt], ...], msgspec.Meta(max_length=MAX_HEARTBEAT_ITEMS)
+    ]
+
+
+class Notify(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=7):
+    """Write notification, riding on the WRITE: producer rank finished writing."""
+
+    transfer_id: TransferId
+    attempt: Attempt
+    engine_id: EngineId
+    rank: Rank
+
+
+class ReadDone(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=8):
+    """Pull mode, consumer -> producer: I have read my slice; release when all have."""
+
+    transfer_id: TransferId
+    attempt: Attempt
+    engine_id: EngineId
+    rank: Rank
+    producer_engine_id: EngineId
+
+
+Message = Hello | Register | Cancel | CancelAck | Fail | Heartbeat | Notify | ReadDone
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_HEADER = MAGIC + bytes([VERSION])
+
+
+def encode(message: Message) -> bytes:
+    """Serialise a message to one frame."""
+    return _HEADER + _encoder.encode(message)
+
+
+def decode(frame: bytes | bytearray | memoryview) -> Message:
+    """Parse one frame from an untrusted peer.
+
+    Raises :class:`DecodeError` (only) if the frame is not a valid message.
+    """
+    try:
+        data = bytes(frame)
+    except Exception as exc:  # e.g. a non-buffer object from a transport
+        raise DecodeError(f"frame is not bytes: {type(frame).__name__}") from exc
+    if len(data) > MAX_FRAME:
+        raise DecodeError(f"frame of {len(data)} bytes exceeds {MAX_FRAME}")
+    if len(data) < 3 or data[:2] != MAGIC:
+        raise DecodeError("not a pushkv frame (bad magic)")
+    if data[2] != VERSION:
+        raise DecodeError(f"unsupported wire version {data[2]} (this side speaks {VERSION})")
+    try:
+        msg: Message = _decoder.decode(memoryview(data)[3:])
+    except msgspec.MsgspecError as exc:
+        raise DecodeError(f"malformed message: {exc}") from exc
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise DecodeError(f"malformed message: {exc!r}") from exc
+    return msg
+

@@ -1,0 +1,720 @@
+"""The producer (prefill) rank endpoint.
+
+One :class:`Producer` per producer rank. It keeps, per transfer, the source
+KV (once prefill finished) and one leg per consumer rank it writes into, and
+turns inputs -- peer messages, prefill completion, write completions, the
+clock -- into actions for its driver. The transitions live in :mod:`.states`.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from .config import ProducerConfig
+from .errors import (
+    ConfigError,
+    LocalProtocolError,
+    PlanError,
+    RemoteProtocolError,
+    ValidationError,
+)
+from .events import (
+    Action,
+    IssueWrite,
+    Mode,
+    Peer,
+    Publish,
+    Rejected,
+    ReleaseSource,
+    SendMessage,
+    sender_of,
+)
+from .layout import RankInfo
+from .mapping import assignment, expected_writers, targets_of
+from .messages import (
+    Cancel,
+    CancelAck,
+    DecodeError,
+    Fail,
+    FailReason,
+    Heartbeat,
+    Hello,
+    Message,
+    Notify,
+    ReadDone,
+    Register,
+    decode,
+)
+from .planner import plan_transfer
+from .states import (
+    PRODUCER_TERMINAL,
+    PRODUCER_WRITING,
+    ProducerEffect,
+    ProducerInput,
+    ProducerState,
+    producer_step,
+)
+
+PS, PI, PE = ProducerState, ProducerInput, ProducerEffect
+
+#: The Fail reason an input implies, for effects that send Fail.
+_REASON = {
+    PI.DEADLINE: FailReason.DEADLINE,
+    PI.KV_ABORTED: FailReason.PREFILL_ABORTED,
+    PI.WRITE_ERROR: FailReason.WRITE_FAILED,
+}
+
+
+class Kv(enum.Enum):
+    """Where a transfer's source KV stands on this rank."""
+
+    PENDING = "pending"  #: prefill not finished
+    HELD = "held"  #: blocks held for the transfer
+    RELEASED = "released"  #: ReleaseSource emitted
+    ABORTED = "aborted"  #: prefill aborted before finishing
+
+
+@dataclass(slots=True)
+class _Registration:
+    attempt: int
+    block_ids: npt.NDArray[np.int64]
+    num_tokens: int
+    first_token: int
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Leg:
+    peer: Peer
+    state: ProducerState
+    attempt: int = -1  # newest attempt seen on this leg
+    reg: _Registration | None = None
+    stash: _Registration | None = None
+    writing: int | None = None  # attempt of the write in flight
+
+
+@dataclass(slots=True)
+class _Transfer:
+    transfer_id: str
+    mode: Mode = Mode.PUSH
+    kv: Kv = Kv.PENDING
+    src_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    lease: float = float("inf")
+    orphan: float = float("inf")  # while KV is pending: forget after this
+    legs: dict[Peer, _Leg] = field(default_factory=dict)
+    consumer_engine: str | None = None
+    final: bool = False
+    expired: bool = False
+    aborted: bool = False
+
+
+class Producer:
+    """Sans-IO endpoint of one producer rank. Every method takes ``now``."""
+
+    def __init__(self, info: RankInfo, config: ProducerConfig | None = None) -> None:
+        info.validate()
+        self.info = info
+        self.peer = Peer(info.engine_id, info.rank)
+        self.config = config or ProducerConfig()
+        self.stats: Counter[str] = Counter()
+        self._peers: dict[Peer, RankInfo] = {}
+        self._transfers: dict[str, _Transfer] = {}
+        self._tombstones: OrderedDict[str, tuple[int, Kv, bool]] = OrderedDict()
+        self._timers: list[tuple[float, int, str]] = []
+        self._seq = 0
+        self._pending_regs = 0  # legs in REGISTERED
+        self._orphans = 0  # transfers created by a peer, prefill not finished
+
+    # ------------------------------------------------------------------ peers
+
+    def add_peer(self, info: RankInfo) -> None:
+        """Accept a consumer rank's handshake. Raises ConfigError if incompatible."""
+        info.validate()
+        expected_writers(self.info.engine, info.engine, info.rank)  # compatibility
+        if info.layout.head_dim != self.info.layout.head_dim or (
+            info.layout.dtype_bytes != self.info.layout.dtype_bytes
+        ):
+            raise ConfigError("consumer KV element shape differs from the producer's")
+        self._peers[Peer(info.engine_id, info.rank)] = info
+
+    def peer_died(self, engine_id: str, now: float) -> list[Action]:
+        """The transport lost ``engine_id``: its legs end, its writes fence themselves."""
+        out = self._run_timers(now)
+        for peer in [p for p in self._peers if p.engine_id == engine_id]:
+            del self._peers[peer]
+        for t in list(self._transfers.values()):
+            for leg in list(t.legs.values()):
+                if leg.peer.engine_id == engine_id:
+                    out += self._input(t, leg, PI.PEER_DIED, now)
+            out += self._settle(t, now)
+        return out
+
+    # ----------------------------------------------------------- peer input
+
+    def receive_bytes(self, frame: bytes, now: float) -> list[Action]:
+        """Decode and handle one frame from the control plane."""
+        try:
+            msg = decode(frame)
+        except DecodeError as exc:
+            self.stats["decode_error"] += 1
+            return [Rejected(peer=None, error=exc)]
+        return self.receive(msg, now)
+
+    def receive(self, msg: Message, now: float) -> list[Action]:
+        """Handle one decoded message from a consumer rank."""
+        out = self._run_timers(now)
+        try:
+            if isinstance(msg, Register):
+                out += self._on_register(msg, now)
+            elif isinstance(msg, Cancel):
+                out += self._on_cancel(msg, now)
+            elif isinstance(msg, Heartbeat):
+                self._on_heartbeat(msg, now)
+            elif isinstance(msg, ReadDone):
+                out += self._on_read_done(msg, now)
+            elif isinstance(msg, Hello):
+                try:
+                    self.add_peer(msg.info)
+                except ConfigError as exc:
+                    raise ValidationError(f"handshake refused: {exc.message}") from exc
+            else:
+                raise ValidationError(f"{type(msg).__name__} is not for a producer")
+        except RemoteProtocolError as exc:
+            self.stats["rejected"] += 1
+            out.append(Rejected(peer=sender_of(msg), error=exc))
+        return out
+
+    def _known(self, engine_id: str, rank: int) -> RankInfo:
+        info = self._peers.get(Peer(engine_id, rank))
+        if info is None:
+            raise ValidationError(f"no handshake with {engine_id!r} rank {rank}")
+        return info
+
+    def _on_register(self, msg: Register, now: float) -> list[Action]:
+        peer = Peer(msg.engine_id, msg.rank)
+        info = self._known(msg.engine_id, msg.rank)
+        ctx = {"transfer_id": msg.transfer_id, "attempt": msg.attempt}
+        if msg.producer_engine_id != self.info.engine_id:
+            raise ValidationError("registration addressed to another engine", **ctx)
+        if self.peer.rank not in expected_writers(self.info.engine, info.engine, msg.rank):
+            raise ValidationError(f"rank {self.peer.rank} does not write into {peer}", **ctx)
+        lo = info.layout
+        ids = np.asarray(msg.block_ids, dtype=np.int64)
+        if ids.size and int(ids.max()) >= lo.num_blocks:
+            raise ValidationError(
+                f"block id {int(ids.max())} outside the {lo.num_blocks} registered blocks",
+                **ctx,
+            )
+        if ids.size * lo.block_size < msg.num_tokens or msg.first_token > msg.num_tokens:
+            raise ValidationError(
+                f"{ids.size} blocks of {lo.block_size} tokens cannot hold tokens "
+                f"[{msg.first_token}, {msg.num_tokens})",
+                **ctx,
+            )
+        t = self._transfers.get(msg.transfer_id)
+        if t is None:
+            tomb = self._tombstones.get(msg.transfer_id)
+            if tomb is not None:
+                return self._answer_tombstone(msg, peer, tomb)
+            t = self._new_orphan(msg.transfer_id, now)
+            if t is None:
+                return [self._fail(peer, msg.transfer_id, msg.attempt, FailReason.OVERLOADED)]
+        if t.mode is Mode.PULL:
+            raise ValidationError("registration for a pull transfer", **ctx)
+        if t.consumer_engine not in (None, msg.engine_id):
+            raise ValidationError("transfer already bound to another consumer engine", **ctx)
+        t.consumer_engine = msg.engine_id
+        leg = self._leg(t, peer)
+        if msg.attempt <= leg.attempt:
+            self.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
+            return []
+        reg = _Registration(
+            attempt=msg.attempt,
+            block_ids=ids,
+            num_tokens=msg.num_tokens,
+            first_token=msg.first_token,
+            deadline=now + msg.window_ms / 1000.0,
+        )
+        out: list[Action] = []
+        if leg.state in PRODUCER_TERMINAL:  # rule 3: reopen
+            if t.kv in (Kv.RELEASED, Kv.ABORTED):
+                leg.attempt = msg.attempt
+                reason = (
+                    FailReason.PREFILL_ABORTED if t.kv is Kv.ABORTED else FailReason.SOURCE_RELEASED
+                )
+                return [self._fail(peer, t.transfer_id, msg.attempt, reason)]
+            leg.state = PS.KV_READY if t.kv is Kv.HELD else PS.EMPTY
+        out += self._input(t, leg, PI.REGISTER, now, reg=reg)
+        self._schedule(reg.deadline, t.transfer_id)
+        out += self._settle(t, now)
+        return out
+
+    def _answer_tombstone(
+        self, msg: Register, peer: Peer, tomb: tuple[int, Kv, bool]
+    ) -> list[Action]:
+        last_attempt, kv, _final = tomb
+        if msg.attempt <= last_attempt:
+            self.stats["stale"] += 1
+            return []
+        reason = FailReason.PREFILL_ABORTED if kv is Kv.ABORTED else FailReason.SOURCE_RELEASED
+        return [self._fail(peer, msg.transfer_id, msg.attempt, reason)]
+
+    def _on_cancel(self, msg: Cancel, now: float) -> list[Action]:
+        peer = Peer(msg.engine_id, msg.rank)
+        self._known(msg.engine_id, msg.rank)
+        t = self._transfers.get(msg.transfer_id)
+        if t is None:
+            tomb = self._tombstones.get(msg.transfer_id)
+            if tomb is not None and msg.attempt <= tomb[0]:
+                self.stats["stale"] += 1
+                return [self._ack(peer, msg.transfer_id, msg.attempt)]
+            # A cancel overtook its registration: remember it, bounded in time.
+            t = self._new_orphan(msg.transfer_id, now)
+            if t is None:
+                return [self._ack(peer, msg.transfer_id, msg.attempt)]
+        leg = self._leg(t, peer)
+        if msg.attempt < leg.attempt:
+            self.stats["stale"] += 1
+            return []
+        if msg.attempt == leg.attempt and leg.state in (
+            PS.CANCELLING,
+            PS.PREEMPTING,
+            *PRODUCER_TERMINAL,
+        ):
+            self.stats["duplicate"] += 1
+            return []
+        if msg.final:
+            t.final = True
+        out = self._input(t, leg, PI.CANCEL if msg.final else PI.PREEMPT, now, cancel=msg.attempt)
+        leg.attempt = max(leg.attempt, msg.attempt)
+        return out + self._settle(t, now)
+
+    def _on_heartbeat(self, msg: Heartbeat, now: float) -> None:
+        self._known(msg.engine_id, msg.rank)
+        for transfer_id, _attempt in msg.transfers:
+            t = self._transfers.get(transfer_id)
+            if t is None or t.consumer_engine not in (None, msg.engine_id):
+                continue
+            self.stats["renewed"] += 1
+            if t.kv is Kv.HELD:
+                renewed = now + self.config.lease_s * self.config.renew_fraction
+                if renewed > t.lease:
+                    t.lease = renewed
+                    self._schedule(t.lease, transfer_id)
+            elif t.kv is Kv.PENDING:
+                self._touch_orphan(t, now)
+
+    def _on_read_done(self, msg: ReadDone, now: float) -> list[Action]:
+        peer = Peer(msg.engine_id, msg.rank)
+        info = self._known(msg.engine_id, msg.rank)
+        if msg.producer_engine_id != self.info.engine_id:
+            raise ValidationError("read report addressed to another engine")
+        t = self._transfers.get(msg.transfer_id)
+        if t is None or t.mode is not Mode.PULL or t.kv is not Kv.HELD:
+            self.stats["stale"] += 1
+            return []
+        if self.peer.rank not in expected_writers(self.info.engine, info.engine, msg.rank):
+            raise ValidationError(f"{peer} does not read from rank {self.peer.rank}")
+        if t.consumer_engine not in (None, msg.engine_id):
+            raise ValidationError("pull transfer already bound to another consumer engine")
+        t.consumer_engine = msg.engine_id
+        leg = self._leg(t, peer)
+        if leg.state is not PS.KV_READY:
+            self.stats["duplicate"] += 1
+            return []
+        leg.attempt = max(leg.attempt, msg.attempt)
+        return self._input(t, leg, PI.READ_DONE, now) + self._settle(t, now)
+
+    # ---------------------------------------------------------- local input
+
+    def prefill_finished(
+        self,
+        transfer_id: str,
+        block_ids: npt.ArrayLike,
+        num_tokens: int,
+        now: float,
+        mode: Mode = Mode.PUSH,
+    ) -> list[Action]:
+        """Prefill of ``transfer_id`` finished; its KV is in ``block_ids``."""
+        ids = tuple(int(b) for b in np.asarray(block_ids, dtype=np.int64).ravel())
+        lo = self.info.layout
+        if any(b < 0 or b >= lo.num_blocks for b in ids):
+            raise ConfigError(f"source block id outside [0, {lo.num_blocks})")
+        if num_tokens < 0 or len(ids) * lo.block_size < num_tokens:
+            raise ConfigError(f"{len(ids)} blocks cannot hold {num_tokens} tokens")
+        t = self._transfers.get(transfer_id)
+        if t is not None and t.kv is not Kv.PENDING:
+            raise LocalProtocolError(
+                "prefill already reported", transfer_id=transfer_id, state=t.kv.value
+            )
+        if t is not None and mode is Mode.PULL and t.legs:
+            raise LocalProtocolError("pull transfer has push registrations", transfer_id=transfer_id)
+        out = self._run_timers(now)
+        t = self._transfers.get(transfer_id)
+        if t is None and transfer_id in self._tombstones:
+            # Already concluded here (cancelled, expired): nobody will read it.
+            self.stats["released"] += 1
+            return [*out, ReleaseSource(transfer_id=transfer_id, block_ids=ids)]
+        if t is None:
+            t = self._transfers[transfer_id] = _Transfer(transfer_id)
+        else:
+            self._orphans -= 1
+        t.mode, t.kv, t.src_ids, t.num_tokens = mode, Kv.HELD, ids, num_tokens
+        t.orphan = float("inf")
+        t.lease = now + self.config.lease_s
+        self._schedule(t.lease, transfer_id)
+        if mode is Mode.PULL:
+            out.append(Publish(transfer_id=transfer_id, block_ids=ids, num_tokens=num_tokens))
+        for leg in list(t.legs.values()):
+            out += self._input(t, leg, PI.KV_READY, now)
+        return out + self._settle(t, now)
+
+    def prefill_aborted(self, transfer_id: str, now: float) -> list[Action]:
+        """The local engine aborted ``transfer_id`` (before or after its prefill)."""
+        out = self._run_timers(now)
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            self._tombstone(transfer_id, -1, Kv.ABORTED, final=True)
+            return out
+        t.aborted = True
+        if t.kv is Kv.PENDING:
+            t.kv = Kv.ABORTED
+            self._orphans -= 1
+        for leg in list(t.legs.values()):
+            out += self._input(t, leg, PI.KV_ABORTED, now)
+        return out + self._settle(t, now)
+
+    def write_completed(
+        self, transfer_id: str, attempt: int, peer: Peer, ok: bool, now: float
+    ) -> list[Action]:
+        """The transport finished (``ok``) or failed a write issued by IssueWrite."""
+        t = self._transfers.get(transfer_id)
+        leg = t.legs.get(peer) if t else None
+        if t is None or leg is None or leg.writing != attempt:
+            raise LocalProtocolError(
+                "completion for a write that is not in flight",
+                transfer_id=transfer_id,
+                attempt=attempt,
+            )
+        out = self._run_timers(now)
+        self.stats["writes_ok" if ok else "writes_failed"] += 1
+        out += self._input(t, leg, PI.WRITE_OK if ok else PI.WRITE_ERROR, now)
+        return out + self._settle(t, now)
+
+    # ---------------------------------------------------------------- timers
+
+    def next_deadline(self) -> float | None:
+        """Earliest time at which :meth:`handle_timer` may have work (maybe spurious)."""
+        return self._timers[0][0] if self._timers else None
+
+    def handle_timer(self, now: float) -> list[Action]:
+        return self._run_timers(now)
+
+    def _schedule(self, when: float, transfer_id: str) -> None:
+        if when != float("inf"):
+            self._seq += 1
+            heapq.heappush(self._timers, (when, self._seq, transfer_id))
+
+    def _run_timers(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        while self._timers and self._timers[0][0] <= now:
+            _, _, transfer_id = heapq.heappop(self._timers)
+            t = self._transfers.get(transfer_id)
+            if t is not None:
+                out += self._expire(t, now)
+        return out
+
+    def _expire(self, t: _Transfer, now: float) -> list[Action]:
+        out: list[Action] = []
+        for leg in list(t.legs.values()):
+            reg = leg.stash if leg.state is PS.SUPERSEDED else leg.reg
+            if reg is not None and reg.deadline <= now and leg.state in (
+                PS.REGISTERED,
+                PS.SUPERSEDED,
+            ):
+                out += self._input(t, leg, PI.DEADLINE, now)
+        if t.kv is Kv.HELD and t.lease <= now and not t.expired:
+            t.expired = True
+            self.stats["lease_expired"] += 1
+            for leg in list(t.legs.values()):
+                out += self._input(t, leg, PI.LEASE_EXPIRED, now)
+        if t.kv is Kv.PENDING and t.orphan <= now and not any(
+            leg.state in (PS.REGISTERED, PS.SUPERSEDED) for leg in t.legs.values()
+        ):
+            for leg in list(t.legs.values()):
+                if leg.state is PS.EMPTY:
+                    out += self._input(t, leg, PI.DEADLINE, now)
+            self._forget(t)
+            return out
+        return out + self._settle(t, now)
+
+    def _new_orphan(self, transfer_id: str, now: float) -> _Transfer | None:
+        """A transfer a peer speaks of before prefill finished; None when full."""
+        limit = self.config.max_pending_registrations
+        if self._orphans >= limit or self._pending_regs >= limit:
+            self.stats["overloaded"] += 1
+            return None
+        t = self._transfers[transfer_id] = _Transfer(transfer_id)
+        self._orphans += 1
+        self._touch_orphan(t, now)
+        return t
+
+    def _touch_orphan(self, t: _Transfer, now: float) -> None:
+        t.orphan = now + self.config.orphan_ttl_s
+        self._schedule(t.orphan, t.transfer_id)
+
+    # ---------------------------------------------------------- transitions
+
+    def _leg(self, t: _Transfer, peer: Peer) -> _Leg:
+        leg = t.legs.get(peer)
+        if leg is None:
+            state = PS.KV_READY if t.kv is Kv.HELD else PS.EMPTY
+            leg = t.legs[peer] = _Leg(peer=peer, state=state)
+        return leg
+
+    def _input(
+        self,
+        t: _Transfer,
+        leg: _Leg,
+        inp: ProducerInput,
+        now: float,
+        *,
+        reg: _Registration | None = None,
+        cancel: int | None = None,
+    ) -> list[Action]:
+        effect, nxt = producer_step(leg.state, inp)
+        before = leg.state
+        finished = None
+        if inp in (PI.WRITE_OK, PI.WRITE_ERROR):
+            finished, leg.writing = leg.writing, None
+        leg.state = nxt
+        if nxt in (PS.EMPTY, PS.KV_READY):
+            leg.reg = None  # parked: no registration held
+        out = self._effect(t, leg, effect, now, _REASON.get(inp), reg, cancel, finished)
+        self._count_pending(before, leg.state)
+        return out
+
+    def _count_pending(self, before: ProducerState, after: ProducerState) -> None:
+        self._pending_regs += (after is PS.REGISTERED) - (before is PS.REGISTERED)
+
+    def _effect(
+        self,
+        t: _Transfer,
+        leg: _Leg,
+        effect: ProducerEffect,
+        now: float,
+        reason: FailReason | None,
+        reg: _Registration | None,
+        cancel: int | None,
+        finished: int | None,
+    ) -> list[Action]:
+        tid = t.transfer_id
+        if effect is PE.NONE:
+            return []
+        if effect in (PE.ADOPT, PE.ADOPT_AND_WRITE, PE.ACK_AND_ADOPT):
+            assert reg is not None
+            old, leg.reg, leg.attempt = leg.reg, reg, reg.attempt
+            if effect is PE.ADOPT_AND_WRITE:
+                return self._write(t, leg, now)
+            if effect is PE.ACK_AND_ADOPT and old is not None:
+                return [self._ack(leg.peer, tid, old.attempt)]
+            return []
+        if effect is PE.WRITE:
+            return self._write(t, leg, now)
+        if effect is PE.ACK:
+            assert cancel is not None
+            attempts = {cancel}
+            if leg.stash is not None:
+                attempts.add(leg.stash.attempt)
+                leg.stash = None
+            attempts.discard(leg.writing)  # type: ignore[arg-type]  # completion fences it
+            if leg.writing is None:
+                leg.reg = None
+            return [self._ack(leg.peer, tid, a) for a in sorted(attempts)]
+        if effect is PE.FAIL:
+            assert reason is not None
+            failed = finished if finished is not None else leg.attempt
+            return [self._fail(leg.peer, tid, failed, reason)]
+        if effect in (PE.STASH, PE.ACK_STASHED_AND_STASH):
+            assert reg is not None
+            old, leg.stash, leg.attempt = leg.stash, reg, reg.attempt
+            return [self._ack(leg.peer, tid, old.attempt)] if old is not None else []
+        if effect is PE.FAIL_STASHED:
+            assert leg.stash is not None and reason is not None
+            stash, leg.stash = leg.stash, None
+            return [self._fail(leg.peer, tid, stash.attempt, reason)]
+        if effect in (PE.WRITE_STASHED, PE.FAIL_AND_WRITE_STASHED):
+            assert leg.stash is not None
+            out: list[Action] = []
+            if effect is PE.FAIL_AND_WRITE_STASHED:
+                assert finished is not None
+                out.append(self._fail(leg.peer, tid, finished, FailReason.WRITE_FAILED))
+            leg.reg, leg.stash = leg.stash, None
+            return out + self._write(t, leg, now)
+        raise AssertionError(f"unhandled effect {effect}")  # pragma: no cover
+
+    def _write(self, t: _Transfer, leg: _Leg, now: float) -> list[Action]:
+        """Rendezvous reached (rule 1): plan and issue the write of ``leg.reg``."""
+        reg = leg.reg
+        assert reg is not None and t.kv is Kv.HELD
+        leg.writing = reg.attempt
+        info = self._peers.get(leg.peer)
+        if now > reg.deadline:  # rule 5: never start after the window
+            self.stats["write_refused_deadline"] += 1
+            leg.state = PS.EXPIRED
+            leg.writing = None
+            return [self._fail(leg.peer, t.transfer_id, reg.attempt, FailReason.DEADLINE)]
+        try:
+            if info is None:
+                raise PlanError("consumer rank left")
+            if reg.num_tokens > t.num_tokens:
+                raise PlanError(
+                    f"registration wants {reg.num_tokens} tokens, prefill produced {t.num_tokens}"
+                )
+            plan = plan_transfer(
+                self.info.layout,
+                info.layout,
+                assignment(self.info.engine, info.engine, self.peer.rank, leg.peer.rank),
+                t.src_ids,
+                reg.block_ids,
+                reg.num_tokens,
+                reg.first_token,
+            )
+        except (PlanError, ConfigError) as exc:
+            self.stats["plan_failed"] += 1
+            leg.state, leg.writing = PS.FAILED, None
+            return [
+                self._fail(leg.peer, t.transfer_id, reg.attempt, FailReason.INVALID, exc.message)
+            ]
+        self.stats["writes_issued"] += 1
+        notify = Notify(
+            transfer_id=t.transfer_id,
+            attempt=reg.attempt,
+            engine_id=self.peer.engine_id,
+            rank=self.peer.rank,
+        )
+        return [
+            IssueWrite(
+                transfer_id=t.transfer_id, attempt=reg.attempt, peer=leg.peer, plan=plan,
+                notify=notify,
+            )
+        ]
+
+    def _settle(self, t: _Transfer, now: float) -> list[Action]:
+        """Rule 4 (release exactly once) and forgetting finished transfers."""
+        out: list[Action] = []
+        legs = t.legs.values()
+        if t.kv is Kv.HELD and not any(leg.state in PRODUCER_WRITING for leg in legs):
+            finished = False
+            if t.final or t.expired or t.aborted:
+                finished = True
+            elif t.consumer_engine is not None:
+                info = next(
+                    (i for p, i in self._peers.items() if p.engine_id == t.consumer_engine),
+                    None,
+                )
+                if info is not None:
+                    targets = {
+                        a.dst_rank for a in targets_of(self.info.engine, info.engine, self.peer.rank)
+                    }
+                    finished = all(
+                        (p := Peer(t.consumer_engine, r)) in t.legs
+                        and t.legs[p].state in PRODUCER_TERMINAL
+                        for r in targets
+                    )
+                else:  # the consumer engine is gone
+                    finished = all(leg.state in PRODUCER_TERMINAL for leg in legs)
+            if finished:
+                t.kv = Kv.RELEASED
+                self.stats["released"] += 1
+                out.append(ReleaseSource(transfer_id=t.transfer_id, block_ids=t.src_ids))
+                for leg in list(legs):  # parked legs end with the source
+                    if leg.state is PS.KV_READY:
+                        leg.state = PS.EXPIRED if t.expired else PS.CANCELLED
+        if t.kv in (Kv.RELEASED, Kv.ABORTED) and all(
+            leg.state in PRODUCER_TERMINAL for leg in t.legs.values()
+        ):
+            self._forget(t)
+        return out
+
+    def _forget(self, t: _Transfer) -> None:
+        if t.kv is Kv.PENDING:
+            self._orphans -= 1
+        for leg in t.legs.values():
+            self._count_pending(leg.state, PS.DONE)
+        last = max((leg.attempt for leg in t.legs.values()), default=-1)
+        self._tombstone(t.transfer_id, last, t.kv, final=t.final or t.aborted)
+        del self._transfers[t.transfer_id]
+
+    def _tombstone(self, transfer_id: str, attempt: int, kv: Kv, *, final: bool) -> None:
+        if self.config.max_tombstones == 0:
+            return
+        self._tombstones[transfer_id] = (attempt, kv, final)
+        self._tombstones.move_to_end(transfer_id)
+        while len(self._tombstones) > self.config.max_tombstones:
+            self._tombstones.popitem(last=False)
+
+    # ---------------------------------------------------------------- output
+
+    def _ack(self, peer: Peer, transfer_id: str, attempt: int) -> SendMessage:
+        self.stats["acks"] += 1
+        return SendMessage(
+            peer=peer,
+            message=CancelAck(
+                transfer_id=transfer_id,
+                attempt=attempt,
+                engine_id=self.peer.engine_id,
+                rank=self.peer.rank,
+            ),
+        )
+
+    def _fail(
+        self, peer: Peer, transfer_id: str, attempt: int, reason: FailReason, detail: str = ""
+    ) -> SendMessage:
+        self.stats["fails"] += 1
+        return SendMessage(
+            peer=peer,
+            message=Fail(
+                transfer_id=transfer_id,
+                attempt=attempt,
+                engine_id=self.peer.engine_id,
+                rank=self.peer.rank,
+                reason=reason,
+                detail=detail[:1024],
+            ),
+        )
+
+    # --------------------------------------------------------- introspection
+
+    @property
+    def num_transfers(self) -> int:
+        return len(self._transfers)
+
+    @property
+    def pending_registrations(self) -> int:
+        return self._pending_regs
+
+    def held_blocks(self) -> dict[str, tuple[int, ...]]:
+        """Source blocks currently held, by transfer."""
+        return {k: t.src_ids for k, t in self._transfers.items() if t.kv is Kv.HELD}
+
+    def leg_state(self, transfer_id: str, peer: Peer) -> ProducerState | None:
+        t = self._transfers.get(transfer_id)
+        leg = t.legs.get(peer) if t else None
+        return leg.state if leg else None
+
+    def writes_in_flight(self) -> list[tuple[str, int, Peer]]:
+        return [
+            (t.transfer_id, leg.writing, leg.peer)
+            for t in self._transfers.values()
+            for leg in t.legs.values()
+            if leg.writing is not None
+        ]
+

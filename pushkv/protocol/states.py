@@ -1,0 +1,297 @@
+"""Everything that decides a transition, in one place.
+
+Theory of operation
+===================
+
+A transfer moves one request's KV from the producer (prefill) engine to the
+consumer (decode) engine. Each *producer rank* keeps one **leg** per consumer
+rank it writes into; each *consumer rank* keeps one **transfer** record. The
+transition tables below are the whole behaviour; the endpoints
+(:mod:`.producer`, :mod:`.consumer`) only look inputs up here and carry out
+the named effects. The state diagrams in the docs are drawn from these tables.
+
+Producer leg (push)::
+
+    EMPTY --register--> REGISTERED --kv ready--> WRITING --write ok--> DONE
+    EMPTY --kv ready--> KV_READY  --register--> WRITING
+
+Rule 1 -- **either-order rendezvous.** A write is issued when a leg holds a
+registration *and* the transfer's KV is ready, whichever came second:
+``(REGISTERED, KV_READY)`` and ``(KV_READY, REGISTER)`` both issue the write.
+KV readiness is a property of the transfer; the endpoint feeds ``KV_READY``
+to every leg when prefill finishes, and a leg created later starts in
+``KV_READY`` instead of ``EMPTY``.
+
+Rule 2 -- **attempts.** The consumer owns the attempt number. Before the
+table is consulted, a producer drops any Register or Cancel whose attempt is
+older than the leg's newest (stale) or equal to it (duplicate); only newer
+ones become inputs. A newer Register while the old attempt is being written
+is *stashed* (``SUPERSEDED``) and written only after the old write finished:
+the old write is fenced before the new one starts. A newer Register before
+any write acknowledges the old attempt at once (``CancelAck``).
+
+Rule 3 -- **reopen.** A newer attempt for a finished leg reopens it: the leg
+restarts from ``KV_READY`` if the source KV is still held, from ``EMPTY`` if
+prefill has not finished, and fails with ``SOURCE_RELEASED`` (or
+``PREFILL_ABORTED``) if the source is gone.
+
+Rule 4 -- **release.** The transfer's source blocks are released exactly once,
+when no leg is writing and either every expected leg has finished, a final
+cancel arrived, the lease expired, or the local engine aborted the request.
+
+Rule 5 -- **deadlines.** A registration must be written within its window:
+the producer never *starts* a write after it (``DEADLINE``). Source KV is
+held under a lease renewed by heartbeats (``LEASE_EXPIRED``); a lease never
+cuts a write short.
+
+Consumer transfer::
+
+    REGISTERED --all notified--> READY
+    REGISTERED --fail / deadline / peer died--> FAILING --fenced--> FAILED
+    REGISTERED --abort--> CANCELLING --fenced--> CANCELLED
+    REGISTERED --preempt--> PREEMPTING --fenced--> PREEMPTED --reissue--> REGISTERED
+
+Rule 6 -- **counting.** ``NOTIFY`` records one producer rank for the current
+attempt; the endpoint feeds ``ALL_NOTIFIED`` once every producer rank the
+mapping assigns has notified. Notifications of other attempts, of ranks that
+are not expected, and duplicates never count.
+
+Rule 7 -- **fences.** Destination blocks are released only when no write of
+the attempt can land any more: every expected producer rank has notified,
+acknowledged a cancel, reported a failure or been declared dead by the
+transport -- or the hard deadline (window + grace) has passed, which the
+producer honours by never starting a write after the window. The endpoint
+feeds ``FENCED`` when the last rank is fenced. An attempt abandoned by a
+reissue keeps its own fence (a *zombie*) and releases its blocks on its own.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .errors import LocalProtocolError
+
+
+class ProducerState(enum.Enum):
+    EMPTY = "EMPTY"  #: no registration, KV not ready
+    REGISTERED = "REGISTERED"  #: registration held, KV not ready
+    KV_READY = "KV_READY"  #: KV ready, no registration (pull: published)
+    WRITING = "WRITING"  #: the write of the current attempt is in flight
+    SUPERSEDED = "SUPERSEDED"  #: an old write in flight, a newer registration stashed
+    CANCELLING = "CANCELLING"  #: cancelled while writing; the completion is the fence
+    PREEMPTING = "PREEMPTING"  #: preempted while writing; then parked in KV_READY
+    DONE = "DONE"
+    CANCELLED = "CANCELLED"
+    EXPIRED = "EXPIRED"
+    FAILED = "FAILED"
+
+
+class ProducerInput(enum.Enum):
+    REGISTER = "REGISTER"  #: a newer attempt's registration
+    KV_READY = "KV_READY"  #: prefill finished, source KV held
+    KV_ABORTED = "KV_ABORTED"  #: the local engine aborted the request
+    WRITE_OK = "WRITE_OK"
+    WRITE_ERROR = "WRITE_ERROR"
+    CANCEL = "CANCEL"  #: final cancel (consumer aborted)
+    PREEMPT = "PREEMPT"  #: non-final cancel (consumer preempted; may reissue)
+    DEADLINE = "DEADLINE"  #: the registration's window passed
+    LEASE_EXPIRED = "LEASE_EXPIRED"
+    PEER_DIED = "PEER_DIED"  #: the transport lost the consumer engine
+    READ_DONE = "READ_DONE"  #: pull: the consumer rank read its slice
+
+
+class ProducerEffect(enum.Enum):
+    NONE = "none"
+    ADOPT = "adopt"  #: keep the registration
+    ADOPT_AND_WRITE = "adopt+write"
+    WRITE = "write"  #: issue the write of the held registration
+    ACK = "ack"  #: CancelAck the cancelled attempt (unless it is being written) and any stash
+    ACK_AND_ADOPT = "ack old+adopt"
+    FAIL = "fail"  #: send Fail for the leg's attempt
+    STASH = "stash"  #: keep the newer registration until the write completes
+    WRITE_STASHED = "write stashed"
+    FAIL_AND_WRITE_STASHED = "fail old+write stashed"
+    ACK_STASHED_AND_STASH = "ack stashed+stash"
+    FAIL_STASHED = "fail stashed"
+
+
+class ConsumerState(enum.Enum):
+    REGISTERED = "REGISTERED"  #: waiting for notifications (pull: reads)
+    READY = "READY"
+    PREEMPTING = "PREEMPTING"  #: waiting for the fence before releasing blocks
+    PREEMPTED = "PREEMPTED"  #: blocks released, waiting for a reissue
+    CANCELLING = "CANCELLING"
+    CANCELLED = "CANCELLED"
+    FAILING = "FAILING"
+    FAILED = "FAILED"
+
+
+class ConsumerInput(enum.Enum):
+    NOTIFY = "NOTIFY"  #: an expected producer rank finished (pull: our read finished)
+    ALL_NOTIFIED = "ALL_NOTIFIED"  #: derived: every expected rank notified
+    FAIL = "FAIL"  #: a producer rank failed (pull: our read failed)
+    CANCEL_ACK = "CANCEL_ACK"
+    FENCED = "FENCED"  #: derived: no write of the attempt can land any more
+    ABORT = "ABORT"
+    PREEMPT = "PREEMPT"
+    REISSUE = "REISSUE"
+    DEADLINE = "DEADLINE"  #: the window passed without READY
+    HARD_DEADLINE = "HARD_DEADLINE"  #: window + grace: release without a fence
+    PEER_DIED = "PEER_DIED"
+
+
+class ConsumerEffect(enum.Enum):
+    NONE = "none"
+    COUNT = "count"  #: record the notification
+    READY = "ready"  #: declare the transfer ready (pull: send ReadDone)
+    FENCE = "fence"  #: record the rank as fenced
+    FAIL_REST = "fence+cancel rest"  #: fence the failing rank, cancel the others
+    CANCEL_ALL = "cancel all"  #: final Cancel to every expected rank
+    PREEMPT_ALL = "preempt all"  #: non-final Cancel to every expected rank
+    RELEASE = "release"  #: release blocks (preempted: await reissue)
+    RELEASE_CANCELLED = "release+cancelled"
+    RELEASE_FAILED = "release+failed"
+    REGISTER = "register"  #: register a new attempt
+    ZOMBIFY_AND_REGISTER = "zombify+register"  #: old attempt keeps its fence
+    FINAL_CANCEL_RELEASED = "final cancel+cancelled"  #: blocks already released
+
+
+P, PI, PE = ProducerState, ProducerInput, ProducerEffect
+C, CI, CE = ConsumerState, ConsumerInput, ConsumerEffect
+
+PRODUCER_TERMINAL = frozenset({P.DONE, P.CANCELLED, P.EXPIRED, P.FAILED})
+#: States in which a write of the leg may be in flight.
+PRODUCER_WRITING = frozenset({P.WRITING, P.SUPERSEDED, P.CANCELLING, P.PREEMPTING})
+
+_quiet_when_writing = {
+    (s, i): (PE.NONE, s)
+    for s in PRODUCER_WRITING
+    for i in (PI.KV_ABORTED, PI.LEASE_EXPIRED, PI.DEADLINE, PI.PEER_DIED)
+}
+_quiet_when_terminal = {
+    (s, i): (PE.NONE, s)
+    for s in PRODUCER_TERMINAL
+    for i in (PI.KV_READY, PI.KV_ABORTED, PI.LEASE_EXPIRED, PI.DEADLINE, PI.PEER_DIED)
+}
+_ack_when_terminal = {
+    (s, i): (PE.ACK, s) for s in PRODUCER_TERMINAL for i in (PI.CANCEL, PI.PREEMPT)
+}
+
+PRODUCER_TABLE: dict[
+    tuple[ProducerState, ProducerInput], tuple[ProducerEffect, ProducerState]
+] = {
+    (P.EMPTY, PI.REGISTER): (PE.ADOPT, P.REGISTERED),
+    (P.EMPTY, PI.KV_READY): (PE.NONE, P.KV_READY),
+    (P.EMPTY, PI.KV_ABORTED): (PE.NONE, P.CANCELLED),
+    (P.EMPTY, PI.CANCEL): (PE.ACK, P.CANCELLED),
+    (P.EMPTY, PI.PREEMPT): (PE.ACK, P.EMPTY),
+    (P.EMPTY, PI.PEER_DIED): (PE.NONE, P.CANCELLED),
+    (P.EMPTY, PI.DEADLINE): (PE.NONE, P.EXPIRED),
+    (P.REGISTERED, PI.KV_READY): (PE.WRITE, P.WRITING),  # rule 1
+    (P.REGISTERED, PI.REGISTER): (PE.ACK_AND_ADOPT, P.REGISTERED),  # rule 2
+    (P.REGISTERED, PI.CANCEL): (PE.ACK, P.CANCELLED),
+    (P.REGISTERED, PI.PREEMPT): (PE.ACK, P.EMPTY),
+    (P.REGISTERED, PI.KV_ABORTED): (PE.FAIL, P.FAILED),
+    (P.REGISTERED, PI.DEADLINE): (PE.FAIL, P.EXPIRED),
+    (P.REGISTERED, PI.PEER_DIED): (PE.NONE, P.CANCELLED),
+    (P.KV_READY, PI.REGISTER): (PE.ADOPT_AND_WRITE, P.WRITING),  # rule 1
+    (P.KV_READY, PI.CANCEL): (PE.ACK, P.CANCELLED),
+    (P.KV_READY, PI.PREEMPT): (PE.ACK, P.KV_READY),
+    (P.KV_READY, PI.KV_ABORTED): (PE.NONE, P.CANCELLED),
+    (P.KV_READY, PI.LEASE_EXPIRED): (PE.NONE, P.EXPIRED),
+    (P.KV_READY, PI.PEER_DIED): (PE.NONE, P.CANCELLED),
+    (P.KV_READY, PI.READ_DONE): (PE.NONE, P.DONE),
+    (P.WRITING, PI.WRITE_OK): (PE.NONE, P.DONE),
+    (P.WRITING, PI.WRITE_ERROR): (PE.FAIL, P.FAILED),
+    (P.WRITING, PI.REGISTER): (PE.STASH, P.SUPERSEDED),  # rule 2: fence old first
+    (P.WRITING, PI.CANCEL): (PE.ACK, P.CANCELLING),
+    (P.WRITING, PI.PREEMPT): (PE.ACK, P.PREEMPTING),
+    (P.SUPERSEDED, PI.WRITE_OK): (PE.WRITE_STASHED, P.WRITING),
+    (P.SUPERSEDED, PI.WRITE_ERROR): (PE.FAIL_AND_WRITE_STASHED, P.WRITING),
+    (P.SUPERSEDED, PI.REGISTER): (PE.ACK_STASHED_AND_STASH, P.SUPERSEDED),
+    (P.SUPERSEDED, PI.CANCEL): (PE.ACK, P.CANCELLING),
+    (P.SUPERSEDED, PI.PREEMPT): (PE.ACK, P.PREEMPTING),
+    (P.CANCELLING, PI.WRITE_OK): (PE.NONE, P.CANCELLED),
+    (P.CANCELLING, PI.WRITE_ERROR): (PE.FAIL, P.CANCELLED),
+    (P.CANCELLING, PI.REGISTER): (PE.STASH, P.SUPERSEDED),
+    (P.CANCELLING, PI.CANCEL): (PE.ACK, P.CANCELLING),
+    (P.CANCELLING, PI.PREEMPT): (PE.ACK, P.CANCELLING),
+    (P.PREEMPTING, PI.WRITE_OK): (PE.NONE, P.KV_READY),  # parked for a reissue
+    (P.PREEMPTING, PI.WRITE_ERROR): (PE.FAIL, P.KV_READY),
+    (P.PREEMPTING, PI.REGISTER): (PE.STASH, P.SUPERSEDED),
+    (P.PREEMPTING, PI.CANCEL): (PE.ACK, P.CANCELLING),
+    (P.PREEMPTING, PI.PREEMPT): (PE.ACK, P.PREEMPTING),
+    **_quiet_when_writing,
+    # A stashed registration whose window passes, or whose source is aborted,
+    # is failed; the old write carries on.
+    (P.SUPERSEDED, PI.DEADLINE): (PE.FAIL_STASHED, P.WRITING),
+    (P.SUPERSEDED, PI.KV_ABORTED): (PE.FAIL_STASHED, P.WRITING),
+    **_quiet_when_terminal,
+    **_ack_when_terminal,
+}
+
+CONSUMER_TERMINAL = frozenset({C.READY, C.CANCELLED, C.FAILED})
+#: States waiting for the fence of the current attempt.
+CONSUMER_FENCING = frozenset({C.PREEMPTING, C.CANCELLING, C.FAILING})
+
+_fence_inputs = {
+    (s, i): (CE.FENCE, s)
+    for s in CONSUMER_FENCING
+    for i in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.PEER_DIED)
+}
+
+CONSUMER_TABLE: dict[
+    tuple[ConsumerState, ConsumerInput], tuple[ConsumerEffect, ConsumerState]
+] = {
+    (C.REGISTERED, CI.NOTIFY): (CE.COUNT, C.REGISTERED),
+    (C.REGISTERED, CI.ALL_NOTIFIED): (CE.READY, C.READY),  # rule 6
+    (C.REGISTERED, CI.FAIL): (CE.FAIL_REST, C.FAILING),
+    (C.REGISTERED, CI.PEER_DIED): (CE.FAIL_REST, C.FAILING),
+    (C.REGISTERED, CI.DEADLINE): (CE.CANCEL_ALL, C.FAILING),
+    (C.REGISTERED, CI.ABORT): (CE.CANCEL_ALL, C.CANCELLING),
+    (C.REGISTERED, CI.PREEMPT): (CE.PREEMPT_ALL, C.PREEMPTING),
+    **_fence_inputs,
+    (C.PREEMPTING, CI.FENCED): (CE.RELEASE, C.PREEMPTED),  # rule 7
+    (C.PREEMPTING, CI.HARD_DEADLINE): (CE.RELEASE, C.PREEMPTED),
+    (C.PREEMPTING, CI.REISSUE): (CE.ZOMBIFY_AND_REGISTER, C.REGISTERED),
+    (C.PREEMPTING, CI.ABORT): (CE.CANCEL_ALL, C.CANCELLING),
+    (C.PREEMPTING, CI.PREEMPT): (CE.NONE, C.PREEMPTING),
+    (C.PREEMPTING, CI.DEADLINE): (CE.NONE, C.PREEMPTING),
+    (C.PREEMPTED, CI.REISSUE): (CE.REGISTER, C.REGISTERED),
+    (C.PREEMPTED, CI.ABORT): (CE.FINAL_CANCEL_RELEASED, C.CANCELLED),
+    (C.PREEMPTED, CI.PREEMPT): (CE.NONE, C.PREEMPTED),
+    (C.CANCELLING, CI.FENCED): (CE.RELEASE_CANCELLED, C.CANCELLED),
+    (C.CANCELLING, CI.HARD_DEADLINE): (CE.RELEASE_CANCELLED, C.CANCELLED),
+    (C.CANCELLING, CI.ABORT): (CE.NONE, C.CANCELLING),
+    (C.CANCELLING, CI.PREEMPT): (CE.NONE, C.CANCELLING),
+    (C.CANCELLING, CI.DEADLINE): (CE.NONE, C.CANCELLING),
+    (C.FAILING, CI.FENCED): (CE.RELEASE_FAILED, C.FAILED),
+    (C.FAILING, CI.HARD_DEADLINE): (CE.RELEASE_FAILED, C.FAILED),
+    (C.FAILING, CI.ABORT): (CE.CANCEL_ALL, C.CANCELLING),
+    (C.FAILING, CI.PREEMPT): (CE.NONE, C.FAILING),
+    (C.FAILING, CI.DEADLINE): (CE.NONE, C.FAILING),
+}
+
+
+def producer_step(
+    state: ProducerState, inp: ProducerInput
+) -> tuple[ProducerEffect, ProducerState]:
+    """Look up a producer leg transition; LocalProtocolError if there is none."""
+    try:
+        return PRODUCER_TABLE[state, inp]
+    except KeyError as exc:
+        raise LocalProtocolError(
+            "no producer transition", state=state.value, input=inp.value
+        ) from exc
+
+
+def consumer_step(
+    state: ConsumerState, inp: ConsumerInput
+) -> tuple[ConsumerEffect, ConsumerState]:
+    """Look up a consumer transition; LocalProtocolError if there is none."""
+    try:
+        return CONSUMER_TABLE[state, inp]
+    except KeyError as exc:
+        raise LocalProtocolError(
+            "no consumer transition", state=state.value, input=inp.value
+        ) from exc

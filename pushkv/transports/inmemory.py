@@ -1,0 +1,539 @@
+"""A deterministic in-process transport with real byte buffers.
+
+:class:`InMemoryNetwork` holds producer and consumer ranks in one process, each
+with its KV memory as numpy byte arrays (one per region). It moves control
+frames (really encoded and decoded), executes writes and reads by copying
+bytes according to the plan, and delivers write notifications -- in simulated
+time, in a deterministic order, and on command out of order: tests can
+deliver any pending item next, duplicate or drop a message, fail a write, or
+kill an engine.
+
+It also *checks* as it goes: when a write lands it records a violation if the
+bytes would hit a destination block that the consumer does not hold lent to
+that transfer and attempt (invariants 2 and 3), and when a source block is
+released twice (invariant 6).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..protocol import (
+    Action,
+    Consumer,
+    ConsumerConfig,
+    Hello,
+    IssueRead,
+    IssueWrite,
+    Peer,
+    Producer,
+    ProducerConfig,
+    Publish,
+    RankInfo,
+    Rejected,
+    ReleaseDestination,
+    ReleaseSource,
+    SendMessage,
+    TransferCancelled,
+    TransferFailed,
+    TransferPlan,
+    TransferReady,
+    encode,
+)
+from ..protocol.layout import KVLayout
+
+
+def region_memory(layout: KVLayout, fill: int | None = None,
+                  rng: np.random.Generator | None = None) -> list[np.ndarray]:
+    """One zeroed (or random, or constant) byte array per region of ``layout``."""
+    out = []
+    for _ in range(layout.num_regions):
+        if rng is not None:
+            out.append(rng.integers(0, 256, layout.region_bytes, dtype=np.uint8))
+        else:
+            out.append(np.full(layout.region_bytes, fill or 0, dtype=np.uint8))
+    return out
+
+
+def copy_plan(plan: TransferPlan, src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> None:
+    """Execute a plan between two sets of region buffers."""
+    runs = plan.runs.tolist()
+    for s_reg, d_reg in zip(plan.src_regions.tolist(), plan.dst_regions.tolist(), strict=True):
+        s_buf, d_buf = src[s_reg], dst[d_reg]
+        for so, do, n in runs:
+            d_buf[do:do + n] = s_buf[so:so + n]
+
+
+def touched_blocks(plan: TransferPlan, stride: int, side: int) -> set[int]:
+    """Blocks a plan touches on one side (0: source, 1: destination)."""
+    out: set[int] = set()
+    for off, n in zip(plan.runs[:, side].tolist(), plan.runs[:, 2].tolist(), strict=True):
+        out.update(range(off // stride, (off + n - 1) // stride + 1))
+    return out
+
+
+@dataclass(order=True)
+class Item:
+    """Something in flight: a frame, a write, a read or a completion."""
+
+    at: float
+    seq: int
+    kind: str = field(compare=False)  # "frame" | "write" | "read" | "done" | "death"
+    src: Peer | None = field(compare=False)
+    dst: Peer | str = field(compare=False)
+    payload: Any = field(compare=False)
+
+
+class Node:
+    """One rank: an endpoint, its memory, and what it has seen."""
+
+    def __init__(self, net: InMemoryNetwork, info: RankInfo, memory: list[np.ndarray]) -> None:
+        self.net = net
+        self.info = info
+        self.peer = Peer(info.engine_id, info.rank)
+        self.memory = memory
+        self.alive = True
+        self.rejected: list[Rejected] = []
+        self.log: list[Action] = []
+
+    def apply(self, actions: list[Action]) -> None:
+        for a in actions:
+            if self.net.keep_log:
+                self.log.append(a)
+            if isinstance(a, SendMessage):
+                self.net.send(self.peer, a.peer, encode(a.message))
+            elif isinstance(a, Rejected):
+                self.rejected.append(a)
+            else:
+                self.handle(a)
+
+    def handle(self, action: Action) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError(action)
+
+    def frame(self, data: bytes, now: float) -> None:
+        raise NotImplementedError  # pragma: no cover
+
+
+class ProducerNode(Node):
+    def __init__(self, net: InMemoryNetwork, endpoint: Producer, memory: list[np.ndarray]):
+        super().__init__(net, endpoint.info, memory)
+        self.endpoint = endpoint
+        self.released: Counter[str] = Counter()
+        self.published: dict[str, Publish] = {}
+
+    def handle(self, a: Action) -> None:
+        if isinstance(a, IssueWrite):
+            self.net.enqueue("write", self.peer, a.peer, a, self.net.write_latency)
+        elif isinstance(a, ReleaseSource):
+            self.released[a.transfer_id] += 1
+            if self.released[a.transfer_id] > 1:
+                self.net.violations.append(f"{self.peer}: source of {a.transfer_id} released twice")
+        elif isinstance(a, Publish):
+            self.published[a.transfer_id] = a
+        else:  # pragma: no cover
+            raise AssertionError(f"unexpected producer action {a!r}")
+
+    def frame(self, data: bytes, now: float) -> None:
+        self.apply(self.endpoint.receive_bytes(data, now))
+
+
+class ConsumerNode(Node):
+    def __init__(self, net: InMemoryNetwork, endpoint: Consumer, memory: list[np.ndarray]):
+        super().__init__(net, endpoint.info, memory)
+        self.endpoint = endpoint
+        self.outcomes: dict[str, list[tuple[str, int]]] = {}
+        self.released: list[ReleaseDestination] = []
+
+    def handle(self, a: Action) -> None:
+        if isinstance(a, TransferReady):
+            self.outcomes.setdefault(a.transfer_id, []).append(("ready", a.attempt))
+        elif isinstance(a, TransferFailed):
+            self.outcomes.setdefault(a.transfer_id, []).append(("failed", a.attempt))
+        elif isinstance(a, TransferCancelled):
+            self.outcomes.setdefault(a.transfer_id, []).append(("cancelled", a.attempt))
+        elif isinstance(a, ReleaseDestination):
+            self.released.append(a)
+        elif isinstance(a, IssueRead):
+            self.net.enqueue("read", self.peer, a.peer, a, self.net.write_latency)
+        else:  # pragma: no cover
+            raise AssertionError(f"unexpected consumer action {a!r}")
+
+    def frame(self, data: bytes, now: float) -> None:
+        self.apply(self.endpoint.receive_bytes(data, now))
+
+    def outcome(self, transfer_id: str) -> str | None:
+        seen = self.outcomes.get(transfer_id)
+        return seen[-1][0] if seen else None
+
+
+class InMemoryNetwork:
+    """Producer and consumer ranks of any number of engines, in simulated time.
+
+    By default every item is delivered in time order (ties in the order they
+    were sent). With ``hold=True`` nothing moves until a test picks an item
+    with :meth:`deliver`, which is how property tests explore interleavings.
+    """
+
+    def __init__(
+        self,
+        *,
+        latency: float = 0.001,
+        write_latency: float = 0.002,
+        detect_s: float = 1.0,
+        hold: bool = False,
+        keep_log: bool = False,
+    ) -> None:
+        self.now = 0.0
+        self.latency = latency
+        self.write_latency = write_latency
+        self.detect_s = detect_s
+        self.hold = hold
+        self.keep_log = keep_log
+        self.producers: dict[Peer, ProducerNode] = {}
+        self.consumers: dict[Peer, ConsumerNode] = {}
+        self.pending: list[Item] = []  # a heap unless hold
+        self.violations: list[str] = []
+        self.stats: Counter[str] = Counter()
+        self._seq = 0
+
+    # ---------------------------------------------------------------- set-up
+
+    def add_producer(self, info: RankInfo, config: ProducerConfig | None = None,
+                     memory: list[np.ndarray] | None = None) -> ProducerNode:
+        node = ProducerNode(self, Producer(info, config),
+                            memory if memory is not None else region_memory(info.layout))
+        self.producers[node.peer] = node
+        return node
+
+    def add_consumer(self, info: RankInfo, config: ConsumerConfig | None = None,
+                     memory: list[np.ndarray] | None = None) -> ConsumerNode:
+        node = ConsumerNode(self, Consumer(info, config),
+                            memory if memory is not None else region_memory(info.layout))
+        self.consumers[node.peer] = node
+        return node
+
+    def handshake(self) -> None:
+        """Exchange Hello frames between every producer and consumer rank, at once."""
+        for p in self.producers.values():
+            for c in self.consumers.values():
+                p.frame(encode(Hello(info=c.info)), self.now)
+                c.frame(encode(Hello(info=p.info)), self.now)
+
+    def node(self, peer: Peer) -> Node | None:
+        return self.producers.get(peer) or self.consumers.get(peer)
+
+    # ------------------------------------------------------------- traffic
+
+    def enqueue(self, kind: str, src: Peer | None, dst: Peer | str, payload: Any,
+                delay: float) -> Item:
+        self._seq += 1
+        item = Item(self.now + delay, self._seq, kind, src, dst, payload)
+        if self.hold:
+            self.pending.append(item)
+        else:
+            heapq.heappush(self.pending, item)
+        return item
+
+    def send(self, src: Peer, dst: Peer, frame: bytes) -> None:
+        self.stats["frames"] += 1
+        self.enqueue("frame", src, dst, frame, self.latency)
+
+    def inject(self, dst: Peer, frame: bytes) -> None:
+        """Put raw bytes on ``dst``'s control channel (garbage, forgeries)."""
+        self.enqueue("frame", None, dst, frame, 0.0)
+
+    def deliver(self, index: int = 0) -> Item:
+        """Deliver pending item ``index`` (hold mode: in list order) now."""
+        item = self.pending.pop(index) if self.hold else heapq.heappop(self.pending)
+        self.now = max(self.now, item.at)
+        self.fire_timers()
+        self._execute(item)
+        return item
+
+    def duplicate(self, index: int) -> None:
+        """Send a copy of a pending frame (writes and completions are not duplicated)."""
+        item = self.pending[index]
+        if item.kind == "frame":
+            self.enqueue("frame", item.src, item.dst, item.payload, 0.0)
+
+    def drop(self, index: int) -> Item:
+        """Lose a pending frame. A write or read dropped here *fails* instead."""
+        item = self.pending.pop(index)
+        if not self.hold:
+            heapq.heapify(self.pending)
+        if item.kind in ("write", "read"):
+            self._complete(item, ok=False)
+        return item
+
+    def _execute(self, item: Item) -> None:
+        if item.kind == "frame":
+            node = self.node(item.dst)  # type: ignore[arg-type]
+            if node is not None and node.alive:
+                node.frame(item.payload, self.now)
+            else:
+                self.stats["frames_lost"] += 1
+        elif item.kind == "write":
+            self._land_write(item)
+        elif item.kind == "read":
+            self._land_read(item)
+        elif item.kind == "done":
+            node = self.node(item.dst)  # type: ignore[arg-type]
+            if node is not None and node.alive:
+                action, ok = item.payload
+                if isinstance(action, IssueWrite):
+                    assert isinstance(node, ProducerNode)
+                    node.apply(node.endpoint.write_completed(
+                        action.transfer_id, action.attempt, action.peer, ok, self.now))
+                else:
+                    assert isinstance(node, ConsumerNode)
+                    node.apply(node.endpoint.read_completed(
+                        action.transfer_id, action.attempt, action.peer, ok, self.now))
+        elif item.kind == "death":
+            node = self.node(item.dst)  # type: ignore[arg-type]
+            if node is not None and node.alive:
+                engine = item.payload
+                if isinstance(node, ProducerNode):
+                    node.apply(node.endpoint.peer_died(engine, self.now))
+                else:
+                    assert isinstance(node, ConsumerNode)
+                    node.apply(node.endpoint.peer_died(engine, self.now))
+
+    def _complete(self, item: Item, ok: bool) -> None:
+        assert item.src is not None
+        self.enqueue("done", None, item.src, (item.payload, ok), self.latency)
+
+    def _land_write(self, item: Item) -> None:
+        a: IssueWrite = item.payload
+        src = self.producers.get(item.src)  # type: ignore[arg-type]
+        dst = self.consumers.get(a.peer)
+        if src is None or not src.alive:
+            self.stats["writes_lost"] += 1  # the producer died with it
+            return
+        if dst is None or not dst.alive:
+            self._complete(item, ok=False)
+            return
+        self._check_destination(dst, a.transfer_id, a.attempt, a.plan)
+        copy_plan(a.plan, src.memory, dst.memory)
+        self.stats["writes"] += 1
+        self.stats["bytes"] += a.plan.nbytes
+        self.enqueue("frame", src.peer, dst.peer, encode(a.notify), self.latency)
+        self._complete(item, ok=True)
+
+    def _land_read(self, item: Item) -> None:
+        a: IssueRead = item.payload
+        dst = self.consumers.get(item.src)  # type: ignore[arg-type]
+        src = self.producers.get(a.peer)
+        if dst is None or not dst.alive:
+            return
+        if src is None or not src.alive or a.transfer_id not in src.endpoint.held_blocks():
+            self._complete(item, ok=False)
+            return
+        self._check_destination(dst, a.transfer_id, a.attempt, a.plan)
+        copy_plan(a.plan, src.memory, dst.memory)
+        self.stats["reads"] += 1
+        self.stats["bytes"] += a.plan.nbytes
+        self._complete(item, ok=True)
+
+    def _check_destination(self, dst: ConsumerNode, transfer_id: str, attempt: int,
+                           plan: TransferPlan) -> None:
+        lo = dst.info.layout
+        lent = dst.endpoint.lent_blocks()
+        allowed = set(dst.endpoint.blocks_of(transfer_id, attempt))
+        for b in touched_blocks(plan, lo.stride, 1):
+            if lent.get(b) != transfer_id:
+                self.violations.append(
+                    f"write of {transfer_id}#{attempt} lands in block {b} not lent to it")
+            elif b not in allowed:
+                self.violations.append(
+                    f"write of {transfer_id}#{attempt} lands in block {b} outside its registration")
+
+    # ---------------------------------------------------------------- time
+
+    def fire_timers(self) -> None:
+        for node in (*self.producers.values(), *self.consumers.values()):
+            if not node.alive:
+                continue
+            d = node.endpoint.next_deadline()  # type: ignore[attr-defined]
+            if d is not None and d <= self.now:
+                node.apply(node.endpoint.handle_timer(self.now))  # type: ignore[attr-defined]
+
+    def next_deadline(self) -> float | None:
+        ds = [
+            d for n in (*self.producers.values(), *self.consumers.values()) if n.alive
+            if (d := n.endpoint.next_deadline()) is not None  # type: ignore[attr-defined]
+        ]
+        return min(ds) if ds else None
+
+    def run(self, until: float | None = None, max_items: int = 1_000_000) -> None:
+        """Deliver items in time order, firing timers, until idle or ``until``."""
+        for _ in range(max_items):
+            nxt_item = min(self.pending).at if self.hold and self.pending else (
+                self.pending[0].at if self.pending else None)
+            nxt_timer = self.next_deadline()
+            cands = [x for x in (nxt_item, nxt_timer) if x is not None]
+            if not cands:
+                break
+            t = max(self.now, min(cands))
+            if until is not None and t > until:
+                break
+            if nxt_item is not None and nxt_item <= t:
+                idx = self.pending.index(min(self.pending)) if self.hold else 0
+                self.deliver(idx)
+            else:
+                self.now = t
+                self.fire_timers()
+        if until is not None:
+            self.now = max(self.now, until)
+            self.fire_timers()
+
+    def advance(self, dt: float) -> None:
+        self.run(until=self.now + dt)
+
+    # --------------------------------------------------------------- faults
+
+    def kill(self, engine_id: str) -> None:
+        """Kill every rank of ``engine_id``; the others learn it after ``detect_s``."""
+        for node in (*self.producers.values(), *self.consumers.values()):
+            if node.peer.engine_id == engine_id:
+                node.alive = False
+        for node in (*self.producers.values(), *self.consumers.values()):
+            if node.alive:
+                self.enqueue("death", None, node.peer, engine_id, self.detect_s)
+
+
+def pair(
+    producer: list[RankInfo],
+    consumer: list[RankInfo],
+    *,
+    seed: int = 0,
+    producer_config: ProducerConfig | None = None,
+    consumer_config: ConsumerConfig | None = None,
+    **net_kwargs: Any,
+) -> InMemoryNetwork:
+    """A network with one producer and one consumer engine, handshakes done.
+
+    Source memory is filled with seeded random bytes, destination memory with zeros.
+    """
+    rng = np.random.default_rng(seed)
+    net = InMemoryNetwork(**net_kwargs)
+    for info in producer:
+        net.add_producer(info, producer_config, region_memory(info.layout, rng=rng))
+    for info in consumer:
+        net.add_consumer(info, consumer_config)
+    net.handshake()
+    return net
+
+
+__all__ = [
+    "ConsumerNode", "InMemoryNetwork", "Item", "ProducerNode", "copy_plan",
+    "pair", "region_memory", "touched_blocks",
+]
+
+
+class InMemoryCluster:
+    """The conformance-suite :class:`~pushkv.transports.testing.Cluster` over this transport.
+
+    Waits run the network in simulated time, so a 3-second window takes no
+    wall-clock time at all.
+    """
+
+    def __init__(self, topology: Any) -> None:
+        self.topology = topology
+        self.net = pair(
+            topology.producer_ranks(), topology.consumer_ranks(), seed=topology.seed,
+            producer_config=topology.producer_config, consumer_config=topology.consumer_config,
+        )
+
+    # Everything an engine-level call does happens on every rank of that engine.
+    def _consumers(self) -> list[ConsumerNode]:
+        return [n for n in self.net.consumers.values() if n.alive]
+
+    def _producers(self) -> list[ProducerNode]:
+        return [n for n in self.net.producers.values() if n.alive]
+
+    def register(self, transfer_id: str, dst_block_ids: Sequence[int], num_tokens: int,
+                 first_token: int = 0) -> None:
+        for n in self._consumers():
+            n.apply(n.endpoint.register(transfer_id, "prefill-0", dst_block_ids, num_tokens,
+                                        self.net.now, first_token))
+
+    def prefill_finished(self, transfer_id: str, src_block_ids: Sequence[int],
+                         num_tokens: int) -> None:
+        for n in self._producers():
+            n.apply(n.endpoint.prefill_finished(transfer_id, src_block_ids, num_tokens,
+                                                self.net.now))
+
+    def preempt(self, transfer_id: str) -> None:
+        for n in self._consumers():
+            n.apply(n.endpoint.preempt(transfer_id, self.net.now))
+
+    def reissue(self, transfer_id: str, dst_block_ids: Sequence[int]) -> None:
+        for n in self._consumers():
+            n.apply(n.endpoint.reissue(transfer_id, dst_block_ids, self.net.now))
+
+    def abort(self, transfer_id: str) -> None:
+        for n in self._consumers():
+            n.apply(n.endpoint.abort(transfer_id, self.net.now))
+
+    def prefill_aborted(self, transfer_id: str) -> None:
+        for n in self._producers():
+            n.apply(n.endpoint.prefill_aborted(transfer_id, self.net.now))
+
+    def inject(self, side: str, rank: int, channel: str, frame: bytes) -> None:
+        engine = "prefill-0" if side == "producer" else "decode-0"
+        self.net.inject(Peer(engine, rank), frame)  # one channel carries both here
+
+    def kill_producer(self) -> None:
+        self.net.kill("prefill-0")
+
+    def snapshot(self) -> Any:
+        from .testing import Snapshot
+
+        outcomes: dict[tuple[int, str], list[tuple[str, int]]] = {}
+        dst_released: Counter[tuple[int, str, int]] = Counter()
+        for c in self.net.consumers.values():
+            for tid, seen in c.outcomes.items():
+                outcomes[c.peer.rank, tid] = list(seen)
+            for r in c.released:
+                dst_released[c.peer.rank, r.transfer_id, r.attempt] += 1
+        src_released = {
+            (p.peer.rank, tid): n for p in self.net.producers.values()
+            for tid, n in p.released.items()
+        }
+        rejected = {("producer", p.peer.rank): len(p.rejected)
+                    for p in self.net.producers.values()}
+        rejected |= {("consumer", c.peer.rank): len(c.rejected)
+                     for c in self.net.consumers.values()}
+        return Snapshot(
+            outcomes=outcomes, src_released=src_released, dst_released=dict(dst_released),
+            rejected=rejected,
+            lent={c.peer.rank: c.endpoint.lent_blocks() for c in self.net.consumers.values()
+                  if c.alive},
+            held={p.peer.rank: sorted(p.endpoint.held_blocks())
+                  for p in self.net.producers.values() if p.alive},
+            violations=list(self.net.violations),
+        )
+
+    def wait(self, predicate: Any, timeout_s: float) -> Any:
+        end = self.net.now + timeout_s
+        while True:
+            snap = self.snapshot()
+            if predicate(snap) or self.net.now >= end:
+                return snap
+            step = min(end, self.net.now + 0.01)
+            self.net.run(until=step)
+
+    def source_memory(self, rank: int) -> list[np.ndarray]:
+        return self.net.producers[Peer("prefill-0", rank)].memory
+
+    def destination_memory(self, rank: int) -> list[np.ndarray]:
+        return self.net.consumers[Peer("decode-0", rank)].memory
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,462 @@
+"""A conformance suite every pushkv transport runs against itself.
+
+A transport provides a :class:`Cluster` -- one producer engine and one
+consumer engine of a given :class:`Topology`, with source memory filled with
+seeded random bytes and destination memory zeroed -- and calls
+:func:`run_conformance` (or each ``check_*`` on its own, e.g. one pytest test
+per check). Every check drives real transfers and compares the **bytes** that
+landed against a per-token reference computed here, independently of the
+planner: the whole destination memory must equal the reference, so a byte
+written anywhere it should not be fails the check too.
+
+The in-memory transport runs these in simulated time; a real transport runs
+them in wall-clock time across processes, so every wait has a timeout and
+configurations keep deadlines short.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..protocol import (
+    Cancel,
+    ConsumerConfig,
+    EngineSpec,
+    ProducerConfig,
+    RankInfo,
+    Register,
+    encode,
+    uniform_ranks,
+)
+from ..protocol.layout import KVLayout
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """One producer engine, one consumer engine, and the endpoint settings."""
+
+    producer: dict[str, Any] = field(default_factory=dict)  #: uniform_ranks() kwargs
+    consumer: dict[str, Any] = field(default_factory=dict)
+    producer_config: ProducerConfig = field(
+        default_factory=lambda: ProducerConfig(lease_s=5.0)
+    )
+    consumer_config: ConsumerConfig = field(
+        default_factory=lambda: ConsumerConfig(window_s=3.0, fence_grace_s=1.0, heartbeat_s=0.5)
+    )
+    seed: int = 0
+
+    def producer_ranks(self) -> list[RankInfo]:
+        return uniform_ranks("prefill-0", **self.producer)
+
+    def consumer_ranks(self) -> list[RankInfo]:
+        return uniform_ranks("decode-0", **self.consumer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    """What the cluster has seen so far."""
+
+    #: (consumer rank, transfer id) -> outcomes reported, in order: ("ready", attempt), ...
+    outcomes: dict[tuple[int, str], list[tuple[str, int]]]
+    #: (producer rank, transfer id) -> number of ReleaseSource actions
+    src_released: dict[tuple[int, str], int]
+    #: (consumer rank, transfer id, attempt) -> ReleaseDestination count
+    dst_released: dict[tuple[int, str, int], int]
+    #: ("producer" | "consumer", rank) -> rejected frames
+    rejected: dict[tuple[str, int], int]
+    #: consumer rank -> blocks still lent to transfers
+    lent: dict[int, dict[int, str]]
+    #: producer rank -> transfers still holding source blocks
+    held: dict[int, list[str]]
+    #: safety violations the transport observed (writes into unlent blocks...)
+    violations: list[str]
+
+    def outcome(self, rank: int, transfer_id: str) -> str | None:
+        seen = self.outcomes.get((rank, transfer_id))
+        return seen[-1][0] if seen else None
+
+    def all_outcomes(self, transfer_id: str, ranks: Sequence[int]) -> set[str | None]:
+        return {self.outcome(r, transfer_id) for r in ranks}
+
+
+class Cluster(Protocol):
+    """What a transport offers the conformance suite."""
+
+    topology: Topology
+
+    def register(self, transfer_id: str, dst_block_ids: Sequence[int], num_tokens: int,
+                 first_token: int = 0) -> None:
+        """Every consumer rank registers the same (engine-level) blocks."""
+
+    def prefill_finished(self, transfer_id: str, src_block_ids: Sequence[int],
+                         num_tokens: int) -> None:
+        """Every producer rank reports prefill done."""
+
+    def preempt(self, transfer_id: str) -> None: ...
+    def reissue(self, transfer_id: str, dst_block_ids: Sequence[int]) -> None: ...
+    def abort(self, transfer_id: str) -> None: ...
+    def prefill_aborted(self, transfer_id: str) -> None: ...
+
+    def inject(self, side: str, rank: int, channel: str, frame: bytes) -> None:
+        """Raw bytes into a rank's ``"control"`` or ``"notify"`` channel."""
+
+    def kill_producer(self) -> None:
+        """The producer engine dies abruptly (its process is killed)."""
+
+    def snapshot(self) -> Snapshot: ...
+
+    def wait(self, predicate: Callable[[Snapshot], bool], timeout_s: float) -> Snapshot:
+        """Let the cluster run until ``predicate`` holds or ``timeout_s`` passes."""
+
+    def source_memory(self, rank: int) -> list[np.ndarray]: ...
+    def destination_memory(self, rank: int) -> list[np.ndarray]: ...
+    def close(self) -> None: ...
+
+
+MakeCluster = Callable[[Topology], Cluster]
+
+
+# ------------------------------------------------------------------ reference
+
+
+def _element(lo: KVLayout, ids: Sequence[int], token: int, head: int) -> int:
+    b = ids[token // lo.block_size]
+    w = token % lo.block_size
+    inner = w * lo.num_heads + head if lo.order == "NHD" else head * lo.block_size + w
+    return b * lo.stride + inner * lo.head_dim * lo.dtype_bytes
+
+
+def reference_destination(
+    producers: Sequence[RankInfo],
+    src_memory: Sequence[Sequence[np.ndarray]],
+    consumer: RankInfo,
+    transfers: Sequence[tuple[Sequence[int], Sequence[int], int, int]],
+    base: Sequence[np.ndarray] | None = None,
+) -> list[np.ndarray]:
+    """Destination memory after ``transfers`` = [(src ids, dst ids, tokens, first)].
+
+    Per token, per head, per layer and plane, straight from the layouts: each
+    destination head comes from the producer rank holding it (the replica
+    ``holders[tp_rank % len(holders)]`` when replicated), in the stage holding
+    the layer.
+    """
+    lo = consumer.layout
+    out = [np.array(b, copy=True) for b in base] if base is not None else [
+        np.zeros(lo.region_bytes, dtype=np.uint8) for _ in range(lo.num_regions)
+    ]
+    spec: EngineSpec = producers[0].engine
+    dspec = consumer.engine
+    tp_rank, _ = dspec.split(consumer.rank)
+    es = lo.head_dim * lo.dtype_bytes
+    dst_heads = dspec.heads_of(tp_rank)
+    for src_ids, dst_ids, n, first in transfers:
+        for layer in range(lo.layer_start, lo.layer_end):
+            stage = next(s for s in range(spec.pp_size) if layer in spec.layers_of(s))
+            for h in dst_heads:
+                holders = spec.holders_of(h)
+                writer = spec.rank_of(holders[tp_rank % len(holders)], stage)
+                p = producers[writer]
+                sh = h - spec.heads_of(holders[tp_rank % len(holders)]).start
+                dh = h - dst_heads.start
+                for plane in range(lo.planes):
+                    s_buf = src_memory[writer][p.layout.region_index(layer, plane)]
+                    d_buf = out[lo.region_index(layer, plane)]
+                    for t in range(first, n):
+                        so = _element(p.layout, src_ids, t, sh)
+                        do = _element(lo, dst_ids, t, dh)
+                        d_buf[do:do + es] = s_buf[so:so + es]
+    return out
+
+
+def assert_destination(cluster: Cluster, transfers: Sequence[tuple[Sequence[int], Sequence[int],
+                       int, int]], ranks: Sequence[int] | None = None) -> None:
+    """Every consumer rank's whole memory equals the reference after ``transfers``."""
+    topo = cluster.topology
+    producers = topo.producer_ranks()
+    src = [cluster.source_memory(p.rank) for p in producers]
+    for c in topo.consumer_ranks():
+        if ranks is not None and c.rank not in ranks:
+            continue
+        want = reference_destination(producers, src, c, transfers)
+        got = cluster.destination_memory(c.rank)
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
+            if not np.array_equal(w, g):
+                bad = np.flatnonzero(w != g)
+                raise AssertionError(
+                    f"consumer rank {c.rank} region {i}: {bad.size} bytes differ, "
+                    f"first at offset {int(bad[0])}"
+                )
+
+
+def _ranks(topo: Topology) -> tuple[list[int], list[int]]:
+    return [p.rank for p in topo.producer_ranks()], [c.rank for c in topo.consumer_ranks()]
+
+
+def _settled(snap: Snapshot, topo: Topology, tids: Sequence[str], want: str) -> bool:
+    _, cranks = _ranks(topo)
+    return all(snap.outcome(r, t) == want for r in cranks for t in tids)
+
+
+def assert_clean(cluster: Cluster, timeout_s: float = 10.0) -> Snapshot:
+    """No lent destination blocks, no held source blocks, no violation, once idle."""
+    snap = cluster.wait(lambda s: not any(s.lent.values()) and not any(s.held.values()),
+                        timeout_s)
+    assert not snap.violations, snap.violations
+    assert not any(snap.lent.values()), f"destination blocks still lent: {snap.lent}"
+    assert not any(snap.held.values()), f"source blocks still held: {snap.held}"
+    for key, n in snap.src_released.items():
+        assert n == 1, f"source of {key} released {n} times"
+    return snap
+
+
+# --------------------------------------------------------------------- checks
+
+
+def check_either_order(make: MakeCluster, topo: Topology | None = None) -> None:
+    """Registration first or prefill first: the same bytes land, both complete."""
+    topo = topo or Topology()
+    c = make(topo)
+    try:
+        c.register("reg-first", [4, 9, 2], 40)
+        c.wait(lambda s: False, 0.05)
+        c.prefill_finished("reg-first", [20, 3, 7], 40)
+        c.prefill_finished("kv-first", [30, 31, 32], 40)
+        c.wait(lambda s: False, 0.05)
+        c.register("kv-first", [10, 11, 12], 40)
+        snap = c.wait(lambda s: _settled(s, topo, ["reg-first", "kv-first"], "ready"), 20)
+        assert _settled(snap, topo, ["reg-first", "kv-first"], "ready"), snap.outcomes
+        assert_destination(c, [([20, 3, 7], [4, 9, 2], 40, 0), ([30, 31, 32], [10, 11, 12], 40, 0)])
+        assert_clean(c)
+    finally:
+        c.close()
+
+
+def check_reissue(make: MakeCluster, topo: Topology | None = None) -> None:
+    """Preempted before prefill, reissued into new blocks: attempt 1 lands there only."""
+    topo = topo or Topology()
+    c = make(topo)
+    _, cranks = _ranks(topo)
+    try:
+        c.register("t", [1, 2, 3], 33)
+        c.wait(lambda s: False, 0.05)
+        c.preempt("t")
+        snap = c.wait(lambda s: not any(s.lent.values()), 20)
+        assert not any(snap.lent.values()), "preempted blocks never released"
+        c.reissue("t", [5, 6, 7])
+        c.prefill_finished("t", [40, 41, 42], 33)
+        snap = c.wait(lambda s: _settled(s, topo, ["t"], "ready"), 20)
+        for r in cranks:
+            assert snap.outcomes.get((r, "t")) == [("ready", 1)], snap.outcomes
+        assert_destination(c, [([40, 41, 42], [5, 6, 7], 33, 0)])
+        assert_clean(c)
+    finally:
+        c.close()
+
+
+def check_reissue_after_kv(make: MakeCluster, topo: Topology | None = None) -> None:
+    """Prefill done, then preempt and reissue: the source is kept for attempt 1."""
+    topo = topo or Topology()
+    c = make(topo)
+    try:
+        c.prefill_finished("t", [40, 41, 42], 33)
+        c.wait(lambda s: False, 0.05)
+        c.register("t", [1, 2, 3], 33)
+        snap = c.wait(lambda s: _settled(s, topo, ["t"], "ready"), 20)
+        assert _settled(snap, topo, ["t"], "ready")
+        # a second transfer preempted before its write, reissued elsewhere
+        c.register("u", [10, 11, 12], 33)
+        c.preempt("u")
+        c.wait(lambda s: not any(s.lent.values()), 20)
+        c.prefill_finished("u", [50, 51, 52], 33)
+        c.wait(lambda s: False, 0.05)
+        c.reissue("u", [20, 21, 22])
+        snap = c.wait(lambda s: _settled(s, topo, ["u"], "ready"), 20)
+        assert _settled(snap, topo, ["u"], "ready"), snap.outcomes
+        assert_destination(c, [([40, 41, 42], [1, 2, 3], 33, 0),
+                               ([50, 51, 52], [20, 21, 22], 33, 0)])
+        assert_clean(c)
+    finally:
+        c.close()
+
+
+def check_cancel(make: MakeCluster, topo: Topology | None = None) -> None:
+    """A consumer abort fences and cancels; no byte lands; the source is released."""
+    topo = topo or Topology()
+    c = make(topo)
+    try:
+        c.register("t", [1, 2, 3], 40)
+        c.wait(lambda s: False, 0.05)
+        c.abort("t")
+        snap = c.wait(lambda s: _settled(s, topo, ["t"], "cancelled"), 20)
+        assert _settled(snap, topo, ["t"], "cancelled"), snap.outcomes
+        c.prefill_finished("t", [7, 8, 9], 40)
+        assert_destination(c, [])
+        assert_clean(c)
+    finally:
+        c.close()
+
+
+def check_prefill_aborted(make: MakeCluster, topo: Topology | None = None) -> None:
+    """The producer aborts before prefill finished: the consumer fails, fenced."""
+    topo = topo or Topology()
+    c = make(topo)
+    try:
+        c.register("t", [1, 2, 3], 40)
+        c.wait(lambda s: False, 0.05)
+        c.prefill_aborted("t")
+        snap = c.wait(lambda s: _settled(s, topo, ["t"], "failed"), 20)
+        assert _settled(snap, topo, ["t"], "failed"), snap.outcomes
+        assert_destination(c, [])
+        assert_clean(c)
+    finally:
+        c.close()
+
+
+def check_transfer(make: MakeCluster, topo: Topology, *, num_tokens: int = 100,
+                   fragmented: bool = True, first_token: int = 0) -> None:
+    """One transfer between arbitrary layouts; bytes checked on every consumer rank."""
+    c = make(topo)
+    rng = np.random.default_rng(topo.seed)
+    try:
+        pl, cl = topo.producer_ranks()[0].layout, topo.consumer_ranks()[0].layout
+        n_src = -(-num_tokens // pl.block_size)
+        n_dst = -(-num_tokens // cl.block_size)
+        if fragmented:
+            src = rng.permutation(pl.num_blocks)[:n_src].tolist()
+            dst = rng.permutation(cl.num_blocks)[:n_dst].tolist()
+        else:
+            src, dst = list(range(n_src)), list(range(1, n_dst + 1))
+        c.register("t", dst, num_tokens, first_token)
+        c.prefill_finished("t", src, num_tokens)
+        snap = c.wait(lambda s: _settled(s, topo, ["t"], "ready"), 60)
+        assert _settled(snap, topo, ["t"], "ready"), snap.outcomes
+        assert_destination(c, [(src, dst, num_tokens, first_token)])
+        assert_clean(c)
+    finally:
+        c.close()
+
+
+def check_producer_killed(make: MakeCluster, topo: Topology | None = None) -> None:
+    """The producer dies with a registration pending: the consumer fails within its
+    window + grace (or sooner, when the transport detects the death), nothing hangs."""
+    topo = topo or Topology()
+    c = make(topo)
+    cfg = topo.consumer_config
+    try:
+        c.register("t", [1, 2, 3], 40)
+        c.wait(lambda s: False, 0.05)
+        c.kill_producer()
+        limit = cfg.window_s + cfg.fence_grace_s + 5.0
+        snap = c.wait(lambda s: _settled(s, topo, ["t"], "failed")
+                      and not any(s.lent.values()), limit)
+        assert _settled(snap, topo, ["t"], "failed"), snap.outcomes
+        assert not any(snap.lent.values()), snap.lent
+        assert not snap.violations, snap.violations
+    finally:
+        c.close()
+
+
+def check_out_of_range_registration(make: MakeCluster, topo: Topology | None = None) -> None:
+    """A registration naming blocks outside the consumer's memory is rejected before
+    any byte moves, and changes nothing."""
+    topo = topo or Topology()
+    c = make(topo)
+    prod, cons = topo.producer_ranks(), topo.consumer_ranks()
+    try:
+        lo = cons[0].layout
+        for p in prod:
+            bad = Register(transfer_id="evil", attempt=0, engine_id=cons[0].engine_id,
+                           rank=cons[0].rank, producer_engine_id=p.engine_id,
+                           block_ids=(lo.num_blocks, lo.num_blocks + 5), num_tokens=20)
+            c.inject("producer", p.rank, "control", encode(bad))
+        before = sum(c.snapshot().rejected.values())
+        snap = c.wait(lambda s: sum(s.rejected.values()) >= before + len(prod)
+                      or sum(s.rejected.values()) >= len(prod), 10)
+        assert sum(snap.rejected.values()) >= len(prod), snap.rejected
+        c.prefill_finished("evil", [1, 2], 20)
+        c.wait(lambda s: False, 0.2)
+        assert_destination(c, [])
+        assert_clean(c)
+    finally:
+        c.close()
+
+
+def check_garbage(make: MakeCluster, topo: Topology | None = None) -> None:
+    """Garbage on every channel is rejected and counted; transfers still work after."""
+    topo = topo or Topology()
+    c = make(topo)
+    prod, cons = topo.producer_ranks(), topo.consumer_ranks()
+    rng = np.random.default_rng(topo.seed + 1)
+    frames = [b"", b"PK", b"PK\x01", b"PK\x09\x90", b"\x00" * 64, rng.bytes(300),
+              b"PK\x01" + rng.bytes(40),
+              encode(Cancel(transfer_id="x", attempt=0, engine_id="nobody", rank=0))]
+    try:
+        for f in frames:
+            for p in prod:
+                c.inject("producer", p.rank, "control", f)
+            for r in cons:
+                c.inject("consumer", r.rank, "control", f)
+                c.inject("consumer", r.rank, "notify", f)
+        want = len(frames) * (len(prod) + 2 * len(cons))
+        snap = c.wait(lambda s: sum(s.rejected.values()) >= want, 20)
+        assert sum(snap.rejected.values()) >= want, snap.rejected
+        c.register("t", [4, 5, 6], 40)
+        c.prefill_finished("t", [7, 8, 9], 40)
+        snap = c.wait(lambda s: _settled(s, topo, ["t"], "ready"), 20)
+        assert _settled(snap, topo, ["t"], "ready"), snap.outcomes
+        assert_destination(c, [([7, 8, 9], [4, 5, 6], 40, 0)])
+        assert_clean(c)
+    finally:
+        c.close()
+
+
+#: Topologies every transport must handle (name -> topology).
+TOPOLOGIES: dict[str, Topology] = {
+    "tp1-1": Topology(),
+    "tp2-1": Topology(producer={"tp": 2, "num_kv_heads": 2}, consumer={"num_kv_heads": 2}),
+    "tp1-2": Topology(producer={"num_kv_heads": 2}, consumer={"tp": 2, "num_kv_heads": 2}),
+    "bs16-32": Topology(consumer={"block_size": 32}),
+    "bs32-16": Topology(producer={"block_size": 32}),
+    "nhd-hnd": Topology(producer={"num_kv_heads": 2, "order": "NHD"},
+                        consumer={"num_kv_heads": 2, "order": "HND"}),
+}
+
+#: Every check, by name, as (function, keyword arguments).
+CHECKS: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
+    "either_order": (check_either_order, {}),
+    "reissue": (check_reissue, {}),
+    "reissue_after_kv": (check_reissue_after_kv, {}),
+    "cancel": (check_cancel, {}),
+    "prefill_aborted": (check_prefill_aborted, {}),
+    "producer_killed": (check_producer_killed, {}),
+    "out_of_range_registration": (check_out_of_range_registration, {}),
+    "garbage": (check_garbage, {}),
+    **{
+        f"transfer_{name}": (check_transfer, {"topo": topo})
+        for name, topo in TOPOLOGIES.items()
+    },
+    "transfer_16k_fragmented": (
+        check_transfer,
+        {"topo": Topology(producer={"num_blocks": 1100}, consumer={"num_blocks": 1100}),
+         "num_tokens": 16384},
+    ),
+    "transfer_partial_prefix": (check_transfer, {"topo": Topology(), "num_tokens": 90,
+                                                 "first_token": 37}),
+}
+
+
+def run_conformance(make: MakeCluster, only: Sequence[str] | None = None) -> dict[str, float]:
+    """Run every check (or ``only`` those); return seconds per check. Raises on failure."""
+    times: dict[str, float] = {}
+    for name, (fn, kwargs) in CHECKS.items():
+        if only is not None and name not in only:
+            continue
+        t0 = time.perf_counter()
+        fn(make, **kwargs)
+        times[name] = time.perf_counter() - t0
+    return times
