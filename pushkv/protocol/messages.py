@@ -50,6 +50,9 @@ class FailReason(enum.IntEnum):
     INVALID = 6  #: the registration was rejected (see detail)
     PEER_DIED = 7  #: the transport lost the peer
 
+    def __repr__(self) -> str:  # valid Python, so failing examples replay
+        return f"FailReason.{self.name}"
+
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=1):
     """Handshake: who I am and how my KV memory is laid out."""
@@ -153,10 +156,9 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
 
     Raises :class:`DecodeError` (only) if the frame is not a valid message.
     """
-    try:
-        data = bytes(frame)
-    except Exception as exc:  # e.g. a non-buffer object from a transport
-        raise DecodeError(f"frame is not bytes: {type(frame).__name__}") from exc
+    if not isinstance(frame, bytes | bytearray | memoryview):
+        raise DecodeError(f"frame is not bytes: {type(frame).__name__}")
+    data = bytes(frame)
     if len(data) > MAX_FRAME:
         raise DecodeError(f"frame of {len(data)} bytes exceeds {MAX_FRAME}")
     if len(data) < 3 or data[:2] != MAGIC:

@@ -159,22 +159,26 @@ class ConsumerEffect(enum.Enum):
 P, PI, PE = ProducerState, ProducerInput, ProducerEffect
 C, CI, CE = ConsumerState, ConsumerInput, ConsumerEffect
 
-PRODUCER_TERMINAL = frozenset({P.DONE, P.CANCELLED, P.EXPIRED, P.FAILED})
+# Tuples, not sets, where tables are built: the table order (and so the
+# generated docs) must not depend on hashing.
+_P_TERMINAL = (P.DONE, P.CANCELLED, P.EXPIRED, P.FAILED)
+_P_WRITING = (P.WRITING, P.SUPERSEDED, P.CANCELLING, P.PREEMPTING)
+PRODUCER_TERMINAL = frozenset(_P_TERMINAL)
 #: States in which a write of the leg may be in flight.
-PRODUCER_WRITING = frozenset({P.WRITING, P.SUPERSEDED, P.CANCELLING, P.PREEMPTING})
+PRODUCER_WRITING = frozenset(_P_WRITING)
 
 _quiet_when_writing = {
     (s, i): (PE.NONE, s)
-    for s in PRODUCER_WRITING
+    for s in _P_WRITING
     for i in (PI.KV_ABORTED, PI.LEASE_EXPIRED, PI.DEADLINE, PI.PEER_DIED)
 }
 _quiet_when_terminal = {
     (s, i): (PE.NONE, s)
-    for s in PRODUCER_TERMINAL
+    for s in _P_TERMINAL
     for i in (PI.KV_READY, PI.KV_ABORTED, PI.LEASE_EXPIRED, PI.DEADLINE, PI.PEER_DIED)
 }
 _ack_when_terminal = {
-    (s, i): (PE.ACK, s) for s in PRODUCER_TERMINAL for i in (PI.CANCEL, PI.PREEMPT)
+    (s, i): (PE.ACK, s) for s in _P_TERMINAL for i in (PI.CANCEL, PI.PREEMPT)
 }
 
 PRODUCER_TABLE: dict[
@@ -231,12 +235,13 @@ PRODUCER_TABLE: dict[
 }
 
 CONSUMER_TERMINAL = frozenset({C.READY, C.CANCELLED, C.FAILED})
+_C_FENCING = (C.PREEMPTING, C.CANCELLING, C.FAILING)
 #: States waiting for the fence of the current attempt.
-CONSUMER_FENCING = frozenset({C.PREEMPTING, C.CANCELLING, C.FAILING})
+CONSUMER_FENCING = frozenset(_C_FENCING)
 
 _fence_inputs = {
     (s, i): (CE.FENCE, s)
-    for s in CONSUMER_FENCING
+    for s in _C_FENCING
     for i in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.PEER_DIED)
 }
 

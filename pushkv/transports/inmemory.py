@@ -85,6 +85,7 @@ class Item:
     at: float
     seq: int
     kind: str = field(compare=False)  # "frame" | "write" | "read" | "done" | "death"
+    sent: float = field(compare=False)
     src: Peer | None = field(compare=False)
     dst: Peer | str = field(compare=False)
     payload: Any = field(compare=False)
@@ -188,6 +189,8 @@ class InMemoryNetwork:
         detect_s: float = 1.0,
         hold: bool = False,
         keep_log: bool = False,
+        max_transit_s: float = float("inf"),
+        max_write_s: float = float("inf"),
     ) -> None:
         self.now = 0.0
         self.latency = latency
@@ -195,6 +198,10 @@ class InMemoryNetwork:
         self.detect_s = detect_s
         self.hold = hold
         self.keep_log = keep_log
+        # However a test reorders, a frame older than max_transit_s is lost and a
+        # write or read older than max_write_s lands: the timing assumption the
+        # protocol's bounded deadlines rest on (transit + write < fence grace).
+        self.bounds = {"frame": max_transit_s, "write": max_write_s, "read": max_write_s}
         self.producers: dict[Peer, ProducerNode] = {}
         self.consumers: dict[Peer, ConsumerNode] = {}
         self.pending: list[Item] = []  # a heap unless hold
@@ -233,7 +240,7 @@ class InMemoryNetwork:
     def enqueue(self, kind: str, src: Peer | None, dst: Peer | str, payload: Any,
                 delay: float) -> Item:
         self._seq += 1
-        item = Item(self.now + delay, self._seq, kind, src, dst, payload)
+        item = Item(self.now + delay, self._seq, kind, self.now, src, dst, payload)
         if self.hold:
             self.pending.append(item)
         else:
@@ -251,10 +258,31 @@ class InMemoryNetwork:
     def deliver(self, index: int = 0) -> Item:
         """Deliver pending item ``index`` (hold mode: in list order) now."""
         item = self.pending.pop(index) if self.hold else heapq.heappop(self.pending)
-        self.now = max(self.now, item.at)
-        self.fire_timers()
+        self._advance_to(item.at)
         self._execute(item)
         return item
+
+    def _due(self, item: Item) -> float:
+        return item.sent + self.bounds.get(item.kind, float("inf"))
+
+    def _advance_to(self, t: float) -> None:
+        """Move the clock to ``t``, enforcing the transit and write bounds on the way."""
+        while True:
+            overdue = [i for i in self.pending if self._due(i) <= t]
+            if not overdue:
+                break
+            item = min(overdue, key=self._due)
+            self.pending.remove(item)
+            if not self.hold:
+                heapq.heapify(self.pending)
+            self.now = max(self.now, self._due(item))
+            self.fire_timers()
+            if item.kind == "frame":
+                self.stats["frames_expired"] += 1
+            else:
+                self._execute(item)
+        self.now = max(self.now, t)
+        self.fire_timers()
 
     def duplicate(self, index: int) -> None:
         """Send a copy of a pending frame (writes and completions are not duplicated)."""
@@ -262,9 +290,14 @@ class InMemoryNetwork:
         if item.kind == "frame":
             self.enqueue("frame", item.src, item.dst, item.payload, 0.0)
 
-    def drop(self, index: int) -> Item:
-        """Lose a pending frame. A write or read dropped here *fails* instead."""
-        item = self.pending.pop(index)
+    def drop(self, index: int) -> Item | None:
+        """Lose a pending frame. A write or read dropped here *fails* instead (its
+        bytes never land). Local events (completions, death notices) are never
+        lost: nothing is dropped for them and None is returned."""
+        item = self.pending[index]
+        if item.kind not in ("frame", "write", "read"):
+            return None
+        self.pending.pop(index)
         if not self.hold:
             heapq.heapify(self.pending)
         if item.kind in ("write", "read"):
@@ -386,14 +419,17 @@ class InMemoryNetwork:
                 idx = self.pending.index(min(self.pending)) if self.hold else 0
                 self.deliver(idx)
             else:
-                self.now = t
-                self.fire_timers()
+                self._advance_to(t)
         if until is not None:
-            self.now = max(self.now, until)
-            self.fire_timers()
+            self._advance_to(until)
 
     def advance(self, dt: float) -> None:
+        """Run for ``dt`` of simulated time, delivering what falls due."""
         self.run(until=self.now + dt)
+
+    def tick(self, dt: float) -> None:
+        """Let ``dt`` pass firing timers (hold mode: only overdue items move)."""
+        self._advance_to(self.now + dt)
 
     # --------------------------------------------------------------- faults
 

@@ -1,0 +1,58 @@
+"""Draw the state machines from the transition tables (Mermaid), for the docs.
+
+``python -m pushkv.protocol.diagram > docs/state-machines.md`` regenerates the
+page; a test checks the committed page is current, so it cannot drift.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from .states import CONSUMER_TABLE, PRODUCER_TABLE, ConsumerState, ProducerState
+
+_INTRO = """\
+# pushkv state machines
+
+Generated from the transition tables in `pushkv/protocol/states.py` by
+`python -m pushkv.protocol.diagram`; do not edit by hand. Self-loops that
+change nothing are left out of the diagrams; the tables list every pair.
+"""
+
+
+def mermaid(table: dict[tuple[Enum, Enum], tuple[Enum, Enum]], start: list[Enum]) -> str:
+    lines = ["stateDiagram-v2"]
+    lines += [f"    [*] --> {s.name}" for s in start]
+    for (state, inp), (effect, nxt) in table.items():
+        if nxt == state and effect.value == "none":
+            continue
+        label = inp.value if effect.value == "none" else f"{inp.value} / {effect.value}"
+        lines.append(f"    {state.name} --> {nxt.name}: {label}")
+    return "\n".join(lines)
+
+
+def markdown_table(table: dict[tuple[Enum, Enum], tuple[Enum, Enum]]) -> str:
+    rows = ["| state | input | effect | next |", "|---|---|---|---|"]
+    rows += [
+        f"| {s.name} | {i.value} | {e.value} | {n.name} |"
+        for (s, i), (e, n) in table.items()
+    ]
+    return "\n".join(rows)
+
+
+def page() -> str:
+    parts = [
+        _INTRO,
+        "## Producer leg (one per producer rank and consumer rank)\n",
+        "```mermaid\n"
+        + mermaid(PRODUCER_TABLE, [ProducerState.EMPTY]) + "\n```\n",
+        markdown_table(PRODUCER_TABLE) + "\n",
+        "## Consumer transfer (one per consumer rank)\n",
+        "```mermaid\n"
+        + mermaid(CONSUMER_TABLE, [ConsumerState.REGISTERED]) + "\n```\n",
+        markdown_table(CONSUMER_TABLE) + "\n",
+    ]
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(page(), end="")

@@ -1,0 +1,309 @@
+"""Random interleavings of everything, with the invariants checked after every step.
+
+A Hypothesis rule-based machine drives one producer engine and one consumer
+engine (several TP ratios and block sizes) through the in-memory transport in
+*hold* mode: nothing moves until a rule delivers, duplicates or drops a chosen
+item, so registrations, prefill completions, writes, notifications, cancels
+and acknowledgements arrive in any order. Engine-level block pools hand freed
+blocks to new transfers at once, so a write into reused memory is caught.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from pushkv.protocol import ConsumerConfig, ConsumerState, ProducerConfig, uniform_ranks
+from pushkv.transports.inmemory import pair
+from pushkv.transports.testing import reference_destination
+
+TOPOLOGIES = [
+    ({"num_kv_heads": 2}, {"num_kv_heads": 2}),
+    ({"tp": 2, "num_kv_heads": 2}, {"num_kv_heads": 2}),
+    ({"num_kv_heads": 2}, {"tp": 2, "num_kv_heads": 2}),
+    ({"tp": 2, "num_kv_heads": 2}, {"tp": 2, "num_kv_heads": 2, "block_size": 8}),
+    ({"num_kv_heads": 2, "block_size": 8}, {"num_kv_heads": 2, "order": "HND"}),
+]
+WINDOW, GRACE, LEASE = 4.0, 2.0, 6.0
+
+
+def _plain(fn):
+    """Keep the undecorated function reachable (to create transfers at set-up)."""
+    fn.__wrapped__ = fn
+    return fn
+
+
+class Transfer:
+    def __init__(self, tid: str, n: int):
+        self.tid, self.n = tid, n
+        self.src: list[int] | None = None
+        self.dst: dict[int, list[int]] = {}  # attempt -> blocks
+        self.attempt = -1
+        self.freed: set[int] = set()  # attempts whose blocks went back to the pool
+        self.done = False  # the engine is finished with the request
+
+
+class Protocol(RuleBasedStateMachine):
+    transfers = Bundle("transfers")
+
+    @initialize(target=transfers, topo=st.sampled_from(TOPOLOGIES), seed=st.integers(0, 2**16),
+                sizes=st.lists(st.integers(1, 40), min_size=1, max_size=3))
+    def setup(self, topo, seed, sizes):
+        pkw, ckw = topo
+        base = {"num_blocks": 24, "block_size": 4, "head_dim": 4, "dtype_bytes": 2}
+        self.pinfo = uniform_ranks("P", **(base | pkw))
+        self.cinfo = uniform_ranks("D", **(base | ckw))
+        self.net = pair(
+            self.pinfo, self.cinfo, seed=seed, hold=True, detect_s=0.5,
+            max_transit_s=0.5, max_write_s=0.5,
+            producer_config=ProducerConfig(lease_s=LEASE, max_pending_registrations=64),
+            consumer_config=ConsumerConfig(window_s=WINDOW, fence_grace_s=GRACE,
+                                           heartbeat_s=1.0),
+        )
+        self.p_free = list(range(self.pinfo[0].layout.num_blocks))
+        self.c_free = list(range(self.cinfo[0].layout.num_blocks))
+        self.model: dict[str, Transfer] = {}
+        self.checked_ready: set[tuple[int, str, int]] = set()
+        self.count = 0
+        self.dead = set()
+        return multiple(*(self.new_transfer.__wrapped__(self, n) for n in sizes))
+
+    # ------------------------------------------------------------ helpers
+
+    @property
+    def producers(self):
+        return [n for n in self.net.producers.values() if n.alive]
+
+    @property
+    def consumers(self):
+        return [n for n in self.net.consumers.values() if n.alive]
+
+    def _take(self, pool, k):
+        if len(pool) < k:
+            return None
+        got, pool[:] = pool[:k], pool[k:]
+        return got
+
+    def _states(self, t):
+        return {c.endpoint.state_of(t.tid) for c in self.consumers}
+
+    # -------------------------------------------------------------- rules
+
+    @rule(target=transfers, n=st.integers(1, 40))
+    @_plain
+    def new_transfer(self, n):
+        self.count += 1
+        t = Transfer(f"t{self.count}", n)
+        self.model[t.tid] = t
+        note(f"new {t.tid} n={n}")
+        return t
+
+    @rule(t=transfers)
+    def register(self, t):
+        if t.attempt >= 0 or self.dead:
+            return  # after a death, nobody registers with a peer it knows is gone
+        k = -(-t.n // self.cinfo[0].layout.block_size)
+        blocks = self._take(self.c_free, k)
+        if blocks is None:
+            return
+        t.attempt, t.dst[0] = 0, blocks
+        note(f"register {t.tid} -> {blocks}")
+        for c in self.consumers:
+            c.apply(c.endpoint.register(t.tid, "P", blocks, t.n, self.net.now))
+
+    @rule(t=transfers)
+    def prefill(self, t):
+        if t.src is not None or "P" in self.dead:
+            return
+        k = -(-t.n // self.pinfo[0].layout.block_size)
+        blocks = self._take(self.p_free, k)
+        if blocks is None:
+            return
+        t.src = blocks
+        note(f"prefill {t.tid} <- {blocks}")
+        for p in self.producers:
+            p.apply(p.endpoint.prefill_finished(t.tid, blocks, t.n, self.net.now))
+
+    @rule(t=transfers)
+    def preempt(self, t):
+        if t.attempt >= 0 and self._states(t) == {ConsumerState.REGISTERED}:
+            note(f"preempt {t.tid}")
+            for c in self.consumers:
+                c.apply(c.endpoint.preempt(t.tid, self.net.now))
+
+    @rule(t=transfers)
+    def reissue(self, t):
+        states = self._states(t)
+        if not states or not states <= {ConsumerState.PREEMPTING, ConsumerState.PREEMPTED}:
+            return
+        if any(c.endpoint._engines.get("P") is None for c in self.consumers):
+            return
+        k = -(-t.n // self.cinfo[0].layout.block_size)
+        blocks = self._take(self.c_free, k)
+        if blocks is None:
+            return
+        t.attempt += 1
+        t.dst[t.attempt] = blocks
+        note(f"reissue {t.tid}#{t.attempt} -> {blocks}")
+        for c in self.consumers:
+            c.apply(c.endpoint.reissue(t.tid, blocks, self.net.now))
+
+    @rule(t=transfers)
+    def abort(self, t):
+        live = [c for c in self.consumers if c.endpoint.state_of(t.tid) not in
+                (None, ConsumerState.READY, ConsumerState.CANCELLED, ConsumerState.FAILED)]
+        if live:
+            note(f"abort {t.tid}")
+        for c in live:
+            c.apply(c.endpoint.abort(t.tid, self.net.now))
+
+    @rule(t=transfers)
+    def producer_abort(self, t):
+        note(f"producer abort {t.tid}")
+        for p in self.producers:
+            p.apply(p.endpoint.prefill_aborted(t.tid, self.net.now))
+
+    @precondition(lambda self: self.net.pending)
+    @rule(i=st.integers(0, 10**6))
+    def deliver(self, i):
+        item = self.net.deliver(i % len(self.net.pending))
+        note(f"deliver {item.kind} {item.src} -> {item.dst}")
+
+    @precondition(lambda self: self.net.pending)
+    @rule(i=st.integers(0, 10**6))
+    def duplicate(self, i):
+        self.net.duplicate(i % len(self.net.pending))
+
+    @precondition(lambda self: self.net.pending)
+    @rule(i=st.integers(0, 10**6))
+    def drop(self, i):
+        item = self.net.drop(i % len(self.net.pending))
+        if item is not None:
+            note(f"drop {item.kind} {item.src} -> {item.dst}")
+
+    @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 3.0]))
+    def tick(self, dt):
+        self.net.tick(dt)
+
+    @precondition(lambda self: not self.dead)
+    @rule(engine=st.sampled_from(["P", "D"]))
+    def kill(self, engine):
+        note(f"kill {engine}")
+        self.dead.add(engine)
+        self.net.kill(engine)
+
+    @rule()
+    def engine_housekeeping(self):
+        self._free_blocks()
+
+    # -------------------------------------------------- engine block pools
+
+    def _free_blocks(self):
+        """Return blocks to the engine pools the way vLLM would: once every rank
+        released them (destination) or the request is over (ready/failed)."""
+        cons = list(self.net.consumers.values())
+        for t in self.model.values():
+            for attempt, blocks in t.dst.items():
+                if attempt in t.freed:
+                    continue
+                released = all(any(r.transfer_id == t.tid and r.attempt == attempt
+                                   for r in c.released) for c in cons)
+                ready = attempt == t.attempt and all(
+                    ("ready", attempt) in c.outcomes.get(t.tid, []) or any(
+                        r.transfer_id == t.tid and r.attempt == attempt for r in c.released)
+                    for c in cons)
+                if "D" in self.dead:
+                    released = True  # a dead engine's memory is gone with it
+                if released or ready:
+                    t.freed.add(attempt)
+                    if "D" not in self.dead:
+                        self.c_free += blocks
+        for t in self.model.values():
+            if t.src is not None and not t.done and "P" not in self.dead:
+                if all(p.released[t.tid] >= 1 for p in self.net.producers.values()):
+                    t.done = True
+                    self.p_free += t.src
+
+    # ---------------------------------------------------------- invariants
+
+    @invariant()
+    def no_violation(self):
+        assert not self.net.violations, self.net.violations
+
+    @invariant()
+    def free_blocks_are_never_lent(self):
+        free = set(self.c_free)
+        for c in self.consumers:
+            lent = set(c.endpoint.lent_blocks())
+            assert not (free & lent), f"blocks {free & lent} are free but may be written"
+        held = {b for p in self.producers for ids in p.endpoint.held_blocks().values()
+                for b in ids}
+        assert not (set(self.p_free) & held)
+
+    @invariant()
+    def ready_means_every_byte_landed(self):
+        psrc = [p.memory for p in self.net.producers.values()]
+        for c in self.net.consumers.values():
+            for tid, seen in c.outcomes.items():
+                kinds = [k for k, _ in seen]
+                assert len(kinds) == len(set(seen)), f"{tid} reported twice: {seen}"
+                for kind, attempt in seen:
+                    key = (c.peer.rank, tid, attempt)
+                    if kind != "ready" or key in self.checked_ready:
+                        continue
+                    self.checked_ready.add(key)
+                    t = self.model[tid]
+                    assert attempt == t.attempt, "a stale attempt became ready"
+                    want = reference_destination(self.pinfo, psrc, c.info,
+                                                 [(t.src, t.dst[attempt], t.n, 0)],
+                                                 base=c.memory)
+                    for region, (w, g) in enumerate(zip(want, c.memory, strict=True)):
+                        assert np.array_equal(w, g), f"{tid} region {region} differs"
+
+    @invariant()
+    def tables_are_bounded(self):
+        for p in self.producers:
+            assert p.endpoint.pending_registrations <= 64
+            assert len(p.endpoint._tombstones) <= p.endpoint.config.max_tombstones
+
+    def teardown(self):
+        """Deliver everything, let every deadline pass: all must end, nothing leak."""
+        if not hasattr(self, "net"):
+            return
+        horizon = WINDOW + GRACE + LEASE + 70.0
+        self.net.run(until=self.net.now + horizon)
+        self._free_blocks()
+        for c in self.consumers:
+            # Progress: everything ended except preempted requests, which wait for
+            # their engine to reissue or abort them -- as it eventually does.
+            assert c.endpoint.lent_blocks() == {}, c.endpoint.lent_blocks()
+            assert all(c.endpoint.state_of(t) in (None, ConsumerState.PREEMPTED)
+                       for t in self.model)
+            for t in self.model:
+                if c.endpoint.state_of(t) is ConsumerState.PREEMPTED:
+                    c.apply(c.endpoint.abort(t, self.net.now))
+        self.net.run(until=self.net.now + horizon)
+        self._free_blocks()
+        self.no_violation()
+        for c in self.consumers:
+            assert c.endpoint.num_transfers == 0
+        for p in self.producers:
+            assert p.endpoint.held_blocks() == {}, p.endpoint.held_blocks()
+            assert p.endpoint.writes_in_flight() == []
+        for p in self.net.producers.values():
+            assert all(v == 1 for v in p.released.values())
+
+
+TestProtocol = Protocol.TestCase
+TestProtocol.settings = settings(settings.default, stateful_step_count=50)
