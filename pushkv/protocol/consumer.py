@@ -13,12 +13,12 @@ import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 
-import numpy as np
 import numpy.typing as npt
 
 from .config import ConsumerConfig
 from .errors import (
     ConfigError,
+    DecodeError,
     LocalProtocolError,
     RemoteProtocolError,
     ValidationError,
@@ -31,10 +31,10 @@ from .events import (
     Rejected,
     ReleaseDestination,
     SendMessage,
-    sender_of,
     TransferCancelled,
     TransferFailed,
     TransferReady,
+    sender_of,
 )
 from .layout import EngineSpec, RankInfo
 from .mapping import assignment, expected_writers
@@ -42,7 +42,6 @@ from .messages import (
     MAX_HEARTBEAT_ITEMS,
     Cancel,
     CancelAck,
-    DecodeError,
     Fail,
     Heartbeat,
     Hello,
@@ -52,7 +51,7 @@ from .messages import (
     Register,
     decode,
 )
-from .planner import plan_transfer
+from .planner import block_tuple, plan_transfer
 from .states import (
     CONSUMER_FENCING,
     CONSUMER_TABLE,
@@ -105,6 +104,7 @@ class Consumer:
         self.stats: Counter[str] = Counter()
         self._peers: dict[Peer, RankInfo] = {}
         self._engines: dict[str, EngineSpec] = {}
+        self._writers: dict[str, frozenset[int]] = {}  # producer engine -> expected ranks
         self._transfers: dict[str, _Transfer] = {}
         self._lent: dict[int, str] = {}  # block id -> transfer that may still be written
         self._timers: list[tuple[float, int, str]] = []
@@ -122,6 +122,9 @@ class Consumer:
             raise ConfigError(f"engine {info.engine_id!r} changed its spec")
         self._peers[Peer(info.engine_id, info.rank)] = info
         self._engines[info.engine_id] = info.engine
+        self._writers[info.engine_id] = expected_writers(
+            info.engine, self.info.engine, self.peer.rank
+        )
 
     def peer_died(self, engine_id: str, now: float) -> list[Action]:
         """The transport confirmed ``engine_id`` dead: it fences every attempt it owed."""
@@ -129,6 +132,7 @@ class Consumer:
         for p in [p for p in self._peers if p.engine_id == engine_id]:
             del self._peers[p]
         self._engines.pop(engine_id, None)
+        self._writers.pop(engine_id, None)
         for t in list(self._transfers.values()):
             if t.producer != engine_id:
                 continue
@@ -144,9 +148,9 @@ class Consumer:
 
     def _check_blocks(self, transfer_id: str, block_ids: npt.ArrayLike, num_tokens: int,
                       first_token: int) -> tuple[int, ...]:
-        ids = tuple(int(b) for b in np.asarray(block_ids, dtype=np.int64).ravel())
+        ids = block_tuple(block_ids)
         lo = self.info.layout
-        if any(b < 0 or b >= lo.num_blocks for b in ids):
+        if ids and (min(ids) < 0 or max(ids) >= lo.num_blocks):
             raise ConfigError(f"block id outside [0, {lo.num_blocks})", transfer_id=transfer_id)
         if len(set(ids)) != len(ids):
             raise ConfigError("a block id appears twice", transfer_id=transfer_id)
@@ -156,13 +160,12 @@ class Consumer:
                 f"[{first_token}, {num_tokens})",
                 transfer_id=transfer_id,
             )
-        for b in ids:  # invariant 2: never lend a block a write may still hit
-            owner = self._lent.get(b)
-            if owner is not None:
-                raise LocalProtocolError(
-                    f"block {b} may still be written by transfer {owner!r}",
-                    transfer_id=transfer_id,
-                )
+        if not self._lent.keys().isdisjoint(ids):  # invariant 2: never lend twice
+            b = next(b for b in ids if b in self._lent)
+            raise LocalProtocolError(
+                f"block {b} may still be written by transfer {self._lent[b]!r}",
+                transfer_id=transfer_id,
+            )
         return ids
 
     def _engine(self, engine_id: str) -> EngineSpec:
@@ -180,7 +183,7 @@ class Consumer:
         now: float,
         first_token: int = 0,
     ) -> list[Action]:
-        """Push: ask the producer to write tokens ``[first_token, num_tokens)`` into ``block_ids``."""
+        """Push: have the producer write tokens ``[first_token, num_tokens)`` into ``block_ids``."""
         return self._open(
             transfer_id, producer_engine_id, Mode.PUSH, (), block_ids, num_tokens, now,
             first_token,
@@ -197,7 +200,7 @@ class Consumer:
         first_token: int = 0,
     ) -> list[Action]:
         """Pull: read the producer's published ``src_block_ids`` into ``block_ids``."""
-        src = tuple(int(b) for b in np.asarray(src_block_ids, dtype=np.int64).ravel())
+        src = block_tuple(src_block_ids)
         return self._open(
             transfer_id, producer_engine_id, Mode.PULL, src, block_ids, num_tokens, now,
             first_token,
@@ -216,10 +219,10 @@ class Consumer:
     ) -> list[Action]:
         if transfer_id in self._transfers:
             raise LocalProtocolError("transfer already registered", transfer_id=transfer_id)
-        spec = self._engine(producer)
+        self._engine(producer)
         ids = self._check_blocks(transfer_id, block_ids, num_tokens, first_token)
         out = self._run_timers(now)
-        cur = self._attempt(0, ids, spec, now)
+        cur = self._attempt(0, ids, producer, now)
         t = _Transfer(
             transfer_id=transfer_id, producer=producer, mode=mode, state=CS.REGISTERED,
             cur=cur, num_tokens=num_tokens, first_token=first_token, src_ids=src,
@@ -322,14 +325,15 @@ class Consumer:
         if t is None:
             self.stats["stale"] += 1
             return []
-        ctx = {"transfer_id": msg.transfer_id, "attempt": msg.attempt, "input": inp.value}
         if msg.engine_id != t.producer:
-            raise ValidationError(f"{msg.engine_id!r} is not this transfer's producer", **ctx)
+            raise _invalid(f"{msg.engine_id!r} is not this transfer's producer",
+                           t.transfer_id, msg.attempt, inp)
         if t.mode is Mode.PULL:
             if inp is CI.CANCEL_ACK:  # late answer to our final cancel
                 self.stats["stale"] += 1
                 return []
-            raise ValidationError("producer message for a pull transfer", **ctx)
+            raise _invalid("producer message for a pull transfer", t.transfer_id, msg.attempt,
+                           inp)
         if isinstance(msg, Fail):
             t.reason = t.reason or f"{msg.reason.name} from rank {msg.rank}: {msg.detail}"
         return self._report(t, msg.attempt, msg.rank, inp, now)
@@ -338,14 +342,13 @@ class Consumer:
         self, t: _Transfer, attempt: int, rank: int, inp: ConsumerInput, now: float
     ) -> list[Action]:
         """Route one producer rank's outcome to the current attempt or a zombie."""
-        ctx = {"transfer_id": t.transfer_id, "attempt": attempt, "input": inp.value}
         z = t.zombies.get(attempt)
         a = t.cur if attempt == t.cur.attempt else z
         if a is None:
             self.stats["stale"] += 1  # rule 6: other attempts never count
             return []
         if rank not in a.expected:
-            raise ValidationError(f"rank {rank} is not an expected writer", **ctx)
+            raise _invalid(f"rank {rank} is not an expected writer", t.transfer_id, attempt, inp)
         if rank in a.fenced:
             self.stats["duplicate"] += 1
             return []
@@ -356,7 +359,8 @@ class Consumer:
             self.stats["stale"] += 1
             return []
         if inp is CI.CANCEL_ACK and t.state is CS.REGISTERED:
-            raise ValidationError("CancelAck for an attempt that was not cancelled", **ctx)
+            raise _invalid("CancelAck for an attempt that was not cancelled", t.transfer_id,
+                           attempt, inp)
         return self._input(t, inp, now, ranks=frozenset((rank,)))
 
     # ---------------------------------------------------------- transitions
@@ -444,7 +448,7 @@ class Consumer:
                 raise LocalProtocolError("producer engine is gone", transfer_id=tid)
             if effect is CE.ZOMBIFY_AND_REGISTER:
                 t.zombies[cur.attempt] = cur
-            t.cur = self._attempt(cur.attempt + 1, block_ids, spec, now)
+            t.cur = self._attempt(cur.attempt + 1, block_ids, t.producer, now)
             t.reason = ""
             self._lend(t, t.cur)
             return self._start_attempt(t, now)
@@ -454,16 +458,12 @@ class Consumer:
                     TransferCancelled(transfer_id=tid, attempt=cur.attempt)]
         raise AssertionError(f"unhandled effect {effect}")  # pragma: no cover
 
-    def _attempt(
-        self, attempt: int, ids: tuple[int, ...], spec: EngineSpec, now: float
-    ) -> _Attempt:
+    def _attempt(self, attempt: int, ids: tuple[int, ...], producer: str, now: float) -> _Attempt:
         deadline = now + self.config.window_s
-        a = _Attempt(
-            attempt=attempt, block_ids=ids,
-            expected=expected_writers(spec, self.info.engine, self.peer.rank),
+        return _Attempt(
+            attempt=attempt, block_ids=ids, expected=self._writers[producer],
             deadline=deadline, hard=deadline + self.config.fence_grace_s,
         )
-        return a
 
     def _start_attempt(self, t: _Transfer, now: float) -> list[Action]:
         cur = t.cur
@@ -624,7 +624,15 @@ class Consumer:
         z = t.zombies.get(attempt)
         return z.block_ids if z else ()
 
+    def lent_to(self, block: int) -> str | None:
+        """The transfer a write into ``block`` may still come from, if any."""
+        return self._lent.get(block)
+
     def lent_blocks(self) -> dict[int, str]:
         """Blocks a write may still land in, with their transfer."""
         return dict(self._lent)
 
+
+
+def _invalid(why: str, transfer_id: str, attempt: int, inp: ConsumerInput) -> ValidationError:
+    return ValidationError(why, transfer_id=transfer_id, attempt=attempt, input=inp.value)

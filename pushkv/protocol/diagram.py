@@ -6,7 +6,9 @@ page; a test checks the committed page is current, so it cannot drift.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
+from typing import Any
 
 from .states import CONSUMER_TABLE, PRODUCER_TABLE, ConsumerState, ProducerState
 
@@ -19,7 +21,10 @@ change nothing are left out of the diagrams; the tables list every pair.
 """
 
 
-def mermaid(table: dict[tuple[Enum, Enum], tuple[Enum, Enum]], start: list[Enum]) -> str:
+Table = Mapping[tuple[Any, Any], tuple[Any, Any]]
+
+
+def mermaid(table: Table, start: list[Enum]) -> str:
     lines = ["stateDiagram-v2"]
     lines += [f"    [*] --> {s.name}" for s in start]
     for (state, inp), (effect, nxt) in table.items():
@@ -30,7 +35,7 @@ def mermaid(table: dict[tuple[Enum, Enum], tuple[Enum, Enum]], start: list[Enum]
     return "\n".join(lines)
 
 
-def markdown_table(table: dict[tuple[Enum, Enum], tuple[Enum, Enum]]) -> str:
+def markdown_table(table: Table) -> str:
     rows = ["| state | input | effect | next |", "|---|---|---|---|"]
     rows += [
         f"| {s.name} | {i.value} | {e.value} | {n.name} |"

@@ -33,12 +33,18 @@ def sender_of(message: Message) -> Peer:
 class Mode(enum.Enum):
     """How a transfer's bytes move."""
 
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
+
     PUSH = "push"  #: the producer writes into registered consumer blocks
     PULL = "pull"  #: the consumer reads the producer's published blocks
 
 
 class FailurePolicy(enum.Enum):
     """What a consumer engine does when a transfer fails."""
+
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
 
     FAIL = "fail"  #: the request errors
     RECOMPUTE = "recompute"  #: the consumer computes the prefill itself

@@ -28,12 +28,16 @@ an ``NHD`` block, mixed orders) costs more descriptors, and
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import SupportsIndex, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from .errors import PlanError
+from .errors import ConfigError, PlanError
 from .layout import KVLayout
 from .mapping import Assignment
 
@@ -76,19 +80,20 @@ class TransferPlan:
 
         ``src_bases[i]`` is the address (or any base offset) of source region ``i``.
         """
-        sb = np.asarray(src_bases, dtype=np.int64)[self.src_regions]
-        db = np.asarray(dst_bases, dtype=np.int64)[self.dst_regions]
-        n = self.descriptor_count
-        src = np.empty((n, 3), dtype=np.int64)
-        dst = np.empty((n, 3), dtype=np.int64)
-        src[:, 0] = (sb[:, None] + self.runs[None, :, 0]).ravel()
-        dst[:, 0] = (db[:, None] + self.runs[None, :, 1]).ravel()
-        lengths = np.tile(self.runs[:, 2], self.src_regions.shape[0])
-        src[:, 1] = lengths
-        dst[:, 1] = lengths
-        src[:, 2] = src_dev
-        dst[:, 2] = dst_dev
-        return src, dst
+        return (
+            self._expand(0, np.asarray(src_bases, dtype=np.int64)[self.src_regions], src_dev),
+            self._expand(1, np.asarray(dst_bases, dtype=np.int64)[self.dst_regions], dst_dev),
+        )
+
+    def _expand(self, column: int, bases: IntArray, dev: int) -> IntArray:
+        template = np.empty((self.runs.shape[0], 3), dtype=np.int64)
+        template[:, 0] = self.runs[:, column]
+        template[:, 1] = self.runs[:, 2]
+        template[:, 2] = dev
+        out = np.empty((bases.shape[0], self.runs.shape[0], 3), dtype=np.int64)
+        out[:] = template  # one broadcast copy, then shift each region by its base
+        out[:, :, 0] += bases[:, None]
+        return out.reshape(-1, 3)
 
     def __repr__(self) -> str:
         return (
@@ -97,15 +102,36 @@ class TransferPlan:
         )
 
 
-def _as_ids(block_ids: npt.ArrayLike, layout: KVLayout, side: str) -> IntArray:
+def block_tuple(block_ids: npt.ArrayLike) -> tuple[int, ...]:
+    """Block ids as a tuple of ints; ConfigError for anything else (floats, nesting)."""
+    if isinstance(block_ids, np.ndarray):
+        if block_ids.ndim != 1 or block_ids.dtype.kind not in "iu":
+            raise ConfigError(f"block ids must be a flat integer array, got {block_ids.dtype}"
+                              f" of shape {block_ids.shape}")
+        return tuple(block_ids.tolist())
+    try:
+        return tuple(map(operator.index, cast("Iterable[SupportsIndex]", block_ids)))
+    except TypeError as exc:
+        raise ConfigError(f"block ids must be a flat sequence of ints: {exc}") from None
+
+
+def _check_ids(side: str, layout: KVLayout, count: int, lo: int, hi: int, tokens: int) -> None:
+    if count and (lo < 0 or hi >= layout.num_blocks):
+        raise PlanError(f"{side} block id outside [0, {layout.num_blocks}): min {lo}, max {hi}")
+    if count * layout.block_size < tokens:
+        raise PlanError(
+            f"{side} has {count} blocks of {layout.block_size} tokens, {tokens} tokens needed"
+        )
+
+
+def _as_ids(block_ids: npt.ArrayLike, layout: KVLayout, side: str, tokens: int) -> IntArray:
     ids = np.asarray(block_ids, dtype=np.int64)
     if ids.ndim != 1:
         raise PlanError(f"{side} block ids must be a flat list")
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_blocks):
-        raise PlanError(
-            f"{side} block id outside [0, {layout.num_blocks}): "
-            f"min {int(ids.min())}, max {int(ids.max())}"
-        )
+    if ids.size:
+        _check_ids(side, layout, ids.size, int(ids.min()), int(ids.max()), tokens)
+    else:
+        _check_ids(side, layout, 0, 0, 0, tokens)
     return ids
 
 
@@ -179,15 +205,125 @@ def plan_transfer(
     for hs, hd, n in assignment.heads:
         if hs < 0 or hd < 0 or n < 1 or hs + n > src.num_heads or hd + n > dst.num_heads:
             raise PlanError(f"head run {(hs, hd, n)} outside the ranks' heads")
-    s_ids = _as_ids(src_block_ids, src, "source")
-    d_ids = _as_ids(dst_block_ids, dst, "destination")
-    for side, ids, lo in (("source", s_ids, src), ("destination", d_ids, dst)):
-        if ids.size * lo.block_size < num_tokens:
-            raise PlanError(
-                f"{side} has {ids.size} blocks of {lo.block_size} tokens, "
-                f"{num_tokens} tokens needed"
-            )
+    if first_token == num_tokens:
+        runs = np.empty((0, 3), dtype=np.int64)
+    elif (
+        isinstance(src_block_ids, tuple | list)
+        and isinstance(dst_block_ids, tuple | list)
+        and -(-num_tokens // src.block_size) <= _SMALL
+        and _whole_tokens(src, dst, assignment, first_token, num_tokens)
+    ):
+        runs = _small_plan(src, dst, src_block_ids, dst_block_ids, first_token, num_tokens)
+    else:
+        s_ids = _as_ids(src_block_ids, src, "source", num_tokens)
+        d_ids = _as_ids(dst_block_ids, dst, "destination", num_tokens)
+        if _whole_tokens(src, dst, assignment, first_token, num_tokens):
+            runs = _block_runs(src, dst, s_ids, d_ids, first_token, num_tokens)
+        else:
+            runs = _element_runs(src, dst, assignment, s_ids, d_ids, first_token, num_tokens)
+        if runs.shape[0]:  # belt and braces: no byte outside either region
+            if int((runs[:, 0] + runs[:, 2]).max()) > src.region_bytes:
+                raise PlanError("plan would read outside the source region")
+            if int((runs[:, 1] + runs[:, 2]).max()) > dst.region_bytes:
+                raise PlanError("plan would write outside the destination region")
+    src_regions, dst_regions = _region_pairs(src, dst, layers)
+    return TransferPlan(runs=runs, src_regions=src_regions, dst_regions=dst_regions)
 
+
+def _whole_tokens(
+    src: KVLayout, dst: KVLayout, assignment: Assignment, first: int, n: int
+) -> bool:
+    """True when every token's slice is its whole row, laid out alike on both sides,
+    so a block's tokens [a, b) are one contiguous range on each side."""
+    if src.block_size != dst.block_size or src.order != dst.order:
+        return False
+    if src.num_heads != dst.num_heads or assignment.heads != ((0, 0, src.num_heads),):
+        return False
+    bs = src.block_size
+    return src.order == "NHD" or (first % bs == 0 and (n % bs == 0))
+
+
+#: Up to this many blocks, plain Python beats numpy's per-call overhead.
+_SMALL = 48
+
+
+def _small_plan(
+    src: KVLayout,
+    dst: KVLayout,
+    s_ids: Sequence[int],
+    d_ids: Sequence[int],
+    first: int,
+    n: int,
+) -> IntArray:
+    """The block fast path for short requests in plain Python (same result as
+    :func:`_block_runs`, with the same checks)."""
+    for side, ids, lo in (("source", s_ids, src), ("destination", d_ids, dst)):
+        try:
+            low, high = (min(ids), max(ids)) if ids else (0, 0)
+            if type(low) is not int or type(high) is not int:
+                raise TypeError
+        except TypeError:
+            raise PlanError(f"{side} block ids must be a flat list of ints") from None
+        _check_ids(side, lo, len(ids), low, high, n)
+    bs, tb = src.block_size, src.token_bytes
+    s_stride, d_stride = src.stride, dst.stride
+    cands = []
+    for b in range(first // bs, -(-n // bs)):
+        start = first if first > b * bs else b * bs
+        inner = (start - b * bs) * tb
+        length = ((n if n < b * bs + bs else b * bs + bs) - start) * tb
+        cands.append((s_ids[b] * s_stride + inner, d_ids[b] * d_stride + inner, length))
+    cands.sort()
+    runs: list[list[int]] = []
+    src_end = dst_end = 0
+    for so, do, ln in cands:
+        last = runs[-1] if runs else None
+        if last is not None and last[0] + last[2] == so and last[1] + last[2] == do:
+            last[2] += ln
+        else:
+            runs.append([so, do, ln])
+        src_end, dst_end = max(src_end, so + ln), max(dst_end, do + ln)
+    if src_end > src.region_bytes:
+        raise PlanError("plan would read outside the source region")
+    if dst_end > dst.region_bytes:
+        raise PlanError("plan would write outside the destination region")
+    return np.array(runs, dtype=np.int64).reshape(-1, 3)
+
+
+def _block_runs(
+    src: KVLayout, dst: KVLayout, s_ids: IntArray, d_ids: IntArray, first: int, n: int
+) -> IntArray:
+    """Fast path: one candidate run per block, then coalesce."""
+    bs, tb = src.block_size, src.token_bytes
+    blocks = np.arange(first // bs, -(-n // bs), dtype=np.int64)
+    start = np.maximum(first, blocks * bs)
+    length = (np.minimum(n, (blocks + 1) * bs) - start) * tb
+    inner = (start - blocks * bs) * tb
+    return coalesce(s_ids[blocks] * src.stride + inner, d_ids[blocks] * dst.stride + inner,
+                    length)
+
+
+@lru_cache(maxsize=1024)
+def _region_pairs(src: KVLayout, dst: KVLayout, layers: range) -> tuple[IntArray, IntArray]:
+    layer_idx = np.arange(layers.start, layers.stop, dtype=np.int64)
+    planes = np.arange(src.planes, dtype=np.int64)
+    src_regions = ((layer_idx - src.layer_start)[:, None] * src.planes + planes).ravel()
+    dst_regions = ((layer_idx - dst.layer_start)[:, None] * dst.planes + planes).ravel()
+    src_regions.flags.writeable = False
+    dst_regions.flags.writeable = False
+    return src_regions, dst_regions
+
+
+def _element_runs(
+    src: KVLayout,
+    dst: KVLayout,
+    assignment: Assignment,
+    s_ids: IntArray,
+    d_ids: IntArray,
+    first_token: int,
+    num_tokens: int,
+) -> IntArray:
+    """General path: every (token, head) element, generated in source order."""
     es = src.head_dim * src.dtype_bytes
     tokens = np.arange(first_token, num_tokens, dtype=np.int64)
     if src.order == "NHD" and dst.order == "NHD":
@@ -204,15 +340,5 @@ def plan_transfer(
     lengths = np.broadcast_to(ln[None, :], so.shape)
     if src.order == "HND":  # generate in source memory order: head-major within a block
         so, do, lengths = so.T, do.T, lengths.T
-    runs = coalesce(so.ravel(), do.ravel(), np.ascontiguousarray(lengths).ravel())
+    return coalesce(so.ravel(), do.ravel(), np.ascontiguousarray(lengths).ravel())
 
-    if runs.size:
-        if int((runs[:, 0] + runs[:, 2]).max()) > src.region_bytes:
-            raise PlanError("plan would read outside the source region")
-        if int((runs[:, 1] + runs[:, 2]).max()) > dst.region_bytes:
-            raise PlanError("plan would write outside the destination region")
-    layer_idx = np.arange(layers.start, layers.stop, dtype=np.int64)
-    planes = np.arange(src.planes, dtype=np.int64)
-    src_regions = ((layer_idx - src.layer_start)[:, None] * src.planes + planes).ravel()
-    dst_regions = ((layer_idx - dst.layer_start)[:, None] * dst.planes + planes).ravel()
-    return TransferPlan(runs=runs, src_regions=src_regions, dst_regions=dst_regions)

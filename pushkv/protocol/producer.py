@@ -13,12 +13,12 @@ import heapq
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
 import numpy.typing as npt
 
 from .config import ProducerConfig
 from .errors import (
     ConfigError,
+    DecodeError,
     LocalProtocolError,
     PlanError,
     RemoteProtocolError,
@@ -40,7 +40,6 @@ from .mapping import assignment, expected_writers, targets_of
 from .messages import (
     Cancel,
     CancelAck,
-    DecodeError,
     Fail,
     FailReason,
     Heartbeat,
@@ -51,7 +50,7 @@ from .messages import (
     Register,
     decode,
 )
-from .planner import plan_transfer
+from .planner import block_tuple, plan_transfer
 from .states import (
     PRODUCER_TERMINAL,
     PRODUCER_WRITING,
@@ -74,6 +73,9 @@ _REASON = {
 class Kv(enum.Enum):
     """Where a transfer's source KV stands on this rank."""
 
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
+
     PENDING = "pending"  #: prefill not finished
     HELD = "held"  #: blocks held for the transfer
     RELEASED = "released"  #: ReleaseSource emitted
@@ -83,7 +85,7 @@ class Kv(enum.Enum):
 @dataclass(slots=True)
 class _Registration:
     attempt: int
-    block_ids: npt.NDArray[np.int64]
+    block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
     deadline: float
@@ -125,6 +127,8 @@ class Producer:
         self.config = config or ProducerConfig()
         self.stats: Counter[str] = Counter()
         self._peers: dict[Peer, RankInfo] = {}
+        self._targets: dict[str, tuple[Peer, ...]] = {}  # consumer engine -> legs to write
+        self._target_set: set[Peer] = set()
         self._transfers: dict[str, _Transfer] = {}
         self._tombstones: OrderedDict[str, tuple[int, Kv, bool]] = OrderedDict()
         self._timers: list[tuple[float, int, str]] = []
@@ -143,12 +147,19 @@ class Producer:
         ):
             raise ConfigError("consumer KV element shape differs from the producer's")
         self._peers[Peer(info.engine_id, info.rank)] = info
+        self._targets[info.engine_id] = targets = tuple(
+            Peer(info.engine_id, a.dst_rank)
+            for a in targets_of(self.info.engine, info.engine, self.peer.rank)
+        )
+        self._target_set.update(targets)
 
     def peer_died(self, engine_id: str, now: float) -> list[Action]:
         """The transport lost ``engine_id``: its legs end, its writes fence themselves."""
         out = self._run_timers(now)
         for peer in [p for p in self._peers if p.engine_id == engine_id]:
             del self._peers[peer]
+        for p in self._targets.pop(engine_id, ()):
+            self._target_set.discard(p)
         for t in list(self._transfers.values()):
             for leg in list(t.legs.values()):
                 if leg.peer.engine_id == engine_id:
@@ -200,23 +211,22 @@ class Producer:
     def _on_register(self, msg: Register, now: float) -> list[Action]:
         peer = Peer(msg.engine_id, msg.rank)
         info = self._known(msg.engine_id, msg.rank)
-        ctx = {"transfer_id": msg.transfer_id, "attempt": msg.attempt}
+
+        def invalid(why: str) -> ValidationError:
+            return ValidationError(why, transfer_id=msg.transfer_id, attempt=msg.attempt)
+
         if msg.producer_engine_id != self.info.engine_id:
-            raise ValidationError("registration addressed to another engine", **ctx)
-        if self.peer.rank not in expected_writers(self.info.engine, info.engine, msg.rank):
-            raise ValidationError(f"rank {self.peer.rank} does not write into {peer}", **ctx)
+            raise invalid("registration addressed to another engine")
+        if peer not in self._target_set:
+            raise invalid(f"rank {self.peer.rank} does not write into {peer}")
         lo = info.layout
-        ids = np.asarray(msg.block_ids, dtype=np.int64)
-        if ids.size and int(ids.max()) >= lo.num_blocks:
-            raise ValidationError(
-                f"block id {int(ids.max())} outside the {lo.num_blocks} registered blocks",
-                **ctx,
-            )
-        if ids.size * lo.block_size < msg.num_tokens or msg.first_token > msg.num_tokens:
-            raise ValidationError(
-                f"{ids.size} blocks of {lo.block_size} tokens cannot hold tokens "
-                f"[{msg.first_token}, {msg.num_tokens})",
-                **ctx,
+        ids = msg.block_ids  # each >= 0, checked by the decoder
+        if ids and max(ids) >= lo.num_blocks:
+            raise invalid(f"block id {max(ids)} outside the {lo.num_blocks} registered blocks")
+        if len(ids) * lo.block_size < msg.num_tokens or msg.first_token > msg.num_tokens:
+            raise invalid(
+                f"{len(ids)} blocks of {lo.block_size} tokens cannot hold tokens "
+                f"[{msg.first_token}, {msg.num_tokens})"
             )
         t = self._transfers.get(msg.transfer_id)
         if t is None:
@@ -227,9 +237,9 @@ class Producer:
             if t is None:
                 return [self._fail(peer, msg.transfer_id, msg.attempt, FailReason.OVERLOADED)]
         if t.mode is Mode.PULL:
-            raise ValidationError("registration for a pull transfer", **ctx)
-        if t.consumer_engine not in (None, msg.engine_id):
-            raise ValidationError("transfer already bound to another consumer engine", **ctx)
+            raise invalid("registration for a pull transfer")
+        if t.consumer_engine is not None and t.consumer_engine != msg.engine_id:
+            raise invalid("transfer already bound to another consumer engine")
         t.consumer_engine = msg.engine_id
         leg = self._leg(t, peer)
         if msg.attempt <= leg.attempt:
@@ -313,14 +323,14 @@ class Producer:
 
     def _on_read_done(self, msg: ReadDone, now: float) -> list[Action]:
         peer = Peer(msg.engine_id, msg.rank)
-        info = self._known(msg.engine_id, msg.rank)
+        self._known(msg.engine_id, msg.rank)
         if msg.producer_engine_id != self.info.engine_id:
             raise ValidationError("read report addressed to another engine")
         t = self._transfers.get(msg.transfer_id)
         if t is None or t.mode is not Mode.PULL or t.kv is not Kv.HELD:
             self.stats["stale"] += 1
             return []
-        if self.peer.rank not in expected_writers(self.info.engine, info.engine, msg.rank):
+        if peer not in self._target_set:
             raise ValidationError(f"{peer} does not read from rank {self.peer.rank}")
         if t.consumer_engine not in (None, msg.engine_id):
             raise ValidationError("pull transfer already bound to another consumer engine")
@@ -343,9 +353,9 @@ class Producer:
         mode: Mode = Mode.PUSH,
     ) -> list[Action]:
         """Prefill of ``transfer_id`` finished; its KV is in ``block_ids``."""
-        ids = tuple(int(b) for b in np.asarray(block_ids, dtype=np.int64).ravel())
+        ids = block_tuple(block_ids)
         lo = self.info.layout
-        if any(b < 0 or b >= lo.num_blocks for b in ids):
+        if ids and (min(ids) < 0 or max(ids) >= lo.num_blocks):
             raise ConfigError(f"source block id outside [0, {lo.num_blocks})")
         if num_tokens < 0 or len(ids) * lo.block_size < num_tokens:
             raise ConfigError(f"{len(ids)} blocks cannot hold {num_tokens} tokens")
@@ -355,7 +365,9 @@ class Producer:
                 "prefill already reported", transfer_id=transfer_id, state=t.kv.value
             )
         if t is not None and mode is Mode.PULL and t.legs:
-            raise LocalProtocolError("pull transfer has push registrations", transfer_id=transfer_id)
+            raise LocalProtocolError(
+                "pull transfer has push registrations", transfer_id=transfer_id
+            )
         out = self._run_timers(now)
         t = self._transfers.get(transfer_id)
         if t is None and transfer_id in self._tombstones:
@@ -534,7 +546,8 @@ class Producer:
             if leg.stash is not None:
                 attempts.add(leg.stash.attempt)
                 leg.stash = None
-            attempts.discard(leg.writing)  # type: ignore[arg-type]  # completion fences it
+            if leg.writing is not None:
+                attempts.discard(leg.writing)  # its completion is its fence
             if leg.writing is None:
                 leg.reg = None
             return [self._ack(leg.peer, tid, a) for a in sorted(attempts)]
@@ -616,18 +629,11 @@ class Producer:
             if t.final or t.expired or t.aborted:
                 finished = True
             elif t.consumer_engine is not None:
-                info = next(
-                    (i for p, i in self._peers.items() if p.engine_id == t.consumer_engine),
-                    None,
-                )
-                if info is not None:
-                    targets = {
-                        a.dst_rank for a in targets_of(self.info.engine, info.engine, self.peer.rank)
-                    }
+                targets = self._targets.get(t.consumer_engine)
+                if targets is not None:
                     finished = all(
-                        (p := Peer(t.consumer_engine, r)) in t.legs
-                        and t.legs[p].state in PRODUCER_TERMINAL
-                        for r in targets
+                        (leg := t.legs.get(p)) is not None and leg.state in PRODUCER_TERMINAL
+                        for p in targets
                     )
                 else:  # the consumer engine is gone
                     finished = all(leg.state in PRODUCER_TERMINAL for leg in legs)

@@ -73,6 +73,8 @@ from .errors import LocalProtocolError
 
 
 class ProducerState(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
     EMPTY = "EMPTY"  #: no registration, KV not ready
     REGISTERED = "REGISTERED"  #: registration held, KV not ready
     KV_READY = "KV_READY"  #: KV ready, no registration (pull: published)
@@ -87,6 +89,8 @@ class ProducerState(enum.Enum):
 
 
 class ProducerInput(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
     REGISTER = "REGISTER"  #: a newer attempt's registration
     KV_READY = "KV_READY"  #: prefill finished, source KV held
     KV_ABORTED = "KV_ABORTED"  #: the local engine aborted the request
@@ -101,6 +105,8 @@ class ProducerInput(enum.Enum):
 
 
 class ProducerEffect(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
     NONE = "none"
     ADOPT = "adopt"  #: keep the registration
     ADOPT_AND_WRITE = "adopt+write"
@@ -116,6 +122,8 @@ class ProducerEffect(enum.Enum):
 
 
 class ConsumerState(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
     REGISTERED = "REGISTERED"  #: waiting for notifications (pull: reads)
     READY = "READY"
     PREEMPTING = "PREEMPTING"  #: waiting for the fence before releasing blocks
@@ -127,6 +135,8 @@ class ConsumerState(enum.Enum):
 
 
 class ConsumerInput(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
     NOTIFY = "NOTIFY"  #: an expected producer rank finished (pull: our read finished)
     ALL_NOTIFIED = "ALL_NOTIFIED"  #: derived: every expected rank notified
     FAIL = "FAIL"  #: a producer rank failed (pull: our read failed)
@@ -141,6 +151,8 @@ class ConsumerInput(enum.Enum):
 
 
 class ConsumerEffect(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
     NONE = "none"
     COUNT = "count"  #: record the notification
     READY = "ready"  #: declare the transfer ready (pull: send ReadDone)

@@ -101,12 +101,12 @@ class Node:
         self.memory = memory
         self.alive = True
         self.rejected: list[Rejected] = []
-        self.log: list[Action] = []
+        self.log: list[tuple[float, Action]] = []
 
     def apply(self, actions: list[Action]) -> None:
         for a in actions:
             if self.net.keep_log:
-                self.log.append(a)
+                self.log.append((self.net.now, a))
             if isinstance(a, SendMessage):
                 self.net.send(self.peer, a.peer, encode(a.message))
             elif isinstance(a, Rejected):
@@ -202,6 +202,8 @@ class InMemoryNetwork:
         # write or read older than max_write_s lands: the timing assumption the
         # protocol's bounded deadlines rest on (transit + write < fence grace).
         self.bounds = {"frame": max_transit_s, "write": max_write_s, "read": max_write_s}
+        self._bounded = any(b != float("inf") for b in self.bounds.values())
+        self._nodes: list[Node] = []
         self.producers: dict[Peer, ProducerNode] = {}
         self.consumers: dict[Peer, ConsumerNode] = {}
         self.pending: list[Item] = []  # a heap unless hold
@@ -216,6 +218,7 @@ class InMemoryNetwork:
         node = ProducerNode(self, Producer(info, config),
                             memory if memory is not None else region_memory(info.layout))
         self.producers[node.peer] = node
+        self._nodes.append(node)
         return node
 
     def add_consumer(self, info: RankInfo, config: ConsumerConfig | None = None,
@@ -223,6 +226,7 @@ class InMemoryNetwork:
         node = ConsumerNode(self, Consumer(info, config),
                             memory if memory is not None else region_memory(info.layout))
         self.consumers[node.peer] = node
+        self._nodes.append(node)
         return node
 
     def handshake(self) -> None:
@@ -267,7 +271,7 @@ class InMemoryNetwork:
 
     def _advance_to(self, t: float) -> None:
         """Move the clock to ``t``, enforcing the transit and write bounds on the way."""
-        while True:
+        while self._bounded:
             overdue = [i for i in self.pending if self._due(i) <= t]
             if not overdue:
                 break
@@ -376,10 +380,9 @@ class InMemoryNetwork:
     def _check_destination(self, dst: ConsumerNode, transfer_id: str, attempt: int,
                            plan: TransferPlan) -> None:
         lo = dst.info.layout
-        lent = dst.endpoint.lent_blocks()
-        allowed = set(dst.endpoint.blocks_of(transfer_id, attempt))
+        allowed = dst.endpoint.blocks_of(transfer_id, attempt)
         for b in touched_blocks(plan, lo.stride, 1):
-            if lent.get(b) != transfer_id:
+            if dst.endpoint.lent_to(b) != transfer_id:
                 self.violations.append(
                     f"write of {transfer_id}#{attempt} lands in block {b} not lent to it")
             elif b not in allowed:
@@ -389,16 +392,16 @@ class InMemoryNetwork:
     # ---------------------------------------------------------------- time
 
     def fire_timers(self) -> None:
-        for node in (*self.producers.values(), *self.consumers.values()):
-            if not node.alive:
-                continue
-            d = node.endpoint.next_deadline()  # type: ignore[attr-defined]
-            if d is not None and d <= self.now:
-                node.apply(node.endpoint.handle_timer(self.now))  # type: ignore[attr-defined]
+        now = self.now
+        for node in self._nodes:
+            if node.alive:
+                d = node.endpoint.next_deadline()  # type: ignore[attr-defined]
+                if d is not None and d <= now:
+                    node.apply(node.endpoint.handle_timer(now))  # type: ignore[attr-defined]
 
     def next_deadline(self) -> float | None:
         ds = [
-            d for n in (*self.producers.values(), *self.consumers.values()) if n.alive
+            d for n in self._nodes if n.alive
             if (d := n.endpoint.next_deadline()) is not None  # type: ignore[attr-defined]
         ]
         return min(ds) if ds else None

@@ -14,8 +14,8 @@ def spec(name, tp, heads, pp=1, layers=8, mla=False):
 
 
 def valid_tp(heads):
-    return st.sampled_from([t for t in (1, 2, 4, 8, 16) if t <= heads and heads % t == 0
-                            or t > heads and t % heads == 0])
+    return st.sampled_from([t for t in (1, 2, 4, 8, 16) if (t <= heads and heads % t == 0)
+                            or (t > heads and t % heads == 0)])
 
 
 @st.composite

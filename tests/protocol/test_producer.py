@@ -56,7 +56,7 @@ def test_either_order_issues_the_same_write(pair):
 
 def test_newer_registration_waits_for_the_write_in_flight(pair):
     (p,) = pair.p
-    (w0,) = of(p.receive(reg(0), 0.0) + p.prefill_finished("t", [7, 8, 9], 40, 0.0), IssueWrite)
+    (_w0,) = of(p.receive(reg(0), 0.0) + p.prefill_finished("t", [7, 8, 9], 40, 0.0), IssueWrite)
     assert p.receive(reg(1, blocks=(4, 5, 6)), 0.1) == []  # fenced behind attempt 0
     assert p.leg_state("t", D0) is ProducerState.SUPERSEDED
     out = p.write_completed("t", 0, D0, True, 0.2)

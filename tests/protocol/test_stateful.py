@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
-    consumes,
     initialize,
     invariant,
     multiple,
@@ -230,10 +229,10 @@ class Protocol(RuleBasedStateMachine):
                     if "D" not in self.dead:
                         self.c_free += blocks
         for t in self.model.values():
-            if t.src is not None and not t.done and "P" not in self.dead:
-                if all(p.released[t.tid] >= 1 for p in self.net.producers.values()):
-                    t.done = True
-                    self.p_free += t.src
+            if (t.src is not None and not t.done and "P" not in self.dead
+                    and all(p.released[t.tid] >= 1 for p in self.net.producers.values())):
+                t.done = True
+                self.p_free += t.src
 
     # ---------------------------------------------------------- invariants
 

@@ -42,7 +42,7 @@ PS, PI, CS, CI = ProducerState, ProducerInput, ConsumerState, ConsumerInput
 @pytest.mark.parametrize("inp", list(PI))
 def test_producer_table_pair(state, inp):
     if (state, inp) in PRODUCER_TABLE:
-        effect, nxt = producer_step(state, inp)
+        _effect, nxt = producer_step(state, inp)
         assert isinstance(nxt, PS)
         if state in PRODUCER_TERMINAL:
             assert nxt == state, "terminal states are final"
