@@ -546,10 +546,11 @@ class Consumer:
 
     def next_deadline(self) -> float | None:
         """Earliest time at which :meth:`handle_timer` may have work (maybe spurious)."""
-        cands = [self._timers[0][0]] if self._timers else []
-        if self._next_heartbeat is not None:
-            cands.append(self._next_heartbeat)
-        return min(cands) if cands else None
+        hb = self._next_heartbeat
+        if self._timers:
+            first = self._timers[0][0]
+            return first if hb is None or first < hb else hb
+        return hb
 
     def handle_timer(self, now: float) -> list[Action]:
         return self._run_timers(now)

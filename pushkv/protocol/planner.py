@@ -265,8 +265,8 @@ def _small_plan(
         except TypeError:
             raise PlanError(f"{side} block ids must be a flat list of ints") from None
         _check_ids(side, lo, len(ids), low, high, n)
-    bs, tb = src.block_size, src.token_bytes
-    s_stride, d_stride = src.stride, dst.stride
+    bs, tb, s_stride, s_region = _geometry(src)
+    _, _, d_stride, d_region = _geometry(dst)
     cands = []
     for b in range(first // bs, -(-n // bs)):
         start = first if first > b * bs else b * bs
@@ -283,11 +283,17 @@ def _small_plan(
         else:
             runs.append([so, do, ln])
         src_end, dst_end = max(src_end, so + ln), max(dst_end, do + ln)
-    if src_end > src.region_bytes:
+    if src_end > s_region:
         raise PlanError("plan would read outside the source region")
-    if dst_end > dst.region_bytes:
+    if dst_end > d_region:
         raise PlanError("plan would write outside the destination region")
     return np.array(runs, dtype=np.int64).reshape(-1, 3)
+
+
+@lru_cache(maxsize=256)
+def _geometry(layout: KVLayout) -> tuple[int, int, int, int]:
+    """(block size, token bytes, block stride, region bytes) of a layout."""
+    return layout.block_size, layout.token_bytes, layout.stride, layout.region_bytes
 
 
 def _block_runs(

@@ -36,7 +36,7 @@ from .events import (
     sender_of,
 )
 from .layout import RankInfo
-from .mapping import assignment, expected_writers, targets_of
+from .mapping import Assignment, expected_writers, targets_of
 from .messages import (
     Cancel,
     CancelAck,
@@ -129,6 +129,7 @@ class Producer:
         self._peers: dict[Peer, RankInfo] = {}
         self._targets: dict[str, tuple[Peer, ...]] = {}  # consumer engine -> legs to write
         self._target_set: set[Peer] = set()
+        self._assigned: dict[Peer, Assignment] = {}  # what this rank writes into each
         self._transfers: dict[str, _Transfer] = {}
         self._tombstones: OrderedDict[str, tuple[int, Kv, bool]] = OrderedDict()
         self._timers: list[tuple[float, int, str]] = []
@@ -147,11 +148,12 @@ class Producer:
         ):
             raise ConfigError("consumer KV element shape differs from the producer's")
         self._peers[Peer(info.engine_id, info.rank)] = info
+        assigned = targets_of(self.info.engine, info.engine, self.peer.rank)
         self._targets[info.engine_id] = targets = tuple(
-            Peer(info.engine_id, a.dst_rank)
-            for a in targets_of(self.info.engine, info.engine, self.peer.rank)
+            Peer(info.engine_id, a.dst_rank) for a in assigned
         )
         self._target_set.update(targets)
+        self._assigned.update(zip(targets, assigned, strict=True))
 
     def peer_died(self, engine_id: str, now: float) -> list[Action]:
         """The transport lost ``engine_id``: its legs end, its writes fence themselves."""
@@ -160,6 +162,7 @@ class Producer:
             del self._peers[peer]
         for p in self._targets.pop(engine_id, ()):
             self._target_set.discard(p)
+            self._assigned.pop(p, None)
         for t in list(self._transfers.values()):
             for leg in list(t.legs.values()):
                 if leg.peer.engine_id == engine_id:
@@ -594,7 +597,7 @@ class Producer:
             plan = plan_transfer(
                 self.info.layout,
                 info.layout,
-                assignment(self.info.engine, info.engine, self.peer.rank, leg.peer.rank),
+                self._assigned[leg.peer],
                 t.src_ids,
                 reg.block_ids,
                 reg.num_tokens,
@@ -622,32 +625,41 @@ class Producer:
 
     def _settle(self, t: _Transfer, now: float) -> list[Action]:
         """Rule 4 (release exactly once) and forgetting finished transfers."""
+        kv = t.kv
+        if kv is Kv.PENDING:
+            return []
         out: list[Action] = []
-        legs = t.legs.values()
-        if t.kv is Kv.HELD and not any(leg.state in PRODUCER_WRITING for leg in legs):
-            finished = False
+        legs = t.legs
+        if kv is Kv.HELD:
+            for leg in legs.values():
+                if leg.state in PRODUCER_WRITING:
+                    return out
             if t.final or t.expired or t.aborted:
                 finished = True
-            elif t.consumer_engine is not None:
+            elif t.consumer_engine is None:
+                finished = False
+            else:
                 targets = self._targets.get(t.consumer_engine)
-                if targets is not None:
-                    finished = all(
-                        (leg := t.legs.get(p)) is not None and leg.state in PRODUCER_TERMINAL
-                        for p in targets
-                    )
-                else:  # the consumer engine is gone
-                    finished = all(leg.state in PRODUCER_TERMINAL for leg in legs)
-            if finished:
-                t.kv = Kv.RELEASED
-                self.stats["released"] += 1
-                out.append(ReleaseSource(transfer_id=t.transfer_id, block_ids=t.src_ids))
-                for leg in list(legs):  # parked legs end with the source
-                    if leg.state is PS.KV_READY:
-                        leg.state = PS.EXPIRED if t.expired else PS.CANCELLED
-        if t.kv in (Kv.RELEASED, Kv.ABORTED) and all(
-            leg.state in PRODUCER_TERMINAL for leg in t.legs.values()
-        ):
-            self._forget(t)
+                finished = True
+                if targets is None:  # the consumer engine is gone
+                    targets = tuple(legs)
+                for p in targets:
+                    leg = legs.get(p)
+                    if leg is None or leg.state not in PRODUCER_TERMINAL:
+                        finished = False
+                        break
+            if not finished:
+                return out
+            t.kv = kv = Kv.RELEASED
+            self.stats["released"] += 1
+            out.append(ReleaseSource(transfer_id=t.transfer_id, block_ids=t.src_ids))
+            for leg in legs.values():  # parked legs end with the source
+                if leg.state is PS.KV_READY:
+                    leg.state = PS.EXPIRED if t.expired else PS.CANCELLED
+        for leg in legs.values():
+            if leg.state not in PRODUCER_TERMINAL:
+                return out
+        self._forget(t)
         return out
 
     def _forget(self, t: _Transfer) -> None:

@@ -19,8 +19,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -78,17 +77,20 @@ def touched_blocks(plan: TransferPlan, stride: int, side: int) -> set[int]:
     return out
 
 
-@dataclass(order=True)
-class Item:
-    """Something in flight: a frame, a write, a read or a completion."""
+class Item(NamedTuple):
+    """Something in flight: a frame, a write, a read or a completion.
+
+    A tuple ordered by (due time, sequence number) -- compared in C, so the
+    pending heap stays cheap; the sequence number is unique, so later fields
+    are never compared."""
 
     at: float
     seq: int
-    kind: str = field(compare=False)  # "frame" | "write" | "read" | "done" | "death"
-    sent: float = field(compare=False)
-    src: Peer | None = field(compare=False)
-    dst: Peer | str = field(compare=False)
-    payload: Any = field(compare=False)
+    kind: str  # "frame" | "write" | "read" | "done" | "death"
+    sent: float
+    src: Peer | None
+    dst: Peer | str
+    payload: Any
 
 
 class Node:
