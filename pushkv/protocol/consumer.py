@@ -139,7 +139,7 @@ class Consumer:
             for z in list(t.zombies.values()):
                 z.fenced |= z.expected
                 out += self._settle_zombie(t, z)
-            if t.state not in CONSUMER_TERMINAL and t.state is not CS.PREEMPTED:
+            if t.state not in CONSUMER_TERMINAL:
                 out += self._input(t, CI.PEER_DIED, now, ranks=t.cur.expected)
             self._maybe_forget(t)
         return out
@@ -452,6 +452,11 @@ class Consumer:
             t.reason = ""
             self._lend(t, t.cur)
             return self._start_attempt(t, now)
+        if effect is CE.REPORT_FAILED:
+            self.stats["failed"] += 1
+            t.reason = t.reason or f"producer engine {t.producer!r} died"
+            return [TransferFailed(transfer_id=tid, attempt=cur.attempt, reason=t.reason,
+                                   policy=self.config.policy)]
         if effect is CE.FINAL_CANCEL_RELEASED:
             self.stats["cancelled"] += 1
             return [*self._final_cancel(t),

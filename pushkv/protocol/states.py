@@ -166,6 +166,7 @@ class ConsumerEffect(enum.Enum):
     REGISTER = "register"  #: register a new attempt
     ZOMBIFY_AND_REGISTER = "zombify+register"  #: old attempt keeps its fence
     FINAL_CANCEL_RELEASED = "final cancel+cancelled"  #: blocks already released
+    REPORT_FAILED = "failed"  #: blocks already released: only report the failure
 
 
 P, PI, PE = ProducerState, ProducerInput, ProducerEffect
@@ -277,6 +278,7 @@ CONSUMER_TABLE: dict[
     (C.PREEMPTED, CI.REISSUE): (CE.REGISTER, C.REGISTERED),
     (C.PREEMPTED, CI.ABORT): (CE.FINAL_CANCEL_RELEASED, C.CANCELLED),
     (C.PREEMPTED, CI.PREEMPT): (CE.NONE, C.PREEMPTED),
+    (C.PREEMPTED, CI.PEER_DIED): (CE.REPORT_FAILED, C.FAILED),  # its source died with it
     (C.CANCELLING, CI.FENCED): (CE.RELEASE_CANCELLED, C.CANCELLED),
     (C.CANCELLING, CI.HARD_DEADLINE): (CE.RELEASE_CANCELLED, C.CANCELLED),
     (C.CANCELLING, CI.ABORT): (CE.NONE, C.CANCELLING),

@@ -216,3 +216,15 @@ def test_pull_read_failure_waits_for_the_other_read(two_writers):
     out = c.read_completed("t", 0, Peer("P", 1), True, 0.2)
     assert of(out, TransferFailed) and of(out, ReleaseDestination)
     assert all(m.final for m in msgs(out, Cancel))  # producers may drop the source
+
+
+def test_producer_death_while_preempted_fails_the_request(two_writers):
+    _, c = two_writers
+    c.register("t", "P", [1, 2, 3], 40, 0.0)
+    c.preempt("t", 0.1)
+    c.receive(ack(0), 0.2)
+    c.receive(ack(1), 0.2)
+    out = c.peer_died("P", 0.5)
+    (f,) = of(out, TransferFailed)
+    assert "died" in f.reason and not of(out, ReleaseDestination)  # released before
+    assert c.num_transfers == 0

@@ -152,3 +152,11 @@ def test_unplannable_requests_are_rejected(kwargs, match):
     with pytest.raises(PlanError, match=match):
         plan_transfer(src, args["dst"], a, args["s_ids"], args["d_ids"], args["n"],
                       args["first"])
+
+
+def test_empty_token_range_plans_nothing():
+    lo = layout()
+    a = Assignment(src_rank=0, dst_rank=0, layers=range(2), heads=((0, 0, 2),))
+    for first in (0, 5, 8):
+        plan = plan_transfer(lo, lo, a, (0, 1), (2, 3), first, first)
+        assert plan.descriptor_count == 0 and plan.nbytes == 0
