@@ -644,8 +644,8 @@ class Producer:
                 if targets is None:  # the consumer engine is gone
                     targets = tuple(legs)
                 for p in targets:
-                    leg = legs.get(p)
-                    if leg is None or leg.state not in PRODUCER_TERMINAL:
+                    target = legs.get(p)
+                    if target is None or target.state not in PRODUCER_TERMINAL:
                         finished = False
                         break
             if not finished:
