@@ -375,7 +375,9 @@ class Consumer:
         block_ids: tuple[int, ...] = (),
     ) -> list[Action]:
         effect, nxt = consumer_step(t.state, inp)
-        t.state = nxt
+        before, t.state = t.state, nxt
+        if nxt in CONSUMER_FENCING and before not in CONSUMER_FENCING:
+            self._schedule(t.cur.hard, t.transfer_id)
         out = self._effect(t, effect, inp, now, ranks, block_ids)
         # Derived inputs (rules 6 and 7), fed whichever input completed them.
         if t.state is CS.REGISTERED and t.cur.notified >= t.cur.expected:
@@ -448,6 +450,7 @@ class Consumer:
                 raise LocalProtocolError("producer engine is gone", transfer_id=tid)
             if effect is CE.ZOMBIFY_AND_REGISTER:
                 t.zombies[cur.attempt] = cur
+                self._schedule(cur.hard, tid)
             t.cur = self._attempt(cur.attempt + 1, block_ids, t.producer, now)
             t.reason = ""
             self._lend(t, t.cur)
@@ -472,8 +475,7 @@ class Consumer:
 
     def _start_attempt(self, t: _Transfer, now: float) -> list[Action]:
         cur = t.cur
-        self._schedule(cur.deadline, t.transfer_id)
-        self._schedule(cur.hard, t.transfer_id)
+        self._schedule(cur.deadline, t.transfer_id)  # the hard deadline is armed on fencing
         if self._next_heartbeat is None:
             self._next_heartbeat = now + self.config.heartbeat_s
         if t.mode is Mode.PUSH:

@@ -109,6 +109,7 @@ class _Transfer:
     src_ids: tuple[int, ...] = ()
     num_tokens: int = 0
     lease: float = float("inf")
+    lease_armed: float = float("inf")  # when the scheduled lease timer fires
     orphan: float = float("inf")  # while KV is pending: forget after this
     legs: dict[Peer, _Leg] = field(default_factory=dict)
     consumer_engine: str | None = None
@@ -236,7 +237,8 @@ class Producer:
             tomb = self._tombstones.get(msg.transfer_id)
             if tomb is not None:
                 return self._answer_tombstone(msg, peer, tomb)
-            t = self._new_orphan(msg.transfer_id, now)
+            # The registration's own deadline bounds this entry, so no orphan timer.
+            t = self._new_orphan(msg.transfer_id, now, arm=False)
             if t is None:
                 return [self._fail(peer, msg.transfer_id, msg.attempt, FailReason.OVERLOADED)]
         if t.mode is Mode.PULL:
@@ -316,13 +318,10 @@ class Producer:
             if t is None or t.consumer_engine not in (None, msg.engine_id):
                 continue
             self.stats["renewed"] += 1
-            if t.kv is Kv.HELD:
-                renewed = now + self.config.lease_s * self.config.renew_fraction
-                if renewed > t.lease:
-                    t.lease = renewed
-                    self._schedule(t.lease, transfer_id)
+            if t.kv is Kv.HELD:  # the armed timer finds the later lease and re-arms
+                t.lease = max(t.lease, now + self.config.lease_s * self.config.renew_fraction)
             elif t.kv is Kv.PENDING:
-                self._touch_orphan(t, now)
+                t.orphan = max(t.orphan, now + self.config.orphan_ttl_s)
 
     def _on_read_done(self, msg: ReadDone, now: float) -> list[Action]:
         peer = Peer(msg.engine_id, msg.rank)
@@ -383,8 +382,7 @@ class Producer:
             self._orphans -= 1
         t.mode, t.kv, t.src_ids, t.num_tokens = mode, Kv.HELD, ids, num_tokens
         t.orphan = float("inf")
-        t.lease = now + self.config.lease_s
-        self._schedule(t.lease, transfer_id)
+        t.lease = now + self.config.lease_s  # armed by _settle if the source stays held
         if mode is Mode.PULL:
             out.append(Publish(transfer_id=transfer_id, block_ids=ids, num_tokens=num_tokens))
         for leg in list(t.legs.values()):
@@ -455,14 +453,18 @@ class Producer:
                 PS.SUPERSEDED,
             ):
                 out += self._input(t, leg, PI.DEADLINE, now)
+        if t.kv is Kv.HELD and t.lease_armed <= now:
+            t.lease_armed = float("inf")  # fired; _settle re-arms for a renewed lease
         if t.kv is Kv.HELD and t.lease <= now and not t.expired:
             t.expired = True
             self.stats["lease_expired"] += 1
             for leg in list(t.legs.values()):
                 out += self._input(t, leg, PI.LEASE_EXPIRED, now)
-        if t.kv is Kv.PENDING and t.orphan <= now and not any(
-            leg.state in (PS.REGISTERED, PS.SUPERSEDED) for leg in t.legs.values()
-        ):
+        waiting = any(leg.state in (PS.REGISTERED, PS.SUPERSEDED) for leg in t.legs.values())
+        if t.kv is Kv.PENDING and not waiting:
+            if t.orphan > now:  # nobody is registered: keep it only until the orphan TTL
+                self._schedule(t.orphan, t.transfer_id)
+                return out
             for leg in list(t.legs.values()):
                 if leg.state is PS.EMPTY:
                     out += self._input(t, leg, PI.DEADLINE, now)
@@ -470,7 +472,7 @@ class Producer:
             return out
         return out + self._settle(t, now)
 
-    def _new_orphan(self, transfer_id: str, now: float) -> _Transfer | None:
+    def _new_orphan(self, transfer_id: str, now: float, *, arm: bool = True) -> _Transfer | None:
         """A transfer a peer speaks of before prefill finished; None when full."""
         limit = self.config.max_pending_registrations
         if self._orphans >= limit or self._pending_regs >= limit:
@@ -478,12 +480,10 @@ class Producer:
             return None
         t = self._transfers[transfer_id] = _Transfer(transfer_id)
         self._orphans += 1
-        self._touch_orphan(t, now)
-        return t
-
-    def _touch_orphan(self, t: _Transfer, now: float) -> None:
         t.orphan = now + self.config.orphan_ttl_s
-        self._schedule(t.orphan, t.transfer_id)
+        if arm:
+            self._schedule(t.orphan, transfer_id)
+        return t
 
     # ---------------------------------------------------------- transitions
 
@@ -633,7 +633,7 @@ class Producer:
         if kv is Kv.HELD:
             for leg in legs.values():
                 if leg.state in PRODUCER_WRITING:
-                    return out
+                    return out  # settled again when the write completes
             if t.final or t.expired or t.aborted:
                 finished = True
             elif t.consumer_engine is None:
@@ -649,6 +649,9 @@ class Producer:
                         finished = False
                         break
             if not finished:
+                if t.lease < t.lease_armed:  # rule 5: a lease timer while the source idles
+                    t.lease_armed = t.lease
+                    self._schedule(t.lease, t.transfer_id)
                 return out
             t.kv = kv = Kv.RELEASED
             self.stats["released"] += 1

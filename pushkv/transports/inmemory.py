@@ -271,7 +271,7 @@ class InMemoryNetwork:
     def _due(self, item: Item) -> float:
         return item.sent + self.bounds.get(item.kind, float("inf"))
 
-    def _advance_to(self, t: float) -> None:
+    def _advance_to(self, t: float, *, force: bool = False) -> None:
         """Move the clock to ``t``, enforcing the transit and write bounds on the way."""
         while self._bounded:
             overdue = [i for i in self.pending if self._due(i) <= t]
@@ -287,8 +287,9 @@ class InMemoryNetwork:
                 self.stats["frames_expired"] += 1
             else:
                 self._execute(item)
-        self.now = max(self.now, t)
-        self.fire_timers()
+        if t > self.now or force:
+            self.now = max(self.now, t)
+            self.fire_timers()
 
     def duplicate(self, index: int) -> None:
         """Send a copy of a pending frame (writes and completions are not duplicated)."""
@@ -410,7 +411,11 @@ class InMemoryNetwork:
 
     def run(self, until: float | None = None, max_items: int = 1_000_000) -> None:
         """Deliver items in time order, firing timers, until idle or ``until``."""
+        pending = self.pending
         for _ in range(max_items):
+            if not self.hold and pending and pending[0].at <= self.now:
+                self._execute(heapq.heappop(pending))  # due now: no clock move, no timer
+                continue
             nxt_item = min(self.pending).at if self.hold and self.pending else (
                 self.pending[0].at if self.pending else None)
             nxt_timer = self.next_deadline()
@@ -424,9 +429,9 @@ class InMemoryNetwork:
                 idx = self.pending.index(min(self.pending)) if self.hold else 0
                 self.deliver(idx)
             else:
-                self._advance_to(t)
+                self._advance_to(t, force=True)
         if until is not None:
-            self._advance_to(until)
+            self._advance_to(until, force=True)
 
     def advance(self, dt: float) -> None:
         """Run for ``dt`` of simulated time, delivering what falls due."""
