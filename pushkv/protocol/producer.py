@@ -144,6 +144,11 @@ class Producer:
         """Accept a consumer rank's handshake. Raises ConfigError if incompatible."""
         info.validate()
         expected_writers(self.info.engine, info.engine, info.rank)  # compatibility
+        known = self._peers.get(Peer(info.engine_id, info.rank))
+        if known is not None and known != info:
+            # Same name, other memory: a restarted engine must use a new engine id, or
+            # old registrations could land in the new incarnation's memory.
+            raise ConfigError(f"{info.engine_id!r} rank {info.rank} changed its layout")
         if info.layout.head_dim != self.info.layout.head_dim or (
             info.layout.dtype_bytes != self.info.layout.dtype_bytes
         ):

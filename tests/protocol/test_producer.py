@@ -254,3 +254,14 @@ def test_pull_publishes_and_releases_after_every_reader():
     assert not of(p.receive(done[0], 0.1), ReleaseSource)
     assert p.receive(done[0], 0.1) == []  # duplicate
     assert of(p.receive(done[1], 0.2), ReleaseSource)
+
+
+def test_a_peer_cannot_change_its_memory_under_the_same_name(pair):
+    from pushkv.protocol import Hello, uniform_ranks
+
+    (p,) = pair.p
+    other = uniform_ranks("D", num_blocks=128)[0]
+    out = p.receive(Hello(info=other), 0.0)
+    assert "changed its layout" in str(of(out, Rejected)[0].error)
+    p.receive(Hello(info=pair.c[0].info), 0.0)  # the same announcement again is fine
+    assert p.stats["rejected"] == 1
