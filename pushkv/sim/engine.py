@@ -234,10 +234,10 @@ class DecodeEngine(_Loop):
         return len(self.waiting) + len(self.holding) + len(self.running)
 
     def submit(self, req: SimRequest) -> None:
-        if not self.alive:
+        req.decode = self.engine_id
+        if not self.alive:  # the connection is refused
             self.recorder.finish(req, error=f"decode instance {self.engine_id} is down")
             return
-        req.decode = self.engine_id
         self._by_tid[req.transfer_id] = req
         self.waiting.append(req)
         self.poke()
