@@ -77,7 +77,7 @@ class Row:
 
 
 def _fmt(x: float) -> str:
-    return f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def evaluate(results: Mapping[str, Mapping[str, Any]]) -> list[Row]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -309,6 +310,9 @@ def dispatch(args: argparse.Namespace) -> int:
         return run(args)
     except (*_ERRORS, PlotError) as exc:
         parser.error(str(exc))
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except OSError as exc:
         parser.error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
     return 2  # pragma: no cover - parser.error exits

@@ -121,7 +121,10 @@ class EngineProfile:
         FIT,
     )
     prefix_hit_fraction: float = _f(
-        0.0, "fraction of each prompt found in this engine's prefix cache", CAL_CHECK
+        0.0,
+        "fraction of each prompt found in this engine's prefix cache",
+        FIT + " on prefill, the assumption " + CAL_CHECK + " asks for; 0 on decode "
+        "(--no-enable-prefix-caching, " + CAL_POST + ")",
     )
     fragmentation: float = _f(
         0.05,
@@ -337,3 +340,13 @@ def describe(profile: Profile) -> list[tuple[str, Any, str, str]]:
 
     walk(profile, "")
     return rows
+
+
+def markdown(profile: Profile = DEFAULT) -> str:
+    """The profile as a table: parameter, value, meaning, source."""
+    lines = ["| parameter | value | meaning | source |", "|---|---|---|---|"]
+    for name, value, help_text, source in describe(profile):
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        lines.append(f"| `{name}` | {shown} | {help_text} | {source} |")
+    return "\n".join(lines)
+

@@ -77,13 +77,14 @@ def test_transfer_is_descriptor_bound_for_small_and_byte_bound_for_large() -> No
     assert read > big
 
 
-@pytest.mark.parametrize(("size", "gbps"), [(64 << 10, 97), (128 << 10, 191), (512 << 10, 358),
+@pytest.mark.parametrize(("size", "gbps"), [(64 << 10, 97), (128 << 10, 191), (256 << 10, 325),
+                                            (512 << 10, 358),
                                             (1 << 20, 353), (2 << 20, 367)])
 def test_wire_model_follows_the_mooncake_table(size: int, gbps: float) -> None:
-    """Node WRITE bandwidth by descriptor size within 15% of the measured table."""
+    """Node WRITE bandwidth by descriptor size within 13% of the measured table."""
     n = DEFAULT.network
     count = 1000
     t = costs.transfer_s(n, count * size, count, read=False) - n.wire_latency_s
     node_bw = count * size * n.gpus_per_node / t
-    assert node_bw == pytest.approx(gbps * 1e9, rel=0.15)
+    assert node_bw == pytest.approx(gbps * 1e9, rel=0.13)
     assert math.isfinite(node_bw)

@@ -68,3 +68,14 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
     bad.write_text("[model\nnum_layers = ")
     with pytest.raises(ProfileError, match="malformed TOML"):
         load_profile(bad)
+
+
+def test_the_example_profile_in_the_docs_loads(tmp_path: Path) -> None:
+    doc = Path(__file__).resolve().parents[2] / "docs" / "sim.md"
+    text = doc.read_text()
+    start = text.index("```toml\n") + len("```toml\n")
+    example = tmp_path / "example.toml"
+    example.write_text(text[start:text.index("```", start)])
+    p = load_profile(example)
+    assert p.model.num_layers == 80
+    assert p.network.descriptor_rate == 4e6
