@@ -113,8 +113,11 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
     router_ref.append(router)
 
     reqs = [SimRequest(spec=s, transfer_id=f"req-{s.index}") for s in specs]
+    def arrive_at(req: SimRequest) -> None:
+        env.timeout(req.arrival).callbacks.append(lambda _: router.arrive(req))
+
     for r in reqs:
-        env.timeout(r.arrival).callbacks.append(lambda _, r=r: router.arrive(r))
+        arrive_at(r)
     _schedule_faults(env, cfg, transport, prefills, decodes)
 
     try:

@@ -130,7 +130,7 @@ def run_sweep(
     results: Iterable[PointResult]
     bar: Any = None
     if progress:
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]
 
         bar = tqdm(total=len(order), unit="point", desc="sweep", dynamic_ncols=True)
     paths: list[Path] = []

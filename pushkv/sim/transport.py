@@ -28,7 +28,7 @@ producer and rank 0 of a TP-``n`` consumer stand for the whole engine.
 from __future__ import annotations
 
 import random
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
@@ -110,7 +110,8 @@ class SimTransport:
         self.stats: Counter[str] = Counter()
         self.rejected: list[Rejected] = []
         self.descriptors: list[int] = []  #: descriptor count of every transfer issued
-        self.post_s_by_thread: Counter[str] = Counter()  #: "decode-loop", "prefill-bg", ...
+        #: posting seconds by thread: "decode-loop", "decode-bg", "prefill-bg"
+        self.post_s_by_thread: defaultdict[str, float] = defaultdict(float)
 
     # ------------------------------------------------------------------ set-up
 
