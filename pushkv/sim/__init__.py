@@ -1,11 +1,14 @@
 """A SimPy timing model of pull vs push KV transfer, driving the real protocol endpoints.
 
-Importing this package needs ``simpy`` and ``numpy`` (``pip install pushkv[sim]``);
-plotting also needs ``matplotlib`` and sweeps ``tqdm``, imported where used.
+Configuration (profiles, scenarios, workloads) and the command line import
+with numpy alone; running a simulation needs ``simpy``, plotting
+``matplotlib`` and sweeps ``tqdm`` (``pip install pushkv[sim]``), each
+imported where used.
 """
 
+from typing import Any
+
 from .profile import DEFAULT, Profile, ProfileError, load_profile
-from .run import RunResult, SimulationError, run
 from .scenario import (
     ConfigError,
     Dispatch,
@@ -22,3 +25,12 @@ __all__ = [
     "ProtocolSettings", "RouterPolicy", "RunResult", "SimConfig", "SimulationError",
     "TransferMode", "WorkloadConfig", "WorkloadError", "load_profile", "run",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``run``, ``RunResult`` and ``SimulationError`` load SimPy on first use."""
+    if name in ("run", "RunResult", "SimulationError"):
+        from . import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

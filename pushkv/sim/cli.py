@@ -174,7 +174,7 @@ def _base_config(args: argparse.Namespace) -> SimConfig:
 
 def _cmd_sim(args: argparse.Namespace) -> int:
     from .metrics import summary_table
-    from .run import run
+    from .runner import run
 
     mode, default_dispatch = parse_mode(args.mode)
     base = _base_config(args)
@@ -310,6 +310,10 @@ def dispatch(args: argparse.Namespace) -> int:
         return run(args)
     except (*_ERRORS, PlotError) as exc:
         parser.error(str(exc))
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("simpy", "matplotlib", "tqdm"):
+            raise
+        parser.error(f"this command needs {exc.name}: pip install 'pushkv[sim]'")
     except BrokenPipeError:  # the reader went away (``| head``): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -1,6 +1,6 @@
 """A grid of runs (modes x input lengths x rates x iterations), in parallel processes.
 
-Each point is one :func:`~pushkv.sim.run.run` and one result file named as the
+Each point is one :func:`~pushkv.sim.runner.run` and one result file named as the
 post's benchmark script names them, so :mod:`pushkv.sim.plot` reads simulated
 and real sweeps alike. Workers are started with ``spawn`` (safe everywhere,
 no inherited state); the parent writes every file, in a fixed order.
@@ -94,7 +94,7 @@ class PointResult:
 
 def run_point(cfg: SimConfig) -> PointResult:
     """Run one point (a top-level function, so ``spawn`` workers can import it)."""
-    from .run import run
+    from .runner import run
 
     r = run(cfg)
     return PointResult(cfg.file_name(), json.dumps(r.result), r.wall_s, cfg.workload.num_prompts)

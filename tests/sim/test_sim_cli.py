@@ -110,3 +110,16 @@ def test_sweep_then_plot_from_the_command_line(
     for metric in ("ttft", "tpot"):
         assert main(["plot", "--results-dir", str(out), "--metric", metric]) == 0
         assert (out / f"{metric}.png").stat().st_size > 10_000
+
+
+def test_registering_the_commands_needs_neither_simpy_nor_matplotlib() -> None:
+    """The ``pushkv`` entry point can add these commands without the sim extra."""
+    import subprocess
+    import sys
+
+    code = ("import sys, argparse; from pushkv.sim.cli import register; "
+            "register(argparse.ArgumentParser().add_subparsers()); "
+            "print(sorted(m for m in ('simpy', 'matplotlib', 'tqdm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]"
