@@ -1,0 +1,131 @@
+"""The published figures the default profile must reproduce, and the comparison table.
+
+Targets are the vLLM blog's numbers as recorded in CALIBRATION.md ("The
+published result"). A target is read from result files of one sweep (the
+default grid), so the table in ``docs/sim.md`` and the calibration test use
+the same points::
+
+    python -m pushkv.sim.calibration --results-dir results/sim
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .scenario import SimConfig
+from .sweep import SweepSpec, configs
+
+TOLERANCE = 0.20  #: every headline figure within 20%
+LOW_LOAD_GAP = 0.10  #: pull and push TTFT within 10% at low load and short prompts
+LOW_LOAD = ((1.0, 1024), (1.0, 2048), (2.0, 1024), (2.0, 2048))
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A published number: ``metric`` of ``mode`` averaged over the listed points."""
+
+    name: str
+    mode: str
+    metric: str
+    points: tuple[tuple[float, int], ...]  #: (request rate, input length)
+    post: float
+    shown: str = ""  #: how the post states it, when not a single number
+
+    def value(self, results: Mapping[str, Mapping[str, Any]]) -> float:
+        vals = [float(results[_name(self.mode, q, n)][self.metric]) for q, n in self.points]
+        return sum(vals) / len(vals)
+
+
+TARGETS = (
+    Target("TTFT, 8 QPS, 16k input, pull (ms)", "pull", "mean_ttft_ms", ((8.0, 16384),), 1744.0),
+    Target("TTFT, 8 QPS, 16k input, push (ms)", "push", "mean_ttft_ms", ((8.0, 16384),), 540.0),
+    Target("TPOT, light load (1 QPS, 1k), pull (ms)", "pull", "mean_tpot_ms",
+           ((1.0, 1024),), 5.7, "5.6-5.8"),
+    Target("TPOT, light load (1 QPS, 1k), push (ms)", "push", "mean_tpot_ms",
+           ((1.0, 1024),), 5.7, "5.6-5.8"),
+    Target("TPOT, 4-8 QPS, 16k input, pull (ms)", "pull", "mean_tpot_ms",
+           ((4.0, 16384), (8.0, 16384)), 10.4),
+    Target("TPOT, 4-8 QPS, 16k input, push (ms)", "push", "mean_tpot_ms",
+           ((4.0, 16384), (8.0, 16384)), 7.0),
+)
+
+
+def _name(mode: str, qps: float, input_len: int, output_len: int = 128) -> str:
+    return f"{mode}_qps{qps:g}_in{input_len}_out{output_len}_iter0.json"
+
+
+def required_configs(base: SimConfig | None = None) -> list[SimConfig]:
+    """The points the targets read: a subset of the default sweep."""
+    wanted = {(t.mode, q, n) for t in TARGETS for q, n in t.points}
+    wanted |= {(m, q, n) for m in ("pull", "push") for q, n in LOW_LOAD}
+    return [c for c in configs(SweepSpec(), base)
+            if (c.mode.value, c.workload.request_rate, c.workload.input_len) in wanted]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    name: str
+    post: str
+    simulated: str
+    error: float  #: relative error, or the relative pull-push gap for low-load rows
+    ok: bool
+
+
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def evaluate(results: Mapping[str, Mapping[str, Any]]) -> list[Row]:
+    """Compare result files (by file name) with the published figures."""
+    rows = []
+    for t in TARGETS:
+        v = t.value(results)
+        err = v / t.post - 1.0
+        detail = ""
+        if len(t.points) > 1:
+            parts = [f"{float(results[_name(t.mode, q, n)][t.metric]):.1f} at {q:g} QPS"
+                     for q, n in t.points]
+            detail = f" ({', '.join(parts)})"
+        rows.append(Row(t.name, t.shown or _fmt(t.post), _fmt(v) + detail, err,
+                        abs(err) <= TOLERANCE))
+    for q, n in LOW_LOAD:
+        pull = float(results[_name("pull", q, n)]["mean_ttft_ms"])
+        push = float(results[_name("push", q, n)]["mean_ttft_ms"])
+        gap = pull / push - 1.0
+        rows.append(Row(f"TTFT, {q:g} QPS, {n // 1024}k input, pull vs push (ms)",
+                        "about equal", f"{pull:.1f} vs {push:.1f}", gap,
+                        abs(gap) <= LOW_LOAD_GAP))
+    return rows
+
+
+def load_results(results_dir: str | Path) -> dict[str, dict[str, Any]]:
+    return {p.name: json.loads(p.read_text()) for p in Path(results_dir).glob("*.json")}
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    lines = ["| figure | post | simulated | difference |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.name} | {r.post} | {r.simulated} | {r.error:+.0%} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pushkv.sim.calibration",
+                                description="Compare a default sweep with the post.")
+    p.add_argument("--results-dir", required=True, help="output of `pushkv sweep`")
+    args = p.parse_args(argv)
+    try:
+        rows = evaluate(load_results(args.results_dir))
+    except KeyError as exc:
+        p.error(f"missing result file {exc}: run the default `pushkv sweep` first")
+    print(markdown(rows))
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,339 @@
+"""``pushkv sim``, ``pushkv sweep`` and ``pushkv plot``.
+
+:func:`register` adds the three subcommands to an existing ``argparse``
+subparsers object; :func:`main` runs them on their own
+(``python -m pushkv.sim.cli sim --mode push ...``). Bad input -- a negative
+rate, an unknown mode, a missing or malformed profile -- ends with a
+one-line message and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..protocol import FailurePolicy
+from .profile import DEFAULT, Profile, ProfileError, load_profile
+from .scenario import (
+    ConfigError,
+    Dispatch,
+    FaultConfig,
+    ProtocolSettings,
+    RouterPolicy,
+    SimConfig,
+    TransferMode,
+)
+from .sweep import MODE_LABELS, SweepSpec, default_jobs, parse_mode
+from .workload import WorkloadConfig, WorkloadError
+
+_ERRORS = (ConfigError, ProfileError, WorkloadError)
+
+
+# ------------------------------------------------------------ value parsers
+
+
+def _number(text: str, *, integer: bool, low: float, inclusive: bool, allow_inf: bool) -> Any:
+    try:
+        value = int(text) if integer else float(text)
+    except ValueError:
+        kind = "an integer" if integer else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+    if isinstance(value, float) and math.isnan(value):
+        raise argparse.ArgumentTypeError("NaN is not allowed")
+    if math.isinf(value) and not allow_inf:
+        raise argparse.ArgumentTypeError("infinity is not allowed here")
+    ok = value >= low if inclusive else value > low
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text} must be {'>=' if inclusive else '>'} {low:g}")
+    return value
+
+
+def _pos_float(text: str) -> float:
+    return float(_number(text, integer=False, low=0, inclusive=False, allow_inf=False))
+
+
+def _rate(text: str) -> float:
+    return float(_number(text, integer=False, low=0, inclusive=False, allow_inf=True))
+
+
+def _nonneg_float(text: str) -> float:
+    return float(_number(text, integer=False, low=0, inclusive=True, allow_inf=False))
+
+
+def _pos_int(text: str) -> int:
+    return int(_number(text, integer=True, low=1, inclusive=True, allow_inf=False))
+
+
+def _nonneg_int(text: str) -> int:
+    return int(_number(text, integer=True, low=0, inclusive=True, allow_inf=False))
+
+
+def _fraction(text: str) -> float:
+    v = _nonneg_float(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"{text} must be in [0, 1]")
+    return v
+
+
+# ----------------------------------------------------------- shared options
+
+
+def _add_deployment(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("deployment")
+    g.add_argument("--profile", metavar="FILE", help="TOML profile overriding the built-in "
+                   f"default ({DEFAULT.name}); see docs/sim.md for its keys")
+    g.add_argument("--dispatch", choices=[d.value for d in Dispatch], default="concurrent",
+                   help="push only: the router sends the decode leg at arrival (concurrent, "
+                   "default) or after prefill answers (sequential); pull is always sequential")
+    g.add_argument("--num-prefill", type=_pos_int, default=1, metavar="X",
+                   help="prefill instances (xPyD; default 1)")
+    g.add_argument("--num-decode", type=_pos_int, default=1, metavar="Y",
+                   help="decode instances (xPyD; default 1)")
+    g.add_argument("--router-policy", choices=[r.value for r in RouterPolicy],
+                   default="least-loaded", help="how the router picks among instances")
+    g.add_argument("--prefix-hit", type=_fraction, metavar="F",
+                   help="prefill prefix-cache hit fraction, overriding the profile "
+                   f"(default {DEFAULT.prefill.prefix_hit_fraction})")
+    g.add_argument("--fragmentation", type=_fraction, metavar="F",
+                   help="probability a KV block is not next to the previous one, both sides, "
+                   f"overriding the profile (default {DEFAULT.decode.fragmentation})")
+    g.add_argument("--post-per-descriptor-us", type=_nonneg_float, metavar="US",
+                   help="descriptor posting cost in microseconds, overriding the profile "
+                   f"(default {DEFAULT.network.post_per_descriptor_s * 1e6:g})")
+    w = p.add_argument_group("workload (like vllm bench serve --dataset-name random)")
+    w.add_argument("--burstiness", type=_pos_float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier")
+    w.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
+    pr = p.add_argument_group("protocol timeouts and failure policy (vLLM defaults)")
+    pr.add_argument("--policy", choices=[f.value for f in FailurePolicy], default="fail",
+                    help="a failed transfer fails the request, or decode recomputes the prompt")
+    pr.add_argument("--lease-s", type=_pos_float, default=30.0,
+                    help="prefill holds unclaimed KV this long (default 30)")
+    pr.add_argument("--heartbeat-s", type=_pos_float, default=5.0,
+                    help="decode renews prefill leases this often (default 5)")
+    pr.add_argument("--window-s", type=_pos_float, default=480.0,
+                    help="decode gives up waiting for KV after this long (default 480)")
+    pr.add_argument("--fence-grace-s", type=_pos_float, default=30.0,
+                    help="after the window, blocks are released without a fence (default 30)")
+    f = p.add_argument_group("faults (what-if)")
+    f.add_argument("--drop-register", type=_fraction, default=0.0, metavar="P",
+                   help="probability that a registration message is lost")
+    f.add_argument("--drop-notify", type=_fraction, default=0.0, metavar="P",
+                   help="probability that a write notification is lost")
+    f.add_argument("--kill-prefill-at", type=_nonneg_float, metavar="T",
+                   help="prefill instance 0 dies at T seconds")
+    f.add_argument("--kill-decode-at", type=_nonneg_float, metavar="T",
+                   help="decode instance 0 dies at T seconds")
+    f.add_argument("--detect-s", type=_pos_float, default=1.0,
+                   help="seconds until peers and router learn of a death (default 1)")
+
+
+def _profile(args: argparse.Namespace) -> Profile:
+    profile = load_profile(args.profile) if args.profile else DEFAULT
+    if args.prefix_hit is not None:
+        profile = dataclasses.replace(profile, prefill=dataclasses.replace(
+            profile.prefill, prefix_hit_fraction=args.prefix_hit))
+    if args.fragmentation is not None:
+        profile = dataclasses.replace(
+            profile,
+            prefill=dataclasses.replace(profile.prefill, fragmentation=args.fragmentation),
+            decode=dataclasses.replace(profile.decode, fragmentation=args.fragmentation),
+        )
+    if args.post_per_descriptor_us is not None:
+        profile = dataclasses.replace(profile, network=dataclasses.replace(
+            profile.network, post_per_descriptor_s=args.post_per_descriptor_us * 1e-6))
+    return profile.validate()
+
+
+def _base_config(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        dispatch=Dispatch(args.dispatch),
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        router_policy=RouterPolicy(args.router_policy),
+        protocol=ProtocolSettings(
+            lease_s=args.lease_s, heartbeat_s=args.heartbeat_s, window_s=args.window_s,
+            fence_grace_s=args.fence_grace_s, policy=FailurePolicy(args.policy),
+        ),
+        faults=FaultConfig(
+            drop_register=args.drop_register, drop_notify=args.drop_notify,
+            kill_prefill_at=args.kill_prefill_at, kill_decode_at=args.kill_decode_at,
+            detect_s=args.detect_s,
+        ),
+        profile=_profile(args),
+    )
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from .metrics import summary_table
+    from .runner import run
+
+    mode, default_dispatch = parse_mode(args.mode)
+    base = _base_config(args)
+    dispatch = Dispatch.SEQUENTIAL if args.mode == "push-seq" else base.dispatch
+    cfg = dataclasses.replace(
+        base, mode=mode, dispatch=dispatch if mode is TransferMode.PUSH else default_dispatch,
+        iteration=args.iteration,
+        workload=WorkloadConfig(
+            request_rate=args.qps, burstiness=args.burstiness, input_len=args.input_len,
+            output_len=args.output_len, num_prompts=args.num_prompts, seed=args.seed,
+        ),
+    )
+    result = run(cfg)
+    w = cfg.workload
+    print(summary_table(result.result, f"{cfg.label()} {w.request_rate:g} QPS "
+                        f"in={w.input_len} out={w.output_len}"))
+    if args.result_dir:
+        print(f"wrote {result.write(args.result_dir)}")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from .sweep import configs, run_sweep
+
+    spec = SweepSpec(
+        modes=tuple(args.modes), input_lens=tuple(args.input_lens), rates=tuple(args.rates),
+        output_len=args.output_len, num_prompts=args.num_prompts,
+        iterations=args.iterations, seed=args.seed, burstiness=args.burstiness,
+    )
+    cfgs = configs(spec, _base_config(args))
+    paths, wall = run_sweep(cfgs, args.out, jobs=args.jobs, progress=not args.no_progress)
+    requests = sum(c.workload.num_prompts for c in cfgs)
+    print(f"{len(paths)} points, {requests} simulated requests in {wall:.1f} s "
+          f"({requests / wall:.0f} requests per second) -> {args.out}")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import plot
+
+    path = plot(args.results_dir, args.metric, args.out, stat=args.stat,
+                output_len=args.output_len, modes=args.modes, title=args.title)
+    print(f"wrote {path}")
+    return 0
+
+
+def _mode(text: str) -> str:
+    if text not in MODE_LABELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode {text!r} (choose from {', '.join(MODE_LABELS)})")
+    return text
+
+
+def register(subparsers: Any) -> None:
+    """Add ``sim``, ``sweep`` and ``plot`` to an ``argparse`` subparsers object.
+
+    Each sets ``func``: after ``parse_args``, ``args.func(args)`` runs the command
+    and returns its exit status.
+    """
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = subparsers.add_parser(
+        "sim", formatter_class=fmt,
+        help="simulate one benchmark point and print a summary",
+        description="Simulate one `vllm bench serve` point (random dataset) against a "
+        "prefill/decode deployment whose KV moves by pull, push or pull-async; the real "
+        "pushkv protocol endpoints run inside. Prints a summary table.",
+    )
+    p.add_argument("--mode", type=_mode, default="push", help="pull: decode reads, posting "
+                   "inline in its engine loop; push: prefill writes from a background thread; "
+                   "pull-async: pull posted by a decode background thread; push-seq: push "
+                   "with a sequential router")
+    p.add_argument("--qps", type=_rate, default=1.0, help="request rate (inf: all at once)")
+    p.add_argument("--input-len", type=_pos_int, default=1024, help="prompt tokens")
+    p.add_argument("--output-len", type=_pos_int, default=128, help="generated tokens")
+    p.add_argument("--num-prompts", type=_pos_int, default=100, help="requests")
+    p.add_argument("--iteration", type=_nonneg_int, default=0,
+                   help="iteration number (file name and random streams)")
+    p.add_argument("--result-dir", metavar="DIR",
+                   help="also write the vLLM-style result JSON into DIR")
+    _add_deployment(p)
+    p.set_defaults(func=dispatch, _run=_cmd_sim, _parser=p)
+
+    s = subparsers.add_parser(
+        "sweep", formatter_class=fmt,
+        help="simulate a grid of points, one result JSON per point",
+        description="Simulate modes x input lengths x rates (x iterations) in parallel "
+        "processes; write {mode}_qps{q}_in{i}_out{o}_iter{n}.json per point, the same "
+        "files `vllm bench serve --save-result` would write under the post's naming.",
+    )
+    s.add_argument("--modes", nargs="+", type=_mode, default=["pull", "push"],
+                   help=f"modes ({', '.join(MODE_LABELS)})")
+    s.add_argument("--input-lens", nargs="+", type=_pos_int,
+                   default=[1024, 2048, 4096, 8192, 16384], help="prompt lengths")
+    s.add_argument("--rates", nargs="+", type=_rate, default=[1.0, 2.0, 4.0, 8.0],
+                   help="request rates (QPS)")
+    s.add_argument("--output-len", type=_pos_int, default=128, help="generated tokens")
+    s.add_argument("--num-prompts", type=_pos_int, default=100, help="requests per point")
+    s.add_argument("--iterations", type=_pos_int, default=1, help="repetitions per point")
+    s.add_argument("--out", default="results/sim", metavar="DIR", help="output directory")
+    s.add_argument("--jobs", type=_pos_int, default=default_jobs(),
+                   help="worker processes (default: the CPU count)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_deployment(s)
+    s.set_defaults(func=dispatch, _run=_cmd_sweep, _parser=s)
+
+    q = subparsers.add_parser(
+        "plot", formatter_class=fmt,
+        help="draw TTFT or TPOT against input length from result files",
+        description="Plot a metric against input length, one line per mode and rate, from "
+        "{mode}_qps{q}_in{i}_out{o}_iter{n}.json files (simulated or real `vllm bench "
+        "serve` results); iterations are averaged. Writes a PNG.",
+    )
+    q.add_argument("--results-dir", required=True, metavar="DIR", help="result files")
+    q.add_argument("--metric", choices=["ttft", "tpot", "itl", "e2el"], required=True,
+                   help="which latency to plot")
+    q.add_argument("--stat", choices=["mean", "median", "p99"], default="mean",
+                   help="which statistic of the metric")
+    q.add_argument("--out", metavar="FILE", help="PNG path (default: DIR/METRIC.png)")
+    q.add_argument("--output-len", type=_pos_int,
+                   help="output length to plot when the directory mixes several")
+    q.add_argument("--modes", nargs="+", metavar="MODE", help="only these modes")
+    q.add_argument("--title", help="figure title")
+    q.set_defaults(func=dispatch, _run=_cmd_plot, _parser=q)
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    """Run a parsed subcommand; user errors end with ``parser.error`` (exit 2)."""
+    from .plot import PlotError
+
+    parser: argparse.ArgumentParser = args._parser
+    run: Callable[[argparse.Namespace], int] = args._run
+    try:
+        return run(args)
+    except (*_ERRORS, PlotError) as exc:
+        parser.error(str(exc))
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("simpy", "matplotlib", "tqdm"):
+            raise
+        parser.error(f"this command needs {exc.name}: pip install 'pushkv[sim]'")
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as exc:
+        parser.error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+    return 2  # pragma: no cover - parser.error exits
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pushkv", description="Simulate pull vs push KV transfer and plot the results.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    register(sub)
+    args = parser.parse_args(argv)
+    return dispatch(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
+
+
+__all__ = ["dispatch", "main", "register"]

@@ -1,0 +1,96 @@
+"""Closed-form durations: engine steps, descriptor posting, byte transfer.
+
+Pure functions of a profile, so tests can check the simulator's timings
+against them and the docs can quote them.
+
+* **Prefill** is compute bound: ``2 * non_embedding_params`` FLOPs per new
+  token plus causal attention, ``4 * layers * q_heads * head_dim`` FLOPs per
+  (query, key) pair, over the whole node at ``peak * compute_efficiency``.
+* **Decode** is memory bound: one step reads every weight once at the
+  achievable HBM bandwidth and the KV of every running sequence at a fraction
+  of it (paged attention over small blocks), plus a fixed per-step overhead
+  (launches, TP all-reduces, the scheduler).
+* **Posting** costs a fixed part plus a part per descriptor, paid by whichever
+  thread posts (the decode engine loop in pull, a background thread otherwise).
+* **Bytes** move at the slower of two node limits, shared by the node's GPUs
+  (each rank moves its own slice): descriptors completed per second (small
+  descriptors) and bytes per second (large ones).
+"""
+
+from __future__ import annotations
+
+from .profile import EngineProfile, NetworkProfile, Profile
+
+
+def prefill_flops(profile: Profile, new_tokens: int, context_start: int = 0) -> float:
+    """FLOPs to prefill ``new_tokens`` after ``context_start`` tokens already in the cache."""
+    m = profile.model
+    n, c = float(new_tokens), float(context_start)
+    linear = 2.0 * m.non_embedding_params * n
+    pairs = n * c + n * (n + 1.0) / 2.0  # causal (query, key) pairs
+    attention = 4.0 * m.num_layers * m.num_q_heads * m.head_dim * pairs
+    return linear + attention
+
+
+def compute_s(profile: Profile, engine: EngineProfile, flops: float) -> float:
+    """Seconds for the whole TP group to execute ``flops``."""
+    return flops / (engine.tp * profile.gpu.peak_flops * engine.compute_efficiency)
+
+
+def decode_memory_s(profile: Profile, engine: EngineProfile, context_tokens: int) -> float:
+    """Seconds to read the weights and ``context_tokens`` of KV once, per GPU."""
+    m = profile.model
+    bw = profile.gpu.hbm_bandwidth
+    kv = context_tokens * m.kv_bytes_per_token(engine.tp)
+    return m.weight_bytes_per_gpu(engine.tp) / bw + kv / (bw * engine.kv_read_efficiency)
+
+
+def step_s(
+    profile: Profile,
+    engine: EngineProfile,
+    *,
+    decode_contexts: int = 0,
+    num_decodes: int = 0,
+    prefill_chunks: tuple[tuple[int, int], ...] = (),
+) -> float:
+    """One engine step: ``num_decodes`` sequences with ``decode_contexts`` tokens of KV
+    in total each produce one token, and each ``(new_tokens, context_start)`` chunk is
+    prefilled. A step with any prefill pays the prefill overhead, else the decode one."""
+    if num_decodes == 0 and not prefill_chunks:
+        return 0.0
+    decode_flops = 2.0 * profile.model.non_embedding_params * num_decodes
+    t_decode = 0.0
+    if num_decodes:
+        t_decode = max(
+            decode_memory_s(profile, engine, decode_contexts),
+            compute_s(profile, engine, decode_flops),
+        )
+    t_prefill = 0.0
+    if prefill_chunks:
+        flops = sum(prefill_flops(profile, n, c) for n, c in prefill_chunks)
+        t_prefill = max(
+            compute_s(profile, engine, flops),
+            0.0 if num_decodes else decode_memory_s(profile, engine, 0),
+        )
+        return engine.prefill_step_overhead_s + t_prefill + t_decode
+    return engine.decode_step_overhead_s + t_decode
+
+
+def post_s(network: NetworkProfile, descriptors: int) -> float:
+    """Preparing and posting one transfer of ``descriptors`` descriptors."""
+    return network.post_fixed_s + network.post_per_descriptor_s * descriptors
+
+
+def transfer_s(network: NetworkProfile, nbytes: int, descriptors: int, *, read: bool) -> float:
+    """Wire time of one rank's slice (``nbytes`` in ``descriptors`` descriptors).
+
+    The node's NICs are bound either by the descriptors they complete per second
+    or by bytes per second, whichever is slower; the node's GPUs share both.
+    """
+    if nbytes <= 0 or descriptors <= 0:
+        return network.wire_latency_s
+    share = network.gpus_per_node
+    bw = network.read_bandwidth if read else network.write_bandwidth
+    return network.wire_latency_s + max(
+        descriptors * share / network.descriptor_rate, nbytes * share / bw
+    )

@@ -1,0 +1,414 @@
+"""Prefill and decode instances: vLLM-style engine loops with continuous batching.
+
+Both loops repeat *schedule, then run one step*. A step's duration comes from
+:func:`~pushkv.sim.costs.step_s`; whatever arrives during a step (a request,
+a finished transfer) is seen at the next schedule, as in vLLM.
+
+**Prefill** admits waiting requests while fewer than ``max_num_seqs`` run and
+the step's token budget lasts (chunked prefill: a long prompt takes several
+steps); a prefix-cache hit skips that part of the prompt's compute. When a
+prompt is done its blocks stay held for the transfer until the producer
+endpoint releases them.
+
+**Decode** follows vLLM's scheduler: requests whose KV is ready are admitted
+first, then new requests get blocks -- but only while fewer than
+``max_num_seqs`` are running, so when the slots are full no new transfer
+starts. A new request's blocks are registered (push) or read (pull) at once;
+in ``pull`` the descriptors are prepared and posted **inside this step**,
+which stalls every running sequence. A request produces its first token in
+the step that admits it with its KV in place, then one token per step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+import simpy
+
+from ..protocol import FailurePolicy, Mode
+from .blocks import BlockPool, blocks_for
+from .costs import step_s
+from .profile import EngineProfile, Profile
+from .request import Outcome, SimRequest
+from .scenario import TransferMode
+from .transport import SimTransport
+
+
+class Recorder:
+    """Counts requests that ended; fires ``done`` when all have."""
+
+    def __init__(self, env: simpy.Environment, total: int) -> None:
+        self.env = env
+        self.total = total
+        self.ended: list[SimRequest] = []
+        self.done = env.event()
+
+    def finish(self, req: SimRequest, error: str = "") -> None:
+        if req.outcome is not Outcome.PENDING:
+            raise AssertionError(f"request {req.transfer_id} ended twice")
+        req.outcome = Outcome.FAILED if error else Outcome.OK
+        req.error = error
+        self.ended.append(req)
+        if len(self.ended) == self.total:
+            self.done.succeed()
+
+
+class _Loop:
+    """A wakeable engine loop."""
+
+    def __init__(self, env: simpy.Environment, engine_id: str) -> None:
+        self.env = env
+        self.engine_id = engine_id
+        self.alive = True
+        self.busy_s = 0.0
+        self.steps = 0
+        self._wake: simpy.Event | None = None
+
+    def poke(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _sleep(self) -> simpy.Event:
+        self._wake = self.env.event()
+        return self._wake
+
+
+@dataclass(slots=True, eq=False)
+class _Prefill:
+    req: SimRequest
+    blocks: list[int]
+    computed: int
+
+
+class PrefillEngine(_Loop):
+    """A prefill instance: computes prompts, then holds their KV for the transfer."""
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        engine_id: str,
+        profile: Profile,
+        pool: BlockPool,
+        transport: SimTransport,
+        mode: TransferMode,
+        on_done: Callable[[SimRequest, tuple[int, ...] | None], None],
+    ) -> None:
+        super().__init__(env, engine_id)
+        self.profile = profile
+        self.eng: EngineProfile = profile.prefill
+        self.pool = pool
+        self.transport = transport
+        self.mode = mode
+        self.on_done = on_done  #: the prefill leg answers the router
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[_Prefill] = []
+        self.held: dict[str, list[int]] = {}
+        self._by_tid: dict[str, SimRequest] = {}
+        self.cached_tokens = 0
+        self.computed_tokens = 0
+        env.process(self._loop())
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def submit(self, req: SimRequest) -> None:
+        if not self.alive:
+            return  # lost with the instance; the router learns of the death
+        self.waiting.append(req)
+        self.poke()
+
+    def cached_prefix(self, input_len: int) -> int:
+        """Prompt tokens served from the prefix cache (whole blocks, never the last token)."""
+        bs = self.eng.block_size
+        hit = int(self.eng.prefix_hit_fraction * input_len) // bs * bs
+        return min(hit, input_len - 1)
+
+    def _loop(self) -> Generator[Any, Any, None]:
+        eng = self.eng
+        while self.alive:
+            budget = eng.max_num_batched_tokens
+            chunks: list[tuple[_Prefill, int]] = []
+            for p in self.running:
+                if budget <= 0:
+                    break
+                n = min(p.req.input_len - p.computed, budget)
+                chunks.append((p, n))
+                budget -= n
+            while self.waiting and len(self.running) < eng.max_num_seqs and budget > 0:
+                req = self.waiting[0]
+                need = blocks_for(req.input_len, eng.block_size)
+                if not self.pool.can_allocate(need):
+                    break
+                self.waiting.popleft()
+                cached = self.cached_prefix(req.input_len)
+                self.cached_tokens += cached
+                p = _Prefill(req, self.pool.allocate(need), cached)
+                self.running.append(p)
+                n = min(req.input_len - cached, budget)
+                chunks.append((p, n))
+                budget -= n
+            if not chunks:
+                yield self._sleep()
+                continue
+            dt = step_s(self.profile, eng, prefill_chunks=tuple((n, p.computed) for p, n in chunks))
+            yield self.env.timeout(dt)
+            if not self.alive:
+                return
+            self.busy_s += dt
+            self.steps += 1
+            for p, n in chunks:
+                p.computed += n
+                self.computed_tokens += n
+                if p.computed >= p.req.input_len:
+                    self.running.remove(p)
+                    self._finished(p)
+
+    def _finished(self, p: _Prefill) -> None:
+        req = p.req
+        tid = req.transfer_id
+        self.held[tid] = p.blocks
+        self._by_tid[tid] = req
+        mode = Mode.PUSH if self.mode is TransferMode.PUSH else Mode.PULL
+        self.transport.prefill_finished(self.engine_id, tid, p.blocks, req.input_len, mode)
+        if mode is Mode.PUSH:
+            self.on_done(req, None)
+
+    # ---------------------------------------------------------- endpoint outputs
+
+    def published(self, transfer_id: str, block_ids: tuple[int, ...], num_tokens: int) -> None:
+        self.on_done(self._by_tid[transfer_id], block_ids)
+
+    def release_source(self, transfer_id: str, block_ids: tuple[int, ...]) -> None:
+        blocks = self.held.pop(transfer_id)
+        self._by_tid.pop(transfer_id, None)
+        if tuple(blocks) != tuple(block_ids):
+            raise AssertionError(f"{transfer_id}: released blocks differ from held ones")
+        self.pool.free(blocks)
+
+    def kill(self) -> list[SimRequest]:
+        """Die now; return the requests that were queued or prefilling here."""
+        self.alive = False
+        self.poke()
+        lost = [*self.waiting, *(p.req for p in self.running)]
+        self.waiting.clear()
+        self.running.clear()
+        return lost
+
+
+class DecodeEngine(_Loop):
+    """A decode instance: receives KV, then generates tokens with continuous batching."""
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        engine_id: str,
+        profile: Profile,
+        pool: BlockPool,
+        transport: SimTransport,
+        mode: TransferMode,
+        recorder: Recorder,
+    ) -> None:
+        super().__init__(env, engine_id)
+        self.profile = profile
+        self.eng: EngineProfile = profile.decode
+        self.pool = pool
+        self.transport = transport
+        self.mode = mode
+        self.recorder = recorder
+        self.waiting: deque[SimRequest] = deque()
+        self.holding: list[SimRequest] = []
+        self.running: list[SimRequest] = []
+        self._by_tid: dict[str, SimRequest] = {}
+        self.stall_s = 0.0
+        self.stalled_steps = 0
+        self.recomputed = 0
+        self.failed_transfers = 0
+        env.process(self._loop())
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.holding) + len(self.running)
+
+    def submit(self, req: SimRequest) -> None:
+        req.decode = self.engine_id
+        if not self.alive:  # the connection is refused
+            self.recorder.finish(req, error=f"decode instance {self.engine_id} is down")
+            return
+        self._by_tid[req.transfer_id] = req
+        self.waiting.append(req)
+        self.poke()
+
+    def submit_local(self, req: SimRequest) -> None:
+        """Compute the prompt here (no prefill instance, or the recompute policy)."""
+        req.local_prefill = True
+        req.recomputed = True
+        self.submit(req)
+
+    # ------------------------------------------------------------------- loop
+
+    def _admit_new(self, req: SimRequest, stall: float) -> float:
+        """Give a new request its blocks and start its transfer; return posting stall."""
+        eng = self.eng
+        tid = req.transfer_id
+        producer = req.prefill
+        assert producer is not None
+        if producer in self.transport.known_dead:
+            # The transport has reported the producer dead: no transfer can start.
+            self._transfer_failed_now(req, f"prefill instance {producer} is down")
+            return 0.0
+        req.dst_blocks = self.pool.allocate(blocks_for(req.input_len, eng.block_size))
+        self.holding.append(req)
+        if self.mode is TransferMode.PUSH:
+            self.transport.register(self.engine_id, tid, producer, req.dst_blocks, req.input_len)
+            return 0.0
+        inline = stall if self.mode is TransferMode.PULL else None
+        return self.transport.start_pull(
+            self.engine_id, tid, producer, req.src_blocks, req.dst_blocks, req.input_len,
+            inline_after=inline,
+        )
+
+    def _schedule(self) -> float:
+        eng = self.eng
+        stall = 0.0
+        for req in list(self.holding):  # KV-holding requests first, as vLLM does
+            if len(self.running) >= eng.max_num_seqs:
+                break
+            if req.kv_ready and self._grow(req):
+                self.holding.remove(req)
+                self.running.append(req)
+        while self.waiting and len(self.running) < eng.max_num_seqs:
+            req = self.waiting[0]
+            total = blocks_for(req.input_len + req.output_len, eng.block_size)
+            need = total if req.local_prefill else blocks_for(req.input_len, eng.block_size)
+            if not self.pool.can_allocate(need):
+                break
+            self.waiting.popleft()
+            if req.local_prefill:
+                req.dst_blocks = self.pool.allocate(total)
+                req.prefilled = 0
+                self.running.append(req)
+            else:
+                stall += self._admit_new(req, stall)
+        return stall
+
+    def _grow(self, req: SimRequest) -> bool:
+        """Blocks for the generated tokens, taken when the request starts running."""
+        extra = blocks_for(req.input_len + req.output_len, self.eng.block_size) - len(
+            req.dst_blocks
+        )
+        if extra <= 0:
+            return True
+        if not self.pool.can_allocate(extra):
+            return False
+        req.dst_blocks += self.pool.allocate(extra)
+        return True
+
+    def _loop(self) -> Generator[Any, Any, None]:
+        eng = self.eng
+        while self.alive:
+            stall = self._schedule()
+            decodes = [r for r in self.running if not r.local_prefill or r.prefilled >= r.input_len]
+            budget = eng.max_num_batched_tokens - len(decodes)
+            chunks: list[tuple[SimRequest, int]] = []
+            for r in self.running:
+                if r.local_prefill and r.prefilled < r.input_len and budget > 0:
+                    n = min(r.input_len - r.prefilled, budget)
+                    chunks.append((r, n))
+                    budget -= n
+            if not decodes and not chunks:
+                if stall > 0:  # a step that only posted reads
+                    yield self.env.timeout(stall)
+                    self._account(stall, stall)
+                else:
+                    yield self._sleep()
+                continue
+            work = step_s(
+                self.profile, eng,
+                decode_contexts=sum(r.context for r in decodes), num_decodes=len(decodes),
+                prefill_chunks=tuple((n, r.prefilled) for r, n in chunks),
+            )
+            yield self.env.timeout(stall + work)
+            if not self.alive:
+                return
+            self._account(stall + work, stall)
+            now = self.env.now
+            for r, n in chunks:
+                r.prefilled += n
+                if r.prefilled >= r.input_len:
+                    decodes.append(r)  # the prompt's last chunk yields the first token
+            for r in decodes:
+                r.token_times.append(now)
+                if len(r.token_times) >= r.output_len:
+                    self._complete(r)
+
+    def _account(self, dt: float, stall: float) -> None:
+        self.busy_s += dt
+        self.steps += 1
+        if stall > 0:
+            self.stall_s += stall
+            self.stalled_steps += 1
+
+    def _complete(self, req: SimRequest, error: str = "") -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.pool.free(req.dst_blocks)
+        req.dst_blocks = []
+        self._by_tid.pop(req.transfer_id, None)
+        self.recorder.finish(req, error)
+
+    # ---------------------------------------------------------- endpoint outputs
+
+    def transfer_ready(self, transfer_id: str) -> None:
+        req = self._by_tid[transfer_id]
+        req.kv_ready = True
+        req.kv_ready_at = self.env.now
+        self.poke()
+
+    def transfer_failed(self, transfer_id: str, reason: str, policy: FailurePolicy) -> None:
+        req = self._by_tid[transfer_id]
+        self.failed_transfers += 1
+        if req in self.holding:
+            self.holding.remove(req)
+        self._apply_policy(req, reason, policy)
+
+    def _transfer_failed_now(self, req: SimRequest, reason: str) -> None:
+        self.failed_transfers += 1
+        self._apply_policy(req, reason, self.transport.settings.policy)
+
+    def _apply_policy(self, req: SimRequest, reason: str, policy: FailurePolicy) -> None:
+        if req.dst_blocks:  # the protocol released them before reporting the failure
+            raise AssertionError(f"{req.transfer_id}: blocks not released before failure")
+        if policy is FailurePolicy.RECOMPUTE:
+            self.recomputed += 1
+            req.local_prefill = True
+            req.recomputed = True
+            self.waiting.appendleft(req)
+            self.poke()
+        else:
+            self._by_tid.pop(req.transfer_id, None)
+            self.recorder.finish(req, error=f"KV transfer failed: {reason}")
+
+    def transfer_cancelled(self, transfer_id: str) -> None:  # pragma: no cover - no aborts
+        raise AssertionError(f"{transfer_id}: the simulator never aborts a transfer")
+
+    def release_destination(self, transfer_id: str, block_ids: tuple[int, ...]) -> None:
+        req = self._by_tid[transfer_id]
+        if tuple(req.dst_blocks) != tuple(block_ids):
+            raise AssertionError(f"{transfer_id}: released blocks differ from lent ones")
+        self.pool.free(req.dst_blocks)
+        req.dst_blocks = []
+
+    def kill(self) -> None:
+        """Die now: every request here fails (the client's connection drops)."""
+        self.alive = False
+        self.poke()
+        for req in [*self.waiting, *self.holding, *self.running]:
+            self.recorder.finish(req, error=f"decode instance {self.engine_id} died")
+        self.waiting.clear()
+        self.holding.clear()
+        self.running.clear()
+        self._by_tid.clear()

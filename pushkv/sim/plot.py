@@ -1,0 +1,148 @@
+"""The post's two figures: TTFT and TPOT against input length, one line per mode and rate.
+
+Reads every ``{mode}_qps{q}_in{i}_out{o}_iter{n}.json`` in a directory --
+files written by ``pushkv sweep`` or by ``vllm bench serve --save-result``
+under the same names -- averages iterations, and draws the chosen statistic.
+Colour is the request rate; line style is the mode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FILE_RE = re.compile(
+    r"^(?P<mode>[A-Za-z0-9][A-Za-z0-9-]*)_qps(?P<qps>inf|\d+(?:\.\d+)?)"
+    r"_in(?P<input>\d+)_out(?P<output>\d+)_iter(?P<iter>\d+)\.json$"
+)
+METRICS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
+STATS = ("mean", "median", "p99")
+_STYLES = {"pull": "--", "push": "-", "pull-async": ":", "push-seq": "-."}
+_MARKERS = {"pull": "s", "push": "o", "pull-async": "^", "push-seq": "D"}
+
+
+class PlotError(ValueError):
+    """The results cannot be plotted as asked."""
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    mode: str
+    qps: float
+    input_len: int
+    output_len: int
+    iteration: int
+    value: float
+
+
+def load_points(results_dir: str | Path, metric: str, stat: str = "mean") -> list[Point]:
+    """One point per result file; files not named like results are ignored."""
+    if metric not in METRICS:
+        raise PlotError(f"unknown metric {metric!r} (choose from {', '.join(METRICS)})")
+    if stat not in STATS:
+        raise PlotError(f"unknown statistic {stat!r} (choose from {', '.join(STATS)})")
+    d = Path(results_dir)
+    if not d.is_dir():
+        raise PlotError(f"results directory not found: {d}")
+    key = f"{stat}_{metric}_ms"
+    points = []
+    for path in sorted(d.iterdir()):
+        m = FILE_RE.match(path.name)
+        if m is None:
+            continue
+        try:
+            data: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise PlotError(f"cannot read {path.name}: {exc}") from exc
+        if not isinstance(data, dict) or key not in data:
+            raise PlotError(f"{path.name} has no {key!r} field")
+        points.append(Point(
+            mode=m["mode"], qps=float(m["qps"]), input_len=int(m["input"]),
+            output_len=int(m["output"]), iteration=int(m["iter"]), value=float(data[key]),
+        ))
+    if not points:
+        raise PlotError(f"no result files named like mode_qpsQ_inI_outO_iterN.json in {d}")
+    return points
+
+
+def series(
+    points: list[Point], output_len: int | None = None, modes: list[str] | None = None
+) -> dict[tuple[str, float], list[tuple[int, float]]]:
+    """(mode, qps) -> [(input length, value averaged over iterations)], sorted by length."""
+    outs = sorted({p.output_len for p in points})
+    if output_len is None:
+        if len(outs) > 1:
+            raise PlotError(f"results mix output lengths {outs}: choose one with --output-len")
+        output_len = outs[0]
+    chosen = [p for p in points if p.output_len == output_len
+              and (modes is None or p.mode in modes)]
+    if not chosen:
+        raise PlotError(f"no results for output length {output_len} and modes {modes}")
+    acc: dict[tuple[str, float, int], list[float]] = defaultdict(list)
+    for p in chosen:
+        acc[p.mode, p.qps, p.input_len].append(p.value)
+    out: dict[tuple[str, float], list[tuple[int, float]]] = defaultdict(list)
+    for (mode, qps, n), vals in sorted(acc.items()):
+        out[mode, qps].append((n, sum(vals) / len(vals)))
+    return dict(out)
+
+
+def _qps_label(q: float) -> str:
+    return "inf" if math.isinf(q) else (f"{q:g}")
+
+
+def plot(
+    results_dir: str | Path,
+    metric: str,
+    out: str | Path | None = None,
+    *,
+    stat: str = "mean",
+    output_len: int | None = None,
+    modes: list[str] | None = None,
+    title: str | None = None,
+) -> Path:
+    """Draw ``stat`` of ``metric`` against input length; return the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = series(load_points(results_dir, metric, stat), output_len, modes)
+    rates = sorted({q for _, q in lines})
+    mode_names = sorted({m for m, _ in lines}, key=lambda m: (m not in _STYLES, m))
+    cmap = plt.get_cmap("viridis")
+    colours = {q: cmap(0.1 + 0.8 * i / max(1, len(rates) - 1)) for i, q in enumerate(rates)}
+    fig, ax = plt.subplots(figsize=(8, 5.2), dpi=120)
+    lengths: set[int] = set()
+    for mode in mode_names:
+        for q in rates:
+            pts = lines.get((mode, q))
+            if not pts:
+                continue
+            xs, ys = zip(*pts, strict=True)
+            lengths.update(xs)
+            ax.plot(xs, ys, linestyle=_STYLES.get(mode, "-"), marker=_MARKERS.get(mode, "x"),
+                    color=colours[q], linewidth=1.8, markersize=5,
+                    label=f"{mode}, {_qps_label(q)} QPS")
+    ax.set_xscale("log", base=2)
+    ticks = sorted(lengths)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{t // 1024}k" if t % 1024 == 0 else str(t) for t in ticks])
+    ax.set_xlabel("input length (tokens)")
+    ax.set_ylabel(f"{stat} {METRICS[metric]} (ms)")
+    if metric == "ttft":
+        ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(title or f"{stat.capitalize()} {METRICS[metric]} vs input length")
+    ax.legend(fontsize=8, ncol=2, frameon=False)
+    fig.tight_layout()
+    path = Path(out) if out is not None else Path(results_dir) / f"{metric}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,352 @@
+"""Hardware, model, engine and network profiles, with a source for every number.
+
+A :class:`Profile` says how long things take: prefill compute, a decode step,
+posting descriptors, moving bytes. The built-in :data:`DEFAULT` is Qwen3-32B
+in bf16, TP8 on one 8x H200 node per side, over EFA (p5en). Each field carries
+``metadata["help"]`` and ``metadata["source"]``: the public figure it comes
+from (``CAL`` lines are ``/work/shared/CALIBRATION.md`` sections, quoted so
+they can be checked), or ``fit`` for the few parameters chosen so that the
+simulated sweep reproduces the published figures (see ``docs/sim.md``).
+
+A user profile is a TOML file whose tables override fields of the default,
+e.g.::
+
+    name = "llama-70b-h100"
+    [model]
+    num_layers = 80
+    [prefill]
+    compute_efficiency = 0.5
+    [network]
+    post_per_descriptor_s = 3e-6
+
+Unknown tables or keys, wrong types and out-of-range values raise
+:class:`ProfileError` with the offending key named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ProfileError(ValueError):
+    """A profile file or value is invalid."""
+
+
+def _f(default: Any, help: str, source: str) -> Any:
+    return field(default=default, metadata={"help": help, "source": source})
+
+
+CAL_MODEL = "CAL 'Model: Qwen3-32B'"
+CAL_HW = "CAL 'Hardware'"
+CAL_POST = "CAL 'The published result' (vLLM blog 2026-10-14, launch flags)"
+CAL_DESC = "CAL 'Descriptor costs'"
+CAL_CHECK = "CAL 'consistency check'"
+VLLM_DEFAULTS = "vLLM defaults (vllm/engine/arg_utils.py, vllm/config/cache.py)"
+FIT = "fit: chosen once so the default sweep reproduces the post (docs/sim.md)"
+ASSUMED = "assumed (no public measurement; small effect, see docs/sim.md)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """Shape of the served model."""
+
+    name: str = _f("Qwen/Qwen3-32B", "model id written into result files", CAL_MODEL)
+    num_layers: int = _f(64, "transformer layers", CAL_MODEL)
+    hidden_size: int = _f(5120, "hidden size", CAL_MODEL)
+    num_q_heads: int = _f(64, "query heads", CAL_MODEL)
+    num_kv_heads: int = _f(8, "KV heads", CAL_MODEL)
+    head_dim: int = _f(128, "head dimension", CAL_MODEL)
+    total_params: float = _f(32.8e9, "all parameters (weights read per decode step)", CAL_MODEL)
+    non_embedding_params: float = _f(
+        31.2e9, "parameters in matmuls per token (2 FLOPs each)", CAL_CHECK
+    )
+    dtype_bytes: int = _f(2, "bytes per weight and per KV element (bf16)", CAL_MODEL)
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads one TP rank holds (one replicated head when heads < TP)."""
+        return max(1, self.num_kv_heads // tp)
+
+    def kv_bytes_per_token(self, tp: int = 1) -> int:
+        """KV bytes of one token on one TP rank (all layers, K and V)."""
+        return 2 * self.num_layers * self.kv_heads_per_rank(tp) * self.head_dim * self.dtype_bytes
+
+    def weight_bytes_per_gpu(self, tp: int) -> float:
+        return self.total_params * self.dtype_bytes / tp
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUProfile:
+    """One accelerator."""
+
+    name: str = _f("H200", "accelerator name", CAL_HW)
+    peak_flops: float = _f(989e12, "dense bf16 peak FLOP/s", CAL_HW)
+    hbm_bandwidth: float = _f(
+        4.3e12, "achievable HBM bytes/s (measured copy, read + write)", CAL_HW
+    )
+    memory_bytes: float = _f(141e9, "HBM capacity", CAL_HW)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineProfile:
+    """One vLLM instance (prefill or decode side) and how fast its steps run."""
+
+    tp: int = _f(8, "tensor-parallel size (one node)", CAL_POST)
+    max_num_seqs: int = _f(8, "running requests at most (--max-num-seqs)", CAL_POST)
+    max_num_batched_tokens: int = _f(
+        8192, "token budget of one step (chunked prefill)", VLLM_DEFAULTS + ", H200 server"
+    )
+    block_size: int = _f(16, "tokens per KV block", VLLM_DEFAULTS + "; " + CAL_DESC)
+    gpu_memory_utilization: float = _f(0.92, "fraction of HBM vLLM may use", VLLM_DEFAULTS)
+    activation_reserve_bytes: float = _f(
+        6e9, "HBM kept for activations and graphs, not KV", ASSUMED
+    )
+    compute_efficiency: float = _f(
+        0.55, "fraction of peak FLOP/s that prefill matmuls and attention reach", FIT
+    )
+    prefill_step_overhead_s: float = _f(
+        0.020, "fixed cost of a step that prefills (launches, all-reduces, scheduler)", FIT
+    )
+    decode_step_overhead_s: float = _f(
+        0.0038, "fixed cost of a decode step (128 all-reduces at TP8, scheduler)", FIT
+    )
+    kv_read_efficiency: float = _f(
+        0.5,
+        "fraction of the HBM bandwidth paged attention reaches reading KV in a decode step "
+        "(small blocks: 4 KiB per layer and plane at TP8)",
+        FIT,
+    )
+    prefix_hit_fraction: float = _f(
+        0.0,
+        "fraction of each prompt found in this engine's prefix cache",
+        FIT + " on prefill, the assumption " + CAL_CHECK + " asks for; 0 on decode "
+        "(--no-enable-prefix-caching, " + CAL_POST + ")",
+    )
+    fragmentation: float = _f(
+        0.05,
+        "probability that a block of a request is not physically next to the previous "
+        "one (a warmed-up allocator); drives the descriptor count",
+        FIT + "; " + CAL_DESC,
+    )
+
+    def num_blocks(self, model: ModelProfile, gpu: GPUProfile) -> int:
+        """KV blocks per rank: what is left of HBM after weights and activations."""
+        free = (
+            gpu.memory_bytes * self.gpu_memory_utilization
+            - model.weight_bytes_per_gpu(self.tp)
+            - self.activation_reserve_bytes
+        )
+        per_block = model.kv_bytes_per_token(self.tp) * self.block_size
+        return max(1, int(free // per_block))
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkProfile:
+    """The fabric between a prefill node and a decode node, and the cost of posting."""
+
+    name: str = _f("EFA p5en", "fabric name", CAL_HW)
+    gpus_per_node: int = _f(8, "GPUs sharing the node's NICs", CAL_HW)
+    descriptor_rate: float = _f(
+        97e9 / (64 << 10),
+        "descriptors per second a node's NICs complete (small descriptors are bound by it)",
+        CAL_HW + ": Mooncake WRITE at 64 KB, 97 GB/s / 64 KiB",
+    )
+    write_bandwidth: float = _f(
+        365.7e9, "node WRITE bytes/s for large descriptors", CAL_HW + ": Mooncake peak WRITE"
+    )
+    read_bandwidth: float = _f(
+        303.8e9, "node READ bytes/s for large descriptors", CAL_HW + ": Mooncake peak READ"
+    )
+    wire_latency_s: float = _f(20e-6, "one-way RDMA latency added to every transfer", ASSUMED)
+    control_latency_s: float = _f(
+        50e-6, "one-way latency of a control message or notification", ASSUMED
+    )
+    router_hop_s: float = _f(
+        0.5e-3, "one HTTP hop through the proxy (request or response)", ASSUMED
+    )
+    post_fixed_s: float = _f(
+        174e-6,
+        "fixed cost of preparing and posting one transfer",
+        CAL_DESC + ": fit of 118 desc = 460 us and 18,880 desc = 46 ms",
+    )
+    post_per_descriptor_s: float = _f(
+        2.8e-6,
+        "cost per descriptor of preparing and posting, paid by the posting thread",
+        FIT + ", inside " + CAL_DESC + " 2.4-3.9 us per descriptor",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Everything that sets a duration in the model."""
+
+    name: str = _f("qwen3-32b-h200-tp8-efa", "profile name", "built-in")
+    model: ModelProfile = field(default_factory=ModelProfile, metadata={"help": "the model"})
+    gpu: GPUProfile = field(default_factory=GPUProfile, metadata={"help": "one accelerator"})
+    prefill: EngineProfile = field(
+        default_factory=lambda: EngineProfile(prefix_hit_fraction=0.9),
+        metadata={"help": "the prefill instance(s)"},
+    )
+    decode: EngineProfile = field(
+        default_factory=EngineProfile, metadata={"help": "the decode instance(s)"}
+    )
+    network: NetworkProfile = field(
+        default_factory=NetworkProfile, metadata={"help": "fabric and posting costs"}
+    )
+
+    def validate(self) -> Profile:
+        """Raise :class:`ProfileError` on a value no engine could have; return self."""
+        m = self.model
+        for name in ("num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim",
+                     "dtype_bytes"):
+            _positive(f"model.{name}", getattr(m, name))
+        _positive("model.total_params", m.total_params)
+        _positive("model.non_embedding_params", m.non_embedding_params)
+        for name in ("peak_flops", "hbm_bandwidth", "memory_bytes"):
+            _positive(f"gpu.{name}", getattr(self.gpu, name))
+        for side in ("prefill", "decode"):
+            e: EngineProfile = getattr(self, side)
+            for name in ("tp", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+                _positive(f"{side}.{name}", getattr(e, name))
+            for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency"):
+                v = getattr(e, name)
+                if not 0 < v <= 1:
+                    raise ProfileError(f"{side}.{name} must be in (0, 1], got {v}")
+            for name in ("prefix_hit_fraction", "fragmentation"):
+                v = getattr(e, name)
+                if not 0 <= v <= 1:
+                    raise ProfileError(f"{side}.{name} must be in [0, 1], got {v}")
+            for name in ("prefill_step_overhead_s", "decode_step_overhead_s",
+                         "activation_reserve_bytes"):
+                if getattr(e, name) < 0:
+                    raise ProfileError(f"{side}.{name} must be >= 0")
+            if e.num_blocks(m, self.gpu) * e.block_size < 1024:
+                raise ProfileError(f"{side}: the model leaves no room for a KV cache")
+            if m.num_kv_heads >= e.tp and m.num_kv_heads % e.tp:
+                raise ProfileError(f"{side}.tp {e.tp} does not divide {m.num_kv_heads} KV heads")
+            if m.num_kv_heads < e.tp and e.tp % m.num_kv_heads:
+                raise ProfileError(f"{side}.tp {e.tp} is not a multiple of the KV heads")
+        n = self.network
+        for name in ("descriptor_rate", "write_bandwidth", "read_bandwidth"):
+            _positive(f"network.{name}", getattr(n, name))
+        _positive("network.gpus_per_node", n.gpus_per_node)
+        for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "post_fixed_s",
+                     "post_per_descriptor_s"):
+            if getattr(n, name) < 0:
+                raise ProfileError(f"network.{name} must be >= 0")
+        return self
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+        raise ProfileError(f"{name} must be a positive number, got {value!r}")
+
+
+DEFAULT = Profile()
+
+_SECTIONS = {
+    "model": ModelProfile,
+    "gpu": GPUProfile,
+    "prefill": EngineProfile,
+    "decode": EngineProfile,
+    "network": NetworkProfile,
+}
+
+
+def _coerce(where: str, f: dataclasses.Field[Any], value: Any, current: Any) -> Any:
+    """Check a TOML value against the type of the field it replaces."""
+    if isinstance(current, bool) or isinstance(value, bool):
+        raise ProfileError(f"{where}: booleans are not accepted here")
+    if isinstance(current, int) and not isinstance(current, bool):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int):
+            raise ProfileError(f"{where} must be an integer, got {value!r}")
+        return value
+    if isinstance(current, float):
+        if not isinstance(value, int | float):
+            raise ProfileError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if isinstance(current, str):
+        if not isinstance(value, str):
+            raise ProfileError(f"{where} must be a string, got {value!r}")
+        return value
+    raise ProfileError(f"{where} cannot be set from a profile file")  # pragma: no cover
+
+
+def _override(obj: Any, table: dict[str, Any], where: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    changes = {}
+    for key, value in table.items():
+        f = fields.get(key)
+        if f is None:
+            known = ", ".join(sorted(fields))
+            raise ProfileError(f"unknown key {where}.{key} (known: {known})")
+        changes[key] = _coerce(f"{where}.{key}", f, value, getattr(obj, key))
+    return dataclasses.replace(obj, **changes)
+
+
+def profile_from_dict(data: dict[str, Any], base: Profile = DEFAULT) -> Profile:
+    """Apply a parsed TOML document to ``base`` (the built-in default)."""
+    changes: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "name":
+            if not isinstance(value, str) or not value:
+                raise ProfileError("name must be a non-empty string")
+            changes["name"] = value
+        elif key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ProfileError(f"[{key}] must be a table")
+            changes[key] = _override(getattr(base, key), value, key)
+        else:
+            raise ProfileError(
+                f"unknown table or key {key!r} (known: name, {', '.join(_SECTIONS)})"
+            )
+    return dataclasses.replace(base, **changes).validate()
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a TOML profile; :class:`ProfileError` if missing, malformed or invalid."""
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except FileNotFoundError as exc:
+        raise ProfileError(f"profile file not found: {p}") from exc
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile file {p}: {exc.strerror}") from exc
+    try:
+        data = tomllib.loads(text.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"malformed TOML in {p}: {exc}") from exc
+    return profile_from_dict(data)
+
+
+def describe(profile: Profile) -> list[tuple[str, Any, str, str]]:
+    """Every leaf field as (dotted name, value, help, source), for docs and --help."""
+    rows: list[tuple[str, Any, str, str]] = []
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                rows.append((prefix + f.name, value, f.metadata.get("help", ""),
+                             f.metadata.get("source", "")))
+
+    walk(profile, "")
+    return rows
+
+
+def markdown(profile: Profile = DEFAULT) -> str:
+    """The profile as a table: parameter, value, meaning, source."""
+    lines = ["| parameter | value | meaning | source |", "|---|---|---|---|"]
+    for name, value, help_text, source in describe(profile):
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        lines.append(f"| `{name}` | {shown} | {help_text} | {source} |")
+    return "\n".join(lines)
+

@@ -1,0 +1,54 @@
+"""The life of one request as the simulator tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .workload import Request
+
+
+class Outcome(enum.Enum):
+    PENDING = "pending"
+    OK = "ok"
+    FAILED = "failed"
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """Mutable per-request state shared by the router, the engines and the metrics."""
+
+    spec: Request
+    transfer_id: str
+    prefill: str | None = None  #: prefill engine id
+    decode: str | None = None  #: decode engine id
+    # decode-side state
+    dst_blocks: list[int] = field(default_factory=list)
+    src_blocks: tuple[int, ...] = ()  #: published by prefill (pull)
+    kv_ready: bool = False
+    local_prefill: bool = False  #: decode computes the prompt itself (recompute)
+    prefilled: int = 0  #: prompt tokens computed on decode so far
+    # timeline
+    prefill_done_at: float | None = None
+    kv_ready_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    outcome: Outcome = Outcome.PENDING
+    error: str = ""
+    recomputed: bool = False
+
+    @property
+    def input_len(self) -> int:
+        return self.spec.input_len
+
+    @property
+    def output_len(self) -> int:
+        return self.spec.output_len
+
+    @property
+    def arrival(self) -> float:
+        return self.spec.arrival
+
+    @property
+    def context(self) -> int:
+        """Tokens of KV this request reads in its next decode step."""
+        return self.input_len + len(self.token_times)

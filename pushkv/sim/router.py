@@ -1,0 +1,142 @@
+"""The proxy in front of the instances: picks them and sequences the two legs.
+
+* ``pull`` / ``pull-async`` and sequential ``push``: the router sends the
+  prefill leg, waits for its answer (in pull, the answer carries the prefill
+  block ids from the producer's ``Publish``), then picks a decode instance
+  and sends the decode leg.
+* concurrent ``push``: both legs leave at arrival with one transfer id; the
+  decode instance registers its blocks while prefill computes.
+
+Every leg costs one proxy hop (``network.router_hop_s``). The router learns
+of an instance's death when the transport reports it; prefill legs that were
+lost with an instance and whose decode leg was not sent yet are re-sent to a
+live prefill instance under a new transfer id, or -- with none left -- sent
+to decode to compute locally (``recompute`` policy) or failed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import simpy
+
+from ..protocol import FailurePolicy
+from .engine import DecodeEngine, PrefillEngine, Recorder
+from .request import Outcome, SimRequest
+from .scenario import Dispatch, RouterPolicy, SimConfig
+from .transport import SimTransport
+
+E = TypeVar("E", PrefillEngine, DecodeEngine)
+
+
+class Router:
+    """Dispatches requests to prefill and decode instances."""
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        cfg: SimConfig,
+        transport: SimTransport,
+        prefills: Sequence[PrefillEngine],
+        decodes: Sequence[DecodeEngine],
+        recorder: Recorder,
+    ) -> None:
+        self.env = env
+        self.cfg = cfg
+        self.transport = transport
+        self.prefills = list(prefills)
+        self.decodes = list(decodes)
+        self.recorder = recorder
+        self.hop = cfg.profile.network.router_hop_s
+        self.concurrent = cfg.effective_dispatch is Dispatch.CONCURRENT
+        self._rr: dict[str, itertools.count[int]] = {"p": itertools.count(), "d": itertools.count()}
+        self._awaiting: dict[str, SimRequest] = {}  # prefill legs not answered yet
+        self._retries: dict[str, int] = {}
+        self.rerouted = 0
+        self.sent_local = 0
+        transport.death_listeners.append(self._engine_died)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _later(self, fn: Callable[..., None], *args: Any) -> None:
+        self.env.timeout(self.hop).callbacks.append(lambda _: fn(*args))
+
+    def _pick(self, engines: list[E], key: str) -> E | None:
+        live = [e for e in engines if e.engine_id not in self.transport.known_dead]
+        if not live:
+            return None
+        if self.cfg.router_policy is RouterPolicy.ROUND_ROBIN:
+            return live[next(self._rr[key]) % len(live)]
+        return min(live, key=lambda e: e.load)  # ties: the lowest index
+
+    def _fail(self, req: SimRequest, error: str) -> None:
+        if req.outcome is Outcome.PENDING:
+            self.recorder.finish(req, error=error)
+
+    # --------------------------------------------------------------- requests
+
+    def arrive(self, req: SimRequest) -> None:
+        """A client request reaches the proxy."""
+        p = self._pick(self.prefills, "p")
+        if p is None:
+            self._no_prefill(req)
+            return
+        req.prefill = p.engine_id
+        self._awaiting[req.transfer_id] = req
+        self._later(p.submit, req)
+        if self.concurrent:
+            d = self._pick(self.decodes, "d")
+            if d is None:
+                self._fail(req, "no decode instance")
+                return
+            req.decode = d.engine_id
+            self._later(d.submit, req)
+
+    def prefill_done(self, req: SimRequest, block_ids: tuple[int, ...] | None) -> None:
+        """A prefill instance answers (after its hop back to the proxy)."""
+        self._later(self._answered, req, block_ids)
+
+    def _answered(self, req: SimRequest, block_ids: tuple[int, ...] | None) -> None:
+        if req.prefill not in self.transport.alive or req.outcome is not Outcome.PENDING:
+            return  # the answer was lost with the instance, or the request is over
+        self._awaiting.pop(req.transfer_id, None)
+        req.prefill_done_at = self.env.now
+        if self.concurrent:
+            return
+        d = self._pick(self.decodes, "d")
+        if d is None:
+            self._fail(req, "no decode instance")
+            return
+        req.src_blocks = block_ids or ()
+        self._later(d.submit, req)
+
+    def _no_prefill(self, req: SimRequest) -> None:
+        d = self._pick(self.decodes, "d")
+        if d is None:
+            self._fail(req, "no instance left")
+        elif self.cfg.protocol.policy is FailurePolicy.RECOMPUTE:
+            self.sent_local += 1
+            self._later(d.submit_local, req)
+        else:
+            self._fail(req, "no prefill instance")
+
+    # ----------------------------------------------------------------- deaths
+
+    def _engine_died(self, engine_id: str) -> None:
+        lost = [
+            r for r in self._awaiting.values()
+            if r.prefill == engine_id and r.decode is None and r.outcome is Outcome.PENDING
+        ]
+        for req in lost:
+            del self._awaiting[req.transfer_id]
+            base = req.transfer_id.split("~")[0]
+            n = self._retries[base] = self._retries.get(base, 0) + 1
+            req.transfer_id = f"{base}~{n}"
+            self.rerouted += 1
+            self.arrive(req)
+        # Concurrent legs already at decode fail through the protocol (peer died).
+        for tid, r in list(self._awaiting.items()):
+            if r.prefill == engine_id:
+                del self._awaiting[tid]

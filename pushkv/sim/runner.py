@@ -1,0 +1,239 @@
+"""Build one simulated deployment, run a workload through it, collect the results.
+
+``run(cfg)`` is a pure function of ``cfg``: every random stream (arrivals,
+each engine's free-block order, faults) is derived from
+``(cfg.workload.seed, cfg.iteration)`` and passed in explicitly, and SimPy
+breaks ties in simulated time in scheduling order, so the same config gives
+the same result JSON byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import simpy
+
+from ..protocol import uniform_ranks
+from .blocks import BlockPool
+from .engine import DecodeEngine, PrefillEngine, Recorder
+from .metrics import vllm_result
+from .network import Network
+from .profile import EngineProfile, Profile
+from .request import Outcome, SimRequest
+from .router import Router
+from .scenario import SimConfig
+from .transport import SimTransport
+from .workload import generate
+
+
+class SimulationError(RuntimeError):
+    """The simulated system stopped before every request ended (a model bug)."""
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Everything one run produced."""
+
+    config: SimConfig
+    result: dict[str, Any]  #: the vLLM-style result JSON
+    requests: list[SimRequest]
+    leaks: dict[str, int]  #: per engine: blocks still held, lent or allocated
+    transport_stats: dict[str, int]
+    rejected: int
+    wall_s: float = 0.0
+    prefills: list[PrefillEngine] = field(default_factory=list)
+    decodes: list[DecodeEngine] = field(default_factory=list)
+    transport: SimTransport | None = None
+
+    @property
+    def leaked_blocks(self) -> int:
+        return sum(self.leaks.values())
+
+    def write(self, directory: str | Path) -> Path:
+        """Write the result JSON as ``{mode}_qps{q}_in{i}_out{o}_iter{n}.json``."""
+        path = Path(directory) / self.config.file_name()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.result))
+        return path
+
+
+def _ranks(engine_id: str, profile: Profile, side: EngineProfile) -> Any:
+    m = profile.model
+    return uniform_ranks(
+        engine_id, tp=side.tp, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim, dtype_bytes=m.dtype_bytes,
+        num_blocks=side.num_blocks(m, profile.gpu), block_size=side.block_size,
+    )[0]  # rank 0 stands for the whole TP group
+
+
+def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
+    """Simulate ``cfg`` and return its results."""
+    wall0 = time.perf_counter()
+    profile = cfg.profile
+    seeds = np.random.SeedSequence([cfg.workload.seed, cfg.iteration])
+    arrival_seed, fault_seed, *pool_seeds = seeds.spawn(2 + cfg.num_prefill + cfg.num_decode)
+    env = simpy.Environment()
+    network = Network(env, profile.network)
+    transport = SimTransport(
+        env, profile, network, cfg.protocol, cfg.faults,
+        random.Random(int(fault_seed.generate_state(1)[0])),
+    )
+    specs = generate(cfg.workload, np.random.default_rng(arrival_seed))
+    recorder = Recorder(env, len(specs))
+    router_ref: list[Router] = []
+
+    def on_done(req: SimRequest, block_ids: tuple[int, ...] | None) -> None:
+        router_ref[0].prefill_done(req, block_ids)
+
+    prefills: list[PrefillEngine] = []
+    decodes: list[DecodeEngine] = []
+    m, gpu = profile.model, profile.gpu
+    for i in range(cfg.num_prefill):
+        eid = f"prefill-{i}"
+        pool = BlockPool(profile.prefill.num_blocks(m, gpu), profile.prefill.fragmentation,
+                         np.random.default_rng(pool_seeds[i]))
+        eng = PrefillEngine(env, eid, profile, pool, transport, cfg.mode, on_done)
+        transport.add_producer(_ranks(eid, profile, profile.prefill), eng)
+        prefills.append(eng)
+    for j in range(cfg.num_decode):
+        eid = f"decode-{j}"
+        pool = BlockPool(profile.decode.num_blocks(m, gpu), profile.decode.fragmentation,
+                         np.random.default_rng(pool_seeds[cfg.num_prefill + j]))
+        deng = DecodeEngine(env, eid, profile, pool, transport, cfg.mode, recorder)
+        transport.add_consumer(_ranks(eid, profile, profile.decode), deng)
+        decodes.append(deng)
+    transport.handshake()
+    router = Router(env, cfg, transport, prefills, decodes, recorder)
+    router_ref.append(router)
+
+    reqs = [SimRequest(spec=s, transfer_id=f"req-{s.index}") for s in specs]
+    def arrive_at(req: SimRequest) -> None:
+        env.timeout(req.arrival).callbacks.append(lambda _: router.arrive(req))
+
+    for r in reqs:
+        arrive_at(r)
+    _schedule_faults(env, cfg, transport, prefills, decodes)
+
+    try:
+        env.run(until=recorder.done)
+    except RuntimeError as exc:
+        pending = [r.transfer_id for r in reqs if r.outcome is Outcome.PENDING]
+        raise SimulationError(
+            f"simulation stalled at t={env.now:.3f}s with {len(pending)} requests pending "
+            f"(first: {pending[:5]})"
+        ) from exc
+    end = env.now
+    _drain(env, cfg, transport, prefills, decodes)
+    leaks = _leaks(transport, prefills, decodes)
+
+    extra = _extra(cfg, transport, prefills, decodes, router, reqs, leaks)
+    result = vllm_result(
+        reqs, duration=end + profile.network.router_hop_s, model_id=profile.model.name,
+        request_rate=cfg.workload.request_rate, burstiness=cfg.workload.burstiness,
+        label=cfg.label(), extra=extra, return_s=profile.network.router_hop_s,
+    )
+    out = RunResult(
+        config=cfg, result=result, requests=reqs, leaks=leaks,
+        transport_stats=dict(transport.stats), rejected=len(transport.rejected),
+    )
+    if keep_objects:
+        out.prefills, out.decodes, out.transport = prefills, decodes, transport
+    out.wall_s = time.perf_counter() - wall0
+    return out
+
+
+def _schedule_faults(
+    env: simpy.Environment, cfg: SimConfig, transport: SimTransport,
+    prefills: list[PrefillEngine], decodes: list[DecodeEngine],
+) -> None:
+    f = cfg.faults
+    if f.kill_prefill_at is not None:
+        def kill_p(_: Any) -> None:
+            prefills[0].kill()
+            transport.kill(prefills[0].engine_id)
+        env.timeout(f.kill_prefill_at).callbacks.append(kill_p)
+    if f.kill_decode_at is not None:
+        def kill_d(_: Any) -> None:
+            decodes[0].kill()
+            transport.kill(decodes[0].engine_id)
+        env.timeout(f.kill_decode_at).callbacks.append(kill_d)
+
+
+def _leaks(
+    transport: SimTransport, prefills: list[PrefillEngine], decodes: list[DecodeEngine]
+) -> dict[str, int]:
+    """Blocks still held by live endpoints or allocated in live engines' pools."""
+    out = transport.leaks()
+    for e in prefills:
+        if e.alive:
+            out[e.engine_id] += e.pool.num_used
+    for d in decodes:
+        if d.alive:
+            out[d.engine_id] += d.pool.num_used
+    return out
+
+
+def _drain(
+    env: simpy.Environment, cfg: SimConfig, transport: SimTransport,
+    prefills: list[PrefillEngine], decodes: list[DecodeEngine],
+) -> None:
+    """Let in-flight messages land and the protocol's timers release what is left."""
+    p = cfg.protocol
+    cap = env.now + p.lease_s + p.window_s + p.fence_grace_s + cfg.faults.detect_s + 1.0
+    while env.peek() <= cap and (
+        transport.inflight or sum(_leaks(transport, prefills, decodes).values())
+    ):
+        env.step()
+
+
+def _extra(
+    cfg: SimConfig, transport: SimTransport, prefills: list[PrefillEngine],
+    decodes: list[DecodeEngine], router: Router, reqs: list[SimRequest], leaks: dict[str, int],
+) -> dict[str, Any]:
+    profile = cfg.profile
+    desc = transport.descriptors
+    ok = [r for r in reqs if r.outcome is Outcome.OK]
+    waits = [r.kv_ready_at - r.arrival for r in ok if r.kv_ready_at is not None]
+    return {
+        "mode": cfg.mode.value,
+        "dispatch": cfg.effective_dispatch.value,
+        "num_prefill": cfg.num_prefill,
+        "num_decode": cfg.num_decode,
+        "profile": profile.name,
+        "input_len": cfg.workload.input_len,
+        "output_len": cfg.workload.output_len,
+        "seed": cfg.workload.seed,
+        "iteration": cfg.iteration,
+        "prefix_hit_fraction": profile.prefill.prefix_hit_fraction,
+        "fragmentation": profile.decode.fragmentation,
+        "post_per_descriptor_s": profile.network.post_per_descriptor_s,
+        "policy": cfg.protocol.policy.value,
+        "recomputed": sum(1 for r in reqs if r.recomputed),
+        "recomputed_ok": sum(1 for r in ok if r.recomputed),
+        "transfer_failures": sum(d.failed_transfers for d in decodes),
+        "rerouted": router.rerouted,
+        "leaked_blocks": sum(leaks.values()),
+        "rejected_messages": len(transport.rejected),
+        "lost_registrations": transport.stats["lost_Register"],
+        "lost_notifications": transport.stats["lost_Notify"],
+        "transfers": len(desc),
+        "descriptors_mean": float(np.mean(desc)) if desc else 0.0,
+        "descriptors_max": int(max(desc)) if desc else 0,
+        "bytes_moved": transport.net.bytes_moved,
+        "post_ms_by_thread": {k: v * 1000 for k, v in sorted(transport.post_s_by_thread.items())},
+        "decode_stall_ms_total": sum(d.stall_s for d in decodes) * 1000,
+        "decode_stalled_steps": sum(d.stalled_steps for d in decodes),
+        "decode_steps": sum(d.steps for d in decodes),
+        "decode_busy_s": sum(d.busy_s for d in decodes),
+        "prefill_busy_s": sum(p.busy_s for p in prefills),
+        "prefill_cached_tokens": sum(p.cached_tokens for p in prefills),
+        "prefill_computed_tokens": sum(p.computed_tokens for p in prefills),
+        "network_busy_s": transport.net.busy_s,
+        "mean_kv_ready_ms": float(np.mean(waits)) * 1000 if waits else 0.0,
+    }

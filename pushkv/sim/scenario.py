@@ -1,0 +1,170 @@
+"""What one simulated run is: transfer mode, router, topology, workload, faults.
+
+Everything a run depends on lives in a :class:`SimConfig` (frozen, typed, a
+help string per field), so a run is a pure function of its config and seed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from ..protocol import ConsumerConfig, FailurePolicy, ProducerConfig
+from .profile import DEFAULT, Profile
+from .workload import WorkloadConfig
+
+
+class ConfigError(ValueError):
+    """A scenario parameter is out of range."""
+
+
+class TransferMode(enum.Enum):
+    """How KV moves from prefill to decode."""
+
+    PULL = "pull"  #: decode reads; descriptors posted inline in the decode engine loop
+    PUSH = "push"  #: prefill writes from a background thread into registered blocks
+    PULL_ASYNC = "pull-async"  #: decode reads; a decode background thread posts
+
+    @property
+    def is_pull(self) -> bool:
+        return self is not TransferMode.PUSH
+
+
+class Dispatch(enum.Enum):
+    """When the router sends the decode leg of a request."""
+
+    CONCURRENT = "concurrent"  #: with the prefill leg, at arrival (push only)
+    SEQUENTIAL = "sequential"  #: after the prefill leg has answered
+
+
+class RouterPolicy(enum.Enum):
+    """How the router picks an instance among several."""
+
+    LEAST_LOADED = "least-loaded"  #: fewest requests outstanding
+    ROUND_ROBIN = "round-robin"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProtocolSettings:
+    """Timeouts and failure policy of the endpoints (vLLM's defaults)."""
+
+    lease_s: float = field(
+        default=30.0, metadata={"help": "prefill holds unclaimed KV this long (vLLM: 30 s)"}
+    )
+    heartbeat_s: float = field(
+        default=5.0, metadata={"help": "decode renews prefill leases this often (lease/6)"}
+    )
+    window_s: float = field(
+        default=480.0,
+        metadata={"help": "decode waits this long for its KV before failing (vLLM: 480 s)"},
+    )
+    fence_grace_s: float = field(
+        default=30.0, metadata={"help": "after the window, blocks are released unfenced"}
+    )
+    policy: FailurePolicy = field(
+        default=FailurePolicy.FAIL,
+        metadata={"help": "failed transfer: 'fail' the request or 'recompute' on decode"},
+    )
+
+    def producer_config(self) -> ProducerConfig:
+        return ProducerConfig(lease_s=self.lease_s)
+
+    def consumer_config(self) -> ConsumerConfig:
+        return ConsumerConfig(
+            window_s=self.window_s, fence_grace_s=self.fence_grace_s,
+            heartbeat_s=self.heartbeat_s, policy=self.policy,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """What-if faults. All off by default."""
+
+    drop_register: float = field(
+        default=0.0, metadata={"help": "probability that a registration message is lost"}
+    )
+    drop_notify: float = field(
+        default=0.0, metadata={"help": "probability that a write notification is lost"}
+    )
+    kill_prefill_at: float | None = field(
+        default=None, metadata={"help": "time (s) at which prefill instance 0 dies"}
+    )
+    kill_decode_at: float | None = field(
+        default=None, metadata={"help": "time (s) at which decode instance 0 dies"}
+    )
+    detect_s: float = field(
+        default=1.0, metadata={"help": "time until peers and router learn of a death"}
+    )
+
+    @property
+    def any(self) -> bool:
+        return bool(
+            self.drop_register or self.drop_notify
+            or self.kill_prefill_at is not None or self.kill_decode_at is not None
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """One simulated benchmark run."""
+
+    mode: TransferMode = field(
+        default=TransferMode.PUSH, metadata={"help": "pull, push or pull-async"}
+    )
+    dispatch: Dispatch = field(
+        default=Dispatch.CONCURRENT,
+        metadata={"help": "push: send the decode leg at arrival (concurrent) or after "
+                  "prefill (sequential); pull modes are always sequential"},
+    )
+    num_prefill: int = field(default=1, metadata={"help": "prefill instances (x in xPyD)"})
+    num_decode: int = field(default=1, metadata={"help": "decode instances (y in xPyD)"})
+    router_policy: RouterPolicy = field(
+        default=RouterPolicy.LEAST_LOADED, metadata={"help": "instance choice"}
+    )
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    protocol: ProtocolSettings = field(default_factory=ProtocolSettings)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    profile: Profile = field(default=DEFAULT)
+    iteration: int = field(default=0, metadata={"help": "iteration number (file name, seed)"})
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ConfigError("at least one prefill and one decode instance are needed")
+        if self.profile.prefill.tp != self.profile.decode.tp:
+            raise ConfigError(
+                "the simulator drives one representative rank per side, which needs "
+                f"equal TP sizes (prefill {self.profile.prefill.tp}, "
+                f"decode {self.profile.decode.tp})"
+            )
+        f = self.faults
+        for name in ("drop_register", "drop_notify"):
+            v = getattr(f, name)
+            if not 0.0 <= v <= 1.0:
+                raise ConfigError(f"{name} must be a probability in [0, 1], got {v}")
+        for name in ("kill_prefill_at", "kill_decode_at"):
+            v = getattr(f, name)
+            if v is not None and not (v >= 0 and math.isfinite(v)):
+                raise ConfigError(f"{name} must be a time >= 0, got {v}")
+        if not f.detect_s > 0:
+            raise ConfigError(f"detect_s must be > 0, got {f.detect_s}")
+        if self.workload.input_len + self.workload.output_len > 1 << 20:
+            raise ConfigError("input + output length above 1M tokens")
+
+    @property
+    def effective_dispatch(self) -> Dispatch:
+        """Pull needs prefill's block ids before decode can start: always sequential."""
+        return Dispatch.SEQUENTIAL if self.mode.is_pull else self.dispatch
+
+    def label(self) -> str:
+        """Mode label used in file names and legends (``push-seq`` for a sequential push)."""
+        if self.mode is TransferMode.PUSH and self.dispatch is Dispatch.SEQUENTIAL:
+            return "push-seq"
+        return self.mode.value
+
+    def file_name(self) -> str:
+        """``{mode}_qps{q}_in{i}_out{o}_iter{n}.json``, as the post's benchmark script names it."""
+        w = self.workload
+        q = w.request_rate
+        qs = str(int(q)) if math.isfinite(q) and q == int(q) else str(q)
+        return f"{self.label()}_qps{qs}_in{w.input_len}_out{w.output_len}_iter{self.iteration}.json"

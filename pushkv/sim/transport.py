@@ -1,0 +1,362 @@
+"""A simulated transport that drives the real :mod:`pushkv.protocol` endpoints.
+
+Engines call the endpoints through this class (``register``,
+``start_pull``, ``prefill_finished``); every list of actions the endpoints
+return is carried out here, in simulated time:
+
+* ``SendMessage`` -- the message is encoded with the real wire codec and
+  handed to the peer's ``receive_bytes`` after the control latency (or lost,
+  when a fault says so);
+* ``IssueWrite`` -- queued on the prefill node's **background writer thread**,
+  which pays the posting cost (fixed + per descriptor of the real plan); then
+  the bytes cross the fabric; then the notification reaches the consumer and
+  the producer learns the write completed;
+* ``IssueRead`` -- pull: posted **inline** by the decode engine loop (the cost
+  is returned to the engine, which stalls its step by it) or, in pull-async, by
+  a decode background thread; then the bytes cross; then ``read_completed``;
+* ``Publish``, ``ReleaseSource``, ``ReleaseDestination``, ``TransferReady``,
+  ``TransferFailed``, ``TransferCancelled`` -- handed to the engine that owns
+  the endpoint;
+* timers -- each endpoint's ``next_deadline()`` is armed as a SimPy timeout
+  that calls ``handle_timer``.
+
+Only one rank per engine is driven: all TP ranks of an engine are symmetric
+(same block ids, same plan shape, same timings), so rank 0 of a TP-``n``
+producer and rank 0 of a TP-``n`` consumer stand for the whole engine.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Protocol
+
+import simpy
+
+from ..protocol import (
+    Action,
+    Consumer,
+    FailurePolicy,
+    IssueRead,
+    IssueWrite,
+    Mode,
+    Peer,
+    Producer,
+    Publish,
+    RankInfo,
+    Register,
+    Rejected,
+    ReleaseDestination,
+    ReleaseSource,
+    SendMessage,
+    TransferCancelled,
+    TransferFailed,
+    TransferReady,
+    encode,
+    expected_writers,
+)
+from .costs import post_s
+from .network import Network
+from .profile import Profile
+from .scenario import FaultConfig, ProtocolSettings
+
+
+class ProducerHost(Protocol):
+    """What the prefill engine does with its endpoint's outputs."""
+
+    def published(self, transfer_id: str, block_ids: tuple[int, ...], num_tokens: int) -> None: ...
+    def release_source(self, transfer_id: str, block_ids: tuple[int, ...]) -> None: ...
+
+
+class ConsumerHost(Protocol):
+    """What the decode engine does with its endpoint's outputs."""
+
+    def transfer_ready(self, transfer_id: str) -> None: ...
+    def transfer_failed(self, transfer_id: str, reason: str, policy: FailurePolicy) -> None: ...
+    def transfer_cancelled(self, transfer_id: str) -> None: ...
+    def release_destination(self, transfer_id: str, block_ids: tuple[int, ...]) -> None: ...
+
+
+class SimTransport:
+    """Endpoints of every engine, the control plane, the writer/reader threads and timers."""
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        profile: Profile,
+        network: Network,
+        settings: ProtocolSettings,
+        faults: FaultConfig,
+        fault_rng: random.Random,
+    ) -> None:
+        self.env = env
+        self.profile = profile
+        self.net = network
+        self.settings = settings
+        self.faults = faults
+        self._rng = fault_rng
+        self.producers: dict[str, Producer] = {}
+        self.consumers: dict[str, Consumer] = {}
+        self._producer_hosts: dict[str, ProducerHost] = {}
+        self._consumer_hosts: dict[str, ConsumerHost] = {}
+        self._writer: dict[str, simpy.Resource] = {}  # prefill background thread
+        self._reader: dict[str, simpy.Resource] = {}  # decode background thread (pull-async)
+        self.alive: set[str] = set()
+        self.known_dead: set[str] = set()  #: deaths already reported to the endpoints
+        self.death_listeners: list[Callable[[str], None]] = []
+        self._armed: dict[str, set[float]] = {}
+        self.inflight = 0  #: messages, posts and transfers not yet finished
+        self.stats: Counter[str] = Counter()
+        self.rejected: list[Rejected] = []
+        self.descriptors: list[int] = []  #: descriptor count of every transfer issued
+        #: posting seconds by thread: "decode-loop", "decode-bg", "prefill-bg"
+        self.post_s_by_thread: defaultdict[str, float] = defaultdict(float)
+
+    # ------------------------------------------------------------------ set-up
+
+    def add_producer(self, info: RankInfo, host: ProducerHost) -> None:
+        eid = info.engine_id
+        self.producers[eid] = Producer(info, self.settings.producer_config())
+        self._producer_hosts[eid] = host
+        self._writer[eid] = simpy.Resource(self.env, capacity=1)
+        self._add_node(eid)
+
+    def add_consumer(self, info: RankInfo, host: ConsumerHost) -> None:
+        eid = info.engine_id
+        self.consumers[eid] = Consumer(info, self.settings.consumer_config())
+        self._consumer_hosts[eid] = host
+        self._reader[eid] = simpy.Resource(self.env, capacity=1)
+        self._add_node(eid)
+
+    def _add_node(self, eid: str) -> None:
+        self.net.add_node(eid)
+        self.alive.add(eid)
+        self._armed[eid] = set()
+
+    def handshake(self) -> None:
+        """Every producer meets every consumer (the NIXL handshake, before the run)."""
+        for p in self.producers.values():
+            for c in self.consumers.values():
+                p.add_peer(c.info)
+                c.add_peer(p.info)
+                writers = expected_writers(p.info.engine, c.info.engine, c.info.rank)
+                if writers != {p.info.rank}:  # pragma: no cover - guarded by SimConfig
+                    raise AssertionError(f"rank {c.info.rank} expects writers {set(writers)}")
+
+    # ------------------------------------------------------ calls from engines
+
+    def register(
+        self, decode: str, transfer_id: str, producer: str, block_ids: Sequence[int],
+        num_tokens: int,
+    ) -> None:
+        """Push: the decode engine allocated blocks; the registration is born."""
+        c = self.consumers[decode]
+        self._apply(decode, c.register(transfer_id, producer, block_ids, num_tokens,
+                                       self.env.now))
+
+    def start_pull(
+        self, decode: str, transfer_id: str, producer: str, src_ids: Sequence[int],
+        dst_ids: Sequence[int], num_tokens: int, *, inline_after: float | None,
+    ) -> float:
+        """Pull: read ``src_ids`` into ``dst_ids``.
+
+        With ``inline_after`` set, the decode engine loop posts the read itself,
+        after ``inline_after`` seconds of other posting in the same step; the
+        posting seconds are returned so the engine stalls its step by them.
+        With ``None`` a decode background thread posts and 0 is returned.
+        """
+        c = self.consumers[decode]
+        actions = c.start_pull(transfer_id, producer, src_ids, dst_ids, num_tokens, self.env.now)
+        return self._apply(decode, actions, inline_after=inline_after)
+
+    def prefill_finished(
+        self, prefill: str, transfer_id: str, block_ids: Sequence[int], num_tokens: int,
+        mode: Mode,
+    ) -> None:
+        p = self.producers[prefill]
+        self._apply(prefill, p.prefill_finished(transfer_id, block_ids, num_tokens,
+                                                self.env.now, mode=mode))
+
+    def prefill_aborted(self, prefill: str, transfer_id: str) -> None:
+        self._apply(prefill, self.producers[prefill].prefill_aborted(transfer_id, self.env.now))
+
+    # ------------------------------------------------------------------ deaths
+
+    def kill(self, engine_id: str) -> None:
+        """``engine_id`` dies now; every live endpoint learns after ``detect_s``."""
+        if engine_id not in self.alive:
+            return
+        self.alive.discard(engine_id)
+        self.stats["deaths"] += 1
+        delay = self.faults.detect_s
+
+        def tell(_: Any) -> None:
+            self.known_dead.add(engine_id)
+            for eid in sorted(self.alive):
+                ep = self.producers.get(eid) or self.consumers[eid]
+                self._apply(eid, ep.peer_died(engine_id, self.env.now))
+            for listener in self.death_listeners:
+                listener(engine_id)
+
+        self.env.timeout(delay).callbacks.append(tell)
+
+    # ----------------------------------------------------------------- actions
+
+    def _apply(
+        self, eid: str, actions: list[Action], *, inline_after: float | None = None
+    ) -> float:
+        """Carry out ``actions`` of engine ``eid``'s endpoint; return inline posting seconds."""
+        stall = 0.0
+        for a in actions:
+            if isinstance(a, SendMessage):
+                self._send(eid, a.peer, a)
+            elif isinstance(a, IssueWrite):
+                self.descriptors.append(a.plan.descriptor_count)
+                self._spawn(self._write(eid, a))
+            elif isinstance(a, IssueRead):
+                self.descriptors.append(a.plan.descriptor_count)
+                if inline_after is None:
+                    self._spawn(self._read(eid, a, delay=None))
+                else:
+                    cost = post_s(self.profile.network, a.plan.descriptor_count)
+                    self.post_s_by_thread["decode-loop"] += cost
+                    stall += cost
+                    self._spawn(self._read(eid, a, delay=inline_after + stall))
+            elif isinstance(a, Publish):
+                self._producer_hosts[eid].published(a.transfer_id, a.block_ids, a.num_tokens)
+            elif isinstance(a, ReleaseSource):
+                self.stats["release_source"] += 1
+                self._producer_hosts[eid].release_source(a.transfer_id, a.block_ids)
+            elif isinstance(a, ReleaseDestination):
+                self.stats["release_destination"] += 1
+                self._consumer_hosts[eid].release_destination(a.transfer_id, a.block_ids)
+            elif isinstance(a, TransferReady):
+                self.stats["ready"] += 1
+                self._consumer_hosts[eid].transfer_ready(a.transfer_id)
+            elif isinstance(a, TransferFailed):
+                self.stats["failed"] += 1
+                self._consumer_hosts[eid].transfer_failed(a.transfer_id, a.reason, a.policy)
+            elif isinstance(a, TransferCancelled):
+                self.stats["cancelled"] += 1
+                self._consumer_hosts[eid].transfer_cancelled(a.transfer_id)
+            elif isinstance(a, Rejected):
+                self.stats["rejected"] += 1
+                self.rejected.append(a)
+            else:  # pragma: no cover
+                raise AssertionError(f"unknown action {a!r}")
+        self._arm(eid)
+        return stall
+
+    def _spawn(self, gen: Generator[Any, Any, None]) -> None:
+        self.inflight += 1
+
+        def run() -> Generator[Any, Any, None]:
+            try:
+                yield from gen
+            finally:
+                self.inflight -= 1
+
+        self.env.process(run())
+
+    def _send(self, src: str, peer: Peer, action: SendMessage) -> None:
+        msg = action.message
+        kind = type(msg).__name__
+        self.stats[f"sent_{kind}"] += 1
+        if isinstance(msg, Register) and self._lose(self.faults.drop_register):
+            self.stats["lost_Register"] += 1
+            return
+        self._deliver_later(peer, encode(msg), self.profile.network.control_latency_s)
+
+    def _lose(self, p: float) -> bool:
+        return p > 0 and self._rng.random() < p
+
+    def _deliver_later(self, peer: Peer, frame: bytes, delay: float) -> None:
+        self.inflight += 1
+
+        def deliver(_: Any) -> None:
+            self.inflight -= 1
+            eid = peer.engine_id
+            if eid not in self.alive:
+                self.stats["frames_to_dead"] += 1
+                return
+            ep = self.producers.get(eid) or self.consumers[eid]
+            self._apply(eid, ep.receive_bytes(frame, self.env.now))
+
+        self.env.timeout(delay).callbacks.append(deliver)
+
+    def _write(self, eid: str, a: IssueWrite) -> Generator[Any, Any, None]:
+        """The prefill background thread posts; the fabric moves; the consumer is told."""
+        net = self.profile.network
+        with self._writer[eid].request() as slot:
+            yield slot
+            cost = post_s(net, a.plan.descriptor_count)
+            self.post_s_by_thread["prefill-bg"] += cost
+            yield self.env.timeout(cost)
+        if eid not in self.alive:
+            return
+        dst = a.peer.engine_id
+        yield from self.net.transfer(eid, dst, a.plan.nbytes, a.plan.descriptor_count, read=False)
+        if eid not in self.alive:
+            self.stats["writes_lost"] += 1  # the producer died with its write
+            return
+        ok = dst in self.alive
+        if ok:
+            if self._lose(self.faults.drop_notify):
+                self.stats["lost_Notify"] += 1
+            else:
+                self._deliver_later(a.peer, encode(a.notify), net.control_latency_s)
+        p = self.producers[eid]
+        self._apply(eid, p.write_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now))
+
+    def _read(self, eid: str, a: IssueRead, delay: float | None) -> Generator[Any, Any, None]:
+        """Pull: posted inline (after ``delay``) or by the decode background thread."""
+        if delay is None:
+            with self._reader[eid].request() as slot:
+                yield slot
+                cost = post_s(self.profile.network, a.plan.descriptor_count)
+                self.post_s_by_thread["decode-bg"] += cost
+                yield self.env.timeout(cost)
+        elif delay > 0:
+            yield self.env.timeout(delay)
+        src = a.peer.engine_id
+        if src in self.alive and eid in self.alive:
+            yield from self.net.transfer(src, eid, a.plan.nbytes, a.plan.descriptor_count,
+                                         read=True)
+        if eid not in self.alive:
+            return
+        ok = src in self.alive and a.transfer_id in self.producers[src].held_blocks()
+        c = self.consumers[eid]
+        self._apply(eid, c.read_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now))
+
+    # ------------------------------------------------------------------ timers
+
+    def _arm(self, eid: str) -> None:
+        if eid not in self.alive:
+            return
+        ep = self.producers.get(eid) or self.consumers[eid]
+        when = ep.next_deadline()
+        armed = self._armed[eid]
+        if when is None or when in armed:
+            return
+        armed.add(when)
+
+        def fire(_: Any) -> None:
+            armed.discard(when)
+            if eid in self.alive:
+                self._apply(eid, ep.handle_timer(self.env.now))
+
+        self.env.timeout(max(0.0, when - self.env.now)).callbacks.append(fire)
+
+    # ----------------------------------------------------------- leak checks
+
+    def leaks(self) -> dict[str, int]:
+        """Blocks still held (producers) or lent (consumers) by live endpoints."""
+        out: dict[str, int] = {}
+        for eid, p in self.producers.items():
+            if eid in self.alive:
+                out[eid] = sum(len(b) for b in p.held_blocks().values())
+        for eid, c in self.consumers.items():
+            if eid in self.alive:
+                out[eid] = len(c.lent_blocks())
+        return out

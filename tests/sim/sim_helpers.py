@@ -1,0 +1,32 @@
+"""Helpers shared by the simulator tests (pytest puts this folder on ``sys.path``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+pytest.importorskip("simpy")
+
+from pushkv.sim import SimConfig, TransferMode, WorkloadConfig
+from pushkv.sim.profile import DEFAULT, Profile
+
+
+def config(mode: str = "push", *, qps: float = 2.0, input_len: int = 2048,
+           output_len: int = 16, num_prompts: int = 20, seed: int = 0,
+           **kw: Any) -> SimConfig:
+    """A small, fast run."""
+    return SimConfig(
+        mode=TransferMode(mode),
+        workload=WorkloadConfig(request_rate=qps, input_len=input_len, output_len=output_len,
+                                num_prompts=num_prompts, seed=seed),
+        **kw,
+    )
+
+
+def with_profile(**sections: dict[str, Any]) -> Profile:
+    """The default profile with some fields of some sections replaced."""
+    changes = {name: dataclasses.replace(getattr(DEFAULT, name), **fields)
+               for name, fields in sections.items()}
+    return dataclasses.replace(DEFAULT, **changes).validate()

@@ -1,0 +1,81 @@
+"""Profiles: every number has a help string and a source; user TOML files are checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("simpy")
+
+from pushkv.sim.profile import (
+    DEFAULT,
+    ProfileError,
+    describe,
+    load_profile,
+    profile_from_dict,
+)
+
+
+def test_every_default_number_has_help_and_a_source() -> None:
+    rows = describe(DEFAULT)
+    assert len(rows) > 30
+    for name, _value, help_text, source in rows:
+        assert help_text, name
+        assert source, name
+
+
+def test_toml_overrides_only_what_it_names(tmp_path: Path) -> None:
+    f = tmp_path / "p.toml"
+    f.write_text('name = "mine"\n[model]\nnum_layers = 80\n[prefill]\n'
+                 'prefix_hit_fraction = 0.5\n[network]\npost_per_descriptor_s = 3e-6\n')
+    p = load_profile(f)
+    assert p.name == "mine"
+    assert p.model.num_layers == 80
+    assert p.prefill.prefix_hit_fraction == 0.5
+    assert p.network.post_per_descriptor_s == 3e-6
+    assert p.decode == DEFAULT.decode
+    assert p.model.head_dim == DEFAULT.model.head_dim
+
+
+def test_integer_valued_floats_are_accepted_for_integers() -> None:
+    assert profile_from_dict({"decode": {"max_num_seqs": 16.0}}).decode.max_num_seqs == 16
+
+
+@pytest.mark.parametrize(("doc", "words"), [
+    ({"modle": {}}, "unknown table"),
+    ({"model": {"num_layerz": 3}}, "model.num_layerz"),
+    ({"model": {"num_layers": "many"}}, "integer"),
+    ({"model": {"num_layers": 1.5}}, "integer"),
+    ({"gpu": {"peak_flops": "fast"}}, "number"),
+    ({"decode": {"tp": True}}, "booleans"),
+    ({"decode": {"max_num_seqs": 0}}, "positive"),
+    ({"prefill": {"prefix_hit_fraction": 1.5}}, "[0, 1]"),
+    ({"prefill": {"tp": 3}}, "does not divide"),
+    ({"network": {"post_fixed_s": -1.0}}, ">= 0"),
+    ({"model": 3}, "must be a table"),
+    ({"name": ""}, "non-empty"),
+])
+def test_bad_values_name_the_key(doc: dict[str, object], words: str) -> None:
+    with pytest.raises(ProfileError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        profile_from_dict(doc)  # type: ignore[arg-type]
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match="not found"):
+        load_profile(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nnum_layers = ")
+    with pytest.raises(ProfileError, match="malformed TOML"):
+        load_profile(bad)
+
+
+def test_the_example_profile_in_the_docs_loads(tmp_path: Path) -> None:
+    doc = Path(__file__).resolve().parents[2] / "docs" / "sim.md"
+    text = doc.read_text()
+    start = text.index("```toml\n") + len("```toml\n")
+    example = tmp_path / "example.toml"
+    example.write_text(text[start:text.index("```", start)])
+    p = load_profile(example)
+    assert p.model.num_layers == 80
+    assert p.network.descriptor_rate == 4e6
