@@ -43,6 +43,7 @@ from .messages import (
     Cancel,
     CancelAck,
     Fail,
+    FailReason,
     Heartbeat,
     Hello,
     Message,
@@ -91,6 +92,12 @@ class _Transfer:
     src_ids: tuple[int, ...] = ()
     zombies: dict[int, _Attempt] = field(default_factory=dict)
     reason: str = ""
+    code: FailReason = FailReason.WRITE_FAILED
+
+    def why(self, code: FailReason, reason: str) -> None:
+        """Record the first cause of a failure (later ones are consequences)."""
+        if not self.reason:
+            self.code, self.reason = code, reason
 
 
 class Consumer:
@@ -277,7 +284,7 @@ class Consumer:
         out = self._run_timers(now)
         self.stats["reads_ok" if ok else "reads_failed"] += 1
         if not ok:
-            t.reason = t.reason or f"read from {peer} failed"
+            t.why(FailReason.READ_FAILED, f"read from {peer} failed")
         return out + self._report(t, attempt, peer.rank, CI.NOTIFY if ok else CI.FAIL, now)
 
     def _get(self, transfer_id: str) -> _Transfer:
@@ -335,7 +342,7 @@ class Consumer:
             raise _invalid("producer message for a pull transfer", t.transfer_id, msg.attempt,
                            inp)
         if isinstance(msg, Fail):
-            t.reason = t.reason or f"{msg.reason.name} from rank {msg.rank}: {msg.detail}"
+            t.why(msg.reason, f"{msg.reason.name} from rank {msg.rank}: {msg.detail}")
         return self._report(t, msg.attempt, msg.rank, inp, now)
 
     def _report(
@@ -421,11 +428,11 @@ class Consumer:
         if effect is CE.FAIL_REST:
             cur.fenced |= ranks
             if inp is CI.PEER_DIED:
-                t.reason = t.reason or f"producer engine {t.producer!r} died"
+                t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
             return self._cancel(t, final=True)
         if effect is CE.CANCEL_ALL:
             if inp is CI.DEADLINE:
-                t.reason = t.reason or "no write within the registration window"
+                t.why(FailReason.DEADLINE, "no write within the registration window")
             return self._cancel(t, final=True)
         if effect is CE.PREEMPT_ALL:
             return self._cancel(t, final=False)
@@ -442,7 +449,7 @@ class Consumer:
                 self.stats["failed"] += 1
                 out.append(TransferFailed(transfer_id=tid, attempt=cur.attempt,
                                           reason=t.reason or "failed",
-                                          policy=self.config.policy))
+                                          policy=self.config.policy, code=t.code))
             return out
         if effect in (CE.REGISTER, CE.ZOMBIFY_AND_REGISTER):
             spec = self._engines.get(t.producer)
@@ -452,14 +459,14 @@ class Consumer:
                 t.zombies[cur.attempt] = cur
                 self._schedule(cur.hard, tid)
             t.cur = self._attempt(cur.attempt + 1, block_ids, t.producer, now)
-            t.reason = ""
+            t.reason, t.code = "", FailReason.WRITE_FAILED
             self._lend(t, t.cur)
             return self._start_attempt(t, now)
         if effect is CE.REPORT_FAILED:
             self.stats["failed"] += 1
-            t.reason = t.reason or f"producer engine {t.producer!r} died"
+            t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
             return [TransferFailed(transfer_id=tid, attempt=cur.attempt, reason=t.reason,
-                                   policy=self.config.policy)]
+                                   policy=self.config.policy, code=t.code)]
         if effect is CE.FINAL_CANCEL_RELEASED:
             self.stats["cancelled"] += 1
             return [*self._final_cancel(t),
@@ -631,6 +638,10 @@ class Consumer:
             return t.cur.block_ids
         z = t.zombies.get(attempt)
         return z.block_ids if z else ()
+
+    def knows(self, engine_id: str) -> bool:
+        """Whether a producer engine is handshaken (and not declared dead)."""
+        return engine_id in self._engines
 
     def lent_to(self, block: int) -> str | None:
         """The transfer a write into ``block`` may still come from, if any."""

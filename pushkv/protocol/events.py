@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .errors import RemoteProtocolError
-from .messages import Hello, Message, Notify
+from .messages import FailReason, Hello, Message, Notify
 from .planner import TransferPlan
 
 
@@ -121,8 +121,9 @@ class TransferFailed:
 
     transfer_id: str
     attempt: int
-    reason: str
+    reason: str  #: for people: what happened
     policy: FailurePolicy
+    code: FailReason = FailReason.WRITE_FAILED  #: for programs: why, to count by cause
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -49,6 +49,7 @@ class FailReason(enum.IntEnum):
     OVERLOADED = 5  #: too many registrations are waiting for KV
     INVALID = 6  #: the registration was rejected (see detail)
     PEER_DIED = 7  #: the transport lost the peer
+    READ_FAILED = 8  #: pull: the consumer's own read failed (never on the wire)
 
     def __repr__(self) -> str:  # valid Python, so failing examples replay
         return f"FailReason.{self.name}"

@@ -84,6 +84,7 @@ def test_fail_cancels_the_rest_and_waits_for_their_fence(two_writers):
     out = c.receive(ack(1), 0.2)
     (f,) = of(out, TransferFailed)
     assert f.policy is FailurePolicy.RECOMPUTE and "WRITE_FAILED" in f.reason
+    assert f.code is FailReason.WRITE_FAILED
     assert of(out, ReleaseDestination)[0].block_ids == (1, 2, 3)
 
 
@@ -103,6 +104,7 @@ def test_deadline_then_hard_deadline_releases_without_fence(two_writers):
     assert not of(c.handle_timer(14.9), ReleaseDestination)
     out = c.handle_timer(15.0)
     assert of(out, ReleaseDestination) and of(out, TransferFailed)
+    assert of(out, TransferFailed)[0].code is FailReason.DEADLINE
     assert c.stats["forced_release"] == 1 and c.num_transfers == 0
 
 
@@ -167,8 +169,10 @@ def test_heartbeats_list_live_transfers(two_writers):
 def test_producer_death_fails_the_transfer(two_writers):
     _, c = two_writers
     c.register("t", "P", [1, 2, 3], 40, 0.0)
+    assert c.knows("P")
     out = c.peer_died("P", 0.5)
     assert of(out, TransferFailed) and of(out, ReleaseDestination)
+    assert of(out, TransferFailed)[0].code is FailReason.PEER_DIED and not c.knows("P")
     with pytest.raises(LocalProtocolError, match="no handshake"):
         c.register("u", "P", [4], 10, 1.0)
 
