@@ -143,11 +143,16 @@ class Consumer:
         for t in list(self._transfers.values()):
             if t.producer != engine_id:
                 continue
+            # Push: the dead producer's writes can no longer land -- a fence. Pull: our
+            # own reads are still in flight and only their completions fence them.
+            dead = t.mode is Mode.PUSH
             for z in list(t.zombies.values()):
-                z.fenced |= z.expected
-                out += self._settle_zombie(t, z)
+                if dead:
+                    z.fenced |= z.expected
+                    out += self._settle_zombie(t, z)
             if t.state not in CONSUMER_TERMINAL:
-                out += self._input(t, CI.PEER_DIED, now, ranks=t.cur.expected)
+                out += self._input(t, CI.PEER_DIED, now,
+                                   ranks=t.cur.expected if dead else frozenset())
             self._maybe_forget(t)
         return out
 

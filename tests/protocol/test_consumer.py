@@ -232,3 +232,17 @@ def test_producer_death_while_preempted_fails_the_request(two_writers):
     (f,) = of(out, TransferFailed)
     assert "died" in f.reason and not of(out, ReleaseDestination)  # released before
     assert c.num_transfers == 0
+
+
+def test_pull_reads_in_flight_are_not_fenced_by_the_producer_death(two_writers):
+    """Found by the stateful test: a dead producer does not stop our own READ from
+    writing into our memory; only its completion does."""
+    _, c = two_writers
+    c.start_pull("t", "P", [9, 10, 11], [1, 2, 3], 40, 0.0)
+    c.abort("t", 0.1)
+    out = c.peer_died("P", 0.2)
+    assert not of(out, ReleaseDestination) and c.lent_blocks()
+    c.read_completed("t", 0, Peer("P", 0), False, 0.3)
+    out = c.read_completed("t", 0, Peer("P", 1), False, 0.3)
+    assert of(out, ReleaseDestination) and of(out, TransferCancelled)
+    assert not c.lent_blocks()

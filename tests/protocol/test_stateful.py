@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pushkv.protocol import ConsumerConfig, ConsumerState, ProducerConfig, uniform_ranks
+from pushkv.protocol import ConsumerConfig, ConsumerState, Mode, ProducerConfig, uniform_ranks
 from pushkv.transports.inmemory import pair
 from pushkv.transports.testing import reference_destination
 
@@ -44,8 +44,8 @@ def _plain(fn):
 
 
 class Transfer:
-    def __init__(self, tid: str, n: int):
-        self.tid, self.n = tid, n
+    def __init__(self, tid: str, n: int, pull: bool):
+        self.tid, self.n, self.pull = tid, n, pull
         self.src: list[int] | None = None
         self.dst: dict[int, list[int]] = {}  # attempt -> blocks
         self.attempt = -1
@@ -57,7 +57,8 @@ class Protocol(RuleBasedStateMachine):
     transfers = Bundle("transfers")
 
     @initialize(target=transfers, topo=st.sampled_from(TOPOLOGIES), seed=st.integers(0, 2**16),
-                sizes=st.lists(st.integers(1, 40), min_size=1, max_size=3))
+                sizes=st.lists(st.tuples(st.integers(1, 40), st.booleans()), min_size=1,
+                               max_size=3))
     def setup(self, topo, seed, sizes):
         pkw, ckw = topo
         base = {"num_blocks": 24, "block_size": 4, "head_dim": 4, "dtype_bytes": 2}
@@ -76,7 +77,7 @@ class Protocol(RuleBasedStateMachine):
         self.checked_ready: set[tuple[int, str, int]] = set()
         self.count = 0
         self.dead = set()
-        return multiple(*(self.new_transfer.__wrapped__(self, n) for n in sizes))
+        return multiple(*(self.new_transfer.__wrapped__(self, n, pull) for n, pull in sizes))
 
     # ------------------------------------------------------------ helpers
 
@@ -99,18 +100,32 @@ class Protocol(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
 
-    @rule(target=transfers, n=st.integers(1, 40))
+    @rule(target=transfers, n=st.integers(1, 40), pull=st.booleans())
     @_plain
-    def new_transfer(self, n):
+    def new_transfer(self, n, pull):
         self.count += 1
-        t = Transfer(f"t{self.count}", n)
+        t = Transfer(f"t{self.count}", n, pull)
         self.model[t.tid] = t
-        note(f"new {t.tid} n={n}")
+        note(f"new {'pull' if pull else 'push'} {t.tid} n={n}")
         return t
 
     @rule(t=transfers)
+    def start_pull(self, t):
+        """Pull: the router relays the published block ids; decode reads them."""
+        if not t.pull or t.src is None or t.attempt >= 0 or self.dead:
+            return
+        k = -(-t.n // self.cinfo[0].layout.block_size)
+        blocks = self._take(self.c_free, k)
+        if blocks is None:
+            return
+        t.attempt, t.dst[0] = 0, blocks
+        note(f"pull {t.tid} -> {blocks}")
+        for c in self.consumers:
+            c.apply(c.endpoint.start_pull(t.tid, "P", t.src, blocks, t.n, self.net.now))
+
+    @rule(t=transfers)
     def register(self, t):
-        if t.attempt >= 0 or self.dead:
+        if t.pull or t.attempt >= 0 or self.dead:
             return  # after a death, nobody registers with a peer it knows is gone
         k = -(-t.n // self.cinfo[0].layout.block_size)
         blocks = self._take(self.c_free, k)
@@ -129,10 +144,13 @@ class Protocol(RuleBasedStateMachine):
         blocks = self._take(self.p_free, k)
         if blocks is None:
             return
+        if t.pull and t.attempt >= 0:
+            return  # a pull transfer starts from what prefill published
         t.src = blocks
         note(f"prefill {t.tid} <- {blocks}")
+        mode = Mode.PULL if t.pull else Mode.PUSH
         for p in self.producers:
-            p.apply(p.endpoint.prefill_finished(t.tid, blocks, t.n, self.net.now))
+            p.apply(p.endpoint.prefill_finished(t.tid, blocks, t.n, self.net.now, mode=mode))
 
     @rule(t=transfers)
     def preempt(self, t):
