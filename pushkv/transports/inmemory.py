@@ -203,7 +203,9 @@ class InMemoryNetwork:
         # However a test reorders, a frame older than max_transit_s is lost and a
         # write or read older than max_write_s lands: the timing assumption the
         # protocol's bounded deadlines rest on (transit + write < fence grace).
-        self.bounds = {"frame": max_transit_s, "write": max_write_s, "read": max_write_s}
+        # Completions are local: reported within the same bound as the copy itself.
+        self.bounds = {"frame": max_transit_s, "write": max_write_s, "read": max_write_s,
+                       "done": max_write_s}
         self._bounded = any(b != float("inf") for b in self.bounds.values())
         self._nodes: list[Node] = []
         self.producers: dict[Peer, ProducerNode] = {}

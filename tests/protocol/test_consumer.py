@@ -191,7 +191,7 @@ def test_local_misuse_raises_and_changes_nothing(two_writers):
         (lambda: c.reissue("t", [8], 0.0), LocalProtocolError, "preempted"),
         (lambda: c.abort("nope", 0.0), LocalProtocolError, "unknown"),
         (lambda: c.read_completed("t", 0, Peer("P", 0), True, 0.0), LocalProtocolError,
-         "unknown read"),
+         "reads nothing"),
     ]
     for call, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -246,3 +246,13 @@ def test_pull_reads_in_flight_are_not_fenced_by_the_producer_death(two_writers):
     out = c.read_completed("t", 0, Peer("P", 1), False, 0.3)
     assert of(out, ReleaseDestination) and of(out, TransferCancelled)
     assert not c.lent_blocks()
+
+
+def test_a_read_outliving_the_hard_deadline_is_counted_not_raised(two_writers):
+    _, c = two_writers
+    c.start_pull("t", "P", [9, 10, 11], [1, 2, 3], 40, 0.0)
+    c.handle_timer(10.0)  # window: fail, wait for our reads
+    out = c.handle_timer(15.0)  # window + grace: released without a fence
+    assert of(out, TransferFailed) and c.num_transfers == 0
+    assert c.read_completed("t", 0, Peer("P", 0), True, 16.0) == []
+    assert c.stats["late_read"] == 1 and c.stats["forced_release"] == 1
