@@ -162,6 +162,10 @@ class _HostServer:
     def memory(self, rank: int) -> list[bytes]:
         return [bytes(m) for m in self.ranks[rank].memory]
 
+    def landed(self, rank: int) -> int:
+        """Non-zero bytes in a rank's memory (how much of a write has landed)."""
+        return sum(int(np.count_nonzero(m)) for m in self.ranks[rank].memory)
+
     def inject(self, rank: int, peer: Peer, frame: bytes, channel: str) -> None:
         self.ranks[rank].runtime.inject(peer, frame, channel)
 
@@ -274,7 +278,10 @@ class HostPool:
 class NixlCluster:
     """A :class:`~pushkv.transports.testing.Cluster` whose engines are real processes."""
 
-    def __init__(self, topology: Topology, pool: HostPool, config: Any = None) -> None:
+    def __init__(self, topology: Topology, pool: HostPool, config: Any = None, *,
+                 connect: str = "eager") -> None:
+        """``connect``: ``"eager"`` (handshake before returning), ``"lazy"`` (addresses
+        given, handshake on first register) or ``"none"`` (see :meth:`connect`)."""
         self.topology = topology
         self._producer = pool.get("producer")
         self._consumer = pool.get("consumer")
@@ -286,7 +293,14 @@ class NixlCluster:
         self.producer_addresses: dict[int, str] = self._producer.call(
             "setup", topology, None, config, timeout_s=_SETUP_TIMEOUT)
         self.consumer_addresses: dict[int, str] = self._consumer.call(
-            "setup", topology, self.producer_addresses, config, timeout_s=_SETUP_TIMEOUT)
+            "setup", topology, self.producer_addresses if connect == "eager" else None, config,
+            timeout_s=_SETUP_TIMEOUT)
+        if connect == "lazy":
+            self.connect(self.producer_addresses)
+
+    def connect(self, addresses: dict[int, str], eager: bool = False) -> None:
+        """Give every consumer rank producer addresses (any: a test may lie)."""
+        self._consumer.call("connect", PRODUCER, addresses, eager)
 
     # ----------------------------------------------------- engine-level calls
 
@@ -338,8 +352,12 @@ class NixlCluster:
             sock.connect(address)
         sock.send_multipart(parts)
 
+    def host_call(self, role: str, op: str, *args: Any) -> Any:
+        """Call a host operation directly (``landed``, ``snapshot``, ...)."""
+        return (self._producer if role == "producer" else self._consumer).call(op, *args)
+
     def kill_producer(self) -> None:
-        self._last_producer = self._producer.call("snapshot", 0.0)
+        """SIGKILL the producer process (its last reported state is kept)."""
         self._producer.kill()
         self._producer_dead = True
 

@@ -74,7 +74,7 @@ from ..protocol import (
 from ..protocol.errors import ConfigError, RemoteProtocolError
 from ..protocol.events import Publish, sender_of
 from . import sidechannel as sc
-from .nixl_agent import Agent
+from .nixl_agent import Agent, nixl_status
 from .nixl_config import NixlConfig
 from .nixl_memory import KVMemory
 from .nixl_writer import WriteJob, Writer, WriteResult
@@ -387,7 +387,10 @@ class NixlRuntime:
                 for what, address in links:
                     self._guard(self._on_link, what, address, now)
                 self._drain_completions(now)
-                if now >= self._next_notif:
+                if now >= self._next_notif and not (self._writer is not None and self._writes):
+                    # A producer skips this while writing: NIXL's lock is held by the
+                    # writer for the whole of a synchronous post, and this thread must
+                    # stay free for the side channel.
                     self._guard(self._poll_notifications, now)
                     self._next_notif = now + (self.config.active_poll_s if self._live()
                                               else self.config.idle_poll_s)
@@ -746,24 +749,30 @@ class NixlRuntime:
 
     def _accept(self, card: sc.PeerCard, info: RankInfo) -> str:
         """Validate and install a peer's card; returns an error text or ''."""
+        # Order matters: the endpoint learns the peer last, once everything else
+        # accepted it, so a refused card never lets the peer's messages through.
         try:
             info.validate()
             lo = info.layout
             if len(card.sizes) != lo.num_regions or min(card.sizes) < lo.region_bytes:
                 raise ConfigError("the advertised memory does not hold the advertised layout")
-            if self.role == "producer" and not card.reply:
-                self._producer().add_peer(info)
-            elif self.role == "consumer" and card.reply:
-                self._consumer().add_peer(info)
-            else:
+            if (self.role == "producer") == card.reply:
                 raise ConfigError(f"a {self.role} does not pair with this peer")
-            name = self._agent.add_peer(card.agent_metadata)
-            if name != card.agent_name:
-                raise ConfigError(f"NIXL metadata names agent {name!r}, card {card.agent_name!r}")
         except PushKVError as exc:
             return exc.message
+        try:
+            name = self._agent.add_peer(card.agent_metadata)
         except Exception as exc:
-            return f"NIXL metadata refused: {type(exc).__name__}"
+            return f"NIXL refused the agent metadata ({nixl_status(exc)})"
+        try:
+            if name != card.agent_name:
+                raise ConfigError(f"NIXL metadata names agent {name!r}, card {card.agent_name!r}")
+            self._endpoint.add_peer(info)
+        except PushKVError as exc:
+            if self._by_agent.get(name) is None:
+                with contextlib.suppress(Exception):
+                    self._agent.remove_peer(name)
+            return exc.message
         link = self._link(card.address)
         peer = Peer(info.engine_id, info.rank)
         old = self._by_peer.get(peer)
