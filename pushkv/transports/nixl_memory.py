@@ -164,3 +164,17 @@ class KVMemory:
 
         buf = (ctypes.c_uint8 * self.sizes[region]).from_address(self.bases[region])
         return np.frombuffer(buf, dtype=np.uint8)
+
+
+def bind_device(memory: KVMemory) -> None:
+    """Make ``memory``'s CUDA device current on the calling thread (no-op for DRAM).
+
+    A thread that loads a peer's NIXL metadata or posts writes of CUDA memory
+    needs a current CUDA context: UCX otherwise finds none and falls back from
+    CUDA IPC (NVLink) to slower paths, or fails.
+    """
+    if memory.kind != "VRAM":
+        return
+    import torch
+
+    torch.cuda.set_device(memory.device)

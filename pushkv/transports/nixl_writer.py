@@ -33,7 +33,7 @@ import numpy as np
 from ..protocol.events import Peer
 from ..protocol.planner import TransferPlan
 from .nixl_agent import Agent, is_disconnect, nixl_status
-from .nixl_memory import KVMemory, MemKind
+from .nixl_memory import KVMemory, MemKind, bind_device
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class Writer:
     def __init__(self, agent: Agent, memory: KVMemory, *, poll_s: float, timeout_s: float,
                  on_done: Callable[[WriteResult], None], name: str = "pushkv-writer") -> None:
         self._agent = agent
+        self._memory = memory
         self._bases = memory.base_array()
         self._device = memory.device
         self._poll_s = poll_s
@@ -112,6 +113,10 @@ class Writer:
     # ---------------------------------------------------------- the thread
 
     def _run(self) -> None:
+        try:
+            bind_device(self._memory)
+        except Exception:
+            log.exception("cannot make the CUDA device current on the writer thread")
         inflight: list[_InFlight] = []
         stopping = False
         while True:

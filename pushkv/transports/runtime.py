@@ -76,7 +76,7 @@ from ..protocol.events import Publish, sender_of
 from . import sidechannel as sc
 from .nixl_agent import Agent, nixl_status
 from .nixl_config import NixlConfig
-from .nixl_memory import KVMemory
+from .nixl_memory import KVMemory, bind_device
 from .nixl_writer import WriteJob, Writer, WriteResult
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,7 @@ class _Link:
     up: bool = False
     lost_since: float | None = None
     dead: bool = False
+    said_goodbye: bool = False
 
 
 @dataclass(slots=True)
@@ -391,6 +392,10 @@ class NixlRuntime:
         side = self._side
         assert side is not None
         try:
+            try:
+                bind_device(self.memory)  # peers' metadata is loaded on this thread
+            except Exception:
+                log.exception("cannot make the CUDA device current on the I/O thread")
             while True:
                 self._idle = True
                 frames, links = side.poll(self._timeout(time.monotonic()))
@@ -681,7 +686,7 @@ class NixlRuntime:
         elif kind == sc.BYE:
             link = self._links.get(body.decode("utf-8", "replace"))
             if link is not None and link.peer is not None:
-                link.dead = True
+                link.dead = link.said_goodbye = True
                 link.lost_since = link.lost_since or now
             else:
                 self._reject(None, "goodbye from an unknown address")
@@ -866,7 +871,10 @@ class NixlRuntime:
 
     def _peer_died(self, engine_id: str, links: list[_Link], now: float) -> None:
         self._stats["peers_lost"] += 1
-        log.warning("peer engine %r confirmed dead", engine_id)
+        if all(link.said_goodbye for link in links):
+            log.info("peer engine %r closed", engine_id)
+        else:
+            log.warning("peer engine %r confirmed dead", engine_id)
         for link in links:
             self._forget_link(link)
         eng = self._engines.get(engine_id)
