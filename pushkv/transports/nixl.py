@@ -33,7 +33,8 @@ from __future__ import annotations
 from .nixl_agent import load_nixl, nixl_available
 from .nixl_config import NixlConfig
 from .nixl_memory import KVMemory
-from .runtime import CallFailed, Event, NixlRuntime, PeerLost, RuntimeView
+from .runtime import NixlRuntime
+from .runtime_events import CallFailed, Event, PeerLost, RuntimeView
 
 __all__ = [
     "CallFailed", "Event", "KVMemory", "NixlConfig", "NixlRuntime", "PeerLost",

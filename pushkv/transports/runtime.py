@@ -42,7 +42,6 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -62,7 +61,6 @@ from ..protocol import (
     RankInfo,
     Rejected,
     ReleaseDestination,
-    ReleaseSource,
     SendMessage,
     TransferCancelled,
     TransferFailed,
@@ -78,107 +76,12 @@ from .nixl_agent import Agent, nixl_status
 from .nixl_config import NixlConfig
 from .nixl_memory import KVMemory, bind_device
 from .nixl_writer import WriteJob, Writer, WriteResult
+from .peers import Link, PeerTable, Pending, RemoteEngine, card_problem, parse_addresses
+from .runtime_events import CallFailed, Event, PeerLost, RuntimeView
 
 log = logging.getLogger(__name__)
 
 Role = Literal["producer", "consumer"]
-
-
-# ---------------------------------------------------------------------- events
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CallFailed:
-    """An engine-thread call could not be carried out (misuse, unknown engine...)."""
-
-    operation: str
-    transfer_id: str | None
-    error: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PeerLost:
-    """Every rank of ``engine_id`` is confirmed dead; its transfers were fenced."""
-
-    engine_id: str
-
-
-Event = (
-    TransferReady
-    | TransferFailed
-    | TransferCancelled
-    | ReleaseDestination
-    | ReleaseSource
-    | Rejected
-    | CallFailed
-    | PeerLost
-)
-"""What :meth:`NixlRuntime.poll` returns. The first six are the protocol's own
-actions, passed through unchanged."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RuntimeView:
-    """A consistent picture of a runtime's state (diagnostics and tests)."""
-
-    lent: dict[int, str]  #: consumer: destination blocks a write may still land in
-    held: dict[str, tuple[int, ...]]  #: producer: source blocks held, by transfer
-    pending: dict[str, tuple[int, ...]]  #: consumer: transfers waiting for a handshake
-    ready_engines: tuple[str, ...]
-    writes_in_flight: int
-    stats: dict[str, int]
-    #: producer: the last writes, newest last (timings of preparation and posting)
-    recent_writes: tuple[WriteResult, ...] = ()
-
-
-# ------------------------------------------------------------------ peer table
-
-
-@dataclass(slots=True)
-class _Link:
-    """One peer rank, by side-channel address."""
-
-    address: str
-    peer: Peer | None = None
-    agent_name: str | None = None
-    bases: np.ndarray | None = None
-    kind: str = "DRAM"
-    device: int = 0
-    up: bool = False
-    lost_since: float | None = None
-    dead: bool = False
-    said_goodbye: bool = False
-
-
-@dataclass(slots=True)
-class _Pending:
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    first_token: int
-    preempted: bool = False
-
-
-@dataclass(slots=True)
-class _Engine:
-    """A producer engine this consumer rank contacts."""
-
-    engine_id: str
-    addresses: dict[int, str]
-    state: str = "new"  # new | handshaking | ready | failed | dead
-    deadline: float = float("inf")
-    answered: set[int] = field(default_factory=set)
-    pending: dict[str, _Pending] = field(default_factory=dict)
-    error: str = ""
-
-
-def _addresses(addresses: Mapping[int, str] | Sequence[str]) -> dict[int, str]:
-    if isinstance(addresses, Mapping):
-        out = {int(r): str(a) for r, a in addresses.items()}
-    else:
-        out = {r: str(a) for r, a in enumerate(addresses)}
-    if not out:
-        raise ConfigError("no addresses given")
-    return out
 
 
 # --------------------------------------------------------------------- runtime
@@ -259,11 +162,9 @@ class NixlRuntime:
         # I/O thread state
         self._stats: Counter[str] = Counter()
         self._stats_view: dict[str, int] = {}
-        self._links: dict[str, _Link] = {}
-        self._by_peer: dict[Peer, _Link] = {}
-        self._by_agent: dict[str, _Link] = {}
-        self._engines: dict[str, _Engine] = {}
-        self._parked: dict[str, tuple[str, _Pending]] = {}  # preempted before handshake
+        self._peers = PeerTable(self._side, self._agent, cfg.peer_confirm_s)
+        self._engines: dict[str, RemoteEngine] = {}
+        self._parked: dict[str, tuple[str, Pending]] = {}  # preempted before handshake
         self._ready: set[str] = set()  # read by the engine thread (membership only)
         self._writes = 0
         self._next_notif = 0.0
@@ -280,7 +181,7 @@ class NixlRuntime:
         Idempotent. The handshake starts on the first ``register`` for the
         engine, or now with ``eager=True``.
         """
-        self._submit("connect", engine_id, _addresses(addresses), eager)
+        self._submit("connect", engine_id, parse_addresses(addresses), eager)
 
     def connected(self, engine_id: str) -> bool:
         """True once the handshake with every rank of ``engine_id`` completed."""
@@ -406,7 +307,7 @@ class NixlRuntime:
                 for kind, body in frames:
                     self._guard(self._on_frame, kind, body, now)
                 for what, address in links:
-                    self._guard(self._on_link, what, address, now)
+                    self._guard(self._peers.transition, what, address, now)
                 self._drain_completions(now)
                 if now >= self._next_notif:
                     # A producer skips the poll while writing: NIXL's lock is held by
@@ -446,9 +347,7 @@ class NixlRuntime:
         for eng in self._engines.values():
             if eng.state == "handshaking":
                 until = min(until, eng.deadline)
-        for link in self._links.values():
-            if link.lost_since is not None and not link.dead:
-                until = min(until, link.lost_since + self.config.peer_confirm_s)
+        until = min(until, self._peers.next_deadline())
         if self._completions or self._commands:
             return 0.0
         return max(0.0, until - now)
@@ -509,7 +408,7 @@ class NixlRuntime:
         eng = self._engines.get(engine_id)
         if eng is None or (eng.addresses != addresses and eng.state in ("failed", "dead")):
             pending = eng.pending if eng is not None else {}
-            eng = self._engines[engine_id] = _Engine(engine_id, addresses, pending=pending)
+            eng = self._engines[engine_id] = RemoteEngine(engine_id, addresses, pending=pending)
         elif eng.addresses != addresses:
             raise ConfigError(f"engine {engine_id!r} is live with other addresses")
         if eager and eng.state in ("new", "failed", "dead"):
@@ -527,11 +426,11 @@ class NixlRuntime:
             return
         if tid in eng.pending or tid in self._parked or consumer.state_of(tid) is not None:
             raise ConfigError("transfer already registered", transfer_id=tid)
-        eng.pending[tid] = _Pending(tuple(int(b) for b in ids), n, first)
+        eng.pending[tid] = Pending(tuple(int(b) for b in ids), n, first)
         if eng.state in ("new", "failed", "dead"):
             self._handshake(eng, now)
 
-    def _find_pending(self, tid: str) -> tuple[_Engine, _Pending] | None:
+    def _find_pending(self, tid: str) -> tuple[RemoteEngine, Pending] | None:
         for eng in self._engines.values():
             p = eng.pending.get(tid)
             if p is not None:
@@ -594,7 +493,7 @@ class NixlRuntime:
         ))
 
     def _cmd_inject(self, now: float, peer: Peer, frame: bytes, channel: str) -> None:
-        link = self._by_peer.get(peer)
+        link = self._peers.by_peer.get(peer)
         if link is None:
             raise ConfigError(f"no handshake with {peer}")
         if channel == "notify":
@@ -625,7 +524,7 @@ class NixlRuntime:
                 self._emit(a)
 
     def _send(self, peer: Peer, frame: bytes) -> None:
-        link = self._by_peer.get(peer)
+        link = self._peers.by_peer.get(peer)
         if link is None or link.dead:
             self._stats["unroutable"] += 1
             return
@@ -639,7 +538,7 @@ class NixlRuntime:
         self._side.send(link.address, sc.CONTROL, frame)
 
     def _issue(self, a: IssueWrite, now: float) -> None:
-        link = self._by_peer.get(a.peer)
+        link = self._peers.by_peer.get(a.peer)
         writer = self._writer
         self._writes += 1
         if link is None or link.dead or link.bases is None or writer is None:
@@ -684,11 +583,7 @@ class NixlRuntime:
         elif kind == sc.HELLO:
             self._on_card(body, now)
         elif kind == sc.BYE:
-            link = self._links.get(body.decode("utf-8", "replace"))
-            if link is not None and link.peer is not None:
-                link.dead = link.said_goodbye = True
-                link.lost_since = link.lost_since or now
-            else:
+            if not self._peers.goodbye(body.decode("utf-8", "replace"), now):
                 self._reject(None, "goodbye from an unknown address")
         else:
             self._reject(None, "malformed side-channel message")
@@ -706,7 +601,7 @@ class NixlRuntime:
             except DecodeError:
                 self._apply(self._endpoint.receive_bytes(frame, now), now)
                 continue
-            link = self._by_agent.get(sender)
+            link = self._peers.by_agent.get(sender)
             claimed = sender_of(msg)
             if link is None or link.peer != claimed:
                 self._reject(claimed, f"notification from agent {sender!r} claims to be "
@@ -716,15 +611,7 @@ class NixlRuntime:
 
     # ----------------------------------------------------------- handshake
 
-    def _link(self, address: str) -> _Link:
-        link = self._links.get(address)
-        if link is None:
-            link = self._links[address] = _Link(address)
-            assert self._side is not None
-            self._side.open(address)
-        return link
-
-    def _handshake(self, eng: _Engine, now: float) -> None:
+    def _handshake(self, eng: RemoteEngine, now: float) -> None:
         eng.state, eng.error = "handshaking", ""
         eng.deadline = now + self.config.handshake_timeout_s
         eng.answered.clear()
@@ -732,10 +619,10 @@ class NixlRuntime:
         body = sc.encode_card(self._card)
         assert self._side is not None
         for address in eng.addresses.values():
-            link = self._link(address)
+            link = self._peers.link(address)
             if link.dead:  # a fresh attempt at an address that died: reconnect
-                self._forget_link(link)
-                link = self._link(address)
+                self._peers.forget(link)
+                link = self._peers.link(address)
             self._side.send(address, sc.HELLO, body)
 
     def _on_card(self, body: bytes, now: float) -> None:
@@ -753,7 +640,7 @@ class NixlRuntime:
         if error:
             self._reject(peer, f"handshake with {peer} failed: {error}", ValidationError)
         if not card.reply:  # answer, with our refusal if any
-            link = self._link(card.address)
+            link = self._peers.link(card.address)
             reply = sc.encode_card(_replace_card(self._card, reply=True, error=error))
             assert self._side is not None
             self._side.send(link.address, sc.HELLO, reply)
@@ -774,15 +661,11 @@ class NixlRuntime:
         """Validate and install a peer's card; returns an error text or ''."""
         # Order matters: the endpoint learns the peer last, once everything else
         # accepted it, so a refused card never lets the peer's messages through.
-        try:
-            info.validate()
-            lo = info.layout
-            if len(card.sizes) != lo.num_regions or min(card.sizes) < lo.region_bytes:
-                raise ConfigError("the advertised memory does not hold the advertised layout")
-            if (self.role == "producer") == card.reply:
-                raise ConfigError(f"a {self.role} does not pair with this peer")
-        except PushKVError as exc:
-            return exc.message
+        problem = card_problem(card, info)
+        if problem:
+            return problem
+        if (self.role == "producer") == card.reply:
+            return f"a {self.role} does not pair with this peer"
         try:
             name = self._agent.add_peer(card.agent_metadata)
         except Exception as exc:
@@ -792,27 +675,18 @@ class NixlRuntime:
                 raise ConfigError(f"NIXL metadata names agent {name!r}, card {card.agent_name!r}")
             self._endpoint.add_peer(info)
         except PushKVError as exc:
-            if self._by_agent.get(name) is None:
+            if self._peers.by_agent.get(name) is None:
                 with contextlib.suppress(Exception):
                     self._agent.remove_peer(name)
             return exc.message
-        link = self._link(card.address)
-        peer = Peer(info.engine_id, info.rank)
-        old = self._by_peer.get(peer)
-        if old is not None and old is not link:
-            self._by_peer.pop(peer, None)
-        link.peer, link.agent_name = peer, card.agent_name
-        link.bases = np.asarray(card.bases, dtype=np.int64)
-        link.kind, link.device, link.dead, link.lost_since = card.kind, card.device, False, None
-        self._by_peer[peer] = link
-        self._by_agent[card.agent_name] = link
+        self._peers.install(self._peers.link(card.address), Peer(info.engine_id, info.rank), card)
         self._stats["peers_accepted"] += 1
         if self.role == "producer":
             with contextlib.suppress(Exception):
                 self._agent.connect(card.agent_name)
         return ""
 
-    def _engine_ready(self, eng: _Engine, now: float) -> None:
+    def _engine_ready(self, eng: RemoteEngine, now: float) -> None:
         eng.state = "ready"
         self._ready.add(eng.engine_id)
         self._stats["handshakes_done"] += 1
@@ -829,7 +703,7 @@ class NixlRuntime:
                 self._emit(CallFailed(operation="register", transfer_id=tid, error=str(exc)))
                 self._emit(ReleaseDestination(transfer_id=tid, attempt=0, block_ids=p.block_ids))
 
-    def _fail_engine(self, eng: _Engine, why: str, now: float) -> None:
+    def _fail_engine(self, eng: RemoteEngine, why: str, now: float) -> None:
         eng.state, eng.error = "failed", why
         self._ready.discard(eng.engine_id)
         self._stats["handshakes_failed"] += 1
@@ -843,57 +717,29 @@ class NixlRuntime:
 
     # ------------------------------------------------------------ liveness
 
-    def _on_link(self, what: str, address: str, now: float) -> None:
-        link = self._links.get(address)
-        if link is None or link.dead:
-            return
-        if what == "up":
-            link.up, link.lost_since = True, None
-        elif link.lost_since is None:
-            link.up, link.lost_since = False, now
-
     def _check_engines(self, now: float) -> None:
         for eng in list(self._engines.values()):
             if eng.state == "handshaking" and now >= eng.deadline:
                 missing = sorted(set(eng.addresses) - eng.answered)
                 self._fail_engine(eng, f"handshake with {eng.engine_id!r} timed out "
                                   f"(ranks {missing} did not answer)", now)
-        confirm = self.config.peer_confirm_s
-        for link in self._links.values():
-            if link.lost_since is not None and not link.dead and now - link.lost_since >= confirm:
-                link.dead = True
-        by_engine: dict[str, list[_Link]] = {}
-        for link in self._by_peer.values():
-            by_engine.setdefault(link.peer.engine_id, []).append(link)  # type: ignore[union-attr]
-        for engine_id, links in by_engine.items():
-            if all(link.dead for link in links):
-                self._peer_died(engine_id, links, now)
+        for engine_id, links in self._peers.dead_engines(now).items():
+            self._peer_died(engine_id, links, now)
 
-    def _peer_died(self, engine_id: str, links: list[_Link], now: float) -> None:
+    def _peer_died(self, engine_id: str, links: list[Link], now: float) -> None:
         self._stats["peers_lost"] += 1
         if all(link.said_goodbye for link in links):
             log.info("peer engine %r closed", engine_id)
         else:
             log.warning("peer engine %r confirmed dead", engine_id)
         for link in links:
-            self._forget_link(link)
+            self._peers.forget(link)
         eng = self._engines.get(engine_id)
         if eng is not None:
             eng.state = "dead"
             self._ready.discard(engine_id)
         self._apply(self._endpoint.peer_died(engine_id, now), now)
         self._emit(PeerLost(engine_id=engine_id))
-
-    def _forget_link(self, link: _Link) -> None:
-        if link.peer is not None and self._by_peer.get(link.peer) is link:
-            del self._by_peer[link.peer]
-        if link.agent_name is not None:
-            self._by_agent.pop(link.agent_name, None)
-            with contextlib.suppress(Exception):
-                self._agent.remove_peer(link.agent_name)
-        self._links.pop(link.address, None)
-        assert self._side is not None
-        self._side.forget(link.address)
 
     # ------------------------------------------------------------ shutdown
 
@@ -904,7 +750,7 @@ class NixlRuntime:
                 self._drain_completions(time.monotonic())
             side = self._side
             if side is not None:
-                for link in self._links.values():
+                for link in self._peers.links.values():
                     if link.peer is not None and not link.dead:
                         side.send(link.address, sc.BYE, self.address.encode())
                 self._publish_stats()
