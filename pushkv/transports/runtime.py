@@ -579,7 +579,7 @@ class NixlRuntime:
     def _on_frame(self, kind: bytes, body: bytes, now: float) -> None:
         if kind == sc.CONTROL:
             self._stats["control_frames"] += 1
-            self._apply(self._endpoint.receive_bytes(body, now), now)
+            self._receive(body, None, now)
         elif kind == sc.HELLO:
             self._on_card(body, now)
         elif kind == sc.BYE:
@@ -596,18 +596,31 @@ class NixlRuntime:
     def _poll_notifications(self, now: float) -> None:
         for sender, frame in self._agent.notifications():
             self._stats["notifications"] += 1
-            try:
-                msg = decode(frame)
-            except DecodeError:
-                self._apply(self._endpoint.receive_bytes(frame, now), now)
-                continue
-            link = self._peers.by_agent.get(sender)
-            claimed = sender_of(msg)
+            self._receive(frame, sender, now)
+
+    def _receive(self, frame: bytes, agent: str | None, now: float) -> None:
+        """One control frame or notification for the endpoint.
+
+        ``Hello`` is refused here: peers are introduced only by their card,
+        which carries the memory and NIXL metadata the transport checks. A
+        NIXL notification must come from the agent of the rank it names.
+        """
+        try:
+            msg = decode(frame)
+        except DecodeError:
+            self._apply(self._endpoint.receive_bytes(frame, now), now)  # counts and rejects
+            return
+        claimed = sender_of(msg)
+        if isinstance(msg, Hello):
+            self._reject(claimed, "Hello outside a handshake card", ValidationError)
+            return
+        if agent is not None:
+            link = self._peers.by_agent.get(agent)
             if link is None or link.peer != claimed:
-                self._reject(claimed, f"notification from agent {sender!r} claims to be "
+                self._reject(claimed, f"notification from agent {agent!r} claims to be "
                              f"{claimed}", ValidationError)
-                continue
-            self._apply(self._endpoint.receive(msg, now), now)
+                return
+        self._apply(self._endpoint.receive(msg, now), now)
 
     # ----------------------------------------------------------- handshake
 

@@ -100,6 +100,9 @@ def test_garbage_on_the_side_channel(pool: HostPool) -> None:
     forged = Register(transfer_id="f", attempt=0, engine_id="decode-9", rank=0,
                       producer_engine_id="prefill-0", block_ids=(1, 2), num_tokens=20)
     messages.append([b"C", encode(forged)])  # from a peer whose handshake failed
+    # a Hello as a plain control frame must not introduce (or redefine) a peer
+    bigger = uniform_ranks("decode-0", num_blocks=1 << 20)[0]
+    messages.append([b"C", encode(Hello(info=bigger))])
     try:
         for parts in messages:
             c.send_raw(c.producer_addresses[0], parts)
