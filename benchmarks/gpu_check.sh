@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# GPU check of the NIXL transport, in one go:
+#   two processes on one GPU each register CUDA KV tensors (one Qwen3-32B TP8
+#   rank: 64 layers x K/V, one KV head of 128 x bf16, block size 16), the
+#   producer pushes a fragmented 16,384-token request (512 MiB, ~131k
+#   descriptors) and a contiguous one with the NIXL transport, the consumer
+#   verifies every byte on the GPU, and the throughput is printed.
+# Fails fast (exit 2) with a clear message when no GPU or no nixl is present.
+#
+#   PYTHONPATH=. benchmarks/gpu_check.sh            # GPU 0
+#   GPU=1 REPS=5 PYTHON=.venv/bin/python benchmarks/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH="${PYTHONPATH:-$PWD}"
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_check: no NVIDIA GPU here (nvidia-smi missing or failing); nothing to check" >&2
+    exit 2
+fi
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "gpu_check: torch sees no CUDA device (CPU-only torch build?)" >&2
+    exit 2
+fi
+if ! "$PY" -c 'import nixl._api, zmq' 2>/dev/null; then
+    echo "gpu_check: the nixl (or pyzmq) package is missing: pip install 'pushkv[nixl]'" >&2
+    exit 2
+fi
+
+script=$(mktemp --suffix=.py)
+trap 'rm -f "$script"' EXIT
+cat >"$script" <<'PYEOF'
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+LAYERS, HEAD_DIM, BLOCK, TOKENS, BLOCKS = 64, 128, 16, 16_384, 1_100
+GPU = int(os.environ.get("GPU", "0"))
+REPS = int(os.environ.get("REPS", "3"))
+
+
+def ranks(engine):
+    from pushkv.protocol import uniform_ranks
+    return uniform_ranks(engine, num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM,
+                         dtype_bytes=2, num_blocks=BLOCKS, block_size=BLOCK)[0]
+
+
+def pattern(torch, region, nbytes):
+    """Deterministic bytes of one region, computed on the GPU."""
+    i = torch.arange(nbytes, dtype=torch.int64, device=f"cuda:{GPU}")
+    return ((i * 7 + region * 13) % 251).to(torch.uint8)
+
+
+def caches(torch, info, fill):
+    """Separate K and V tensors per layer, [blocks, block_size, heads, head_dim] bf16."""
+    lo = info.layout
+    shape = (lo.num_blocks, lo.block_size, lo.num_heads, lo.head_dim)
+    k, v = [], []
+    for layer in range(lo.num_layers):
+        for plane, out in ((0, k), (1, v)):
+            t = torch.zeros(shape, dtype=torch.bfloat16, device=f"cuda:{GPU}")
+            if fill:
+                t.view(torch.uint8).view(-1).copy_(pattern(torch, 2 * layer + plane,
+                                                           lo.region_bytes))
+            out.append(t)
+    torch.cuda.synchronize()
+    return k, v
+
+
+def wait_for(rt, kind, tid, timeout_s=120.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for e in rt.poll():
+            name = type(e).__name__
+            if name == kind and getattr(e, "transfer_id", None) == tid:
+                return e
+            if name in ("TransferFailed", "CallFailed"):
+                raise RuntimeError(repr(e))
+        rt.wait(0.01)
+    raise TimeoutError(f"no {kind} for {tid} within {timeout_s} s")
+
+
+def producer(conn):
+    import torch
+    torch.cuda.set_device(GPU)
+    from pushkv.transports.nixl import KVMemory, NixlRuntime
+    info = ranks("prefill-0")
+    k, v = caches(torch, info, fill=True)
+    mem = KVMemory.from_kv(k, v)
+    assert mem.kind == "VRAM" and mem.device == GPU, (mem.kind, mem.device)
+    rt = NixlRuntime(info, mem, role="producer")
+    conn.send(rt.address)
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "prefill":
+            rt.prefill_finished(cmd[1], cmd[2], TOKENS)
+            conn.send(None)
+        elif cmd[0] == "released":
+            wait_for(rt, "ReleaseSource", cmd[1])
+            conn.send(None)
+        else:
+            conn.send(rt.inspect().recent_writes)
+            rt.close()
+            return
+
+
+def consumer(conn, address):
+    import torch
+    torch.cuda.set_device(GPU)
+    from pushkv.transports.nixl import KVMemory, NixlRuntime
+    info = ranks("decode-0")
+    k, v = caches(torch, info, fill=False)
+    regions = [t for kv in zip(k, v, strict=True) for t in kv]
+    rt = NixlRuntime(info, KVMemory.from_kv(k, v), role="consumer")
+    rt.connect("prefill-0", [address], eager=True)
+    end = time.monotonic() + 60
+    while not rt.connected("prefill-0"):
+        if time.monotonic() > end:
+            raise TimeoutError("handshake with the producer did not complete")
+        rt.wait(0.01)
+    conn.send(None)
+    bb = info.layout.block_bytes
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "push":
+            _, tid, dst = cmd
+            t0 = time.perf_counter()
+            rt.register(tid, "prefill-0", dst, TOKENS)
+            wait_for(rt, "TransferReady", tid)
+            conn.send(time.perf_counter() - t0)
+        elif cmd[0] == "verify":
+            _, src, dst = cmd
+            s_idx = torch.tensor(src, device=f"cuda:{GPU}")
+            d_idx = torch.tensor(dst, device=f"cuda:{GPU}")
+            bad = 0
+            for r, t in enumerate(regions):
+                got = t.view(torch.uint8).view(-1, bb)[d_idx]
+                want = pattern(torch, r, info.layout.region_bytes).view(-1, bb)[s_idx]
+                bad += int((got != want).sum().item())
+                t.zero_()
+            torch.cuda.synchronize()
+            conn.send(bad)
+        else:
+            rt.close()
+            conn.send(None)
+            return
+
+
+def main():
+    import numpy as np
+    ctx = mp.get_context("spawn")
+    pa, pb = ctx.Pipe()
+    ca, cb = ctx.Pipe()
+    prod = ctx.Process(target=producer, args=(pb,), daemon=True)
+    prod.start()
+    address = pa.recv()
+    cons = ctx.Process(target=consumer, args=(cb, address), daemon=True)
+    cons.start()
+    ca.recv()
+    n = TOKENS // BLOCK
+    rng = np.random.default_rng(0)
+    cases = {
+        "fragmented": (rng.permutation(BLOCKS)[:n].tolist(), rng.permutation(BLOCKS)[:n].tolist()),
+        "contiguous": (list(range(n)), list(range(1, n + 1))),
+    }
+    nbytes = LAYERS * 2 * TOKENS * HEAD_DIM * 2
+    ok = True
+    i = 0
+    for name, (src, dst) in cases.items():
+        times = []
+        for rep in range(REPS + 1):
+            tid = f"{name}-{i}"
+            i += 1
+            pa.send(("prefill", tid, src))
+            pa.recv()
+            ca.send(("push", tid, dst))
+            took = ca.recv()
+            pa.send(("released", tid))
+            pa.recv()
+            ca.send(("verify", src, dst))
+            bad = ca.recv()
+            ok &= bad == 0
+            if rep:
+                times.append(took)
+            print(f"{name:10s} rep {rep}: {took * 1e3:8.1f} ms, {bad} bad bytes", flush=True)
+        med = statistics.median(times)
+        print(f"{name:10s} median {med * 1e3:8.1f} ms = {nbytes / med / 1e9:6.2f} GB/s "
+              f"({nbytes / 2**20:.0f} MiB, register -> ready)", flush=True)
+    pa.send(("report",))
+    writes = pa.recv()
+    frag = [w for w in writes if w.transfer_id.startswith("fragmented")]
+    if frag:
+        w = frag[-1]
+        print(f"fragmented write: {w.descriptors} descriptors, prepared in "
+              f"{w.prepare_s * 1e3:.1f} ms, done in {w.total_s * 1e3:.1f} ms", flush=True)
+    ca.send(("close",))
+    ca.recv()
+    prod.join(60)
+    cons.join(60)
+    print("GPU CHECK PASSED" if ok else "GPU CHECK FAILED: bytes differ", flush=True)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
+PYEOF
+timeout "${TIMEOUT_S:-600}" "$PY" "$script"
