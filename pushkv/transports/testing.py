@@ -378,9 +378,10 @@ def check_out_of_range_registration(make: MakeCluster, topo: Topology | None = N
         snap = c.wait(lambda s: sum(s.rejected.values()) >= before + len(prod)
                       or sum(s.rejected.values()) >= len(prod), 10)
         assert sum(snap.rejected.values()) >= len(prod), snap.rejected
-        c.prefill_finished("evil", [1, 2], 20)
+        c.prefill_finished("evil", [1, 2], 20)  # KV ready: still nothing may move
         c.wait(lambda s: False, 0.2)
         assert_destination(c, [])
+        c.prefill_aborted("evil")  # frees the source without waiting for its lease
         assert_clean(c)
     finally:
         c.close()
