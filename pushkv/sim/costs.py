@@ -15,6 +15,9 @@ against them and the docs can quote them.
 * **Bytes** move at the slower of two node limits, shared by the node's GPUs
   (each rank moves its own slice): descriptors completed per second (small
   descriptors) and bytes per second (large ones).
+* **Posting and wire overlap**: the NIC starts on each descriptor as it is
+  posted, so a transfer is done when the wire has moved every byte *and* the
+  last descriptor has been posted, whichever is later.
 """
 
 from __future__ import annotations
@@ -94,3 +97,14 @@ def transfer_s(network: NetworkProfile, nbytes: int, descriptors: int, *, read: 
     return network.wire_latency_s + max(
         descriptors * share / network.descriptor_rate, nbytes * share / bw
     )
+
+
+def pipelined_s(
+    network: NetworkProfile, nbytes: int, descriptors: int, *, read: bool,
+    posting_left_s: float = 0.0,
+) -> float:
+    """Seconds from the NIC taking a transfer to its completion, while ``posting_left_s``
+    seconds of its posting remain: the wire, or the rest of the posting plus the
+    one-way latency of the last descriptor, whichever is longer."""
+    wire = transfer_s(network, nbytes, descriptors, read=read)
+    return max(wire, posting_left_s + network.wire_latency_s)

@@ -15,8 +15,11 @@ first, then new requests get blocks -- but only while fewer than
 ``max_num_seqs`` are running, so when the slots are full no new transfer
 starts. A new request's blocks are registered (push) or read (pull) at once;
 in ``pull`` the descriptors are prepared and posted **inside this step**,
-which stalls every running sequence. A request produces its first token in
-the step that admits it with its KV in place, then one token per step.
+which stalls every running sequence: the step lasts ``max(forward,
+posting)`` when the loop posts after launching the forward (vLLM >= 0.29,
+``inline_post = "after-forward"``), ``forward + posting`` when it posts
+first. A request produces its first token in the step that admits it with
+its KV in place, then one token per step.
 """
 
 from __future__ import annotations
@@ -331,10 +334,13 @@ class DecodeEngine(_Loop):
                 decode_contexts=sum(r.context for r in decodes), num_decodes=len(decodes),
                 prefill_chunks=tuple((n, r.prefilled) for r, n in chunks),
             )
-            yield self.env.timeout(stall + work)
+            # Posting after the forward launch overlaps it (the GPU computes while the
+            # CPU posts); posting before the forward delays it.
+            dt = max(work, stall) if eng.inline_post == "after-forward" else stall + work
+            yield self.env.timeout(dt)
             if not self.alive:
                 return
-            self._account(stall + work, stall)
+            self._account(dt, dt - work if stall > 0 else 0.0)
             now = self.env.now
             for r, n in chunks:
                 r.prefilled += n
@@ -346,6 +352,7 @@ class DecodeEngine(_Loop):
                     self._complete(r)
 
     def _account(self, dt: float, stall: float) -> None:
+        """``stall``: how much inline posting lengthened this step."""
         self.busy_s += dt
         self.steps += 1
         if stall > 0:

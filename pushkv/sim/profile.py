@@ -47,6 +47,12 @@ CAL_POST = "CAL 'The published result' (vLLM blog 2026-10-14, launch flags)"
 CAL_DESC = "CAL 'Descriptor costs'"
 CAL_CHECK = "CAL 'consistency check'"
 VLLM_DEFAULTS = "vLLM defaults (vllm/engine/arg_utils.py, vllm/config/cache.py)"
+VLLM_KV_LOAD = (
+    "vLLM v1/worker/gpu/kv_connector.py (pre_forward / post_forward) and "
+    "kv_connector_model_runner_mixin.py: async KV loads start after the forward launch "
+    "(vllm-project/vllm PR 53333)"
+)
+INLINE_POSTS = ("after-forward", "before-forward")
 FIT = "fit: chosen once so the default sweep reproduces the post (docs/sim.md)"
 ASSUMED = "assumed (no public measurement; small effect, see docs/sim.md)"
 
@@ -126,6 +132,14 @@ class EngineProfile:
         FIT + " on prefill, the assumption " + CAL_CHECK + " asks for; 0 on decode "
         "(--no-enable-prefix-caching, " + CAL_POST + ")",
     )
+    inline_post: str = _f(
+        "after-forward",
+        "where the decode loop posts an inline (pull) read within its step: "
+        "'after-forward' -- the step's forward is launched first and runs on the GPU "
+        "while the CPU posts, so the step lasts max(forward, posting) (vLLM >= 0.29); "
+        "'before-forward' -- posting, then the forward (earlier vLLM)",
+        VLLM_KV_LOAD + "; assumed to hold for the post's vLLM 0.29",
+    )
     fragmentation: float = _f(
         0.05,
         "probability that a block of a request is not physically next to the previous "
@@ -174,7 +188,7 @@ class NetworkProfile:
         CAL_DESC + ": fit of 118 desc = 460 us and 18,880 desc = 46 ms",
     )
     post_per_descriptor_s: float = _f(
-        2.8e-6,
+        3.2e-6,
         "cost per descriptor of preparing and posting, paid by the posting thread",
         FIT + ", inside " + CAL_DESC + " 2.4-3.9 us per descriptor",
     )
@@ -220,6 +234,9 @@ class Profile:
                 v = getattr(e, name)
                 if not 0 <= v <= 1:
                     raise ProfileError(f"{side}.{name} must be in [0, 1], got {v}")
+            if e.inline_post not in INLINE_POSTS:
+                raise ProfileError(f"{side}.inline_post must be one of {', '.join(INLINE_POSTS)}, "
+                                   f"got {e.inline_post!r}")
             for name in ("prefill_step_overhead_s", "decode_step_overhead_s",
                          "activation_reserve_bytes"):
                 if getattr(e, name) < 0:

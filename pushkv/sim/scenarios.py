@@ -48,6 +48,10 @@ def _latency(res: dict[str, Any]) -> str:
     return f"{res['mean_ttft_ms']:,.0f} / {res['mean_tpot_ms']:.2f}"
 
 
+def _ttft(res: dict[str, Any]) -> str:
+    return f"{res['mean_ttft_ms']:,.0f}"
+
+
 def _outcome(res: dict[str, Any]) -> str:
     e = res["pushkv"]
     return (f"{res['completed']} ok, {res['failed']} failed, {e['recomputed']} recomputed, "
@@ -112,6 +116,27 @@ def post_cost() -> Scenario:
     return Scenario("post-cost", _doc(post_cost), HEAD_COLS, rows, _latency)
 
 
+def rate_coupling() -> Scenario:
+    """Pull's stall ties its TPOT at 4 QPS to its TTFT at 8 QPS (16k input).
+
+    Every admitted request stalls the decode loop once, by its posting time,
+    so pull's extra TPOT grows with the admission rate times that time. At
+    8 QPS decode is slot-bound and the same stall also sets how fast slots
+    turn over, hence the queue and TTFT. Whatever makes the 4 QPS TPOT reach
+    the post's 10.4 ms within 20% (8.3 ms) pushes the 8 QPS TTFT past its
+    20% too. Rows: posting cost per descriptor, and whether the decode loop
+    posts after the step's forward launch (vLLM >= 0.29) or before it.
+    """
+    cols = ("pull 4 QPS: TTFT / TPOT (ms)", "pull 8 QPS: TTFT / TPOT (ms)")
+    rows = tuple(
+        (f"{us:g} us per descriptor, {where}", tuple(
+            _point("pull", q, 16384, _with(network={"post_per_descriptor_s": us * 1e-6},
+                                           decode={"inline_post": where}))
+            for q in (4, 8)))
+        for where in ("after-forward", "before-forward") for us in (2.4, 2.8, 3.2, 3.6, 3.9))
+    return Scenario("rate-coupling", _doc(rate_coupling), cols, rows, _latency)
+
+
 def decode_slots() -> Scenario:
     """The max-num-seqs 8 slot effect: with more decode slots pull's TTFT collapses.
 
@@ -144,7 +169,8 @@ def modes() -> Scenario:
 
     Moving pull's posting to a decode background thread recovers nearly all
     of push's gain. A sequential router costs push the overlap of decode's
-    admission and registration with prefill -- a few ms here, because the
+    admission and registration with prefill -- a few ms where decode has free
+    slots, nothing measurable behind a full slot queue -- because the
     protocol writes only once the whole prompt is prefilled.
     """
     labels = ("pull", "pull-async", "push", "push-seq")
@@ -153,6 +179,24 @@ def modes() -> Scenario:
         for q, n in ((1, 4096), (4, 16384), (8, 8192), (8, 16384)))
     return Scenario("modes", _doc(modes), tuple(f"{m}: TTFT / TPOT (ms)" for m in labels),
                     rows, _latency)
+
+
+def router() -> Scenario:
+    """Push behind a sequential router, with proxy hops of 0.5 ms and of 5 ms. Cells: TTFT.
+
+    The sequential router sends the decode leg only after the prefill leg's
+    HTTP answer: decode admits the request, allocates and registers only then
+    (behind any slot queue), and the write waits for that registration. 5 ms
+    hops stand for a slower proxy and API server round trip, for every mode.
+    """
+    slow = _with(network={"router_hop_s": 5e-3})
+    modes = ("pull", "push", "push-seq")
+    cols = (*(f"{m} (ms)" for m in modes), *(f"{m}, 5 ms hops (ms)" for m in modes))
+    rows = tuple(
+        (f"{q:g} QPS, {n // 1024}k", (*(_point(m, q, n) for m in modes),
+                                      *(_point(m, q, n, slow) for m in modes)))
+        for q, n in ((1, 1024), (1, 16384), (4, 16384), (8, 8192), (8, 16384)))
+    return Scenario("router", _doc(router), cols, rows, _ttft)
 
 
 def faults() -> Scenario:
@@ -192,8 +236,9 @@ def xpyd() -> Scenario:
 
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "prefix-hit": prefix_hit, "fragmentation": fragmentation, "post-cost": post_cost,
-    "decode-slots": decode_slots, "num-prompts": num_prompts, "modes": modes,
-    "faults": faults, "xpyd": xpyd,
+    "rate-coupling": rate_coupling, "decode-slots": decode_slots,
+    "num-prompts": num_prompts, "modes": modes, "router": router, "faults": faults,
+    "xpyd": xpyd,
 }
 
 

@@ -8,12 +8,14 @@ return is carried out here, in simulated time:
   handed to the peer's ``receive_bytes`` after the control latency (or lost,
   when a fault says so);
 * ``IssueWrite`` -- queued on the prefill node's **background writer thread**,
-  which pays the posting cost (fixed + per descriptor of the real plan); then
-  the bytes cross the fabric; then the notification reaches the consumer and
-  the producer learns the write completed;
+  which pays the posting cost (fixed + per descriptor of the real plan) while
+  the bytes cross the fabric (the NIC starts on each descriptor as it is
+  posted); then the notification reaches the consumer and the producer learns
+  the write completed;
 * ``IssueRead`` -- pull: posted **inline** by the decode engine loop (the cost
   is returned to the engine, which stalls its step by it) or, in pull-async, by
-  a decode background thread; then the bytes cross; then ``read_completed``;
+  a decode background thread; the bytes cross while it posts; then
+  ``read_completed``;
 * ``Publish``, ``ReleaseSource``, ``ReleaseDestination``, ``TransferReady``,
   ``TransferFailed``, ``TransferCancelled`` -- handed to the engine that owns
   the endpoint;
@@ -217,12 +219,12 @@ class SimTransport:
             elif isinstance(a, IssueRead):
                 self.descriptors.append(a.plan.descriptor_count)
                 if inline_after is None:
-                    self._spawn(self._read(eid, a, delay=None))
+                    self._spawn(self._read(eid, a, None))
                 else:
                     cost = post_s(self.profile.network, a.plan.descriptor_count)
                     self.post_s_by_thread["decode-loop"] += cost
+                    self._spawn(self._read(eid, a, (inline_after + stall, cost)))
                     stall += cost
-                    self._spawn(self._read(eid, a, delay=inline_after + stall))
             elif isinstance(a, Publish):
                 self._producer_hosts[eid].published(a.transfer_id, a.block_ids, a.num_tokens)
             elif isinstance(a, ReleaseSource):
@@ -286,17 +288,20 @@ class SimTransport:
         self.env.timeout(delay).callbacks.append(deliver)
 
     def _write(self, eid: str, a: IssueWrite) -> Generator[Any, Any, None]:
-        """The prefill background thread posts; the fabric moves; the consumer is told."""
+        """The prefill background thread posts while the fabric moves; the consumer is told."""
         net = self.profile.network
+        dst = a.peer.engine_id
         with self._writer[eid].request() as slot:
             yield slot
             cost = post_s(net, a.plan.descriptor_count)
             self.post_s_by_thread["prefill-bg"] += cost
+            wire = self.env.process(self.net.transfer(
+                eid, dst, a.plan.nbytes, a.plan.descriptor_count, read=False,
+                posted_at=self.env.now + cost))
             yield self.env.timeout(cost)
         if eid not in self.alive:
             return
-        dst = a.peer.engine_id
-        yield from self.net.transfer(eid, dst, a.plan.nbytes, a.plan.descriptor_count, read=False)
+        yield wire
         if eid not in self.alive:
             self.stats["writes_lost"] += 1  # the producer died with its write
             return
@@ -309,20 +314,36 @@ class SimTransport:
         p = self.producers[eid]
         self._apply(eid, p.write_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now))
 
-    def _read(self, eid: str, a: IssueRead, delay: float | None) -> Generator[Any, Any, None]:
-        """Pull: posted inline (after ``delay``) or by the decode background thread."""
-        if delay is None:
+    def _read(
+        self, eid: str, a: IssueRead, inline: tuple[float, float] | None
+    ) -> Generator[Any, Any, None]:
+        """Pull: posted inline (``(start offset, seconds)`` within the engine's step) or by
+        the decode background thread; the fabric moves while posting goes on."""
+        src = a.peer.engine_id
+        net = self.profile.network
+
+        def wire(posted_at: float) -> simpy.Process:
+            return self.env.process(self.net.transfer(
+                src, eid, a.plan.nbytes, a.plan.descriptor_count, read=True,
+                posted_at=posted_at))
+
+        if inline is None:
             with self._reader[eid].request() as slot:
                 yield slot
-                cost = post_s(self.profile.network, a.plan.descriptor_count)
+                cost = post_s(net, a.plan.descriptor_count)
                 self.post_s_by_thread["decode-bg"] += cost
+                moving = src in self.alive and eid in self.alive
+                xfer = wire(self.env.now + cost) if moving else None
                 yield self.env.timeout(cost)
-        elif delay > 0:
-            yield self.env.timeout(delay)
-        src = a.peer.engine_id
-        if src in self.alive and eid in self.alive:
-            yield from self.net.transfer(src, eid, a.plan.nbytes, a.plan.descriptor_count,
-                                         read=True)
+        else:
+            start, cost = inline
+            if start > 0:
+                yield self.env.timeout(start)
+            moving = src in self.alive and eid in self.alive
+            xfer = wire(self.env.now + cost) if moving else None
+            yield self.env.timeout(cost)
+        if xfer is not None:
+            yield xfer
         if eid not in self.alive:
             return
         ok = src in self.alive and a.transfer_id in self.producers[src].held_blocks()

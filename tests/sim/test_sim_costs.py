@@ -58,12 +58,27 @@ def test_empty_step_costs_nothing() -> None:
     assert costs.step_s(DEFAULT, DEFAULT.decode) == 0.0
 
 
-def test_posting_cost_reproduces_the_measured_fragmented_case() -> None:
-    """18,880 descriptors took 46 ms on EFA; the fitted per-descriptor cost is in range."""
+def test_posting_cost_is_inside_the_measured_range() -> None:
+    """18,880 descriptors took 46 ms on EFA (2.4 us each); the fitted per-descriptor cost
+    lies inside the measured 2.4-3.9 us, so the same list costs 46-74 ms here."""
     n = DEFAULT.network
     assert 2.4e-6 <= n.post_per_descriptor_s <= 3.9e-6
-    assert costs.post_s(n, 18_880) == pytest.approx(46e-3, rel=0.2)
+    assert 46e-3 <= costs.post_s(n, 18_880) <= 74e-3
+    assert costs.post_s(n, 118) == pytest.approx(460e-6, rel=0.3)  # the contiguous case
     assert costs.post_s(n, 0) == n.post_fixed_s
+
+
+def test_posting_and_wire_overlap() -> None:
+    """A transfer ends when the wire has moved everything and the last descriptor is
+    posted, whichever is later; the wire never waits for a finished post."""
+    n = DEFAULT.network
+    nbytes, desc = 512 << 20, 13_000
+    wire = costs.transfer_s(n, nbytes, desc, read=True)
+    assert costs.pipelined_s(n, nbytes, desc, read=True) == wire
+    assert costs.pipelined_s(n, nbytes, desc, read=True, posting_left_s=0.5 * wire) == wire
+    slow_post = 2 * wire
+    assert costs.pipelined_s(n, nbytes, desc, read=True, posting_left_s=slow_post) == (
+        slow_post + n.wire_latency_s)
 
 
 def test_transfer_is_descriptor_bound_for_small_and_byte_bound_for_large() -> None:

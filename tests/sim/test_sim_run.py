@@ -57,7 +57,8 @@ def _single(mode: str, input_len: int, output_len: int):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_one_request_alone_takes_the_closed_form_time(mode: str) -> None:
-    """No queueing: TTFT = hops + prefill + posting + wire + one decode step + return hop."""
+    """No queueing: TTFT = hops + prefill + (posting and wire, overlapped) + one decode
+    step + return hop."""
     L, out = 4096, 8
     r = _single(mode, L, out)
     p, net = DEFAULT, DEFAULT.network
@@ -66,19 +67,42 @@ def test_one_request_alone_takes_the_closed_form_time(mode: str) -> None:
     cached = r.prefills[0].cached_prefix(L)
     prefill = costs.step_s(p, p.prefill, prefill_chunks=((L - cached, cached),))
     kv = L * p.model.kv_bytes_per_token(p.decode.tp)
+    post = costs.post_s(net, n)
     if mode == "push":  # decode leg left at arrival; registration waited on prefill
         before = net.router_hop_s
-        wire = costs.transfer_s(net, kv, n, read=False) + net.control_latency_s
+        moved = costs.pipelined_s(net, kv, n, read=False, posting_left_s=post)
+        moved += net.control_latency_s
     else:  # answer to the router, then the decode leg
         before = 3 * net.router_hop_s
-        wire = costs.transfer_s(net, kv, n, read=True)
+        moved = costs.pipelined_s(net, kv, n, read=True, posting_left_s=post)
     first = costs.step_s(p, p.decode, decode_contexts=L, num_decodes=1)
-    ttft = before + prefill + costs.post_s(net, n) + wire + first + net.router_hop_s
+    ttft = before + prefill + moved + first + net.router_hop_s
     assert r.result["ttfts"][0] == pytest.approx(ttft, abs=1e-6)
     rest = sum(costs.step_s(p, p.decode, decode_contexts=L + k, num_decodes=1)
                for k in range(1, out))
     assert r.result["latencies"][0] - r.result["ttfts"][0] == pytest.approx(rest, abs=1e-6)
     assert r.result["mean_tpot_ms"] == pytest.approx(rest / (out - 1) * 1000, abs=1e-3)
+
+
+@pytest.mark.parametrize("where", ["after-forward", "before-forward"])
+def test_an_inline_post_overlaps_the_forward_or_delays_it(where: str) -> None:
+    """The one long gap in the first request's tokens is the step that posted the
+    second request's read: max(forward, posting) after the launch, their sum before."""
+    prof = with_profile(decode={"inline_post": where})
+    r = run(config("pull", qps=2.0, input_len=16384, output_len=400, num_prompts=2,
+                   profile=prof), keep_objects=True)
+    assert r.transport is not None
+    first, second = sorted(r.requests, key=lambda q: q.arrival)
+    assert second.arrival < first.token_times[-1]  # it was admitted while the first ran
+    post = costs.post_s(DEFAULT.network, r.transport.descriptors[1])
+    gaps = [b - a for a, b in zip(first.token_times, first.token_times[1:], strict=False)]
+    longest = max(gaps)
+    i = gaps.index(longest)  # the step that produced token i + 1 of the first request
+    forward = costs.step_s(DEFAULT, DEFAULT.decode, decode_contexts=16384 + i + 1,
+                           num_decodes=1)
+    expected = max(forward, post) if where == "after-forward" else forward + post
+    assert longest == pytest.approx(expected, abs=1e-5)
+    assert post > 3 * forward  # a 16k prompt's posting is several steps long
 
 
 def test_contiguous_caches_need_one_descriptor_per_region() -> None:
@@ -115,7 +139,7 @@ def test_pull_stalls_decode_and_push_does_not() -> None:
     assert pasync["pushkv"]["decode_stall_ms_total"] == 0
     # The stall lengthens every running sequence's steps ...
     assert pull["mean_tpot_ms"] > 1.15 * push["mean_tpot_ms"]
-    assert pull["p99_itl_ms"] > 5 * push["p99_itl_ms"]
+    assert pull["p99_itl_ms"] > 4 * push["p99_itl_ms"]
     # ... which holds the 8 decode slots longer, so new requests wait: TTFT explodes.
     assert pull["mean_ttft_ms"] > 2 * push["mean_ttft_ms"]
     # Posting from a background thread recovers most of it without changing the protocol.
@@ -130,10 +154,15 @@ def test_more_decode_slots_remove_the_slot_queue() -> None:
     assert many["mean_ttft_ms"] < 0.5 * few["mean_ttft_ms"]
 
 
-def test_a_sequential_router_never_helps_push() -> None:
-    for qps, n in ((1, 4096), (8, 16384)):
-        assert _point("push-seq", qps, n)["mean_ttft_ms"] >= _point("push", qps, n)[
-            "mean_ttft_ms"]
+def test_a_sequential_router_costs_push_its_gain_only_where_the_gain_is_small() -> None:
+    """At low load push's small edge is the overlap a sequential router removes; under
+    load the edge is the stall-free decode loop, which the router does not touch."""
+    low = {m: _point(m, 1, 4096)["mean_ttft_ms"] for m in ("pull", "push", "push-seq")}
+    assert low["push"] < low["push-seq"] <= low["pull"] * 1.01
+    high = {m: _point(m, 8, 16384)["mean_ttft_ms"] for m in ("pull", "push", "push-seq")}
+    kept = (high["pull"] - high["push-seq"]) / (high["pull"] - high["push"])
+    assert kept > 0.9
+    assert high["push-seq"] == pytest.approx(high["push"], rel=0.05)
 
 
 def test_prefix_hits_shorten_push_ttft_under_load() -> None:
