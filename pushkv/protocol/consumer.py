@@ -9,18 +9,15 @@ any attempt may still land in it. The transitions live in :mod:`.states`.
 
 from __future__ import annotations
 
-import heapq
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy.typing as npt
 
 from .config import ConsumerConfig
+from .endpoint import Endpoint
 from .errors import (
     ConfigError,
-    DecodeError,
     LocalProtocolError,
-    RemoteProtocolError,
     ValidationError,
 )
 from .events import (
@@ -28,13 +25,11 @@ from .events import (
     IssueRead,
     Mode,
     Peer,
-    Rejected,
     ReleaseDestination,
     SendMessage,
     TransferCancelled,
     TransferFailed,
     TransferReady,
-    sender_of,
 )
 from .layout import EngineSpec, RankInfo
 from .mapping import assignment, expected_writers
@@ -45,12 +40,9 @@ from .messages import (
     Fail,
     FailReason,
     Heartbeat,
-    Hello,
-    Message,
     Notify,
     ReadDone,
     Register,
-    decode,
 )
 from .planner import block_tuple, plan_transfer
 from .states import (
@@ -100,22 +92,24 @@ class _Transfer:
             self.code, self.reason = code, reason
 
 
-class Consumer:
+class Consumer(Endpoint):
     """Sans-IO endpoint of one consumer rank. Every method takes ``now``."""
 
+    role = "consumer"
+
     def __init__(self, info: RankInfo, config: ConsumerConfig | None = None) -> None:
-        info.validate()
-        self.info = info
-        self.peer = Peer(info.engine_id, info.rank)
+        super().__init__(info)
         self.config = config or ConsumerConfig()
-        self.stats: Counter[str] = Counter()
+        self._handlers.update({
+            Notify: lambda m, now: self._from_producer(m, CI.NOTIFY, now),
+            CancelAck: lambda m, now: self._from_producer(m, CI.CANCEL_ACK, now),
+            Fail: lambda m, now: self._from_producer(m, CI.FAIL, now),
+        })
         self._peers: dict[Peer, RankInfo] = {}
         self._engines: dict[str, EngineSpec] = {}
         self._writers: dict[str, frozenset[int]] = {}  # producer engine -> expected ranks
         self._transfers: dict[str, _Transfer] = {}
         self._lent: dict[int, str] = {}  # block id -> transfer that may still be written
-        self._timers: list[tuple[float, int, str]] = []
-        self._seq = 0
         self._next_heartbeat: float | None = None
 
     # ------------------------------------------------------------------ peers
@@ -304,36 +298,6 @@ class Consumer:
         return t
 
     # ----------------------------------------------------------- peer input
-
-    def receive_bytes(self, frame: bytes, now: float) -> list[Action]:
-        """Decode and handle one frame (control message or write notification)."""
-        try:
-            msg = decode(frame)
-        except DecodeError as exc:
-            self.stats["decode_error"] += 1
-            return [Rejected(peer=None, error=exc)]
-        return self.receive(msg, now)
-
-    def receive(self, msg: Message, now: float) -> list[Action]:
-        out = self._run_timers(now)
-        try:
-            if isinstance(msg, Notify):
-                out += self._from_producer(msg, CI.NOTIFY, now)
-            elif isinstance(msg, CancelAck):
-                out += self._from_producer(msg, CI.CANCEL_ACK, now)
-            elif isinstance(msg, Fail):
-                out += self._from_producer(msg, CI.FAIL, now)
-            elif isinstance(msg, Hello):
-                try:
-                    self.add_peer(msg.info)
-                except ConfigError as exc:
-                    raise ValidationError(f"handshake refused: {exc.message}") from exc
-            else:
-                raise ValidationError(f"{type(msg).__name__} is not for a consumer")
-        except RemoteProtocolError as exc:
-            self.stats["rejected"] += 1
-            out.append(Rejected(peer=sender_of(msg), error=exc))
-        return out
 
     def _from_producer(
         self, msg: Notify | CancelAck | Fail, inp: ConsumerInput, now: float
@@ -576,27 +540,18 @@ class Consumer:
             return first if hb is None or first < hb else hb
         return hb
 
-    def handle_timer(self, now: float) -> list[Action]:
-        return self._run_timers(now)
-
-    def _schedule(self, when: float, transfer_id: str) -> None:
-        self._seq += 1
-        heapq.heappush(self._timers, (when, self._seq, transfer_id))
-
     def _run_timers(self, now: float) -> list[Action]:
-        out: list[Action] = []
-        while self._timers and self._timers[0][0] <= now:
-            _, _, tid = heapq.heappop(self._timers)
-            t = self._transfers.get(tid)
-            if t is not None:
-                out += self._expire(t, now)
+        out = super()._run_timers(now)
         if self._next_heartbeat is not None and self._next_heartbeat <= now:
             out += self._heartbeats()
             live = any(t.state not in CONSUMER_TERMINAL for t in self._transfers.values())
             self._next_heartbeat = now + self.config.heartbeat_s if live else None
         return out
 
-    def _expire(self, t: _Transfer, now: float) -> list[Action]:
+    def _expire(self, transfer_id: str, now: float) -> list[Action]:
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            return []
         out: list[Action] = []
         for z in list(t.zombies.values()):
             if z.hard <= now:

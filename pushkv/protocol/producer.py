@@ -9,19 +9,17 @@ clock -- into actions for its driver. The transitions live in :mod:`.states`.
 from __future__ import annotations
 
 import enum
-import heapq
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy.typing as npt
 
 from .config import ProducerConfig
+from .endpoint import Endpoint
 from .errors import (
     ConfigError,
-    DecodeError,
     LocalProtocolError,
     PlanError,
-    RemoteProtocolError,
     ValidationError,
 )
 from .events import (
@@ -30,10 +28,8 @@ from .events import (
     Mode,
     Peer,
     Publish,
-    Rejected,
     ReleaseSource,
     SendMessage,
-    sender_of,
 )
 from .layout import RankInfo
 from .mapping import Assignment, expected_writers, targets_of
@@ -43,12 +39,9 @@ from .messages import (
     Fail,
     FailReason,
     Heartbeat,
-    Hello,
-    Message,
     Notify,
     ReadDone,
     Register,
-    decode,
 )
 from .planner import block_tuple, plan_transfer
 from .states import (
@@ -118,23 +111,22 @@ class _Transfer:
     aborted: bool = False
 
 
-class Producer:
+class Producer(Endpoint):
     """Sans-IO endpoint of one producer rank. Every method takes ``now``."""
 
+    role = "producer"
+
     def __init__(self, info: RankInfo, config: ProducerConfig | None = None) -> None:
-        info.validate()
-        self.info = info
-        self.peer = Peer(info.engine_id, info.rank)
+        super().__init__(info)
         self.config = config or ProducerConfig()
-        self.stats: Counter[str] = Counter()
+        self._handlers.update({Register: self._on_register, Cancel: self._on_cancel,
+                               Heartbeat: self._on_heartbeat, ReadDone: self._on_read_done})
         self._peers: dict[Peer, RankInfo] = {}
         self._targets: dict[str, tuple[Peer, ...]] = {}  # consumer engine -> legs to write
         self._target_set: set[Peer] = set()
         self._assigned: dict[Peer, Assignment] = {}  # what this rank writes into each
         self._transfers: dict[str, _Transfer] = {}
         self._tombstones: OrderedDict[str, tuple[int, Kv, bool]] = OrderedDict()
-        self._timers: list[tuple[float, int, str]] = []
-        self._seq = 0
         self._pending_regs = 0  # legs in REGISTERED
         self._orphans = 0  # transfers created by a peer, prefill not finished
 
@@ -177,39 +169,6 @@ class Producer:
         return out
 
     # ----------------------------------------------------------- peer input
-
-    def receive_bytes(self, frame: bytes, now: float) -> list[Action]:
-        """Decode and handle one frame from the control plane."""
-        try:
-            msg = decode(frame)
-        except DecodeError as exc:
-            self.stats["decode_error"] += 1
-            return [Rejected(peer=None, error=exc)]
-        return self.receive(msg, now)
-
-    def receive(self, msg: Message, now: float) -> list[Action]:
-        """Handle one decoded message from a consumer rank."""
-        out = self._run_timers(now)
-        try:
-            if isinstance(msg, Register):
-                out += self._on_register(msg, now)
-            elif isinstance(msg, Cancel):
-                out += self._on_cancel(msg, now)
-            elif isinstance(msg, Heartbeat):
-                self._on_heartbeat(msg, now)
-            elif isinstance(msg, ReadDone):
-                out += self._on_read_done(msg, now)
-            elif isinstance(msg, Hello):
-                try:
-                    self.add_peer(msg.info)
-                except ConfigError as exc:
-                    raise ValidationError(f"handshake refused: {exc.message}") from exc
-            else:
-                raise ValidationError(f"{type(msg).__name__} is not for a producer")
-        except RemoteProtocolError as exc:
-            self.stats["rejected"] += 1
-            out.append(Rejected(peer=sender_of(msg), error=exc))
-        return out
 
     def _known(self, engine_id: str, rank: int) -> RankInfo:
         info = self._peers.get(Peer(engine_id, rank))
@@ -316,7 +275,7 @@ class Producer:
         leg.attempt = max(leg.attempt, msg.attempt)
         return out + self._settle(t, now)
 
-    def _on_heartbeat(self, msg: Heartbeat, now: float) -> None:
+    def _on_heartbeat(self, msg: Heartbeat, now: float) -> list[Action]:
         self._known(msg.engine_id, msg.rank)
         for transfer_id, _attempt in msg.transfers:
             t = self._transfers.get(transfer_id)
@@ -327,6 +286,7 @@ class Producer:
                 t.lease = max(t.lease, now + self.config.lease_s * self.config.renew_fraction)
             elif t.kv is Kv.PENDING:
                 t.orphan = max(t.orphan, now + self.config.orphan_ttl_s)
+        return []
 
     def _on_read_done(self, msg: ReadDone, now: float) -> list[Action]:
         peer = Peer(msg.engine_id, msg.rank)
@@ -428,28 +388,10 @@ class Producer:
 
     # ---------------------------------------------------------------- timers
 
-    def next_deadline(self) -> float | None:
-        """Earliest time at which :meth:`handle_timer` may have work (maybe spurious)."""
-        return self._timers[0][0] if self._timers else None
-
-    def handle_timer(self, now: float) -> list[Action]:
-        return self._run_timers(now)
-
-    def _schedule(self, when: float, transfer_id: str) -> None:
-        if when != float("inf"):
-            self._seq += 1
-            heapq.heappush(self._timers, (when, self._seq, transfer_id))
-
-    def _run_timers(self, now: float) -> list[Action]:
-        out: list[Action] = []
-        while self._timers and self._timers[0][0] <= now:
-            _, _, transfer_id = heapq.heappop(self._timers)
-            t = self._transfers.get(transfer_id)
-            if t is not None:
-                out += self._expire(t, now)
-        return out
-
-    def _expire(self, t: _Transfer, now: float) -> list[Action]:
+    def _expire(self, transfer_id: str, now: float) -> list[Action]:
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            return []
         out: list[Action] = []
         for leg in list(t.legs.values()):
             reg = leg.stash if leg.state is PS.SUPERSEDED else leg.reg

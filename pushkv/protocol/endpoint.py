@@ -1,0 +1,91 @@
+"""What producer and consumer endpoints share: identity, the frame decoder and
+message dispatch, the handshake, a timer heap and counters."""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from .errors import ConfigError, DecodeError, RemoteProtocolError, ValidationError
+from .events import Action, Peer, Rejected, sender_of
+from .layout import RankInfo
+from .messages import Hello, Message, decode
+
+Handler = Callable[[Any, float], list[Action]]
+
+
+class Endpoint:
+    """Base of :class:`~pushkv.protocol.producer.Producer` and
+    :class:`~pushkv.protocol.consumer.Consumer`. Every method takes ``now``."""
+
+    role = "endpoint"
+
+    def __init__(self, info: RankInfo) -> None:
+        info.validate()
+        self.info = info
+        self.peer = Peer(info.engine_id, info.rank)
+        self.stats: Counter[str] = Counter()
+        self._timers: list[tuple[float, int, str]] = []  # (when, seq, transfer id), lazy
+        self._seq = 0
+        self._handlers: dict[type, Handler] = {Hello: self._on_hello}
+
+    def add_peer(self, info: RankInfo) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- peer input
+
+    def receive_bytes(self, frame: bytes, now: float) -> list[Action]:
+        """Decode and handle one frame from a peer (control message or notification)."""
+        try:
+            msg = decode(frame)
+        except DecodeError as exc:
+            self.stats["decode_error"] += 1
+            return [Rejected(peer=None, error=exc)]
+        return self.receive(msg, now)
+
+    def receive(self, msg: Message, now: float) -> list[Action]:
+        """Handle one decoded message. What the peer got wrong becomes a
+        :class:`Rejected` action and a count, never an exception."""
+        out = self._run_timers(now)
+        try:
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                raise ValidationError(f"{type(msg).__name__} is not for a {self.role}")
+            out += handler(msg, now)
+        except RemoteProtocolError as exc:
+            self.stats["rejected"] += 1
+            out.append(Rejected(peer=sender_of(msg), error=exc))
+        return out
+
+    def _on_hello(self, msg: Hello, now: float) -> list[Action]:
+        try:
+            self.add_peer(msg.info)
+        except ConfigError as exc:
+            raise ValidationError(f"handshake refused: {exc.message}") from exc
+        return []
+
+    # ----------------------------------------------------------------- timers
+
+    def next_deadline(self) -> float | None:
+        """Earliest time at which :meth:`handle_timer` may have work (maybe spurious)."""
+        return self._timers[0][0] if self._timers else None
+
+    def handle_timer(self, now: float) -> list[Action]:
+        return self._run_timers(now)
+
+    def _schedule(self, when: float, transfer_id: str) -> None:
+        if when != float("inf"):
+            self._seq += 1
+            heapq.heappush(self._timers, (when, self._seq, transfer_id))
+
+    def _run_timers(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        while self._timers and self._timers[0][0] <= now:
+            _, _, transfer_id = heapq.heappop(self._timers)
+            out += self._expire(transfer_id, now)
+        return out
+
+    def _expire(self, transfer_id: str, now: float) -> list[Action]:  # pragma: no cover
+        raise NotImplementedError
