@@ -8,7 +8,7 @@ every later transfer without trusting the peer again:
   one region per (local layer, plane), where a plane is K or V (or the single
   latent plane of MLA). A region is ``num_blocks`` blocks, ``block_stride``
   bytes apart; inside a block, tokens and heads are ordered ``NHD``
-  (token-major) or ``HND`` (head-major). Region ``i`` is local layer
+  (token-major) or ``HND`` (head-major), or the block is opaque (``BLOCK``). Region ``i`` is local layer
   ``i // planes``, plane ``i % planes``. Addresses stay with the transport:
   the protocol only speaks of (region, byte offset).
 
@@ -36,7 +36,10 @@ MAX_ID_LEN = 256
 Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS)]
 Index = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
-Order = Literal["NHD", "HND"]
+#: In-block order: token-major (``NHD``), head-major (``HND``), or ``BLOCK`` when
+#: the layout inside a block is private to the engine (vLLM's CPU cache stores K
+#: transposed): such blocks only move whole, between identical layouts.
+Order = Literal["NHD", "HND", "BLOCK"]
 
 
 class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

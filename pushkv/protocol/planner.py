@@ -205,6 +205,8 @@ def plan_transfer(
     for hs, hd, n in assignment.heads:
         if hs < 0 or hd < 0 or n < 1 or hs + n > src.num_heads or hd + n > dst.num_heads:
             raise PlanError(f"head run {(hs, hd, n)} outside the ranks' heads")
+    if "BLOCK" in (src.order, dst.order):
+        num_tokens = _whole_blocks(src, dst, assignment, first_token, num_tokens)
     if first_token == num_tokens:
         runs = np.empty((0, 3), dtype=np.int64)
     elif (
@@ -228,6 +230,23 @@ def plan_transfer(
                 raise PlanError("plan would write outside the destination region")
     src_regions, dst_regions = _region_pairs(src, dst, layers)
     return TransferPlan(runs=runs, src_regions=src_regions, dst_regions=dst_regions)
+
+
+def _whole_blocks(
+    src: KVLayout, dst: KVLayout, assignment: Assignment, first: int, n: int
+) -> int:
+    """Opaque blocks move whole: check both sides agree, return ``n`` rounded up to
+    the end of its block (the tail of the last block is the request's own)."""
+    if src.order != dst.order:
+        raise PlanError(f"an opaque (BLOCK) layout moves only to its like, not {dst.order}")
+    if src.block_size != dst.block_size or src.block_bytes != dst.block_bytes:
+        raise PlanError("opaque (BLOCK) layouts need the same block size and shape")
+    if src.num_heads != dst.num_heads or assignment.heads != ((0, 0, src.num_heads),):
+        raise PlanError("opaque (BLOCK) layouts cannot move a slice of the heads")
+    bs = src.block_size
+    if first % bs:
+        raise PlanError(f"opaque (BLOCK) layouts start at a block boundary, not token {first}")
+    return -(-n // bs) * bs
 
 
 def _whole_tokens(

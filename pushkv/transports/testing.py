@@ -166,6 +166,11 @@ def reference_destination(
                 for plane in range(lo.planes):
                     s_buf = src_memory[writer][p.layout.region_index(layer, plane)]
                     d_buf = out[lo.region_index(layer, plane)]
+                    if lo.order == "BLOCK":  # opaque blocks move whole
+                        for b in range(first // lo.block_size, -(-n // lo.block_size)):
+                            so, do = src_ids[b] * p.layout.stride, dst_ids[b] * lo.stride
+                            d_buf[do:do + lo.block_bytes] = s_buf[so:so + lo.block_bytes]
+                        continue
                     for t in range(first, n):
                         so = _element(p.layout, src_ids, t, sh)
                         do = _element(lo, dst_ids, t, dh)
@@ -425,6 +430,8 @@ TOPOLOGIES: dict[str, Topology] = {
     "bs32-16": Topology(producer={"block_size": 32}),
     "nhd-hnd": Topology(producer={"num_kv_heads": 2, "order": "NHD"},
                         consumer={"num_kv_heads": 2, "order": "HND"}),
+    "opaque-blocks": Topology(producer={"num_kv_heads": 2, "order": "BLOCK"},
+                              consumer={"num_kv_heads": 2, "order": "BLOCK"}),
 }
 
 #: Every check, by name, as (function, keyword arguments).

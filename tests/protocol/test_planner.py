@@ -160,3 +160,17 @@ def test_empty_token_range_plans_nothing():
     for first in (0, 5, 8):
         plan = plan_transfer(lo, lo, a, (0, 1), (2, 3), first, first)
         assert plan.descriptor_count == 0 and plan.nbytes == 0
+
+
+def test_opaque_blocks_move_whole_and_only_between_alike():
+    lo = layout(order="BLOCK")
+    a = Assignment(src_rank=0, dst_rank=0, layers=range(2), heads=((0, 0, 2),))
+    plan = plan_transfer(lo, lo, a, (3, 7, 1), (2, 5, 6), 9)  # 9 tokens: 3 whole blocks
+    assert plan.runs_per_region == 3 and plan.nbytes == 3 * lo.block_bytes * 4
+    with pytest.raises(PlanError, match="its like"):
+        plan_transfer(lo, layout(order="NHD"), a, (3,), (2,), 4)
+    with pytest.raises(PlanError, match="block boundary"):
+        plan_transfer(lo, lo, a, (3, 7), (2, 5), 8, 2)
+    with pytest.raises(PlanError, match="slice of the heads"):
+        plan_transfer(lo, lo, Assignment(src_rank=0, dst_rank=0, layers=range(2),
+                                         heads=((0, 0, 1),)), (3,), (2,), 4)

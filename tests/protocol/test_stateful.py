@@ -33,6 +33,7 @@ TOPOLOGIES = [
     ({"num_kv_heads": 2}, {"tp": 2, "num_kv_heads": 2}),
     ({"tp": 2, "num_kv_heads": 2}, {"tp": 2, "num_kv_heads": 2, "block_size": 8}),
     ({"num_kv_heads": 2, "block_size": 8}, {"num_kv_heads": 2, "order": "HND"}),
+    ({"num_kv_heads": 2, "order": "BLOCK"}, {"num_kv_heads": 2, "order": "BLOCK"}),
 ]
 WINDOW, GRACE, LEASE = 4.0, 2.0, 6.0
 
