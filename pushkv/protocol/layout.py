@@ -8,8 +8,9 @@ every later transfer without trusting the peer again:
   one region per (local layer, plane), where a plane is K or V (or the single
   latent plane of MLA). A region is ``num_blocks`` blocks, ``block_stride``
   bytes apart; inside a block, tokens and heads are ordered ``NHD``
-  (token-major) or ``HND`` (head-major), or the block is opaque (``BLOCK``). Region ``i`` is local layer
-  ``i // planes``, plane ``i % planes``. Addresses stay with the transport:
+  (token-major) or ``HND`` (head-major), or the block is opaque (``BLOCK``).
+  Region ``i`` is local layer ``i // planes``, plane ``i % planes``. Addresses
+  stay with the transport:
   the protocol only speaks of (region, byte offset).
 
 Both are msgspec structs, so they travel inside :class:`~pushkv.protocol.messages.Hello`.
