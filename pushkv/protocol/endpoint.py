@@ -81,9 +81,13 @@ class Endpoint:
             heapq.heappush(self._timers, (when, self._seq, transfer_id))
 
     def _run_timers(self, now: float) -> list[Action]:
-        out: list[Action] = []
+        # Take what is due first: a timer armed while expiring runs on the next call,
+        # so a mistake that re-arms in the past can never spin inside one call.
+        due = []
         while self._timers and self._timers[0][0] <= now:
-            _, _, transfer_id = heapq.heappop(self._timers)
+            due.append(heapq.heappop(self._timers)[2])
+        out: list[Action] = []
+        for transfer_id in due:
             out += self._expire(transfer_id, now)
         return out
 

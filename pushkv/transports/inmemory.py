@@ -403,6 +403,9 @@ class InMemoryNetwork:
                 d = node.endpoint.next_deadline()  # type: ignore[attr-defined]
                 if d is not None and d <= now:
                     node.apply(node.endpoint.handle_timer(now))  # type: ignore[attr-defined]
+                    after = node.endpoint.next_deadline()  # type: ignore[attr-defined]
+                    if after is not None and after <= now:  # no progress: it would spin
+                        self.violations.append(f"{node.peer}: timer re-armed at {after} <= {now}")
 
     def next_deadline(self) -> float | None:
         ds = [

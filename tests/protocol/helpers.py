@@ -65,3 +65,27 @@ def of(actions, kind):
 def msgs(actions, kind):
     return [a.message for a in actions if isinstance(a, SendMessage)
             and isinstance(a.message, kind)]
+
+
+class deadline:  # noqa: N801 - used as a context manager
+    """Fail (instead of hanging) if the block runs longer than ``seconds``."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __enter__(self):
+        import signal
+
+        def expired(signum, frame):
+            raise AssertionError(f"did not finish within {self.seconds} s (a timer loop?)")
+
+        self._old = signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self._old)
+        return False

@@ -265,3 +265,21 @@ def test_a_peer_cannot_change_its_memory_under_the_same_name(pair):
     assert "changed its layout" in str(of(out, Rejected)[0].error)
     p.receive(Hello(info=pair.c[0].info), 0.0)  # the same announcement again is fine
     assert p.stats["rejected"] == 1
+
+
+def test_lease_expiring_during_a_write_neither_spins_nor_leaks():
+    """A lease timer re-armed in the past while a write was in flight once made
+    handle_timer loop forever (found by a stateful run that never ended)."""
+    from .helpers import deadline
+
+    pair = Pair(producer={"num_kv_heads": 2}, consumer={"tp": 2, "num_kv_heads": 2},
+                pcfg=ProducerConfig(lease_s=10.0))
+    (p,) = pair.p
+    p.receive(reg(0), 0.0)  # only consumer rank 0 registers; rank 1 never does
+    (w,) = of(p.prefill_finished("t", [7, 8, 9], 40, 0.0), IssueWrite)
+    with deadline(5):
+        assert p.handle_timer(11.0) == []  # lease passed mid-write: nothing to do yet
+        out = p.write_completed("t", 0, D0, True, 12.0)
+        assert of(out, ReleaseSource)
+        p.handle_timer(100.0)
+    assert p.num_transfers == 0
