@@ -67,7 +67,7 @@ def msgs(actions, kind):
             and isinstance(a.message, kind)]
 
 
-class deadline:  # noqa: N801 - used as a context manager
+class deadline:
     """Fail (instead of hanging) if the block runs longer than ``seconds``."""
 
     def __init__(self, seconds: float):

@@ -276,7 +276,7 @@ def test_lease_expiring_during_a_write_neither_spins_nor_leaks():
                 pcfg=ProducerConfig(lease_s=10.0))
     (p,) = pair.p
     p.receive(reg(0), 0.0)  # only consumer rank 0 registers; rank 1 never does
-    (w,) = of(p.prefill_finished("t", [7, 8, 9], 40, 0.0), IssueWrite)
+    (_w,) = of(p.prefill_finished("t", [7, 8, 9], 40, 0.0), IssueWrite)
     with deadline(5):
         assert p.handle_timer(11.0) == []  # lease passed mid-write: nothing to do yet
         out = p.write_completed("t", 0, D0, True, 12.0)
