@@ -1,0 +1,91 @@
+"""Settings of the NIXL transport, one typed dataclass with a help string per field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..protocol.errors import ConfigError
+
+Backend = Literal["UCX", "LIBFABRIC"]
+ControlChannel = Literal["side", "nixl"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NixlConfig:
+    """How one rank's runtime talks to its peers."""
+
+    backend: Backend = field(
+        default="UCX",
+        metadata={"help": "NIXL backend: UCX (host memory, CUDA memory on GPUs) or "
+                  "LIBFABRIC (EFA)"},
+    )
+    backend_params: dict[str, str] = field(
+        default_factory=dict,
+        metadata={"help": "extra backend init parameters, passed to create_backend"},
+    )
+    host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "interface the side channel binds to and advertises"},
+    )
+    port: int = field(default=0, metadata={"help": "side-channel TCP port; 0 picks a free one"})
+    progress_thread: bool = field(
+        default=True,
+        metadata={"help": "run NIXL's progress thread (writes complete while the target "
+                  "is idle); it sleeps progress_delay_us between polls"},
+    )
+    progress_delay_us: int = field(
+        default=1000,
+        metadata={"help": "sleep of the NIXL progress thread between polls (0 = busy spin: "
+                  "a whole core per agent)"},
+    )
+    num_threads: int = field(
+        default=0, metadata={"help": "backend worker threads (0: backend default)"}
+    )
+    active_poll_s: float = field(
+        default=0.001,
+        metadata={"help": "notification poll period while transfers are live"},
+    )
+    idle_poll_s: float = field(
+        default=0.02,
+        metadata={"help": "notification poll period while nothing is live"},
+    )
+    write_poll_s: float = field(
+        default=0.0002,
+        metadata={"help": "writer thread: sleep between completion checks of a posted write"},
+    )
+    handshake_timeout_s: float = field(
+        default=10.0,
+        metadata={"help": "transfers waiting for a peer's handshake fail after this"},
+    )
+    write_timeout_s: float = field(
+        default=60.0,
+        metadata={"help": "a posted write still running after this is cancelled and failed"},
+    )
+    peer_confirm_s: float = field(
+        default=1.0,
+        metadata={"help": "a peer whose side channel dropped and stays unreachable this "
+                  "long is confirmed dead"},
+    )
+    control_channel: ControlChannel = field(
+        default="side",
+        metadata={"help": "where control messages (Register, Cancel, ...) are sent: the "
+                  "side channel, or NIXL notifications; both are always accepted"},
+    )
+    close_timeout_s: float = field(
+        default=10.0,
+        metadata={"help": "close(): how long to wait for writes in flight"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("UCX", "LIBFABRIC"):
+            raise ConfigError(f"backend must be UCX or LIBFABRIC, not {self.backend!r}")
+        if self.control_channel not in ("side", "nixl"):
+            raise ConfigError(f"control_channel must be side or nixl, not "
+                              f"{self.control_channel!r}")
+        if self.progress_delay_us < 0 or self.num_threads < 0 or not 0 <= self.port < 65536:
+            raise ConfigError("progress_delay_us, num_threads and port must be >= 0")
+        for name in ("active_poll_s", "idle_poll_s", "write_poll_s", "handshake_timeout_s",
+                     "write_timeout_s", "peer_confirm_s", "close_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

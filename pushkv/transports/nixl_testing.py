@@ -1,0 +1,435 @@
+"""The conformance-suite :class:`~pushkv.transports.testing.Cluster` over real NIXL.
+
+The producer engine and the consumer engine live in two **separate spawned
+processes** (:class:`Host`); every rank is a :class:`~.runtime.NixlRuntime` with
+its own NIXL agent, so TP 2 means two agents in a process. The parent drives
+the hosts over a ``multiprocessing`` pipe: engine-level calls go to every rank
+of the engine, snapshots are gathered from the events each rank reported.
+
+Hosts are reusable: :class:`HostPool` keeps one producer host and one consumer
+host alive across clusters (start-up -- importing NIXL, the first agent --
+costs seconds) and replaces a host that was killed. Each cluster creates fresh
+runtimes, so checks stay independent; closing a cluster closes its runtimes
+and fails if any runtime thread is left behind.
+
+Raw frames go into a rank's ``"control"`` channel from the parent's own zmq
+socket, and into its ``"notify"`` channel as a NIXL notification sent by a
+rank of the other engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..protocol import (
+    Peer,
+    Rejected,
+    ReleaseDestination,
+    ReleaseSource,
+    TransferCancelled,
+    TransferFailed,
+    TransferReady,
+)
+from .testing import Snapshot, Topology
+
+PRODUCER, CONSUMER = "prefill-0", "decode-0"
+_SETUP_TIMEOUT = 60.0
+_CALL_TIMEOUT = 60.0
+
+
+# ===================================================================== child
+
+
+class _RankState:
+    """One runtime in a host and what it reported."""
+
+    def __init__(self, runtime: Any, memory: list[np.ndarray]) -> None:
+        self.runtime = runtime
+        self.memory = memory
+        self.outcomes: dict[str, list[tuple[str, int]]] = {}
+        self.dst_released: Counter[tuple[str, int]] = Counter()
+        self.src_released: Counter[str] = Counter()
+        self.rejected = 0
+        self.errors: list[str] = []
+
+    def drain(self) -> int:
+        events = self.runtime.poll()
+        for e in events:
+            if isinstance(e, TransferReady):
+                self.outcomes.setdefault(e.transfer_id, []).append(("ready", e.attempt))
+            elif isinstance(e, TransferFailed):
+                self.outcomes.setdefault(e.transfer_id, []).append(("failed", e.attempt))
+            elif isinstance(e, TransferCancelled):
+                self.outcomes.setdefault(e.transfer_id, []).append(("cancelled", e.attempt))
+            elif isinstance(e, ReleaseDestination):
+                self.dst_released[e.transfer_id, e.attempt] += 1
+            elif isinstance(e, ReleaseSource):
+                self.src_released[e.transfer_id] += 1
+            elif isinstance(e, Rejected):
+                self.rejected += 1
+            elif type(e).__name__ == "CallFailed":
+                self.errors.append(repr(e))
+        return len(events)
+
+
+class _HostServer:
+    """Runs in the child: owns the runtimes of one engine."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.ranks: dict[int, _RankState] = {}
+
+    def setup(self, topo: Topology, peer_addresses: dict[int, str] | None,
+              config: Any = None) -> dict[int, str]:
+        from .inmemory import region_memory
+        from .runtime import NixlRuntime
+
+        self.close()
+        if self.role == "producer":
+            infos = topo.producer_ranks()
+            rng = np.random.default_rng(topo.seed)  # the same bytes as the in-memory pair()
+            mems = [region_memory(i.layout, rng=rng) for i in infos]
+        else:
+            infos = topo.consumer_ranks()
+            mems = [region_memory(i.layout) for i in infos]
+        for info, mem in zip(infos, mems, strict=True):
+            rt = NixlRuntime(info, mem, role=self.role, config=config,  # type: ignore[arg-type]
+                             producer_config=topo.producer_config,
+                             consumer_config=topo.consumer_config)
+            self.ranks[info.rank] = _RankState(rt, mem)
+        if peer_addresses is not None:
+            for st in self.ranks.values():
+                st.runtime.connect(PRODUCER, peer_addresses, eager=True)
+            end = time.monotonic() + _SETUP_TIMEOUT
+            pause = threading.Event()
+            while not all(st.runtime.connected(PRODUCER) for st in self.ranks.values()):
+                if time.monotonic() > end:
+                    raise TimeoutError("handshake with the producer engine did not complete")
+                pause.wait(0.002)
+        return {r: st.runtime.address for r, st in self.ranks.items()}
+
+    def each(self, method: str, args: tuple[Any, ...]) -> None:
+        for st in self.ranks.values():
+            getattr(st.runtime, method)(*args)
+
+    def connect(self, engine_id: str, addresses: dict[int, str], eager: bool) -> None:
+        for st in self.ranks.values():
+            st.runtime.connect(engine_id, addresses, eager=eager)
+
+    def snapshot(self, wait_s: float) -> dict[str, Any]:
+        got = sum(st.drain() for st in self.ranks.values())
+        if not got and wait_s > 0 and self.ranks:
+            first = next(iter(self.ranks.values()))
+            end = time.monotonic() + wait_s
+            while not got and time.monotonic() < end:
+                first.runtime.wait(min(0.002, max(0.0, end - time.monotonic())))
+                got = sum(st.drain() for st in self.ranks.values())
+        out: dict[str, Any] = {"outcomes": {}, "src_released": {}, "dst_released": {},
+                               "rejected": {}, "lent": {}, "held": {}, "errors": [],
+                               "stats": {}, "writes_in_flight": 0}
+        for r, st in self.ranks.items():
+            view = st.runtime.inspect()
+            out["rejected"][r] = st.rejected
+            out["errors"] += st.errors
+            out["stats"][r] = view.stats
+            out["writes_in_flight"] += view.writes_in_flight
+            if self.role == "consumer":
+                for tid, seen in st.outcomes.items():
+                    out["outcomes"][r, tid] = list(seen)
+                for (tid, a), n in st.dst_released.items():
+                    out["dst_released"][r, tid, a] = n
+                lent = dict(view.lent)
+                for tid, blocks in view.pending.items():
+                    lent.update(dict.fromkeys(blocks, tid))
+                out["lent"][r] = lent
+            else:
+                for tid, n in st.src_released.items():
+                    out["src_released"][r, tid] = n
+                out["held"][r] = sorted(view.held)
+        return out
+
+    def memory(self, rank: int) -> list[bytes]:
+        return [bytes(m) for m in self.ranks[rank].memory]
+
+    def landed(self, rank: int) -> int:
+        """Non-zero bytes in a rank's memory (how much of a write has landed)."""
+        return sum(int(np.count_nonzero(m)) for m in self.ranks[rank].memory)
+
+    def inject(self, rank: int, peer: Peer, frame: bytes, channel: str) -> None:
+        self.ranks[rank].runtime.inject(peer, frame, channel)
+
+    def close(self) -> list[str]:
+        """Close every runtime; names of pushkv threads still alive afterwards."""
+        for st in self.ranks.values():
+            st.runtime.close()
+        self.ranks.clear()
+        return [t.name for t in threading.enumerate() if t.name.startswith("pushkv-")]
+
+
+def _host_main(conn: mpc.Connection, role: str) -> None:
+    server = _HostServer(role)
+    while True:
+        try:
+            op, args = conn.recv()
+        except EOFError:
+            break
+        if op == "exit":
+            server.close()
+            conn.send(("ok", None))
+            break
+        try:
+            result = getattr(server, op)(*args)
+        except BaseException:
+            conn.send(("err", traceback.format_exc()))
+        else:
+            conn.send(("ok", result))
+
+
+# ==================================================================== parent
+
+
+class HostError(RuntimeError):
+    """A host process failed a call or died."""
+
+
+class Host:
+    """A spawned process hosting the runtimes of one engine."""
+
+    def __init__(self, role: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.role = role
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_host_main, args=(child, role), daemon=True,
+                                 name=f"pushkv-host-{role}")
+        self._proc.start()
+        child.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def send(self, op: str, *args: Any) -> None:
+        self._conn.send((op, args))
+
+    def recv(self, timeout_s: float = _CALL_TIMEOUT) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise HostError(f"{self.role} host did not answer within {timeout_s} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError as exc:
+            raise HostError(f"{self.role} host died") from exc
+        if status != "ok":
+            raise HostError(f"{self.role} host failed:\n{value}")
+        return value
+
+    def call(self, op: str, *args: Any, timeout_s: float = _CALL_TIMEOUT) -> Any:
+        self.send(op, *args)
+        return self.recv(timeout_s)
+
+    def kill(self) -> None:
+        self._proc.kill()
+        self._proc.join(10)
+        self._conn.close()
+
+    def stop(self) -> None:
+        if self._proc.is_alive():
+            with contextlib.suppress(HostError, OSError):
+                self.call("exit", timeout_s=30)
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(10)
+        self._conn.close()
+
+
+class HostPool:
+    """One producer host and one consumer host, replaced when killed."""
+
+    def __init__(self) -> None:
+        self._hosts: dict[str, Host] = {}
+
+    def get(self, role: str) -> Host:
+        host = self._hosts.get(role)
+        if host is None or not host.alive:
+            host = self._hosts[role] = Host(role)
+        return host
+
+    def close(self) -> None:
+        for host in self._hosts.values():
+            host.stop()
+        self._hosts.clear()
+
+
+class NixlCluster:
+    """A :class:`~pushkv.transports.testing.Cluster` whose engines are real processes."""
+
+    def __init__(self, topology: Topology, pool: HostPool, config: Any = None, *,
+                 connect: str = "eager") -> None:
+        """``connect``: ``"eager"`` (handshake before returning), ``"lazy"`` (addresses
+        given, handshake on first register) or ``"none"`` (see :meth:`connect`)."""
+        self.topology = topology
+        self._producer = pool.get("producer")
+        self._consumer = pool.get("consumer")
+        self._producer_dead = False
+        self._last_producer: dict[str, Any] = {}
+        self._sources: dict[int, list[np.ndarray]] = {}
+        self._zmq: Any = None
+        self._pushes: dict[str, Any] = {}
+        self.producer_addresses: dict[int, str] = self._producer.call(
+            "setup", topology, None, config, timeout_s=_SETUP_TIMEOUT)
+        self.consumer_addresses: dict[int, str] = self._consumer.call(
+            "setup", topology, self.producer_addresses if connect == "eager" else None, config,
+            timeout_s=_SETUP_TIMEOUT)
+        if connect == "lazy":
+            self.connect(self.producer_addresses)
+
+    def connect(self, addresses: dict[int, str], eager: bool = False) -> None:
+        """Give every consumer rank producer addresses (any: a test may lie)."""
+        self._consumer.call("connect", PRODUCER, addresses, eager)
+
+    # ----------------------------------------------------- engine-level calls
+
+    def register(self, transfer_id: str, dst_block_ids: Sequence[int], num_tokens: int,
+                 first_token: int = 0) -> None:
+        self._consumer.call("each", "register", (transfer_id, PRODUCER, list(dst_block_ids),
+                                                 num_tokens, first_token))
+
+    def prefill_finished(self, transfer_id: str, src_block_ids: Sequence[int],
+                         num_tokens: int) -> None:
+        self._producer.call("each", "prefill_finished",
+                            (transfer_id, list(src_block_ids), num_tokens))
+
+    def preempt(self, transfer_id: str) -> None:
+        self._consumer.call("each", "preempt", (transfer_id,))
+
+    def reissue(self, transfer_id: str, dst_block_ids: Sequence[int]) -> None:
+        self._consumer.call("each", "reissue", (transfer_id, list(dst_block_ids)))
+
+    def abort(self, transfer_id: str) -> None:
+        self._consumer.call("each", "abort", (transfer_id,))
+
+    def prefill_aborted(self, transfer_id: str) -> None:
+        self._producer.call("each", "prefill_aborted", (transfer_id,))
+
+    # ----------------------------------------------------------------- faults
+
+    def inject(self, side: str, rank: int, channel: str, frame: bytes) -> None:
+        addresses = self.producer_addresses if side == "producer" else self.consumer_addresses
+        if channel == "control":
+            self.send_raw(addresses[rank], [b"C", frame])
+        elif side == "consumer":  # a NIXL notification from producer rank 0
+            self._producer.call("inject", min(self.producer_addresses), Peer(CONSUMER, rank),
+                                frame, "notify")
+        else:
+            self._consumer.call("inject", min(self.consumer_addresses), Peer(PRODUCER, rank),
+                                frame, "notify")
+
+    def send_raw(self, address: str, parts: list[bytes]) -> None:
+        """Any multipart message onto a rank's side channel, from the parent."""
+        import zmq
+
+        if self._zmq is None:
+            self._zmq = zmq.Context()
+        sock = self._pushes.get(address)
+        if sock is None:
+            sock = self._pushes[address] = self._zmq.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(address)
+        sock.send_multipart(parts)
+
+    def host_call(self, role: str, op: str, *args: Any) -> Any:
+        """Call a host operation directly (``landed``, ``snapshot``, ...)."""
+        return (self._producer if role == "producer" else self._consumer).call(op, *args)
+
+    def kill_producer(self) -> None:
+        """SIGKILL the producer process (its last reported state is kept)."""
+        self._producer.kill()
+        self._producer_dead = True
+
+    # --------------------------------------------------------------- watching
+
+    def _parts(self, wait_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        self._consumer.send("snapshot", wait_s)
+        if not self._producer_dead:
+            self._producer.send("snapshot", wait_s)
+        c = self._consumer.recv()
+        if self._producer_dead:
+            p = dict(self._last_producer, held={})
+        else:
+            p = self._last_producer = self._producer.recv()
+        return p, c
+
+    def raw_snapshot(self, wait_s: float = 0.0) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The hosts' reports as dicts (stats, writes in flight, errors)."""
+        return self._parts(wait_s)
+
+    def _snapshot(self, wait_s: float) -> Snapshot:
+        p, c = self._parts(wait_s)
+        rejected = {("producer", r): n for r, n in p.get("rejected", {}).items()}
+        rejected |= {("consumer", r): n for r, n in c["rejected"].items()}
+        return Snapshot(
+            outcomes=c["outcomes"], src_released=p.get("src_released", {}),
+            dst_released=c["dst_released"], rejected=rejected, lent=c["lent"],
+            held=p.get("held", {}),
+            violations=[f"call failed: {e}" for e in p.get("errors", []) + c["errors"]],
+        )
+
+    def snapshot(self) -> Snapshot:
+        return self._snapshot(0.0)
+
+    def wait(self, predicate: Callable[[Snapshot], bool], timeout_s: float) -> Snapshot:
+        end = time.monotonic() + timeout_s
+        while True:
+            left = end - time.monotonic()
+            snap = self._snapshot(max(0.0, min(0.01, left)))
+            if predicate(snap) or time.monotonic() >= end:
+                return snap
+
+    def source_memory(self, rank: int) -> list[np.ndarray]:
+        if rank not in self._sources:
+            raw = self._producer.call("memory", rank)
+            self._sources[rank] = [np.frombuffer(b, dtype=np.uint8) for b in raw]
+        return self._sources[rank]
+
+    def destination_memory(self, rank: int) -> list[np.ndarray]:
+        return [np.frombuffer(b, dtype=np.uint8) for b in self._consumer.call("memory", rank)]
+
+    def close(self) -> None:
+        """Close every runtime; AssertionError if a runtime thread survives."""
+        leftovers: list[str] = []
+        for host, dead in ((self._consumer, False), (self._producer, self._producer_dead)):
+            if not dead and host.alive:
+                leftovers += host.call("close")
+        for sock in self._pushes.values():
+            sock.close()
+        self._pushes.clear()
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
+        if leftovers:
+            raise AssertionError(f"runtime threads left behind: {leftovers}")
+
+
+def host_pid_alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,220 @@
+"""The side channel between runtimes: handshakes and control frames over pyzmq.
+
+Every runtime binds one ``PULL`` socket (its advertised address) and opens one
+``PUSH`` socket per peer rank it talks to, so a message is a one-way frame and
+a reply travels on the replier's own connection. A frame is a two-part zmq
+message ``[kind, body]``:
+
+* ``H`` -- a :class:`PeerCard`: who I am (the pushkv ``Hello``), my NIXL agent
+  metadata and the addresses of my KV regions. A card with ``reply=False``
+  asks for the receiver's card back.
+* ``C`` -- one pushkv control frame (``Register``, ``Cancel``, ``Fail``, ...),
+  decoded by the protocol's codec on arrival.
+* ``B`` -- goodbye: the sender closed; nothing more will come from it (no
+  write either: a runtime says goodbye after its writer stopped).
+
+Everything received is untrusted: a frame with the wrong shape or an unknown
+kind comes back as :data:`GARBAGE` for the caller to count and drop.
+
+Liveness: each ``PUSH`` socket has a zmq monitor. When a peer's process dies
+the kernel closes its socket, the connection drops, and reconnection is
+refused; :meth:`SideChannel.poll` reports ``("down", address)`` and
+``("up", address)`` transitions, and the runtime decides when "down" has
+lasted long enough to confirm the peer dead.
+
+The :class:`SideChannel` is owned by one thread (zmq sockets are not
+thread-safe); only :meth:`SideChannel.wake` may be called from others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Final
+
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ..protocol.errors import DecodeError
+
+HELLO: Final = b"H"
+CONTROL: Final = b"C"
+BYE: Final = b"B"
+GARBAGE: Final = b"?"
+KINDS: Final = (HELLO, CONTROL, BYE)
+
+#: Largest side-channel message accepted; larger ones drop the connection.
+MAX_MESSAGE: Final = 16 << 20
+
+
+class PeerCard(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One rank's introduction: identity, NIXL agent and KV memory."""
+
+    hello: bytes  #: a pushkv-encoded Hello frame (RankInfo)
+    address: str  #: the sender's side-channel address
+    agent_name: str
+    agent_metadata: bytes
+    bases: tuple[int, ...]  #: region base addresses, in region order
+    sizes: tuple[int, ...]  #: region sizes in bytes
+    kind: str  #: "DRAM" or "VRAM"
+    device: int = 0
+    reply: bool = False  #: True when answering a card
+    error: str = ""  #: non-empty: the sender refused the handshake
+
+
+_card_encoder = msgspec.msgpack.Encoder()
+_card_decoder = msgspec.msgpack.Decoder(PeerCard)
+
+
+def encode_card(card: PeerCard) -> bytes:
+    return _card_encoder.encode(card)
+
+
+def decode_card(body: bytes) -> PeerCard:
+    """Parse a card from an untrusted peer; DecodeError (only) if malformed."""
+    try:
+        card = _card_decoder.decode(body)
+    except (msgspec.MsgspecError, ValueError, TypeError, OverflowError) as exc:
+        raise DecodeError(f"malformed handshake card: {exc}") from exc
+    if card.kind not in ("DRAM", "VRAM") or len(card.bases) != len(card.sizes):
+        raise DecodeError("handshake card has a bad memory description")
+    return card
+
+
+@dataclass(slots=True)
+class _Out:
+    socket: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]
+
+
+_UP = zmq.EVENT_CONNECTED
+_DOWN = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+
+
+class SideChannel:
+    """One rank's side-channel sockets."""
+
+    def __init__(self, host: str, port: int = 0) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        try:
+            self._pull.bind(f"tcp://{host}:{port or '*'}")
+        except zmq.ZMQError:
+            self._pull.close()
+            self._ctx.term()
+            raise
+        self.address: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._pull, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._out: dict[str, _Out] = {}
+        self._by_monitor: dict[zmq.Socket[bytes], str] = {}
+        self.dropped = 0  #: frames not sent (peer queue full or unknown)
+
+    # ------------------------------------------------------------ any thread
+
+    def wake(self) -> None:
+        """Interrupt :meth:`poll` (safe from any thread)."""
+        with contextlib.suppress(OSError):  # full: already signalled; closed: closing
+            os.write(self._wake_w, b"\0")
+
+    # ------------------------------------------------------------ owner only
+
+    def open(self, address: str) -> None:
+        """Start connecting to a peer (idempotent)."""
+        if address in self._out:
+            return
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = sock.get_monitor_socket(_UP | _DOWN)
+        sock.connect(address)
+        self._out[address] = _Out(sock, monitor)
+        self._by_monitor[monitor] = address
+        self._poller.register(monitor, zmq.POLLIN)
+
+    def send(self, address: str, kind: bytes, body: bytes) -> bool:
+        """Queue a frame for a peer; False if it cannot be queued."""
+        out = self._out.get(address)
+        if out is None:
+            self.dropped += 1
+            return False
+        try:
+            out.socket.send_multipart((kind, body), flags=zmq.NOBLOCK, copy=len(body) < 65536)
+        except zmq.ZMQError:
+            self.dropped += 1
+            return False
+        return True
+
+    def forget(self, address: str) -> None:
+        """Close the connection to a peer."""
+        out = self._out.pop(address, None)
+        if out is not None:
+            self._close_out(out)
+
+    def _close_out(self, out: _Out, linger_ms: int = 0) -> None:
+        self._by_monitor.pop(out.monitor, None)
+        self._poller.unregister(out.monitor)
+        with contextlib.suppress(zmq.ZMQError):
+            out.socket.disable_monitor()
+        out.monitor.close(0)
+        out.socket.close(linger_ms)
+
+    def poll(self, timeout_s: float) -> tuple[list[tuple[bytes, bytes]], list[tuple[str, str]]]:
+        """Wait up to ``timeout_s`` for traffic.
+
+        Returns ``(frames, links)``: frames as ``(kind, body)`` (kind
+        :data:`GARBAGE` for anything malformed, body then the raw bytes), and
+        link transitions as ``("up" | "down", address)``.
+        """
+        frames: list[tuple[bytes, bytes]] = []
+        links: list[tuple[str, str]] = []
+        ready = dict(self._poller.poll(max(0, int(timeout_s * 1000 + 0.999))))
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if self._pull in ready:
+            for _ in range(10_000):
+                try:
+                    parts = self._pull.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(parts) == 2 and parts[0] in KINDS:
+                    frames.append((parts[0], parts[1]))
+                else:
+                    frames.append((GARBAGE, b"".join(parts)[:1024]))
+        for monitor, address in list(self._by_monitor.items()):
+            if monitor not in ready:
+                continue
+            while True:
+                try:
+                    raw = monitor.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                event = parse_monitor_message(raw)["event"]
+                links.append(("up" if event & _UP else "down", address))
+        return frames, links
+
+    def close(self, linger_s: float = 0.2) -> None:
+        """Flush pending frames for up to ``linger_s``, then close everything."""
+        for out in list(self._out.values()):
+            self._close_out(out, int(linger_s * 1000))
+        self._out.clear()
+        self._poller.unregister(self._pull)
+        self._pull.close(0)
+        self._ctx.term()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)

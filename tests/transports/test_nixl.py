@@ -1,0 +1,35 @@
+"""The NIXL transport against the conformance suite, across two processes.
+
+Producer and consumer engines run in separate spawned processes with real
+NIXL agents (UCX, host memory). Every check of ``pushkv.transports.testing``
+is one test; bytes that land are compared with the source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip install nixl)")
+pytest.importorskip("zmq", reason="pyzmq is not installed")
+
+from pushkv.transports import testing
+from pushkv.transports.nixl_testing import HostPool, NixlCluster
+
+pytestmark = pytest.mark.nixl
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[HostPool]:
+    p = HostPool()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("name", list(testing.CHECKS))
+def test_conformance(pool: HostPool, name: str) -> None:
+    fn, kwargs = testing.CHECKS[name]
+    fn(lambda topo: NixlCluster(topo, pool), **kwargs)
