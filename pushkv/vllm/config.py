@@ -66,12 +66,22 @@ class PushKVSettings:
         metadata={"help": "consumer: a producer that does not complete the handshake "
                   "within this fails the transfers waiting for it"},
     )
+    write_timeout_s: float = field(
+        default=60.0,
+        metadata={"help": "producer: a posted write still running after this is cancelled "
+                  "and the transfer failed"},
+    )
+    peer_confirm_s: float = field(
+        default=1.0,
+        metadata={"help": "a peer whose side channel dropped and stays unreachable this long "
+                  "is declared dead: its transfers fail (consumer) or are released (producer)"},
+    )
     max_pending_registrations: int = field(
         default=4096,
         metadata={"help": "producer: registrations held while their prefill runs"},
     )
     progress_delay_us: int = field(
-        default=200,
+        default=1000,
         metadata={"help": "sleep of the transport's progress thread between polls "
                   "(0 busy-spins a core)"},
     )
@@ -92,7 +102,7 @@ class PushKVSettings:
                 f"side_channel_port must be in [1, 65535], got {self.side_channel_port}"
             )
         for name in ("lease_s", "window_s", "fence_grace_s", "heartbeat_s",
-                     "handshake_timeout_s"):
+                     "handshake_timeout_s", "write_timeout_s", "peer_confirm_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConnectorConfigError(f"{name} must be a positive number, got {value!r}")

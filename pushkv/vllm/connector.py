@@ -92,6 +92,7 @@ class PushKVConnector(KVConnectorBase_V1):
             port=self.settings.side_channel_port,
             role="producer" if ktc.is_kv_producer else "consumer",
             tp_size=parallel.tensor_parallel_size,
+            pp_size=parallel.pipeline_parallel_size,
             block_size=self.block_size,
         )
         self._scheduler: SchedulerSide | None = None

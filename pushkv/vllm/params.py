@@ -62,7 +62,16 @@ class Endpoint:
     port: int
     role: str = "producer"  #: "producer" or "consumer"
     tp_size: int = 1
+    pp_size: int = 1
     block_size: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def addresses(self) -> dict[int, str]:
+        """Side-channel address of every rank: rank ``r`` listens on ``port + r``."""
+        return {r: f"tcp://{self.host}:{self.port + r}" for r in range(self.world_size)}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,6 +80,7 @@ class Endpoint:
             "port": self.port,
             "role": self.role,
             "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
             "block_size": self.block_size,
         }
 
@@ -85,13 +95,16 @@ class Endpoint:
         role = obj.get("role", "producer")
         if role not in ("producer", "consumer"):
             raise ParamsError(f"{where}: 'role' must be 'producer' or 'consumer', got {role!r}")
-        tp_size = obj.get("tp_size", 1)
-        block_size = obj.get("block_size", 0)
-        for name, value in (("tp_size", tp_size), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ParamsError(f"{where}: {name!r} must be a non-negative integer")
+        sizes = {name: obj.get(name, default)
+                 for name, default in (("tp_size", 1), ("pp_size", 1), ("block_size", 0))}
+        for name, value in sizes.items():
+            low = 0 if name == "block_size" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= 4096:
+                raise ParamsError(f"{where}: {name!r} must be an integer in [{low}, 4096]")
+        if port + sizes["tp_size"] * sizes["pp_size"] - 1 > 65535:
+            raise ParamsError(f"{where}: ports of every rank must stay below 65536")
         return cls(engine_id=_id(obj, "engine_id", where), host=host, port=port, role=role,
-                   tp_size=tp_size, block_size=block_size)
+                   **sizes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
