@@ -88,12 +88,14 @@ def _build(api: Any, name: str, conf: Any, delay_us: int) -> Any:
 class Agent:
     """One NIXL agent with one backend."""
 
-    def __init__(self, name: str, config: NixlConfig) -> None:
+    def __init__(self, name: str, config: NixlConfig, *, progress_thread: bool = True) -> None:
         api = load_nixl()
         self.name = name
         self.config = config
+        if config.progress_thread is not None:
+            progress_thread = config.progress_thread
         conf = api.nixl_agent_config(
-            enable_prog_thread=config.progress_thread,
+            enable_prog_thread=progress_thread,
             enable_listen_thread=False,
             backends=[],
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,

@@ -29,10 +29,13 @@ class NixlConfig:
         metadata={"help": "interface the side channel binds to and advertises"},
     )
     port: int = field(default=0, metadata={"help": "side-channel TCP port; 0 picks a free one"})
-    progress_thread: bool = field(
-        default=True,
-        metadata={"help": "run NIXL's progress thread (writes complete while the target "
-                  "is idle); it sleeps progress_delay_us between polls"},
+    progress_thread: bool | None = field(
+        default=None,
+        metadata={"help": "run NIXL's progress thread, sleeping progress_delay_us between "
+                  "polls. None: on for consumers (writes into them complete while their "
+                  "threads are idle), off for producers (the writer thread drives progress "
+                  "while it writes; a progress thread waking every few hundred microseconds "
+                  "halves the throughput of a large host-memory write)"},
     )
     progress_delay_us: int = field(
         default=1000,

@@ -127,6 +127,8 @@ class RuntimeView:
     ready_engines: tuple[str, ...]
     writes_in_flight: int
     stats: dict[str, int]
+    #: producer: the last writes, newest last (timings of preparation and posting)
+    recent_writes: tuple[WriteResult, ...] = ()
 
 
 # ------------------------------------------------------------------ peer table
@@ -220,7 +222,7 @@ class NixlRuntime:
             Producer(info, producer_config) if role == "producer"
             else Consumer(info, consumer_config)
         )
-        self._agent = Agent(self.agent_name, cfg)
+        self._agent = Agent(self.agent_name, cfg, progress_thread=role == "consumer")
         self._writer: Writer | None = None
         self._side: sc.SideChannel | None = None
         try:
@@ -245,10 +247,13 @@ class NixlRuntime:
         # engine thread -> I/O thread
         self._commands: deque[tuple[Any, ...]] = deque()
         self._completions: deque[WriteResult] = deque()
+        self._recent: deque[WriteResult] = deque(maxlen=256)
         # I/O thread -> engine thread
         self._events: deque[Event] = deque()
         self._events_cv = threading.Condition()
         self._closing = False
+        self._idle = False  # the I/O thread is (about to be) waiting
+        self._woken = False  # a wake-up byte is on its way
         self._closed = threading.Event()
         # I/O thread state
         self._stats: Counter[str] = Counter()
@@ -347,8 +352,7 @@ class NixlRuntime:
         if not self._closing:
             self._closing = True
             self._commands.append(("close",))
-            if self._side is not None:
-                self._side.wake()
+            self._wake()
         self._thread.join(timeout_s if timeout_s is not None
                           else self.config.close_timeout_s + 10.0)
 
@@ -366,9 +370,20 @@ class NixlRuntime:
         if self._closing:
             raise RuntimeError("runtime is closed")
         self._commands.append(command)
-        side = self._side
-        assert side is not None
-        side.wake()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Interrupt the I/O thread's wait, only if it waits and nobody woke it yet.
+
+        The I/O thread sets ``_idle`` *before* it looks at its queues one last
+        time, and callers append *before* they read ``_idle``, so either the
+        caller sees it idle and wakes it, or the I/O thread sees the new item.
+        """
+        if self._idle and not self._woken:
+            self._woken = True
+            side = self._side
+            assert side is not None
+            side.wake()
 
     # ======================================================== I/O thread
 
@@ -377,8 +392,9 @@ class NixlRuntime:
         assert side is not None
         try:
             while True:
-                now = time.monotonic()
-                frames, links = side.poll(self._timeout(now))
+                self._idle = True
+                frames, links = side.poll(self._timeout(time.monotonic()))
+                self._idle = self._woken = False
                 now = time.monotonic()
                 if self._drain_commands(now):
                     break
@@ -387,11 +403,12 @@ class NixlRuntime:
                 for what, address in links:
                     self._guard(self._on_link, what, address, now)
                 self._drain_completions(now)
-                if now >= self._next_notif and not (self._writer is not None and self._writes):
-                    # A producer skips this while writing: NIXL's lock is held by the
-                    # writer for the whole of a synchronous post, and this thread must
-                    # stay free for the side channel.
-                    self._guard(self._poll_notifications, now)
+                if now >= self._next_notif:
+                    # A producer skips the poll while writing: NIXL's lock is held by
+                    # the writer for the whole of a synchronous post, and this thread
+                    # must stay free for the side channel.
+                    if not (self._writer is not None and self._writes):
+                        self._guard(self._poll_notifications, now)
                     self._next_notif = now + (self.config.active_poll_s if self._live()
                                               else self.config.idle_poll_s)
                 deadline = self._endpoint.next_deadline()
@@ -568,6 +585,7 @@ class NixlRuntime:
             ready_engines=tuple(sorted(self._ready)),
             writes_in_flight=self._writes,
             stats=dict(self._stats_view),
+            recent_writes=tuple(self._recent),
         ))
 
     def _cmd_inject(self, now: float, peer: Peer, frame: bytes, channel: str) -> None:
@@ -633,14 +651,14 @@ class NixlRuntime:
 
     def _write_done(self, result: WriteResult) -> None:  # writer thread
         self._completions.append(result)
-        if self._side is not None:
-            self._side.wake()
+        self._wake()
 
     def _drain_completions(self, now: float) -> None:
         producer = self._endpoint
         while self._completions:
             r = self._completions.popleft()
             self._writes -= 1
+            self._recent.append(r)
             if r.ok:
                 self._stats["writes_ok"] += 1
                 self._stats["bytes_written"] += r.nbytes
