@@ -85,6 +85,12 @@ class PushKVSettings:
         metadata={"help": "sleep of the transport's progress thread between polls "
                   "(0 busy-spins a core)"},
     )
+    transport_cpus: str = field(
+        default="inherit",
+        metadata={"help": "CPUs the transport's threads run on: 'inherit' (the worker's; "
+                  "vLLM's CPU backend pins it to its OpenMP cores), 'auto' (the engine "
+                  "process's), or a list such as '2,3' or '0-7' (spare cores)"},
+    )
     backend_options: dict[str, str] = field(
         default_factory=dict,
         metadata={"help": "extra backend parameters passed to NIXL as strings"},
@@ -115,6 +121,8 @@ class PushKVSettings:
             raise ConnectorConfigError("max_pending_registrations must be >= 1")
         if not 0 <= self.progress_delay_us <= 1_000_000:
             raise ConnectorConfigError("progress_delay_us must be in [0, 1000000]")
+        if self.transport_cpus not in ("auto", "inherit"):
+            parse_cpus(self.transport_cpus)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PushKVSettings:
@@ -179,6 +187,23 @@ def _coerce(name: str, default: Any, value: Any) -> Any:
             raise ConnectorConfigError(f"{name} must be a string, got {value!r}")
         return value
     raise AssertionError(f"no coercion for {name}")  # pragma: no cover
+
+
+def parse_cpus(spec: str) -> frozenset[int]:
+    """A CPU list such as ``"0-3,8"``; ConnectorConfigError if malformed or empty."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi or lo)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        raise ConnectorConfigError(
+            f"transport_cpus must be 'auto', 'inherit' or a CPU list like '0-3,8', got {spec!r}"
+        ) from None
+    return frozenset(cpus)
 
 
 def failure_policy(value: str) -> FailurePolicy:

@@ -40,7 +40,7 @@ TINY_LLAMA = {
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
     "head_dim": 64,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-5,
     "hidden_act": "silu",
     "tie_word_embeddings": False,
@@ -88,6 +88,28 @@ def write_tiny_llama(path: str | os.PathLike[str], seed: int = 0) -> Path:
     return out
 
 
+def write_word_tokenizer(path: str | os.PathLike[str]) -> Path:
+    """Give the tiny model a tokenizer: word ``w<i>`` is token ``i``.
+
+    Tokens 0-2 are ``<unk>``, ``<s>``, ``</s>``. Text is words separated by
+    spaces, so decoding and re-encoding any id sequence gives it back, which is
+    what ``vllm bench serve``'s random dataset needs.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    out = Path(path)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"w{i}": i for i in range(3, TINY_LLAMA["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+        "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 2048}))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -119,6 +141,8 @@ class ServerSpec:
     block_size: int = 32
     max_model_len: int = 256
     kv_cache_gib: float = 1
+    tokenizer: bool = False  #: serve with the model's tokenizer (token-id prompts otherwise)
+    prefix_caching: bool = True
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -126,10 +150,14 @@ class ServerSpec:
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
-            "--skip-tokenizer-init", "--dtype", "float32",
+            "--dtype", "float32",
             "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
             "--enforce-eager", "--disable-hybrid-kv-cache-manager", "--seed", "0",
         ]
+        if not self.tokenizer:
+            args.append("--skip-tokenizer-init")
+        if not self.prefix_caching:
+            args.append("--no-enable-prefix-caching")
         if self.kv_config is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_config)]
         return args + list(self.extra_args)

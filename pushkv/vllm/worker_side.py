@@ -15,8 +15,11 @@ both sides alike, by :meth:`~.layout.KVRegions.units`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +34,7 @@ from ..protocol.events import (
     TransferReady,
 )
 from ..protocol.layout import EngineSpec
-from .config import PushKVSettings
+from .config import PushKVSettings, parse_cpus
 from .layout import KVRegions, describe_kv_caches
 from .metadata import PushKVMetadata, RecvOrder
 from .stats import PushKVStats
@@ -43,6 +46,45 @@ if TYPE_CHECKING:
     from ..transports.nixl import NixlRuntime
 
 logger = logging.getLogger(__name__)
+
+
+def transport_cpus(setting: str) -> frozenset[int] | None:
+    """The CPUs the transport's threads should run on; None: leave them be.
+
+    vLLM's CPU backend pins each worker -- and so every thread it starts -- to
+    its OpenMP cores. Measured on two cores with a prefill and a decode server,
+    leaving the transport there ('inherit') beat letting it roam ('auto'): the
+    engine loop that spins meanwhile yields its core, while the other core is
+    the other server's. Spare cores, where a machine has them, can be named.
+    """
+    if setting == "inherit" or not hasattr(os, "sched_getaffinity"):
+        return None
+    if setting == "auto":
+        try:
+            parent = frozenset(os.sched_getaffinity(os.getppid()))
+        except OSError:
+            return None
+        return parent if parent != frozenset(os.sched_getaffinity(0)) else None
+    return parse_cpus(setting)
+
+
+@contextlib.contextmanager
+def threads_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Threads started inside run on ``cpus`` (Linux threads inherit their creator's)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        logger.warning("pushkv: cannot run transport threads on CPUs %s: %s", sorted(cpus), exc)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,12 +193,13 @@ class WorkerSide:
             write_timeout_s=s.write_timeout_s,
             peer_confirm_s=s.peer_confirm_s,
         )
-        self.runtime = NixlRuntime(
-            regions.info, memory, role=self.role,  # type: ignore[arg-type]
-            config=config,
-            producer_config=s.producer_config(),
-            consumer_config=s.consumer_config(self.policy),
-        )
+        with threads_on(transport_cpus(s.transport_cpus)):
+            self.runtime = NixlRuntime(
+                regions.info, memory, role=self.role,  # type: ignore[arg-type]
+                config=config,
+                producer_config=s.producer_config(),
+                consumer_config=s.consumer_config(self.policy),
+            )
         self.regions = regions
         lo = regions.layout
         logger.info(

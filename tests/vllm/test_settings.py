@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from pushkv.protocol import ConfigError, FailurePolicy
-from pushkv.vllm.config import ConnectorConfigError, PushKVSettings, failure_policy
+from pushkv.vllm.config import (
+    ConnectorConfigError,
+    PushKVSettings,
+    failure_policy,
+    parse_cpus,
+)
 from pushkv.vllm.params import (
     DecodeLeg,
     Discover,
@@ -24,7 +29,8 @@ def test_defaults_are_valid_and_documented():
     assert set(PushKVSettings.help()) == {
         "backend", "side_channel_host", "side_channel_port", "lease_s", "window_s",
         "fence_grace_s", "heartbeat_s", "handshake_timeout_s", "write_timeout_s",
-        "peer_confirm_s", "max_pending_registrations", "progress_delay_us", "backend_options"}
+        "peer_confirm_s", "max_pending_registrations", "progress_delay_us", "transport_cpus",
+        "backend_options"}
     assert all(PushKVSettings.help().values())
 
 
@@ -54,12 +60,19 @@ def test_values_are_coerced_from_json_and_strings():
         ({"max_pending_registrations": 0}, "max_pending_registrations"),
         ({"progress_delay_us": -5}, "progress_delay_us"),
         ({"backend_options": ["x"]}, "backend_options"),
+        ({"transport_cpus": "3-1"}, "transport_cpus"),
+        ({"transport_cpus": "all"}, "transport_cpus"),
     ],
 )
 def test_bad_values_name_their_key(extra, match):
     with pytest.raises(ConnectorConfigError, match=match) as info:
         PushKVSettings.from_extra_config(extra)
     assert isinstance(info.value, ConfigError) and isinstance(info.value, ValueError)
+
+
+def test_cpu_lists():
+    assert parse_cpus("0-3,8") == {0, 1, 2, 3, 8}
+    assert parse_cpus("5") == {5}
 
 
 def test_failure_policy_names():
