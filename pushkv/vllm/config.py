@@ -80,6 +80,11 @@ class PushKVSettings:
         default=4096,
         metadata={"help": "producer: registrations held while their prefill runs"},
     )
+    notify_poll_ms: float = field(
+        default=1.0,
+        metadata={"help": "consumer: period of the check for write notifications, idle or "
+                  "not (a transfer's first notification waits for the next check)"},
+    )
     progress_delay_us: int = field(
         default=1000,
         metadata={"help": "sleep of the transport's progress thread between polls "
@@ -108,7 +113,8 @@ class PushKVSettings:
                 f"side_channel_port must be in [1, 65535], got {self.side_channel_port}"
             )
         for name in ("lease_s", "window_s", "fence_grace_s", "heartbeat_s",
-                     "handshake_timeout_s", "write_timeout_s", "peer_confirm_s"):
+                     "handshake_timeout_s", "write_timeout_s", "peer_confirm_s",
+                     "notify_poll_ms"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConnectorConfigError(f"{name} must be a positive number, got {value!r}")

@@ -29,7 +29,8 @@ def test_defaults_are_valid_and_documented():
     assert set(PushKVSettings.help()) == {
         "backend", "side_channel_host", "side_channel_port", "lease_s", "window_s",
         "fence_grace_s", "heartbeat_s", "handshake_timeout_s", "write_timeout_s",
-        "peer_confirm_s", "max_pending_registrations", "progress_delay_us", "transport_cpus",
+        "peer_confirm_s", "max_pending_registrations", "notify_poll_ms", "progress_delay_us",
+        "transport_cpus",
         "backend_options"}
     assert all(PushKVSettings.help().values())
 
