@@ -220,6 +220,27 @@ def test_preempted_after_its_kv_arrived_the_request_resumes_locally(consumer):
     assert_idle(e)
 
 
+def test_memory_pressure_preempts_running_requests_never_a_waiting_transfer(consumer):
+    e = consumer(num_blocks=6)  # 5 usable blocks
+    running = e.request(64, max_tokens=90)  # grows from 2 to 5 blocks
+    e.step()
+    waiting = e.request(60, params=decode_params("t-w"), max_tokens=2, first=400)
+    e.step()
+    assert waiting.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    held = e.blocks_of(waiting.request_id)
+    for _ in range(60):  # the running request needs blocks the waiting one holds
+        e.step()
+        assert waiting.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert e.blocks_of(waiting.request_id) == held
+        if running.num_preemptions:
+            break
+    assert running.num_preemptions >= 1  # vLLM preempted the running request instead
+    e.step(kv=recv_done(waiting.request_id))
+    e.run_until(lambda: {running.request_id, waiting.request_id} <= set(e.outputs.finish))
+    assert [o.transfer_id for o in e.orders("recv")] == ["t-w"]  # one attempt, never reissued
+    assert_idle(e)
+
+
 def test_requests_without_pushkv_params_are_left_alone(consumer):
     e = consumer()
     plain = e.request(40, max_tokens=2)

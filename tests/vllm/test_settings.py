@@ -117,3 +117,11 @@ def test_other_connectors_params_are_not_ours():
 def test_malformed_params_are_refused(params, match):
     with pytest.raises(ParamsError, match=match):
         parse_params(params)
+
+
+def test_every_key_is_documented():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    missing = [k for k in PushKVSettings.help() if f"| `{k}` |" not in doc]
+    assert missing == []
