@@ -11,8 +11,8 @@ and streams the answer back to the client. Neither leg waits for the other.
   prefill answer.
 * An error of either leg reaches the client as an HTTP error (the decode
   instance's own status, or 502 for a failed prefill), and the other leg is
-  cancelled. Once a stream has started, a later error ends it with an SSE
-  error event.
+  cancelled. Once tokens stream, the KV has landed: a later prefill-leg
+  error is ignored, and a broken decode stream ends with an SSE error event.
 * A client that goes away cancels both legs: their connections are closed,
   which makes vLLM abort the requests; the connectors then cancel and fence
   the transfer.
@@ -347,17 +347,13 @@ class PushProxy:
             "Cache-Control": "no-cache"})
         await out.prepare(request)
         await out.write(head)
+        # Tokens are flowing: the KV has landed, so a late failure of the prefill
+        # leg (its answer lost, its server gone) no longer matters.
         try:
             async for event in events:
-                if p_task.done() and p_task.exception() is not None:
-                    break
                 await out.write(event)
         except (aiohttp.ClientError, TimeoutError) as exc:
             await _write_sse_error(out, f"decode stream broke: {exc!r}", 502)
-            return out
-        if p_task.done() and (exc := p_task.exception()) is not None:
-            message = exc.body if isinstance(exc, LegError) else repr(exc)
-            await _write_sse_error(out, f"prefill leg failed: {message}", 502)
             return out
         await out.write_eof()
         return out
