@@ -34,7 +34,6 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from pushkv.transports.nixl import nixl_available
 from pushkv.vllm.connector import PushKVConnector
 from pushkv.vllm.params import DecodeLeg, Endpoint, PrefillLeg
 from pushkv.vllm.testing import free_port
@@ -44,7 +43,6 @@ from .harness import LAYERS, Engine, fresh_free, kv_cache_config, vllm_config
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.nixl,
-    pytest.mark.skipif(not nixl_available(), reason="the nixl package cannot be loaded"),
 ]
 
 BS = 32

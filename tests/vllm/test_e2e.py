@@ -30,7 +30,6 @@ from .conftest import VLLM_MISSING
 if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)
 
-from pushkv.transports.nixl import nixl_available
 from pushkv.vllm.testing import (
     Server,
     ServerSpec,
@@ -46,7 +45,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
     pytest.mark.nixl,
-    pytest.mark.skipif(not nixl_available(), reason="the nixl package cannot be loaded"),
 ]
 
 BS = 32
