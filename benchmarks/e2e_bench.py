@@ -51,8 +51,10 @@ def nixl_config(connector: str, role: str, engine_id: str) -> dict[str, Any]:
 class Deployment:
     """The servers and router of one mode."""
 
-    def __init__(self, mode: str, model: str, logs: Path, max_model_len: int) -> None:
+    def __init__(self, mode: str, model: str, logs: Path, max_model_len: int,
+                 nixl_delay_us: int = 0) -> None:
         self.mode, self.model, self.logs = mode, model, logs
+        self.nixl_delay_us = nixl_delay_us
         self.servers: list[Server] = []
         self.router: subprocess.Popen[bytes] | None = None
         self.url = ""
@@ -79,6 +81,12 @@ class Deployment:
             connector = "NixlConnector" if mode == "pull" else "NixlPushConnector"
             p_side, d_side = free_port(), free_port()
             nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+            if self.nixl_delay_us:
+                throttle = str(ROOT / "benchmarks" / "e2e_nixl_throttle")
+                nixl_env |= {"PUSHKV_BENCH_NIXL_DELAY_US": str(self.nixl_delay_us),
+                             "PYTHONPATH": os.pathsep.join(
+                                 p for p in (throttle, str(ROOT), os.environ.get("PYTHONPATH"))
+                                 if p)}
             p = self.spec(0, nixl_config(connector, "kv_producer", "prefill-0"),
                           nixl_env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_side)})
             d = self.spec(1, nixl_config(connector, "kv_consumer", "decode-0"),
@@ -166,6 +174,9 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--iters", type=int, default=1)
+    p.add_argument("--nixl-delay-us", type=int, default=0,
+                   help="pull / vllm-push: make NIXL's progress thread sleep this long "
+                   "between polls, as pushkv's does (0: as vLLM ships it, busy-spinning)")
     args = p.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -180,7 +191,8 @@ def main() -> int:
     for mode in args.modes.split(","):
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-        dep = Deployment(mode, str(model), logs, max_model_len=-(-max_len // 256) * 256)
+        dep = Deployment(mode, str(model), logs, max_model_len=-(-max_len // 256) * 256,
+                         nixl_delay_us=args.nixl_delay_us)
         t0 = time.monotonic()
         try:
             dep.start()
