@@ -83,7 +83,8 @@ class PushKVSettings:
     notify_poll_ms: float = field(
         default=1.0,
         metadata={"help": "consumer: period of the check for write notifications, idle or "
-                  "not (a transfer's first notification waits for the next check)"},
+                  "not (a transfer's first notification waits for the next check; 1 ms "
+                  "costs about 0.04 of a core while idle)"},
     )
     progress_delay_us: int = field(
         default=1000,

@@ -16,6 +16,7 @@ both sides alike, by :meth:`~.layout.KVRegions.units`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections import Counter
@@ -189,12 +190,15 @@ class WorkerSide:
             host=s.side_channel_host,
             port=s.side_channel_port + f.rank,
             progress_delay_us=s.progress_delay_us,
-            active_poll_s=s.notify_poll_ms / 1000,
-            idle_poll_s=s.notify_poll_ms / 1000,
             handshake_timeout_s=s.handshake_timeout_s,
             write_timeout_s=s.write_timeout_s,
             peer_confirm_s=s.peer_confirm_s,
         )
+        if self.role == "consumer":
+            # Checked as often idle as busy: the runtime keeps its idle period until
+            # the next check, so a new transfer's notification could wait that long.
+            poll_s = s.notify_poll_ms / 1000
+            config = dataclasses.replace(config, active_poll_s=poll_s, idle_poll_s=poll_s)
         with threads_on(transport_cpus(s.transport_cpus)):
             self.runtime = NixlRuntime(
                 regions.info, memory, role=self.role,  # type: ignore[arg-type]
