@@ -123,7 +123,14 @@ class Cluster:
                 return
             time.sleep(0.2)
         raise AssertionError(f"blocks still held: prefill {self.usage(self.prefill)}, "
-                             f"decode {self.usage(self.decode)}")
+                             f"decode {self.usage(self.decode)}\n{self.pushkv_counters()}")
+
+    def pushkv_counters(self) -> str:
+        lines = [f"{name}: {line}" for name, server in (("prefill", self.prefill),
+                                                        ("decode", self.decode))
+                 for line in self.metrics(server).splitlines()
+                 if line.startswith("pushkv:") and "_total" in line]
+        return "\n".join(lines)
 
 
 def start_proxy(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -246,7 +253,8 @@ def test_request_cancelled_mid_flight_leaves_nothing_held(cluster, reference):
     finally:
         os.killpg(c.prefill.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
     c.wait_idle()
-    assert c.counter(c.decode, "pushkv:transfers_cancelled_total") - cancelled0 == 1
+    cancelled = c.counter(c.decode, "pushkv:transfers_cancelled_total") - cancelled0
+    assert cancelled == 1, c.pushkv_counters()
     # Nothing hangs afterwards: a fresh batch is served exactly.
     prompts = batch(SALTS["after_cancel"])
     for tokens, got in zip(prompts, send_batch(c, prompts), strict=True):
