@@ -1,0 +1,202 @@
+"""``PushKVConnector``: pushkv as a vLLM v1 KV connector.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "PushKVConnector",
+                           "kv_connector_module_path": "pushkv.vllm.connector",
+                           "kv_role": "kv_producer",   # or "kv_consumer"
+                           "kv_connector_extra_config": {...}}'
+
+vLLM builds the class twice: once in the engine-core process with the
+SCHEDULER role and once per worker with the WORKER role. The scheduler half
+(:mod:`.scheduler_side`) decides from vLLM's requests and blocks; the worker
+half (:mod:`.worker_side`) owns the KV memory and the transport. They speak
+through each step's :class:`~.metadata.PushKVMetadata` (scheduler -> workers)
+and vLLM's finished/failed request sets (workers -> scheduler).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .config import ConnectorConfigError, PushKVSettings, failure_policy
+from .metadata import PushKVMetadata
+from .params import Endpoint
+from .scheduler_side import SchedulerSide
+from .stats import PushKVPromMetrics, PushKVStats
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from .worker_side import WorkerSide
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PushKVConnector"]
+
+
+class PushKVConnector(KVConnectorBase_V1):
+    """Push-mode P/D KV transfer: the decode side registers its blocks as soon as
+    vLLM allocates them, the prefill side writes into them from a background
+    thread once its prefill finished, in whichever order the two happen."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.settings = PushKVSettings.from_extra_config(ktc.kv_connector_extra_config)
+        self.policy = failure_policy(ktc.kv_load_failure_policy)
+        if ktc.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ConnectorConfigError(
+                f"kv_role must be kv_producer, kv_consumer or kv_both, got {ktc.kv_role!r}"
+            )
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        if len(groups) > 1:
+            raise ConnectorConfigError(
+                f"PushKVConnector needs a single KV cache group, this model has {len(groups)}"
+                " (run with --disable-hybrid-kv-cache-manager)"
+            )
+        if ktc.engine_id is None:  # vLLM fills it in; a bare config in tests may not
+            raise ConnectorConfigError("kv_transfer_config.engine_id is not set")
+        self.engine_id: str = ktc.engine_id
+        self.block_size: int = vllm_config.cache_config.block_size
+        parallel = vllm_config.parallel_config
+        self.endpoint = Endpoint(
+            engine_id=self.engine_id,
+            host=self.settings.side_channel_host,
+            port=self.settings.side_channel_port,
+            role="producer" if ktc.is_kv_producer else "consumer",
+            tp_size=parallel.tensor_parallel_size,
+            pp_size=parallel.pipeline_parallel_size,
+            block_size=self.block_size,
+        )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                endpoint=self.endpoint, block_size=self.block_size,
+                is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer,
+            )
+        else:
+            from .worker_side import WorkerSide  # the transport is needed here only
+
+            self._worker = WorkerSide.from_vllm(
+                vllm_config, settings=self.settings, policy=self.policy,
+                engine_id=self.engine_id, is_producer=ktc.is_kv_producer,
+                is_consumer=ktc.is_kv_consumer,
+            )
+
+    # ------------------------------------------------------------ helpers
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side method called on the worker connector")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("worker-side method called on the scheduler connector")
+        return self._worker
+
+    # ========================================================== scheduler
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler_side.build_connector_meta()
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.update_connector_output(connector_output)
+
+    # ============================================================= worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, PushKVMetadata):
+            self.worker_side.apply(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete before vLLM schedules the request
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return None  # the push starts when the whole prefill finished
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self.worker_side.results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                 set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()  # failures are reported per request (failed_recving)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        return self._worker.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return PushKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return PushKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,67 @@
+"""What the scheduler side tells the workers each step (vLLM's connector metadata).
+
+The scheduler process decides, the worker processes act: each ``schedule()``
+builds one :class:`PushKVMetadata` listing the transfers to open, end or hand
+over, and vLLM ships it to every worker. Plain frozen dataclasses, so they
+pickle across vLLM's process boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from .params import Endpoint
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecvOrder:
+    """Consumer: register ``block_ids`` for tokens ``[first_token, num_tokens)``."""
+
+    req_id: str
+    transfer_id: str
+    producer: Endpoint
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendOrder:
+    """Producer: prefill of ``transfer_id`` finished; its KV is held in ``block_ids``."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort:
+    """Either side: the engine gave the request up."""
+
+    req_id: str
+    transfer_id: str
+
+
+@dataclass(kw_only=True)
+class PushKVMetadata(KVConnectorMetadata):
+    """One step's orders. Workers apply them in field order."""
+
+    #: consumer: registrations born this step
+    recv: list[RecvOrder] = field(default_factory=list)
+    #: consumer: requests aborted while their transfer was registered -> cancel, fence
+    recv_abort: list[Abort] = field(default_factory=list)
+    #: consumer: requests that will never be registered; report them done at once
+    recv_drop: list[str] = field(default_factory=list)
+    #: consumer: requests whose transfer cannot even start; report them failed at once
+    recv_fail: list[str] = field(default_factory=list)
+    #: producer: prefills finished with their KV held
+    send: list[SendOrder] = field(default_factory=list)
+    #: producer: requests aborted (or ended early) before their KV was complete
+    send_abort: list[Abort] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.recv or self.recv_abort or self.recv_drop or self.recv_fail
+                    or self.send or self.send_abort)

@@ -1,0 +1,172 @@
+"""The ``kv_transfer_params`` the push proxy and ``PushKVConnector`` exchange.
+
+A request reaches vLLM with a JSON object in ``kv_transfer_params``; vLLM hands
+it to the connector untouched, and whatever the connector returns from
+``request_finished`` comes back to the HTTP client in the response. pushkv
+uses four shapes:
+
+* **prefill leg** (proxy -> producer)::
+
+      {"do_remote_decode": true, "transfer_id": "<id>"}
+
+* **decode leg** (proxy -> consumer)::
+
+      {"do_remote_prefill": true, "transfer_id": "<id>",
+       "producer": {"engine_id": "...", "host": "...", "port": 5600}}
+
+* **discovery** (proxy -> any instance, once): ``{"pushkv_discover": true}``;
+  the answer's ``kv_transfer_params`` carry ``{"pushkv_endpoint": {...}}``
+  (:class:`Endpoint`), which is how the proxy learns a producer's side channel.
+
+* **prefill answer** (producer -> proxy): ``{"transfer_id": ..., "pushkv_endpoint": {...},
+  "num_tokens": n}``, for logs.
+
+The transfer id is chosen by the proxy and is the only key both sides match
+on. This module needs the standard library only, so the proxy stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..protocol.errors import ConfigError
+
+#: Longest transfer or engine id accepted (the protocol's wire limit).
+MAX_ID_LEN = 256
+
+DISCOVER_KEY = "pushkv_discover"
+ENDPOINT_KEY = "pushkv_endpoint"
+
+
+class ParamsError(ConfigError):
+    """A request's ``kv_transfer_params`` are not valid pushkv parameters."""
+
+
+def _id(obj: Mapping[str, Any], key: str, where: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_LEN:
+        raise ParamsError(
+            f"{where}: {key!r} must be a string of 1 to {MAX_ID_LEN} characters, got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Endpoint:
+    """Where an instance's pushkv side channel listens, and what it is."""
+
+    engine_id: str
+    host: str
+    port: int
+    role: str = "producer"  #: "producer" or "consumer"
+    tp_size: int = 1
+    pp_size: int = 1
+    block_size: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def addresses(self) -> dict[int, str]:
+        """Side-channel address of every rank: rank ``r`` listens on ``port + r``."""
+        return {r: f"tcp://{self.host}:{self.port + r}" for r in range(self.world_size)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "host": self.host,
+            "port": self.port,
+            "role": self.role,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "block_size": self.block_size,
+        }
+
+    @classmethod
+    def from_json(cls, obj: object, where: str = "endpoint") -> Endpoint:
+        if not isinstance(obj, Mapping):
+            raise ParamsError(f"{where} must be an object, got {type(obj).__name__}")
+        port = obj.get("port")
+        if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+            raise ParamsError(f"{where}: 'port' must be an integer in [1, 65535], got {port!r}")
+        host = _id(obj, "host", where)
+        role = obj.get("role", "producer")
+        if role not in ("producer", "consumer"):
+            raise ParamsError(f"{where}: 'role' must be 'producer' or 'consumer', got {role!r}")
+        sizes = {name: obj.get(name, default)
+                 for name, default in (("tp_size", 1), ("pp_size", 1), ("block_size", 0))}
+        for name, value in sizes.items():
+            low = 0 if name == "block_size" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= 4096:
+                raise ParamsError(f"{where}: {name!r} must be an integer in [{low}, 4096]")
+        if port + sizes["tp_size"] * sizes["pp_size"] - 1 > 65535:
+            raise ParamsError(f"{where}: ports of every rank must stay below 65536")
+        return cls(engine_id=_id(obj, "engine_id", where), host=host, port=port, role=role,
+                   **sizes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillLeg:
+    """A producer request: compute the prompt, hold its KV for ``transfer_id``."""
+
+    transfer_id: str
+
+    def to_params(self) -> dict[str, Any]:
+        return {"do_remote_decode": True, "transfer_id": self.transfer_id}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodeLeg:
+    """A consumer request: receive the prompt's KV of ``transfer_id`` from ``producer``."""
+
+    transfer_id: str
+    producer: Endpoint
+
+    def to_params(self) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "transfer_id": self.transfer_id,
+            "producer": self.producer.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Discover:
+    """Ask an instance for its :class:`Endpoint`."""
+
+    def to_params(self) -> dict[str, Any]:
+        return {DISCOVER_KEY: True}
+
+
+Leg = PrefillLeg | DecodeLeg | Discover
+
+
+def parse_params(params: object) -> Leg | None:
+    """The pushkv leg in a request's ``kv_transfer_params``, or None if it has none.
+
+    Raises :class:`ParamsError` for parameters that claim to be pushkv's but are
+    malformed (a transfer id that is not a string, a bad producer address...).
+    """
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise ParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    if params.get(DISCOVER_KEY) is True:
+        return Discover()
+    decode = params.get("do_remote_prefill") is True
+    prefill = params.get("do_remote_decode") is True
+    if not (decode or prefill):
+        return None
+    if decode and prefill:
+        raise ParamsError("a request cannot be both the prefill and the decode leg")
+    if "transfer_id" not in params:
+        return None  # another connector's parameters (e.g. vLLM's NIXL pull flow)
+    transfer_id = _id(params, "transfer_id", "kv_transfer_params")
+    if prefill:
+        return PrefillLeg(transfer_id=transfer_id)
+    if "producer" not in params:
+        raise ParamsError("decode leg: 'producer' (the prefill endpoint) is missing")
+    producer = Endpoint.from_json(params["producer"], "decode leg: 'producer'")
+    return DecodeLeg(transfer_id=transfer_id, producer=producer)

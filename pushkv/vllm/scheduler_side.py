@@ -1,0 +1,247 @@
+"""The scheduler half of ``PushKVConnector`` (runs in vLLM's engine-core process).
+
+It sees vLLM's requests and blocks, decides what each transfer needs, and
+writes it into the step's :class:`~.metadata.PushKVMetadata`; the worker half
+carries it out and reports back through ``finished_sending`` /
+``finished_recving`` / ``failed_recving``, which reach
+:meth:`SchedulerSide.update_connector_output`. Nothing here touches the
+network or waits.
+
+Consumer (decode) requests live through::
+
+    FRESH --admitted with blocks--> WAITING --KV landed / failed / fenced--> DONE
+      |                               (deferred while a cached prefix block it shares
+      |                                is still lent to another transfer)
+      +--admitted without a load (vLLM forced a local prefill)--> DONE
+
+Producer (prefill) requests are seen once, when they finish: a prefill that
+stopped or hit its length holds its blocks (``delay_free``) until the worker
+reports the push completed, was cancelled or its lease expired; any other end
+(abort, error, ignored...) tells the producer endpoint, which fails the
+consumer's registration so the consumer can apply its failure policy.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.request import RequestStatus
+
+from .metadata import Abort, PushKVMetadata, RecvOrder, SendOrder
+from .params import (
+    ENDPOINT_KEY,
+    DecodeLeg,
+    Discover,
+    Endpoint,
+    ParamsError,
+    PrefillLeg,
+    parse_params,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: Ends of a producer request after which its prompt KV is complete.
+_PREFILL_COMPLETE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+class Phase(enum.Enum):
+    __hash__ = object.__hash__
+
+    DEFERRED = "deferred"  #: blocks allocated, registration waits for a shared block
+    WAITING = "waiting"  #: registration shipped, transfer in flight
+    LOADED = "loaded"  #: KV landed
+    LOCAL = "local"  #: no transfer (failed, or vLLM computes the prompt itself)
+
+
+@dataclass(slots=True)
+class _Recv:
+    leg: DecodeLeg | None  #: None: the parameters were malformed
+    phase: Phase
+    order: RecvOrder | None = None
+    finished: bool = False  #: vLLM finished the request (abort while waiting)
+
+
+class SchedulerSide:
+    """Scheduler-process state of one ``PushKVConnector``."""
+
+    def __init__(self, *, endpoint: Endpoint, block_size: int, is_producer: bool,
+                 is_consumer: bool) -> None:
+        self.endpoint = endpoint
+        self.block_size = block_size
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self._recv: dict[str, _Recv] = {}
+        self._lent: dict[int, str] = {}  # block -> request whose registration holds it
+        self._sending: dict[str, str] = {}  # request -> transfer id, blocks held
+        self._meta = PushKVMetadata()
+
+    # ------------------------------------------------------------ consumer
+
+    def _decode_leg(self, request: Request) -> DecodeLeg | ParamsError | None:
+        """The request's decode leg; a ParamsError if it claims one but is malformed."""
+        try:
+            leg = parse_params(request.kv_transfer_params)
+        except ParamsError as exc:
+            return exc
+        return leg if isinstance(leg, DecodeLeg) else None
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens the producer will push, beyond the local prefix hit. No side effects."""
+        if not self.is_consumer or request.request_id in self._recv:
+            return 0, False  # not ours, or a re-admission after the transfer ended
+        if self._decode_leg(request) is None:
+            return 0, False
+        remaining = request.num_prompt_tokens - num_computed_tokens
+        return (remaining, True) if remaining > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """The registration is born here, with the blocks vLLM just allocated."""
+        req_id = request.request_id
+        if not self.is_consumer or req_id in self._recv:
+            return  # second call after the load, or not a consumer request
+        leg = self._decode_leg(request)
+        if leg is None:
+            return
+        if isinstance(leg, ParamsError):
+            # Blocks are allocated but nothing can land: a failed transfer, so
+            # vLLM applies kv_load_failure_policy (error, or compute locally).
+            logger.error("request %s: bad kv_transfer_params: %s", req_id, leg)
+            if num_external_tokens:
+                self._recv[req_id] = _Recv(leg=None, phase=Phase.WAITING)
+                self._meta.recv_fail.append(req_id)
+            return
+        if num_external_tokens == 0:
+            # vLLM decided to compute the prompt itself (e.g. prompt logprobs).
+            self._recv[req_id] = _Recv(leg=leg, phase=Phase.LOCAL)
+            return
+        (block_ids,) = blocks.get_block_ids()
+        num_tokens = request.num_prompt_tokens
+        first = num_tokens - num_external_tokens  # the local prefix hit, block aligned
+        order = RecvOrder(req_id=req_id, transfer_id=leg.transfer_id, producer=leg.producer,
+                          block_ids=tuple(block_ids), num_tokens=num_tokens, first_token=first)
+        rec = self._recv[req_id] = _Recv(leg=leg, phase=Phase.DEFERRED, order=order)
+        self._try_ship(req_id, rec)
+
+    def _try_ship(self, req_id: str, rec: _Recv) -> bool:
+        """Ship a registration unless a block of it is still lent to another one.
+
+        Blocks below ``first_token`` are a cached prefix that other requests may
+        share; a registration lends all its blocks, so two in-flight transfers
+        sharing a prefix are serialised here instead of colliding.
+        """
+        order = rec.order
+        assert order is not None
+        if any(b in self._lent for b in order.block_ids):
+            return False
+        for b in order.block_ids:
+            self._lent[b] = req_id
+        rec.phase = Phase.WAITING
+        self._meta.recv.append(order)
+        return True
+
+    def _end_recv(self, req_id: str, rec: _Recv, phase: Phase) -> None:
+        if rec.order is not None and rec.phase is Phase.WAITING:
+            for b in rec.order.block_ids:
+                if self._lent.get(b) == req_id:
+                    del self._lent[b]
+        rec.phase = phase
+        if rec.finished:
+            del self._recv[req_id]
+
+    # ------------------------------------------------------------ both
+
+    def build_connector_meta(self) -> PushKVMetadata:
+        for req_id, rec in self._recv.items():
+            if rec.phase is Phase.DEFERRED and not rec.finished:
+                self._try_ship(req_id, rec)
+        meta, self._meta = self._meta, PushKVMetadata()
+        return meta
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        rec = self._recv.get(req_id)
+        if rec is not None:
+            return self._consumer_finished(req_id, rec), None
+        try:
+            leg = parse_params(request.kv_transfer_params)
+        except ParamsError as exc:
+            logger.error("request %s: ignoring bad kv_transfer_params: %s", req_id, exc)
+            return False, None
+        if isinstance(leg, Discover):
+            return False, {ENDPOINT_KEY: self.endpoint.to_json()}
+        if not isinstance(leg, PrefillLeg):
+            return False, None
+        if not self.is_producer:
+            logger.error("request %s asks a consumer-only instance to push its KV", req_id)
+            return False, None
+        return self._producer_finished(request, leg, block_ids)
+
+    def _consumer_finished(self, req_id: str, rec: _Recv) -> bool:
+        rec.finished = True
+        if rec.phase is Phase.WAITING:
+            # Aborted while the transfer is in flight: cancel and fence it. vLLM
+            # already keeps the blocks until the worker reports the request.
+            if rec.leg is not None:
+                self._meta.recv_abort.append(
+                    Abort(req_id=req_id, transfer_id=rec.leg.transfer_id))
+        elif rec.phase is Phase.DEFERRED:
+            # Never registered: nothing can land, the worker reports it at once.
+            self._meta.recv_drop.append(req_id)
+        else:
+            del self._recv[req_id]
+        return False
+
+    def _producer_finished(self, request: Request, leg: PrefillLeg,
+                           block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id, tid = request.request_id, leg.transfer_id
+        n = request.num_prompt_tokens
+        complete = (
+            request.status in _PREFILL_COMPLETE
+            and request.num_computed_tokens >= n
+            and len(block_ids) * self.block_size >= n
+        )
+        if not complete:
+            logger.warning("request %s (transfer %s) ended %s before its KV was complete; "
+                           "failing the transfer", req_id, tid, request.status.name)
+            self._meta.send_abort.append(Abort(req_id=req_id, transfer_id=tid))
+            return False, None
+        self._sending[req_id] = tid
+        self._meta.send.append(SendOrder(req_id=req_id, transfer_id=tid,
+                                         block_ids=tuple(block_ids), num_tokens=n))
+        return True, {"transfer_id": tid, "num_tokens": n,
+                      ENDPOINT_KEY: self.endpoint.to_json()}
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        failed = output.failed_recving
+        for req_id in output.finished_recving or ():
+            rec = self._recv.get(req_id)
+            if rec is not None:
+                self._end_recv(req_id, rec, Phase.LOCAL if req_id in failed else Phase.LOADED)
+        for req_id in output.finished_sending or ():
+            self._sending.pop(req_id, None)
+
+    # ------------------------------------------------------ introspection
+
+    def lent_blocks(self) -> dict[int, str]:
+        """Blocks registered to in-flight transfers, by request."""
+        return dict(self._lent)
+
+    def transfers_in_flight(self) -> dict[str, str]:
+        """Consumer requests whose transfer is not over, with their phase."""
+        return {k: r.phase.value for k, r in self._recv.items()
+                if r.phase in (Phase.DEFERRED, Phase.WAITING)}
+
+    def sends_held(self) -> dict[str, str]:
+        """Producer requests whose blocks are held for a push, with their transfer id."""
+        return dict(self._sending)

@@ -1,0 +1,311 @@
+"""Run real vLLM servers with ``PushKVConnector`` on one machine, for tests and benchmarks.
+
+* :func:`write_tiny_llama` -- a tiny random ``LlamaForCausalLM`` (no download):
+  2 layers, 2 attention heads, 1 KV head, head_dim 64, vocabulary 1000, weights
+  drawn from a seeded generator, saved as ``config.json`` + ``model.safetensors``.
+* :class:`ServerSpec` / :class:`Server` -- the command line, environment and
+  life of one ``vllm.entrypoints.openai.api_server`` process (CPU recipe:
+  ``--enforce-eager``, block size 32, token-id prompts without a tokenizer).
+* :func:`post_json`, :func:`get_text`, :func:`metric` -- tiny stdlib HTTP helpers.
+
+Servers run in their own process group and are always stopped (SIGINT, then
+SIGKILL) by :meth:`Server.stop` or the context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 1000,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+    "rope_theta": 10000.0,
+}
+
+
+def write_tiny_llama(path: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Write the tiny random Llama to ``path`` (idempotent for a given seed)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = TINY_LLAMA
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+
+    def normal(*shape: int, std: float = 0.05) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
+
+    weights = {"model.embed_tokens.weight": normal(vocab, h, std=1.0)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": torch.ones(h),
+            p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": normal(q, h),
+            p + "self_attn.k_proj.weight": normal(kv, h),
+            p + "self_attn.v_proj.weight": normal(kv, h),
+            p + "self_attn.o_proj.weight": normal(h, q),
+            p + "mlp.gate_proj.weight": normal(inter, h),
+            p + "mlp.up_proj.weight": normal(inter, h),
+            p + "mlp.down_proj.weight": normal(h, inter),
+        }
+    weights["model.norm.weight"] = torch.ones(h)
+    weights["lm_head.weight"] = normal(vocab, h, std=0.2)
+    save_file(weights, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def write_word_tokenizer(path: str | os.PathLike[str]) -> Path:
+    """Give the tiny model a tokenizer: word ``w<i>`` is token ``i``.
+
+    Tokens 0-2 are ``<unk>``, ``<s>``, ``</s>``. Text is words separated by
+    spaces, so decoding and re-encoding any id sequence gives it back, which is
+    what ``vllm bench serve``'s random dataset needs.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    out = Path(path)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"w{i}": i for i in range(3, TINY_LLAMA["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+        "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 2048}))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kv_transfer_config(role: str, engine_id: str, side_channel_port: int,
+                       policy: str = "fail", **extra: Any) -> dict[str, Any]:
+    """``--kv-transfer-config`` of a ``PushKVConnector`` instance on this host."""
+    return {
+        "kv_connector": "PushKVConnector",
+        "kv_connector_module_path": "pushkv.vllm.connector",
+        "kv_role": role,
+        "engine_id": engine_id,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"side_channel_host": "127.0.0.1",
+                                      "side_channel_port": side_channel_port, **extra},
+    }
+
+
+@dataclass(kw_only=True)
+class ServerSpec:
+    """How to start one vLLM server on the tiny model (CPU recipe)."""
+
+    model: str
+    port: int
+    kv_config: Mapping[str, Any] | None = None
+    cpu: int | None = None  #: core for the server's OpenMP threads
+    block_size: int = 32
+    max_model_len: int = 256
+    kv_cache_gib: float = 1
+    tokenizer: bool = False  #: serve with the model's tokenizer (token-id prompts otherwise)
+    prefix_caching: bool = True
+    extra_args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def argv(self) -> list[str]:
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32",
+            "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
+            "--enforce-eager", "--disable-hybrid-kv-cache-manager", "--seed", "0",
+        ]
+        if not self.tokenizer:
+            args.append("--skip-tokenizer-init")
+        if not self.prefix_caching:
+            args.append("--no-enable-prefix-caching")
+        if self.kv_config is not None:
+            args += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        return args + list(self.extra_args)
+
+    def environ(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env |= {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "HF_HUB_OFFLINE": "1",
+                "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
+                "PYTHONUNBUFFERED": "1"}
+        if self.cpu is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
+        root = str(Path(__file__).resolve().parents[2])  # so every vLLM process finds pushkv
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        return env | dict(self.env)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class ServerError(RuntimeError):
+    """A server did not come up (the message ends with its log's tail)."""
+
+
+class Server:
+    """One vLLM server process, logging to ``log_path``."""
+
+    def __init__(self, spec: ServerSpec, log_path: str | os.PathLike[str]) -> None:
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def start(self) -> Server:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        try:
+            self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.environ(),
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            log.close()
+        return self
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> Server:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise ServerError(f"server on port {self.spec.port} exited\n{self.tail()}")
+            with contextlib.suppress(OSError):
+                if get_text(self.url + "/health", timeout=2) is not None:
+                    return self
+            time.sleep(0.5)
+        raise ServerError(f"server on port {self.spec.port} not healthy after {timeout_s} s\n"
+                          f"{self.tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        # Worker processes of the group may outlive the parent for a moment.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def kill(self) -> None:
+        """Kill the whole server at once (a crash, not a shutdown)."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def running(*servers: Server, timeout_s: float = 180.0) -> Iterator[tuple[Server, ...]]:
+    """Start servers together, wait until all are healthy, stop them all at the end."""
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_healthy(timeout_s)
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+# ------------------------------------------------------------------ HTTP
+
+
+def post_json(url: str, body: Mapping[str, Any], timeout: float = 60.0,
+              headers: Mapping[str, str] | None = None) -> tuple[int, Any]:
+    """POST JSON; (status, parsed body or text). Never raises for HTTP errors."""
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def get_text(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return str(resp.read().decode(errors="replace"))
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        m = re.match(r"^([^{\s]+)(?:\{([^}]*)\})?\s+(\S+)", line)
+        if m is None or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total

@@ -1,0 +1,337 @@
+"""The worker half of ``PushKVConnector`` (runs in each vLLM worker process).
+
+It owns this rank's :class:`~pushkv.transports.nixl.NixlRuntime`: the KV tensors
+are registered with NIXL in :meth:`WorkerSide.register_kv_caches`; each step,
+:meth:`WorkerSide.apply` hands the scheduler's orders to the runtime and
+:meth:`WorkerSide.results` turns the runtime's events into vLLM's
+``finished_sending`` / ``finished_recving`` / ``failed_recving`` sets. Both are
+called on vLLM's engine thread and never block: the runtime does its network
+work on its own threads.
+
+Units. The protocol counts tokens; with vLLM's CPU cache a protocol token is a
+whole vLLM block (see :mod:`.layout`), so token counts are converted here, on
+both sides alike, by :meth:`~.layout.KVRegions.units`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..protocol.errors import ConfigError
+from ..protocol.events import (
+    FailurePolicy,
+    Rejected,
+    ReleaseDestination,
+    ReleaseSource,
+    TransferCancelled,
+    TransferFailed,
+    TransferReady,
+)
+from ..protocol.layout import EngineSpec
+from .config import PushKVSettings, parse_cpus
+from .layout import KVRegions, describe_kv_caches
+from .metadata import PushKVMetadata, RecvOrder
+from .stats import PushKVStats
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+    from ..transports.nixl import NixlRuntime
+
+logger = logging.getLogger(__name__)
+
+
+def transport_cpus(setting: str) -> frozenset[int] | None:
+    """The CPUs the transport's threads should run on; None: leave them be.
+
+    vLLM's CPU backend pins each worker -- and so every thread it starts -- to
+    its OpenMP cores. Measured on two cores with a prefill and a decode server,
+    leaving the transport there ('inherit') beat letting it roam ('auto'): the
+    engine loop that spins meanwhile yields its core, while the other core is
+    the other server's. Spare cores, where a machine has them, can be named.
+    """
+    if setting == "inherit" or not hasattr(os, "sched_getaffinity"):
+        return None
+    if setting == "auto":
+        try:
+            parent = frozenset(os.sched_getaffinity(os.getppid()))
+        except OSError:
+            return None
+        return parent if parent != frozenset(os.sched_getaffinity(0)) else None
+    return parse_cpus(setting)
+
+
+@contextlib.contextmanager
+def threads_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Threads started inside run on ``cpus`` (Linux threads inherit their creator's)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        logger.warning("pushkv: cannot run transport threads on CPUs %s: %s", sorted(cpus), exc)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineFacts:
+    """What the worker needs to know about its engine and model."""
+
+    engine_id: str
+    tp_size: int
+    pp_size: int
+    tp_rank: int
+    pp_rank: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    mla: bool
+
+    def spec(self) -> EngineSpec:
+        spec = EngineSpec(engine_id=self.engine_id, tp_size=self.tp_size, pp_size=self.pp_size,
+                          num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                          mla=self.mla)
+        spec.validate()
+        return spec
+
+    @property
+    def rank(self) -> int:
+        """The protocol's global rank: ``pp_rank * tp_size + tp_rank``."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+
+@dataclass(slots=True)
+class _Recv:
+    req_id: str
+    blocks: int  # blocks the transfer writes
+
+
+class WorkerSide:
+    """Worker-process state of one ``PushKVConnector``."""
+
+    def __init__(self, facts: EngineFacts, *, settings: PushKVSettings,
+                 policy: FailurePolicy, role: str) -> None:
+        if role not in ("producer", "consumer"):
+            raise ConfigError(f"role must be producer or consumer, not {role!r}")
+        self.facts = facts
+        self.settings = settings
+        self.policy = policy
+        self.role = role
+        self.regions: KVRegions | None = None
+        self.runtime: NixlRuntime | None = None
+        self._recv: dict[str, _Recv] = {}  # consumer: transfer id -> request
+        self._send: dict[str, str] = {}  # producer: transfer id -> request
+        self._done: set[str] = set()  # consumer: requests to report finished
+        self._failed: set[str] = set()
+        self._sent: set[str] = set()
+        self._stats = PushKVStats()
+        self._seen: Counter[str] = Counter()
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig, *, settings: PushKVSettings,
+                  policy: FailurePolicy, engine_id: str, is_producer: bool,
+                  is_consumer: bool) -> WorkerSide:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        if is_producer and is_consumer:
+            raise ConfigError("kv_both is not supported by PushKVConnector: run separate "
+                              "kv_producer and kv_consumer instances")
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        facts = EngineFacts(
+            engine_id=engine_id,
+            tp_size=parallel.tensor_parallel_size,
+            pp_size=parallel.pipeline_parallel_size,
+            tp_rank=get_tp_group().rank_in_group,
+            pp_rank=get_pp_group().rank_in_group,
+            num_layers=model.get_total_num_hidden_layers(),
+            num_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
+            head_dim=model.get_head_size(),
+            block_size=vllm_config.cache_config.block_size,
+            mla=model.use_mla,
+        )
+        return cls(facts, settings=settings, policy=policy,
+                   role="producer" if is_producer else "consumer")
+
+    # ------------------------------------------------------------ set-up
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Describe the KV tensors and register them with a new NIXL runtime."""
+        from ..transports.nixl import KVMemory, NixlConfig, NixlRuntime
+
+        f = self.facts
+        regions = describe_kv_caches(kv_caches, engine=f.spec(), rank=f.rank,
+                                     block_size=f.block_size, head_dim=f.head_dim)
+        first = next(iter(kv_caches.values()))
+        kind = "VRAM" if first.device.type == "cuda" else "DRAM"
+        device = int(first.device.index or 0) if kind == "VRAM" else 0
+        memory = KVMemory.from_addresses(regions.bases, regions.layout.region_bytes,
+                                         kind=kind, device=device)
+        s = self.settings
+        config = NixlConfig(
+            backend=s.backend,  # type: ignore[arg-type]  # checked by PushKVSettings
+            backend_params=dict(s.backend_options),
+            host=s.side_channel_host,
+            port=s.side_channel_port + f.rank,
+            progress_delay_us=s.progress_delay_us,
+            handshake_timeout_s=s.handshake_timeout_s,
+            write_timeout_s=s.write_timeout_s,
+            peer_confirm_s=s.peer_confirm_s,
+        )
+        if self.role == "consumer":
+            # Checked as often idle as busy: the runtime keeps its idle period until
+            # the next check, so a new transfer's notification could wait that long.
+            poll_s = s.notify_poll_ms / 1000
+            config = dataclasses.replace(config, active_poll_s=poll_s, idle_poll_s=poll_s)
+        with threads_on(transport_cpus(s.transport_cpus)):
+            self.runtime = NixlRuntime(
+                regions.info, memory, role=self.role,  # type: ignore[arg-type]
+                config=config,
+                producer_config=s.producer_config(),
+                consumer_config=s.consumer_config(self.policy),
+            )
+        self.regions = regions
+        lo = regions.layout
+        logger.info(
+            "pushkv %s rank %d of %s: %d layers x %d planes, %d blocks of %d B, side channel %s",
+            self.role, f.rank, f.engine_id, lo.num_layers, lo.planes, lo.num_blocks,
+            lo.block_bytes, self.runtime.address)
+
+    def _rt(self) -> tuple[NixlRuntime, KVRegions]:
+        if self.runtime is None or self.regions is None:
+            raise RuntimeError("register_kv_caches has not run")
+        return self.runtime, self.regions
+
+    # ------------------------------------------------------------ orders
+
+    def apply(self, meta: PushKVMetadata) -> None:
+        """Hand one step's orders to the runtime (non-blocking)."""
+        if meta.is_empty():
+            return
+        rt, regions = self._rt()
+        for order in meta.recv:
+            self._register(rt, regions, order)
+        for ab in meta.recv_abort:
+            if ab.transfer_id in self._recv:
+                rt.abort(ab.transfer_id)
+        self._done.update(meta.recv_drop)
+        self._done.update(meta.recv_fail)
+        self._failed.update(meta.recv_fail)
+        for send in meta.send:
+            self._send[send.transfer_id] = send.req_id
+            rt.prefill_finished(send.transfer_id, send.block_ids, regions.units(send.num_tokens))
+            self._stats.add("pushes_started")
+        for ab in meta.send_abort:
+            rt.prefill_aborted(ab.transfer_id)
+            self._stats.add("pushes_aborted")
+
+    def _register(self, rt: NixlRuntime, regions: KVRegions, order: RecvOrder) -> None:
+        bs = self.facts.block_size
+        written = -(-order.num_tokens // bs) - order.first_token // bs
+        try:
+            first = regions.first_unit(order.first_token)
+            rt.connect(order.producer.engine_id, order.producer.addresses())
+        except ConfigError as exc:
+            logger.error("transfer %s cannot start: %s", order.transfer_id, exc)
+            self._done.add(order.req_id)
+            self._failed.add(order.req_id)
+            return
+        self._recv[order.transfer_id] = _Recv(order.req_id, written)
+        rt.register(order.transfer_id, order.producer.engine_id, order.block_ids,
+                    regions.units(order.num_tokens), first)
+        self._stats.add("transfers_registered")
+
+    # ----------------------------------------------------------- results
+
+    def results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        if self.runtime is not None:
+            for event in self.runtime.poll():
+                self._on_event(event)
+        sending, self._sent = self._sent, set()
+        recving, self._done = self._done, set()
+        failed, self._failed = self._failed, set()
+        return sending, recving, failed
+
+    def _on_event(self, event: Any) -> None:
+        from ..transports.nixl import CallFailed, PeerLost
+
+        if isinstance(event, TransferReady):
+            rec = self._recv.pop(event.transfer_id, None)
+            if rec is not None:
+                self._done.add(rec.req_id)
+                self._stats.add("transfers_ready")
+                self._stats.add("blocks_received", rec.blocks)
+        elif isinstance(event, TransferFailed):
+            rec = self._recv.pop(event.transfer_id, None)
+            if rec is not None:
+                logger.warning("transfer %s (request %s) failed: %s", event.transfer_id,
+                               rec.req_id, event.reason)
+                self._done.add(rec.req_id)
+                self._failed.add(rec.req_id)
+                self._stats.add("transfers_failed")
+        elif isinstance(event, TransferCancelled):
+            rec = self._recv.pop(event.transfer_id, None)
+            if rec is not None:
+                self._done.add(rec.req_id)
+                self._stats.add("transfers_cancelled")
+        elif isinstance(event, ReleaseSource):
+            req_id = self._send.pop(event.transfer_id, None)
+            if req_id is not None:
+                self._sent.add(req_id)
+                self._stats.add("sources_released")
+                self._stats.add("blocks_sent", len(event.block_ids))
+        elif isinstance(event, ReleaseDestination):
+            pass  # always accompanied by the transfer's terminal event
+        elif isinstance(event, CallFailed):
+            self._on_call_failed(event)
+        elif isinstance(event, PeerLost):
+            logger.warning("pushkv: engine %s is gone; its transfers were fenced",
+                           event.engine_id)
+        elif isinstance(event, Rejected):
+            self._seen["rejected"] += 1
+            logger.debug("pushkv: refused a frame from %s: %s", event.peer, event.error)
+
+    def _on_call_failed(self, event: Any) -> None:
+        tid = event.transfer_id
+        if event.operation == "register" and tid in self._recv:
+            # Nothing was lent: the request fails and its blocks go back at once.
+            rec = self._recv.pop(tid)
+            logger.error("transfer %s could not be registered: %s", tid, event.error)
+            self._done.add(rec.req_id)
+            self._failed.add(rec.req_id)
+            self._stats.add("transfers_failed")
+        elif event.operation == "prefill_finished" and tid in self._send:
+            logger.error("transfer %s could not be pushed: %s", tid, event.error)
+            self._sent.add(self._send.pop(tid))
+        else:  # e.g. an abort racing the transfer's own end: that end is reported
+            logger.debug("pushkv: %s(%s) refused: %s", event.operation, tid, event.error)
+
+    # ------------------------------------------------------------- misc
+
+    def take_stats(self) -> PushKVStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, PushKVStats()
+        return stats
+
+    def shutdown(self) -> None:
+        rt, self.runtime = self.runtime, None
+        if rt is not None:
+            rt.close()

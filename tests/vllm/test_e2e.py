@@ -1,0 +1,307 @@
+"""End to end: real vLLM servers, PushKVConnector on both, NIXL (UCX, host memory)
+between them, and ``pushkv proxy`` in front.
+
+One plain server (no connector) gives the reference greedy outputs and is
+stopped; then a prefill server (``kv_producer``, core 0) and a decode server
+(``kv_consumer``, core 1) start once for the module, with the proxy as a
+subprocess. The tests prove that outputs equal the reference, that the decode
+server computed no prompt token itself (every one came from the transfer), and
+that cancellations, errors and a decode restart end promptly with nothing held.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .conftest import VLLM_MISSING
+
+if VLLM_MISSING:
+    pytest.skip(VLLM_MISSING, allow_module_level=True)
+
+from pushkv.vllm.testing import (
+    Server,
+    ServerSpec,
+    free_port,
+    get_text,
+    kv_transfer_config,
+    metric,
+    post_json,
+    running,
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.nixl,
+]
+
+BS = 32
+#: Prompt lengths of the batch: partial blocks, exact blocks, one past a block, long.
+LENGTHS = (5, 31, 32, 33, 64, 97, 150, 200)
+MAX_TOKENS = 12
+#: Short protocol timeouts, so failure paths end within seconds.
+FAST = {"lease_s": 10.0, "heartbeat_s": 1.0, "window_s": 8.0, "fence_grace_s": 2.0,
+        "handshake_timeout_s": 5.0, "peer_confirm_s": 1.0}
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [(salt * 131 + 7 * i) % 990 + 5 for i in range(n)]
+
+
+def batch(salt: int) -> list[list[int]]:
+    return [prompt(n, salt * 100 + i) for i, n in enumerate(LENGTHS)]
+
+
+def body(model: str, tokens: list[int], **kw: object) -> dict[str, object]:
+    return {"model": model, "prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **kw}
+
+
+def completion(url: str, model: str, tokens: list[int], **kw: object) -> list[int]:
+    status, answer = post_json(url + "/v1/completions", body(model, tokens, **kw), timeout=60)
+    assert status == 200, answer
+    return list(answer["choices"][0]["token_ids"])
+
+
+#: Batches used by the tests, each with fresh prompts (no prefix-cache hits).
+SALTS = {"concurrent": 1, "stream": 2, "after_cancel": 3, "after_restart": 4}
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e-logs")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path, logs: Path) -> dict[tuple[int, ...], list[int]]:
+    """Greedy outputs of one plain server (no connector), one request at a time."""
+    model = str(tiny_model)
+    plain = Server(ServerSpec(model=model, port=free_port(), cpu=0), logs / "plain.log")
+    out = {}
+    with running(plain):
+        for salt in SALTS.values():
+            for tokens in batch(salt):
+                out[tuple(tokens)] = completion(plain.url, model, tokens)
+    return out
+
+
+@dataclass
+class Cluster:
+    model: str
+    prefill: Server
+    decode: Server
+    proxy_url: str
+    decode_spec: ServerSpec
+    logs: Path
+
+    def metrics(self, server: Server) -> str:
+        return get_text(server.url + "/metrics")
+
+    def counter(self, server: Server, name: str, **labels: str) -> float:
+        return metric(self.metrics(server), name, **labels)
+
+    def usage(self, server: Server) -> float:
+        return self.counter(server, "vllm:kv_cache_usage_perc")
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Both servers end up holding no KV block."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.usage(self.prefill) == 0 and self.usage(self.decode) == 0:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"blocks still held: prefill {self.usage(self.prefill)}, "
+                             f"decode {self.usage(self.decode)}\n{self.pushkv_counters()}")
+
+    def pushkv_counters(self) -> str:
+        lines = [f"{name}: {line}" for name, server in (("prefill", self.prefill),
+                                                        ("decode", self.decode))
+                 for line in self.metrics(server).splitlines()
+                 if line.startswith("pushkv:") and "_total" in line]
+        return "\n".join(lines)
+
+
+def start_proxy(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", prefill, "--decode",
+             decode, "--port", str(port), "--timeout", "60"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        try:
+            get_text(url + "/health", timeout=5)
+            return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"proxy did not come up: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, logs: Path, reference: object) -> Iterator[Cluster]:
+    model = str(tiny_model)
+    p_spec = ServerSpec(model=model, port=free_port(), cpu=0, kv_config=kv_transfer_config(
+        "kv_producer", "prefill-0", free_port(), **FAST))
+    d_spec = ServerSpec(model=model, port=free_port(), cpu=1, kv_config=kv_transfer_config(
+        "kv_consumer", "decode-0", free_port(), **FAST))
+    prefill, decode = Server(p_spec, logs / "prefill.log"), Server(d_spec, logs / "decode.log")
+    with running(prefill, decode):
+        proc, url = start_proxy(prefill.url, decode.url, logs / "proxy.log")
+        c = Cluster(model, prefill, decode, url, d_spec, logs)
+        try:
+            yield c
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+            c.decode.stop()  # a restarted decode server is a new process
+
+
+def send_batch(c: Cluster, prompts: list[list[int]], **kw: object) -> list[list[int]]:
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda t: completion(c.proxy_url, c.model, t, **kw), prompts))
+
+
+def test_concurrent_batch_equals_a_single_server_and_the_kv_was_pushed(cluster, reference):
+    c = cluster
+    prompts = batch(SALTS["concurrent"])
+    ext0 = c.counter(c.decode, "vllm:prompt_tokens_by_source_total",
+                     source="external_kv_transfer")
+    local0 = c.counter(c.decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    blocks0 = c.counter(c.decode, "pushkv:blocks_received_total")
+    released0 = c.counter(c.prefill, "pushkv:sources_released_total")
+    outputs = send_batch(c, prompts)
+    for tokens, got in zip(prompts, outputs, strict=True):
+        assert got == reference[tuple(tokens)], f"prompt of {len(tokens)} tokens"
+    c.wait_idle()
+    # Every prompt token of the decode server came from the transfer, none computed there.
+    assert c.counter(c.decode, "vllm:prompt_tokens_by_source_total",
+                     source="external_kv_transfer") - ext0 == sum(LENGTHS)
+    assert c.counter(c.decode, "vllm:prompt_tokens_by_source_total",
+                     source="local_compute") == local0
+    assert c.counter(c.decode, "pushkv:blocks_received_total") - blocks0 == sum(
+        -(-n // BS) for n in LENGTHS)
+    assert c.counter(c.prefill, "pushkv:sources_released_total") - released0 == len(LENGTHS)
+    assert c.counter(c.decode, "pushkv:transfers_failed_total") == 0
+
+
+def stream_tokens(url: str, model: str, tokens: list[int]) -> list[int]:
+    data = json.dumps(body(model, tokens, stream=True)).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=data,
+                                 headers={"Content-Type": "application/json"})
+    got: list[int] = []
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.status == 200
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            got += event["choices"][0].get("token_ids") or []
+    return got
+
+
+def test_streamed_outputs_equal_a_single_server(cluster, reference):
+    c = cluster
+    prompts = batch(SALTS["stream"])
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        outputs = list(pool.map(lambda t: stream_tokens(c.proxy_url, c.model, t), prompts))
+    for tokens, got in zip(prompts, outputs, strict=True):
+        assert got == reference[tuple(tokens)]
+    c.wait_idle()
+
+
+def test_request_cancelled_mid_flight_leaves_nothing_held(cluster, reference):
+    c = cluster
+    cancelled0 = c.counter(c.decode, "pushkv:transfers_cancelled_total")
+    # 1. While decoding: the client reads two events and leaves.
+    data = json.dumps(body(c.model, prompt(60, 9001), stream=True, max_tokens=150)).encode()
+    req = urllib.request.Request(c.proxy_url + "/v1/completions", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        resp.readline()
+        resp.readline()
+    # 2. While the decode request waits for its KV: the prefill server is frozen, the
+    #    client gives up, the prefill server is thawed.
+    os.killpg(c.prefill.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+    try:
+        with pytest.raises(OSError):
+            post_json(c.proxy_url + "/v1/completions", body(c.model, prompt(90, 9002)),
+                      timeout=3)
+    finally:
+        os.killpg(c.prefill.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+    c.wait_idle()
+    cancelled = c.counter(c.decode, "pushkv:transfers_cancelled_total") - cancelled0
+    assert cancelled == 1, c.pushkv_counters()
+    # Nothing hangs afterwards: a fresh batch is served exactly.
+    prompts = batch(SALTS["after_cancel"])
+    for tokens, got in zip(prompts, send_batch(c, prompts), strict=True):
+        assert got == reference[tuple(tokens)]
+    c.wait_idle()
+
+
+def test_a_bad_request_is_an_http_error_of_the_leg_that_refused_it(cluster):
+    c = cluster
+    status, answer = post_json(c.proxy_url + "/v1/completions",
+                               body(c.model, prompt(300, 5)), timeout=30)  # > max_model_len
+    assert status == 400, answer
+    assert "error" in answer
+    c.wait_idle()
+
+
+def test_decode_server_restarted_mid_run(cluster, reference):
+    c = cluster
+    lost0 = c.counter(c.prefill, "pushkv:sources_released_total")
+    inflight = [prompt(120, 7000 + i) for i in range(4)]
+
+    def doomed(tokens: list[int]) -> int:
+        status, _ = post_json(c.proxy_url + "/v1/completions",
+                              body(c.model, tokens, max_tokens=200), timeout=60)
+        return status
+
+    with cf.ThreadPoolExecutor(len(inflight)) as pool:
+        futures = [pool.submit(doomed, t) for t in inflight]
+        time.sleep(0.3)
+        c.decode.kill()
+        started = time.monotonic()
+        statuses = [f.result(timeout=60) for f in futures]
+    assert time.monotonic() - started < 30  # no hang: every request ended
+    assert all(s in (200, 502) for s in statuses), statuses
+    # The prefill server releases whatever it held for the dead decode server.
+    end = time.monotonic() + 30
+    while c.usage(c.prefill) != 0 and time.monotonic() < end:
+        time.sleep(0.2)
+    assert c.usage(c.prefill) == 0
+    assert c.counter(c.prefill, "pushkv:sources_released_total") >= lost0
+    # Same ports, same engine id: the proxy and the prefill server carry on.
+    c.decode = Server(c.decode_spec, c.logs / "decode-restarted.log")
+    c.decode.start().wait_healthy()
+    prompts = batch(SALTS["after_restart"])
+    for tokens, got in zip(prompts, send_batch(c, prompts), strict=True):
+        assert got == reference[tuple(tokens)]
+    c.wait_idle()
+    ext = c.counter(c.decode, "vllm:prompt_tokens_by_source_total",
+                    source="external_kv_transfer")
+    assert ext == sum(LENGTHS)  # the new server's counters start at zero

@@ -1,0 +1,127 @@
+"""The connector's configuration keys and the kv_transfer_params of both legs."""
+
+from __future__ import annotations
+
+import pytest
+
+from pushkv.protocol import ConfigError, FailurePolicy
+from pushkv.vllm.config import (
+    ConnectorConfigError,
+    PushKVSettings,
+    failure_policy,
+    parse_cpus,
+)
+from pushkv.vllm.params import (
+    DecodeLeg,
+    Discover,
+    Endpoint,
+    ParamsError,
+    PrefillLeg,
+    parse_params,
+)
+
+P = Endpoint(engine_id="prefill-0", host="10.1.2.3", port=5600, tp_size=2)
+
+
+def test_defaults_are_valid_and_documented():
+    s = PushKVSettings.from_extra_config(None)
+    assert (s.backend, s.side_channel_port, s.lease_s) == ("UCX", 5600, 30.0)
+    assert set(PushKVSettings.help()) == {
+        "backend", "side_channel_host", "side_channel_port", "lease_s", "window_s",
+        "fence_grace_s", "heartbeat_s", "handshake_timeout_s", "write_timeout_s",
+        "peer_confirm_s", "max_pending_registrations", "notify_poll_ms", "progress_delay_us",
+        "transport_cpus",
+        "backend_options"}
+    assert all(PushKVSettings.help().values())
+
+
+def test_values_are_coerced_from_json_and_strings():
+    s = PushKVSettings.from_extra_config({
+        "backend": ["libfabric"], "side_channel_port": "6000", "lease_s": 12,
+        "window_s": "5.5", "backend_options": {"num_threads": 4}})
+    assert (s.backend, s.side_channel_port, s.lease_s, s.window_s) == ("LIBFABRIC", 6000,
+                                                                        12.0, 5.5)
+    assert s.backend_options == {"num_threads": "4"}
+    assert s.consumer_config(FailurePolicy.RECOMPUTE).policy is FailurePolicy.RECOMPUTE
+    assert s.producer_config().lease_s == 12.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"leas_s": 1}, "unknown kv_connector_extra_config key"),
+        ({"backend": "GDS"}, "backend must be one of"),
+        ({"backend": 3}, "backend must be a string"),
+        ({"side_channel_port": 0}, "side_channel_port"),
+        ({"side_channel_port": True}, "side_channel_port must be a int"),
+        ({"lease_s": -1}, "lease_s must be a positive number"),
+        ({"window_s": float("inf")}, "window_s must be a positive number"),
+        ({"heartbeat_s": 30, "lease_s": 30}, "heartbeat_s"),
+        ({"side_channel_host": ""}, "side_channel_host"),
+        ({"max_pending_registrations": 0}, "max_pending_registrations"),
+        ({"progress_delay_us": -5}, "progress_delay_us"),
+        ({"backend_options": ["x"]}, "backend_options"),
+        ({"transport_cpus": "3-1"}, "transport_cpus"),
+        ({"transport_cpus": "all"}, "transport_cpus"),
+    ],
+)
+def test_bad_values_name_their_key(extra, match):
+    with pytest.raises(ConnectorConfigError, match=match) as info:
+        PushKVSettings.from_extra_config(extra)
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, ValueError)
+
+
+def test_cpu_lists():
+    assert parse_cpus("0-3,8") == {0, 1, 2, 3, 8}
+    assert parse_cpus("5") == {5}
+
+
+def test_failure_policy_names():
+    assert failure_policy("fail") is FailurePolicy.FAIL
+    assert failure_policy("recompute") is FailurePolicy.RECOMPUTE
+    with pytest.raises(ConnectorConfigError, match="kv_load_failure_policy"):
+        failure_policy("retry")
+
+
+def test_legs_round_trip():
+    for leg in (PrefillLeg(transfer_id="t1"), DecodeLeg(transfer_id="t1", producer=P),
+                Discover()):
+        assert parse_params(leg.to_params()) == leg
+    assert P.addresses() == {0: "tcp://10.1.2.3:5600", 1: "tcp://10.1.2.3:5601"}
+
+
+def test_other_connectors_params_are_not_ours():
+    assert parse_params(None) is None
+    assert parse_params({}) is None
+    assert parse_params({"do_remote_decode": True}) is None  # vLLM's NIXL pull flow
+    assert parse_params({"do_remote_prefill": True, "remote_engine_id": "x"}) is None
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ([1, 2], "must be an object"),
+        ({"do_remote_decode": True, "transfer_id": 7}, "transfer_id"),
+        ({"do_remote_decode": True, "transfer_id": "x" * 300}, "transfer_id"),
+        ({"do_remote_prefill": True, "do_remote_decode": True, "transfer_id": "t"}, "both"),
+        ({"do_remote_prefill": True, "transfer_id": "t"}, "producer"),
+        ({"do_remote_prefill": True, "transfer_id": "t", "producer": "p"}, "object"),
+        ({"do_remote_prefill": True, "transfer_id": "t",
+          "producer": {"engine_id": "p", "host": "h", "port": 99999}}, "port"),
+        ({"do_remote_prefill": True, "transfer_id": "t",
+          "producer": {"engine_id": "p", "host": "h", "port": 65535, "tp_size": 2}}, "ports"),
+        ({"do_remote_prefill": True, "transfer_id": "t",
+          "producer": {"engine_id": "p", "host": "h", "port": 1, "role": "x"}}, "role"),
+    ],
+)
+def test_malformed_params_are_refused(params, match):
+    with pytest.raises(ParamsError, match=match):
+        parse_params(params)
+
+
+def test_every_key_is_documented():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    missing = [k for k in PushKVSettings.help() if f"| `{k}` |" not in doc]
+    assert missing == []
