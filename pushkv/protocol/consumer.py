@@ -166,8 +166,9 @@ class Consumer(Endpoint):
                 f"[{first_token}, {num_tokens})",
                 transfer_id=transfer_id,
             )
-        if not self._lent.keys().isdisjoint(ids):  # invariant 2: never lend twice
-            b = next(b for b in ids if b in self._lent)
+        written = _written(ids, lo.block_size, first_token, num_tokens)
+        if not self._lent.keys().isdisjoint(written):  # invariant 2: never lend twice
+            b = next(b for b in written if b in self._lent)
             raise LocalProtocolError(
                 f"block {b} may still be written by transfer {self._lent[b]!r}",
                 transfer_id=transfer_id,
@@ -385,7 +386,7 @@ class Consumer(Endpoint):
             cur.fenced |= ranks  # a finished write is its own fence
             return []
         if effect is CE.READY:
-            self._unlend(cur)
+            self._unlend(t, cur)
             self.stats["ready"] += 1
             out: list[Action] = [TransferReady(transfer_id=tid, attempt=cur.attempt)]
             if t.mode is Mode.PULL:
@@ -413,7 +414,7 @@ class Consumer(Endpoint):
         if effect in (CE.RELEASE, CE.RELEASE_CANCELLED, CE.RELEASE_FAILED):
             if inp is CI.HARD_DEADLINE:
                 self.stats["forced_release"] += 1
-            out = [self._release(cur, tid)]
+            out = [self._release(t, cur)]
             if effect is not CE.RELEASE and t.mode is Mode.PULL:
                 out += self._final_cancel(t)
             if effect is CE.RELEASE_CANCELLED:
@@ -504,27 +505,29 @@ class Consumer(Endpoint):
             for r in sorted(t.cur.expected)
         ]
 
-    def _release(self, a: _Attempt, transfer_id: str) -> ReleaseDestination:
-        self._unlend(a)
+    def _release(self, t: _Transfer, a: _Attempt) -> ReleaseDestination:
+        self._unlend(t, a)
         self.stats["released"] += 1
-        return ReleaseDestination(transfer_id=transfer_id, attempt=a.attempt,
+        return ReleaseDestination(transfer_id=t.transfer_id, attempt=a.attempt,
                                   block_ids=a.block_ids)
 
     def _settle_zombie(self, t: _Transfer, z: _Attempt) -> list[Action]:
         if not z.all_fenced():
             return []
         del t.zombies[z.attempt]
-        out: list[Action] = [self._release(z, t.transfer_id)]
+        out: list[Action] = [self._release(t, z)]
         self._maybe_forget(t)
         return out
 
     def _lend(self, t: _Transfer, a: _Attempt) -> None:
-        for b in a.block_ids:
+        for b in _written(a.block_ids, self.info.layout.block_size, t.first_token,
+                          t.num_tokens):
             self._lent[b] = t.transfer_id
 
-    def _unlend(self, a: _Attempt) -> None:
+    def _unlend(self, t: _Transfer, a: _Attempt) -> None:
         for b in a.block_ids:
-            self._lent.pop(b, None)
+            if self._lent.get(b) == t.transfer_id:  # only what this transfer lent
+                del self._lent[b]
 
     def _maybe_forget(self, t: _Transfer) -> None:
         if t.state in CONSUMER_TERMINAL and not t.zombies:
@@ -616,6 +619,12 @@ class Consumer(Endpoint):
         """Blocks a write may still land in, with their transfer."""
         return dict(self._lent)
 
+
+
+def _written(ids: tuple[int, ...], block_size: int, first: int, n: int) -> tuple[int, ...]:
+    """The blocks a transfer of tokens ``[first, n)`` writes into: a cached prefix
+    below ``first`` is shared and never written, so it is never lent."""
+    return ids[first // block_size:-(-n // block_size)]
 
 
 def _invalid(why: str, transfer_id: str, attempt: int, inp: ConsumerInput) -> ValidationError:

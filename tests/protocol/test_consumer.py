@@ -256,3 +256,15 @@ def test_a_read_outliving_the_hard_deadline_is_counted_not_raised(two_writers):
     assert of(out, TransferFailed) and c.num_transfers == 0
     assert c.read_completed("t", 0, Peer("P", 0), True, 16.0) == []
     assert c.stats["late_read"] == 1 and c.stats["forced_release"] == 1
+
+
+def test_a_shared_cached_prefix_is_never_lent(two_writers):
+    """Two requests sharing a locally cached prefix block register concurrently:
+    only the blocks a transfer writes are lent (found with vLLM's prefix cache)."""
+    _, c = two_writers
+    lo = c.info.layout
+    c.register("a", "P", [7, 1, 2], 3 * lo.block_size, 0.0, first_token=lo.block_size)
+    c.register("b", "P", [7, 3, 4], 3 * lo.block_size, 0.0, first_token=lo.block_size)
+    assert set(c.lent_blocks()) == {1, 2, 3, 4}
+    with pytest.raises(LocalProtocolError, match="still be written"):
+        c.register("x", "P", [7, 2], 2 * lo.block_size, 0.0, first_token=lo.block_size)

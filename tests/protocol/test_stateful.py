@@ -45,8 +45,9 @@ def _plain(fn):
 
 
 class Transfer:
-    def __init__(self, tid: str, n: int, pull: bool):
+    def __init__(self, tid: str, n: int, pull: bool, first: int = 0):
         self.tid, self.n, self.pull = tid, n, pull
+        self.first = min(first, n)  # tokens decode already holds (a cached prefix)
         self.src: list[int] | None = None
         self.dst: dict[int, list[int]] = {}  # attempt -> blocks
         self.attempt = -1
@@ -101,13 +102,14 @@ class Protocol(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
 
-    @rule(target=transfers, n=st.integers(1, 40), pull=st.booleans())
+    @rule(target=transfers, n=st.integers(1, 40), pull=st.booleans(),
+          first=st.sampled_from([0, 0, 0, 4, 5, 9]))
     @_plain
-    def new_transfer(self, n, pull):
+    def new_transfer(self, n, pull, first=0):
         self.count += 1
-        t = Transfer(f"t{self.count}", n, pull)
+        t = Transfer(f"t{self.count}", n, pull, first)
         self.model[t.tid] = t
-        note(f"new {'pull' if pull else 'push'} {t.tid} n={n}")
+        note(f"new {'pull' if pull else 'push'} {t.tid} n={n} first={t.first}")
         return t
 
     @rule(t=transfers)
@@ -122,7 +124,8 @@ class Protocol(RuleBasedStateMachine):
         t.attempt, t.dst[0] = 0, blocks
         note(f"pull {t.tid} -> {blocks}")
         for c in self.consumers:
-            c.apply(c.endpoint.start_pull(t.tid, "P", t.src, blocks, t.n, self.net.now))
+            c.apply(c.endpoint.start_pull(t.tid, "P", t.src, blocks, t.n, self.net.now,
+                                          first_token=t.first))
 
     @rule(t=transfers)
     def register(self, t):
@@ -135,7 +138,8 @@ class Protocol(RuleBasedStateMachine):
         t.attempt, t.dst[0] = 0, blocks
         note(f"register {t.tid} -> {blocks}")
         for c in self.consumers:
-            c.apply(c.endpoint.register(t.tid, "P", blocks, t.n, self.net.now))
+            c.apply(c.endpoint.register(t.tid, "P", blocks, t.n, self.net.now,
+                                        first_token=t.first))
 
     @rule(t=transfers)
     def prefill(self, t):
@@ -284,7 +288,7 @@ class Protocol(RuleBasedStateMachine):
                     t = self.model[tid]
                     assert attempt == t.attempt, "a stale attempt became ready"
                     want = reference_destination(self.pinfo, psrc, c.info,
-                                                 [(t.src, t.dst[attempt], t.n, 0)],
+                                                 [(t.src, t.dst[attempt], t.n, t.first)],
                                                  base=c.memory)
                     for region, (w, g) in enumerate(zip(want, c.memory, strict=True)):
                         assert np.array_equal(w, g), f"{tid} region {region} differs"
