@@ -228,6 +228,8 @@ class Consumer(Endpoint):
             raise LocalProtocolError("transfer already registered", transfer_id=transfer_id)
         self._engine(producer)
         ids = self._check_blocks(transfer_id, block_ids, num_tokens, first_token)
+        if mode is Mode.PULL:  # plan first: a plan that cannot be made changes nothing
+            self._reads(transfer_id, producer, src, ids, num_tokens, first_token, 0)
         out = self._run_timers(now)
         cur = self._attempt(0, ids, producer, now)
         t = _Transfer(
@@ -470,19 +472,26 @@ class Consumer(Endpoint):
                     num_tokens=t.num_tokens, first_token=t.first_token, window_ms=window_ms))
                 for r in sorted(cur.expected)
             ]
-        out: list[Action] = []
-        for r in sorted(cur.expected):
-            info = self._peers.get(Peer(t.producer, r))
+        return list(self._reads(t.transfer_id, t.producer, t.src_ids, cur.block_ids,
+                                t.num_tokens, t.first_token, cur.attempt))
+
+    def _reads(
+        self, tid: str, producer: str, src: tuple[int, ...], dst: tuple[int, ...], n: int,
+        first: int, attempt: int,
+    ) -> list[IssueRead]:
+        """Pull: one planned read per producer rank. Raises before any state changes."""
+        out = []
+        for r in sorted(self._writers[producer]):
+            info = self._peers.get(Peer(producer, r))
             if info is None:
-                raise LocalProtocolError(f"no handshake with producer rank {r}",
-                                         transfer_id=t.transfer_id)
+                raise LocalProtocolError(f"no handshake with producer rank {r}", transfer_id=tid)
             plan = plan_transfer(
                 info.layout, self.info.layout,
                 assignment(info.engine, self.info.engine, r, self.peer.rank),
-                t.src_ids, cur.block_ids, t.num_tokens, t.first_token,
+                src, dst, n, first,
             )
-            out.append(IssueRead(transfer_id=t.transfer_id, attempt=cur.attempt,
-                                 peer=Peer(t.producer, r), plan=plan))
+            out.append(IssueRead(transfer_id=tid, attempt=attempt, peer=Peer(producer, r),
+                                 plan=plan))
         return out
 
     def _cancel(self, t: _Transfer, *, final: bool) -> list[Action]:

@@ -268,3 +268,11 @@ def test_a_shared_cached_prefix_is_never_lent(two_writers):
     assert set(c.lent_blocks()) == {1, 2, 3, 4}
     with pytest.raises(LocalProtocolError, match="still be written"):
         c.register("x", "P", [7, 2], 2 * lo.block_size, 0.0, first_token=lo.block_size)
+
+
+def test_a_pull_that_cannot_be_planned_changes_nothing():
+    pair = Pair(producer={"order": "BLOCK"}, consumer={"order": "BLOCK"})
+    c = pair.c[0]
+    with pytest.raises(LocalProtocolError, match="block boundary"):
+        c.start_pull("t", "P", [9, 10], [1, 2], 20, 0.0, first_token=3)
+    assert c.num_transfers == 0 and c.lent_blocks() == {}

@@ -107,6 +107,8 @@ class Protocol(RuleBasedStateMachine):
     @_plain
     def new_transfer(self, n, pull, first=0):
         self.count += 1
+        if self.cinfo[0].layout.order == "BLOCK":  # opaque blocks: whole-block prefixes
+            first -= first % self.cinfo[0].layout.block_size
         t = Transfer(f"t{self.count}", n, pull, first)
         self.model[t.tid] = t
         note(f"new {'pull' if pull else 'push'} {t.tid} n={n} first={t.first}")
