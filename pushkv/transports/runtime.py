@@ -81,6 +81,11 @@ from .runtime_events import CallFailed, Event, PeerLost, RuntimeView
 
 log = logging.getLogger(__name__)
 
+#: Commands whose first argument is a transfer id (reported on CallFailed).
+_TRANSFER_COMMANDS = frozenset(
+    {"prefill_finished", "prefill_aborted", "register", "preempt", "reissue", "abort"}
+)
+
 Role = Literal["producer", "consumer"]
 
 
@@ -302,8 +307,11 @@ class NixlRuntime:
                 frames, links = side.poll(self._timeout(time.monotonic()))
                 self._idle = self._woken = False
                 now = time.monotonic()
+                had_commands = bool(self._commands)
                 if self._drain_commands(now):
                     break
+                if had_commands and self._live():  # a new transfer: poll at the live rate now
+                    self._next_notif = min(self._next_notif, now + self.config.active_poll_s)
                 for kind, body in frames:
                     self._guard(self._on_frame, kind, body, now)
                 for what, address in links:
@@ -379,7 +387,7 @@ class NixlRuntime:
             try:
                 getattr(self, "_cmd_" + op)(now, *cmd[1:])
             except PushKVError as exc:
-                tid = cmd[1] if len(cmd) > 1 and isinstance(cmd[1], str) else None
+                tid = cmd[1] if op in _TRANSFER_COMMANDS else None
                 self._emit(CallFailed(operation=op, transfer_id=tid, error=str(exc)))
             except Exception as exc:
                 self._stats["internal_errors"] += 1
