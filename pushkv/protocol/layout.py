@@ -54,6 +54,10 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     num_kv_heads: Annotated[int, msgspec.Meta(ge=1, le=MAX_HEADS)]
     #: True for multi-head latent attention: the latent is replicated on every rank.
     mla: bool = False
+    #: Layers per pipeline stage; empty for the default split (vLLM's rule: even,
+    #: with the remainder on the stages before the last, last-but-one first).
+    pp_layers: Annotated[tuple[Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)], ...],
+                         msgspec.Meta(max_length=MAX_RANKS)] = ()
 
     @property
     def world_size(self) -> int:
@@ -70,6 +74,12 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
             raise ConfigError(f"TP {tp} is not a multiple of {h} KV heads (replication)")
         if self.pp_size > self.num_layers:
             raise ConfigError(f"PP {self.pp_size} exceeds {self.num_layers} layers")
+        if self.pp_layers and (len(self.pp_layers) != self.pp_size
+                               or sum(self.pp_layers) != self.num_layers):
+            raise ConfigError(
+                f"pp_layers {list(self.pp_layers)} must give {self.pp_size} stages "
+                f"summing to {self.num_layers} layers"
+            )
 
     def rank_of(self, tp_rank: int, pp_rank: int = 0) -> int:
         """Global rank of (tp_rank, pp_rank): ``pp_rank * tp_size + tp_rank``."""
@@ -86,10 +96,21 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
             raise ConfigError(f"rank {rank} outside world of size {self.world_size}")
         return rank % self.tp_size, rank // self.tp_size
 
-    def layers_of(self, pp_rank: int) -> range:
-        """Global layer indices held by pipeline stage ``pp_rank`` (even split)."""
+    def stage_sizes(self) -> tuple[int, ...]:
+        """Layers per pipeline stage (``pp_layers``, or the default split)."""
+        if self.pp_layers:
+            return self.pp_layers
         n, pp = self.num_layers, self.pp_size
-        return range(pp_rank * n // pp, (pp_rank + 1) * n // pp)
+        sizes = [n // pp] * pp
+        for i in range(2, n % pp + 2):  # the remainder before the last stage
+            sizes[-i] += 1
+        return tuple(sizes)
+
+    def layers_of(self, pp_rank: int) -> range:
+        """Global layer indices held by pipeline stage ``pp_rank``."""
+        sizes = self.stage_sizes()
+        start = sum(sizes[:pp_rank])
+        return range(start, start + sizes[pp_rank])
 
     def heads_of(self, tp_rank: int) -> range:
         """Global KV head indices held by ``tp_rank`` (one replicated head if heads < TP)."""

@@ -102,11 +102,14 @@ class EngineFacts:
     head_dim: int
     block_size: int
     mla: bool
+    #: Layers per pipeline stage as vLLM split them (VLLM_PP_LAYER_PARTITION or its
+    #: default); empty means pushkv's default, which is vLLM's.
+    pp_layers: tuple[int, ...] = ()
 
     def spec(self) -> EngineSpec:
         spec = EngineSpec(engine_id=self.engine_id, tp_size=self.tp_size, pp_size=self.pp_size,
                           num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                          mla=self.mla)
+                          mla=self.mla, pp_layers=self.pp_layers)
         spec.validate()
         return spec
 
@@ -148,12 +151,15 @@ class WorkerSide:
                   policy: FailurePolicy, engine_id: str, is_producer: bool,
                   is_consumer: bool) -> WorkerSide:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        from vllm.distributed.utils import get_pp_indices
 
         if is_producer and is_consumer:
             raise ConfigError("kv_both is not supported by PushKVConnector: run separate "
                               "kv_producer and kv_consumer instances")
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
+        layers, pp = model.get_total_num_hidden_layers(), parallel.pipeline_parallel_size
+        stages = [get_pp_indices(layers, r, pp) for r in range(pp)]
         facts = EngineFacts(
             engine_id=engine_id,
             tp_size=parallel.tensor_parallel_size,
@@ -165,6 +171,7 @@ class WorkerSide:
             head_dim=model.get_head_size(),
             block_size=vllm_config.cache_config.block_size,
             mla=model.use_mla,
+            pp_layers=tuple(end - start for start, end in stages),
         )
         return cls(facts, settings=settings, policy=policy,
                    role="producer" if is_producer else "consumer")

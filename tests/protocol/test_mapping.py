@@ -136,3 +136,21 @@ def test_incompatible_engines_are_rejected(src, dst, match):
 def test_rank_outside_world():
     with pytest.raises(ConfigError, match="outside world"):
         expected_writers(spec("P", 2, 8), spec("D", 2, 8), 2)
+
+
+def test_default_stage_split_matches_vllm():
+    # vLLM gives the remainder to the stages before the last: 10 layers over 4 -> 2,3,3,2
+    s = spec("P", 1, 8, pp=4, layers=10)
+    assert s.stage_sizes() == (2, 3, 3, 2)
+    assert [s.layers_of(i) for i in range(4)] == [range(0, 2), range(2, 5), range(5, 8),
+                                                    range(8, 10)]
+
+
+def test_explicit_uneven_stages():
+    s = EngineSpec(engine_id="P", pp_size=2, num_layers=8, num_kv_heads=8, pp_layers=(3, 5))
+    assert s.layers_of(1) == range(3, 8)
+    dst = spec("D", 1, 8, layers=8)
+    assert sorted(a.layers.start for a in writers_of(s, dst, 0)) == [0, 3]
+    with pytest.raises(ConfigError, match="summing to 8"):
+        EngineSpec(engine_id="P", pp_size=2, num_layers=8, num_kv_heads=8,
+                   pp_layers=(3, 4)).validate()
