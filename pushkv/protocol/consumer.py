@@ -56,6 +56,8 @@ from .states import (
 )
 
 CS, CI, CE = ConsumerState, ConsumerInput, ConsumerEffect
+#: States in which producer outcomes for the current attempt still matter.
+_LISTENING = frozenset({CS.REGISTERED, *CONSUMER_FENCING})
 
 
 @dataclass(slots=True)
@@ -339,7 +341,7 @@ class Consumer(Endpoint):
         if z is not None:
             z.fenced.add(rank)
             return self._settle_zombie(t, z)
-        if t.state not in (CS.REGISTERED, *CONSUMER_FENCING):
+        if t.state not in _LISTENING:
             self.stats["stale"] += 1
             return []
         if inp is CI.CANCEL_ACK and t.state is CS.REGISTERED:
@@ -358,7 +360,11 @@ class Consumer(Endpoint):
         ranks: frozenset[int] = frozenset(),
         block_ids: tuple[int, ...] = (),
     ) -> list[Action]:
-        effect, nxt = consumer_step(t.state, inp)
+        try:
+            effect, nxt = CONSUMER_TABLE[t.state, inp]
+        except KeyError:
+            consumer_step(t.state, inp)  # raises the typed error
+            raise
         before, t.state = t.state, nxt
         if nxt in CONSUMER_FENCING and before not in CONSUMER_FENCING:
             self._schedule(t.cur.hard, t.transfer_id)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import SupportsIndex, cast
 
@@ -44,18 +43,21 @@ from .mapping import Assignment
 IntArray = npt.NDArray[np.int64]
 
 
-@dataclass(frozen=True, slots=True, eq=False)
 class TransferPlan:
     """Byte runs to copy, relative to region starts, and the region pairs they apply to.
 
     Descriptor ``(k, r)`` copies ``runs[r, 2]`` bytes from offset ``runs[r, 0]``
     of source region ``src_regions[k]`` to offset ``runs[r, 1]`` of destination
-    region ``dst_regions[k]``.
+    region ``dst_regions[k]``. Treat it as immutable (a plain slotted class: one
+    is built per write, on the hot path).
     """
 
-    runs: IntArray  # (R, 3): src_offset, dst_offset, length
-    src_regions: IntArray  # (P,)
-    dst_regions: IntArray  # (P,)
+    __slots__ = ("dst_regions", "runs", "src_regions")
+
+    def __init__(self, *, runs: IntArray, src_regions: IntArray, dst_regions: IntArray) -> None:
+        self.runs = runs  # (R, 3): src_offset, dst_offset, length
+        self.src_regions = src_regions  # (P,)
+        self.dst_regions = dst_regions  # (P,)
 
     @property
     def runs_per_region(self) -> int:

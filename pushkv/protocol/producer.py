@@ -45,6 +45,7 @@ from .messages import (
 )
 from .planner import block_tuple, plan_transfer
 from .states import (
+    PRODUCER_TABLE,
     PRODUCER_TERMINAL,
     PRODUCER_WRITING,
     ProducerEffect,
@@ -451,7 +452,11 @@ class Producer(Endpoint):
         reg: _Registration | None = None,
         cancel: int | None = None,
     ) -> list[Action]:
-        effect, nxt = producer_step(leg.state, inp)
+        try:
+            effect, nxt = PRODUCER_TABLE[leg.state, inp]
+        except KeyError:
+            producer_step(leg.state, inp)  # raises the typed error
+            raise
         before = leg.state
         finished = None
         if inp in (PI.WRITE_OK, PI.WRITE_ERROR):
