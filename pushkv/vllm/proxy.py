@@ -31,9 +31,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -41,6 +41,7 @@ from aiohttp import web
 from .params import ENDPOINT_KEY, DecodeLeg, Discover, Endpoint, ParamsError, PrefillLeg
 
 logger = logging.getLogger("pushkv.proxy")
+T = TypeVar("T")
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -307,17 +308,7 @@ class PushProxy:
 
     async def _relay_body(self, d_resp: aiohttp.ClientResponse,
                           p_task: asyncio.Task[None]) -> web.Response:
-        read = asyncio.create_task(d_resp.read())
-        try:
-            await asyncio.wait({read, p_task}, return_when=asyncio.FIRST_COMPLETED)
-            _raise_if_failed(p_task)
-            try:
-                data = await read
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise LegError("decode", 502, f"decode stream broke: {exc!r}") from None
-        finally:
-            if not read.done():
-                read.cancel()
+        data = await _decode_unless_prefill_fails(d_resp.read(), p_task)
         return web.Response(body=data, status=200,
                             content_type=d_resp.content_type or "application/json")
 
@@ -328,17 +319,7 @@ class PushProxy:
         async def next_event() -> bytes:
             return await anext(events, b"")
 
-        first = asyncio.create_task(next_event())
-        try:
-            await asyncio.wait({first, p_task}, return_when=asyncio.FIRST_COMPLETED)
-            _raise_if_failed(p_task)
-            try:
-                head = await first
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise LegError("decode", 502, f"decode stream broke: {exc!r}") from None
-        finally:
-            if not first.done():
-                first.cancel()
+        head = await _decode_unless_prefill_fails(next_event(), p_task)
         error = _sse_error(head)
         if error is not None:  # the decode leg failed before its first token
             raise LegError("decode", int(error.get("code") or 500), {"error": error})
@@ -357,6 +338,22 @@ class PushProxy:
             return out
         await out.write_eof()
         return out
+
+
+async def _decode_unless_prefill_fails(read: Awaitable[T], p_task: asyncio.Task[None]) -> T:
+    """Await a read of the decode leg; if the prefill leg fails first, raise its error
+    (the decode leg would otherwise wait for KV that never comes)."""
+    task = asyncio.ensure_future(read)
+    try:
+        await asyncio.wait({task, p_task}, return_when=asyncio.FIRST_COMPLETED)
+        _raise_if_failed(p_task)
+        try:
+            return await task
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise LegError("decode", 502, f"decode stream broke: {exc!r}") from None
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def _raise_if_failed(task: asyncio.Task[None]) -> None:
