@@ -236,6 +236,7 @@ def test_streamed_outputs_equal_a_single_server(cluster, reference):
 def test_request_cancelled_mid_flight_leaves_nothing_held(cluster, reference):
     c = cluster
     cancelled0 = c.counter(c.decode, "pushkv:transfers_cancelled_total")
+    failed0 = c.counter(c.decode, "pushkv:transfers_failed_total")
     # 1. While decoding: the client reads two events and leaves.
     data = json.dumps(body(c.model, prompt(60, 9001), stream=True, max_tokens=150)).encode()
     req = urllib.request.Request(c.proxy_url + "/v1/completions", data=data,
@@ -253,8 +254,13 @@ def test_request_cancelled_mid_flight_leaves_nothing_held(cluster, reference):
     finally:
         os.killpg(c.prefill.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
     c.wait_idle()
+    # The router drops both legs at once. If decode's abort reaches its connector
+    # first, the transfer is cancelled (fenced by the producer's CancelAck); if the
+    # prefill's own abort wins, the producer's Fail(PREFILL_ABORTED) fences and fails
+    # it first. Either way exactly one transfer ended, fenced, with nothing held.
     cancelled = c.counter(c.decode, "pushkv:transfers_cancelled_total") - cancelled0
-    assert cancelled == 1, c.pushkv_counters()
+    failed = c.counter(c.decode, "pushkv:transfers_failed_total") - failed0
+    assert (cancelled, failed) in ((1, 0), (0, 1)), c.pushkv_counters()
     # Nothing hangs afterwards: a fresh batch is served exactly.
     prompts = batch(SALTS["after_cancel"])
     for tokens, got in zip(prompts, send_batch(c, prompts), strict=True):
