@@ -8,8 +8,10 @@ this is a small state machine; the table below is all of it, and the I/O loop
 ========================  ===================  ==============  ==================
 state                      input                effect          next state
 ========================  ===================  ==============  ==================
-NEW / FAILED / DEAD        START                SEND_CARDS      HANDSHAKING
-HANDSHAKING / READY        START                --              (same)
+NEW / FAILED / DEAD        START, NEEDED        SEND_CARDS      HANDSHAKING
+HANDSHAKING                START, NEEDED        --              HANDSHAKING
+READY                      START                --              READY
+READY                      NEEDED               ANNOUNCE        READY
 HANDSHAKING                ANSWER               --              HANDSHAKING
 HANDSHAKING                LAST_ANSWER          READY           READY
 HANDSHAKING                REFUSED / TIMEOUT    FAIL            FAILED
@@ -19,13 +21,16 @@ any                        DIED                 LOST            DEAD
 other states               TIMEOUT              --              (same)
 ========================  ===================  ==============  ==================
 
-``START`` is a registration that needs the engine (or ``connect(eager=True)``);
-``ANSWER`` a rank's accepted card (``LAST_ANSWER`` when it completes the set);
-``REFUSED`` a card that refuses us or that we refuse; ``TIMEOUT`` the
-handshake deadline (the consumer's ``handshake_timeout_s``); ``DIED`` every
-rank of the engine confirmed dead. What a transfer waiting for the engine
-becomes on ``READY`` or ``FAIL`` is the protocol core's business: the loop
-tells the endpoint, it does not decide.
+``START`` is ``connect(eager=True)``; ``NEEDED`` the endpoint's ``Connect``
+action (a registration waits for the engine); ``ANSWER`` a rank's accepted
+card (``LAST_ANSWER`` when it completes the set); ``REFUSED`` a card that
+refuses us or that we refuse; ``TIMEOUT`` the handshake deadline (the
+consumer's ``handshake_timeout_s``); ``DIED`` every rank of the engine
+confirmed dead. Each accepted card is handed to the endpoint at once
+(``add_peer``); ``ANNOUNCE`` hands it the cards it already has again (it
+asked for an engine this rank is connected to). What a transfer waiting for
+the engine becomes is the protocol core's business: the loop tells the
+endpoint (``add_peer``, ``handshake_failed``), it does not decide.
 
 Used by one thread only (the I/O thread); :attr:`Handshakes.ready` may be read
 from any (membership tests only).
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from ..protocol.errors import ConfigError
+from ..protocol.layout import RankInfo
 
 
 class HandshakeState(enum.Enum):
@@ -51,6 +57,7 @@ class HandshakeState(enum.Enum):
 
 class HandshakeInput(enum.Enum):
     START = "start"
+    NEEDED = "needed"
     ANSWER = "answer"
     LAST_ANSWER = "last_answer"
     REFUSED = "refused"
@@ -61,7 +68,8 @@ class HandshakeInput(enum.Enum):
 class Effect(enum.Enum):
     NONE = "none"
     SEND_CARDS = "send_cards"  #: (re)connect to every rank and send our card
-    READY = "ready"  #: every rank answered: the endpoint may use the engine
+    READY = "ready"  #: every rank answered
+    ANNOUNCE = "announce"  #: hand the endpoint the cards it already has, again
     FAIL = "fail"  #: the handshake failed: the endpoint fails what waits for it
     STALE = "stale"  #: a card outside a handshake: counted and ignored
     LOST = "lost"  #: the engine died
@@ -70,9 +78,12 @@ class Effect(enum.Enum):
 S, In, E = HandshakeState, HandshakeInput, Effect
 
 TABLE: Final[dict[tuple[HandshakeState, HandshakeInput], tuple[Effect, HandshakeState]]] = {
-    **{(s, In.START): (E.SEND_CARDS, S.HANDSHAKING) for s in (S.NEW, S.FAILED, S.DEAD)},
+    **{(s, i): (E.SEND_CARDS, S.HANDSHAKING) for s in (S.NEW, S.FAILED, S.DEAD)
+       for i in (In.START, In.NEEDED)},
     (S.HANDSHAKING, In.START): (E.NONE, S.HANDSHAKING),
+    (S.HANDSHAKING, In.NEEDED): (E.NONE, S.HANDSHAKING),
     (S.READY, In.START): (E.NONE, S.READY),
+    (S.READY, In.NEEDED): (E.ANNOUNCE, S.READY),
     (S.HANDSHAKING, In.ANSWER): (E.NONE, S.HANDSHAKING),
     (S.HANDSHAKING, In.LAST_ANSWER): (E.READY, S.READY),
     (S.HANDSHAKING, In.REFUSED): (E.FAIL, S.FAILED),
@@ -93,6 +104,7 @@ class RemoteEngine:
     state: HandshakeState = HandshakeState.NEW
     deadline: float = float("inf")
     answered: set[int] = field(default_factory=set)
+    infos: dict[int, RankInfo] = field(default_factory=dict)  #: accepted cards, by rank
     error: str = ""
 
 
@@ -124,6 +136,7 @@ class Handshakes:
         if effect is E.SEND_CARDS:
             eng.deadline, eng.error = now + self.timeout_s, ""
             eng.answered.clear()
+            eng.infos.clear()
         elif effect is E.FAIL:
             eng.error = why
         if nxt is S.READY:
@@ -134,16 +147,17 @@ class Handshakes:
             eng.deadline = float("inf")
         return effect
 
-    def answer(self, engine_id: str, rank: int, address: str, ok: bool, now: float,
+    def answer(self, info: RankInfo, address: str, ok: bool, now: float,
                why: str = "") -> tuple[RemoteEngine | None, Effect]:
-        """A card came back from ``rank`` of ``engine_id`` at ``address``."""
-        eng = self.engines.get(engine_id)
-        if eng is None or eng.addresses.get(rank) != address:
+        """A card came back from ``info``'s rank at ``address`` (``ok``: accepted)."""
+        eng = self.engines.get(info.engine_id)
+        if eng is None or eng.addresses.get(info.rank) != address:
             return None, E.STALE
         if not ok:
             return eng, self.fire(eng, In.REFUSED, now, why)
         if eng.state is S.HANDSHAKING:
-            eng.answered.add(rank)
+            eng.answered.add(info.rank)
+            eng.infos[info.rank] = info
         last = eng.answered >= set(eng.addresses)
         return eng, self.fire(eng, In.LAST_ANSWER if last else In.ANSWER, now)
 

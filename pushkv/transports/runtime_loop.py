@@ -225,7 +225,8 @@ class IOLoop:
     def _publish_stats(self) -> None:
         stats = self._stats
         stats["dropped_frames"] = self._side.dropped
-        stats.update(self._side.auth_dropped)
+        for reason, n in self._side.auth_dropped.items():  # totals, not increments
+            stats[reason] = n
         self._stats_view = dict(stats)
 
     # ------------------------------------------------------------ commands
@@ -488,8 +489,7 @@ class IOLoop:
                             sc.encode_card(sc.replace_card(self._card, reply=True, error=error)))
             return
         why = f"handshake with {peer} refused: {error}"
-        eng, effect = self.handshakes.answer(info.engine_id, info.rank, card.address,
-                                             not error, now, why)
+        eng, effect = self.handshakes.answer(info, card.address, not error, now, why)
         if effect is Effect.STALE or eng is None:
             self._stats["stale_cards"] += 1
         elif effect is Effect.READY:

@@ -47,7 +47,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..protocol.errors import ConfigError, DecodeError
-from .sidechannel_auth import TAG_LEN, SideKey, Signer, Verifier
+from .sidechannel_auth import FAILED, SideKey, Signer, Verifier
 
 HELLO: Final = b"H"
 CONTROL: Final = b"C"
@@ -246,14 +246,13 @@ class SideChannel:
                     break
                 verifier = self._verifier
                 if verifier is not None:  # authenticated: drop (and count) what fails
-                    if (len(parts) == 3 and len(parts[2]) == TAG_LEN
-                            and verifier.check(parts[0], parts[1], parts[2])):
+                    if len(parts) != 3:
+                        verifier.dropped[FAILED] += 1
+                    elif verifier.check(parts[0], parts[1], parts[2]):
                         if parts[0] in KINDS:
                             frames.append((parts[0], parts[1]))
                         else:  # authentic but unknown: the peer's bug, not an attack
                             frames.append((GARBAGE, parts[1][:1024]))
-                    elif len(parts) != 3 or len(parts[2]) != TAG_LEN:
-                        verifier.dropped["auth_failed"] += 1
                 elif len(parts) == 2 and parts[0] in KINDS:
                     frames.append((parts[0], parts[1]))
                 else:
