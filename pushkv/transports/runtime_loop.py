@@ -243,13 +243,13 @@ class IOLoop:
             try:
                 self._handlers[type(command)](command, now)
             except PushKVError as exc:
-                self._emit(CallFailed(operation=command.operation,
+                self._emit(CallFailed(operation=cmd.operation_of(command),
                                       transfer_id=getattr(command, "transfer_id", None),
                                       error=str(exc)))
             except Exception as exc:
                 self._stats["internal_errors"] += 1
-                log.exception("pushkv command %s failed", command.operation)
-                self._emit(CallFailed(operation=command.operation, transfer_id=None,
+                log.exception("pushkv command %s failed", cmd.operation_of(command))
+                self._emit(CallFailed(operation=cmd.operation_of(command), transfer_id=None,
                                       error=repr(exc)))
         return False
 
