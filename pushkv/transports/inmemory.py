@@ -25,6 +25,7 @@ import numpy as np
 
 from ..protocol import (
     Action,
+    Connect,
     Consumer,
     ConsumerConfig,
     Hello,
@@ -152,6 +153,7 @@ class ConsumerNode(Node):
         self.endpoint = endpoint
         self.outcomes: dict[str, list[tuple[str, int]]] = {}
         self.released: list[ReleaseDestination] = []
+        self.connects: list[str] = []
 
     def handle(self, a: Action) -> None:
         if isinstance(a, TransferReady):
@@ -164,6 +166,9 @@ class ConsumerNode(Node):
             self.released.append(a)
         elif isinstance(a, IssueRead):
             self.net.enqueue("read", self.peer, a.peer, a, self.net.write_latency)
+        elif isinstance(a, Connect):
+            self.connects.append(a.engine_id)
+            self.net.connect(self.peer, a.engine_id)
         else:  # pragma: no cover
             raise AssertionError(f"unexpected consumer action {a!r}")
 
@@ -239,6 +244,16 @@ class InMemoryNetwork:
             for c in self.consumers.values():
                 p.frame(encode(Hello(info=c.info)), self.now)
                 c.frame(encode(Hello(info=p.info)), self.now)
+
+    def connect(self, consumer: Peer, engine_id: str) -> None:
+        """A consumer rank asked for a handshake: Hello frames both ways, on the wire
+        (so they take the control latency and obey hold mode). An engine with no
+        rank here never answers; the consumer's handshake timeout fails it."""
+        node = self.consumers[consumer]
+        for p in self.producers.values():
+            if p.peer.engine_id == engine_id:
+                self.send(p.peer, consumer, encode(Hello(info=p.info)))
+                self.send(consumer, p.peer, encode(Hello(info=node.info)))
 
     def node(self, peer: Peer) -> Node | None:
         return self.producers.get(peer) or self.consumers.get(peer)
