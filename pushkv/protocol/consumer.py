@@ -22,6 +22,7 @@ from .errors import (
 )
 from .events import (
     Action,
+    Connect,
     IssueRead,
     Mode,
     Peer,
@@ -125,6 +126,7 @@ class Consumer(Endpoint):
         self._silent: dict[str, tuple[int, ...]] = {}  # producer ranks we Skip, by engine
         self._lent: dict[int, Key] = {}  # block id -> transfer that may still be written
         self._next_heartbeat: float | None = None
+        self._connecting: dict[str, float] = {}  # engine -> handshake deadline (Connect sent)
 
     # ------------------------------------------------------------------ peers
 
@@ -149,7 +151,51 @@ class Consumer(Endpoint):
                 r for r in range(src.world_size)
                 if r % dst.world_size == self.peer.rank and not targets_of(src, dst, r)
             )
-        return []
+        if not self._usable(info.engine_id):
+            return []
+        # Rule 8: the engine became usable; the registrations held for it go out.
+        when = self._now if now is None else now
+        out = self._run_timers(when) if now is not None else []
+        self._connecting.pop(info.engine_id, None)
+        for t in list(self._transfers.values()):
+            if t.state is CS.CONNECTING and t.producer == info.engine_id:
+                out += self._input(t, CI.CONNECTED, max(when, 0.0))
+        return out
+
+    def _usable(self, engine_id: str) -> bool:
+        """Every producer rank this rank registers with or Skips is handshaken."""
+        writers = self._writers.get(engine_id)
+        if writers is None:
+            return False
+        peers = self._peers
+        return all(Peer(engine_id, r) in peers for r in (*writers, *self._silent[engine_id]))
+
+    def handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
+        """The driver could not handshake with ``engine_id``: every transfer waiting
+        for it fails (HANDSHAKE_FAILED) and releases its blocks. A later
+        registration asks for the engine again."""
+        out = self._run_timers(now)
+        return out + self._handshake_failed(engine_id, reason, now)
+
+    def _handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
+        self._connecting.pop(engine_id, None)
+        self.stats["handshakes_failed"] += 1
+        out: list[Action] = []
+        for t in list(self._transfers.values()):
+            if t.state is CS.CONNECTING and t.producer == engine_id:
+                t.why(FailReason.HANDSHAKE_FAILED,
+                      f"handshake with producer engine {engine_id!r} failed: {reason}")
+                out += self._input(t, CI.HANDSHAKE_FAILED, now)
+        return out
+
+    def _connect(self, engine_id: str, now: float) -> list[Action]:
+        """Ask the driver for a handshake, once per engine; a core timer bounds it."""
+        if engine_id in self._connecting:
+            return []
+        deadline = self._connecting[engine_id] = now + self.config.handshake_timeout_s
+        self._schedule(deadline, engine_id)
+        self.stats["connects"] += 1
+        return [Connect(engine_id=engine_id)]
 
     def peer_died(self, engine_id: str, now: float) -> list[Action]:
         """The transport confirmed ``engine_id`` dead: it fences every attempt it owed."""
@@ -287,7 +333,8 @@ class Consumer(Endpoint):
             # One live use of an id per rank; an ended one whose old attempts may
             # still be written can only be followed by another incarnation.
             raise LocalProtocolError("transfer already registered", transfer_id=transfer_id)
-        self._engine(producer)
+        if mode is Mode.PULL:
+            self._engine(producer)  # pull reads are planned now: they need the handshake
         ids = self._check_blocks(transfer_id, block_ids, num_tokens, first_token)
         if mode is Mode.PULL:  # plan first: a plan that cannot be made changes nothing
             self._reads(transfer_id, producer, src, ids, num_tokens, first_token, 0)
@@ -295,30 +342,35 @@ class Consumer(Endpoint):
         old = self._transfers.pop(transfer_id, None)
         if old is not None:  # (the timers may have ended it meanwhile)
             self._retired[old.key] = old
+        usable = self._usable(producer)
         cur = self._attempt(0, ids, producer, now)
         t = _Transfer(
             transfer_id=transfer_id, inc=inc, producer=producer, mode=mode,
-            state=CS.REGISTERED, cur=cur, num_tokens=num_tokens, first_token=first_token,
-            src_ids=src,
+            state=CS.REGISTERED if usable else CS.CONNECTING, cur=cur, num_tokens=num_tokens,
+            first_token=first_token, src_ids=src,
         )
         self._transfers[transfer_id] = t
         self._lend(t, cur)
         self.stats["registered"] += 1
+        if not usable:  # rule 8: wait in CONNECTING for the handshake
+            return out + self._connect(producer, now)
         return out + self._start_attempt(t, now) + self._skips(t.key, producer)
 
     def reissue(self, transfer_id: str, block_ids: npt.ArrayLike, now: float) -> list[Action]:
         """Register a preempted transfer again, with a new attempt, into ``block_ids``."""
         t = self._get(transfer_id)
-        if (t.state, CI.REISSUE) not in CONSUMER_TABLE:
+        inp = CI.REISSUE if self._usable(t.producer) else CI.REISSUE_CONNECTING
+        if (t.state, inp) not in CONSUMER_TABLE:
             raise LocalProtocolError(
                 "reissue needs a preempted transfer", transfer_id=transfer_id,
-                state=t.state.value, input=CI.REISSUE.value,
+                state=t.state.value, input=inp.value,
             )
         ids = self._check_blocks(transfer_id, block_ids, t.num_tokens, t.first_token)
-        self._engine(t.producer)  # the producer must still be known
         out = self._run_timers(now)
+        if self._transfers.get(transfer_id) is not t or t.state in CONSUMER_TERMINAL:
+            return out  # a timer ended it first
         self.stats["reissued"] += 1
-        return out + self._input(t, CI.REISSUE, now, block_ids=ids)
+        return out + self._input(t, inp, now, block_ids=ids)
 
     def preempt(self, transfer_id: str, now: float) -> list[Action]:
         """The engine preempted the waiting request: fence, release, await a reissue."""
@@ -491,6 +543,8 @@ class Consumer(Endpoint):
         if effect is CE.PREEMPT_ALL:
             return self._cancel(t, final=False)
         if effect in (CE.RELEASE, CE.RELEASE_CANCELLED, CE.RELEASE_FAILED):
+            if inp is CI.PEER_DIED:
+                t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
             if inp is CI.HARD_DEADLINE:
                 self.stats["forced_release"] += 1
             out = [self._release(t, cur)]
@@ -507,6 +561,15 @@ class Consumer(Endpoint):
                                           policy=self.config.policy, code=t.code,
                                           incarnation=inc))
             return out
+        if effect is CE.SEND_HELD:  # rule 8: the engine is usable now
+            t.cur = self._attempt(cur.attempt, cur.block_ids, t.producer, now)
+            out = self._start_attempt(t, now)
+            return out + self._skips(t.key, t.producer) if cur.attempt == 0 else out
+        if effect is CE.HOLD:
+            t.cur = self._attempt(cur.attempt + 1, block_ids, t.producer, now)
+            t.reason, t.code = "", FailReason.WRITE_FAILED
+            self._lend(t, t.cur)
+            return self._connect(t.producer, now)
         if effect in (CE.REGISTER, CE.ZOMBIFY_AND_REGISTER):
             spec = self._engines.get(t.producer)
             if spec is None:  # the producer left while we were preempted
@@ -530,9 +593,14 @@ class Consumer(Endpoint):
         raise AssertionError(f"unhandled effect {effect}")  # pragma: no cover
 
     def _attempt(self, attempt: int, ids: tuple[int, ...], producer: str, now: float) -> _Attempt:
+        writers = self._writers.get(producer)
+        if writers is None or not self._usable(producer):
+            # Waiting for the handshake: no writer known, no window running yet.
+            return _Attempt(attempt=attempt, block_ids=ids, expected=frozenset(),
+                            deadline=float("inf"), hard=float("inf"))
         deadline = now + self.config.window_s
         return _Attempt(
-            attempt=attempt, block_ids=ids, expected=self._writers[producer],
+            attempt=attempt, block_ids=ids, expected=writers,
             deadline=deadline, hard=deadline + self.config.fence_grace_s,
         )
 
@@ -654,7 +722,12 @@ class Consumer(Endpoint):
             self._next_heartbeat = now + self.config.heartbeat_s if live else None
         return out
 
-    def _expire(self, key: Key, now: float) -> list[Action]:
+    def _expire(self, key: Key | str, now: float) -> list[Action]:
+        if isinstance(key, str):  # a producer engine's handshake deadline
+            due = self._connecting.get(key)
+            if due is None or due > now:
+                return []
+            return self._handshake_failed(key, "handshake timed out", now)
         t = self._transfers.get(key[0])
         if t is None or t.inc != key[1]:
             t = self._retired.get(key)

@@ -131,6 +131,7 @@ class ProducerEffect(enum.Enum):
 class ConsumerState(enum.Enum):
     __hash__ = object.__hash__  # members are singletons: hash by identity, fast
 
+    CONNECTING = "CONNECTING"  #: blocks lent, waiting for the producer engine's handshake
     REGISTERED = "REGISTERED"  #: waiting for notifications (pull: reads)
     READY = "READY"
     PREEMPTING = "PREEMPTING"  #: waiting for the fence before releasing blocks
@@ -155,6 +156,9 @@ class ConsumerInput(enum.Enum):
     DEADLINE = "DEADLINE"  #: the window passed without READY
     HARD_DEADLINE = "HARD_DEADLINE"  #: window + grace: release without a fence
     PEER_DIED = "PEER_DIED"
+    CONNECTED = "CONNECTED"  #: the producer engine became usable (every rank handshaken)
+    HANDSHAKE_FAILED = "HANDSHAKE_FAILED"  #: the driver gave up, or the handshake timed out
+    REISSUE_CONNECTING = "REISSUE_CONNECTING"  #: a reissue while the engine is not usable
 
 
 class ConsumerEffect(enum.Enum):
@@ -174,6 +178,8 @@ class ConsumerEffect(enum.Enum):
     ZOMBIFY_AND_REGISTER = "zombify+register"  #: old attempt keeps its fence
     FINAL_CANCEL_RELEASED = "final cancel+cancelled"  #: blocks already released
     REPORT_FAILED = "failed"  #: blocks already released: only report the failure
+    SEND_HELD = "send held registration"  #: the engine is usable: register the attempt
+    HOLD = "hold+connect"  #: a new attempt waits for the handshake (Connect once per engine)
 
 
 P, PI, PE = ProducerState, ProducerInput, ProducerEffect
@@ -294,6 +300,14 @@ _fence_inputs = {
 CONSUMER_TABLE: dict[
     tuple[ConsumerState, ConsumerInput], tuple[ConsumerEffect, ConsumerState]
 ] = {
+    # Registrations made before the producer engine is usable wait here; the
+    # driver handshakes on Connect (rule 8).
+    (C.CONNECTING, CI.CONNECTED): (CE.SEND_HELD, C.REGISTERED),
+    (C.CONNECTING, CI.HANDSHAKE_FAILED): (CE.RELEASE_FAILED, C.FAILED),
+    (C.CONNECTING, CI.PEER_DIED): (CE.RELEASE_FAILED, C.FAILED),
+    (C.CONNECTING, CI.ABORT): (CE.RELEASE_CANCELLED, C.CANCELLED),
+    (C.CONNECTING, CI.PREEMPT): (CE.RELEASE, C.PREEMPTED),
+    (C.PREEMPTED, CI.REISSUE_CONNECTING): (CE.HOLD, C.CONNECTING),
     (C.REGISTERED, CI.NOTIFY): (CE.COUNT, C.REGISTERED),
     (C.REGISTERED, CI.ALL_NOTIFIED): (CE.READY, C.READY),  # rule 6
     (C.REGISTERED, CI.FAIL): (CE.FAIL_REST, C.FAILING),

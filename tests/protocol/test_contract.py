@@ -7,6 +7,7 @@ a delayed or duplicated message is simply delivered late, or twice.
 from pushkv.protocol import (
     Cancel,
     CancelAck,
+    Connect,
     ConsumerConfig,
     ConsumerState,
     Fail,
@@ -17,7 +18,9 @@ from pushkv.protocol import (
     ProducerConfig,
     ProducerState,
     Register,
+    ReleaseDestination,
     ReleaseSource,
+    TransferCancelled,
     TransferFailed,
     TransferReady,
 )
@@ -170,3 +173,67 @@ def test_preempt_reissue_twice_against_a_released_source_fails_promptly():
 def test_consumer_config_has_the_handshake_timeout():
     assert ConsumerConfig().handshake_timeout_s == 10.0
     assert isinstance(Notify(transfer_id="t", attempt=0, engine_id="P", rank=0).incarnation, int)
+
+
+# ------------------------------------------------ handshake in the core (rule 8)
+
+
+def _fresh_consumer(pair, ccfg=None):
+    from pushkv.protocol import Consumer
+
+    return Consumer(pair.c[0].info, ccfg or ConsumerConfig())
+
+
+def test_a_registration_waits_for_the_handshake_then_goes_out():
+    pair = Pair(producer={"tp": 2, "num_kv_heads": 2}, consumer={"num_kv_heads": 2})
+    c = _fresh_consumer(pair)
+    out = c.register("t", "P", [1, 2, 3], 40, 0.0)
+    assert out == [Connect(engine_id="P")]
+    assert c.state_of("t") is ConsumerState.CONNECTING and c.lent_blocks()
+    assert c.register("u", "P", [4, 5, 6], 40, 0.1) == []  # one Connect per engine
+    assert c.add_peer(pair.p[0].info, now=0.5) == []  # rank 1 still unknown
+    out = c.add_peer(pair.p[1].info, now=0.6)
+    sent = msgs(out, Register)
+    assert sorted((m.transfer_id, m.rank) for m in sent) == [("t", 0), ("t", 0), ("u", 0),
+                                                              ("u", 0)]
+    assert c.state_of("t") is ConsumerState.REGISTERED
+    assert c.next_deadline() is not None
+
+
+def test_a_failed_handshake_fails_the_waiting_transfers_with_its_own_reason():
+    pair = Pair()
+    c = _fresh_consumer(pair)
+    c.register("t", "P", [1, 2, 3], 40, 0.0)
+    out = c.handshake_failed("P", "connection refused", 1.0)
+    (failed,) = of(out, TransferFailed)
+    assert failed.code is FailReason.HANDSHAKE_FAILED and "connection refused" in failed.reason
+    assert of(out, ReleaseDestination) and c.lent_blocks() == {} and c.num_transfers == 0
+    # A later registration asks again.
+    assert c.register("u", "P", [1, 2, 3], 40, 2.0) == [Connect(engine_id="P")]
+
+
+def test_the_handshake_times_out_on_a_core_timer():
+    pair = Pair()
+    c = _fresh_consumer(pair, ConsumerConfig(handshake_timeout_s=3.0))
+    c.register("t", "P", [1, 2, 3], 40, 0.0)
+    assert c.next_deadline() == 3.0
+    out = c.handle_timer(3.0)
+    (failed,) = of(out, TransferFailed)
+    assert failed.code is FailReason.HANDSHAKE_FAILED and "timed out" in failed.reason
+    assert c.num_transfers == 0 and c.next_deadline() is None
+
+
+def test_preempt_reissue_and_abort_while_waiting_for_the_handshake():
+    pair = Pair()
+    c = _fresh_consumer(pair)
+    c.register("t", "P", [1, 2, 3], 40, 0.0)
+    out = c.preempt("t", 0.1)
+    assert of(out, ReleaseDestination) and c.state_of("t") is ConsumerState.PREEMPTED
+    assert c.reissue("t", [4, 5, 6], 0.2) == []  # the Connect already went out
+    assert c.state_of("t") is ConsumerState.CONNECTING and c.attempt_of("t") == 1
+    (reg1,) = msgs(c.add_peer(pair.p[0].info, now=0.3), Register)
+    assert reg1.attempt == 1 and reg1.block_ids == (4, 5, 6)
+    c.register("u", "Q", [7, 8], 20, 0.4)
+    out = c.abort("u", 0.5)
+    assert of(out, TransferCancelled) and of(out, ReleaseDestination)
+    assert c.state_of("u") is None
