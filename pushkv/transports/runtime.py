@@ -134,9 +134,7 @@ class NixlRuntime:
                 bases=mem.bases, sizes=mem.sizes, kind=mem.kind, device=mem.device,
             )
             self._loop = IOLoop(endpoint, agent, side, mem, card, cfg,
-                                authenticated=key is not None,
-                                handshake_timeout_s=cfg.handshake_timeout_s,
-                                name=str(info.rank))
+                                authenticated=key is not None, name=str(info.rank))
         except BaseException:
             if side is not None:
                 side.close(0)

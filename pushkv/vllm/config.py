@@ -153,7 +153,8 @@ class PushKVSettings:
 
     def consumer_config(self, policy: FailurePolicy) -> ConsumerConfig:
         return ConsumerConfig(window_s=self.window_s, fence_grace_s=self.fence_grace_s,
-                              heartbeat_s=self.heartbeat_s, policy=policy)
+                              heartbeat_s=self.heartbeat_s,
+                              handshake_timeout_s=self.handshake_timeout_s, policy=policy)
 
     @staticmethod
     def help() -> dict[str, str]:

@@ -197,7 +197,6 @@ class WorkerSide:
             host=s.side_channel_host,
             port=s.side_channel_port + f.rank,
             progress_delay_us=s.progress_delay_us,
-            handshake_timeout_s=s.handshake_timeout_s,
             write_timeout_s=s.write_timeout_s,
             peer_confirm_s=s.peer_confirm_s,
         )

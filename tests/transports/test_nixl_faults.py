@@ -126,8 +126,8 @@ def test_garbage_on_the_side_channel(pool: HostPool) -> None:
 def test_unanswered_handshake_fails_within_timeout(pool: HostPool) -> None:
     """A producer address where nobody answers: the transfer fails (blocks back)
     within the handshake timeout, and nothing hangs."""
-    cfg = NixlConfig(handshake_timeout_s=0.5)
-    c = NixlCluster(Topology(), pool, cfg, connect="none")
+    topo = Topology(consumer_config=ConsumerConfig(handshake_timeout_s=0.5))
+    c = NixlCluster(topo, pool, connect="none")
     try:
         c.connect({0: _unused_address()})
         t0 = time.monotonic()
@@ -137,6 +137,8 @@ def test_unanswered_handshake_fails_within_timeout(pool: HostPool) -> None:
         assert snap.outcomes.get((0, "t")) == [("failed", 0)], snap.outcomes
         assert snap.dst_released.get((0, "t", 0)) == 1
         assert 0.4 < took < 5.0, took
+        _, cons = c.raw_snapshot()
+        assert cons["fail_codes"][0, "t"] == ["HANDSHAKE_FAILED"]  # not a failed write
     finally:
         c.close()
 
