@@ -19,6 +19,7 @@ pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip 
 pytest.importorskip("zmq", reason="pyzmq is not installed")
 
 from pushkv.protocol import ConfigError, ConsumerConfig, Fail, FailReason, Register, encode
+from pushkv.transports import testing
 from pushkv.transports.nixl import NixlConfig
 from pushkv.transports.nixl_testing import HostPool, NixlCluster
 from pushkv.transports.sidechannel import PeerCard, encode_card
@@ -185,3 +186,11 @@ def test_key_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         load_key(str(tmp_path / "missing"), "")
     cfg = NixlConfig(key_file=str(path))
     assert KEY.decode() not in repr(cfg)
+
+
+@pytest.mark.parametrize("name", ["reissue", "cancel", "prefill_aborted", "producer_killed",
+                                  "transfer_tp2-1", "transfer_tp1-2"])
+def test_conformance_with_a_key(pool: HostPool, keyed: NixlConfig, name: str) -> None:
+    """The protocol works unchanged over an authenticated side channel."""
+    fn, kwargs = testing.CHECKS[name]
+    fn(lambda topo: NixlCluster(topo, pool, keyed), **kwargs)
