@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy.typing as npt
 
 from .config import ConsumerConfig
-from .endpoint import Endpoint
+from .endpoint import Endpoint, Step
 from .errors import (
     ConfigError,
     LocalProtocolError,
@@ -491,6 +491,8 @@ class Consumer(Endpoint):
         if nxt in CONSUMER_FENCING and before not in CONSUMER_FENCING:
             self._schedule(t.cur.hard, t.key)
         out = self._effect(t, effect, inp, now, ranks, block_ids)
+        if self.trace is not None:
+            self.trace.append(Step(t.key, None, before, inp, effect, nxt, tuple(out)))
         # Derived inputs (rules 6 and 7), fed whichever input completed them.
         if t.state is CS.REGISTERED and t.cur.notified >= t.cur.expected:
             out += self._input(t, CI.ALL_NOTIFIED, now)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy.typing as npt
 
 from .config import ProducerConfig
-from .endpoint import Endpoint
+from .endpoint import Endpoint, Step
 from .errors import (
     ConfigError,
     LocalProtocolError,
@@ -99,6 +99,7 @@ class _Leg:
     reg: _Registration | None = None
     stash: _Registration | None = None
     writing: int | None = None  # attempt of the write in flight
+    refused: tuple[ProducerInput, FailReason, str] | None = None  # a write that may not start
 
 
 @dataclass(slots=True)
@@ -507,6 +508,7 @@ class Producer(Endpoint):
         *,
         reg: _Registration | None = None,
         cancel: int | None = None,
+        fail: tuple[FailReason, str] | None = None,
     ) -> list[Action]:
         try:
             effect, nxt = PRODUCER_TABLE[leg.state, inp]
@@ -520,8 +522,13 @@ class Producer(Endpoint):
         leg.state = nxt
         if nxt in (PS.EMPTY, PS.KV_READY, PS.GONE):
             leg.reg = None  # parked: no registration held
-        out = self._effect(t, leg, effect, now, _REASON.get(inp), reg, cancel, finished)
+        out = self._effect(t, leg, effect, now, fail or _REASON.get(inp), reg, cancel, finished)
         self._count_pending(before, leg.state)
+        if self.trace is not None:
+            self.trace.append(Step(t.key, leg.peer, before, inp, effect, nxt, tuple(out)))
+        if leg.refused is not None:  # the write just adopted may not start (rule 5)
+            refusal, leg.refused = leg.refused, None
+            out += self._input(t, leg, refusal[0], now, fail=refusal[1:])
         return out
 
     def _count_pending(self, before: ProducerState, after: ProducerState) -> None:
@@ -533,12 +540,15 @@ class Producer(Endpoint):
         leg: _Leg,
         effect: ProducerEffect,
         now: float,
-        reason: FailReason | None,
+        reason: FailReason | tuple[FailReason, str] | None,
         reg: _Registration | None,
         cancel: int | None,
         finished: int | None,
     ) -> list[Action]:
         key = t.key
+        detail = ""
+        if isinstance(reason, tuple):
+            reason, detail = reason
         if effect is PE.NONE:
             return []
         if effect is PE.STALE:  # counted by the caller, as stale or duplicate
@@ -567,7 +577,7 @@ class Producer(Endpoint):
         if effect is PE.FAIL:
             assert reason is not None
             failed = finished if finished is not None else leg.attempt
-            return [self._fail(leg.peer, key, failed, reason)]
+            return [self._fail(leg.peer, key, failed, reason, detail)]
         if effect is PE.FAIL_GONE:
             assert reg is not None
             leg.attempt = reg.attempt
@@ -597,17 +607,15 @@ class Producer(Endpoint):
         """Rendezvous reached (rule 1): plan and issue the write of ``leg.reg``."""
         reg = leg.reg
         assert reg is not None and t.kv is Kv.HELD
-        leg.writing = reg.attempt
         info = self._peers.get(leg.peer)
         if now > reg.deadline or t.expired or now >= t.lease or t.aborted:
             # Rule 5: never start after the window, nor after the source's lease
-            # (or the local request) ended.
+            # (or the local request) ended: the endpoint feeds WRITE_REFUSED.
             self.stats["write_refused_deadline"] += 1
-            leg.state = PS.EXPIRED
-            leg.writing = None
             why = (FailReason.PREFILL_ABORTED if t.aborted else FailReason.DEADLINE
                    if now > reg.deadline else FailReason.LEASE_EXPIRED)
-            return [self._fail(leg.peer, t.key, reg.attempt, why)]
+            leg.refused = (PI.WRITE_REFUSED, why, "")
+            return []
         try:
             if info is None:
                 raise PlanError("consumer rank left")
@@ -626,11 +634,10 @@ class Producer(Endpoint):
             )
         except (PlanError, ConfigError) as exc:
             self.stats["plan_failed"] += 1
-            leg.state, leg.writing = PS.FAILED, None
-            return [
-                self._fail(leg.peer, t.key, reg.attempt, FailReason.INVALID, exc.message)
-            ]
+            leg.refused = (PI.PLAN_FAILED, FailReason.INVALID, exc.message)
+            return []
         self.stats["writes_issued"] += 1
+        leg.writing = reg.attempt
         notify = Notify(
             transfer_id=t.transfer_id,
             attempt=reg.attempt,
@@ -693,8 +700,8 @@ class Producer(Endpoint):
         if t.kv is Kv.PENDING:
             self._orphans -= 1
         for leg in t.legs.values():
-            self._count_pending(leg.state, PS.DONE)
-            leg.state, leg.reg, leg.stash = PS.GONE, None, None
+            if leg.state is not PS.GONE:  # rule 4: every leg ends with the source
+                self._input(t, leg, PI.SOURCE_GONE, self._now)
         if t.kv is Kv.PENDING:
             t.kv = Kv.RELEASED  # never held here: a late prefill is released at once
         t.final = t.final or t.aborted
@@ -764,8 +771,8 @@ class Producer(Endpoint):
     def leg_state(
         self, transfer_id: str, peer: Peer, *, incarnation: int = 0
     ) -> ProducerState | None:
-        """State of a live leg (None once the transfer is forgotten)."""
-        t = self._transfers.get((transfer_id, incarnation))
+        """State of a leg (GONE once its transfer is forgotten, while remembered)."""
+        t = self._find((transfer_id, incarnation))
         leg = t.legs.get(peer) if t else None
         return leg.state if leg else None
 

@@ -107,6 +107,8 @@ class ProducerInput(enum.Enum):
     CANCEL_STALE = "CANCEL_STALE"  #: a cancel of an older attempt, or a repeated one
     REOPEN = "REOPEN"  #: a newer registration for a finished leg (rule 3)
     SOURCE_GONE = "SOURCE_GONE"  #: the transfer's source was released or aborted
+    WRITE_REFUSED = "WRITE_REFUSED"  #: rule 5: the window, the lease or the request ended
+    PLAN_FAILED = "PLAN_FAILED"  #: the registration cannot be planned against the source
 
 
 class ProducerEffect(enum.Enum):
@@ -197,15 +199,17 @@ PRODUCER_FINISHED = frozenset(_P_FINISHED)
 #: States in which a write of the leg may be in flight.
 PRODUCER_WRITING = frozenset(_P_WRITING)
 
+# Transfer-wide inputs reach every leg; a leg writing or finished ignores them
+# (a lease never cuts a write short; rule 4 releases after the write).
 _quiet_when_writing = {
     (s, i): (PE.NONE, s)
     for s in _P_WRITING
-    for i in (PI.KV_ABORTED, PI.LEASE_EXPIRED, PI.DEADLINE, PI.PEER_DIED)
+    for i in (PI.KV_ABORTED, PI.LEASE_EXPIRED, PI.PEER_DIED)
 }
-_quiet_when_terminal = {
+_quiet_when_finished = {
     (s, i): (PE.NONE, s)
-    for s in _P_TERMINAL
-    for i in (PI.KV_READY, PI.KV_ABORTED, PI.LEASE_EXPIRED, PI.DEADLINE, PI.PEER_DIED)
+    for s in _P_FINISHED
+    for i in (PI.KV_ABORTED, PI.LEASE_EXPIRED, PI.PEER_DIED)
 }
 _ack_when_terminal = {
     (s, i): (PE.ACK, s) for s in _P_TERMINAL for i in (PI.CANCEL, PI.PREEMPT)
@@ -217,10 +221,7 @@ _stale = {
 # Rule 3: reopen a finished leg as a new one would start; rule 4: when the
 # source goes, every leg that is not writing ends in GONE.
 _reopen = {(s, PI.REOPEN): (PE.NONE, P.EMPTY) for s in _P_FINISHED}
-_gone = {
-    (s, PI.SOURCE_GONE): (PE.NONE, P.GONE)
-    for s in (P.EMPTY, P.KV_READY, *_P_TERMINAL)
-}
+_gone = {(s, PI.SOURCE_GONE): (PE.NONE, P.GONE) for s in (P.KV_READY, *_P_FINISHED)}
 
 PRODUCER_TABLE: dict[
     tuple[ProducerState, ProducerInput], tuple[ProducerEffect, ProducerState]
@@ -247,6 +248,8 @@ PRODUCER_TABLE: dict[
     (P.KV_READY, PI.PEER_DIED): (PE.NONE, P.CANCELLED),
     (P.KV_READY, PI.READ_DONE): (PE.NONE, P.DONE),
     (P.WRITING, PI.WRITE_OK): (PE.NONE, P.DONE),
+    (P.WRITING, PI.WRITE_REFUSED): (PE.FAIL, P.EXPIRED),  # rule 5, found as it would start
+    (P.WRITING, PI.PLAN_FAILED): (PE.FAIL, P.FAILED),
     (P.WRITING, PI.WRITE_ERROR): (PE.FAIL, P.FAILED),
     (P.WRITING, PI.REGISTER): (PE.STASH, P.SUPERSEDED),  # rule 2: fence old first
     (P.WRITING, PI.CANCEL): (PE.ACK, P.CANCELLING),
@@ -274,12 +277,14 @@ PRODUCER_TABLE: dict[
     # Rule 5: the lease ended while an old write is in flight: the stash is
     # answered now, never written later.
     (P.SUPERSEDED, PI.LEASE_EXPIRED): (PE.FAIL_STASHED, P.WRITING),
-    **_quiet_when_terminal,
+    **_quiet_when_finished,
+    # A leg ended before prefill finished stays ended (its cancel or deadline came first).
+    (P.CANCELLED, PI.KV_READY): (PE.NONE, P.CANCELLED),
+    (P.EXPIRED, PI.KV_READY): (PE.NONE, P.EXPIRED),
     **_ack_when_terminal,
     **_stale,
     **_reopen,
     **_gone,
-    (P.REGISTERED, PI.SOURCE_GONE): (PE.FAIL, P.GONE),
     # A source that is gone answers every newer registration at once (rule 3),
     # and acknowledges every cancel, old or new, from memory.
     (P.GONE, PI.REGISTER): (PE.FAIL_GONE, P.GONE),
@@ -321,7 +326,6 @@ CONSUMER_TABLE: dict[
     (C.PREEMPTING, CI.REISSUE): (CE.ZOMBIFY_AND_REGISTER, C.REGISTERED),
     (C.PREEMPTING, CI.ABORT): (CE.CANCEL_ALL, C.CANCELLING),
     (C.PREEMPTING, CI.PREEMPT): (CE.NONE, C.PREEMPTING),
-    (C.PREEMPTING, CI.DEADLINE): (CE.NONE, C.PREEMPTING),
     (C.PREEMPTED, CI.REISSUE): (CE.REGISTER, C.REGISTERED),
     (C.PREEMPTED, CI.ABORT): (CE.FINAL_CANCEL_RELEASED, C.CANCELLED),
     (C.PREEMPTED, CI.PREEMPT): (CE.NONE, C.PREEMPTED),
@@ -330,12 +334,10 @@ CONSUMER_TABLE: dict[
     (C.CANCELLING, CI.HARD_DEADLINE): (CE.RELEASE_CANCELLED, C.CANCELLED),
     (C.CANCELLING, CI.ABORT): (CE.NONE, C.CANCELLING),
     (C.CANCELLING, CI.PREEMPT): (CE.NONE, C.CANCELLING),
-    (C.CANCELLING, CI.DEADLINE): (CE.NONE, C.CANCELLING),
     (C.FAILING, CI.FENCED): (CE.RELEASE_FAILED, C.FAILED),
     (C.FAILING, CI.HARD_DEADLINE): (CE.RELEASE_FAILED, C.FAILED),
     (C.FAILING, CI.ABORT): (CE.CANCEL_ALL, C.CANCELLING),
     (C.FAILING, CI.PREEMPT): (CE.NONE, C.FAILING),
-    (C.FAILING, CI.DEADLINE): (CE.NONE, C.FAILING),
 }
 
 
