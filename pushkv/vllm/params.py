@@ -38,6 +38,8 @@ MAX_ID_LEN = 256
 
 DISCOVER_KEY = "pushkv_discover"
 ENDPOINT_KEY = "pushkv_endpoint"
+#: In a consumer's discovery answer: its ``kv_load_failure_policy``.
+POLICY_KEY = "pushkv_policy"
 
 
 class ParamsError(ConfigError):
