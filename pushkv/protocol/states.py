@@ -86,6 +86,7 @@ class ProducerState(enum.Enum):
     CANCELLED = "CANCELLED"
     EXPIRED = "EXPIRED"
     FAILED = "FAILED"
+    GONE = "GONE"  #: the source is released or aborted: the leg answers from memory
 
 
 class ProducerInput(enum.Enum):
@@ -102,6 +103,10 @@ class ProducerInput(enum.Enum):
     LEASE_EXPIRED = "LEASE_EXPIRED"
     PEER_DIED = "PEER_DIED"  #: the transport lost the consumer engine
     READ_DONE = "READ_DONE"  #: pull: the consumer rank read its slice
+    REGISTER_STALE = "REGISTER_STALE"  #: a registration of an older (or the same) attempt
+    CANCEL_STALE = "CANCEL_STALE"  #: a cancel of an older attempt, or a repeated one
+    REOPEN = "REOPEN"  #: a newer registration for a finished leg (rule 3)
+    SOURCE_GONE = "SOURCE_GONE"  #: the transfer's source was released or aborted
 
 
 class ProducerEffect(enum.Enum):
@@ -119,6 +124,8 @@ class ProducerEffect(enum.Enum):
     FAIL_AND_WRITE_STASHED = "fail old+write stashed"
     ACK_STASHED_AND_STASH = "ack stashed+stash"
     FAIL_STASHED = "fail stashed"
+    STALE = "drop stale"  #: count the message, answer nothing
+    FAIL_GONE = "fail: source gone"  #: Fail(SOURCE_RELEASED or PREFILL_ABORTED)
 
 
 class ConsumerState(enum.Enum):
@@ -174,9 +181,13 @@ C, CI, CE = ConsumerState, ConsumerInput, ConsumerEffect
 
 # Tuples, not sets, where tables are built: the table order (and so the
 # generated docs) must not depend on hashing.
-_P_TERMINAL = (P.DONE, P.CANCELLED, P.EXPIRED, P.FAILED)
+_P_FINISHED = (P.DONE, P.CANCELLED, P.EXPIRED, P.FAILED)
+_P_TERMINAL = (*_P_FINISHED, P.GONE)
 _P_WRITING = (P.WRITING, P.SUPERSEDED, P.CANCELLING, P.PREEMPTING)
+_P_ALL = tuple(P)
 PRODUCER_TERMINAL = frozenset(_P_TERMINAL)
+#: Finished legs a newer registration may reopen (rule 3).
+PRODUCER_FINISHED = frozenset(_P_FINISHED)
 #: States in which a write of the leg may be in flight.
 PRODUCER_WRITING = frozenset(_P_WRITING)
 
@@ -192,6 +203,17 @@ _quiet_when_terminal = {
 }
 _ack_when_terminal = {
     (s, i): (PE.ACK, s) for s in _P_TERMINAL for i in (PI.CANCEL, PI.PREEMPT)
+}
+# Rule 2: stale and repeated messages are inputs too; they change nothing.
+_stale = {
+    (s, i): (PE.STALE, s) for s in _P_ALL for i in (PI.REGISTER_STALE, PI.CANCEL_STALE)
+}
+# Rule 3: reopen a finished leg as a new one would start; rule 4: when the
+# source goes, every leg that is not writing ends in GONE.
+_reopen = {(s, PI.REOPEN): (PE.NONE, P.EMPTY) for s in _P_FINISHED}
+_gone = {
+    (s, PI.SOURCE_GONE): (PE.NONE, P.GONE)
+    for s in (P.EMPTY, P.KV_READY, *_P_TERMINAL)
 }
 
 PRODUCER_TABLE: dict[
@@ -243,8 +265,19 @@ PRODUCER_TABLE: dict[
     # is failed; the old write carries on.
     (P.SUPERSEDED, PI.DEADLINE): (PE.FAIL_STASHED, P.WRITING),
     (P.SUPERSEDED, PI.KV_ABORTED): (PE.FAIL_STASHED, P.WRITING),
+    # Rule 5: the lease ended while an old write is in flight: the stash is
+    # answered now, never written later.
+    (P.SUPERSEDED, PI.LEASE_EXPIRED): (PE.FAIL_STASHED, P.WRITING),
     **_quiet_when_terminal,
     **_ack_when_terminal,
+    **_stale,
+    **_reopen,
+    **_gone,
+    (P.REGISTERED, PI.SOURCE_GONE): (PE.FAIL, P.GONE),
+    # A source that is gone answers every newer registration at once (rule 3),
+    # and acknowledges every cancel, old or new, from memory.
+    (P.GONE, PI.REGISTER): (PE.FAIL_GONE, P.GONE),
+    (P.GONE, PI.CANCEL_STALE): (PE.ACK, P.GONE),
 }
 
 CONSUMER_TERMINAL = frozenset({C.READY, C.CANCELLED, C.FAILED})

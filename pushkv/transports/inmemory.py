@@ -331,11 +331,13 @@ class InMemoryNetwork:
                 if isinstance(action, IssueWrite):
                     assert isinstance(node, ProducerNode)
                     node.apply(node.endpoint.write_completed(
-                        action.transfer_id, action.attempt, action.peer, ok, self.now))
+                        action.transfer_id, action.attempt, action.peer, ok, self.now,
+                        incarnation=action.incarnation))
                 else:
                     assert isinstance(node, ConsumerNode)
                     node.apply(node.endpoint.read_completed(
-                        action.transfer_id, action.attempt, action.peer, ok, self.now))
+                        action.transfer_id, action.attempt, action.peer, ok, self.now,
+                        incarnation=action.incarnation))
         elif item.kind == "death":
             node = self.node(item.dst)  # type: ignore[arg-type]
             if node is not None and node.alive:
@@ -360,7 +362,7 @@ class InMemoryNetwork:
         if dst is None or not dst.alive:
             self._complete(item, ok=False)
             return
-        self._check_destination(dst, a.transfer_id, a.attempt, a.plan)
+        self._check_destination(dst, a.transfer_id, a.incarnation, a.attempt, a.plan)
         copy_plan(a.plan, src.memory, dst.memory)
         self.stats["writes"] += 1
         self.stats["bytes"] += a.plan.nbytes
@@ -373,21 +375,22 @@ class InMemoryNetwork:
         src = self.producers.get(a.peer)
         if dst is None or not dst.alive:
             return
-        if src is None or not src.alive or a.transfer_id not in src.endpoint.held_blocks():
+        if src is None or not src.alive or (
+                (a.transfer_id, a.incarnation) not in src.endpoint.held()):
             self._complete(item, ok=False)
             return
-        self._check_destination(dst, a.transfer_id, a.attempt, a.plan)
+        self._check_destination(dst, a.transfer_id, a.incarnation, a.attempt, a.plan)
         copy_plan(a.plan, src.memory, dst.memory)
         self.stats["reads"] += 1
         self.stats["bytes"] += a.plan.nbytes
         self._complete(item, ok=True)
 
-    def _check_destination(self, dst: ConsumerNode, transfer_id: str, attempt: int,
+    def _check_destination(self, dst: ConsumerNode, transfer_id: str, inc: int, attempt: int,
                            plan: TransferPlan) -> None:
         lo = dst.info.layout
-        allowed = dst.endpoint.blocks_of(transfer_id, attempt)
+        allowed = dst.endpoint.blocks_of(transfer_id, attempt, incarnation=inc)
         for b in touched_blocks(plan, lo.stride, 1):
-            if dst.endpoint.lent_to(b) != transfer_id:
+            if dst.endpoint.lender(b) != (transfer_id, inc):
                 self.violations.append(
                     f"write of {transfer_id}#{attempt} lands in block {b} not lent to it")
             elif b not in allowed:

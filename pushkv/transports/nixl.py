@@ -20,7 +20,7 @@ Typical use on a decode rank::
 and on a prefill rank::
 
     rt = NixlRuntime(info, KVMemory.from_kv(k_caches, v_caches), role="producer")
-    advertise(rt.address)
+    advertise(rt.address)  # the port bound (a free one unless configured)
     rt.prefill_finished("req-1", block_ids, num_tokens)
     for ev in rt.poll():
         ...               # ReleaseSource: the blocks may be freed
@@ -35,8 +35,10 @@ from .nixl_config import NixlConfig
 from .nixl_memory import KVMemory
 from .runtime import NixlRuntime
 from .runtime_events import CallFailed, Event, PeerLost, RuntimeView
+from .sidechannel import SideChannelBindError
+from .sidechannel_auth import load_key
 
 __all__ = [
     "CallFailed", "Event", "KVMemory", "NixlConfig", "NixlRuntime", "PeerLost",
-    "RuntimeView", "load_nixl", "nixl_available",
+    "RuntimeView", "SideChannelBindError", "load_key", "load_nixl", "nixl_available",
 ]

@@ -26,9 +26,34 @@ class NixlConfig:
     )
     host: str = field(
         default="127.0.0.1",
-        metadata={"help": "interface the side channel binds to and advertises"},
+        metadata={"help": "interface the side channel binds to (0.0.0.0: all; then set "
+                  "advertise_host)"},
     )
-    port: int = field(default=0, metadata={"help": "side-channel TCP port; 0 picks a free one"})
+    port: int = field(
+        default=0,
+        metadata={"help": "side-channel TCP port; 0 (default) binds a free one. A configured "
+                  "port that is taken fails at start-up"},
+    )
+    advertise_host: str | None = field(
+        default=None,
+        metadata={"help": "host peers use to reach the side channel (None: host)"},
+    )
+    key_file: str = field(
+        default="",
+        metadata={"help": "file holding the shared side-channel key (at least 16 bytes, "
+                  "surrounding whitespace stripped); set, every side-channel frame is "
+                  "authenticated"},
+    )
+    key_env: str = field(
+        default="PUSHKV_SIDE_CHANNEL_KEY",
+        metadata={"help": "environment variable holding the key, read when key_file is "
+                  "empty; unset or empty: no key (frames are not authenticated)"},
+    )
+    key_window_s: float = field(
+        default=60.0,
+        metadata={"help": "with a key: how far a frame's timestamp may be from the "
+                  "receiver's clock (clock skew plus transit); older frames are dropped"},
+    )
     progress_thread: bool | None = field(
         default=None,
         metadata={"help": "run NIXL's progress thread, sleeping progress_delay_us between "
@@ -86,9 +111,12 @@ class NixlConfig:
         if self.control_channel not in ("side", "nixl"):
             raise ConfigError(f"control_channel must be side or nixl, not "
                               f"{self.control_channel!r}")
+        if self.host in ("0.0.0.0", "*", "::", "") and not self.advertise_host:
+            raise ConfigError(f"host {self.host!r} binds every interface: set advertise_host "
+                              "to the address peers use")
         if self.progress_delay_us < 0 or self.num_threads < 0 or not 0 <= self.port < 65536:
             raise ConfigError("progress_delay_us, num_threads and port must be >= 0")
         for name in ("active_poll_s", "idle_poll_s", "write_poll_s", "handshake_timeout_s",
-                     "write_timeout_s", "peer_confirm_s", "close_timeout_s"):
+                     "write_timeout_s", "peer_confirm_s", "close_timeout_s", "key_window_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

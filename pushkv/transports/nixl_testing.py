@@ -58,6 +58,7 @@ class _RankState:
         self.runtime = runtime
         self.memory = memory
         self.outcomes: dict[str, list[tuple[str, int]]] = {}
+        self.fail_codes: dict[str, list[str]] = {}  #: FailReason names, by transfer
         self.dst_released: Counter[tuple[str, int]] = Counter()
         self.src_released: Counter[str] = Counter()
         self.rejected = 0
@@ -70,6 +71,7 @@ class _RankState:
                 self.outcomes.setdefault(e.transfer_id, []).append(("ready", e.attempt))
             elif isinstance(e, TransferFailed):
                 self.outcomes.setdefault(e.transfer_id, []).append(("failed", e.attempt))
+                self.fail_codes.setdefault(e.transfer_id, []).append(e.code.name)
             elif isinstance(e, TransferCancelled):
                 self.outcomes.setdefault(e.transfer_id, []).append(("cancelled", e.attempt))
             elif isinstance(e, ReleaseDestination):
@@ -137,12 +139,16 @@ class _HostServer:
                 got = sum(st.drain() for st in self.ranks.values())
         out: dict[str, Any] = {"outcomes": {}, "src_released": {}, "dst_released": {},
                                "rejected": {}, "lent": {}, "held": {}, "errors": [],
-                               "stats": {}, "writes_in_flight": 0}
+                               "stats": {}, "writes_in_flight": 0, "transfers": {},
+                               "fail_codes": {}}
         for r, st in self.ranks.items():
             view = st.runtime.inspect()
             out["rejected"][r] = st.rejected
             out["errors"] += st.errors
             out["stats"][r] = view.stats
+            out["transfers"][r] = view.transfers
+            for tid, codes in st.fail_codes.items():
+                out["fail_codes"][r, tid] = list(codes)
             out["writes_in_flight"] += view.writes_in_flight
             if self.role == "consumer":
                 for tid, seen in st.outcomes.items():
@@ -279,9 +285,11 @@ class NixlCluster:
     """A :class:`~pushkv.transports.testing.Cluster` whose engines are real processes."""
 
     def __init__(self, topology: Topology, pool: HostPool, config: Any = None, *,
-                 connect: str = "eager") -> None:
-        """``connect``: ``"eager"`` (handshake before returning), ``"lazy"`` (addresses
-        given, handshake on first register) or ``"none"`` (see :meth:`connect`)."""
+                 connect: str = "eager", consumer_nixl: Any = None) -> None:
+        """``config``: the ranks' :class:`NixlConfig` (``consumer_nixl``: the consumer's,
+        if it differs). ``connect``: ``"eager"`` (handshake before returning),
+        ``"lazy"`` (addresses given, handshake on first register) or ``"none"`` (see
+        :meth:`connect`)."""
         self.topology = topology
         self._producer = pool.get("producer")
         self._consumer = pool.get("consumer")
@@ -293,8 +301,8 @@ class NixlCluster:
         self.producer_addresses: dict[int, str] = self._producer.call(
             "setup", topology, None, config, timeout_s=_SETUP_TIMEOUT)
         self.consumer_addresses: dict[int, str] = self._consumer.call(
-            "setup", topology, self.producer_addresses if connect == "eager" else None, config,
-            timeout_s=_SETUP_TIMEOUT)
+            "setup", topology, self.producer_addresses if connect == "eager" else None,
+            consumer_nixl if consumer_nixl is not None else config, timeout_s=_SETUP_TIMEOUT)
         if connect == "lazy":
             self.connect(self.producer_addresses)
 

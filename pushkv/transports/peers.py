@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,29 +40,6 @@ class Link:
     lost_since: float | None = None
     dead: bool = False
     said_goodbye: bool = False
-
-
-@dataclass(slots=True)
-class Pending:
-    """A registration waiting for its producer engine's handshake."""
-
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    first_token: int
-    preempted: bool = False
-
-
-@dataclass(slots=True)
-class RemoteEngine:
-    """A producer engine a consumer rank contacts, and its handshake."""
-
-    engine_id: str
-    addresses: dict[int, str]
-    state: str = "new"  # new | handshaking | ready | failed | dead
-    deadline: float = float("inf")
-    answered: set[int] = field(default_factory=set)
-    pending: dict[str, Pending] = field(default_factory=dict)
-    error: str = ""
 
 
 def parse_addresses(addresses: Mapping[int, str] | Sequence[str]) -> dict[int, str]:
@@ -99,12 +76,13 @@ class PeerTable:
         self.by_peer: dict[Peer, Link] = {}
         self.by_agent: dict[str, Link] = {}
 
-    def link(self, address: str) -> Link:
-        """The link to ``address``, connecting on first use."""
+    def link(self, address: str, dest: str) -> Link:
+        """The link to ``address`` (a rank whose identity is ``dest``), connecting on
+        first use."""
         link = self.links.get(address)
         if link is None:
             link = self.links[address] = Link(address)
-            self._side.open(address)
+        self._side.open(address, dest)
         return link
 
     def install(self, link: Link, peer: Peer, card: PeerCard) -> None:

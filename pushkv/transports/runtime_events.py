@@ -57,3 +57,4 @@ class RuntimeView:
     stats: dict[str, int]
     #: producer: the last writes, newest last (timings of preparation and posting)
     recent_writes: tuple[WriteResult, ...] = ()
+    transfers: int = 0  #: transfers the endpoint tracks

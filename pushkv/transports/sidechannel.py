@@ -14,7 +14,16 @@ message ``[kind, body]``:
   write either: a runtime says goodbye after its writer stopped).
 
 Everything received is untrusted: a frame with the wrong shape or an unknown
-kind comes back as :data:`GARBAGE` for the caller to count and drop.
+kind comes back as :data:`GARBAGE` for the caller to count and drop. With a
+shared key (:class:`~.sidechannel_auth.SideKey`), every frame carries a third
+part, an HMAC tag bound to the destination rank, a per-connection session and
+counter, and a timestamp; frames that fail are dropped here and only counted
+(:attr:`SideChannel.auth_dropped`), so they reach no handler.
+
+Ports: the ``PULL`` socket binds the configured port, or a free (ephemeral)
+one when it is 0; :attr:`SideChannel.address` is the address peers must use.
+A port that cannot be bound raises :class:`SideChannelBindError`, one line
+naming the setting.
 
 Liveness: each ``PUSH`` socket has a zmq monitor. When a peer's process dies
 the kernel closes its socket, the connection drops, and reconnection is
@@ -37,7 +46,8 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ..protocol.errors import DecodeError
+from ..protocol.errors import ConfigError, DecodeError
+from .sidechannel_auth import FAILED, SideKey, Signer, Verifier
 
 HELLO: Final = b"H"
 CONTROL: Final = b"C"
@@ -83,10 +93,26 @@ def decode_card(body: bytes) -> PeerCard:
     return card
 
 
+class SideChannelBindError(ConfigError):
+    """The side channel cannot bind its configured address (port taken, host not local)."""
+
+    def __init__(self, host: str, port: int, setting: str, why: str) -> None:
+        hint = "; 0 picks a free port" if setting == "port" else ""
+        super().__init__(f"side channel cannot bind tcp://{host}:{port}: {why} "
+                         f"(setting: {setting}{hint})")
+        self.host, self.port, self.setting = host, port, setting
+
+
+def replace_card(card: PeerCard, **changes: object) -> PeerCard:
+    """A copy of ``card`` with some fields changed."""
+    return msgspec.structs.replace(card, **changes)
+
+
 @dataclass(slots=True)
 class _Out:
     socket: zmq.Socket[bytes]
     monitor: zmq.Socket[bytes]
+    signer: Signer | None
 
 
 _UP = zmq.EVENT_CONNECTED
@@ -96,18 +122,31 @@ _DOWN = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 class SideChannel:
     """One rank's side-channel sockets."""
 
-    def __init__(self, host: str, port: int = 0) -> None:
+    def __init__(self, host: str, port: int = 0, *, advertise_host: str | None = None,
+                 key: SideKey | None = None, me: str = "") -> None:
+        """Bind ``host:port`` (0: a free port). ``advertise_host``: the host peers
+        use (default ``host``). ``key``: authenticate every frame; ``me`` is this
+        rank's identity (``engine_id/rank``), which frames sent to it are bound to."""
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         try:
             self._pull.bind(f"tcp://{host}:{port or '*'}")
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             self._pull.close()
             self._ctx.term()
-            raise
-        self.address: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+            setting = "port" if exc.errno == zmq.EADDRINUSE else "host"
+            why = (exc.strerror or str(exc)).split(" (addr=")[0].lower()
+            raise SideChannelBindError(host, port, setting, why) from None
+        bound = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        #: The bound port (the configured one, or the free one picked).
+        self.port: int = int(bound.rsplit(":", 1)[1])
+        #: The address peers must use to reach this rank.
+        self.address: str = (f"tcp://{advertise_host}:{self.port}" if advertise_host
+                             else bound)
+        self._key = key
+        self._verifier: Verifier | None = key.verifier(me) if key is not None else None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -127,9 +166,19 @@ class SideChannel:
 
     # ------------------------------------------------------------ owner only
 
-    def open(self, address: str) -> None:
-        """Start connecting to a peer (idempotent)."""
-        if address in self._out:
+    @property
+    def auth_dropped(self) -> dict[str, int]:
+        """Frames dropped by authentication, by reason (empty without a key)."""
+        return dict(self._verifier.dropped) if self._verifier is not None else {}
+
+    def open(self, address: str, dest: str) -> None:
+        """Start connecting to a peer rank whose identity is ``dest`` (``engine_id/rank``).
+
+        Idempotent; a new ``dest`` for an open address re-keys its frames."""
+        out = self._out.get(address)
+        if out is not None:
+            if self._key is not None and out.signer is not None and out.signer.dest != dest:
+                out.signer = self._key.signer(dest)
             return
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
@@ -138,7 +187,8 @@ class SideChannel:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         monitor = sock.get_monitor_socket(_UP | _DOWN)
         sock.connect(address)
-        self._out[address] = _Out(sock, monitor)
+        self._out[address] = _Out(sock, monitor,
+                                  self._key.signer(dest) if self._key is not None else None)
         self._by_monitor[monitor] = address
         self._poller.register(monitor, zmq.POLLIN)
 
@@ -148,8 +198,11 @@ class SideChannel:
         if out is None:
             self.dropped += 1
             return False
+        parts: tuple[bytes, ...] = (kind, body)
+        if out.signer is not None:
+            parts = (kind, body, out.signer.sign(kind, body))
         try:
-            out.socket.send_multipart((kind, body), flags=zmq.NOBLOCK, copy=len(body) < 65536)
+            out.socket.send_multipart(parts, flags=zmq.NOBLOCK, copy=len(body) < 65536)
         except zmq.ZMQError:
             self.dropped += 1
             return False
@@ -191,7 +244,16 @@ class SideChannel:
                     parts = self._pull.recv_multipart(flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if len(parts) == 2 and parts[0] in KINDS:
+                verifier = self._verifier
+                if verifier is not None:  # authenticated: drop (and count) what fails
+                    if len(parts) != 3:
+                        verifier.dropped[FAILED] += 1
+                    elif verifier.check(parts[0], parts[1], parts[2]):
+                        if parts[0] in KINDS:
+                            frames.append((parts[0], parts[1]))
+                        else:  # authentic but unknown: the peer's bug, not an attack
+                            frames.append((GARBAGE, parts[1][:1024]))
+                elif len(parts) == 2 and parts[0] in KINDS:
                     frames.append((parts[0], parts[1]))
                 else:
                     frames.append((GARBAGE, b"".join(parts)[:1024]))

@@ -163,7 +163,7 @@ def test_heartbeats_list_live_transfers(two_writers):
     beats = msgs(out, Heartbeat)
     assert {b.rank for b in beats} == {0}  # sent from this rank...
     assert len(beats) == 2  # ...to both producer ranks
-    assert beats[0].transfers == (("a", 0), ("b", 0))
+    assert beats[0].transfers == (("a", 0, 0), ("b", 0, 0))
 
 
 def test_producer_death_fails_the_transfer(two_writers):

@@ -15,7 +15,8 @@ pytest.importorskip("zmq", reason="pyzmq is not installed")
 
 from pushkv.protocol import ConfigError, TransferReady, uniform_ranks
 from pushkv.transports.inmemory import region_memory
-from pushkv.transports.nixl import CallFailed, NixlRuntime
+from pushkv.transports.nixl import CallFailed, NixlConfig, NixlRuntime
+from pushkv.transports.sidechannel import SideChannelBindError
 
 pytestmark = pytest.mark.nixl
 
@@ -99,3 +100,38 @@ def test_idle_runtimes_do_not_spin(pair) -> None:  # type: ignore[no-untyped-def
     threading.Event().wait(1.0)  # idle on purpose: this measures idle CPU
     cores = (time.process_time() - cpu0) / (time.monotonic() - wall0)
     assert cores < 0.15, f"idle runtimes use {cores:.2f} cores"
+
+
+def test_ranks_on_one_host_bind_free_ports_by_default(pair) -> None:  # type: ignore[no-untyped-def]
+    """Default settings: every runtime binds its own free port and says which."""
+    prod, cons, _, _ = pair
+    assert prod.port != cons.port and prod.port > 0 and cons.port > 0
+    assert prod.address == f"tcp://127.0.0.1:{prod.port}"
+    assert cons.address == f"tcp://127.0.0.1:{cons.port}"
+
+
+def test_a_taken_port_fails_at_start_naming_the_setting(pair) -> None:  # type: ignore[no-untyped-def]
+    prod, _, _, _ = pair
+    info = uniform_ranks("decode-1")[0]
+    with pytest.raises(SideChannelBindError) as err:
+        NixlRuntime(info, region_memory(info.layout), role="consumer",
+                    config=NixlConfig(port=prod.port))
+    line = str(err.value)
+    assert "\n" not in line and "address already in use" in line, line
+    assert "setting: port" in line and str(prod.port) in line, line
+    assert err.value.setting == "port" and isinstance(err.value, ConfigError)
+    with pytest.raises(SideChannelBindError, match="setting: host"):
+        NixlRuntime(info, region_memory(info.layout), role="consumer",
+                    config=NixlConfig(host="192.0.2.1"))  # not an address of this host
+
+
+def test_bind_every_interface_and_advertise_one() -> None:
+    with pytest.raises(ConfigError, match="advertise_host"):
+        NixlConfig(host="0.0.0.0")
+    info = uniform_ranks("decode-2")[0]
+    rt = NixlRuntime(info, region_memory(info.layout), role="consumer",
+                     config=NixlConfig(host="0.0.0.0", advertise_host="127.0.0.1"))
+    try:
+        assert rt.address == f"tcp://127.0.0.1:{rt.port}"
+    finally:
+        rt.close()

@@ -1,0 +1,586 @@
+"""The I/O thread of a :class:`~.runtime.NixlRuntime`: the only thread that
+touches the protocol endpoint, the side channel and the peer table.
+
+It does I/O and nothing else: every protocol decision is the endpoint's
+(:class:`~pushkv.protocol.Producer` / :class:`~pushkv.protocol.Consumer`); the
+loop feeds it inputs (engine commands, decoded frames, notifications, write
+completions, timers, handshake outcomes, peer deaths) and carries out the
+actions it returns (send a message, post a write) or passes them to the
+engine thread as events. The card exchange with producer engines is the table
+of :mod:`.runtime_handshake`.
+
+One pass of the loop: wait in ``zmq.Poller.poll`` (side channel, liveness
+monitors, wake-up pipe) until the earliest deadline, then run queued commands,
+received frames, link transitions, write completions, the notification poll,
+the endpoint's timers and the handshake and liveness deadlines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..protocol import (
+    Action,
+    Consumer,
+    DecodeError,
+    FailReason,
+    Hello,
+    IssueRead,
+    IssueWrite,
+    Peer,
+    Producer,
+    PushKVError,
+    RankInfo,
+    Rejected,
+    SendMessage,
+    TransferFailed,
+    TransferReady,
+    ValidationError,
+    decode,
+    encode,
+)
+from ..protocol.errors import ConfigError, RemoteProtocolError
+from ..protocol.events import Publish, sender_of
+from ..protocol.messages import Notify
+from . import runtime_commands as cmd
+from . import sidechannel as sc
+from .nixl_agent import Agent, nixl_status
+from .nixl_memory import KVMemory, bind_device
+from .nixl_writer import WriteJob, Writer, WriteResult
+from .peers import Link, PeerTable, card_problem
+from .runtime_events import CallFailed, Event, PeerLost, RuntimeView
+from .runtime_handshake import Effect, HandshakeInput, Handshakes, RemoteEngine
+from .runtime_pending import PendingRegistrations
+from .sidechannel_auth import identity
+
+if TYPE_CHECKING:
+    from .nixl_config import NixlConfig
+
+log = logging.getLogger(__name__)
+
+
+class IOLoop:
+    """Runs one rank's I/O thread. The engine thread only calls :meth:`submit`,
+    :meth:`take_events`, :meth:`wait_events` and :meth:`stats`."""
+
+    def __init__(self, endpoint: Producer | Consumer, agent: Agent, side: sc.SideChannel,
+                 memory: KVMemory, card: sc.PeerCard, config: NixlConfig, *,
+                 authenticated: bool, handshake_timeout_s: float, name: str) -> None:
+        self.config = config
+        self._endpoint = endpoint
+        self._agent = agent
+        self._side = side
+        self._memory = memory
+        self._card = card
+        self._authenticated = authenticated
+        self.role = "producer" if isinstance(endpoint, Producer) else "consumer"
+        # engine thread -> I/O thread
+        self._commands: deque[cmd.Command] = deque()
+        self._completions: deque[WriteResult] = deque()
+        self._recent: deque[WriteResult] = deque(maxlen=256)
+        # I/O thread -> engine thread
+        self._events: deque[Event] = deque()
+        self._events_cv = threading.Condition()
+        self._idle = False  # the I/O thread is (about to be) waiting
+        self._woken = False  # a wake-up byte is on its way
+        self.closed = threading.Event()
+        # I/O thread state
+        self._stats: Counter[str] = Counter()
+        self._stats_view: dict[str, int] = {}
+        self._peers = PeerTable(side, agent, config.peer_confirm_s)
+        self.handshakes = Handshakes(handshake_timeout_s)
+        self._pending = PendingRegistrations()
+        self._writes = 0
+        self._next_notif = 0.0
+        self._writer: Writer | None = None
+        if self.role == "producer":
+            self._writer = Writer(agent, memory, poll_s=config.write_poll_s,
+                                  timeout_s=config.write_timeout_s, on_done=self._write_done,
+                                  name=f"pushkv-writer-{name}")
+        self._handlers: dict[type[Any], Callable[[Any, float], None]] = {
+            cmd.Connect: self._connect,
+            cmd.PrefillFinished: self._prefill_finished,
+            cmd.PrefillAborted: self._prefill_aborted,
+            cmd.Register: self._register,
+            cmd.Preempt: self._preempt,
+            cmd.Reissue: self._reissue,
+            cmd.Abort: self._abort,
+            cmd.Inspect: self._inspect,
+            cmd.Inject: self._inject,
+        }
+        self.thread = threading.Thread(target=self._run, name=f"pushkv-io-{name}", daemon=True)
+        self.thread.start()
+
+    # ================================================ engine-thread side
+
+    def submit(self, command: cmd.Command) -> None:
+        self._commands.append(command)
+        if self._idle and not self._woken:
+            self._wake()
+
+    def _wake(self) -> None:
+        """Interrupt the I/O thread's wait, only if it waits and nobody woke it yet.
+
+        The I/O thread sets ``_idle`` *before* it looks at its queues one last
+        time, and callers append *before* they read ``_idle``, so either the
+        caller sees it idle and wakes it, or the I/O thread sees the new item.
+        """
+        if self._idle and not self._woken:
+            self._woken = True
+            self._side.wake()
+
+    def take_events(self) -> list[Event]:
+        events = self._events
+        out = []
+        while events:
+            out.append(events.popleft())
+        return out
+
+    def wait_events(self, timeout_s: float) -> bool:
+        with self._events_cv:
+            return self._events_cv.wait_for(lambda: bool(self._events) or self.closed.is_set(),
+                                            timeout_s)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats_view)
+
+    # ======================================================== the thread
+
+    def _run(self) -> None:
+        side = self._side
+        try:
+            try:
+                bind_device(self._memory)  # peers' metadata is loaded on this thread
+            except Exception:
+                log.exception("cannot make the CUDA device current on the I/O thread")
+            while True:
+                self._idle = True
+                frames, links = side.poll(self._timeout(time.monotonic()))
+                self._idle = self._woken = False
+                now = time.monotonic()
+                had_commands = bool(self._commands)
+                if self._drain_commands(now):
+                    break
+                if had_commands and self._live():  # a new transfer: poll at the live rate now
+                    self._next_notif = min(self._next_notif, now + self.config.active_poll_s)
+                for kind, body in frames:
+                    self._guard(self._on_frame, kind, body, now)
+                for what, address in links:
+                    self._guard(self._peers.transition, what, address, now)
+                self._drain_completions(now)
+                if now >= self._next_notif:
+                    # A producer skips the poll while writing: NIXL's lock is held by
+                    # the writer for the whole of a synchronous post, and this thread
+                    # must stay free for the side channel.
+                    if not (self._writer is not None and self._writes):
+                        self._guard(self._poll_notifications, now)
+                    self._next_notif = now + (self.config.active_poll_s if self._live()
+                                              else self.config.idle_poll_s)
+                deadline = self._endpoint.next_deadline()
+                if deadline is not None and deadline <= now:
+                    self._guard(self._timers, now)
+                self._guard(self._check_deadlines, now)
+                self._publish_stats()
+        except BaseException:  # pragma: no cover - a bug; never die silently
+            log.exception("pushkv I/O thread crashed")
+            self._stats["crashed"] += 1
+        finally:
+            self._shutdown()
+
+    def _timers(self, now: float) -> None:
+        self._apply(self._endpoint.handle_timer(now), now)
+
+    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run one handler; a bug in it is logged and counted, the loop goes on."""
+        try:
+            fn(*args)
+        except Exception:
+            self._stats["internal_errors"] += 1
+            log.exception("pushkv runtime handler failed")
+
+    def _timeout(self, now: float) -> float:
+        if self._completions or self._commands:
+            return 0.0
+        until = min(self._next_notif, self.handshakes.next_deadline(),
+                    self._peers.next_deadline())
+        d = self._endpoint.next_deadline()
+        if d is not None:
+            until = min(until, d)
+        return max(0.0, until - now)
+
+    def _live(self) -> bool:
+        return self._endpoint.num_transfers > 0 or self._writes > 0 or bool(self._pending)
+
+    def _emit(self, event: Event) -> None:
+        with self._events_cv:
+            self._events.append(event)
+            self._events_cv.notify_all()
+
+    def _publish_stats(self) -> None:
+        stats = self._stats
+        stats["dropped_frames"] = self._side.dropped
+        for reason, n in self._side.auth_dropped.items():  # totals, not increments
+            stats[reason] = n
+        self._stats_view = dict(stats)
+
+    # ------------------------------------------------------------ commands
+
+    def _drain_commands(self, now: float) -> bool:
+        """Run queued engine-thread commands; True when asked to close."""
+        commands = self._commands
+        while commands:
+            command = commands.popleft()
+            if type(command) is cmd.Close:
+                return True
+            try:
+                self._handlers[type(command)](command, now)
+            except PushKVError as exc:
+                self._emit(CallFailed(operation=command.operation,
+                                      transfer_id=getattr(command, "transfer_id", None),
+                                      error=str(exc)))
+            except Exception as exc:
+                self._stats["internal_errors"] += 1
+                log.exception("pushkv command %s failed", command.operation)
+                self._emit(CallFailed(operation=command.operation, transfer_id=None,
+                                      error=repr(exc)))
+        return False
+
+    def _producer(self) -> Producer:
+        if not isinstance(self._endpoint, Producer):
+            raise ConfigError("this runtime is a consumer")
+        return self._endpoint
+
+    def _consumer(self) -> Consumer:
+        if not isinstance(self._endpoint, Consumer):
+            raise ConfigError("this runtime is a producer")
+        return self._endpoint
+
+    def _prefill_finished(self, c: cmd.PrefillFinished, now: float) -> None:
+        self._apply(self._producer().prefill_finished(c.transfer_id, c.block_ids, c.num_tokens,
+                                                      now), now)
+
+    def _prefill_aborted(self, c: cmd.PrefillAborted, now: float) -> None:
+        self._apply(self._producer().prefill_aborted(c.transfer_id, now), now)
+
+    def _connect(self, c: cmd.Connect, now: float) -> None:
+        self._consumer()
+        eng = self.handshakes.connect(c.engine_id, c.addresses)
+        if c.eager:
+            self._start_handshake(eng, now)
+
+    def _register(self, c: cmd.Register, now: float) -> None:
+        consumer = self._consumer()
+        eng = self.handshakes.engines.get(c.producer_engine_id)
+        if eng is None:
+            raise ConfigError(f"no address for producer engine {c.producer_engine_id!r}: "
+                              "call connect()", transfer_id=c.transfer_id)
+        if c.producer_engine_id in self.handshakes.ready:
+            self._apply(consumer.register(c.transfer_id, c.producer_engine_id, c.block_ids,
+                                          c.num_tokens, now, c.first_token), now)
+            return
+        if consumer.state_of(c.transfer_id) is not None:
+            raise ConfigError("transfer already registered", transfer_id=c.transfer_id)
+        self._apply(self._pending.hold(c, now), now)
+        self._start_handshake(eng, now)
+
+    def _preempt(self, c: cmd.Preempt, now: float) -> None:
+        if c.transfer_id in self._pending:
+            self._apply(self._pending.preempt(c.transfer_id), now)
+        else:
+            self._apply(self._consumer().preempt(c.transfer_id, now), now)
+
+    def _reissue(self, c: cmd.Reissue, now: float) -> None:
+        if c.transfer_id in self._pending:
+            self._apply(self._pending.reissue(self._consumer(), c, self.handshakes.ready, now),
+                        now)
+        else:
+            self._apply(self._consumer().reissue(c.transfer_id, c.block_ids, now), now)
+
+    def _abort(self, c: cmd.Abort, now: float) -> None:
+        if c.transfer_id in self._pending:
+            self._apply(self._pending.abort(c.transfer_id), now)
+        else:
+            self._apply(self._consumer().abort(c.transfer_id, now), now)
+
+    def _inspect(self, c: cmd.Inspect, now: float) -> None:
+        ep = self._endpoint
+        self._publish_stats()
+        c.reply.set_result(RuntimeView(
+            lent=dict(ep.lent_blocks()) if isinstance(ep, Consumer) else {},
+            held=ep.held_blocks() if isinstance(ep, Producer) else {},
+            pending=self._pending.blocks(),
+            ready_engines=tuple(sorted(self.handshakes.ready)),
+            writes_in_flight=self._writes,
+            stats=dict(self._stats_view),
+            recent_writes=tuple(self._recent),
+            transfers=ep.num_transfers,
+        ))
+
+    def _inject(self, c: cmd.Inject, now: float) -> None:
+        link = self._peers.by_peer.get(c.peer)
+        if link is None:
+            raise ConfigError(f"no handshake with {c.peer}")
+        if c.channel == "notify":
+            assert link.agent_name is not None
+            self._agent.notify(link.agent_name, c.frame)
+        else:
+            self._side.send(link.address, sc.CONTROL, c.frame)
+
+    # ------------------------------------------------------------- actions
+
+    def _apply(self, actions: list[Action], now: float) -> None:
+        for a in actions:
+            if isinstance(a, SendMessage):
+                self._send(a.peer, encode(a.message))
+            elif isinstance(a, IssueWrite):
+                self._issue(a)
+            elif isinstance(a, Rejected):
+                self._stats["rejected"] += 1
+                self._emit(a)
+            elif isinstance(a, IssueRead | Publish):  # pragma: no cover - pull is not wired
+                raise ConfigError("this runtime moves KV by push only")
+            else:
+                if isinstance(a, TransferFailed):
+                    self._stats["failed"] += 1
+                elif isinstance(a, TransferReady):
+                    self._stats["ready"] += 1
+                self._emit(a)
+
+    def _send(self, peer: Peer, frame: bytes) -> None:
+        link = self._peers.by_peer.get(peer)
+        if link is None or link.dead:
+            self._stats["unroutable"] += 1
+            return
+        if self.config.control_channel == "nixl" and link.agent_name is not None:
+            try:
+                self._agent.notify(link.agent_name, frame)
+                return
+            except Exception:
+                self._stats["notif_send_failed"] += 1
+        self._side.send(link.address, sc.CONTROL, frame)
+
+    def _issue(self, a: IssueWrite) -> None:
+        link = self._peers.by_peer.get(a.peer)
+        writer = self._writer
+        self._writes += 1
+        if link is None or link.dead or link.bases is None or writer is None:
+            self._completions.append(WriteResult(
+                transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, ok=False,
+                error="peer unknown or gone"))
+            return
+        assert link.agent_name is not None
+        writer.submit(WriteJob(
+            transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, plan=a.plan,
+            notif=encode(a.notify), remote_agent=link.agent_name, remote_bases=link.bases,
+            remote_kind="VRAM" if link.kind == "VRAM" else "DRAM", remote_device=link.device,
+        ))
+
+    def _write_done(self, result: WriteResult) -> None:  # writer thread
+        self._completions.append(result)
+        self._wake()
+
+    def _drain_completions(self, now: float) -> None:
+        producer = self._endpoint
+        while self._completions:
+            r = self._completions.popleft()
+            self._writes -= 1
+            self._recent.append(r)
+            if r.ok:
+                self._stats["writes_ok"] += 1
+                self._stats["bytes_written"] += r.nbytes
+            else:
+                self._stats["writes_failed"] += 1
+                log.info("write of %s#%d to %s failed: %s", r.transfer_id, r.attempt, r.peer,
+                         r.error)
+            assert isinstance(producer, Producer)
+            self._guard(lambda r=r: self._apply(
+                producer.write_completed(r.transfer_id, r.attempt, r.peer, r.ok, now), now))
+
+    # --------------------------------------------------- incoming traffic
+
+    def _on_frame(self, kind: bytes, body: bytes, now: float) -> None:
+        if kind == sc.CONTROL:
+            self._stats["control_frames"] += 1
+            self._receive(body, None, now)
+        elif kind == sc.HELLO:
+            self._on_card(body, now)
+        elif kind == sc.BYE:
+            if not self._peers.goodbye(body.decode("utf-8", "replace"), now):
+                self._reject(None, "goodbye from an unknown address")
+        else:
+            self._reject(None, "malformed side-channel message")
+
+    def _reject(self, peer: Peer | None, why: str, cls: type[RemoteProtocolError] = DecodeError
+                ) -> None:
+        self._stats["rejected"] += 1
+        self._emit(Rejected(peer=peer, error=cls(why)))
+
+    def _poll_notifications(self, now: float) -> None:
+        for sender, frame in self._agent.notifications():
+            self._stats["notifications"] += 1
+            self._receive(frame, sender, now)
+
+    def _receive(self, frame: bytes, agent: str | None, now: float) -> None:
+        """One control frame or notification for the endpoint.
+
+        ``Hello`` is refused here: peers are introduced only by their card,
+        which carries the memory and NIXL metadata the transport checks. A
+        NIXL notification must come from the agent of the rank it names; with a
+        key, only write notifications may come that way (NIXL's channel is
+        not authenticated).
+        """
+        try:
+            msg = decode(frame)
+        except DecodeError:
+            self._apply(self._endpoint.receive_bytes(frame, now), now)  # counts and rejects
+            return
+        claimed = sender_of(msg)
+        if isinstance(msg, Hello):
+            self._reject(claimed, "Hello outside a handshake card", ValidationError)
+            return
+        if agent is not None:
+            if self._authenticated and not isinstance(msg, Notify):
+                self._stats["auth_unprotected"] += 1  # dropped: no state change, no event
+                return
+            link = self._peers.by_agent.get(agent)
+            if link is None or link.peer != claimed:
+                self._reject(claimed, f"notification from agent {agent!r} claims to be "
+                             f"{claimed}", ValidationError)
+                return
+        self._apply(self._endpoint.receive(msg, now), now)
+
+    # ----------------------------------------------------------- handshake
+
+    def _start_handshake(self, eng: RemoteEngine, now: float) -> None:
+        if self.handshakes.fire(eng, HandshakeInput.START, now) is not Effect.SEND_CARDS:
+            return
+        self._stats["handshakes_started"] += 1
+        body = sc.encode_card(self._card)
+        for rank, address in eng.addresses.items():
+            link = self._peers.links.get(address)
+            if link is not None and link.dead:  # a fresh attempt at an address that died
+                self._peers.forget(link)
+            link = self._peers.link(address, identity(eng.engine_id, rank))
+            self._side.send(address, sc.HELLO, body)
+
+    def _on_card(self, body: bytes, now: float) -> None:
+        try:
+            card = sc.decode_card(body)
+            hello = decode(card.hello)
+            if not isinstance(hello, Hello):
+                raise DecodeError("handshake card without a Hello")
+        except DecodeError as exc:
+            self._reject(None, exc.message)
+            return
+        info = hello.info
+        peer = Peer(info.engine_id, info.rank)
+        error = card.error or self._accept(card, info)
+        if error:
+            self._reject(peer, f"handshake with {peer} failed: {error}", ValidationError)
+        if not card.reply:  # answer, with our refusal if any
+            link = self._peers.link(card.address, identity(info.engine_id, info.rank))
+            self._side.send(link.address, sc.HELLO,
+                            sc.encode_card(sc.replace_card(self._card, reply=True, error=error)))
+            return
+        why = f"handshake with {peer} refused: {error}"
+        eng, effect = self.handshakes.answer(info, card.address, not error, now, why)
+        if effect is Effect.STALE or eng is None:
+            self._stats["stale_cards"] += 1
+        elif effect is Effect.READY:
+            self._engine_ready(eng, now)
+        elif effect is Effect.FAIL:
+            self._engine_failed(eng, now)
+
+    def _accept(self, card: sc.PeerCard, info: RankInfo) -> str:
+        """Validate and install a peer's card; returns an error text or ''."""
+        # Order matters: the endpoint learns the peer last, once everything else
+        # accepted it, so a refused card never lets the peer's messages through.
+        problem = card_problem(card, info)
+        if problem:
+            return problem
+        if (self.role == "producer") == card.reply:
+            return f"a {self.role} does not pair with this peer"
+        try:
+            name = self._agent.add_peer(card.agent_metadata)
+        except Exception as exc:
+            return f"NIXL refused the agent metadata ({nixl_status(exc)})"
+        try:
+            if name != card.agent_name:
+                raise ConfigError(f"NIXL metadata names agent {name!r}, card {card.agent_name!r}")
+            self._endpoint.add_peer(info)
+        except PushKVError as exc:
+            if self._peers.by_agent.get(name) is None:
+                with contextlib.suppress(Exception):
+                    self._agent.remove_peer(name)
+            return exc.message
+        peer = Peer(info.engine_id, info.rank)
+        self._peers.install(self._peers.link(card.address, identity(*peer)), peer, card)
+        self._stats["peers_accepted"] += 1
+        if self.role == "producer":
+            with contextlib.suppress(Exception):
+                self._agent.connect(card.agent_name)
+        return ""
+
+    def _engine_ready(self, eng: RemoteEngine, now: float) -> None:
+        self._stats["handshakes_done"] += 1
+        self._apply(self._pending.engine_ready(self._consumer(), eng.engine_id, now), now)
+
+    def _engine_failed(self, eng: RemoteEngine, now: float) -> None:
+        self._stats["handshakes_failed"] += 1
+        log.warning("%s", eng.error)
+        self._apply(self._pending.engine_failed(
+            eng.engine_id, eng.error, FailReason.WRITE_FAILED,
+            self._consumer().config.policy), now)
+
+    # ------------------------------------------------------------ liveness
+
+    def _check_deadlines(self, now: float) -> None:
+        for eng in self.handshakes.expired(now):
+            missing = sorted(set(eng.addresses) - eng.answered)
+            why = (f"handshake with {eng.engine_id!r} timed out (ranks {missing} did not "
+                   "answer)")
+            if self.handshakes.fire(eng, HandshakeInput.TIMEOUT, now, why) is Effect.FAIL:
+                self._engine_failed(eng, now)
+        for engine_id, links in self._peers.dead_engines(now).items():
+            self._peer_died(engine_id, links, now)
+
+    def _peer_died(self, engine_id: str, links: list[Link], now: float) -> None:
+        self._stats["peers_lost"] += 1
+        if all(link.said_goodbye for link in links):
+            log.info("peer engine %r closed", engine_id)
+        else:
+            log.warning("peer engine %r confirmed dead", engine_id)
+        for link in links:
+            self._peers.forget(link)
+        eng = self.handshakes.engines.get(engine_id)
+        if eng is not None:
+            self.handshakes.fire(eng, HandshakeInput.DIED, now)
+        self._apply(self._endpoint.peer_died(engine_id, now), now)
+        self._emit(PeerLost(engine_id=engine_id))
+
+    # ------------------------------------------------------------ shutdown
+
+    def _shutdown(self) -> None:
+        try:
+            if self._writer is not None:
+                self._writer.stop(self.config.close_timeout_s)
+                self._drain_completions(time.monotonic())
+            side = self._side
+            for link in self._peers.links.values():
+                if link.peer is not None and not link.dead:
+                    side.send(link.address, sc.BYE, self._card.address.encode())
+            self._publish_stats()
+            side.close(linger_s=0.5)
+        except Exception:  # pragma: no cover
+            log.exception("pushkv runtime shutdown failed")
+        finally:
+            self._agent.close()
+            self.closed.set()
+            with self._events_cv:
+                self._events_cv.notify_all()
