@@ -10,9 +10,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
 
 from .params import Endpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankAddress(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once at start-up: where this rank's side channel listens
+    (vLLM gathers every worker's and hands them to the scheduler connector)."""
+
+    rank: int  #: global rank: pp_rank * tp_size + tp_rank
+    address: str  #: tcp://host:port, as the runtime bound it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

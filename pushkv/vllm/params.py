@@ -27,14 +27,18 @@ on. This module needs the standard library only, so the proxy stays light.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..protocol.errors import ConfigError
 
 #: Longest transfer or engine id accepted (the protocol's wire limit).
 MAX_ID_LEN = 256
+
+#: A side-channel address as the runtime advertises it.
+_ADDRESS = re.compile(r"tcp://[A-Za-z0-9.\-:\[\]]{1,253}:[0-9]{1,5}")
 
 DISCOVER_KEY = "pushkv_discover"
 ENDPOINT_KEY = "pushkv_endpoint"
@@ -71,12 +75,18 @@ class Endpoint:
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
 
+    #: Side-channel address of every rank (by global rank), as each rank bound it.
+    #: Empty: rank ``r`` listens on ``port + r`` (fixed ports).
+    ranks: tuple[str, ...] = ()
+
     def addresses(self) -> dict[int, str]:
-        """Side-channel address of every rank: rank ``r`` listens on ``port + r``."""
+        """Side-channel address of every rank."""
+        if self.ranks:
+            return dict(enumerate(self.ranks))
         return {r: f"tcp://{self.host}:{self.port + r}" for r in range(self.world_size)}
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "engine_id": self.engine_id,
             "host": self.host,
             "port": self.port,
@@ -85,6 +95,9 @@ class Endpoint:
             "pp_size": self.pp_size,
             "block_size": self.block_size,
         }
+        if self.ranks:
+            out["ranks"] = list(self.ranks)
+        return out
 
     @classmethod
     def from_json(cls, obj: object, where: str = "endpoint") -> Endpoint:
@@ -103,10 +116,25 @@ class Endpoint:
             low = 0 if name == "block_size" else 1
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= 4096:
                 raise ParamsError(f"{where}: {name!r} must be an integer in [{low}, 4096]")
-        if port + sizes["tp_size"] * sizes["pp_size"] - 1 > 65535:
+        world = sizes["tp_size"] * sizes["pp_size"]
+        ranks = obj.get("ranks", [])
+        if not isinstance(ranks, list) or (ranks and len(ranks) != world):
+            raise ParamsError(f"{where}: 'ranks' must list one address per rank ({world})")
+        for address in ranks:
+            if not (isinstance(address, str) and _ADDRESS.fullmatch(address)):
+                raise ParamsError(f"{where}: 'ranks' holds {address!r:.80}, not an address "
+                                  "like tcp://host:port")
+        if not ranks and port + world - 1 > 65535:
             raise ParamsError(f"{where}: ports of every rank must stay below 65536")
         return cls(engine_id=_id(obj, "engine_id", where), host=host, port=port, role=role,
-                   **sizes)
+                   ranks=tuple(ranks), **sizes)
+
+
+def with_ranks(endpoint: Endpoint, ranks: Mapping[int, str]) -> Endpoint:
+    """``endpoint`` advertising each rank's bound side-channel address."""
+    ordered = tuple(ranks[r] for r in range(len(ranks)))
+    port = int(ordered[0].rsplit(":", 1)[1])
+    return replace(endpoint, ranks=ordered, port=port)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

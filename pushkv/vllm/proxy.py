@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
@@ -47,6 +46,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from ..transports.nixl_config import NixlConfig
 from .params import (
     ENDPOINT_KEY,
     POLICY_KEY,
@@ -65,6 +65,8 @@ from .signing import sign
 logger = logging.getLogger("pushkv.proxy")
 T = TypeVar("T")
 
+#: Environment variable holding the shared key when no file is given (the runtime's).
+KEY_ENV: str = NixlConfig.key_env
 #: Request headers passed on to both legs.
 _FORWARDED = ("Authorization", "X-Request-Priority")
 
@@ -682,16 +684,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit,
                    help="refuse max_tokens above this (0: only the model's length bounds it)")
     p.add_argument("--key-file", default=None,
-                   help="file holding the shared key that signs kv_transfer_params "
-                   "(default: $PUSHKV_KEY_FILE, else no signing)")
+                   help="file holding the shared key (the connectors' key_file) that signs "
+                   f"every kv_transfer_params sent; default: ${KEY_ENV}, else none")
     p.add_argument("--log-level", default="INFO", help="logging level")
     p.set_defaults(func=_main)
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
-    from .signing import load_key
+    from ..transports.sidechannel_auth import load_key
 
-    key = load_key(args.key_file or os.environ.get("PUSHKV_KEY_FILE"))
+    key = load_key(key_file=args.key_file or "", key_env=KEY_ENV)
     return ProxySettings(
         request_timeout_s=args.timeout, connect_timeout_s=args.connect_timeout,
         retries=args.retries, max_body_bytes=args.max_body_bytes,

@@ -34,20 +34,6 @@ _TAG = b"pushkv-params-v1\n"
 MAX_AGE_S = 900.0
 
 
-def load_key(path: str | None) -> bytes | None:
-    """The shared key in file ``path`` (surrounding whitespace dropped); None for no path."""
-    if not path:
-        return None
-    try:
-        with open(path, "rb") as f:
-            key = f.read().strip()
-    except OSError as exc:
-        raise ParamsError(f"cannot read the shared key file {path!r}: {exc.strerror}") from None
-    if len(key) < 16:
-        raise ParamsError(f"the shared key in {path!r} is shorter than 16 bytes")
-    return key
-
-
 def _mac(key: bytes, t: float, params: Mapping[str, Any]) -> str:
     body = json.dumps(params, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     msg = _TAG + repr(float(t)).encode() + b"\n" + body.encode()

@@ -35,9 +35,9 @@ from ..protocol.events import (
     TransferReady,
 )
 from ..protocol.layout import EngineSpec
-from .config import PushKVSettings, parse_cpus
+from .config import ConnectorConfigError, PushKVSettings, parse_cpus
 from .layout import KVRegions, describe_kv_caches
-from .metadata import PushKVMetadata, RecvOrder
+from .metadata import PushKVMetadata, RankAddress, RecvOrder
 from .stats import PushKVStats
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe the KV tensors and register them with a new NIXL runtime."""
-        from ..transports.nixl import KVMemory, NixlConfig, NixlRuntime
+        from ..transports.nixl import KVMemory, NixlConfig, NixlRuntime, SideChannelBindError
 
         f = self.facts
         regions = describe_kv_caches(kv_caches, engine=f.spec(), rank=f.rank,
@@ -195,7 +195,9 @@ class WorkerSide:
             backend=s.backend,  # type: ignore[arg-type]  # checked by PushKVSettings
             backend_params=dict(s.backend_options),
             host=s.side_channel_host,
-            port=s.side_channel_port + f.rank,
+            port=s.side_channel_port + f.rank if s.side_channel_port else 0,
+            key_file=s.key_file,
+            key_env=s.key_env,
             progress_delay_us=s.progress_delay_us,
             handshake_timeout_s=s.handshake_timeout_s,
             write_timeout_s=s.write_timeout_s,
@@ -206,19 +208,32 @@ class WorkerSide:
             # the next check, so a new transfer's notification could wait that long.
             poll_s = s.notify_poll_ms / 1000
             config = dataclasses.replace(config, active_poll_s=poll_s, idle_poll_s=poll_s)
-        with threads_on(transport_cpus(s.transport_cpus)):
-            self.runtime = NixlRuntime(
-                regions.info, memory, role=self.role,  # type: ignore[arg-type]
-                config=config,
-                producer_config=s.producer_config(),
-                consumer_config=s.consumer_config(self.policy),
-            )
+        try:
+            with threads_on(transport_cpus(s.transport_cpus)):
+                self.runtime = NixlRuntime(
+                    regions.info, memory, role=self.role,  # type: ignore[arg-type]
+                    config=config,
+                    producer_config=s.producer_config(),
+                    consumer_config=s.consumer_config(self.policy),
+                )
+        except SideChannelBindError as exc:
+            setting = "side_channel_port" if exc.setting == "port" else "side_channel_host"
+            raise ConnectorConfigError(
+                f"pushkv rank {f.rank} of {f.engine_id}: side channel cannot bind "
+                f"tcp://{exc.host}:{exc.port} (kv_connector_extra_config.{setting}="
+                f"{getattr(s, setting)!r}; side_channel_port 0 picks free ports)") from None
         self.regions = regions
         lo = regions.layout
         logger.info(
             "pushkv %s rank %d of %s: %d layers x %d planes, %d blocks of %d B, side channel %s",
             self.role, f.rank, f.engine_id, lo.num_layers, lo.planes, lo.num_blocks,
             lo.block_bytes, self.runtime.address)
+
+    def handshake(self) -> RankAddress | None:
+        """This rank's side-channel address, for the scheduler's discovery answers."""
+        if self.runtime is None:
+            return None
+        return RankAddress(rank=self.facts.rank, address=self.runtime.address)
 
     def _rt(self) -> tuple[NixlRuntime, KVRegions]:
         if self.runtime is None or self.regions is None:

@@ -11,6 +11,8 @@ page for page, and that no block is left held on either side.
 
 from __future__ import annotations
 
+import itertools
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from pushkv.vllm.config import ConnectorConfigError
 from pushkv.vllm.connector import PushKVConnector
 from pushkv.vllm.params import DecodeLeg, Endpoint, PrefillLeg
 from pushkv.vllm.testing import free_port
@@ -107,14 +110,17 @@ def make_side(tiny_model, role: str, engine_id: str, port: int, seed: int | None
     return Side(engine, worker, kv)
 
 
+_pairs = itertools.count()
+
+
 @pytest.fixture
 def pair(tiny_model):
     made: list[Side] = []
 
     def make(policy: str = "fail", **kw) -> tuple[Side, Side]:
-        port = free_port()
-        p = make_side(tiny_model, "kv_producer", f"prefill-{port}", port, seed=port, **kw)
-        d = make_side(tiny_model, "kv_consumer", f"decode-{port}", free_port(), seed=None,
+        n = next(_pairs)  # default settings: each rank binds a free port
+        p = make_side(tiny_model, "kv_producer", f"prefill-{n}", 0, seed=n + 1, **kw)
+        d = make_side(tiny_model, "kv_consumer", f"decode-{n}", 0, seed=None,
                       policy=policy, **kw)
         made.extend((p, d))
         return p, d
@@ -254,3 +260,21 @@ def test_unreachable_producer_fails_after_the_handshake_timeout(tiny_model):
         run((d,), lambda: idle(d))
     finally:
         d.worker.shutdown()
+
+
+def test_two_instances_with_default_settings_bind_their_own_ports(pair):
+    p, d = pair()
+    (p_addr,), (d_addr,) = p.worker.endpoint.ranks, d.worker.endpoint.ranks
+    assert p_addr != d_addr and p_addr.startswith("tcp://127.0.0.1:")
+    assert p.worker.endpoint.addresses() == {0: p_addr}
+
+
+def test_a_taken_port_stops_start_up_with_one_line_naming_the_setting(tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConnectorConfigError) as info:
+            make_side(tiny_model, "kv_producer", "prefill-taken", port, seed=None)
+    message = str(info.value)
+    assert "\n" not in message and f"side_channel_port={port}" in message, message
