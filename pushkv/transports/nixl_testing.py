@@ -121,9 +121,10 @@ class _HostServer:
                 pause.wait(0.002)
         return {r: st.runtime.address for r, st in self.ranks.items()}
 
-    def each(self, method: str, args: tuple[Any, ...]) -> None:
+    def each(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+             ) -> None:
         for st in self.ranks.values():
-            getattr(st.runtime, method)(*args)
+            getattr(st.runtime, method)(*args, **(kwargs or {}))
 
     def connect(self, engine_id: str, addresses: dict[int, str], eager: bool) -> None:
         for st in self.ranks.values():
@@ -313,14 +314,20 @@ class NixlCluster:
     # ----------------------------------------------------- engine-level calls
 
     def register(self, transfer_id: str, dst_block_ids: Sequence[int], num_tokens: int,
-                 first_token: int = 0) -> None:
+                 first_token: int = 0, *, incarnation: int = 0) -> None:
         self._consumer.call("each", "register", (transfer_id, PRODUCER, list(dst_block_ids),
-                                                 num_tokens, first_token))
+                                                 num_tokens, first_token),
+                            {"incarnation": incarnation})
+
+    def abandon(self, transfer_id: str, *, incarnation: int = 0) -> None:
+        self._consumer.call("each", "abandon", (transfer_id, PRODUCER),
+                            {"incarnation": incarnation})
 
     def prefill_finished(self, transfer_id: str, src_block_ids: Sequence[int],
-                         num_tokens: int) -> None:
+                         num_tokens: int, *, incarnation: int = 0) -> None:
         self._producer.call("each", "prefill_finished",
-                            (transfer_id, list(src_block_ids), num_tokens))
+                            (transfer_id, list(src_block_ids), num_tokens),
+                            {"incarnation": incarnation})
 
     def preempt(self, transfer_id: str) -> None:
         self._consumer.call("each", "preempt", (transfer_id,))
@@ -331,8 +338,9 @@ class NixlCluster:
     def abort(self, transfer_id: str) -> None:
         self._consumer.call("each", "abort", (transfer_id,))
 
-    def prefill_aborted(self, transfer_id: str) -> None:
-        self._producer.call("each", "prefill_aborted", (transfer_id,))
+    def prefill_aborted(self, transfer_id: str, *, incarnation: int = 0) -> None:
+        self._producer.call("each", "prefill_aborted", (transfer_id,),
+                            {"incarnation": incarnation})
 
     # ----------------------------------------------------------------- faults
 

@@ -46,6 +46,7 @@ class WriteJob:
     attempt: int
     peer: Peer
     plan: TransferPlan
+    incarnation: int
     notif: bytes  #: the encoded Notify the consumer receives with the bytes
     remote_agent: str
     remote_bases: np.ndarray
@@ -59,6 +60,7 @@ class WriteResult:
     attempt: int
     peer: Peer
     ok: bool
+    incarnation: int = 0
     error: str = ""
     disconnected: bool = False
     nbytes: int = 0
@@ -219,7 +221,8 @@ class Writer:
     def _result(self, job: WriteJob, ok: bool, error: str, *, t0: float | None = None,
                 prepare_s: float = 0.0, disconnected: bool = False) -> WriteResult:
         return WriteResult(
-            transfer_id=job.transfer_id, attempt=job.attempt, peer=job.peer, ok=ok, error=error,
+            transfer_id=job.transfer_id, attempt=job.attempt, peer=job.peer, ok=ok,
+            incarnation=job.incarnation, error=error,
             disconnected=disconnected, nbytes=job.plan.nbytes if ok else 0,
             descriptors=job.plan.descriptor_count, prepare_s=prepare_s,
             total_s=time.perf_counter() - t0 if t0 is not None else 0.0,

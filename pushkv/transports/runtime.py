@@ -163,12 +163,23 @@ class NixlRuntime:
 
     def register(self, transfer_id: str, producer_engine_id: str,
                  block_ids: Sequence[int] | np.ndarray, num_tokens: int,
-                 first_token: int = 0) -> None:
+                 first_token: int = 0, *, incarnation: int = 0) -> None:
         """Have ``producer_engine_id`` push tokens ``[first_token, num_tokens)`` into
-        ``block_ids``. The blocks stay lent until ``ReleaseDestination``."""
+        ``block_ids``. The blocks stay lent until ``ReleaseDestination``.
+
+        ``incarnation`` tells this use of ``transfer_id`` from any other; every rank
+        of both engines must be given the same one (see
+        :func:`pushkv.protocol.new_incarnation`)."""
         self._submit(cmd.Register(transfer_id=transfer_id, producer_engine_id=producer_engine_id,
                                   block_ids=block_ids, num_tokens=num_tokens,
-                                  first_token=first_token))
+                                  first_token=first_token, incarnation=incarnation))
+
+    def abandon(self, transfer_id: str, producer_engine_id: str, *,
+                incarnation: int = 0) -> None:
+        """The request ended before :meth:`register` was called for it: tell the
+        producer (final cancel) so it releases its source now, not at lease expiry."""
+        self._submit(cmd.Abandon(transfer_id=transfer_id, producer_engine_id=producer_engine_id,
+                                 incarnation=incarnation))
 
     def preempt(self, transfer_id: str) -> None:
         """The engine preempted the waiting request; blocks come back via
@@ -186,15 +197,15 @@ class NixlRuntime:
     # ------------------------------------------------------------ producer
 
     def prefill_finished(self, transfer_id: str, block_ids: Sequence[int] | np.ndarray,
-                         num_tokens: int) -> None:
+                         num_tokens: int, *, incarnation: int = 0) -> None:
         """Prefill of ``transfer_id`` finished; its KV is in ``block_ids`` (not to be
         reused until ``ReleaseSource``; do not mutate the sequence after the call)."""
         self._submit(cmd.PrefillFinished(transfer_id=transfer_id, block_ids=block_ids,
-                                         num_tokens=num_tokens))
+                                         num_tokens=num_tokens, incarnation=incarnation))
 
-    def prefill_aborted(self, transfer_id: str) -> None:
+    def prefill_aborted(self, transfer_id: str, *, incarnation: int = 0) -> None:
         """The engine aborted ``transfer_id`` before or after its prefill."""
-        self._submit(cmd.PrefillAborted(transfer_id=transfer_id))
+        self._submit(cmd.PrefillAborted(transfer_id=transfer_id, incarnation=incarnation))
 
     # ---------------------------------------------------------------- both
 

@@ -35,12 +35,14 @@ class PrefillFinished:
     transfer_id: str
     block_ids: Any  #: a sequence or array of block ids, not mutated after the call
     num_tokens: int
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillAborted:
     operation: ClassVar[str] = "prefill_aborted"
     transfer_id: str
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +53,17 @@ class Register:
     block_ids: Any
     num_tokens: int
     first_token: int = 0
+    incarnation: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abandon:
+    """The request ended before this rank registered it: final cancel to the producer."""
+
+    operation: ClassVar[str] = "abandon"
+    transfer_id: str
+    producer_engine_id: str
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,5 +110,5 @@ class Close:
     operation: ClassVar[str] = "close"
 
 
-Command = (Connect | PrefillFinished | PrefillAborted | Register | Preempt | Reissue | Abort
-           | Inspect | Inject | Close)
+Command = (Connect | PrefillFinished | PrefillAborted | Register | Abandon | Preempt | Reissue
+           | Abort | Inspect | Inject | Close)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..protocol import (
     Action,
+    Connect,
     Consumer,
     DecodeError,
     FailReason,
@@ -108,6 +109,7 @@ class IOLoop:
             cmd.PrefillFinished: self._prefill_finished,
             cmd.PrefillAborted: self._prefill_aborted,
             cmd.Register: self._register,
+            cmd.Abandon: self._abandon,
             cmd.Preempt: self._preempt,
             cmd.Reissue: self._reissue,
             cmd.Abort: self._abort,
@@ -262,11 +264,12 @@ class IOLoop:
         return self._endpoint
 
     def _prefill_finished(self, c: cmd.PrefillFinished, now: float) -> None:
-        self._apply(self._producer().prefill_finished(c.transfer_id, c.block_ids, c.num_tokens,
-                                                      now), now)
+        self._apply(self._producer().prefill_finished(
+            c.transfer_id, c.block_ids, c.num_tokens, now, incarnation=c.incarnation), now)
 
     def _prefill_aborted(self, c: cmd.PrefillAborted, now: float) -> None:
-        self._apply(self._producer().prefill_aborted(c.transfer_id, now), now)
+        self._apply(self._producer().prefill_aborted(c.transfer_id, now,
+                                                     incarnation=c.incarnation), now)
 
     def _connect(self, c: cmd.Connect, now: float) -> None:
         self._consumer()
@@ -282,12 +285,17 @@ class IOLoop:
                               "call connect()", transfer_id=c.transfer_id)
         if c.producer_engine_id in self.handshakes.ready:
             self._apply(consumer.register(c.transfer_id, c.producer_engine_id, c.block_ids,
-                                          c.num_tokens, now, c.first_token), now)
+                                          c.num_tokens, now, c.first_token,
+                                          incarnation=c.incarnation), now)
             return
         if consumer.state_of(c.transfer_id) is not None:
             raise ConfigError("transfer already registered", transfer_id=c.transfer_id)
         self._apply(self._pending.hold(c, now), now)
         self._start_handshake(eng, now)
+
+    def _abandon(self, c: cmd.Abandon, now: float) -> None:
+        self._apply(self._consumer().abandon(c.transfer_id, c.producer_engine_id, now,
+                                             incarnation=c.incarnation), now)
 
     def _preempt(self, c: cmd.Preempt, now: float) -> None:
         if c.transfer_id in self._pending:
@@ -343,6 +351,8 @@ class IOLoop:
             elif isinstance(a, Rejected):
                 self._stats["rejected"] += 1
                 self._emit(a)
+            elif isinstance(a, Connect):
+                self._handshake_needed(a.engine_id, now)
             elif isinstance(a, IssueRead | Publish):  # pragma: no cover - pull is not wired
                 raise ConfigError("this runtime moves KV by push only")
             else:
@@ -372,12 +382,13 @@ class IOLoop:
         if link is None or link.dead or link.bases is None or writer is None:
             self._completions.append(WriteResult(
                 transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, ok=False,
-                error="peer unknown or gone"))
+                incarnation=a.incarnation, error="peer unknown or gone"))
             return
         assert link.agent_name is not None
         writer.submit(WriteJob(
             transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, plan=a.plan,
-            notif=encode(a.notify), remote_agent=link.agent_name, remote_bases=link.bases,
+            incarnation=a.incarnation, notif=encode(a.notify), remote_agent=link.agent_name,
+            remote_bases=link.bases,
             remote_kind="VRAM" if link.kind == "VRAM" else "DRAM", remote_device=link.device,
         ))
 
@@ -400,7 +411,8 @@ class IOLoop:
                          r.error)
             assert isinstance(producer, Producer)
             self._guard(lambda r=r: self._apply(
-                producer.write_completed(r.transfer_id, r.attempt, r.peer, r.ok, now), now))
+                producer.write_completed(r.transfer_id, r.attempt, r.peer, r.ok, now,
+                                         incarnation=r.incarnation), now))
 
     # --------------------------------------------------- incoming traffic
 
@@ -457,8 +469,22 @@ class IOLoop:
 
     # ----------------------------------------------------------- handshake
 
-    def _start_handshake(self, eng: RemoteEngine, now: float) -> None:
-        if self.handshakes.fire(eng, HandshakeInput.START, now) is not Effect.SEND_CARDS:
+    def _handshake_needed(self, engine_id: str, now: float) -> None:
+        """The endpoint waits for ``engine_id`` (its ``Connect`` action)."""
+        eng = self.handshakes.engines.get(engine_id)
+        if eng is None:  # no address: the endpoint's handshake deadline fails it
+            self._stats["connect_without_address"] += 1
+            log.warning("no side-channel address for producer engine %r", engine_id)
+            return
+        self._start_handshake(eng, now, HandshakeInput.NEEDED)
+
+    def _start_handshake(self, eng: RemoteEngine, now: float,
+                         inp: HandshakeInput = HandshakeInput.START) -> None:
+        effect = self.handshakes.fire(eng, inp, now)
+        if effect is Effect.ANNOUNCE:  # the endpoint asks again for an engine we know
+            for info in eng.infos.values():
+                self._apply(self._endpoint.add_peer(info, now=now), now)
+        if effect is not Effect.SEND_CARDS:
             return
         self._stats["handshakes_started"] += 1
         body = sc.encode_card(self._card)
@@ -480,7 +506,7 @@ class IOLoop:
             return
         info = hello.info
         peer = Peer(info.engine_id, info.rank)
-        error = card.error or self._accept(card, info)
+        error = card.error or self._accept(card, info, now)
         if error:
             self._reject(peer, f"handshake with {peer} failed: {error}", ValidationError)
         if not card.reply:  # answer, with our refusal if any
@@ -497,8 +523,9 @@ class IOLoop:
         elif effect is Effect.FAIL:
             self._engine_failed(eng, now)
 
-    def _accept(self, card: sc.PeerCard, info: RankInfo) -> str:
-        """Validate and install a peer's card; returns an error text or ''."""
+    def _accept(self, card: sc.PeerCard, info: RankInfo, now: float) -> str:
+        """Validate and install a peer's card, then tell the endpoint; returns an
+        error text or ''."""
         # Order matters: the endpoint learns the peer last, once everything else
         # accepted it, so a refused card never lets the peer's messages through.
         problem = card_problem(card, info)
@@ -513,7 +540,7 @@ class IOLoop:
         try:
             if name != card.agent_name:
                 raise ConfigError(f"NIXL metadata names agent {name!r}, card {card.agent_name!r}")
-            self._endpoint.add_peer(info)
+            actions = self._endpoint.add_peer(info, now=now)
         except PushKVError as exc:
             if self._peers.by_agent.get(name) is None:
                 with contextlib.suppress(Exception):
@@ -525,6 +552,7 @@ class IOLoop:
         if self.role == "producer":
             with contextlib.suppress(Exception):
                 self._agent.connect(card.agent_name)
+        self._apply(actions, now)  # e.g. registrations that waited for this peer
         return ""
 
     def _engine_ready(self, eng: RemoteEngine, now: float) -> None:

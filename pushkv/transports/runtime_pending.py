@@ -33,6 +33,7 @@ class Pending:
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
+    incarnation: int
     preempted: bool = False
 
 
@@ -55,7 +56,7 @@ class PendingRegistrations:
             raise ConfigError("transfer already registered", transfer_id=c.transfer_id)
         self._waiting[c.transfer_id] = Pending(
             c.producer_engine_id, tuple(int(b) for b in c.block_ids), c.num_tokens,
-            c.first_token)
+            c.first_token, c.incarnation)
         return []
 
     def preempt(self, tid: str) -> list[Any]:
@@ -72,7 +73,8 @@ class PendingRegistrations:
         parked = self._parked.pop(c.transfer_id, None)
         if parked is not None:
             return consumer.register(c.transfer_id, parked.engine_id, blocks,
-                                     parked.num_tokens, now, parked.first_token)
+                                     parked.num_tokens, now, parked.first_token,
+                                     incarnation=parked.incarnation)
         p = self._waiting[c.transfer_id]
         if not p.preempted:
             raise ConfigError("reissue needs a preempted transfer", transfer_id=c.transfer_id)
@@ -102,7 +104,7 @@ class PendingRegistrations:
                 continue
             try:
                 out += consumer.register(tid, engine_id, p.block_ids, p.num_tokens, now,
-                                         p.first_token)
+                                         p.first_token, incarnation=p.incarnation)
             except PushKVError as exc:
                 out.append(CallFailed(operation="register", transfer_id=tid, error=str(exc)))
                 out.append(ReleaseDestination(transfer_id=tid, attempt=0,

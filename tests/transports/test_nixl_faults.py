@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip install nixl)")
 pytest.importorskip("zmq", reason="pyzmq is not installed")
 
-from pushkv.protocol import ConsumerConfig, Hello, Register, encode, uniform_ranks
+from pushkv.protocol import ConsumerConfig, Hello, Notify, Register, encode, uniform_ranks
 from pushkv.transports import testing
 from pushkv.transports.nixl import NixlConfig
 from pushkv.transports.nixl_testing import HostPool, NixlCluster
@@ -171,3 +171,49 @@ def test_control_over_nixl_notifications(pool: HostPool, name: str) -> None:
     fn, kwargs = testing.CHECKS[name]
     cfg = NixlConfig(control_channel="nixl")
     fn(lambda topo: NixlCluster(topo, pool, cfg), **kwargs)
+
+
+def test_reused_transfer_id_is_a_new_transfer(pool: HostPool) -> None:
+    """A transfer id used again with a new incarnation: a late duplicate of the old
+    write notification (a real NIXL notification) does not complete the new one,
+    and the new one's bytes land."""
+    c = NixlCluster(Topology(), pool)
+    try:
+        c.register("r", [4, 5, 6], 40, incarnation=11)
+        c.prefill_finished("r", [7, 8, 9], 40, incarnation=11)
+        snap = c.wait(lambda s: s.outcome(0, "r") == "ready", 10)
+        assert snap.outcomes.get((0, "r")) == [("ready", 0)], snap.outcomes
+        c.register("r", [20, 21, 22], 40, incarnation=12)
+        old = Notify(transfer_id="r", attempt=0, engine_id="prefill-0", rank=0, incarnation=11)
+        c.inject("consumer", 0, "notify", encode(old))
+        c.raw_snapshot(0.2)  # let it arrive (it must change nothing)
+        snap = c.snapshot()
+        assert snap.outcomes.get((0, "r")) == [("ready", 0)], snap.outcomes
+        assert snap.lent[0], "the new incarnation's blocks must still be lent"
+        c.prefill_finished("r", [30, 31, 32], 40, incarnation=12)
+        snap = c.wait(lambda s: s.outcomes.get((0, "r")) == [("ready", 0)] * 2, 10)
+        assert snap.outcomes.get((0, "r")) == [("ready", 0)] * 2, snap.outcomes
+        assert_destination(c, [([7, 8, 9], [4, 5, 6], 40, 0),
+                               ([30, 31, 32], [20, 21, 22], 40, 0)])
+        snap = c.wait(lambda s: not any(s.lent.values()) and not any(s.held.values()), 10)
+        assert not any(snap.lent.values()) and not any(snap.held.values())
+        assert snap.src_released.get((0, "r")) == 2  # once per incarnation
+        assert not snap.violations, snap.violations
+    finally:
+        c.close()
+
+
+def test_abandon_releases_the_source_at_once(pool: HostPool) -> None:
+    """A decode request that ended before registering: the producer's source is
+    released now, not when its lease (30 s) runs out."""
+    c = NixlCluster(Topology(), pool)
+    try:
+        c.prefill_finished("a", [7, 8, 9], 40, incarnation=5)
+        snap = c.wait(lambda s: bool(s.held.get(0)), 10)
+        assert snap.held.get(0), snap.held
+        c.abandon("a", incarnation=5)
+        snap = c.wait(lambda s: s.src_released.get((0, "a")) == 1, 10)
+        assert snap.src_released.get((0, "a")) == 1, snap.src_released
+        assert_clean(c)
+    finally:
+        c.close()
