@@ -37,6 +37,7 @@ class RecvOrder:
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +48,7 @@ class SendOrder:
     transfer_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +57,17 @@ class Abort:
 
     req_id: str
     transfer_id: str
+    incarnation: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abandon:
+    """Consumer: the request ended before its registration went out; tell the producer
+    (a final cancel) so it releases the prefilled KV now, not when its lease ends."""
+
+    transfer_id: str
+    producer: Endpoint
+    incarnation: int = 0
 
 
 @dataclass(kw_only=True)
@@ -69,6 +82,8 @@ class PushKVMetadata(KVConnectorMetadata):
     recv_drop: list[str] = field(default_factory=list)
     #: consumer: requests whose transfer cannot even start; report them failed at once
     recv_fail: list[str] = field(default_factory=list)
+    #: consumer: transfers never registered whose request ended -> final cancel
+    recv_abandon: list[Abandon] = field(default_factory=list)
     #: producer: prefills finished with their KV held
     send: list[SendOrder] = field(default_factory=list)
     #: producer: requests aborted (or ended early) before their KV was complete
@@ -76,4 +91,4 @@ class PushKVMetadata(KVConnectorMetadata):
 
     def is_empty(self) -> bool:
         return not (self.recv or self.recv_abort or self.recv_drop or self.recv_fail
-                    or self.send or self.send_abort)
+                    or self.recv_abandon or self.send or self.send_abort)

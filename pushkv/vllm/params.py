@@ -7,12 +7,13 @@ uses four shapes:
 
 * **prefill leg** (proxy -> producer)::
 
-      {"do_remote_decode": true, "transfer_id": "<id>"}
+      {"do_remote_decode": true, "transfer_id": "<id>", "incarnation": <int>}
 
 * **decode leg** (proxy -> consumer)::
 
-      {"do_remote_prefill": true, "transfer_id": "<id>",
-       "producer": {"engine_id": "...", "host": "...", "port": 5600}}
+      {"do_remote_prefill": true, "transfer_id": "<id>", "incarnation": <int>,
+       "producer": {"engine_id": "...", "host": "...", "port": 5600,
+                    "ranks": ["tcp://host:port", ...]}}
 
 * **discovery** (proxy -> any instance, once): ``{"pushkv_discover": true}``;
   the answer's ``kv_transfer_params`` carry ``{"pushkv_endpoint": {...}}``
@@ -21,8 +22,10 @@ uses four shapes:
 * **prefill answer** (producer -> proxy): ``{"transfer_id": ..., "pushkv_endpoint": {...},
   "num_tokens": n}``, for logs.
 
-The transfer id is chosen by the proxy and is the only key both sides match
-on. This module needs the standard library only, so the proxy stays light.
+The transfer id and its incarnation are drawn by the proxy (random) and are
+the key both sides match on; with a shared key every object also carries the
+proxy's signature (:mod:`.signing`). This module needs the standard library
+only, so the proxy stays light.
 """
 
 from __future__ import annotations
@@ -137,14 +140,23 @@ def with_ranks(endpoint: Endpoint, ranks: Mapping[int, str]) -> Endpoint:
     return replace(endpoint, ranks=ordered, port=port)
 
 
+def _with_incarnation(params: dict[str, Any], incarnation: int) -> dict[str, Any]:
+    if incarnation:
+        params["incarnation"] = incarnation
+    return params
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillLeg:
     """A producer request: compute the prompt, hold its KV for ``transfer_id``."""
 
     transfer_id: str
+    #: Which use of the id this is (drawn by the proxy, the same on both legs; 0: none).
+    incarnation: int = 0
 
     def to_params(self) -> dict[str, Any]:
-        return {"do_remote_decode": True, "transfer_id": self.transfer_id}
+        return _with_incarnation({"do_remote_decode": True, "transfer_id": self.transfer_id},
+                                 self.incarnation)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,13 +165,14 @@ class DecodeLeg:
 
     transfer_id: str
     producer: Endpoint
+    incarnation: int = 0
 
     def to_params(self) -> dict[str, Any]:
-        return {
+        return _with_incarnation({
             "do_remote_prefill": True,
             "transfer_id": self.transfer_id,
             "producer": self.producer.to_json(),
-        }
+        }, self.incarnation)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -194,9 +207,14 @@ def parse_params(params: object) -> Leg | None:
     if "transfer_id" not in params:
         return None  # another connector's parameters (e.g. vLLM's NIXL pull flow)
     transfer_id = _id(params, "transfer_id", "kv_transfer_params")
+    incarnation = params.get("incarnation", 0)
+    if not (isinstance(incarnation, int) and not isinstance(incarnation, bool)
+            and 0 <= incarnation < 2**63):
+        raise ParamsError(f"kv_transfer_params: 'incarnation' must be an integer in "
+                          f"[0, 2^63), got {incarnation!r:.40}")
     if prefill:
-        return PrefillLeg(transfer_id=transfer_id)
+        return PrefillLeg(transfer_id=transfer_id, incarnation=incarnation)
     if "producer" not in params:
         raise ParamsError("decode leg: 'producer' (the prefill endpoint) is missing")
     producer = Endpoint.from_json(params["producer"], "decode leg: 'producer'")
-    return DecodeLeg(transfer_id=transfer_id, producer=producer)
+    return DecodeLeg(transfer_id=transfer_id, producer=producer, incarnation=incarnation)

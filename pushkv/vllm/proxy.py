@@ -37,6 +37,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
@@ -46,6 +48,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from ..protocol import new_incarnation
 from ..transports.nixl_config import NixlConfig
 from .params import (
     ENDPOINT_KEY,
@@ -67,6 +70,8 @@ T = TypeVar("T")
 
 #: Environment variable holding the shared key when no file is given (the runtime's).
 KEY_ENV: str = NixlConfig.key_env
+#: Draws incarnations; seeded from the OS, never from time.
+_RNG = random.Random(os.urandom(16))
 #: Request headers passed on to both legs.
 _FORWARDED = ("Authorization", "X-Request-Priority")
 
@@ -498,11 +503,12 @@ class PushProxy:
         chk = req.checked
         endpoint = await self._endpoint(prefill)
         transfer_id = uuid.uuid4().hex
+        incarnation = new_incarnation(_RNG)
         headers = self._headers(req, transfer_id)
-        p_body = _prefill_body(chk.body, req.path,
-                               self._sign(PrefillLeg(transfer_id=transfer_id).to_params()))
-        d_body = dict(chk.body, kv_transfer_params=self._sign(
-            DecodeLeg(transfer_id=transfer_id, producer=endpoint).to_params()))
+        p_body = _prefill_body(chk.body, req.path, self._sign(
+            PrefillLeg(transfer_id=transfer_id, incarnation=incarnation).to_params()))
+        d_body = dict(chk.body, kv_transfer_params=self._sign(DecodeLeg(
+            transfer_id=transfer_id, producer=endpoint, incarnation=incarnation).to_params()))
         with self._busy(prefill, chk.prompt_tokens), \
                 self._busy(decode, chk.prompt_tokens + chk.max_tokens):
             p_task = asyncio.create_task(self._prefill_leg(prefill, req.path, p_body, headers))

@@ -9,7 +9,7 @@ shape vLLM's own server uses) and no engine sees it:
   batch of prompts, ``n`` or ``best_of`` above 1 (one request is one transfer);
 * a ``model`` no decode instance serves (404);
 * ``max_tokens`` that is not a positive integer or exceeds the model's length,
-  or a token-id prompt that with it would not fit (400);
+  or a token-id prompt that leaves no room for an output token (400);
 * any ``kv_transfer_params`` at all: transfer parameters are the proxy's to
   set. A client cannot choose a transfer id, a producer address, or anything
   else the connectors act on.
@@ -158,10 +158,9 @@ def check_request(path: str, body: object, models: Mapping[str, ModelInfo],
     if bound and max_tokens > bound:
         raise ClientError(400, f"'max_tokens' ({max_tokens}) is above this deployment's "
                           f"limit of {bound}", keys[0])
-    if length and exact and tokens + max(max_tokens, 1) > length:
-        raise ClientError(400, f"the prompt ({tokens} tokens) plus max_tokens "
-                          f"({max(max_tokens, 1)}) exceeds the model's length of {length}",
-                          "prompt")
+    if length and exact and tokens >= length:  # vLLM caps max_tokens to what is left
+        raise ClientError(400, f"the prompt ({tokens} tokens) leaves no room for an output "
+                          f"token in the model's length of {length}", "prompt")
     if not max_tokens:
         max_tokens = max(length - tokens, 1) if length else 16
     return Checked(body=body, model=str(model or ""), stream=bool(stream),

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
-from .metadata import Abort, PushKVMetadata, RecvOrder, SendOrder
+from .metadata import Abandon, Abort, PushKVMetadata, RecvOrder, SendOrder
 from .params import (
     ENDPOINT_KEY,
     POLICY_KEY,
@@ -142,14 +142,17 @@ class SchedulerSide:
                 self._meta.recv_fail.append(req_id)
             return
         if num_external_tokens == 0:
-            # vLLM decided to compute the prompt itself (e.g. prompt logprobs).
+            # vLLM decided to compute the prompt itself (e.g. prompt logprobs): the
+            # producer is told at once that nothing will be registered.
             self._recv[req_id] = _Recv(leg=leg, phase=Phase.LOCAL)
+            self._abandon(leg)
             return
         (block_ids,) = blocks.get_block_ids()
         num_tokens = request.num_prompt_tokens
         first = num_tokens - num_external_tokens  # the local prefix hit, block aligned
         order = RecvOrder(req_id=req_id, transfer_id=leg.transfer_id, producer=leg.producer,
-                          block_ids=tuple(block_ids), num_tokens=num_tokens, first_token=first)
+                          block_ids=tuple(block_ids), num_tokens=num_tokens, first_token=first,
+                          incarnation=leg.incarnation)
         rec = self._recv[req_id] = _Recv(leg=leg, phase=Phase.DEFERRED, order=order)
         self._try_ship(req_id, rec)
 
@@ -169,6 +172,11 @@ class SchedulerSide:
         rec.phase = Phase.WAITING
         self._meta.recv.append(order)
         return True
+
+    def _abandon(self, leg: DecodeLeg) -> None:
+        self._meta.recv_abandon.append(Abandon(transfer_id=leg.transfer_id,
+                                               producer=leg.producer,
+                                               incarnation=leg.incarnation))
 
     def _end_recv(self, req_id: str, rec: _Recv, phase: Phase) -> None:
         if rec.order is not None and rec.phase is Phase.WAITING:
@@ -200,6 +208,11 @@ class SchedulerSide:
             logger.error("request %s: kv_transfer_params refused: %s", req_id, exc)
             self.refused += 1
             return False, None
+        if isinstance(leg, DecodeLeg):
+            # Ended before vLLM admitted it (aborted while queued): never registered.
+            if self.is_consumer:
+                self._abandon(leg)
+            return False, None
         if isinstance(leg, Discover):
             return False, {ENDPOINT_KEY: self.endpoint.to_json(), POLICY_KEY: self.policy}
         if not isinstance(leg, PrefillLeg):
@@ -215,11 +228,15 @@ class SchedulerSide:
             # Aborted while the transfer is in flight: cancel and fence it. vLLM
             # already keeps the blocks until the worker reports the request.
             if rec.leg is not None:
-                self._meta.recv_abort.append(
-                    Abort(req_id=req_id, transfer_id=rec.leg.transfer_id))
+                self._meta.recv_abort.append(Abort(
+                    req_id=req_id, transfer_id=rec.leg.transfer_id,
+                    incarnation=rec.leg.incarnation))
         elif rec.phase is Phase.DEFERRED:
-            # Never registered: nothing can land, the worker reports it at once.
+            # Never registered: nothing can land, the worker reports it at once, and the
+            # producer is told so that it releases the prefilled KV now.
             self._meta.recv_drop.append(req_id)
+            if rec.leg is not None:
+                self._abandon(rec.leg)
         else:
             del self._recv[req_id]
         return False
@@ -236,11 +253,13 @@ class SchedulerSide:
         if not complete:
             logger.warning("request %s (transfer %s) ended %s before its KV was complete; "
                            "failing the transfer", req_id, tid, request.status.name)
-            self._meta.send_abort.append(Abort(req_id=req_id, transfer_id=tid))
+            self._meta.send_abort.append(Abort(req_id=req_id, transfer_id=tid,
+                                               incarnation=leg.incarnation))
             return False, None
         self._sending[req_id] = tid
         self._meta.send.append(SendOrder(req_id=req_id, transfer_id=tid,
-                                         block_ids=tuple(block_ids), num_tokens=n))
+                                         block_ids=tuple(block_ids), num_tokens=n,
+                                         incarnation=leg.incarnation))
         return True, {"transfer_id": tid, "num_tokens": n,
                       ENDPOINT_KEY: self.endpoint.to_json()}
 

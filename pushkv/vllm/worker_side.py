@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,7 +40,8 @@ from ..protocol.layout import EngineSpec
 from .config import ConnectorConfigError, PushKVSettings, parse_cpus
 from .layout import KVRegions, describe_kv_caches
 from .metadata import PushKVMetadata, RankAddress, RecvOrder
-from .stats import PushKVStats
+from .stats import FAILED_REASON, PushKVStats
+from .write_sampler import WriteSampler
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +126,7 @@ class EngineFacts:
 class _Recv:
     req_id: str
     blocks: int  # blocks the transfer writes
+    registered: float = 0.0  # time.monotonic() when the registration was handed over
 
 
 class WorkerSide:
@@ -145,6 +149,7 @@ class WorkerSide:
         self._sent: set[str] = set()
         self._stats = PushKVStats()
         self._seen: Counter[str] = Counter()
+        self._sampler: WriteSampler | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, *, settings: PushKVSettings,
@@ -223,6 +228,8 @@ class WorkerSide:
                 f"tcp://{exc.host}:{exc.port} (kv_connector_extra_config.{setting}="
                 f"{getattr(s, setting)!r}; side_channel_port 0 picks free ports)") from None
         self.regions = regions
+        if self.role == "producer":
+            self._sampler = WriteSampler(self.runtime)
         lo = regions.layout
         logger.info(
             "pushkv %s rank %d of %s: %d layers x %d planes, %d blocks of %d B, side channel %s",
@@ -255,12 +262,23 @@ class WorkerSide:
         self._done.update(meta.recv_drop)
         self._done.update(meta.recv_fail)
         self._failed.update(meta.recv_fail)
+        for gone in meta.recv_abandon:
+            try:
+                rt.connect(gone.producer.engine_id, gone.producer.addresses())
+            except ConfigError as exc:
+                logger.warning("transfer %s: cannot tell its producer: %s", gone.transfer_id,
+                               exc)
+                continue
+            rt.abandon(gone.transfer_id, gone.producer.engine_id,
+                       incarnation=gone.incarnation)
+            self._stats.add("transfers_abandoned")
         for send in meta.send:
             self._send[send.transfer_id] = send.req_id
-            rt.prefill_finished(send.transfer_id, send.block_ids, regions.units(send.num_tokens))
+            rt.prefill_finished(send.transfer_id, send.block_ids, regions.units(send.num_tokens),
+                                incarnation=send.incarnation)
             self._stats.add("pushes_started")
         for ab in meta.send_abort:
-            rt.prefill_aborted(ab.transfer_id)
+            rt.prefill_aborted(ab.transfer_id, incarnation=ab.incarnation)
             self._stats.add("pushes_aborted")
 
     def _register(self, rt: NixlRuntime, regions: KVRegions, order: RecvOrder) -> None:
@@ -270,13 +288,11 @@ class WorkerSide:
             first = regions.first_unit(order.first_token)
             rt.connect(order.producer.engine_id, order.producer.addresses())
         except ConfigError as exc:
-            logger.error("transfer %s cannot start: %s", order.transfer_id, exc)
-            self._done.add(order.req_id)
-            self._failed.add(order.req_id)
+            self._transfer_failed(order.transfer_id, order.req_id, "CANNOT_START", str(exc))
             return
-        self._recv[order.transfer_id] = _Recv(order.req_id, written)
+        self._recv[order.transfer_id] = _Recv(order.req_id, written, time.monotonic())
         rt.register(order.transfer_id, order.producer.engine_id, order.block_ids,
-                    regions.units(order.num_tokens), first)
+                    regions.units(order.num_tokens), first, incarnation=order.incarnation)
         self._stats.add("transfers_registered")
 
     # ----------------------------------------------------------- results
@@ -300,14 +316,14 @@ class WorkerSide:
                 self._done.add(rec.req_id)
                 self._stats.add("transfers_ready")
                 self._stats.add("blocks_received", rec.blocks)
+                self._stats.observe("registration_to_ready_seconds",
+                                    time.monotonic() - rec.registered)
         elif isinstance(event, TransferFailed):
             rec = self._recv.pop(event.transfer_id, None)
             if rec is not None:
-                logger.warning("transfer %s (request %s) failed: %s", event.transfer_id,
-                               rec.req_id, event.reason)
-                self._done.add(rec.req_id)
-                self._failed.add(rec.req_id)
-                self._stats.add("transfers_failed")
+                self._transfer_failed(event.transfer_id, rec.req_id, event.code.name,
+                                      event.reason, attempt=event.attempt,
+                                      incarnation=event.incarnation)
         elif isinstance(event, TransferCancelled):
             rec = self._recv.pop(event.transfer_id, None)
             if rec is not None:
@@ -330,15 +346,25 @@ class WorkerSide:
             self._seen["rejected"] += 1
             logger.debug("pushkv: refused a frame from %s: %s", event.peer, event.error)
 
+    def _transfer_failed(self, transfer_id: str, req_id: str, code: str, reason: str, *,
+                         attempt: int = 0, incarnation: int = 0) -> None:
+        """Report a failed transfer to vLLM, count it by reason, log one JSON line."""
+        self._done.add(req_id)
+        self._failed.add(req_id)
+        self._stats.add("transfers_failed")
+        self._stats.add(FAILED_REASON + code)
+        logger.warning("pushkv transfer failed %s", json.dumps({
+            "transfer_id": transfer_id, "incarnation": incarnation, "attempt": attempt,
+            "request_id": req_id, "reason": code, "detail": reason,
+            "engine_id": self.facts.engine_id, "rank": self.facts.rank,
+            "policy": self.policy.value}, sort_keys=True))
+
     def _on_call_failed(self, event: Any) -> None:
         tid = event.transfer_id
         if event.operation == "register" and tid in self._recv:
             # Nothing was lent: the request fails and its blocks go back at once.
             rec = self._recv.pop(tid)
-            logger.error("transfer %s could not be registered: %s", tid, event.error)
-            self._done.add(rec.req_id)
-            self._failed.add(rec.req_id)
-            self._stats.add("transfers_failed")
+            self._transfer_failed(tid, rec.req_id, "REGISTER_REFUSED", event.error)
         elif event.operation == "prefill_finished" and tid in self._send:
             logger.error("transfer %s could not be pushed: %s", tid, event.error)
             self._sent.add(self._send.pop(tid))
@@ -348,12 +374,20 @@ class WorkerSide:
     # ------------------------------------------------------------- misc
 
     def take_stats(self) -> PushKVStats | None:
+        if self._sampler is not None:
+            for w in self._sampler.take():
+                if w.ok:
+                    self._stats.observe("transfer_seconds", w.total_s)
+                    self._stats.observe("transfer_bytes", float(w.nbytes))
+                    self._stats.observe("transfer_descriptors", float(w.descriptors))
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, PushKVStats()
         return stats
 
     def shutdown(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
         rt, self.runtime = self.runtime, None
         if rt is not None:
             rt.close()

@@ -149,11 +149,13 @@ def idle(side: Side) -> bool:
     return side.engine.held() == set() and side.engine.free_blocks == fresh_free(side.engine)
 
 
-def push(p: Side, d: Side, tid: str, n: int, max_tokens: int = 2, first: int = 10):
-    pr = p.engine.request(n, params=PrefillLeg(transfer_id=tid).to_params(), max_tokens=1,
-                          first=first, req_id=f"p-{tid}")
-    dr = d.engine.request(n, params=DecodeLeg(transfer_id=tid, producer=endpoint(p)).to_params(),
-                          max_tokens=max_tokens, first=first, req_id=f"d-{tid}")
+def push(p: Side, d: Side, tid: str, n: int, max_tokens: int = 2, first: int = 10,
+         incarnation: int = 0, suffix: str = ""):
+    pr = p.engine.request(n, params=PrefillLeg(transfer_id=tid, incarnation=incarnation)
+                          .to_params(), max_tokens=1, first=first, req_id=f"p-{tid}{suffix}")
+    dr = d.engine.request(n, params=DecodeLeg(transfer_id=tid, producer=endpoint(p),
+                                              incarnation=incarnation).to_params(),
+                          max_tokens=max_tokens, first=first, req_id=f"d-{tid}{suffix}")
     return pr, dr
 
 
@@ -278,3 +280,29 @@ def test_a_taken_port_stops_start_up_with_one_line_naming_the_setting(tiny_model
             make_side(tiny_model, "kv_producer", "prefill-taken", port, seed=None)
     message = str(info.value)
     assert "\n" not in message and f"side_channel_port={port}" in message, message
+
+
+def test_a_decode_request_ended_before_registering_releases_the_producer_at_once(pair):
+    p, d = pair(extra={"lease_s": 120.0})
+    pr, dr = push(p, d, "warm", 40)  # the consumer has handshaken with the producer
+    run((p, d), lambda: dr.request_id in d.engine.outputs.finish)
+    run((p, d), lambda: idle(p) and idle(d))
+    pr = p.engine.request(50, params=PrefillLeg(transfer_id="quit", incarnation=7).to_params(),
+                          max_tokens=1, first=70, req_id="p-quit")
+    run((p,), lambda: pr.request_id in p.engine.outputs.finish)
+    assert not idle(p)  # its KV is held for the transfer
+    dr = d.engine.request(50, params=DecodeLeg(transfer_id="quit", producer=endpoint(p),
+                                               incarnation=7).to_params(), first=70)
+    d.engine.abort(dr.request_id)  # still queued: nothing was registered
+    run((p, d), lambda: idle(p) and idle(d), deadline_s=20)  # far less than the 120 s lease
+    assert d.engine.orders("recv") and len(d.engine.orders("recv_abandon")) == 1
+
+
+def test_a_reused_transfer_id_with_a_new_incarnation_is_a_new_transfer(pair):
+    p, d = pair()
+    for n, incarnation in ((40, 11), (70, 12)):
+        _, dr = push(p, d, "again", n, first=n, incarnation=incarnation,
+                      suffix=f"-{incarnation}")
+        run((p, d), lambda dr=dr: dr.request_id in d.engine.outputs.finish)
+        assert d.engine.outputs.finish[dr.request_id] == "length"
+        run((p, d), lambda: idle(p) and idle(d))

@@ -38,7 +38,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (COMPLETIONS, {"model": "tiny", "prompt": [1], "max_tokens": -3}, 400, "max_tokens"),
     (COMPLETIONS, {"model": "tiny", "prompt": [1], "max_tokens": "9"}, 400, "max_tokens"),
     (COMPLETIONS, {"model": "tiny", "prompt": [1], "max_tokens": 10**12}, 400, "max_tokens"),
-    (COMPLETIONS, {"model": "tiny", "prompt": [1] * 200, "max_tokens": 100}, 400, "prompt"),
+    (COMPLETIONS, {"model": "tiny", "prompt": [1] * 256, "max_tokens": 1}, 400, "prompt"),
     (COMPLETIONS, {"model": "tiny", "prompt": [1], "n": 2}, 400, "n"),
     (COMPLETIONS, {"model": "tiny", "prompt": [1], "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"model": "tiny", "prompt": [1], "stream": "yes"}, 400, "stream"),
