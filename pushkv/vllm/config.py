@@ -15,9 +15,22 @@ from typing import Any
 from ..protocol.config import ConsumerConfig, ProducerConfig
 from ..protocol.errors import ConfigError
 from ..protocol.events import FailurePolicy
+from ..transports.nixl_config import NixlConfig
 
 #: Transport backends pushkv knows how to ask NIXL for.
 BACKENDS = ("UCX", "LIBFABRIC")
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """Field defaults of a settings dataclass: the one definition each default has."""
+    return {f.name: f.default for f in fields(cls)}
+
+
+#: Protocol timeouts and bounds are the core's (vLLM's values), transport ones the
+#: runtime's; the connector restates none of them.
+_PRODUCER = _defaults(ProducerConfig)
+_CONSUMER = _defaults(ConsumerConfig)
+_NIXL = _defaults(NixlConfig)
 
 
 class ConnectorConfigError(ConfigError):
@@ -29,55 +42,68 @@ class PushKVSettings:
     """The connector's settings, one field per ``kv_connector_extra_config`` key."""
 
     backend: str = field(
-        default="UCX",
+        default=_NIXL["backend"],
         metadata={"help": "NIXL backend moving the KV: UCX (host memory, TCP/CMA, CUDA) "
                   "or LIBFABRIC (EFA)"},
     )
     side_channel_host: str = field(
-        default="127.0.0.1",
+        default=_NIXL["host"],
         metadata={"help": "address this instance's handshake/control side channel binds "
                   "and advertises; set it to an address peers can reach"},
     )
     side_channel_port: int = field(
-        default=5600,
-        metadata={"help": "base port of the side channel; rank r listens on port + r"},
+        default=_NIXL["port"],
+        metadata={"help": "0 (default): every rank binds a free port, advertised to the "
+                  "proxy through discovery; a port p: rank r binds p + r, and a port that "
+                  "is taken stops the server at start-up"},
+    )
+    key_file: str = field(
+        default=_NIXL["key_file"],
+        metadata={"help": "file holding the shared key (at least 16 bytes): side-channel "
+                  "frames are authenticated and only kv_transfer_params signed by a proxy "
+                  "holding the key are accepted. Empty: the environment variable key_env"},
+    )
+    key_env: str = field(
+        default=_NIXL["key_env"],
+        metadata={"help": "environment variable holding the shared key when key_file is "
+                  "empty; unset or empty: no key"},
     )
     lease_s: float = field(
-        default=30.0,
+        default=_PRODUCER["lease_s"],
         metadata={"help": "producer: how long prefilled KV is held without a heartbeat "
                   "from its consumer"},
     )
     window_s: float = field(
-        default=60.0,
+        default=_CONSUMER["window_s"],
         metadata={"help": "consumer: a producer may start writing a registration up to "
                   "this long after receiving it; past it the transfer fails"},
     )
     fence_grace_s: float = field(
-        default=10.0,
+        default=_CONSUMER["fence_grace_s"],
         metadata={"help": "consumer: after the window, destination blocks are released "
                   "without a fence from the producer"},
     )
     heartbeat_s: float = field(
-        default=5.0,
+        default=_CONSUMER["heartbeat_s"],
         metadata={"help": "consumer: period of the heartbeats renewing producer leases"},
     )
     handshake_timeout_s: float = field(
-        default=10.0,
+        default=_CONSUMER["handshake_timeout_s"],
         metadata={"help": "consumer: a producer that does not complete the handshake "
                   "within this fails the transfers waiting for it"},
     )
     write_timeout_s: float = field(
-        default=60.0,
+        default=_NIXL["write_timeout_s"],
         metadata={"help": "producer: a posted write still running after this is cancelled "
                   "and the transfer failed"},
     )
     peer_confirm_s: float = field(
-        default=1.0,
+        default=_NIXL["peer_confirm_s"],
         metadata={"help": "a peer whose side channel dropped and stays unreachable this long "
                   "is declared dead: its transfers fail (consumer) or are released (producer)"},
     )
     max_pending_registrations: int = field(
-        default=4096,
+        default=_PRODUCER["max_pending_registrations"],
         metadata={"help": "producer: registrations held while their prefill runs"},
     )
     notify_poll_ms: float = field(
@@ -87,7 +113,7 @@ class PushKVSettings:
                   "costs about 0.04 of a core while idle)"},
     )
     progress_delay_us: int = field(
-        default=1000,
+        default=_NIXL["progress_delay_us"],
         metadata={"help": "sleep of the transport's progress thread between polls "
                   "(0 busy-spins a core)"},
     )
@@ -109,9 +135,9 @@ class PushKVSettings:
             )
         if not self.side_channel_host:
             raise ConnectorConfigError("side_channel_host must not be empty")
-        if not 1 <= self.side_channel_port <= 65535:
+        if not 0 <= self.side_channel_port <= 65535:
             raise ConnectorConfigError(
-                f"side_channel_port must be in [1, 65535], got {self.side_channel_port}"
+                f"side_channel_port must be in [0, 65535], got {self.side_channel_port}"
             )
         for name in ("lease_s", "window_s", "fence_grace_s", "heartbeat_s",
                      "handshake_timeout_s", "write_timeout_s", "peer_confirm_s",
@@ -155,6 +181,15 @@ class PushKVSettings:
         return ConsumerConfig(window_s=self.window_s, fence_grace_s=self.fence_grace_s,
                               heartbeat_s=self.heartbeat_s,
                               handshake_timeout_s=self.handshake_timeout_s, policy=policy)
+
+    def load_key(self) -> bytes | None:
+        """The shared key (key_file, else the key_env variable), or None; never logged."""
+        from ..transports.sidechannel_auth import load_key
+
+        try:
+            return load_key(key_file=self.key_file, key_env=self.key_env)
+        except ConfigError as exc:
+            raise ConnectorConfigError(f"kv_connector_extra_config: {exc}") from None
 
     @staticmethod
     def help() -> dict[str, str]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -29,8 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .config import ConnectorConfigError, PushKVSettings, failure_policy
-from .metadata import PushKVMetadata
-from .params import Endpoint
+from .metadata import PushKVMetadata, RankAddress
+from .params import Endpoint, with_ranks
 from .scheduler_side import SchedulerSide
 from .stats import PushKVPromMetrics, PushKVStats
 
@@ -101,6 +102,7 @@ class PushKVConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 endpoint=self.endpoint, block_size=self.block_size,
                 is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer,
+                policy=self.policy.value, key=self.settings.load_key(),
             )
         else:
             from .worker_side import WorkerSide  # the transport is needed here only
@@ -149,6 +151,31 @@ class PushKVConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
+        mine = self.worker_side.handshake()
+        if mine is not None and self.endpoint.world_size == 1:
+            self.endpoint = with_ranks(self.endpoint, {0: mine.address})
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """This rank's side-channel address, gathered by vLLM for the scheduler."""
+        return self._worker.handshake() if self._worker is not None else None
+
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        """Every rank's side-channel address: what discovery answers advertise."""
+        if self._scheduler is None:
+            return
+        ranks = {m.rank: m.address for m in metadata.values() if isinstance(m, RankAddress)}
+        if len(ranks) != self.endpoint.world_size:
+            raise ConnectorConfigError(
+                f"pushkv: {len(ranks)} of {self.endpoint.world_size} ranks reported their "
+                "side-channel address")
+        self.endpoint = with_ranks(self.endpoint, ranks)
+        self._scheduler.endpoint = self.endpoint
+        logger.info("pushkv %s: side channel %s", self.engine_id, list(self.endpoint.ranks))
+
+    def set_xfer_handshake_metadata(
+            self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, r): m for r, m in metadata.items()})
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata

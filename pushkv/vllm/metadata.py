@@ -10,9 +10,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
 
 from .params import Endpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankAddress(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once at start-up: where this rank's side channel listens
+    (vLLM gathers every worker's and hands them to the scheduler connector)."""
+
+    rank: int  #: global rank: pp_rank * tp_size + tp_rank
+    address: str  #: tcp://host:port, as the runtime bound it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,6 +37,7 @@ class RecvOrder:
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +48,7 @@ class SendOrder:
     transfer_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +57,17 @@ class Abort:
 
     req_id: str
     transfer_id: str
+    incarnation: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abandon:
+    """Consumer: the request ended before its registration went out; tell the producer
+    (a final cancel) so it releases the prefilled KV now, not when its lease ends."""
+
+    transfer_id: str
+    producer: Endpoint
+    incarnation: int = 0
 
 
 @dataclass(kw_only=True)
@@ -57,6 +82,8 @@ class PushKVMetadata(KVConnectorMetadata):
     recv_drop: list[str] = field(default_factory=list)
     #: consumer: requests whose transfer cannot even start; report them failed at once
     recv_fail: list[str] = field(default_factory=list)
+    #: consumer: transfers never registered whose request ended -> final cancel
+    recv_abandon: list[Abandon] = field(default_factory=list)
     #: producer: prefills finished with their KV held
     send: list[SendOrder] = field(default_factory=list)
     #: producer: requests aborted (or ended early) before their KV was complete
@@ -64,4 +91,4 @@ class PushKVMetadata(KVConnectorMetadata):
 
     def is_empty(self) -> bool:
         return not (self.recv or self.recv_abort or self.recv_drop or self.recv_fail
-                    or self.send or self.send_abort)
+                    or self.recv_abandon or self.send or self.send_abort)

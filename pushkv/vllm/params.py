@@ -7,12 +7,13 @@ uses four shapes:
 
 * **prefill leg** (proxy -> producer)::
 
-      {"do_remote_decode": true, "transfer_id": "<id>"}
+      {"do_remote_decode": true, "transfer_id": "<id>", "incarnation": <int>}
 
 * **decode leg** (proxy -> consumer)::
 
-      {"do_remote_prefill": true, "transfer_id": "<id>",
-       "producer": {"engine_id": "...", "host": "...", "port": 5600}}
+      {"do_remote_prefill": true, "transfer_id": "<id>", "incarnation": <int>,
+       "producer": {"engine_id": "...", "host": "...", "port": 5600,
+                    "ranks": ["tcp://host:port", ...]}}
 
 * **discovery** (proxy -> any instance, once): ``{"pushkv_discover": true}``;
   the answer's ``kv_transfer_params`` carry ``{"pushkv_endpoint": {...}}``
@@ -21,14 +22,17 @@ uses four shapes:
 * **prefill answer** (producer -> proxy): ``{"transfer_id": ..., "pushkv_endpoint": {...},
   "num_tokens": n}``, for logs.
 
-The transfer id is chosen by the proxy and is the only key both sides match
-on. This module needs the standard library only, so the proxy stays light.
+The transfer id and its incarnation are drawn by the proxy (random) and are
+the key both sides match on; with a shared key every object also carries the
+proxy's signature (:mod:`.signing`). This module needs the standard library
+only, so the proxy stays light.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..protocol.errors import ConfigError
@@ -36,8 +40,13 @@ from ..protocol.errors import ConfigError
 #: Longest transfer or engine id accepted (the protocol's wire limit).
 MAX_ID_LEN = 256
 
+#: A side-channel address as the runtime advertises it.
+_ADDRESS = re.compile(r"tcp://[A-Za-z0-9.\-:\[\]]{1,253}:[0-9]{1,5}")
+
 DISCOVER_KEY = "pushkv_discover"
 ENDPOINT_KEY = "pushkv_endpoint"
+#: In a consumer's discovery answer: its ``kv_load_failure_policy``.
+POLICY_KEY = "pushkv_policy"
 
 
 class ParamsError(ConfigError):
@@ -69,12 +78,18 @@ class Endpoint:
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
 
+    #: Side-channel address of every rank (by global rank), as each rank bound it.
+    #: Empty: rank ``r`` listens on ``port + r`` (fixed ports).
+    ranks: tuple[str, ...] = ()
+
     def addresses(self) -> dict[int, str]:
-        """Side-channel address of every rank: rank ``r`` listens on ``port + r``."""
+        """Side-channel address of every rank."""
+        if self.ranks:
+            return dict(enumerate(self.ranks))
         return {r: f"tcp://{self.host}:{self.port + r}" for r in range(self.world_size)}
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "engine_id": self.engine_id,
             "host": self.host,
             "port": self.port,
@@ -83,6 +98,9 @@ class Endpoint:
             "pp_size": self.pp_size,
             "block_size": self.block_size,
         }
+        if self.ranks:
+            out["ranks"] = list(self.ranks)
+        return out
 
     @classmethod
     def from_json(cls, obj: object, where: str = "endpoint") -> Endpoint:
@@ -101,10 +119,31 @@ class Endpoint:
             low = 0 if name == "block_size" else 1
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= 4096:
                 raise ParamsError(f"{where}: {name!r} must be an integer in [{low}, 4096]")
-        if port + sizes["tp_size"] * sizes["pp_size"] - 1 > 65535:
+        world = sizes["tp_size"] * sizes["pp_size"]
+        ranks = obj.get("ranks", [])
+        if not isinstance(ranks, list) or (ranks and len(ranks) != world):
+            raise ParamsError(f"{where}: 'ranks' must list one address per rank ({world})")
+        for address in ranks:
+            if not (isinstance(address, str) and _ADDRESS.fullmatch(address)):
+                raise ParamsError(f"{where}: 'ranks' holds {address!r:.80}, not an address "
+                                  "like tcp://host:port")
+        if not ranks and port + world - 1 > 65535:
             raise ParamsError(f"{where}: ports of every rank must stay below 65536")
         return cls(engine_id=_id(obj, "engine_id", where), host=host, port=port, role=role,
-                   **sizes)
+                   ranks=tuple(ranks), **sizes)
+
+
+def with_ranks(endpoint: Endpoint, ranks: Mapping[int, str]) -> Endpoint:
+    """``endpoint`` advertising each rank's bound side-channel address."""
+    ordered = tuple(ranks[r] for r in range(len(ranks)))
+    port = int(ordered[0].rsplit(":", 1)[1])
+    return replace(endpoint, ranks=ordered, port=port)
+
+
+def _with_incarnation(params: dict[str, Any], incarnation: int) -> dict[str, Any]:
+    if incarnation:
+        params["incarnation"] = incarnation
+    return params
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,9 +151,12 @@ class PrefillLeg:
     """A producer request: compute the prompt, hold its KV for ``transfer_id``."""
 
     transfer_id: str
+    #: Which use of the id this is (drawn by the proxy, the same on both legs; 0: none).
+    incarnation: int = 0
 
     def to_params(self) -> dict[str, Any]:
-        return {"do_remote_decode": True, "transfer_id": self.transfer_id}
+        return _with_incarnation({"do_remote_decode": True, "transfer_id": self.transfer_id},
+                                 self.incarnation)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,13 +165,14 @@ class DecodeLeg:
 
     transfer_id: str
     producer: Endpoint
+    incarnation: int = 0
 
     def to_params(self) -> dict[str, Any]:
-        return {
+        return _with_incarnation({
             "do_remote_prefill": True,
             "transfer_id": self.transfer_id,
             "producer": self.producer.to_json(),
-        }
+        }, self.incarnation)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,9 +207,14 @@ def parse_params(params: object) -> Leg | None:
     if "transfer_id" not in params:
         return None  # another connector's parameters (e.g. vLLM's NIXL pull flow)
     transfer_id = _id(params, "transfer_id", "kv_transfer_params")
+    incarnation = params.get("incarnation", 0)
+    if not (isinstance(incarnation, int) and not isinstance(incarnation, bool)
+            and 0 <= incarnation < 2**63):
+        raise ParamsError(f"kv_transfer_params: 'incarnation' must be an integer in "
+                          f"[0, 2^63), got {incarnation!r:.40}")
     if prefill:
-        return PrefillLeg(transfer_id=transfer_id)
+        return PrefillLeg(transfer_id=transfer_id, incarnation=incarnation)
     if "producer" not in params:
         raise ParamsError("decode leg: 'producer' (the prefill endpoint) is missing")
     producer = Endpoint.from_json(params["producer"], "decode leg: 'producer'")
-    return DecodeLeg(transfer_id=transfer_id, producer=producer)
+    return DecodeLeg(transfer_id=transfer_id, producer=producer, incarnation=incarnation)

@@ -6,19 +6,28 @@ prefill leg computes the prompt with ``max_tokens=1`` and holds its KV for the
 transfer; the decode leg registers its blocks with the producer straight away
 and streams the answer back to the client. Neither leg waits for the other.
 
-* A producer's side channel (engine id, host, port) is learnt once, by a
-  discovery request answered by its connector, and refreshed from every
-  prefill answer.
-* An error of either leg reaches the client as an HTTP error (the decode
-  instance's own status, or 502 for a failed prefill), and the other leg is
-  cancelled. Once tokens stream, the KV has landed: a later prefill-leg
-  error is ignored, and a broken decode stream ends with an SSE error event.
+* **Input.** A request is checked before any engine sees it
+  (:mod:`.proxy_input`): malformed bodies, a wrong model, absurd lengths and
+  client-supplied ``kv_transfer_params`` get an OpenAI-style 4xx. Transfer ids
+  are made here (random, 128 bits); a client never chooses one.
+* **Health.** Every instance is probed (:mod:`.pool`); one that refuses, times
+  out or fails leaves rotation and is probed again with back-off. Instances
+  are chosen by least outstanding work.
+* **Failover.** A leg that fails in a way another instance might not (refused,
+  broken, 5xx, its instance went out of rotation) before any output reached
+  the client is sent again, once, as a **new transfer** on other instances
+  (the other leg is cancelled and follows). When no producer is left, the
+  decode instance's ``kv_load_failure_policy`` decides: ``recompute`` serves
+  the request on the decode instance alone; ``fail`` answers 503/502.
+* **Bound.** A client gets its answer or a clear error within
+  ``request_timeout_s`` (504, or an SSE error event once streaming began).
 * A client that goes away cancels both legs: their connections are closed,
-  which makes vLLM abort the requests; the connectors then cancel and fence
-  the transfer.
+  which makes vLLM abort the requests; the connectors then end the transfer.
+* With a shared key, every ``kv_transfer_params`` sent is signed
+  (:mod:`.signing`); ``/metrics`` serves Prometheus metrics (:mod:`.proxy_metrics`).
 
-Only aiohttp and the standard library are imported here (not vLLM, not torch),
-so ``pushkv proxy`` starts fast and runs anywhere.
+Only aiohttp, prometheus_client and the standard library are imported here (not
+vLLM, not torch), so ``pushkv proxy`` starts fast and runs anywhere.
 """
 
 from __future__ import annotations
@@ -26,37 +35,79 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
+import os
+import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
 
-from .params import ENDPOINT_KEY, DecodeLeg, Discover, Endpoint, ParamsError, PrefillLeg
+from ..protocol import new_incarnation
+from ..transports.nixl_config import NixlConfig
+from .params import (
+    ENDPOINT_KEY,
+    POLICY_KEY,
+    DecodeLeg,
+    Discover,
+    Endpoint,
+    ParamsError,
+    PrefillLeg,
+)
+from .pool import HealthSettings, Instance, Pool
+from .proxy_input import CHAT, COMPLETIONS, Checked, ClientError, ModelInfo, check_request
+from .proxy_input import error_body as _error_body
+from .proxy_metrics import CONTENT_TYPE, ProxyMetrics
+from .signing import sign
 
 logger = logging.getLogger("pushkv.proxy")
 T = TypeVar("T")
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
+#: Environment variable holding the shared key when no file is given (the runtime's).
+KEY_ENV: str = NixlConfig.key_env
+#: Draws incarnations; seeded from the OS, never from time.
+_RNG = random.Random(os.urandom(16))
 #: Request headers passed on to both legs.
 _FORWARDED = ("Authorization", "X-Request-Priority")
 
 
-class LegError(Exception):
-    """One leg failed; carries the HTTP answer to give the client."""
+@dataclass(frozen=True, kw_only=True)
+class ProxySettings:
+    """Settings of ``pushkv proxy`` (each one a command-line flag)."""
 
-    def __init__(self, leg: str, status: int, body: Any) -> None:
+    request_timeout_s: float = 600.0  #: the longest a client waits for its answer or an error
+    connect_timeout_s: float = 5.0  #: opening a connection to an instance
+    retries: int = 1  #: times a request is sent again after a leg failed before any output
+    max_body_bytes: int = 8 << 20  #: larger request bodies get 413
+    max_tokens_limit: int = 0  #: bound on max_tokens besides the model's length (0: none)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    key: bytes | None = field(default=None, repr=False)  #: shared key signing the params
+
+    def __post_init__(self) -> None:
+        if not (self.request_timeout_s > 0 and self.connect_timeout_s > 0):
+            raise ValueError("timeouts must be positive")
+        if self.retries < 0 or self.max_body_bytes < 1 or self.max_tokens_limit < 0:
+            raise ValueError("retries, max_body_bytes and max_tokens_limit must be >= 0")
+
+
+class LegError(Exception):
+    """One leg failed; carries the HTTP answer to give the client.
+
+    ``retryable``: another instance might succeed (refused, broken, 5xx, went
+    out of rotation), as opposed to a request the engine refused (4xx).
+    """
+
+    def __init__(self, leg: str, status: int, body: Any, *, retryable: bool = False) -> None:
         super().__init__(f"{leg} leg failed with HTTP {status}")
         self.leg = leg
         self.status = status
         self.body = body
+        self.retryable = retryable
 
     def response(self) -> web.Response:
         body = self.body
@@ -65,59 +116,124 @@ class LegError(Exception):
         return web.json_response(body, status=self.status, headers={"X-PushKV-Leg": self.leg})
 
 
-def _error_body(message: str, status: int, kind: str = "BadGateway") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": status}}
-
-
 @dataclass(eq=False)
-class Instance:
-    """One upstream vLLM server."""
+class _Request:
+    """One client request while it is routed."""
 
-    url: str
-    role: str
-    inflight: int = 0
-    served: int = 0
-    endpoint: Endpoint | None = None  #: producers: their pushkv side channel
-    model: str | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    request: web.Request
+    path: str
+    checked: Checked
+    started: float
+    out: web.StreamResponse | None = None  #: set once the answer began
+    first_byte: float | None = None
+
+
+class _Watch:
+    """What can end an attempt early: its prefill leg failing, or either of its
+    instances going out of rotation (probes failed: it died or hangs)."""
+
+    def __init__(self, pool: Pool, decode: Instance, p_task: asyncio.Task[None] | None = None,
+                 prefill: Instance | None = None) -> None:
+        self.pool = pool
+        self.decode, self.d_down = decode, decode.down
+        self.p_task, self.prefill = p_task, prefill
+        self.p_down = prefill.down if prefill is not None else None
+
+    async def race(self, aw: Awaitable[T], *, prefill: bool = True) -> T:
+        task = asyncio.ensure_future(aw)
+        watchers = [asyncio.ensure_future(self.d_down.wait())]
+        p_task = self.p_task if prefill else None
+        if p_task is not None and self.p_down is not None:
+            watchers.append(asyncio.ensure_future(self.p_down.wait()))
+        try:
+            waits: set[asyncio.Future[Any]] = {task, *watchers}
+            if p_task is not None:
+                waits.add(p_task)
+            while True:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if p_task is not None:
+                    _raise_if_failed(p_task)
+                if done != {p_task}:
+                    break
+                waits.discard(p_task)  # the prefill leg answered: keep waiting
+            if not task.done():
+                inst = self.decode if self.d_down.is_set() or self.prefill is None \
+                    else self.prefill
+                raise LegError(inst.role, 502, f"{inst.url} went out of rotation",
+                               retryable=True)
+            try:
+                return await task
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.pool.mark_down(self.decode, f"broke off: {exc!r}")
+                raise LegError("decode", 502, f"{self.decode.url} broke off: {exc!r}",
+                               retryable=True) from None
+        finally:
+            for w in watchers:
+                w.cancel()
+            if not task.done():
+                task.cancel()
 
 
 class PushProxy:
-    """The router: holds the instances and one HTTP client session."""
+    """The router: holds the instances, their health and one HTTP client session."""
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], *,
-                 timeout_s: float = 600.0, connect_timeout_s: float = 10.0) -> None:
+                 settings: ProxySettings | None = None,
+                 timeout_s: float | None = None) -> None:
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one prefill and one decode instance")
-        self.prefill = [Instance(u.rstrip("/"), "prefill") for u in prefill]
-        self.decode = [Instance(u.rstrip("/"), "decode") for u in decode]
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self._rr = itertools.count()
+        settings = settings or ProxySettings()
+        if timeout_s is not None:
+            settings = ProxySettings(**{**settings.__dict__, "request_timeout_s": timeout_s})
+        self.settings = settings
+        self.pool = Pool(prefill, decode, settings.health)
+        self.metrics = ProxyMetrics()
+        self.pool.listeners.append(lambda inst, up: self.metrics.instance(inst))
+        for inst in self.pool.all:
+            self.metrics.instance(inst)
+        self.models: dict[str, ModelInfo] = {}
         self._session: aiohttp.ClientSession | None = None
-        self.stats = {"requests": 0, "errors": 0, "cancelled": 0}
+        self._watcher: asyncio.Task[None] | None = None
+
+    @property
+    def prefill(self) -> list[Instance]:
+        return self.pool.prefill
+
+    @property
+    def decode(self) -> list[Instance]:
+        return self.pool.decode
 
     # ------------------------------------------------------------ app
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=self.settings.max_body_bytes)
         app.router.add_post(COMPLETIONS, self.completions)
         app.router.add_post(CHAT, self.chat)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/metrics", self.serve_metrics)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
 
     async def _start(self, app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=None,
+                                        sock_connect=self.settings.connect_timeout_s)
         self._session = aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=False))
-        for inst in self.prefill:  # best effort: a producer may come up later
-            with contextlib.suppress(LegError):
+        self._watcher = asyncio.create_task(self.pool.watch(self._probe))
+
+        async def learn(inst: Instance) -> None:
+            with contextlib.suppress(LegError):  # best effort: it may come up later
                 await self._endpoint(inst)
 
+        await asyncio.gather(*(learn(i) for i in self.prefill))
+
     async def _stop(self, app: web.Application) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
         if self._session is not None:
             await self._session.close()
 
@@ -127,63 +243,107 @@ class PushProxy:
             raise RuntimeError("the proxy is not started")
         return self._session
 
-    # ------------------------------------------------------- choosing
-
-    def _pick(self, pool: list[Instance]) -> Instance:
-        """The least busy instance; ties go round robin."""
-        low = min(i.inflight for i in pool)
-        idle = [i for i in pool if i.inflight == low]
-        return idle[next(self._rr) % len(idle)]
-
-    async def _model(self, inst: Instance) -> str:
-        if inst.model is None:
-            status, body = await self._get_json(inst, "/v1/models")
-            try:
-                inst.model = str(body["data"][0]["id"])
-            except (KeyError, IndexError, TypeError):
-                raise LegError(inst.role, 502, f"{inst.url}/v1/models answered {status}: "
-                               f"{body!r}") from None
-        return inst.model
-
-    async def _endpoint(self, inst: Instance, refresh: bool = False) -> Endpoint:
-        """The producer's side channel, asked for once with a discovery request."""
-        async with inst.lock:
-            if inst.endpoint is not None and not refresh:
-                return inst.endpoint
-            body = {"model": await self._model(inst), "prompt": [1], "max_tokens": 1,
-                    "kv_transfer_params": Discover().to_params()}
-            status, answer = await self._post_json(inst, COMPLETIONS, body, {})
-            if status != 200:
-                raise LegError("prefill", 502 if status >= 500 else status, answer)
-            try:
-                params = answer.get("kv_transfer_params") or {}
-                inst.endpoint = Endpoint.from_json(params[ENDPOINT_KEY], "discovery answer")
-            except (AttributeError, KeyError, ParamsError) as exc:
-                raise LegError("prefill", 502, f"{inst.url} is not a pushkv producer "
-                               f"(discovery answered {answer!r}: {exc})") from None
-            logger.info("producer %s: engine %s, side channel %s:%d", inst.url,
-                        inst.endpoint.engine_id, inst.endpoint.host, inst.endpoint.port)
-            return inst.endpoint
+    def _sign(self, params: dict[str, Any]) -> dict[str, Any]:
+        return sign(params, self.settings.key) if self.settings.key else params
 
     # ---------------------------------------------------- upstream I/O
 
+    async def _probe(self, inst: Instance) -> bool:
+        try:
+            async with self.session.get(
+                    inst.url + "/health",
+                    timeout=aiohttp.ClientTimeout(total=self.settings.health.timeout_s)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
     async def _get_json(self, inst: Instance, path: str) -> tuple[int, Any]:
         try:
-            async with self.session.get(inst.url + path,
-                                        timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            async with self.session.get(
+                    inst.url + path,
+                    timeout=aiohttp.ClientTimeout(total=self.settings.connect_timeout_s * 2)
+            ) as resp:
                 return resp.status, await _read_json(resp)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise LegError(inst.role, 502, f"{inst.url} unreachable: {exc!r}") from None
+            self.pool.mark_down(inst, f"unreachable: {exc!r}")
+            raise LegError(inst.role, 502, f"{inst.url} unreachable: {exc!r}",
+                           retryable=True) from None
 
     async def _post_json(self, inst: Instance, path: str, body: dict[str, Any],
                          headers: dict[str, str]) -> tuple[int, Any]:
         try:
-            async with self.session.post(inst.url + path, json=body, headers=headers,
-                                         timeout=aiohttp.ClientTimeout(total=self.timeout_s)
-                                         ) as resp:
+            async with self.session.post(
+                    inst.url + path, json=body, headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s)
+            ) as resp:
                 return resp.status, await _read_json(resp)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise LegError(inst.role, 502, f"{inst.url} failed: {exc!r}") from None
+            self.pool.mark_down(inst, f"failed: {exc!r}")
+            raise LegError(inst.role, 502, f"{inst.url} failed: {exc!r}",
+                           retryable=True) from None
+
+    def _leg_error(self, inst: Instance, status: int, answer: Any) -> LegError:
+        """The error of a leg answered with ``status`` (not 200)."""
+        if 400 <= status < 500:
+            self.metrics.legs.labels(inst.role, "refused").inc()
+            return LegError(inst.role, status, answer)
+        self.metrics.legs.labels(inst.role, "failed").inc()
+        if status == 503:
+            self.pool.mark_down(inst, "answered 503")
+        return LegError(inst.role, 502 if inst.role == "prefill" else status, answer,
+                        retryable=True)
+
+    async def _discover(self, inst: Instance) -> dict[str, Any]:
+        """The instance's answer to a discovery request (its connector's parameters)."""
+        body = {"model": await self._model_name(inst), "prompt": [1], "max_tokens": 1,
+                "kv_transfer_params": self._sign(Discover().to_params())}
+        status, answer = await self._post_json(inst, COMPLETIONS, body, {})
+        if status != 200:
+            raise self._leg_error(inst, status, answer)
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        return params if isinstance(params, dict) else {}
+
+    async def _endpoint(self, inst: Instance) -> Endpoint:
+        """A producer's side channel, asked for once with a discovery request."""
+        async with inst.lock:
+            if inst.endpoint is not None:
+                return inst.endpoint
+            params = await self._discover(inst)
+            try:
+                inst.endpoint = Endpoint.from_json(params.get(ENDPOINT_KEY), "discovery answer")
+            except ParamsError as exc:
+                raise LegError("prefill", 502, f"{inst.url} is not a pushkv producer "
+                               f"(discovery answered {params!r}: {exc})") from None
+            logger.info("producer %s: engine %s, side channel %s", inst.url,
+                        inst.endpoint.engine_id, inst.endpoint.addresses())
+            return inst.endpoint
+
+    async def _policy(self, inst: Instance) -> str:
+        """A decode instance's kv_load_failure_policy ("fail" if it cannot be learnt)."""
+        if inst.policy is None:
+            try:
+                params = await self._discover(inst)
+            except LegError:
+                return "fail"
+            inst.policy = "recompute" if params.get(POLICY_KEY) == "recompute" else "fail"
+        return inst.policy
+
+    async def _model_name(self, inst: Instance) -> str:
+        if not self.models:
+            await self._learn_models(inst)
+        return next(iter(self.models))
+
+    async def _learn_models(self, inst: Instance) -> None:
+        status, body = await self._get_json(inst, "/v1/models")
+        try:
+            models = {str(m["id"]): ModelInfo(str(m["id"]), int(m.get("max_model_len") or 0))
+                      for m in body["data"]}
+        except (KeyError, TypeError, ValueError):
+            models = {}
+        if not models:
+            raise LegError(inst.role, 502, f"{inst.url}/v1/models answered {status}: "
+                           f"{body!r:.300}", retryable=True)
+        self.models = models
 
     # ------------------------------------------------------- handlers
 
@@ -193,170 +353,249 @@ class PushProxy:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, CHAT)
 
-    async def models(self, request: web.Request) -> web.Response:
-        status, body = await self._get_json(self.decode[0], "/v1/models")
+    async def list_models(self, request: web.Request) -> web.Response:
+        inst = self.pool.pick("decode") or self.decode[0]
+        try:
+            status, body = await self._get_json(inst, "/v1/models")
+        except LegError as exc:
+            return exc.response()
         return web.json_response(body, status=status)
 
     async def health(self, request: web.Request) -> web.Response:
-        async def one(inst: Instance) -> bool:
-            try:
-                async with self.session.get(inst.url + "/health",
-                                            timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                    return resp.status == 200
-            except (aiohttp.ClientError, TimeoutError):
-                return False
-
-        pools = self.prefill + self.decode
-        ok = await asyncio.gather(*(one(i) for i in pools))
-        status = {i.url: good for i, good in zip(pools, ok, strict=True)}
-        up = any(ok[: len(self.prefill)]) and any(ok[len(self.prefill):])
-        return web.json_response({"healthy": up, "instances": status, **self.stats},
+        """200 when requests can be served (an instance of each role in rotation)."""
+        status = {i.url: i.up for i in self.pool.all}
+        up = any(i.up for i in self.decode) and any(i.up for i in self.prefill)
+        return web.json_response({"healthy": up, "instances": status},
                                  status=200 if up else 503)
 
-    async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            return web.json_response(_error_body("request body is not JSON", 400,
-                                                 "BadRequestError"), status=400)
-        if not isinstance(body, dict):
-            return web.json_response(_error_body("request body must be an object", 400,
-                                                 "BadRequestError"), status=400)
-        self.stats["requests"] += 1
-        prefill, decode = self._pick(self.prefill), self._pick(self.decode)
-        prefill.inflight += 1
-        decode.inflight += 1
-        try:
-            return await self._dispatch(request, path, body, prefill, decode)
-        except LegError as exc:
-            self.stats["errors"] += 1
-            logger.warning("%s: %s", exc, exc.body)
-            return exc.response()
-        except asyncio.CancelledError:
-            self.stats["cancelled"] += 1
-            raise
-        finally:
-            prefill.inflight -= 1
-            decode.inflight -= 1
-            prefill.served += 1
-            decode.served += 1
+    async def serve_metrics(self, request: web.Request) -> web.Response:
+        for inst in self.pool.all:
+            self.metrics.instance(inst)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def _dispatch(self, request: web.Request, path: str, body: dict[str, Any],
-                        prefill: Instance, decode: Instance) -> web.StreamResponse:
+    async def _read(self, request: web.Request, path: str) -> Checked:
+        if (request.content_length or 0) > self.settings.max_body_bytes:
+            raise ClientError(413, f"request body is larger than "
+                              f"{self.settings.max_body_bytes} bytes")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ClientError(413, f"request body is larger than "
+                              f"{self.settings.max_body_bytes} bytes") from None
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise ClientError(400, "request body is not valid JSON") from None
+        if not self.models:
+            for inst in [i for i in self.decode if i.up] or self.decode:
+                with contextlib.suppress(LegError):
+                    await self._learn_models(inst)
+                    break
+        return check_request(path, body, self.models, self.settings.max_tokens_limit)
+
+    async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
+        started = time.monotonic()
+        try:
+            checked = await self._read(request, path)
+        except ClientError as exc:
+            self.metrics.requests.labels("client_error").inc()
+            return web.json_response(exc.body(), status=exc.status)
+        req = _Request(request, path, checked, started)
+        task = asyncio.create_task(self._route(req))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.settings.request_timeout_s)
+        except asyncio.CancelledError:
+            self.metrics.requests.labels("cancelled").inc()
+            task.cancel()
+            raise
+        if not done:  # the bound passed: end the request with a clear error
+            task.cancel()
+            await asyncio.wait({task}, timeout=5.0)
+            self.metrics.requests.labels("timeout").inc()
+            message = f"no answer within the proxy's bound of {self.settings.request_timeout_s} s"
+            logger.warning("request timed out: %s", message)
+            if req.out is not None:
+                await _write_sse_error(req.out, message, 504)
+                return req.out
+            return web.json_response(_error_body(message, 504), status=504)
+        try:
+            resp = task.result()
+        except LegError as exc:
+            outcome = "client_error" if 400 <= exc.status < 500 else (
+                "unavailable" if exc.status == 503 else "upstream_error")
+            self.metrics.requests.labels(outcome).inc()
+            logger.warning("%s: %.300s", exc, exc.body)
+            return exc.response()
+        self.metrics.requests.labels("ok").inc()
+        end = time.monotonic()
+        self.metrics.ttft.observe((req.first_byte or end) - started)
+        self.metrics.latency.observe(end - started)
+        return resp
+
+    # ------------------------------------------------------- routing
+
+    async def _route(self, req: _Request) -> web.StreamResponse:
+        """Attempts on chosen instances; retries a failure that left no output."""
+        avoid: dict[str, list[Instance]] = {"prefill": [], "decode": []}
+        retries = 0
+        last: LegError | None = None
+        while True:
+            decode = self.pool.pick("decode", avoid["decode"])
+            if decode is None:
+                raise last or LegError("decode", 503, _error_body(
+                    "no decode instance is in rotation", 503))
+            prefill = self.pool.pick("prefill", avoid["prefill"])
+            if prefill is None:
+                return await self._decode_alone(req, decode, "no prefill instance is in "
+                                                "rotation", last)
+            try:
+                return await self._attempt(req, prefill, decode)
+            except LegError as exc:
+                if not exc.retryable or req.out is not None:
+                    raise
+                last = exc
+                failed = prefill if exc.leg == "prefill" else decode
+                avoid[exc.leg].append(failed)
+                if retries >= self.settings.retries:
+                    if exc.leg == "prefill":
+                        return await self._decode_alone(req, decode, str(exc), exc)
+                    raise
+                retries += 1
+                self.metrics.retries.inc()
+                if self.pool.pick(exc.leg, avoid[exc.leg]) not in (None, failed):
+                    self.metrics.failovers.labels(exc.leg).inc()
+                logger.info("retrying a request as a new transfer after: %s", exc)
+
+    async def _decode_alone(self, req: _Request, decode: Instance, why: str,
+                            exc: LegError | None = None) -> web.StreamResponse:
+        """No producer could serve: the decode instance's failure policy decides."""
+        if await self._policy(decode) != "recompute":
+            if exc is not None:
+                raise exc
+            raise LegError("prefill", 503, _error_body(why, 503))
+        self.metrics.recomputed.inc()
+        logger.info("serving a request on decode instance %s alone: %s", decode.url, why)
+        with self._busy(decode, req.checked.prompt_tokens + req.checked.max_tokens):
+            return await self._relay(req, decode, dict(req.checked.body),
+                                     self._headers(req, None), _Watch(self.pool, decode))
+
+    def _headers(self, req: _Request, transfer_id: str | None) -> dict[str, str]:
+        headers = {k: req.request.headers[k] for k in _FORWARDED if k in req.request.headers}
+        if transfer_id is not None:
+            headers["X-Request-Id"] = transfer_id
+        return headers
+
+    @contextlib.contextmanager
+    def _busy(self, inst: Instance, work: int) -> Iterator[None]:
+        inst.inflight += 1
+        inst.work += work
+        self.metrics.instance(inst)
+        try:
+            yield
+        finally:
+            inst.inflight -= 1
+            inst.work -= work
+            inst.served += 1
+            self.metrics.instance(inst)
+
+    async def _attempt(self, req: _Request, prefill: Instance,
+                       decode: Instance) -> web.StreamResponse:
+        chk = req.checked
         endpoint = await self._endpoint(prefill)
         transfer_id = uuid.uuid4().hex
-        headers = {k: request.headers[k] for k in _FORWARDED if k in request.headers}
-        headers["X-Request-Id"] = transfer_id
-        p_body = _prefill_body(body, path, PrefillLeg(transfer_id=transfer_id))
-        d_body = dict(body, kv_transfer_params=DecodeLeg(
-            transfer_id=transfer_id, producer=endpoint).to_params())
-        stream = bool(body.get("stream"))
-        started = time.monotonic()
-        p_task = asyncio.create_task(self._prefill_leg(prefill, path, p_body, headers))
-        d_resp: aiohttp.ClientResponse | None = None
-        try:
-            d_resp = await self._open_decode(decode, path, d_body, headers, p_task)
-            if stream:
-                return await self._relay_stream(request, d_resp, p_task)
-            return await self._relay_body(d_resp, p_task)
-        finally:
-            if not p_task.done():
-                p_task.cancel()
-            with contextlib.suppress(BaseException):
-                await p_task
-            if d_resp is not None:
-                d_resp.close()  # a no-op when fully read; otherwise aborts the leg
-            logger.debug("transfer %s done in %.3f s", transfer_id, time.monotonic() - started)
+        incarnation = new_incarnation(_RNG)
+        headers = self._headers(req, transfer_id)
+        p_body = _prefill_body(chk.body, req.path, self._sign(
+            PrefillLeg(transfer_id=transfer_id, incarnation=incarnation).to_params()))
+        d_body = dict(chk.body, kv_transfer_params=self._sign(DecodeLeg(
+            transfer_id=transfer_id, producer=endpoint, incarnation=incarnation).to_params()))
+        with self._busy(prefill, chk.prompt_tokens), \
+                self._busy(decode, chk.prompt_tokens + chk.max_tokens):
+            p_task = asyncio.create_task(self._prefill_leg(prefill, req.path, p_body, headers))
+            try:
+                return await self._relay(req, decode, d_body, headers,
+                                         _Watch(self.pool, decode, p_task, prefill))
+            finally:
+                if not p_task.done():
+                    p_task.cancel()
+                    self.metrics.legs.labels("prefill", "cancelled").inc()
+                with contextlib.suppress(BaseException):
+                    await p_task
 
     async def _prefill_leg(self, inst: Instance, path: str, body: dict[str, Any],
                            headers: dict[str, str]) -> None:
         status, answer = await self._post_json(inst, path, body, headers)
         if status != 200:
-            raise LegError("prefill", status if 400 <= status < 500 else 502, answer)
+            raise self._leg_error(inst, status, answer)
+        self.metrics.legs.labels("prefill", "ok").inc()
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if isinstance(params, dict) and ENDPOINT_KEY in params:
             with contextlib.suppress(ParamsError):
                 inst.endpoint = Endpoint.from_json(params[ENDPOINT_KEY])
 
-    async def _open_decode(self, inst: Instance, path: str, body: dict[str, Any],
-                           headers: dict[str, str],
-                           p_task: asyncio.Task[None]) -> aiohttp.ClientResponse:
-        """Send the decode leg; fail fast if the prefill leg fails first."""
-        async def post() -> aiohttp.ClientResponse:
-            return await self.session.post(
-                inst.url + path, json=body, headers=headers,
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-
-        open_task = asyncio.create_task(post())
+    async def _relay(self, req: _Request, decode: Instance, body: dict[str, Any],
+                     headers: dict[str, str], watch: _Watch) -> web.StreamResponse:
+        """Send the decode leg and relay its answer, unless the attempt fails first."""
+        d_resp = await watch.race(self._open_decode(decode, req.path, body, headers))
         try:
-            await asyncio.wait({open_task, p_task}, return_when=asyncio.FIRST_COMPLETED)
-            _raise_if_failed(p_task)
-            try:
-                resp = await open_task
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise LegError("decode", 502, f"{inst.url} failed: {exc!r}") from None
-        except BaseException:
-            open_task.cancel()
-            with contextlib.suppress(BaseException):
-                (await open_task).close()
-            raise
+            if req.checked.stream:
+                return await self._relay_stream(req, d_resp, watch)
+            data = await watch.race(d_resp.read())
+            self.metrics.legs.labels("decode", "ok").inc()
+            req.first_byte = time.monotonic()
+            req.out = web.Response(body=data, status=200,
+                                   content_type=d_resp.content_type or "application/json")
+            return req.out
+        finally:
+            d_resp.close()  # a no-op when fully read; otherwise aborts the leg
+
+    async def _open_decode(self, inst: Instance, path: str, body: dict[str, Any],
+                           headers: dict[str, str]) -> aiohttp.ClientResponse:
+        try:
+            resp = await self.session.post(
+                inst.url + path, json=body, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.metrics.legs.labels("decode", "failed").inc()
+            self.pool.mark_down(inst, f"failed: {exc!r}")
+            raise LegError("decode", 502, f"{inst.url} failed: {exc!r}", retryable=True) \
+                from None
         if resp.status != 200:
             answer = await _read_json(resp)
             resp.close()
-            raise LegError("decode", resp.status, answer)
+            raise self._leg_error(inst, resp.status, answer)
         return resp
 
-    async def _relay_body(self, d_resp: aiohttp.ClientResponse,
-                          p_task: asyncio.Task[None]) -> web.Response:
-        data = await _decode_unless_prefill_fails(d_resp.read(), p_task)
-        return web.Response(body=data, status=200,
-                            content_type=d_resp.content_type or "application/json")
-
-    async def _relay_stream(self, request: web.Request, d_resp: aiohttp.ClientResponse,
-                            p_task: asyncio.Task[None]) -> web.StreamResponse:
+    async def _relay_stream(self, req: _Request, d_resp: aiohttp.ClientResponse,
+                            watch: _Watch) -> web.StreamResponse:
         events = _sse_events(d_resp)
-
-        async def next_event() -> bytes:
-            return await anext(events, b"")
-
-        head = await _decode_unless_prefill_fails(next_event(), p_task)
+        head = await watch.race(anext(events, b""))
         error = _sse_error(head)
         if error is not None:  # the decode leg failed before its first token
-            raise LegError("decode", int(error.get("code") or 500), {"error": error})
+            status = int(error.get("code") or 500)
+            raise self._leg_error(watch.decode, status if status >= 400 else 500,
+                                  {"error": error})
         out = web.StreamResponse(status=200, headers={
             "Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache"})
-        await out.prepare(request)
+        await out.prepare(req.request)
+        req.out, req.first_byte = out, time.monotonic()
         await out.write(head)
-        # Tokens are flowing: the KV has landed, so a late failure of the prefill
-        # leg (its answer lost, its server gone) no longer matters.
+        # Tokens are flowing: the KV has landed, so the prefill leg no longer
+        # matters; the decode instance going out of rotation still ends the stream.
         try:
-            async for event in events:
+            while (event := await watch.race(anext(events, b""), prefill=False)):
                 await out.write(event)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            await _write_sse_error(out, f"decode stream broke: {exc!r}", 502)
+        except LegError as exc:
+            self.metrics.legs.labels("decode", "failed").inc()
+            await _write_sse_error(out, f"decode stream broke: {exc.body}", 502)
             return out
+        self.metrics.legs.labels("decode", "ok").inc()
         await out.write_eof()
         return out
 
 
-async def _decode_unless_prefill_fails(read: Awaitable[T], p_task: asyncio.Task[None]) -> T:
-    """Await a read of the decode leg; if the prefill leg fails first, raise its error
-    (the decode leg would otherwise wait for KV that never comes)."""
-    task = asyncio.ensure_future(read)
-    try:
-        await asyncio.wait({task, p_task}, return_when=asyncio.FIRST_COMPLETED)
-        _raise_if_failed(p_task)
-        try:
-            return await task
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise LegError("decode", 502, f"decode stream broke: {exc!r}") from None
-    finally:
-        if not task.done():
-            task.cancel()
-
-
-def _raise_if_failed(task: asyncio.Task[None]) -> None:
+def _raise_if_failed(task: asyncio.Future[Any]) -> None:
     if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
         raise exc
 
@@ -395,15 +634,15 @@ def _sse_error(event: bytes) -> dict[str, Any] | None:
 
 
 async def _write_sse_error(out: web.StreamResponse, message: str, code: int) -> None:
-    with contextlib.suppress(ConnectionError):
+    with contextlib.suppress(ConnectionError, RuntimeError):
         await out.write(b"data: " + json.dumps(_error_body(message, code)).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
 
 
-def _prefill_body(body: dict[str, Any], path: str, leg: PrefillLeg) -> dict[str, Any]:
+def _prefill_body(body: dict[str, Any], path: str, params: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg: the same prompt, one token, no stream."""
-    out = dict(body, max_tokens=1, stream=False, n=1, kv_transfer_params=leg.to_params())
+    out = dict(body, max_tokens=1, stream=False, n=1, kv_transfer_params=params)
     if path == CHAT:
         out["max_completion_tokens"] = 1
     for key in ("stream_options", "min_tokens"):
@@ -416,10 +655,12 @@ def _prefill_body(body: dict[str, Any], path: str, leg: PrefillLeg) -> dict[str,
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``pushkv proxy`` to the ``pushkv`` command line."""
+    d, h = ProxySettings(), HealthSettings()
     p = subparsers.add_parser(
         "proxy", help="OpenAI-compatible push-mode router for vLLM prefill/decode instances",
         description="Route each request to a prefill and a decode vLLM instance running "
-        "PushKVConnector, sending both legs at once with a shared transfer id.",
+        "PushKVConnector, sending both legs at once with a shared transfer id; check "
+        "instances' health and fail over.",
     )
     p.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
                    help="base URL of a prefill (kv_producer) instance; repeatable")
@@ -427,18 +668,55 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="base URL of a decode (kv_consumer) instance; repeatable")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds a leg may take before it is abandoned")
+    p.add_argument("--request-timeout", "--timeout", dest="timeout", type=float,
+                   default=d.request_timeout_s,
+                   help="longest a client waits for its answer or a clear error (s)")
+    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s,
+                   help="opening a connection to an instance (s)")
+    p.add_argument("--retries", type=int, default=d.retries,
+                   help="times a request is sent again, as a new transfer, after a leg "
+                   "failed before any output")
+    p.add_argument("--health-interval", type=float, default=h.interval_s,
+                   help="seconds between health probes of an instance in rotation; also "
+                   "the first back-off of one out of rotation")
+    p.add_argument("--health-timeout", type=float, default=h.timeout_s,
+                   help="a health probe not answered within this has failed (s)")
+    p.add_argument("--unhealthy-after", type=int, default=h.unhealthy_after,
+                   help="failed probes in a row that take an instance out of rotation")
+    p.add_argument("--backoff-max", type=float, default=h.backoff_max_s,
+                   help="longest wait between probes of an instance out of rotation (s)")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="larger request bodies are refused with 413")
+    p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit,
+                   help="refuse max_tokens above this (0: only the model's length bounds it)")
+    p.add_argument("--key-file", default=None,
+                   help="file holding the shared key (the connectors' key_file) that signs "
+                   f"every kv_transfer_params sent; default: ${KEY_ENV}, else none")
     p.add_argument("--log-level", default="INFO", help="logging level")
     p.set_defaults(func=_main)
+
+
+def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    from ..transports.sidechannel_auth import load_key
+
+    key = load_key(key_file=args.key_file or "", key_env=KEY_ENV)
+    return ProxySettings(
+        request_timeout_s=args.timeout, connect_timeout_s=args.connect_timeout,
+        retries=args.retries, max_body_bytes=args.max_body_bytes,
+        max_tokens_limit=args.max_tokens_limit, key=key,
+        health=HealthSettings(interval_s=args.health_interval, timeout_s=args.health_timeout,
+                              unhealthy_after=args.unhealthy_after,
+                              backoff_max_s=args.backoff_max))
 
 
 def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    proxy = PushProxy(args.prefill, args.decode, timeout_s=args.timeout)
-    logger.info("push proxy on %s:%d: prefill %s, decode %s", args.host, args.port,
-                args.prefill, args.decode)
+    settings = settings_from_args(args)
+    proxy = PushProxy(args.prefill, args.decode, settings=settings)
+    logger.info("push proxy on %s:%d: prefill %s, decode %s, %s", args.host, args.port,
+                args.prefill, args.decode,
+                "kv_transfer_params signed" if settings.key else "no shared key")
     web.run_app(proxy.app(), host=args.host, port=args.port, handler_cancellation=True,
                 print=None, access_log=None)
     return 0

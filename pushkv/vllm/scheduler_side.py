@@ -30,16 +30,19 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
-from .metadata import Abort, PushKVMetadata, RecvOrder, SendOrder
+from .metadata import Abandon, Abort, PushKVMetadata, RecvOrder, SendOrder
 from .params import (
     ENDPOINT_KEY,
+    POLICY_KEY,
     DecodeLeg,
     Discover,
     Endpoint,
+    Leg,
     ParamsError,
     PrefillLeg,
     parse_params,
 )
+from .signing import ReplayGuard, verify
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -73,11 +76,15 @@ class SchedulerSide:
     """Scheduler-process state of one ``PushKVConnector``."""
 
     def __init__(self, *, endpoint: Endpoint, block_size: int, is_producer: bool,
-                 is_consumer: bool) -> None:
+                 is_consumer: bool, policy: str = "fail", key: bytes | None = None) -> None:
         self.endpoint = endpoint
         self.block_size = block_size
         self.is_producer = is_producer
         self.is_consumer = is_consumer
+        self.policy = policy
+        self._key = key
+        self._replays = ReplayGuard()
+        self.refused = 0  #: requests whose kv_transfer_params were refused
         self._recv: dict[str, _Recv] = {}
         self._lent: dict[int, str] = {}  # block -> request whose registration holds it
         self._sending: dict[str, str] = {}  # request -> transfer id, blocks held
@@ -85,10 +92,23 @@ class SchedulerSide:
 
     # ------------------------------------------------------------ consumer
 
+    def _leg(self, request: Request) -> Leg | None:
+        """The pushkv leg of a request; ParamsError if malformed or, with a shared key,
+        not signed by a proxy holding it (or replayed)."""
+        params = request.kv_transfer_params
+        if self._key is not None and params:
+            if not isinstance(params, dict):
+                raise ParamsError("kv_transfer_params must be an object")
+            params = verify(params, self._key)
+        leg = parse_params(params)
+        if self._key is not None and isinstance(leg, PrefillLeg | DecodeLeg):
+            self._replays.check(type(leg).__name__, leg.transfer_id, request.request_id)
+        return leg
+
     def _decode_leg(self, request: Request) -> DecodeLeg | ParamsError | None:
-        """The request's decode leg; a ParamsError if it claims one but is malformed."""
+        """The request's decode leg; a ParamsError if it claims one but is refused."""
         try:
-            leg = parse_params(request.kv_transfer_params)
+            leg = self._leg(request)
         except ParamsError as exc:
             return exc
         return leg if isinstance(leg, DecodeLeg) else None
@@ -115,20 +135,24 @@ class SchedulerSide:
         if isinstance(leg, ParamsError):
             # Blocks are allocated but nothing can land: a failed transfer, so
             # vLLM applies kv_load_failure_policy (error, or compute locally).
-            logger.error("request %s: bad kv_transfer_params: %s", req_id, leg)
+            logger.error("request %s: kv_transfer_params refused: %s", req_id, leg)
+            self.refused += 1
             if num_external_tokens:
                 self._recv[req_id] = _Recv(leg=None, phase=Phase.WAITING)
                 self._meta.recv_fail.append(req_id)
             return
         if num_external_tokens == 0:
-            # vLLM decided to compute the prompt itself (e.g. prompt logprobs).
+            # vLLM decided to compute the prompt itself (e.g. prompt logprobs): the
+            # producer is told at once that nothing will be registered.
             self._recv[req_id] = _Recv(leg=leg, phase=Phase.LOCAL)
+            self._abandon(leg)
             return
         (block_ids,) = blocks.get_block_ids()
         num_tokens = request.num_prompt_tokens
         first = num_tokens - num_external_tokens  # the local prefix hit, block aligned
         order = RecvOrder(req_id=req_id, transfer_id=leg.transfer_id, producer=leg.producer,
-                          block_ids=tuple(block_ids), num_tokens=num_tokens, first_token=first)
+                          block_ids=tuple(block_ids), num_tokens=num_tokens, first_token=first,
+                          incarnation=leg.incarnation)
         rec = self._recv[req_id] = _Recv(leg=leg, phase=Phase.DEFERRED, order=order)
         self._try_ship(req_id, rec)
 
@@ -148,6 +172,11 @@ class SchedulerSide:
         rec.phase = Phase.WAITING
         self._meta.recv.append(order)
         return True
+
+    def _abandon(self, leg: DecodeLeg) -> None:
+        self._meta.recv_abandon.append(Abandon(transfer_id=leg.transfer_id,
+                                               producer=leg.producer,
+                                               incarnation=leg.incarnation))
 
     def _end_recv(self, req_id: str, rec: _Recv, phase: Phase) -> None:
         if rec.order is not None and rec.phase is Phase.WAITING:
@@ -174,12 +203,18 @@ class SchedulerSide:
         if rec is not None:
             return self._consumer_finished(req_id, rec), None
         try:
-            leg = parse_params(request.kv_transfer_params)
+            leg = self._leg(request)
         except ParamsError as exc:
-            logger.error("request %s: ignoring bad kv_transfer_params: %s", req_id, exc)
+            logger.error("request %s: kv_transfer_params refused: %s", req_id, exc)
+            self.refused += 1
+            return False, None
+        if isinstance(leg, DecodeLeg):
+            # Ended before vLLM admitted it (aborted while queued): never registered.
+            if self.is_consumer:
+                self._abandon(leg)
             return False, None
         if isinstance(leg, Discover):
-            return False, {ENDPOINT_KEY: self.endpoint.to_json()}
+            return False, {ENDPOINT_KEY: self.endpoint.to_json(), POLICY_KEY: self.policy}
         if not isinstance(leg, PrefillLeg):
             return False, None
         if not self.is_producer:
@@ -193,11 +228,15 @@ class SchedulerSide:
             # Aborted while the transfer is in flight: cancel and fence it. vLLM
             # already keeps the blocks until the worker reports the request.
             if rec.leg is not None:
-                self._meta.recv_abort.append(
-                    Abort(req_id=req_id, transfer_id=rec.leg.transfer_id))
+                self._meta.recv_abort.append(Abort(
+                    req_id=req_id, transfer_id=rec.leg.transfer_id,
+                    incarnation=rec.leg.incarnation))
         elif rec.phase is Phase.DEFERRED:
-            # Never registered: nothing can land, the worker reports it at once.
+            # Never registered: nothing can land, the worker reports it at once, and the
+            # producer is told so that it releases the prefilled KV now.
             self._meta.recv_drop.append(req_id)
+            if rec.leg is not None:
+                self._abandon(rec.leg)
         else:
             del self._recv[req_id]
         return False
@@ -214,11 +253,13 @@ class SchedulerSide:
         if not complete:
             logger.warning("request %s (transfer %s) ended %s before its KV was complete; "
                            "failing the transfer", req_id, tid, request.status.name)
-            self._meta.send_abort.append(Abort(req_id=req_id, transfer_id=tid))
+            self._meta.send_abort.append(Abort(req_id=req_id, transfer_id=tid,
+                                               incarnation=leg.incarnation))
             return False, None
         self._sending[req_id] = tid
         self._meta.send.append(SendOrder(req_id=req_id, transfer_id=tid,
-                                         block_ids=tuple(block_ids), num_tokens=n))
+                                         block_ids=tuple(block_ids), num_tokens=n,
+                                         incarnation=leg.incarnation))
         return True, {"transfer_id": tid, "num_tokens": n,
                       ENDPOINT_KEY: self.endpoint.to_json()}
 

@@ -1,9 +1,14 @@
-"""Transfer counters of ``PushKVConnector``: vLLM's log line and Prometheus counters.
+"""Transfer metrics of ``PushKVConnector``: vLLM's log line and Prometheus metrics.
 
-Workers count what happened since the last step (:class:`PushKVStats`); vLLM
-sums the workers' counts, logs them ("KV Transfer metrics: ...") and feeds
-them to :class:`PushKVPromMetrics`, which exposes one ``pushkv:<name>_total``
-counter per field on the server's ``/metrics``.
+Workers record what happened since the last step (:class:`PushKVStats`):
+counts, failures by reason (``failed_reason:<REASON>``), and observations for
+histograms (lists of values). vLLM merges the workers' records, logs them
+("KV Transfer metrics: ...", histograms as count and mean) and feeds them to
+:class:`PushKVPromMetrics`, which exposes on the server's ``/metrics``:
+
+* ``pushkv:<counter>_total`` for each of :data:`COUNTERS`;
+* ``pushkv:transfers_failed_by_reason_total{reason}``;
+* histograms ``pushkv:<name>`` for each of :data:`HISTOGRAMS`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ COUNTERS: dict[str, str] = {
     "transfers_ready": "transfers whose KV landed",
     "transfers_failed": "transfers that failed (the failure policy applied)",
     "transfers_cancelled": "transfers cancelled by an abort, after their fence",
+    "transfers_abandoned": "requests that ended before registering: producer told to release",
     "blocks_received": "KV blocks that landed in this instance",
     "pushes_started": "prefills whose KV was handed to the transport",
     "pushes_aborted": "prefills that ended before their KV was complete",
@@ -31,8 +37,27 @@ COUNTERS: dict[str, str] = {
 }
 
 
+#: Histogram name -> (help, buckets).
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "registration_to_ready_seconds": (
+        "consumer: from sending a registration to the KV having landed",
+        (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)),
+    "transfer_seconds": (
+        "producer: one write, from preparing its descriptors to its completion",
+        (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)),
+    "transfer_bytes": (
+        "producer: bytes of one write",
+        tuple(float(4**i * 1024) for i in range(12))),
+    "transfer_descriptors": (
+        "producer: NIXL descriptors of one write (after coalescing)",
+        (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)),
+}
+#: Prefix of the per-reason failure counts in the stats' data.
+FAILED_REASON = "failed_reason:"
+
+
 class PushKVStats(KVConnectorStats):
-    """Counts since the previous report; sums across workers and steps."""
+    """Counts and observations since the previous report; merged across workers."""
 
     def reset(self) -> None:
         self.data = {}
@@ -41,14 +66,26 @@ class PushKVStats(KVConnectorStats):
         if n:
             self.data[name] = self.data.get(name, 0) + n
 
+    def observe(self, name: str, value: float) -> None:
+        self.data.setdefault(name, []).append(value)
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
             if isinstance(v, int | float):
                 self.data[k] = self.data.get(k, 0) + v
+            elif isinstance(v, list):
+                self.data.setdefault(k, []).extend(v)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: v for k, v in sorted(self.data.items()) if isinstance(v, int | float)}
+        out: dict[str, int | float] = {}
+        for k, v in sorted(self.data.items()):
+            if isinstance(v, int | float):
+                out[k] = v
+            elif isinstance(v, list) and v:
+                out[f"{k}_count"] = len(v)
+                out[f"{k}_mean"] = round(sum(v) / len(v), 6)
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -65,6 +102,7 @@ class PushKVPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._engines = per_engine_labelvalues
         self._counters: dict[str, dict[int, Any]] = {}
         for name, doc in COUNTERS.items():
             counter = self._counter_cls(name=f"pushkv:{name}", documentation=doc,
@@ -72,9 +110,29 @@ class PushKVPromMetrics(KVConnectorPromMetrics):
             self._counters[name] = {
                 idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
             }
+        self._by_reason = self._counter_cls(
+            name="pushkv:transfers_failed_by_reason",
+            documentation="transfers that failed, by reason (the protocol's FailReason)",
+            labelnames=[*labelnames, "reason"])
+        self._histograms: dict[str, dict[int, Any]] = {}
+        for name, (doc, buckets) in HISTOGRAMS.items():
+            hist = self._histogram_cls(name=f"pushkv:{name}", documentation=doc,
+                                       labelnames=labelnames, buckets=list(buckets))
+            self._histograms[name] = {
+                idx: hist.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
-            per_engine = self._counters.get(name)
-            if per_engine is not None and engine_idx in per_engine and value:
-                per_engine[engine_idx].inc(value)
+            if name.startswith(FAILED_REASON) and engine_idx in self._engines and value:
+                labels = [*self._engines[engine_idx], name[len(FAILED_REASON):]]
+                self._by_reason.labels(*labels).inc(value)
+            elif isinstance(value, list):
+                hist = self._histograms.get(name, {}).get(engine_idx)
+                if hist is not None:
+                    for v in value:
+                        hist.observe(v)
+            else:
+                per_engine = self._counters.get(name)
+                if per_engine is not None and engine_idx in per_engine and value:
+                    per_engine[engine_idx].inc(value)

@@ -116,17 +116,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kv_transfer_config(role: str, engine_id: str, side_channel_port: int,
+def kv_transfer_config(role: str, engine_id: str, side_channel_port: int | None = None,
                        policy: str = "fail", **extra: Any) -> dict[str, Any]:
-    """``--kv-transfer-config`` of a ``PushKVConnector`` instance on this host."""
+    """``--kv-transfer-config`` of a ``PushKVConnector`` instance on this host (no port:
+    every rank binds a free one)."""
+    if side_channel_port is not None:
+        extra["side_channel_port"] = side_channel_port
     return {
         "kv_connector": "PushKVConnector",
         "kv_connector_module_path": "pushkv.vllm.connector",
         "kv_role": role,
         "engine_id": engine_id,
         "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {"side_channel_host": "127.0.0.1",
-                                      "side_channel_port": side_channel_port, **extra},
+        "kv_connector_extra_config": extra,
     }
 
 

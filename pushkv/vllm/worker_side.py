@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,10 +37,11 @@ from ..protocol.events import (
     TransferReady,
 )
 from ..protocol.layout import EngineSpec
-from .config import PushKVSettings, parse_cpus
+from .config import ConnectorConfigError, PushKVSettings, parse_cpus
 from .layout import KVRegions, describe_kv_caches
-from .metadata import PushKVMetadata, RecvOrder
-from .stats import PushKVStats
+from .metadata import PushKVMetadata, RankAddress, RecvOrder
+from .stats import FAILED_REASON, PushKVStats
+from .write_sampler import WriteSampler
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +126,7 @@ class EngineFacts:
 class _Recv:
     req_id: str
     blocks: int  # blocks the transfer writes
+    registered: float = 0.0  # time.monotonic() when the registration was handed over
 
 
 class WorkerSide:
@@ -145,6 +149,7 @@ class WorkerSide:
         self._sent: set[str] = set()
         self._stats = PushKVStats()
         self._seen: Counter[str] = Counter()
+        self._sampler: WriteSampler | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, *, settings: PushKVSettings,
@@ -180,7 +185,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe the KV tensors and register them with a new NIXL runtime."""
-        from ..transports.nixl import KVMemory, NixlConfig, NixlRuntime
+        from ..transports.nixl import KVMemory, NixlConfig, NixlRuntime, SideChannelBindError
 
         f = self.facts
         regions = describe_kv_caches(kv_caches, engine=f.spec(), rank=f.rank,
@@ -195,7 +200,9 @@ class WorkerSide:
             backend=s.backend,  # type: ignore[arg-type]  # checked by PushKVSettings
             backend_params=dict(s.backend_options),
             host=s.side_channel_host,
-            port=s.side_channel_port + f.rank,
+            port=s.side_channel_port + f.rank if s.side_channel_port else 0,
+            key_file=s.key_file,
+            key_env=s.key_env,
             progress_delay_us=s.progress_delay_us,
             write_timeout_s=s.write_timeout_s,
             peer_confirm_s=s.peer_confirm_s,
@@ -205,19 +212,34 @@ class WorkerSide:
             # the next check, so a new transfer's notification could wait that long.
             poll_s = s.notify_poll_ms / 1000
             config = dataclasses.replace(config, active_poll_s=poll_s, idle_poll_s=poll_s)
-        with threads_on(transport_cpus(s.transport_cpus)):
-            self.runtime = NixlRuntime(
-                regions.info, memory, role=self.role,  # type: ignore[arg-type]
-                config=config,
-                producer_config=s.producer_config(),
-                consumer_config=s.consumer_config(self.policy),
-            )
+        try:
+            with threads_on(transport_cpus(s.transport_cpus)):
+                self.runtime = NixlRuntime(
+                    regions.info, memory, role=self.role,  # type: ignore[arg-type]
+                    config=config,
+                    producer_config=s.producer_config(),
+                    consumer_config=s.consumer_config(self.policy),
+                )
+        except SideChannelBindError as exc:
+            setting = "side_channel_port" if exc.setting == "port" else "side_channel_host"
+            raise ConnectorConfigError(
+                f"pushkv rank {f.rank} of {f.engine_id}: side channel cannot bind "
+                f"tcp://{exc.host}:{exc.port} (kv_connector_extra_config.{setting}="
+                f"{getattr(s, setting)!r}; side_channel_port 0 picks free ports)") from None
         self.regions = regions
+        if self.role == "producer":
+            self._sampler = WriteSampler(self.runtime)
         lo = regions.layout
         logger.info(
             "pushkv %s rank %d of %s: %d layers x %d planes, %d blocks of %d B, side channel %s",
             self.role, f.rank, f.engine_id, lo.num_layers, lo.planes, lo.num_blocks,
             lo.block_bytes, self.runtime.address)
+
+    def handshake(self) -> RankAddress | None:
+        """This rank's side-channel address, for the scheduler's discovery answers."""
+        if self.runtime is None:
+            return None
+        return RankAddress(rank=self.facts.rank, address=self.runtime.address)
 
     def _rt(self) -> tuple[NixlRuntime, KVRegions]:
         if self.runtime is None or self.regions is None:
@@ -239,12 +261,23 @@ class WorkerSide:
         self._done.update(meta.recv_drop)
         self._done.update(meta.recv_fail)
         self._failed.update(meta.recv_fail)
+        for gone in meta.recv_abandon:
+            try:
+                rt.connect(gone.producer.engine_id, gone.producer.addresses())
+            except ConfigError as exc:
+                logger.warning("transfer %s: cannot tell its producer: %s", gone.transfer_id,
+                               exc)
+                continue
+            rt.abandon(gone.transfer_id, gone.producer.engine_id,
+                       incarnation=gone.incarnation)
+            self._stats.add("transfers_abandoned")
         for send in meta.send:
             self._send[send.transfer_id] = send.req_id
-            rt.prefill_finished(send.transfer_id, send.block_ids, regions.units(send.num_tokens))
+            rt.prefill_finished(send.transfer_id, send.block_ids, regions.units(send.num_tokens),
+                                incarnation=send.incarnation)
             self._stats.add("pushes_started")
         for ab in meta.send_abort:
-            rt.prefill_aborted(ab.transfer_id)
+            rt.prefill_aborted(ab.transfer_id, incarnation=ab.incarnation)
             self._stats.add("pushes_aborted")
 
     def _register(self, rt: NixlRuntime, regions: KVRegions, order: RecvOrder) -> None:
@@ -254,13 +287,11 @@ class WorkerSide:
             first = regions.first_unit(order.first_token)
             rt.connect(order.producer.engine_id, order.producer.addresses())
         except ConfigError as exc:
-            logger.error("transfer %s cannot start: %s", order.transfer_id, exc)
-            self._done.add(order.req_id)
-            self._failed.add(order.req_id)
+            self._transfer_failed(order.transfer_id, order.req_id, "CANNOT_START", str(exc))
             return
-        self._recv[order.transfer_id] = _Recv(order.req_id, written)
+        self._recv[order.transfer_id] = _Recv(order.req_id, written, time.monotonic())
         rt.register(order.transfer_id, order.producer.engine_id, order.block_ids,
-                    regions.units(order.num_tokens), first)
+                    regions.units(order.num_tokens), first, incarnation=order.incarnation)
         self._stats.add("transfers_registered")
 
     # ----------------------------------------------------------- results
@@ -284,14 +315,14 @@ class WorkerSide:
                 self._done.add(rec.req_id)
                 self._stats.add("transfers_ready")
                 self._stats.add("blocks_received", rec.blocks)
+                self._stats.observe("registration_to_ready_seconds",
+                                    time.monotonic() - rec.registered)
         elif isinstance(event, TransferFailed):
             rec = self._recv.pop(event.transfer_id, None)
             if rec is not None:
-                logger.warning("transfer %s (request %s) failed: %s", event.transfer_id,
-                               rec.req_id, event.reason)
-                self._done.add(rec.req_id)
-                self._failed.add(rec.req_id)
-                self._stats.add("transfers_failed")
+                self._transfer_failed(event.transfer_id, rec.req_id, event.code.name,
+                                      event.reason, attempt=event.attempt,
+                                      incarnation=event.incarnation)
         elif isinstance(event, TransferCancelled):
             rec = self._recv.pop(event.transfer_id, None)
             if rec is not None:
@@ -314,15 +345,25 @@ class WorkerSide:
             self._seen["rejected"] += 1
             logger.debug("pushkv: refused a frame from %s: %s", event.peer, event.error)
 
+    def _transfer_failed(self, transfer_id: str, req_id: str, code: str, reason: str, *,
+                         attempt: int = 0, incarnation: int = 0) -> None:
+        """Report a failed transfer to vLLM, count it by reason, log one JSON line."""
+        self._done.add(req_id)
+        self._failed.add(req_id)
+        self._stats.add("transfers_failed")
+        self._stats.add(FAILED_REASON + code)
+        logger.warning("pushkv transfer failed %s", json.dumps({
+            "transfer_id": transfer_id, "incarnation": incarnation, "attempt": attempt,
+            "request_id": req_id, "reason": code, "detail": reason,
+            "engine_id": self.facts.engine_id, "rank": self.facts.rank,
+            "policy": self.policy.value}, sort_keys=True))
+
     def _on_call_failed(self, event: Any) -> None:
         tid = event.transfer_id
         if event.operation == "register" and tid in self._recv:
             # Nothing was lent: the request fails and its blocks go back at once.
             rec = self._recv.pop(tid)
-            logger.error("transfer %s could not be registered: %s", tid, event.error)
-            self._done.add(rec.req_id)
-            self._failed.add(rec.req_id)
-            self._stats.add("transfers_failed")
+            self._transfer_failed(tid, rec.req_id, "REGISTER_REFUSED", event.error)
         elif event.operation == "prefill_finished" and tid in self._send:
             logger.error("transfer %s could not be pushed: %s", tid, event.error)
             self._sent.add(self._send.pop(tid))
@@ -332,12 +373,20 @@ class WorkerSide:
     # ------------------------------------------------------------- misc
 
     def take_stats(self) -> PushKVStats | None:
+        if self._sampler is not None:
+            for w in self._sampler.take():
+                if w.ok:
+                    self._stats.observe("transfer_seconds", w.total_s)
+                    self._stats.observe("transfer_bytes", float(w.nbytes))
+                    self._stats.observe("transfer_descriptors", float(w.descriptors))
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, PushKVStats()
         return stats
 
     def shutdown(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
         rt, self.runtime = self.runtime, None
         if rt is not None:
             rt.close()

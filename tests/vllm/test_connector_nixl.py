@@ -11,6 +11,8 @@ page for page, and that no block is left held on either side.
 
 from __future__ import annotations
 
+import itertools
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from pushkv.vllm.config import ConnectorConfigError
 from pushkv.vllm.connector import PushKVConnector
 from pushkv.vllm.params import DecodeLeg, Endpoint, PrefillLeg
 from pushkv.vllm.testing import free_port
@@ -107,14 +110,17 @@ def make_side(tiny_model, role: str, engine_id: str, port: int, seed: int | None
     return Side(engine, worker, kv)
 
 
+_pairs = itertools.count()
+
+
 @pytest.fixture
 def pair(tiny_model):
     made: list[Side] = []
 
     def make(policy: str = "fail", **kw) -> tuple[Side, Side]:
-        port = free_port()
-        p = make_side(tiny_model, "kv_producer", f"prefill-{port}", port, seed=port, **kw)
-        d = make_side(tiny_model, "kv_consumer", f"decode-{port}", free_port(), seed=None,
+        n = next(_pairs)  # default settings: each rank binds a free port
+        p = make_side(tiny_model, "kv_producer", f"prefill-{n}", 0, seed=n + 1, **kw)
+        d = make_side(tiny_model, "kv_consumer", f"decode-{n}", 0, seed=None,
                       policy=policy, **kw)
         made.extend((p, d))
         return p, d
@@ -143,11 +149,13 @@ def idle(side: Side) -> bool:
     return side.engine.held() == set() and side.engine.free_blocks == fresh_free(side.engine)
 
 
-def push(p: Side, d: Side, tid: str, n: int, max_tokens: int = 2, first: int = 10):
-    pr = p.engine.request(n, params=PrefillLeg(transfer_id=tid).to_params(), max_tokens=1,
-                          first=first, req_id=f"p-{tid}")
-    dr = d.engine.request(n, params=DecodeLeg(transfer_id=tid, producer=endpoint(p)).to_params(),
-                          max_tokens=max_tokens, first=first, req_id=f"d-{tid}")
+def push(p: Side, d: Side, tid: str, n: int, max_tokens: int = 2, first: int = 10,
+         incarnation: int = 0, suffix: str = ""):
+    pr = p.engine.request(n, params=PrefillLeg(transfer_id=tid, incarnation=incarnation)
+                          .to_params(), max_tokens=1, first=first, req_id=f"p-{tid}{suffix}")
+    dr = d.engine.request(n, params=DecodeLeg(transfer_id=tid, producer=endpoint(p),
+                                              incarnation=incarnation).to_params(),
+                          max_tokens=max_tokens, first=first, req_id=f"d-{tid}{suffix}")
     return pr, dr
 
 
@@ -254,3 +262,47 @@ def test_unreachable_producer_fails_after_the_handshake_timeout(tiny_model):
         run((d,), lambda: idle(d))
     finally:
         d.worker.shutdown()
+
+
+def test_two_instances_with_default_settings_bind_their_own_ports(pair):
+    p, d = pair()
+    (p_addr,), (d_addr,) = p.worker.endpoint.ranks, d.worker.endpoint.ranks
+    assert p_addr != d_addr and p_addr.startswith("tcp://127.0.0.1:")
+    assert p.worker.endpoint.addresses() == {0: p_addr}
+
+
+def test_a_taken_port_stops_start_up_with_one_line_naming_the_setting(tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConnectorConfigError) as info:
+            make_side(tiny_model, "kv_producer", "prefill-taken", port, seed=None)
+    message = str(info.value)
+    assert "\n" not in message and f"side_channel_port={port}" in message, message
+
+
+def test_a_decode_request_ended_before_registering_releases_the_producer_at_once(pair):
+    p, d = pair(extra={"lease_s": 120.0})
+    pr, dr = push(p, d, "warm", 40)  # the consumer has handshaken with the producer
+    run((p, d), lambda: dr.request_id in d.engine.outputs.finish)
+    run((p, d), lambda: idle(p) and idle(d))
+    pr = p.engine.request(50, params=PrefillLeg(transfer_id="quit", incarnation=7).to_params(),
+                          max_tokens=1, first=70, req_id="p-quit")
+    run((p,), lambda: pr.request_id in p.engine.outputs.finish)
+    assert not idle(p)  # its KV is held for the transfer
+    dr = d.engine.request(50, params=DecodeLeg(transfer_id="quit", producer=endpoint(p),
+                                               incarnation=7).to_params(), first=70)
+    d.engine.abort(dr.request_id)  # still queued: nothing was registered
+    run((p, d), lambda: idle(p) and idle(d), deadline_s=20)  # far less than the 120 s lease
+    assert d.engine.orders("recv") and len(d.engine.orders("recv_abandon")) == 1
+
+
+def test_a_reused_transfer_id_with_a_new_incarnation_is_a_new_transfer(pair):
+    p, d = pair()
+    for n, incarnation in ((40, 11), (70, 12)):
+        _, dr = push(p, d, "again", n, first=n, incarnation=incarnation,
+                      suffix=f"-{incarnation}")
+        run((p, d), lambda dr=dr: dr.request_id in d.engine.outputs.finish)
+        assert d.engine.outputs.finish[dr.request_id] == "length"
+        run((p, d), lambda: idle(p) and idle(d))

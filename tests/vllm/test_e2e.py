@@ -133,6 +133,14 @@ class Cluster:
         return "\n".join(lines)
 
 
+def proxy_healthy(url: str) -> bool:
+    try:
+        get_text(url + "/health", timeout=5)
+        return True
+    except OSError:  # refused, or 503 while an instance is out of rotation
+        return False
+
+
 def start_proxy(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = dict(os.environ)
@@ -141,7 +149,8 @@ def start_proxy(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen[
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", prefill, "--decode",
-             decode, "--port", str(port), "--timeout", "60"],
+             decode, "--port", str(port), "--timeout", "60", "--health-interval", "0.5",
+             "--backoff-max", "1"],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 30
@@ -158,10 +167,11 @@ def start_proxy(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen[
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, logs: Path, reference: object) -> Iterator[Cluster]:
     model = str(tiny_model)
+    # Default side-channel settings: both servers bind free ports on one host.
     p_spec = ServerSpec(model=model, port=free_port(), cpu=0, kv_config=kv_transfer_config(
-        "kv_producer", "prefill-0", free_port(), **FAST))
+        "kv_producer", "prefill-0", **FAST))
     d_spec = ServerSpec(model=model, port=free_port(), cpu=1, kv_config=kv_transfer_config(
-        "kv_consumer", "decode-0", free_port(), **FAST))
+        "kv_consumer", "decode-0", **FAST))
     prefill, decode = Server(p_spec, logs / "prefill.log"), Server(d_spec, logs / "decode.log")
     with running(prefill, decode):
         proc, url = start_proxy(prefill.url, decode.url, logs / "proxy.log")
@@ -301,9 +311,14 @@ def test_decode_server_restarted_mid_run(cluster, reference):
         time.sleep(0.2)
     assert c.usage(c.prefill) == 0
     assert c.counter(c.prefill, "pushkv:sources_released_total") >= lost0
-    # Same ports, same engine id: the proxy and the prefill server carry on.
+    # Same engine id, new side-channel ports: the proxy and the prefill server carry on
+    # once the proxy's probes put the instance back in rotation.
     c.decode = Server(c.decode_spec, c.logs / "decode-restarted.log")
     c.decode.start().wait_healthy()
+    end = time.monotonic() + 30
+    while not proxy_healthy(c.proxy_url):
+        assert time.monotonic() < end, "the proxy did not take the decode server back"
+        time.sleep(0.2)
     prompts = batch(SALTS["after_restart"])
     for tokens, got in zip(prompts, send_batch(c, prompts), strict=True):
         assert got == reference[tuple(tokens)]

@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestServer
 
 from pushkv.vllm.params import (
     ENDPOINT_KEY,
+    POLICY_KEY,
     DecodeLeg,
     Endpoint,
     PrefillLeg,
@@ -50,6 +51,11 @@ class FakeVllm:
     stream_error: bool = False
     legs: list[Leg] = field(default_factory=list)
     discoveries: int = 0
+    healthy: bool = True  #: False: /health answers 503
+    hang: bool = False  #: True: /health and every leg wait forever (a stopped process)
+    fail_legs: int = 0  #: the first this many legs are answered 500
+    policy: str = "fail"
+    probes: int = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -60,27 +66,36 @@ class FakeVllm:
         return app
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "tiny"}]})
+        return web.json_response({"data": [{"id": "tiny", "max_model_len": 256}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        self.probes += 1
+        if self.hang:
+            await asyncio.Event().wait()
+        return web.Response(status=200 if self.healthy else 503)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         params = body.get("kv_transfer_params")
         if params and params.get("pushkv_discover"):
             self.discoveries += 1
-            return web.json_response({"choices": [{"text": ""}],
-                                      "kv_transfer_params": {ENDPOINT_KEY: ENDPOINT.to_json()}})
+            return web.json_response({"choices": [{"text": ""}], "kv_transfer_params": {
+                ENDPOINT_KEY: ENDPOINT.to_json(), POLICY_KEY: self.policy}})
         leg = Leg(body=body, headers={k.lower(): v for k, v in request.headers.items()},
                   arrived=time.monotonic())
         self.legs.append(leg)
         try:
             await asyncio.sleep(self.delay_s)
+            if self.hang:
+                await asyncio.Event().wait()
         except asyncio.CancelledError:
             leg.cancelled = True
             raise
         leg.answered = time.monotonic()
+        if len(self.legs) <= self.fail_legs:
+            return web.json_response({"error": {"message": "Internal server error",
+                                                "type": "InternalServerError", "code": 500}},
+                                     status=500)
         if self.status != 200:
             return web.json_response({"error": {"message": f"{self.role} says no",
                                                 "type": "X", "code": self.status}},
@@ -212,14 +227,14 @@ def test_client_leaving_cancels_both_legs():
     run(FakeVllm("prefill", delay_s=5), FakeVllm("decode", delay_s=5), scenario)
 
 
-def test_unreachable_producer_is_a_bad_gateway():
+def test_unreachable_producer_is_unavailable_under_the_fail_policy():
     async def main() -> None:
         d = FakeVllm("decode")
         async with TestServer(d.app()) as ds:
             proxy = PushProxy(["http://127.0.0.1:9"], [str(ds.make_url(""))], timeout_s=5)
             async with TestServer(proxy.app()) as front:
                 status, body, _ = await post(str(front.make_url("")).rstrip("/"), REQUEST)
-        assert status == 502 and "unreachable" in body["error"]["message"]
+        assert status == 503 and "no prefill instance" in body["error"]["message"]
         assert d.legs == []
 
     asyncio.run(main())

@@ -18,6 +18,7 @@ from pushkv.vllm.params import (
     ParamsError,
     PrefillLeg,
     parse_params,
+    with_ranks,
 )
 
 P = Endpoint(engine_id="prefill-0", host="10.1.2.3", port=5600, tp_size=2)
@@ -25,9 +26,10 @@ P = Endpoint(engine_id="prefill-0", host="10.1.2.3", port=5600, tp_size=2)
 
 def test_defaults_are_valid_and_documented():
     s = PushKVSettings.from_extra_config(None)
-    assert (s.backend, s.side_channel_port, s.lease_s) == ("UCX", 5600, 30.0)
+    assert (s.backend, s.side_channel_port, s.key_file) == ("UCX", 0, "")
     assert set(PushKVSettings.help()) == {
-        "backend", "side_channel_host", "side_channel_port", "lease_s", "window_s",
+        "backend", "side_channel_host", "side_channel_port", "key_file", "key_env",
+        "lease_s", "window_s",
         "fence_grace_s", "heartbeat_s", "handshake_timeout_s", "write_timeout_s",
         "peer_confirm_s", "max_pending_registrations", "notify_poll_ms", "progress_delay_us",
         "transport_cpus",
@@ -52,7 +54,7 @@ def test_values_are_coerced_from_json_and_strings():
         ({"leas_s": 1}, "unknown kv_connector_extra_config key"),
         ({"backend": "GDS"}, "backend must be one of"),
         ({"backend": 3}, "backend must be a string"),
-        ({"side_channel_port": 0}, "side_channel_port"),
+        ({"side_channel_port": -1}, "side_channel_port"),
         ({"side_channel_port": True}, "side_channel_port must be a int"),
         ({"lease_s": -1}, "lease_s must be a positive number"),
         ({"window_s": float("inf")}, "window_s must be a positive number"),
@@ -69,6 +71,29 @@ def test_bad_values_name_their_key(extra, match):
     with pytest.raises(ConnectorConfigError, match=match) as info:
         PushKVSettings.from_extra_config(extra)
     assert isinstance(info.value, ConfigError) and isinstance(info.value, ValueError)
+
+
+def test_protocol_and_transport_defaults_are_the_core_and_runtime_ones():
+    from pushkv.protocol import ConsumerConfig, ProducerConfig
+    from pushkv.transports.nixl_config import NixlConfig
+
+    s = PushKVSettings()
+    assert s.producer_config() == ProducerConfig()
+    assert s.consumer_config(FailurePolicy.FAIL) == ConsumerConfig()
+    n = NixlConfig()
+    assert (s.side_channel_host, s.side_channel_port, s.key_env, s.write_timeout_s,
+            s.peer_confirm_s, s.progress_delay_us) == (
+        n.host, n.port, n.key_env, n.write_timeout_s, n.peer_confirm_s, n.progress_delay_us)
+
+
+def test_a_short_key_file_is_refused_naming_the_setting(tmp_path):
+    (tmp_path / "k").write_text("short")
+    s = PushKVSettings.from_extra_config({"key_file": str(tmp_path / "k")})
+    with pytest.raises(ConnectorConfigError, match="key") as info:
+        s.load_key()
+    assert "short" not in str(info.value).replace("shorter", "")  # never the key itself
+    (tmp_path / "k").write_text("a" * 32 + "\n")
+    assert s.load_key() == b"a" * 32
 
 
 def test_cpu_lists():
@@ -88,6 +113,11 @@ def test_legs_round_trip():
                 Discover()):
         assert parse_params(leg.to_params()) == leg
     assert P.addresses() == {0: "tcp://10.1.2.3:5600", 1: "tcp://10.1.2.3:5601"}
+    bound = with_ranks(P, {1: "tcp://10.1.2.3:41002", 0: "tcp://10.1.2.3:39001"})
+    assert bound.addresses() == {0: "tcp://10.1.2.3:39001", 1: "tcp://10.1.2.3:41002"}
+    assert bound.port == 39001
+    leg = DecodeLeg(transfer_id="t", producer=bound)
+    assert parse_params(leg.to_params()) == leg
 
 
 def test_other_connectors_params_are_not_ours():
@@ -112,6 +142,12 @@ def test_other_connectors_params_are_not_ours():
           "producer": {"engine_id": "p", "host": "h", "port": 65535, "tp_size": 2}}, "ports"),
         ({"do_remote_prefill": True, "transfer_id": "t",
           "producer": {"engine_id": "p", "host": "h", "port": 1, "role": "x"}}, "role"),
+        ({"do_remote_prefill": True, "transfer_id": "t",
+          "producer": {"engine_id": "p", "host": "h", "port": 1, "tp_size": 2,
+                       "ranks": ["tcp://h:1"]}}, "one address per rank"),
+        ({"do_remote_prefill": True, "transfer_id": "t",
+          "producer": {"engine_id": "p", "host": "h", "port": 1,
+                       "ranks": ["ipc:///tmp/x"]}}, "not an address"),
     ],
 )
 def test_malformed_params_are_refused(params, match):

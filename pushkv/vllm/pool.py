@@ -1,0 +1,176 @@
+"""The proxy's view of its upstream instances: health, back-off, outstanding work.
+
+Each :class:`Instance` is *up* (in rotation) or *down*. An instance goes down
+when
+
+* ``unhealthy_after`` health probes in a row fail (``GET /health`` refused,
+  timed out, or answered with anything but 200), or
+* a leg sent to it is refused, times out, breaks off, or is answered 503.
+
+A down instance is probed again after a back-off that doubles from
+``health_interval_s`` up to ``backoff_max_s``; the first probe that succeeds
+puts it back in rotation, and what the proxy learnt about it (model, side
+channel) is asked again, since a restarted instance may have changed. Going
+down also wakes every leg still waiting on the instance (:attr:`Instance.down`),
+so a hung instance fails its requests over instead of holding them.
+
+:meth:`Pool.pick` chooses the up instance with the least outstanding work
+(prompt tokens for prefill, prompt plus output tokens for decode), ties
+broken in rotation. Only the standard library and asyncio are used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .params import Endpoint
+
+logger = logging.getLogger("pushkv.proxy")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HealthSettings:
+    """How instances are watched."""
+
+    interval_s: float = 2.0  #: period of the health probes of an up instance
+    timeout_s: float = 2.0  #: a probe not answered within this has failed
+    unhealthy_after: int = 2  #: failed probes in a row that take an instance down
+    backoff_max_s: float = 30.0  #: longest wait between probes of a down instance
+
+    def __post_init__(self) -> None:
+        if not (self.interval_s > 0 and self.timeout_s > 0 and self.backoff_max_s > 0):
+            raise ValueError("health intervals and timeouts must be positive")
+        if self.unhealthy_after < 1:
+            raise ValueError("unhealthy_after must be at least 1")
+
+
+@dataclass(eq=False)
+class Instance:
+    """One upstream vLLM server."""
+
+    url: str
+    role: str  #: "prefill" or "decode"
+    up: bool = True
+    failures: int = 0  #: failed probes in a row
+    backoff_s: float = 0.0
+    next_probe: float = 0.0
+    inflight: int = 0
+    work: int = 0  #: outstanding tokens of the legs in flight
+    served: int = 0
+    endpoint: Endpoint | None = None  #: its pushkv side channel (producers)
+    policy: str | None = None  #: decode: its kv_load_failure_policy, once discovered
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: Set (and replaced when the instance comes back) when the instance goes down.
+    down: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def forget(self) -> None:
+        """Drop what was learnt from the instance; it is asked again on next use."""
+        self.endpoint = None
+        self.policy = None
+
+
+#: A health probe: True when the instance answered healthy.
+Probe = Callable[[Instance], Awaitable[bool]]
+#: Told about every change of an instance's state: (instance, up?).
+Listener = Callable[[Instance, bool], None]
+
+
+class Pool:
+    """Instances of both roles, their health and their load."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str],
+                 settings: HealthSettings | None = None) -> None:
+        self.settings = settings or HealthSettings()
+        self.prefill = [Instance(u.rstrip("/"), "prefill") for u in prefill]
+        self.decode = [Instance(u.rstrip("/"), "decode") for u in decode]
+        self._rr = itertools.count()
+        self.listeners: list[Listener] = []
+
+    @property
+    def all(self) -> list[Instance]:
+        return self.prefill + self.decode
+
+    def of(self, role: str) -> list[Instance]:
+        return self.prefill if role == "prefill" else self.decode
+
+    # ----------------------------------------------------------- choosing
+
+    def pick(self, role: str, avoid: Iterable[Instance] = ()) -> Instance | None:
+        """The up instance of ``role`` with the least outstanding work, preferring
+        ones not in ``avoid``; None when none is up."""
+        up = [i for i in self.of(role) if i.up]
+        avoided = set(avoid)
+        fresh = [i for i in up if i not in avoided] or up
+        if not fresh:
+            return None
+        low = min(i.work for i in fresh)
+        tied = [i for i in fresh if i.work == low]
+        return tied[next(self._rr) % len(tied)]
+
+    # ------------------------------------------------------------ health
+
+    def mark_down(self, inst: Instance, why: str, now: float | None = None) -> None:
+        """Take ``inst`` out of rotation; its next probe comes after the back-off."""
+        now = time.monotonic() if now is None else now
+        s = self.settings
+        inst.failures = max(inst.failures, s.unhealthy_after)
+        inst.backoff_s = (min(inst.backoff_s * 2, s.backoff_max_s) if inst.backoff_s
+                          else s.interval_s)
+        inst.next_probe = now + inst.backoff_s
+        if inst.up:
+            inst.up = False
+            inst.down.set()
+            logger.warning("%s instance %s is out of rotation: %s (next probe in %.1f s)",
+                           inst.role, inst.url, why, inst.backoff_s)
+            self._tell(inst, False)
+
+    def mark_up(self, inst: Instance, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        inst.failures = 0
+        inst.backoff_s = 0.0
+        inst.next_probe = now + self.settings.interval_s
+        if not inst.up:
+            inst.up = True
+            inst.down = asyncio.Event()
+            inst.forget()
+            logger.info("%s instance %s is back in rotation", inst.role, inst.url)
+            self._tell(inst, True)
+
+    def probed(self, inst: Instance, ok: bool, now: float | None = None) -> None:
+        """Account for one health probe's result."""
+        now = time.monotonic() if now is None else now
+        if ok:
+            self.mark_up(inst, now)
+            return
+        inst.failures += 1
+        if not inst.up or inst.failures >= self.settings.unhealthy_after:
+            self.mark_down(inst, f"{inst.failures} failed health probe(s)", now)
+        else:
+            inst.next_probe = now + self.settings.interval_s
+
+    def due(self, now: float) -> list[Instance]:
+        return [i for i in self.all if i.next_probe <= now]
+
+    def next_due(self) -> float:
+        return min(i.next_probe for i in self.all)
+
+    async def watch(self, probe: Probe) -> None:
+        """Probe every instance when due, forever (cancel to stop)."""
+        while True:
+            now = time.monotonic()
+            due = self.due(now)
+            if due:
+                results = await asyncio.gather(*(probe(i) for i in due))
+                done = time.monotonic()
+                for inst, ok in zip(due, results, strict=True):
+                    self.probed(inst, ok, done)
+            await asyncio.sleep(max(0.01, self.next_due() - time.monotonic()))
+
+    def _tell(self, inst: Instance, up: bool) -> None:
+        for listener in self.listeners:
+            listener(inst, up)

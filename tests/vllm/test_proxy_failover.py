@@ -1,0 +1,215 @@
+"""Health checks, failover, load-aware choice and the client's bound in ``pushkv proxy``,
+against stand-in servers (the proxy's own logic; real engines fail over in test_chaos.py).
+
+Waits are on conditions (a leg arrived, an instance left rotation), never on time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+
+from pushkv.vllm.params import parse_params
+from pushkv.vllm.pool import HealthSettings, Instance, Pool
+from pushkv.vllm.proxy import ProxySettings, PushProxy
+from pushkv.vllm.testing import metric
+
+from .test_proxy import REQUEST, FakeVllm
+
+FAST = HealthSettings(interval_s=0.05, timeout_s=0.2, unhealthy_after=2, backoff_max_s=0.4)
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+Scenario = Callable[[str, PushProxy, aiohttp.ClientSession], Awaitable[None]]
+
+
+def run(prefill: list[FakeVllm], decode: list[FakeVllm], scenario: Scenario,
+        **settings: Any) -> None:
+    async def main() -> None:
+        servers = [TestServer(f.app()) for f in prefill + decode]
+        for s in servers:
+            await s.start_server()
+        try:
+            urls = [str(s.make_url("")) for s in servers]
+            proxy = PushProxy(urls[: len(prefill)], urls[len(prefill):], settings=ProxySettings(
+                **{"health": FAST, "request_timeout_s": 20.0, **settings}))
+            async with TestServer(proxy.app()) as front, aiohttp.ClientSession() as s:
+                await scenario(str(front.make_url("")).rstrip("/"), proxy, s)
+        finally:
+            for s in servers:
+                await s.close()
+
+    asyncio.run(main())
+
+
+async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any] | None = None,
+               ) -> tuple[int, Any]:
+    async with s.post(url + "/v1/completions", json=body or REQUEST) as r:
+        return r.status, await r.json()
+
+
+async def counter(s: aiohttp.ClientSession, url: str, name: str, **labels: str) -> float:
+    async with s.get(url + "/metrics") as r:
+        return metric(await r.text(), name, **labels)
+
+
+def transfer(leg: Any) -> str:
+    parsed = parse_params(leg.body["kv_transfer_params"])
+    assert parsed is not None and not isinstance(parsed, str)
+    return str(parsed.transfer_id)  # type: ignore[union-attr]
+
+
+def test_a_failed_prefill_is_retried_once_on_another_producer_as_a_new_transfer():
+    bad, good = FakeVllm("prefill", fail_legs=1, delay_s=0.05), FakeVllm("prefill")
+    d = FakeVllm("decode", delay_s=1.0)
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        # Make the failing producer the first choice: the other one looks busy.
+        proxy.prefill[1].work = 10**6
+        status, body = await post(s, url)
+        proxy.prefill[1].work = 0
+        assert status == 200 and body["choices"][0]["token_ids"] == [5, 6, 7]
+        assert await counter(s, url, "pushkv_proxy_retries_total") == 1
+        assert await counter(s, url, "pushkv_proxy_failovers_total", role="prefill") == 1
+        assert await counter(s, url, "pushkv_proxy_requests_total", outcome="ok") == 1
+
+    run([bad, good], [d], scenario)
+    (first,), (second,) = bad.legs, good.legs
+    assert len(d.legs) == 2 and d.legs[0].cancelled  # the first decode leg followed
+    assert transfer(first) == transfer(d.legs[0]) != transfer(second) == transfer(d.legs[1])
+
+
+def test_a_hung_producer_leaves_rotation_and_its_requests_fail_over():
+    hung, good = FakeVllm("prefill"), FakeVllm("prefill")
+    d = FakeVllm("decode", delay_s=1.0)  # as if waiting for the KV
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        await until(lambda: hung.probes > 0 and good.probes > 0)
+        proxy.prefill[1].work = 10**6  # the hung one is chosen first
+        hung.hang = True  # a stopped process: accepts connections, answers nothing
+        status, _ = await post(s, url)
+        assert status == 200
+        assert not proxy.prefill[0].up and proxy.prefill[1].up
+        assert await counter(s, url, "pushkv_proxy_instance_up", role="prefill") == 1
+        # Thawed, it is probed back into rotation (with back-off), and asked again who
+        # it is (a restart may change its side channel).
+        hung.hang = False
+        await until(lambda: proxy.prefill[0].up)
+        assert proxy.prefill[0].endpoint is None
+
+    run([hung, good], [d], scenario)
+    assert len(hung.legs) == 1 and hung.legs[0].cancelled and len(good.legs) == 1
+
+
+def test_a_refused_decode_leg_fails_over_to_another_decode_instance():
+    p = FakeVllm("prefill", delay_s=0.05)
+    d1, d2 = FakeVllm("decode"), FakeVllm("decode")
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        proxy.decode[0].url = "http://127.0.0.1:9"  # nothing listens: refused
+        proxy.decode[1].work = 10**6
+        status, _ = await post(s, url)
+        assert status == 200
+        assert not proxy.decode[0].up
+        assert await counter(s, url, "pushkv_proxy_failovers_total", role="decode") == 1
+
+    run([p], [d1, d2], scenario)
+    assert len(d2.legs) == 1 and len(p.legs) == 2
+
+
+def test_no_producer_left_the_decode_policy_decides():
+    def scenario_for(expect: int) -> Scenario:
+        async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+            await until(lambda: proxy.prefill[0].up is False)
+            status, body = await post(s, url)
+            assert status == expect, body
+        return scenario
+
+    for policy, expect in (("recompute", 200), ("fail", 503)):
+        p = FakeVllm("prefill", healthy=False)
+        d = FakeVllm("decode", policy=policy)
+        run([p], [d], scenario_for(expect))
+        assert p.legs == []
+        if policy == "recompute":  # served by the decode instance alone, no transfer
+            (leg,) = d.legs
+            assert "kv_transfer_params" not in leg.body
+        else:
+            assert d.legs == []
+
+
+def test_the_retry_budget_is_one_then_the_error_is_clear():
+    p1, p2 = FakeVllm("prefill", fail_legs=5), FakeVllm("prefill", fail_legs=5)
+    d = FakeVllm("decode", delay_s=1.0)
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        status, body = await post(s, url)
+        assert status == 502 and body["error"]["message"]
+
+    run([p1, p2], [d], scenario)
+    assert len(p1.legs) + len(p2.legs) == 2
+
+
+def test_least_outstanding_work_wins():
+    p = FakeVllm("prefill")
+    d1, d2 = FakeVllm("decode", delay_s=2.0), FakeVllm("decode", delay_s=2.0)
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        long = dict(REQUEST, prompt=[7] * 100, max_tokens=100)
+        first = asyncio.create_task(post(s, url, long))
+        await until(lambda: len(d1.legs) + len(d2.legs) == 1)
+        busy = d1 if d1.legs else d2
+        others = [asyncio.create_task(post(s, url)) for _ in range(3)]
+        await until(lambda: len(d1.legs) + len(d2.legs) == 4)
+        assert len(busy.legs) == 1  # every short request went to the idle instance
+        assert all(r[0] == 200 for r in await asyncio.gather(first, *others))
+
+    run([p], [d1, d2], scenario)
+
+
+def test_a_client_never_waits_past_the_bound():
+    p, d = FakeVllm("prefill"), FakeVllm("decode")
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        await until(lambda: p.probes > 0)
+        d.hang = p.hang = True  # both hang; probes fail, so nothing is retried
+        status, body = await post(s, url)
+        assert status == 504 and body["error"]["message"]
+
+    run([p], [d], scenario, request_timeout_s=1.0,
+        health=HealthSettings(interval_s=30, timeout_s=30))
+    assert p.legs[0].cancelled and d.legs[0].cancelled
+
+
+def test_pool_backs_off_while_down_and_resets_when_up():
+    pool = Pool(["http://p"], ["http://d"],
+                HealthSettings(interval_s=1, timeout_s=1, unhealthy_after=2, backoff_max_s=5))
+    (p,) = pool.prefill
+    seen: list[tuple[Instance, bool]] = []
+    pool.listeners.append(lambda i, up: seen.append((i, up)))
+    pool.probed(p, False, now=0)
+    assert p.up  # one failure is not enough
+    pool.probed(p, False, now=1)
+    assert not p.up and p.next_probe == 2
+    waits = []
+    for now in range(2, 40, 1):
+        if p.next_probe <= now:
+            pool.probed(p, False, now=now)
+            waits.append(p.backoff_s)
+    assert waits[:4] == [2, 4, 5, 5]
+    pool.probed(p, True, now=50)
+    assert p.up and p.backoff_s == 0 and p.next_probe == 51
+    assert seen == [(p, False), (p, True)]
+    assert pool.pick("prefill") is p
+    pool.mark_down(p, "refused", now=60)
+    assert pool.pick("prefill") is None and not p.up
+
