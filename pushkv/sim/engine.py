@@ -191,6 +191,7 @@ class PrefillEngine(_Loop):
         if tuple(blocks) != tuple(block_ids):
             raise AssertionError(f"{transfer_id}: released blocks differ from held ones")
         self.pool.free(blocks)
+        self.poke()  # freed blocks may admit a prompt that waits for room
 
     def kill(self) -> list[SimRequest]:
         """Die now; return the requests that were queued or prefilling here."""
@@ -408,6 +409,7 @@ class DecodeEngine(_Loop):
             raise AssertionError(f"{transfer_id}: released blocks differ from lent ones")
         self.pool.free(req.dst_blocks)
         req.dst_blocks = []
+        self.poke()  # freed blocks may admit a request that waits for room
 
     def kill(self) -> None:
         """Die now: every request here fails (the client's connection drops)."""
