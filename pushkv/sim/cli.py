@@ -110,16 +110,18 @@ def _add_deployment(p: argparse.ArgumentParser) -> None:
                    help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier")
     w.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
     pr = p.add_argument_group("protocol timeouts and failure policy (vLLM defaults)")
-    pr.add_argument("--policy", choices=[f.value for f in FailurePolicy], default="fail",
+    pr.add_argument("--policy", choices=[f.value for f in FailurePolicy],
+                    default=ProtocolSettings().policy.value,
                     help="a failed transfer fails the request, or decode recomputes the prompt")
-    pr.add_argument("--lease-s", type=_pos_float, default=30.0,
-                    help="prefill holds unclaimed KV this long (default 30)")
-    pr.add_argument("--heartbeat-s", type=_pos_float, default=5.0,
-                    help="decode renews prefill leases this often (default 5)")
-    pr.add_argument("--window-s", type=_pos_float, default=480.0,
-                    help="decode gives up waiting for KV after this long (default 480)")
-    pr.add_argument("--fence-grace-s", type=_pos_float, default=30.0,
-                    help="after the window, blocks are released without a fence (default 30)")
+    d = ProtocolSettings()
+    pr.add_argument("--lease-s", type=_pos_float, default=d.lease_s,
+                    help="prefill holds unclaimed KV this long")
+    pr.add_argument("--heartbeat-s", type=_pos_float, default=d.heartbeat_s,
+                    help="decode renews prefill leases this often")
+    pr.add_argument("--window-s", type=_pos_float, default=d.window_s,
+                    help="decode gives up waiting for KV after this long")
+    pr.add_argument("--fence-grace-s", type=_pos_float, default=d.fence_grace_s,
+                    help="after the window, blocks are released without a fence")
     f = p.add_argument_group("faults (what-if)")
     f.add_argument("--drop-register", type=_fraction, default=0.0, metavar="P",
                    help="probability that a registration message is lost")

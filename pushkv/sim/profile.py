@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..protocol.errors import ConfigError
 
-class ProfileError(ValueError):
+
+class ProfileError(ConfigError):
     """A profile file or value is invalid."""
 
 
@@ -53,6 +55,19 @@ VLLM_KV_LOAD = (
     "(vllm-project/vllm PR 53333)"
 )
 INLINE_POSTS = ("after-forward", "before-forward")
+#: Engine fields one side never reads: setting them would be silently ignored, so a
+#: profile that sets them is refused (the value must stay the default).
+UNUSED = {
+    "prefill": {
+        "inline_post": "the prefill side posts no reads",
+        "decode_step_overhead_s": "prefill steps always prefill",
+        "kv_read_efficiency": "prefill steps read no decode KV",
+    },
+    "decode": {
+        "prefix_hit_fraction": "decode runs with --no-enable-prefix-caching; a request "
+        "recomputed on decode computes its whole prompt",
+    },
+}
 FIT = "fit: chosen once so the default sweep reproduces the post (docs/sim.md)"
 ASSUMED = "assumed (no public measurement; small effect, see docs/sim.md)"
 
@@ -214,6 +229,15 @@ class Profile:
 
     def validate(self) -> Profile:
         """Raise :class:`ProfileError` on a value no engine could have; return self."""
+        for name, value, _help, _source in describe(self):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ProfileError(f"{name} must be a finite number, got {value}")
+        base = EngineProfile()
+        for side, fields in UNUSED.items():
+            e = getattr(self, side)
+            for name, why in fields.items():
+                if getattr(e, name) != getattr(base, name):
+                    raise ProfileError(f"{side}.{name} is not used ({why}); remove it")
         m = self.model
         for name in ("num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim",
                      "dtype_bytes"):
@@ -234,6 +258,9 @@ class Profile:
                 v = getattr(e, name)
                 if not 0 <= v <= 1:
                     raise ProfileError(f"{side}.{name} must be in [0, 1], got {v}")
+            if e.block_size & (e.block_size - 1) or e.block_size > 1024:
+                raise ProfileError(f"{side}.block_size must be a power of two up to 1024 "
+                                   f"(vLLM's attention kernels), got {e.block_size}")
             if e.inline_post not in INLINE_POSTS:
                 raise ProfileError(f"{side}.inline_post must be one of {', '.join(INLINE_POSTS)}, "
                                    f"got {e.inline_post!r}")
@@ -276,7 +303,11 @@ _SECTIONS = {
 
 def _coerce(where: str, f: dataclasses.Field[Any], value: Any, current: Any) -> Any:
     """Check a TOML value against the type of the field it replaces."""
-    if isinstance(current, bool) or isinstance(value, bool):
+    if isinstance(current, bool):
+        if not isinstance(value, bool):
+            raise ProfileError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(value, bool):
         raise ProfileError(f"{where}: booleans are not accepted here")
     if isinstance(current, int) and not isinstance(current, bool):
         if isinstance(value, float) and value.is_integer():
@@ -287,6 +318,8 @@ def _coerce(where: str, f: dataclasses.Field[Any], value: Any, current: Any) -> 
     if isinstance(current, float):
         if not isinstance(value, int | float):
             raise ProfileError(f"{where} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ProfileError(f"{where} must be a finite number, got {value}")
         return float(value)
     if isinstance(current, str):
         if not isinstance(value, str):
@@ -300,6 +333,9 @@ def _override(obj: Any, table: dict[str, Any], where: str) -> Any:
     changes = {}
     for key, value in table.items():
         f = fields.get(key)
+        why = UNUSED.get(where, {}).get(key)
+        if why is not None:
+            raise ProfileError(f"{where}.{key} is not used ({why}); remove it")
         if f is None:
             known = ", ".join(sorted(fields))
             raise ProfileError(f"unknown key {where}.{key} (known: {known})")
