@@ -218,7 +218,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     from .plot import plot
 
     path = plot(args.results_dir, args.metric, args.out, stat=args.stat,
-                output_len=args.output_len, modes=args.modes, title=args.title)
+                output_len=args.output_len, modes=args.modes, title=args.title,
+                overlay=args.overlay, labels=tuple(args.labels))
     print(f"wrote {path}")
     return 0
 
@@ -274,7 +275,9 @@ def register(subparsers: Any) -> None:
                    help="request rates (QPS)")
     s.add_argument("--output-len", type=_pos_int, default=128, help="generated tokens")
     s.add_argument("--num-prompts", type=_pos_int, default=100, help="requests per point")
-    s.add_argument("--iterations", type=_pos_int, default=1, help="repetitions per point")
+    s.add_argument("--iterations", type=_pos_int, default=SweepSpec().iterations,
+                   help="iterations per point, each its own random streams (arrivals, block "
+                   "pools): several seeds per point, one file each (_iter0, _iter1, ...)")
     s.add_argument("--out", default="results/sim", metavar="DIR", help="output directory")
     s.add_argument("--jobs", type=_pos_int, default=default_jobs(),
                    help="worker processes (default: the CPU count)")
@@ -287,7 +290,8 @@ def register(subparsers: Any) -> None:
         help="draw TTFT or TPOT against input length from result files",
         description="Plot a metric against input length, one line per mode and rate, from "
         "{mode}_qps{q}_in{i}_out{o}_iter{n}.json files (simulated or real `vllm bench "
-        "serve` results); iterations are averaged. Writes a PNG.",
+        "serve` results); iterations are averaged and their spread drawn as error bars. "
+        "Writes a PNG.",
     )
     q.add_argument("--results-dir", required=True, metavar="DIR", help="result files")
     q.add_argument("--metric", choices=["ttft", "tpot", "itl", "e2el"], required=True,
@@ -299,6 +303,10 @@ def register(subparsers: Any) -> None:
                    help="output length to plot when the directory mixes several")
     q.add_argument("--modes", nargs="+", metavar="MODE", help="only these modes")
     q.add_argument("--title", help="figure title")
+    q.add_argument("--overlay", metavar="DIR", help="a second directory of result files "
+                   "drawn on the same axes (e.g. measured runs over simulated ones)")
+    q.add_argument("--labels", nargs=2, default=["simulated", "measured"],
+                   metavar=("FIRST", "SECOND"), help="legend names of the two directories")
     q.set_defaults(func=dispatch, _run=_cmd_plot, _parser=q)
 
 

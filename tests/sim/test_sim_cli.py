@@ -120,9 +120,14 @@ def test_sweep_then_plot_from_the_command_line(
     out = tmp_path / "res"
     assert main(["sweep", "--modes", "pull", "push", "pull-async", "--input-lens", "1024",
                  "2048", "--rates", "1", "4", "--output-len", "8", "--num-prompts", "6",
-                 "--jobs", "1", "--no-progress", "--out", str(out)]) == 0
-    assert len(list(out.glob("*.json"))) == 12
-    assert "12 points" in capsys.readouterr().out
+                 "--iterations", "2", "--jobs", "1", "--no-progress", "--out", str(out)]) == 0
+    files = sorted(p.name for p in out.glob("*.json"))
+    assert len(files) == 24
+    assert "24 points" in capsys.readouterr().out
+    # Each iteration is its own seed: one file per iteration, different arrivals.
+    a, b = (json.loads((out / f"push_qps4_in1024_out8_iter{n}.json").read_text())
+            for n in (0, 1))
+    assert a["start_times"] != b["start_times"]
     for metric in ("ttft", "tpot"):
         assert main(["plot", "--results-dir", str(out), "--metric", metric]) == 0
         assert (out / f"{metric}.png").stat().st_size > 10_000
