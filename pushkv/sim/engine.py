@@ -231,7 +231,10 @@ class DecodeEngine(_Loop):
         self.stalled_steps = 0
         self.recomputed = 0
         self.failed_transfers = 0
+        self._queued = env.event()  #: fires when a request is queued (heartbeats)
         env.process(self._loop())
+        if self.eng.heartbeat_queued:
+            env.process(self._heartbeat_queued())
 
     @property
     def load(self) -> int:
@@ -244,6 +247,8 @@ class DecodeEngine(_Loop):
             return
         self._by_tid[req.transfer_id] = req
         self.waiting.append(req)
+        if not self._queued.triggered:
+            self._queued.succeed()
         self.poke()
 
     def submit_local(self, req: SimRequest) -> None:
@@ -251,6 +256,24 @@ class DecodeEngine(_Loop):
         req.local_prefill = True
         req.recomputed = True
         self.submit(req)
+
+    def _heartbeat_queued(self) -> Generator[Any, Any, None]:
+        """vLLM's scheduler renews the lease of every queued request every lease/6."""
+        period = self.transport.settings.heartbeat_s
+        while self.alive:
+            by_producer: dict[str, list[str]] = {}
+            for r in self.waiting:
+                if not r.local_prefill and r.prefill is not None:
+                    by_producer.setdefault(r.prefill, []).append(r.transfer_id)
+            if not by_producer:
+                self._queued = self.env.event()
+                yield self._queued
+                yield self.env.timeout(period)  # the first beat is a period after arrival
+                continue
+            for producer, tids in sorted(by_producer.items()):
+                if producer not in self.transport.known_dead:
+                    self.transport.heartbeat_queued(self.engine_id, producer, tids)
+            yield self.env.timeout(period)
 
     # ------------------------------------------------------------------- loop
 

@@ -49,6 +49,11 @@ CAL_POST = "CAL 'The published result' (vLLM blog 2026-10-14, launch flags)"
 CAL_DESC = "CAL 'Descriptor costs'"
 CAL_CHECK = "CAL 'consistency check'"
 VLLM_DEFAULTS = "vLLM defaults (vllm/engine/arg_utils.py, vllm/config/cache.py)"
+VLLM_LEASE = (
+    "vLLM docs/design/nixl_kv_cache_lease.md ('while a request is queued or in-flight on D, "
+    "D periodically sends heartbeats to P'); vLLM 0.32 nixl/base_scheduler.py "
+    "on_new_request, build_connector_meta; base_worker.py _send_heartbeats"
+)
 VLLM_KV_LOAD = (
     "vLLM v1/worker/gpu/kv_connector.py (pre_forward / post_forward) and "
     "kv_connector_model_runner_mixin.py: async KV loads start after the forward launch "
@@ -62,6 +67,7 @@ UNUSED = {
         "inline_post": "the prefill side posts no reads",
         "decode_step_overhead_s": "prefill steps always prefill",
         "kv_read_efficiency": "prefill steps read no decode KV",
+        "heartbeat_queued": "only decode renews leases",
     },
     "decode": {
         "prefix_hit_fraction": "decode runs with --no-enable-prefix-caching; a request "
@@ -154,6 +160,14 @@ class EngineProfile:
         "while the CPU posts, so the step lasts max(forward, posting) (vLLM >= 0.29); "
         "'before-forward' -- posting, then the forward (earlier vLLM)",
         VLLM_KV_LOAD + "; assumed to hold for the post's vLLM 0.29",
+    )
+    heartbeat_queued: bool = _f(
+        True,
+        "decode renews the prefill lease of a request from the moment it is queued, not "
+        "only once its transfer started: vLLM's scheduler tracks every request with remote "
+        "KV from on_new_request and heartbeats them all every lease/6 (false: only "
+        "transfers the consumer endpoint knows are renewed)",
+        VLLM_LEASE,
     )
     fragmentation: float = _f(
         0.05,

@@ -40,6 +40,7 @@ from ..protocol import (
     Action,
     Consumer,
     FailurePolicy,
+    Heartbeat,
     IssueRead,
     IssueWrite,
     Mode,
@@ -58,6 +59,7 @@ from ..protocol import (
     encode,
     expected_writers,
 )
+from ..protocol.messages import MAX_HEARTBEAT_ITEMS
 from .costs import post_s
 from .network import Network
 from .profile import Profile
@@ -179,6 +181,22 @@ class SimTransport:
         p = self.producers[prefill]
         self._apply(prefill, p.prefill_finished(transfer_id, block_ids, num_tokens,
                                                 self.env.now, mode=mode))
+
+    def heartbeat_queued(self, decode: str, producer: str, transfer_ids: Sequence[str]) -> None:
+        """vLLM's decode scheduler renews the leases of requests still queued on it.
+
+        Its connector tracks every request with remote KV from ``on_new_request``
+        on and heartbeats them all, scheduled or not (``nixl_kv_cache_lease.md``);
+        the consumer endpoint only knows transfers once they started, so the
+        engine sends these itself, as vLLM's scheduler does beside its worker.
+        """
+        c = self.consumers[decode].info
+        peer = Peer(producer, 0)  # rank 0 stands for every rank
+        for i in range(0, len(transfer_ids), MAX_HEARTBEAT_ITEMS):
+            msg = Heartbeat(engine_id=c.engine_id, rank=c.rank, transfers=tuple(
+                (tid, 0) for tid in transfer_ids[i:i + MAX_HEARTBEAT_ITEMS]))
+            self.stats["sent_queued_Heartbeat"] += 1
+            self._deliver_later(peer, encode(msg), self.profile.network.control_latency_s)
 
     def prefill_aborted(self, prefill: str, transfer_id: str) -> None:
         self._apply(prefill, self.producers[prefill].prefill_aborted(transfer_id, self.env.now))

@@ -39,3 +39,24 @@ def test_every_request_ends_under_sustained_overload(mode: str) -> None:
     assert all(q.outcome is not Outcome.PENDING for q in r.requests)
     assert r.result["completed"] == 80, r.result["errors"]
     assert r.leaked_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_queued_requests_keep_their_prefill_lease_as_in_vllm(mode: str) -> None:
+    """Requests queue on decode longer than the lease. vLLM's decode scheduler renews
+    the lease of every queued request, so none loses its KV; renewing only transfers
+    that started (the consumer endpoint's own heartbeats) lets queued ones expire."""
+    from pushkv.sim import ProtocolSettings
+
+    def go(queued: bool) -> dict:
+        prof = with_profile(decode={"max_num_seqs": 1, "heartbeat_queued": queued})
+        return run(config(mode, qps=20.0, input_len=INPUT, output_len=64, num_prompts=40,
+                          profile=prof,
+                          protocol=ProtocolSettings(lease_s=1.2, heartbeat_s=0.2))).result
+
+    renewed, not_renewed = go(True), go(False)
+    assert renewed["completed"] == 40 and renewed["pushkv"]["leaked_blocks"] == 0
+    assert not_renewed["failed"] > 0 and not_renewed["pushkv"]["leaked_blocks"] == 0
+    # The source went away under the waiting request: a read of released blocks
+    # (pull) or the producer's SOURCE_RELEASED (push).
+    assert {e.split(":")[0] for e in not_renewed["errors"] if e} == {"KV transfer failed"}
