@@ -26,6 +26,7 @@ Unknown tables or keys, wrong types and out-of-range values raise
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -60,6 +61,11 @@ VLLM_KV_LOAD = (
     "(vllm-project/vllm PR 53333)"
 )
 INLINE_POSTS = ("after-forward", "before-forward")
+WIRE_MODELS = ("measured-points", "two-limits")
+SHARINGS = ("fair", "fifo")
+MOONCAKE = (
+    "CAL 'Hardware': Mooncake EFA WRITE on p5en by block size (64 KB 97 GB/s ... 2 MB 367)"
+)
 #: Engine fields one side never reads: setting them would be silently ignored, so a
 #: profile that sets them is refused (the value must stay the default).
 UNUSED = {
@@ -221,6 +227,30 @@ class NetworkProfile:
         "cost per descriptor of preparing and posting, paid by the posting thread",
         FIT + ", inside " + CAL_DESC + " 2.4-3.9 us per descriptor",
     )
+    wire_model: str = _f(
+        "measured-points",
+        "how long the wire takes for descriptors of a given size: 'measured-points' -- "
+        "node throughput interpolated (in log size) between measured points, "
+        "descriptor-rate bound below the smallest; 'two-limits' -- the slower of "
+        "descriptor_rate and the byte bandwidth",
+        MOONCAKE,
+    )
+    point_sizes_bytes: tuple[float, ...] = _f(
+        (64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20),
+        "descriptor sizes of the measured points (ascending)", MOONCAKE,
+    )
+    point_write_bandwidth: tuple[float, ...] = _f(
+        (97e9, 191e9, 325e9, 358e9, 353e9, 367e9),
+        "node WRITE bytes/s at those sizes (READ: the same, capped at read_bandwidth)",
+        MOONCAKE,
+    )
+    sharing: str = _f(
+        "fair",
+        "concurrent transfers on a node's NICs: 'fair' -- they share them equally "
+        "(processor sharing, each flow at the share of its busiest link); 'fifo' -- one "
+        "transfer at a time, first come first served",
+        "CAL 'Control plane and contention': concurrent flows on one rail share it",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,8 +274,9 @@ class Profile:
     def validate(self) -> Profile:
         """Raise :class:`ProfileError` on a value no engine could have; return self."""
         for name, value, _help, _source in describe(self):
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ProfileError(f"{name} must be a finite number, got {value}")
+            for v in value if isinstance(value, tuple) else (value,):
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ProfileError(f"{name} must be a finite number, got {v}")
         base = EngineProfile()
         for side, fields in UNUSED.items():
             e = getattr(self, side)
@@ -292,6 +323,21 @@ class Profile:
         for name in ("descriptor_rate", "write_bandwidth", "read_bandwidth"):
             _positive(f"network.{name}", getattr(n, name))
         _positive("network.gpus_per_node", n.gpus_per_node)
+        if n.wire_model not in WIRE_MODELS:
+            raise ProfileError(f"network.wire_model must be one of {', '.join(WIRE_MODELS)}, "
+                               f"got {n.wire_model!r}")
+        if n.sharing not in SHARINGS:
+            raise ProfileError(f"network.sharing must be one of {', '.join(SHARINGS)}, "
+                               f"got {n.sharing!r}")
+        sizes, bws = n.point_sizes_bytes, n.point_write_bandwidth
+        if not sizes or len(sizes) != len(bws):
+            raise ProfileError("network.point_sizes_bytes and point_write_bandwidth must be "
+                               "non-empty and of equal length")
+        for name, vals in (("point_sizes_bytes", sizes), ("point_write_bandwidth", bws)):
+            for v in vals:
+                _positive(f"network.{name}", v)
+        if any(b <= a for a, b in itertools.pairwise(sizes)):
+            raise ProfileError("network.point_sizes_bytes must be strictly ascending")
         for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "post_fixed_s",
                      "post_per_descriptor_s"):
             if getattr(n, name) < 0:
@@ -335,6 +381,13 @@ def _coerce(where: str, f: dataclasses.Field[Any], value: Any, current: Any) -> 
         if not math.isfinite(value):
             raise ProfileError(f"{where} must be a finite number, got {value}")
         return float(value)
+    if isinstance(current, tuple):
+        if not isinstance(value, list) or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+            raise ProfileError(f"{where} must be a list of numbers, got {value!r}")
+        if not all(math.isfinite(v) for v in value):
+            raise ProfileError(f"{where} must hold finite numbers, got {value!r}")
+        return tuple(float(v) for v in value)
     if isinstance(current, str):
         if not isinstance(value, str):
             raise ProfileError(f"{where} must be a string, got {value!r}")

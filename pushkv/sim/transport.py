@@ -315,7 +315,7 @@ class SimTransport:
             self.post_s_by_thread["prefill-bg"] += cost
             wire = self.env.process(self.net.transfer(
                 eid, dst, a.plan.nbytes, a.plan.descriptor_count, read=False,
-                posted_at=self.env.now + cost))
+                posted_at=self.env.now + cost, poster=f"{eid}/writer"))
             yield self.env.timeout(cost)
         if eid not in self.alive:
             return
@@ -343,7 +343,7 @@ class SimTransport:
         def wire(posted_at: float) -> simpy.Process:
             return self.env.process(self.net.transfer(
                 src, eid, a.plan.nbytes, a.plan.descriptor_count, read=True,
-                posted_at=posted_at))
+                posted_at=posted_at, poster=f"{eid}/reader"))
 
         if inline is None:
             with self._reader[eid].request() as slot:
