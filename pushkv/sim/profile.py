@@ -63,6 +63,7 @@ VLLM_KV_LOAD = (
 INLINE_POSTS = ("after-forward", "before-forward")
 WIRE_MODELS = ("measured-points", "two-limits")
 SHARINGS = ("fair", "fifo")
+SKEWS = ("exponential", "fixed")
 MOONCAKE = (
     "CAL 'Hardware': Mooncake EFA WRITE on p5en by block size (64 KB 97 GB/s ... 2 MB 367)"
 )
@@ -244,6 +245,23 @@ class NetworkProfile:
         "node WRITE bytes/s at those sizes (READ: the same, capped at read_bandwidth)",
         MOONCAKE,
     )
+    rank_skew: float = _f(
+        0.0,
+        "TP rank skew: each rank's transfer (its posting and its wire time) takes "
+        "(1 + X) times the representative rank's, X drawn per rank and transfer from "
+        "rank_skew_dist with this mean; READY waits for the slowest rank, and an inline "
+        "posting step for the slowest poster (the next forward's all-reduces line the "
+        "ranks up)",
+        "CAL 'Descriptor costs' (one rank's post time measured; a TP8 step waits for "
+        "its slowest rank); no public distribution: 0 by default",
+    )
+    rank_skew_dist: str = _f(
+        "exponential",
+        "distribution of X: 'exponential' (the slowest of n ranks is H_n times the mean "
+        "late) or 'fixed' (rank r is 2 * rank_skew * r / (n - 1) late: the slowest "
+        "exactly 2x the mean)",
+        ASSUMED,
+    )
     sharing: str = _f(
         "fair",
         "concurrent transfers on a node's NICs: 'fair' -- they share them equally "
@@ -326,6 +344,11 @@ class Profile:
         if n.wire_model not in WIRE_MODELS:
             raise ProfileError(f"network.wire_model must be one of {', '.join(WIRE_MODELS)}, "
                                f"got {n.wire_model!r}")
+        if n.rank_skew_dist not in SKEWS:
+            raise ProfileError(f"network.rank_skew_dist must be one of {', '.join(SKEWS)}, "
+                               f"got {n.rank_skew_dist!r}")
+        if n.rank_skew < 0:
+            raise ProfileError("network.rank_skew must be >= 0")
         if n.sharing not in SHARINGS:
             raise ProfileError(f"network.sharing must be one of {', '.join(SHARINGS)}, "
                                f"got {n.sharing!r}")

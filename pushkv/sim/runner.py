@@ -77,12 +77,15 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
     wall0 = time.perf_counter()
     profile = cfg.profile
     seeds = np.random.SeedSequence([cfg.workload.seed, cfg.iteration])
-    arrival_seed, fault_seed, *pool_seeds = seeds.spawn(2 + cfg.num_prefill + cfg.num_decode)
+    streams = seeds.spawn(3 + cfg.num_prefill + cfg.num_decode)
+    arrival_seed, fault_seed, skew_seed = streams[0], streams[1], streams[-1]
+    pool_seeds = streams[2:-1]
     env = simpy.Environment()
     network = Network(env, profile.network)
     transport = SimTransport(
         env, profile, network, cfg.protocol, cfg.faults,
         random.Random(int(fault_seed.generate_state(1)[0])),
+        skew_rng=np.random.default_rng(skew_seed),
     )
     specs = generate(cfg.workload, np.random.default_rng(arrival_seed))
     recorder = Recorder(env, len(specs))
@@ -235,5 +238,6 @@ def _extra(
         "prefill_cached_tokens": sum(p.cached_tokens for p in prefills),
         "prefill_computed_tokens": sum(p.computed_tokens for p in prefills),
         "network_busy_s": transport.net.busy_s,
+        "rank_skew_mean": float(np.mean(transport.skews)) if transport.skews else 0.0,
         "mean_kv_ready_ms": float(np.mean(waits)) * 1000 if waits else 0.0,
     }

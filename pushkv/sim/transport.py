@@ -34,6 +34,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import simpy
 
 from ..protocol import (
@@ -93,6 +94,7 @@ class SimTransport:
         settings: ProtocolSettings,
         faults: FaultConfig,
         fault_rng: random.Random,
+        skew_rng: np.random.Generator | None = None,
     ) -> None:
         self.env = env
         self.profile = profile
@@ -100,6 +102,8 @@ class SimTransport:
         self.settings = settings
         self.faults = faults
         self._rng = fault_rng
+        self._skew_rng = skew_rng or np.random.default_rng(0)
+        self.skews: list[float] = []  #: the slowest rank's X of every transfer
         self.producers: dict[str, Producer] = {}
         self.consumers: dict[str, Consumer] = {}
         self._producer_hosts: dict[str, ProducerHost] = {}
@@ -201,6 +205,18 @@ class SimTransport:
     def prefill_aborted(self, prefill: str, transfer_id: str) -> None:
         self._apply(prefill, self.producers[prefill].prefill_aborted(transfer_id, self.env.now))
 
+    def _slowest_rank(self, tp: int) -> float:
+        """X of the slowest of ``tp`` ranks: it takes (1 + X) times the representative's."""
+        net = self.profile.network
+        if net.rank_skew == 0 or tp <= 1:
+            return 0.0
+        if net.rank_skew_dist == "fixed":
+            x = 2.0 * net.rank_skew
+        else:
+            x = float(self._skew_rng.exponential(net.rank_skew, size=tp).max())
+        self.skews.append(x)
+        return x
+
     # ------------------------------------------------------------------ deaths
 
     def kill(self, engine_id: str) -> None:
@@ -241,8 +257,9 @@ class SimTransport:
                 else:
                     cost = post_s(self.profile.network, a.plan.descriptor_count)
                     self.post_s_by_thread["decode-loop"] += cost
-                    self._spawn(self._read(eid, a, (inline_after + stall, cost)))
-                    stall += cost
+                    x = self._slowest_rank(self.profile.decode.tp)
+                    self._spawn(self._read(eid, a, (inline_after + stall, cost), x))
+                    stall += cost * (1.0 + x)  # the step waits for the slowest poster
             elif isinstance(a, Publish):
                 self._producer_hosts[eid].published(a.transfer_id, a.block_ids, a.num_tokens)
             elif isinstance(a, ReleaseSource):
@@ -311,6 +328,7 @@ class SimTransport:
         dst = a.peer.engine_id
         with self._writer[eid].request() as slot:
             yield slot
+            started = self.env.now
             cost = post_s(net, a.plan.descriptor_count)
             self.post_s_by_thread["prefill-bg"] += cost
             wire = self.env.process(self.net.transfer(
@@ -320,6 +338,8 @@ class SimTransport:
         if eid not in self.alive:
             return
         yield wire
+        yield self.env.timeout(  # READY waits for the slowest rank's write
+            self._slowest_rank(self.profile.prefill.tp) * (self.env.now - started))
         if eid not in self.alive:
             self.stats["writes_lost"] += 1  # the producer died with its write
             return
@@ -333,10 +353,11 @@ class SimTransport:
         self._apply(eid, p.write_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now))
 
     def _read(
-        self, eid: str, a: IssueRead, inline: tuple[float, float] | None
+        self, eid: str, a: IssueRead, inline: tuple[float, float] | None, skew: float = 0.0,
     ) -> Generator[Any, Any, None]:
-        """Pull: posted inline (``(start offset, seconds)`` within the engine's step) or by
-        the decode background thread; the fabric moves while posting goes on."""
+        """Pull: posted inline (``(start offset, seconds)`` within the engine's step, the
+        slowest rank ``skew`` late) or by the decode background thread; the fabric moves
+        while posting goes on."""
         src = a.peer.engine_id
         net = self.profile.network
 
@@ -348,6 +369,8 @@ class SimTransport:
         if inline is None:
             with self._reader[eid].request() as slot:
                 yield slot
+                started = self.env.now
+                skew = self._slowest_rank(self.profile.decode.tp)
                 cost = post_s(net, a.plan.descriptor_count)
                 self.post_s_by_thread["decode-bg"] += cost
                 moving = src in self.alive and eid in self.alive
@@ -357,11 +380,13 @@ class SimTransport:
             start, cost = inline
             if start > 0:
                 yield self.env.timeout(start)
+            started = self.env.now
             moving = src in self.alive and eid in self.alive
             xfer = wire(self.env.now + cost) if moving else None
             yield self.env.timeout(cost)
         if xfer is not None:
             yield xfer
+        yield self.env.timeout(skew * (self.env.now - started))  # the slowest rank's read
         if eid not in self.alive:
             return
         ok = src in self.alive and a.transfer_id in self.producers[src].held_blocks()
