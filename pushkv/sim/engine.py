@@ -158,7 +158,7 @@ class PrefillEngine(_Loop):
                 yield self._sleep()
                 continue
             dt = step_s(self.profile, eng, prefill_chunks=tuple((n, p.computed) for p, n in chunks))
-            yield self.env.timeout(dt)
+            dt = yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt)
             if not self.alive:
                 return
             self.busy_s += dt
@@ -361,7 +361,7 @@ class DecodeEngine(_Loop):
             # Posting after the forward launch overlaps it (the GPU computes while the
             # CPU posts); posting before the forward delays it.
             dt = max(work, stall) if eng.inline_post == "after-forward" else stall + work
-            yield self.env.timeout(dt)
+            yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt)
             if not self.alive:
                 return
             self._account(dt, dt - work if stall > 0 else 0.0)

@@ -154,6 +154,13 @@ class EngineProfile:
         "(small blocks: 4 KiB per layer and plane at TP8)",
         FIT,
     )
+    step_python_s: float = _f(
+        0.0015,
+        "interpreter time an engine step needs before its forward can start (scheduling "
+        "and launches, part of the step overheads): it waits while a background thread of "
+        "the same process holds the interpreter lock",
+        ASSUMED,
+    )
     prefix_hit_fraction: float = _f(
         0.0,
         "fraction of each prompt found in this engine's prefix cache",
@@ -227,6 +234,14 @@ class NetworkProfile:
         3.2e-6,
         "cost per descriptor of preparing and posting, paid by the posting thread",
         FIT + ", inside " + CAL_DESC + " 2.4-3.9 us per descriptor",
+    )
+    post_gil_fraction: float = _f(
+        1.0,
+        "fraction of a background thread's posting during which it holds the Python "
+        "interpreter lock, so that the engine loop of its process cannot start a step "
+        "(0: posting never blocks the loop)",
+        "CAL 'Control plane and contention': NIXL's Python postXferReq holds the GIL "
+        "while it posts (NIXL PR 1190, a proposal to release it, was closed)",
     )
     wire_model: str = _f(
         "measured-points",
@@ -313,6 +328,8 @@ class Profile:
             e: EngineProfile = getattr(self, side)
             for name in ("tp", "max_num_seqs", "max_num_batched_tokens", "block_size"):
                 _positive(f"{side}.{name}", getattr(e, name))
+            if e.step_python_s < 0:
+                raise ProfileError(f"{side}.step_python_s must be >= 0")
             for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency"):
                 v = getattr(e, name)
                 if not 0 < v <= 1:
@@ -347,6 +364,9 @@ class Profile:
         if n.rank_skew_dist not in SKEWS:
             raise ProfileError(f"network.rank_skew_dist must be one of {', '.join(SKEWS)}, "
                                f"got {n.rank_skew_dist!r}")
+        if not 0 <= n.post_gil_fraction <= 1:
+            raise ProfileError(f"network.post_gil_fraction must be in [0, 1], "
+                               f"got {n.post_gil_fraction}")
         if n.rank_skew < 0:
             raise ProfileError("network.rank_skew must be >= 0")
         if n.sharing not in SHARINGS:

@@ -238,6 +238,8 @@ def _extra(
         "prefill_cached_tokens": sum(p.cached_tokens for p in prefills),
         "prefill_computed_tokens": sum(p.computed_tokens for p in prefills),
         "network_busy_s": transport.net.busy_s,
+        "gil_wait_ms_by_engine": {k: v * 1000 for k, v in sorted(transport.gil_wait_s.items())
+                                  if v > 0},
         "rank_skew_mean": float(np.mean(transport.skews)) if transport.skews else 0.0,
         "mean_kv_ready_ms": float(np.mean(waits)) * 1000 if waits else 0.0,
     }

@@ -110,6 +110,9 @@ class SimTransport:
         self._consumer_hosts: dict[str, ConsumerHost] = {}
         self._writer: dict[str, simpy.Resource] = {}  # prefill background thread
         self._reader: dict[str, simpy.Resource] = {}  # decode background thread (pull-async)
+        #: each engine process's interpreter lock: its loop and its posting thread share it
+        self.gil: dict[str, simpy.Resource] = {}
+        self.gil_wait_s: defaultdict[str, float] = defaultdict(float)
         self.alive: set[str] = set()
         self.known_dead: set[str] = set()  #: deaths already reported to the endpoints
         self.death_listeners: list[Callable[[str], None]] = []
@@ -139,6 +142,7 @@ class SimTransport:
 
     def _add_node(self, eid: str) -> None:
         self.net.add_node(eid)
+        self.gil[eid] = simpy.Resource(self.env, capacity=1)
         self.alive.add(eid)
         self._armed[eid] = set()
 
@@ -216,6 +220,33 @@ class SimTransport:
             x = float(self._skew_rng.exponential(net.rank_skew, size=tp).max())
         self.skews.append(x)
         return x
+
+    def _post_holding_gil(self, eid: str, cost: float) -> Generator[Any, Any, None]:
+        """A background thread posts for ``cost`` seconds, holding ``eid``'s interpreter
+        lock for ``post_gil_fraction`` of them (NIXL's postXferReq keeps the GIL)."""
+        held = cost * self.profile.network.post_gil_fraction
+        if held > 0:
+            with self.gil[eid].request() as lock:
+                yield lock
+                yield self.env.timeout(held)
+        if cost > held:
+            yield self.env.timeout(cost - held)
+
+    def run_step(self, eid: str, python_s: float, dt: float) -> Generator[Any, Any, float]:
+        """An engine step of ``dt`` seconds whose first ``python_s`` need the interpreter
+        lock: it waits while a posting thread of the same process holds it. Returns the
+        seconds the step took."""
+        start = self.env.now
+        if python_s > 0 and self.profile.network.post_gil_fraction > 0:
+            with self.gil[eid].request() as lock:
+                yield lock
+                self.gil_wait_s[eid] += self.env.now - start
+                yield self.env.timeout(min(python_s, dt))
+            if dt > python_s:
+                yield self.env.timeout(dt - python_s)
+        else:
+            yield self.env.timeout(dt)
+        return self.env.now - start
 
     # ------------------------------------------------------------------ deaths
 
@@ -334,7 +365,7 @@ class SimTransport:
             wire = self.env.process(self.net.transfer(
                 eid, dst, a.plan.nbytes, a.plan.descriptor_count, read=False,
                 posted_at=self.env.now + cost, poster=f"{eid}/writer"))
-            yield self.env.timeout(cost)
+            yield from self._post_holding_gil(eid, cost)
         if eid not in self.alive:
             return
         yield wire
@@ -375,7 +406,7 @@ class SimTransport:
                 self.post_s_by_thread["decode-bg"] += cost
                 moving = src in self.alive and eid in self.alive
                 xfer = wire(self.env.now + cost) if moving else None
-                yield self.env.timeout(cost)
+                yield from self._post_holding_gil(eid, cost)
         else:
             start, cost = inline
             if start > 0:
