@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from .errors import ConfigError, DecodeError, RemoteProtocolError, ValidationError
@@ -27,11 +27,14 @@ class Endpoint:
         self.info = info
         self.peer = Peer(info.engine_id, info.rank)
         self.stats: Counter[str] = Counter()
-        self._timers: list[tuple[float, int, str]] = []  # (when, seq, transfer id), lazy
+        self._timers: list[tuple[float, int, Hashable]] = []  # (when, seq, key), lazy
         self._seq = 0
+        self._now = float("-inf")  # the latest time any call brought
         self._handlers: dict[type, Handler] = {Hello: self._on_hello}
 
-    def add_peer(self, info: RankInfo) -> None:  # pragma: no cover - overridden
+    def add_peer(
+        self, info: RankInfo, *, now: float | None = None
+    ) -> list[Action]:  # pragma: no cover - overridden
         raise NotImplementedError
 
     # ------------------------------------------------------------- peer input
@@ -61,10 +64,9 @@ class Endpoint:
 
     def _on_hello(self, msg: Hello, now: float) -> list[Action]:
         try:
-            self.add_peer(msg.info)
+            return self.add_peer(msg.info, now=now)
         except ConfigError as exc:
             raise ValidationError(f"handshake refused: {exc.message}") from exc
-        return []
 
     # ----------------------------------------------------------------- timers
 
@@ -75,21 +77,23 @@ class Endpoint:
     def handle_timer(self, now: float) -> list[Action]:
         return self._run_timers(now)
 
-    def _schedule(self, when: float, transfer_id: str) -> None:
+    def _schedule(self, when: float, key: Hashable) -> None:
         if when != float("inf"):
             self._seq += 1
-            heapq.heappush(self._timers, (when, self._seq, transfer_id))
+            heapq.heappush(self._timers, (when, self._seq, key))
 
     def _run_timers(self, now: float) -> list[Action]:
         # Take what is due first: a timer armed while expiring runs on the next call,
         # so a mistake that re-arms in the past can never spin inside one call.
+        if now > self._now:
+            self._now = now
         due = []
         while self._timers and self._timers[0][0] <= now:
             due.append(heapq.heappop(self._timers)[2])
         out: list[Action] = []
-        for transfer_id in due:
-            out += self._expire(transfer_id, now)
+        for key in due:
+            out += self._expire(key, now)
         return out
 
-    def _expire(self, transfer_id: str, now: float) -> list[Action]:  # pragma: no cover
+    def _expire(self, key: Any, now: float) -> list[Action]:  # pragma: no cover
         raise NotImplementedError

@@ -86,6 +86,7 @@ class ProducerState(enum.Enum):
     CANCELLED = "CANCELLED"
     EXPIRED = "EXPIRED"
     FAILED = "FAILED"
+    GONE = "GONE"  #: the source is released or aborted: the leg answers from memory
 
 
 class ProducerInput(enum.Enum):
@@ -102,6 +103,10 @@ class ProducerInput(enum.Enum):
     LEASE_EXPIRED = "LEASE_EXPIRED"
     PEER_DIED = "PEER_DIED"  #: the transport lost the consumer engine
     READ_DONE = "READ_DONE"  #: pull: the consumer rank read its slice
+    REGISTER_STALE = "REGISTER_STALE"  #: a registration of an older (or the same) attempt
+    CANCEL_STALE = "CANCEL_STALE"  #: a cancel of an older attempt, or a repeated one
+    REOPEN = "REOPEN"  #: a newer registration for a finished leg (rule 3)
+    SOURCE_GONE = "SOURCE_GONE"  #: the transfer's source was released or aborted
 
 
 class ProducerEffect(enum.Enum):
@@ -119,11 +124,14 @@ class ProducerEffect(enum.Enum):
     FAIL_AND_WRITE_STASHED = "fail old+write stashed"
     ACK_STASHED_AND_STASH = "ack stashed+stash"
     FAIL_STASHED = "fail stashed"
+    STALE = "drop stale"  #: count the message, answer nothing
+    FAIL_GONE = "fail: source gone"  #: Fail(SOURCE_RELEASED or PREFILL_ABORTED)
 
 
 class ConsumerState(enum.Enum):
     __hash__ = object.__hash__  # members are singletons: hash by identity, fast
 
+    CONNECTING = "CONNECTING"  #: blocks lent, waiting for the producer engine's handshake
     REGISTERED = "REGISTERED"  #: waiting for notifications (pull: reads)
     READY = "READY"
     PREEMPTING = "PREEMPTING"  #: waiting for the fence before releasing blocks
@@ -148,6 +156,9 @@ class ConsumerInput(enum.Enum):
     DEADLINE = "DEADLINE"  #: the window passed without READY
     HARD_DEADLINE = "HARD_DEADLINE"  #: window + grace: release without a fence
     PEER_DIED = "PEER_DIED"
+    CONNECTED = "CONNECTED"  #: the producer engine became usable (every rank handshaken)
+    HANDSHAKE_FAILED = "HANDSHAKE_FAILED"  #: the driver gave up, or the handshake timed out
+    REISSUE_CONNECTING = "REISSUE_CONNECTING"  #: a reissue while the engine is not usable
 
 
 class ConsumerEffect(enum.Enum):
@@ -167,6 +178,8 @@ class ConsumerEffect(enum.Enum):
     ZOMBIFY_AND_REGISTER = "zombify+register"  #: old attempt keeps its fence
     FINAL_CANCEL_RELEASED = "final cancel+cancelled"  #: blocks already released
     REPORT_FAILED = "failed"  #: blocks already released: only report the failure
+    SEND_HELD = "send held registration"  #: the engine is usable: register the attempt
+    HOLD = "hold+connect"  #: a new attempt waits for the handshake (Connect once per engine)
 
 
 P, PI, PE = ProducerState, ProducerInput, ProducerEffect
@@ -174,9 +187,13 @@ C, CI, CE = ConsumerState, ConsumerInput, ConsumerEffect
 
 # Tuples, not sets, where tables are built: the table order (and so the
 # generated docs) must not depend on hashing.
-_P_TERMINAL = (P.DONE, P.CANCELLED, P.EXPIRED, P.FAILED)
+_P_FINISHED = (P.DONE, P.CANCELLED, P.EXPIRED, P.FAILED)
+_P_TERMINAL = (*_P_FINISHED, P.GONE)
 _P_WRITING = (P.WRITING, P.SUPERSEDED, P.CANCELLING, P.PREEMPTING)
+_P_ALL = tuple(P)
 PRODUCER_TERMINAL = frozenset(_P_TERMINAL)
+#: Finished legs a newer registration may reopen (rule 3).
+PRODUCER_FINISHED = frozenset(_P_FINISHED)
 #: States in which a write of the leg may be in flight.
 PRODUCER_WRITING = frozenset(_P_WRITING)
 
@@ -192,6 +209,17 @@ _quiet_when_terminal = {
 }
 _ack_when_terminal = {
     (s, i): (PE.ACK, s) for s in _P_TERMINAL for i in (PI.CANCEL, PI.PREEMPT)
+}
+# Rule 2: stale and repeated messages are inputs too; they change nothing.
+_stale = {
+    (s, i): (PE.STALE, s) for s in _P_ALL for i in (PI.REGISTER_STALE, PI.CANCEL_STALE)
+}
+# Rule 3: reopen a finished leg as a new one would start; rule 4: when the
+# source goes, every leg that is not writing ends in GONE.
+_reopen = {(s, PI.REOPEN): (PE.NONE, P.EMPTY) for s in _P_FINISHED}
+_gone = {
+    (s, PI.SOURCE_GONE): (PE.NONE, P.GONE)
+    for s in (P.EMPTY, P.KV_READY, *_P_TERMINAL)
 }
 
 PRODUCER_TABLE: dict[
@@ -243,8 +271,19 @@ PRODUCER_TABLE: dict[
     # is failed; the old write carries on.
     (P.SUPERSEDED, PI.DEADLINE): (PE.FAIL_STASHED, P.WRITING),
     (P.SUPERSEDED, PI.KV_ABORTED): (PE.FAIL_STASHED, P.WRITING),
+    # Rule 5: the lease ended while an old write is in flight: the stash is
+    # answered now, never written later.
+    (P.SUPERSEDED, PI.LEASE_EXPIRED): (PE.FAIL_STASHED, P.WRITING),
     **_quiet_when_terminal,
     **_ack_when_terminal,
+    **_stale,
+    **_reopen,
+    **_gone,
+    (P.REGISTERED, PI.SOURCE_GONE): (PE.FAIL, P.GONE),
+    # A source that is gone answers every newer registration at once (rule 3),
+    # and acknowledges every cancel, old or new, from memory.
+    (P.GONE, PI.REGISTER): (PE.FAIL_GONE, P.GONE),
+    (P.GONE, PI.CANCEL_STALE): (PE.ACK, P.GONE),
 }
 
 CONSUMER_TERMINAL = frozenset({C.READY, C.CANCELLED, C.FAILED})
@@ -261,6 +300,14 @@ _fence_inputs = {
 CONSUMER_TABLE: dict[
     tuple[ConsumerState, ConsumerInput], tuple[ConsumerEffect, ConsumerState]
 ] = {
+    # Registrations made before the producer engine is usable wait here; the
+    # driver handshakes on Connect (rule 8).
+    (C.CONNECTING, CI.CONNECTED): (CE.SEND_HELD, C.REGISTERED),
+    (C.CONNECTING, CI.HANDSHAKE_FAILED): (CE.RELEASE_FAILED, C.FAILED),
+    (C.CONNECTING, CI.PEER_DIED): (CE.RELEASE_FAILED, C.FAILED),
+    (C.CONNECTING, CI.ABORT): (CE.RELEASE_CANCELLED, C.CANCELLED),
+    (C.CONNECTING, CI.PREEMPT): (CE.RELEASE, C.PREEMPTED),
+    (C.PREEMPTED, CI.REISSUE_CONNECTING): (CE.HOLD, C.CONNECTING),
     (C.REGISTERED, CI.NOTIFY): (CE.COUNT, C.REGISTERED),
     (C.REGISTERED, CI.ALL_NOTIFIED): (CE.READY, C.READY),  # rule 6
     (C.REGISTERED, CI.FAIL): (CE.FAIL_REST, C.FAILING),
