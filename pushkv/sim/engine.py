@@ -176,7 +176,8 @@ class PrefillEngine(_Loop):
         self.held[tid] = p.blocks
         self._by_tid[tid] = req
         mode = Mode.PUSH if self.mode is TransferMode.PUSH else Mode.PULL
-        self.transport.prefill_finished(self.engine_id, tid, p.blocks, req.input_len, mode)
+        self.transport.prefill_finished(self.engine_id, tid, p.blocks, req.input_len, mode,
+                                        incarnation=req.incarnation)
         if mode is Mode.PUSH:
             self.on_done(req, None)
 
@@ -261,10 +262,11 @@ class DecodeEngine(_Loop):
         """vLLM's scheduler renews the lease of every queued request every lease/6."""
         period = self.transport.settings.heartbeat_s
         while self.alive:
-            by_producer: dict[str, list[str]] = {}
+            by_producer: dict[str, list[tuple[str, int]]] = {}
             for r in self.waiting:
                 if not r.local_prefill and r.prefill is not None:
-                    by_producer.setdefault(r.prefill, []).append(r.transfer_id)
+                    by_producer.setdefault(r.prefill, []).append(
+                        (r.transfer_id, r.incarnation))
             if not by_producer:
                 self._queued = self.env.event()
                 yield self._queued
@@ -290,12 +292,13 @@ class DecodeEngine(_Loop):
         req.dst_blocks = self.pool.allocate(blocks_for(req.input_len, eng.block_size))
         self.holding.append(req)
         if self.mode is TransferMode.PUSH:
-            self.transport.register(self.engine_id, tid, producer, req.dst_blocks, req.input_len)
+            self.transport.register(self.engine_id, tid, producer, req.dst_blocks, req.input_len,
+                                    incarnation=req.incarnation)
             return 0.0
         inline = stall if self.mode is TransferMode.PULL else None
         return self.transport.start_pull(
             self.engine_id, tid, producer, req.src_blocks, req.dst_blocks, req.input_len,
-            inline_after=inline,
+            inline_after=inline, incarnation=req.incarnation,
         )
 
     def _schedule(self) -> float:

@@ -77,9 +77,8 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
     wall0 = time.perf_counter()
     profile = cfg.profile
     seeds = np.random.SeedSequence([cfg.workload.seed, cfg.iteration])
-    streams = seeds.spawn(3 + cfg.num_prefill + cfg.num_decode)
-    arrival_seed, fault_seed, skew_seed = streams[0], streams[1], streams[-1]
-    pool_seeds = streams[2:-1]
+    streams = seeds.spawn(4 + cfg.num_prefill + cfg.num_decode)
+    arrival_seed, fault_seed, *pool_seeds, skew_seed, incarnation_seed = streams
     env = simpy.Environment()
     network = Network(env, profile.network)
     transport = SimTransport(
@@ -112,7 +111,8 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
         transport.add_consumer(_ranks(eid, profile, profile.decode), deng)
         decodes.append(deng)
     transport.handshake()
-    router = Router(env, cfg, transport, prefills, decodes, recorder)
+    router = Router(env, cfg, transport, prefills, decodes, recorder,
+                    random.Random(int(incarnation_seed.generate_state(1)[0])))
     router_ref.append(router)
 
     reqs = [SimRequest(spec=s, transfer_id=f"req-{s.index}") for s in specs]

@@ -160,16 +160,17 @@ class SimTransport:
 
     def register(
         self, decode: str, transfer_id: str, producer: str, block_ids: Sequence[int],
-        num_tokens: int,
+        num_tokens: int, *, incarnation: int = 0,
     ) -> None:
         """Push: the decode engine allocated blocks; the registration is born."""
         c = self.consumers[decode]
         self._apply(decode, c.register(transfer_id, producer, block_ids, num_tokens,
-                                       self.env.now))
+                                       self.env.now, incarnation=incarnation))
 
     def start_pull(
         self, decode: str, transfer_id: str, producer: str, src_ids: Sequence[int],
         dst_ids: Sequence[int], num_tokens: int, *, inline_after: float | None,
+        incarnation: int = 0,
     ) -> float:
         """Pull: read ``src_ids`` into ``dst_ids``.
 
@@ -179,18 +180,22 @@ class SimTransport:
         With ``None`` a decode background thread posts and 0 is returned.
         """
         c = self.consumers[decode]
-        actions = c.start_pull(transfer_id, producer, src_ids, dst_ids, num_tokens, self.env.now)
+        actions = c.start_pull(transfer_id, producer, src_ids, dst_ids, num_tokens, self.env.now,
+                               incarnation=incarnation)
         return self._apply(decode, actions, inline_after=inline_after)
 
     def prefill_finished(
         self, prefill: str, transfer_id: str, block_ids: Sequence[int], num_tokens: int,
-        mode: Mode,
+        mode: Mode, *, incarnation: int = 0,
     ) -> None:
         p = self.producers[prefill]
         self._apply(prefill, p.prefill_finished(transfer_id, block_ids, num_tokens,
-                                                self.env.now, mode=mode))
+                                                self.env.now, mode=mode,
+                                                incarnation=incarnation))
 
-    def heartbeat_queued(self, decode: str, producer: str, transfer_ids: Sequence[str]) -> None:
+    def heartbeat_queued(
+        self, decode: str, producer: str, transfers: Sequence[tuple[str, int]]
+    ) -> None:
         """vLLM's decode scheduler renews the leases of requests still queued on it.
 
         Its connector tracks every request with remote KV from ``on_new_request``
@@ -200,9 +205,9 @@ class SimTransport:
         """
         c = self.consumers[decode].info
         peer = Peer(producer, 0)  # rank 0 stands for every rank
-        for i in range(0, len(transfer_ids), MAX_HEARTBEAT_ITEMS):
+        for i in range(0, len(transfers), MAX_HEARTBEAT_ITEMS):
             msg = Heartbeat(engine_id=c.engine_id, rank=c.rank, transfers=tuple(
-                (tid, 0) for tid in transfer_ids[i:i + MAX_HEARTBEAT_ITEMS]))
+                (tid, 0, inc) for tid, inc in transfers[i:i + MAX_HEARTBEAT_ITEMS]))
             self.stats["sent_queued_Heartbeat"] += 1
             self._deliver_later(peer, encode(msg), self.profile.network.control_latency_s)
 
@@ -381,7 +386,8 @@ class SimTransport:
             else:
                 self._deliver_later(a.peer, encode(a.notify), net.control_latency_s)
         p = self.producers[eid]
-        self._apply(eid, p.write_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now))
+        self._apply(eid, p.write_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now,
+                                           incarnation=a.incarnation))
 
     def _read(
         self, eid: str, a: IssueRead, inline: tuple[float, float] | None, skew: float = 0.0,
@@ -420,9 +426,10 @@ class SimTransport:
         yield self.env.timeout(skew * (self.env.now - started))  # the slowest rank's read
         if eid not in self.alive:
             return
-        ok = src in self.alive and a.transfer_id in self.producers[src].held_blocks()
+        ok = src in self.alive and (a.transfer_id, a.incarnation) in self.producers[src].held()
         c = self.consumers[eid]
-        self._apply(eid, c.read_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now))
+        self._apply(eid, c.read_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now,
+                                          incarnation=a.incarnation))
 
     # ------------------------------------------------------------------ timers
 

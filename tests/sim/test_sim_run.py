@@ -33,6 +33,9 @@ def test_another_seed_gives_another_run() -> None:
 def test_every_request_ends_once_and_nothing_leaks(mode: str) -> None:
     r = run(config(mode, qps=8.0, input_len=8192, num_prompts=40), keep_objects=True)
     assert sorted(q.spec.index for q in r.requests) == list(range(40))
+    # The router draws one incarnation per use of a transfer id, for both legs.
+    assert len({q.incarnation for q in r.requests}) == 40
+    assert all(q.incarnation > 0 for q in r.requests)
     assert all(q.outcome is Outcome.OK for q in r.requests)
     assert all(len(q.token_times) == q.output_len for q in r.requests)
     assert r.result["completed"] == 40 and r.result["failed"] == 0
