@@ -110,16 +110,18 @@ def _add_deployment(p: argparse.ArgumentParser) -> None:
                    help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier")
     w.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
     pr = p.add_argument_group("protocol timeouts and failure policy (vLLM defaults)")
-    pr.add_argument("--policy", choices=[f.value for f in FailurePolicy], default="fail",
+    pr.add_argument("--policy", choices=[f.value for f in FailurePolicy],
+                    default=ProtocolSettings().policy.value,
                     help="a failed transfer fails the request, or decode recomputes the prompt")
-    pr.add_argument("--lease-s", type=_pos_float, default=30.0,
-                    help="prefill holds unclaimed KV this long (default 30)")
-    pr.add_argument("--heartbeat-s", type=_pos_float, default=5.0,
-                    help="decode renews prefill leases this often (default 5)")
-    pr.add_argument("--window-s", type=_pos_float, default=480.0,
-                    help="decode gives up waiting for KV after this long (default 480)")
-    pr.add_argument("--fence-grace-s", type=_pos_float, default=30.0,
-                    help="after the window, blocks are released without a fence (default 30)")
+    d = ProtocolSettings()
+    pr.add_argument("--lease-s", type=_pos_float, default=d.lease_s,
+                    help="prefill holds unclaimed KV this long")
+    pr.add_argument("--heartbeat-s", type=_pos_float, default=d.heartbeat_s,
+                    help="decode renews prefill leases this often")
+    pr.add_argument("--window-s", type=_pos_float, default=d.window_s,
+                    help="decode gives up waiting for KV after this long")
+    pr.add_argument("--fence-grace-s", type=_pos_float, default=d.fence_grace_s,
+                    help="after the window, blocks are released without a fence")
     f = p.add_argument_group("faults (what-if)")
     f.add_argument("--drop-register", type=_fraction, default=0.0, metavar="P",
                    help="probability that a registration message is lost")
@@ -216,7 +218,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     from .plot import plot
 
     path = plot(args.results_dir, args.metric, args.out, stat=args.stat,
-                output_len=args.output_len, modes=args.modes, title=args.title)
+                output_len=args.output_len, modes=args.modes, title=args.title,
+                overlay=args.overlay, labels=tuple(args.labels))
     print(f"wrote {path}")
     return 0
 
@@ -272,7 +275,9 @@ def register(subparsers: Any) -> None:
                    help="request rates (QPS)")
     s.add_argument("--output-len", type=_pos_int, default=128, help="generated tokens")
     s.add_argument("--num-prompts", type=_pos_int, default=100, help="requests per point")
-    s.add_argument("--iterations", type=_pos_int, default=1, help="repetitions per point")
+    s.add_argument("--iterations", type=_pos_int, default=SweepSpec().iterations,
+                   help="iterations per point, each its own random streams (arrivals, block "
+                   "pools): several seeds per point, one file each (_iter0, _iter1, ...)")
     s.add_argument("--out", default="results/sim", metavar="DIR", help="output directory")
     s.add_argument("--jobs", type=_pos_int, default=default_jobs(),
                    help="worker processes (default: the CPU count)")
@@ -285,7 +290,8 @@ def register(subparsers: Any) -> None:
         help="draw TTFT or TPOT against input length from result files",
         description="Plot a metric against input length, one line per mode and rate, from "
         "{mode}_qps{q}_in{i}_out{o}_iter{n}.json files (simulated or real `vllm bench "
-        "serve` results); iterations are averaged. Writes a PNG.",
+        "serve` results); iterations are averaged and their spread drawn as error bars. "
+        "Writes a PNG.",
     )
     q.add_argument("--results-dir", required=True, metavar="DIR", help="result files")
     q.add_argument("--metric", choices=["ttft", "tpot", "itl", "e2el"], required=True,
@@ -297,6 +303,10 @@ def register(subparsers: Any) -> None:
                    help="output length to plot when the directory mixes several")
     q.add_argument("--modes", nargs="+", metavar="MODE", help="only these modes")
     q.add_argument("--title", help="figure title")
+    q.add_argument("--overlay", metavar="DIR", help="a second directory of result files "
+                   "drawn on the same axes (e.g. measured runs over simulated ones)")
+    q.add_argument("--labels", nargs=2, default=["simulated", "measured"],
+                   metavar=("FIRST", "SECOND"), help="legend names of the two directories")
     q.set_defaults(func=dispatch, _run=_cmd_plot, _parser=q)
 
 

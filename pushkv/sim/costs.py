@@ -12,15 +12,23 @@ against them and the docs can quote them.
   (launches, TP all-reduces, the scheduler).
 * **Posting** costs a fixed part plus a part per descriptor, paid by whichever
   thread posts (the decode engine loop in pull, a background thread otherwise).
-* **Bytes** move at the slower of two node limits, shared by the node's GPUs
-  (each rank moves its own slice): descriptors completed per second (small
-  descriptors) and bytes per second (large ones).
+* **Bytes** move at the node's throughput for descriptors of the transfer's
+  mean size, shared by the node's GPUs (each rank moves its own slice). With
+  ``wire_model = "measured-points"`` the throughput is interpolated, in log
+  size, between measured points (Mooncake's EFA table), and below the
+  smallest point it is bound by that point's descriptor rate (READs: the same,
+  capped at the READ peak, which has no by-size table); with
+  ``"two-limits"`` it is the slower of a descriptor rate and a byte
+  bandwidth.
 * **Posting and wire overlap**: the NIC starts on each descriptor as it is
   posted, so a transfer is done when the wire has moved every byte *and* the
   last descriptor has been posted, whichever is later.
 """
 
 from __future__ import annotations
+
+import bisect
+import math
 
 from .profile import EngineProfile, NetworkProfile, Profile
 
@@ -84,15 +92,32 @@ def post_s(network: NetworkProfile, descriptors: int) -> float:
     return network.post_fixed_s + network.post_per_descriptor_s * descriptors
 
 
-def transfer_s(network: NetworkProfile, nbytes: int, descriptors: int, *, read: bool) -> float:
-    """Wire time of one rank's slice (``nbytes`` in ``descriptors`` descriptors).
+def node_throughput(network: NetworkProfile, size: float, *, read: bool) -> float:
+    """Node bytes/s for descriptors of ``size`` bytes (``measured-points`` model)."""
+    sizes, bws = network.point_sizes_bytes, network.point_write_bandwidth
+    if size <= sizes[0]:
+        bw = bws[0] * size / sizes[0]  # bound by the smallest point's descriptor rate
+    elif size >= sizes[-1]:
+        bw = bws[-1]
+    else:
+        i = bisect.bisect_right(sizes, size)
+        x0, x1 = math.log2(sizes[i - 1]), math.log2(sizes[i])
+        f = (math.log2(size) - x0) / (x1 - x0)
+        bw = bws[i - 1] + f * (bws[i] - bws[i - 1])
+    # READ has no by-size table: small descriptors are bound by the NIC's operation
+    # rate as writes are; large ones by the measured READ peak.
+    return min(bw, network.read_bandwidth) if read else bw
 
-    The node's NICs are bound either by the descriptors they complete per second
-    or by bytes per second, whichever is slower; the node's GPUs share both.
-    """
+
+def transfer_s(network: NetworkProfile, nbytes: int, descriptors: int, *, read: bool) -> float:
+    """Wire time of one rank's slice (``nbytes`` in ``descriptors`` descriptors), alone
+    on the NICs. The node's GPUs share the node's throughput."""
     if nbytes <= 0 or descriptors <= 0:
         return network.wire_latency_s
     share = network.gpus_per_node
+    if network.wire_model == "measured-points":
+        return network.wire_latency_s + nbytes * share / node_throughput(
+            network, nbytes / descriptors, read=read)
     bw = network.read_bandwidth if read else network.write_bandwidth
     return network.wire_latency_s + max(
         descriptors * share / network.descriptor_rate, nbytes * share / bw

@@ -158,7 +158,7 @@ class PrefillEngine(_Loop):
                 yield self._sleep()
                 continue
             dt = step_s(self.profile, eng, prefill_chunks=tuple((n, p.computed) for p, n in chunks))
-            yield self.env.timeout(dt)
+            dt = yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt)
             if not self.alive:
                 return
             self.busy_s += dt
@@ -176,7 +176,8 @@ class PrefillEngine(_Loop):
         self.held[tid] = p.blocks
         self._by_tid[tid] = req
         mode = Mode.PUSH if self.mode is TransferMode.PUSH else Mode.PULL
-        self.transport.prefill_finished(self.engine_id, tid, p.blocks, req.input_len, mode)
+        self.transport.prefill_finished(self.engine_id, tid, p.blocks, req.input_len, mode,
+                                        incarnation=req.incarnation)
         if mode is Mode.PUSH:
             self.on_done(req, None)
 
@@ -191,6 +192,7 @@ class PrefillEngine(_Loop):
         if tuple(blocks) != tuple(block_ids):
             raise AssertionError(f"{transfer_id}: released blocks differ from held ones")
         self.pool.free(blocks)
+        self.poke()  # freed blocks may admit a prompt that waits for room
 
     def kill(self) -> list[SimRequest]:
         """Die now; return the requests that were queued or prefilling here."""
@@ -230,7 +232,10 @@ class DecodeEngine(_Loop):
         self.stalled_steps = 0
         self.recomputed = 0
         self.failed_transfers = 0
+        self._queued = env.event()  #: fires when a request is queued (heartbeats)
         env.process(self._loop())
+        if self.eng.heartbeat_queued:
+            env.process(self._heartbeat_queued())
 
     @property
     def load(self) -> int:
@@ -243,6 +248,8 @@ class DecodeEngine(_Loop):
             return
         self._by_tid[req.transfer_id] = req
         self.waiting.append(req)
+        if not self._queued.triggered:
+            self._queued.succeed()
         self.poke()
 
     def submit_local(self, req: SimRequest) -> None:
@@ -250,6 +257,25 @@ class DecodeEngine(_Loop):
         req.local_prefill = True
         req.recomputed = True
         self.submit(req)
+
+    def _heartbeat_queued(self) -> Generator[Any, Any, None]:
+        """vLLM's scheduler renews the lease of every queued request every lease/6."""
+        period = self.transport.settings.heartbeat_s
+        while self.alive:
+            by_producer: dict[str, list[tuple[str, int]]] = {}
+            for r in self.waiting:
+                if not r.local_prefill and r.prefill is not None:
+                    by_producer.setdefault(r.prefill, []).append(
+                        (r.transfer_id, r.incarnation))
+            if not by_producer:
+                self._queued = self.env.event()
+                yield self._queued
+                yield self.env.timeout(period)  # the first beat is a period after arrival
+                continue
+            for producer, tids in sorted(by_producer.items()):
+                if producer not in self.transport.known_dead:
+                    self.transport.heartbeat_queued(self.engine_id, producer, tids)
+            yield self.env.timeout(period)
 
     # ------------------------------------------------------------------- loop
 
@@ -266,12 +292,13 @@ class DecodeEngine(_Loop):
         req.dst_blocks = self.pool.allocate(blocks_for(req.input_len, eng.block_size))
         self.holding.append(req)
         if self.mode is TransferMode.PUSH:
-            self.transport.register(self.engine_id, tid, producer, req.dst_blocks, req.input_len)
+            self.transport.register(self.engine_id, tid, producer, req.dst_blocks, req.input_len,
+                                    incarnation=req.incarnation)
             return 0.0
         inline = stall if self.mode is TransferMode.PULL else None
         return self.transport.start_pull(
             self.engine_id, tid, producer, req.src_blocks, req.dst_blocks, req.input_len,
-            inline_after=inline,
+            inline_after=inline, incarnation=req.incarnation,
         )
 
     def _schedule(self) -> float:
@@ -337,7 +364,7 @@ class DecodeEngine(_Loop):
             # Posting after the forward launch overlaps it (the GPU computes while the
             # CPU posts); posting before the forward delays it.
             dt = max(work, stall) if eng.inline_post == "after-forward" else stall + work
-            yield self.env.timeout(dt)
+            yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt)
             if not self.alive:
                 return
             self._account(dt, dt - work if stall > 0 else 0.0)
@@ -408,6 +435,7 @@ class DecodeEngine(_Loop):
             raise AssertionError(f"{transfer_id}: released blocks differ from lent ones")
         self.pool.free(req.dst_blocks)
         req.dst_blocks = []
+        self.poke()  # freed blocks may admit a request that waits for room
 
     def kill(self) -> None:
         """Die now: every request here fails (the client's connection drops)."""

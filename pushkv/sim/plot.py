@@ -2,8 +2,11 @@
 
 Reads every ``{mode}_qps{q}_in{i}_out{o}_iter{n}.json`` in a directory --
 files written by ``pushkv sweep`` or by ``vllm bench serve --save-result``
-under the same names -- averages iterations, and draws the chosen statistic.
-Colour is the request rate; line style is the mode.
+under the same names -- averages iterations (seeds), and draws the chosen
+statistic with an error bar of one standard deviation over the iterations
+where a point has several. Colour is the request rate; line style is the
+mode. A second directory (``overlay``, e.g. measured runs next to simulated
+ones) is drawn on the same axes with hollow markers and thin lines.
 """
 
 from __future__ import annotations
@@ -70,10 +73,29 @@ def load_points(results_dir: str | Path, metric: str, stat: str = "mean") -> lis
     return points
 
 
+@dataclass(frozen=True, slots=True)
+class Mean:
+    """One point of a line: the mean over its iterations and their spread."""
+
+    input_len: int
+    mean: float
+    std: float  #: sample standard deviation over the iterations (0 for one)
+    lo: float
+    hi: float
+    count: int
+
+
+def mean_of(input_len: int, vals: list[float]) -> Mean:
+    n = len(vals)
+    m = sum(vals) / n
+    std = math.sqrt(sum((v - m) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
+    return Mean(input_len, m, std, min(vals), max(vals), n)
+
+
 def series(
     points: list[Point], output_len: int | None = None, modes: list[str] | None = None
-) -> dict[tuple[str, float], list[tuple[int, float]]]:
-    """(mode, qps) -> [(input length, value averaged over iterations)], sorted by length."""
+) -> dict[tuple[str, float], list[Mean]]:
+    """(mode, qps) -> one :class:`Mean` over the iterations per input length, by length."""
     outs = sorted({p.output_len for p in points})
     if output_len is None:
         if len(outs) > 1:
@@ -86,9 +108,9 @@ def series(
     acc: dict[tuple[str, float, int], list[float]] = defaultdict(list)
     for p in chosen:
         acc[p.mode, p.qps, p.input_len].append(p.value)
-    out: dict[tuple[str, float], list[tuple[int, float]]] = defaultdict(list)
+    out: dict[tuple[str, float], list[Mean]] = defaultdict(list)
     for (mode, qps, n), vals in sorted(acc.items()):
-        out[mode, qps].append((n, sum(vals) / len(vals)))
+        out[mode, qps].append(mean_of(n, vals))
     return dict(out)
 
 
@@ -105,30 +127,49 @@ def plot(
     output_len: int | None = None,
     modes: list[str] | None = None,
     title: str | None = None,
+    overlay: str | Path | None = None,
+    labels: tuple[str, str] = ("simulated", "measured"),
 ) -> Path:
-    """Draw ``stat`` of ``metric`` against input length; return the PNG path."""
+    """Draw ``stat`` of ``metric`` against input length; return the PNG path.
+
+    With ``overlay``, the result files of that directory are drawn on the same
+    axes (``labels`` name the two sets in the legend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines = series(load_points(results_dir, metric, stat), output_len, modes)
-    rates = sorted({q for _, q in lines})
-    mode_names = sorted({m for m, _ in lines}, key=lambda m: (m not in _STYLES, m))
+    sets = [(series(load_points(results_dir, metric, stat), output_len, modes), labels[0])]
+    if overlay is not None:
+        sets.append((series(load_points(overlay, metric, stat), output_len, modes), labels[1]))
+    rates = sorted({q for lines, _ in sets for _, q in lines})
+    mode_names = sorted({m for lines, _ in sets for m, _ in lines},
+                        key=lambda m: (m not in _STYLES, m))
     cmap = plt.get_cmap("viridis")
     colours = {q: cmap(0.1 + 0.8 * i / max(1, len(rates) - 1)) for i, q in enumerate(rates)}
     fig, ax = plt.subplots(figsize=(8, 5.2), dpi=120)
     lengths: set[int] = set()
-    for mode in mode_names:
-        for q in rates:
-            pts = lines.get((mode, q))
-            if not pts:
-                continue
-            xs, ys = zip(*pts, strict=True)
-            lengths.update(xs)
-            ax.plot(xs, ys, linestyle=_STYLES.get(mode, "-"), marker=_MARKERS.get(mode, "x"),
-                    color=colours[q], linewidth=1.8, markersize=5,
-                    label=f"{mode}, {_qps_label(q)} QPS")
+    for k, (lines, name) in enumerate(sets):
+        second = k == 1
+        for mode in mode_names:
+            for q in rates:
+                pts = lines.get((mode, q))
+                if not pts:
+                    continue
+                xs = [p.input_len for p in pts]
+                ys = [p.mean for p in pts]
+                lengths.update(xs)
+                label = f"{mode}, {_qps_label(q)} QPS"
+                if overlay is not None:
+                    label += f" ({name})"
+                yerr = [p.std for p in pts] if any(p.count > 1 for p in pts) else None
+                ax.errorbar(
+                    xs, ys, yerr=yerr, capsize=3 if yerr else 0,
+                    linestyle=_STYLES.get(mode, "-"), marker=_MARKERS.get(mode, "x"),
+                    color=colours[q], linewidth=0.9 if second else 1.8,
+                    markersize=6 if second else 5,
+                    markerfacecolor="none" if second else colours[q],
+                    alpha=0.8 if second else 1.0, label=label)
     ax.set_xscale("log", base=2)
     ticks = sorted(lengths)
     ax.set_xticks(ticks)
@@ -138,8 +179,10 @@ def plot(
     if metric == "ttft":
         ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
-    ax.set_title(title or f"{stat.capitalize()} {METRICS[metric]} vs input length")
-    ax.legend(fontsize=8, ncol=2, frameon=False)
+    iters = max(p.count for lines, _ in sets for pts in lines.values() for p in pts)
+    bars = f"; bars: 1 std over {iters} iterations" if iters > 1 else ""
+    ax.set_title(title or f"{stat.capitalize()} {METRICS[metric]} vs input length{bars}")
+    ax.legend(fontsize=7 if overlay is not None else 8, ncol=2, frameon=False)
     fig.tight_layout()
     path = Path(out) if out is not None else Path(results_dir) / f"{metric}.png"
     path.parent.mkdir(parents=True, exist_ok=True)

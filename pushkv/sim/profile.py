@@ -26,14 +26,17 @@ Unknown tables or keys, wrong types and out-of-range values raise
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..protocol.errors import ConfigError
 
-class ProfileError(ValueError):
+
+class ProfileError(ConfigError):
     """A profile file or value is invalid."""
 
 
@@ -47,12 +50,37 @@ CAL_POST = "CAL 'The published result' (vLLM blog 2026-10-14, launch flags)"
 CAL_DESC = "CAL 'Descriptor costs'"
 CAL_CHECK = "CAL 'consistency check'"
 VLLM_DEFAULTS = "vLLM defaults (vllm/engine/arg_utils.py, vllm/config/cache.py)"
+VLLM_LEASE = (
+    "vLLM docs/design/nixl_kv_cache_lease.md ('while a request is queued or in-flight on D, "
+    "D periodically sends heartbeats to P'); vLLM 0.32 nixl/base_scheduler.py "
+    "on_new_request, build_connector_meta; base_worker.py _send_heartbeats"
+)
 VLLM_KV_LOAD = (
     "vLLM v1/worker/gpu/kv_connector.py (pre_forward / post_forward) and "
     "kv_connector_model_runner_mixin.py: async KV loads start after the forward launch "
     "(vllm-project/vllm PR 53333)"
 )
 INLINE_POSTS = ("after-forward", "before-forward")
+WIRE_MODELS = ("measured-points", "two-limits")
+SHARINGS = ("fair", "fifo")
+SKEWS = ("exponential", "fixed")
+MOONCAKE = (
+    "CAL 'Hardware': Mooncake EFA WRITE on p5en by block size (64 KB 97 GB/s ... 2 MB 367)"
+)
+#: Engine fields one side never reads: setting them would be silently ignored, so a
+#: profile that sets them is refused (the value must stay the default).
+UNUSED = {
+    "prefill": {
+        "inline_post": "the prefill side posts no reads",
+        "decode_step_overhead_s": "prefill steps always prefill",
+        "kv_read_efficiency": "prefill steps read no decode KV",
+        "heartbeat_queued": "only decode renews leases",
+    },
+    "decode": {
+        "prefix_hit_fraction": "decode runs with --no-enable-prefix-caching; a request "
+        "recomputed on decode computes its whole prompt",
+    },
+}
 FIT = "fit: chosen once so the default sweep reproduces the post (docs/sim.md)"
 ASSUMED = "assumed (no public measurement; small effect, see docs/sim.md)"
 
@@ -126,6 +154,13 @@ class EngineProfile:
         "(small blocks: 4 KiB per layer and plane at TP8)",
         FIT,
     )
+    step_python_s: float = _f(
+        0.0015,
+        "interpreter time an engine step needs before its forward can start (scheduling "
+        "and launches, part of the step overheads): it waits while a background thread of "
+        "the same process holds the interpreter lock",
+        ASSUMED,
+    )
     prefix_hit_fraction: float = _f(
         0.0,
         "fraction of each prompt found in this engine's prefix cache",
@@ -139,6 +174,14 @@ class EngineProfile:
         "while the CPU posts, so the step lasts max(forward, posting) (vLLM >= 0.29); "
         "'before-forward' -- posting, then the forward (earlier vLLM)",
         VLLM_KV_LOAD + "; assumed to hold for the post's vLLM 0.29",
+    )
+    heartbeat_queued: bool = _f(
+        True,
+        "decode renews the prefill lease of a request from the moment it is queued, not "
+        "only once its transfer started: vLLM's scheduler tracks every request with remote "
+        "KV from on_new_request and heartbeats them all every lease/6 (false: only "
+        "transfers the consumer endpoint knows are renewed)",
+        VLLM_LEASE,
     )
     fragmentation: float = _f(
         0.05,
@@ -192,6 +235,55 @@ class NetworkProfile:
         "cost per descriptor of preparing and posting, paid by the posting thread",
         FIT + ", inside " + CAL_DESC + " 2.4-3.9 us per descriptor",
     )
+    post_gil_fraction: float = _f(
+        1.0,
+        "fraction of a background thread's posting during which it holds the Python "
+        "interpreter lock, so that the engine loop of its process cannot start a step "
+        "(0: posting never blocks the loop)",
+        "CAL 'Control plane and contention': NIXL's Python postXferReq holds the GIL "
+        "while it posts (NIXL PR 1190, a proposal to release it, was closed)",
+    )
+    wire_model: str = _f(
+        "measured-points",
+        "how long the wire takes for descriptors of a given size: 'measured-points' -- "
+        "node throughput interpolated (in log size) between measured points, "
+        "descriptor-rate bound below the smallest; 'two-limits' -- the slower of "
+        "descriptor_rate and the byte bandwidth",
+        MOONCAKE,
+    )
+    point_sizes_bytes: tuple[float, ...] = _f(
+        (64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20),
+        "descriptor sizes of the measured points (ascending)", MOONCAKE,
+    )
+    point_write_bandwidth: tuple[float, ...] = _f(
+        (97e9, 191e9, 325e9, 358e9, 353e9, 367e9),
+        "node WRITE bytes/s at those sizes (READ: the same, capped at read_bandwidth)",
+        MOONCAKE,
+    )
+    rank_skew: float = _f(
+        0.0,
+        "TP rank skew: each rank's transfer (its posting and its wire time) takes "
+        "(1 + X) times the representative rank's, X drawn per rank and transfer from "
+        "rank_skew_dist with this mean; READY waits for the slowest rank, and an inline "
+        "posting step for the slowest poster (the next forward's all-reduces line the "
+        "ranks up)",
+        "CAL 'Descriptor costs' (one rank's post time measured; a TP8 step waits for "
+        "its slowest rank); no public distribution: 0 by default",
+    )
+    rank_skew_dist: str = _f(
+        "exponential",
+        "distribution of X: 'exponential' (the slowest of n ranks is H_n times the mean "
+        "late) or 'fixed' (rank r is 2 * rank_skew * r / (n - 1) late: the slowest "
+        "exactly 2x the mean)",
+        ASSUMED,
+    )
+    sharing: str = _f(
+        "fair",
+        "concurrent transfers on a node's NICs: 'fair' -- they share them equally "
+        "(processor sharing, each flow at the share of its busiest link); 'fifo' -- one "
+        "transfer at a time, first come first served",
+        "CAL 'Control plane and contention': concurrent flows on one rail share it",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,6 +306,16 @@ class Profile:
 
     def validate(self) -> Profile:
         """Raise :class:`ProfileError` on a value no engine could have; return self."""
+        for name, value, _help, _source in describe(self):
+            for v in value if isinstance(value, tuple) else (value,):
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ProfileError(f"{name} must be a finite number, got {v}")
+        base = EngineProfile()
+        for side, fields in UNUSED.items():
+            e = getattr(self, side)
+            for name, why in fields.items():
+                if getattr(e, name) != getattr(base, name):
+                    raise ProfileError(f"{side}.{name} is not used ({why}); remove it")
         m = self.model
         for name in ("num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim",
                      "dtype_bytes"):
@@ -226,6 +328,8 @@ class Profile:
             e: EngineProfile = getattr(self, side)
             for name in ("tp", "max_num_seqs", "max_num_batched_tokens", "block_size"):
                 _positive(f"{side}.{name}", getattr(e, name))
+            if e.step_python_s < 0:
+                raise ProfileError(f"{side}.step_python_s must be >= 0")
             for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency"):
                 v = getattr(e, name)
                 if not 0 < v <= 1:
@@ -234,6 +338,9 @@ class Profile:
                 v = getattr(e, name)
                 if not 0 <= v <= 1:
                     raise ProfileError(f"{side}.{name} must be in [0, 1], got {v}")
+            if e.block_size & (e.block_size - 1) or e.block_size > 1024:
+                raise ProfileError(f"{side}.block_size must be a power of two up to 1024 "
+                                   f"(vLLM's attention kernels), got {e.block_size}")
             if e.inline_post not in INLINE_POSTS:
                 raise ProfileError(f"{side}.inline_post must be one of {', '.join(INLINE_POSTS)}, "
                                    f"got {e.inline_post!r}")
@@ -251,6 +358,29 @@ class Profile:
         for name in ("descriptor_rate", "write_bandwidth", "read_bandwidth"):
             _positive(f"network.{name}", getattr(n, name))
         _positive("network.gpus_per_node", n.gpus_per_node)
+        if n.wire_model not in WIRE_MODELS:
+            raise ProfileError(f"network.wire_model must be one of {', '.join(WIRE_MODELS)}, "
+                               f"got {n.wire_model!r}")
+        if n.rank_skew_dist not in SKEWS:
+            raise ProfileError(f"network.rank_skew_dist must be one of {', '.join(SKEWS)}, "
+                               f"got {n.rank_skew_dist!r}")
+        if not 0 <= n.post_gil_fraction <= 1:
+            raise ProfileError(f"network.post_gil_fraction must be in [0, 1], "
+                               f"got {n.post_gil_fraction}")
+        if n.rank_skew < 0:
+            raise ProfileError("network.rank_skew must be >= 0")
+        if n.sharing not in SHARINGS:
+            raise ProfileError(f"network.sharing must be one of {', '.join(SHARINGS)}, "
+                               f"got {n.sharing!r}")
+        sizes, bws = n.point_sizes_bytes, n.point_write_bandwidth
+        if not sizes or len(sizes) != len(bws):
+            raise ProfileError("network.point_sizes_bytes and point_write_bandwidth must be "
+                               "non-empty and of equal length")
+        for name, vals in (("point_sizes_bytes", sizes), ("point_write_bandwidth", bws)):
+            for v in vals:
+                _positive(f"network.{name}", v)
+        if any(b <= a for a, b in itertools.pairwise(sizes)):
+            raise ProfileError("network.point_sizes_bytes must be strictly ascending")
         for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "post_fixed_s",
                      "post_per_descriptor_s"):
             if getattr(n, name) < 0:
@@ -276,7 +406,11 @@ _SECTIONS = {
 
 def _coerce(where: str, f: dataclasses.Field[Any], value: Any, current: Any) -> Any:
     """Check a TOML value against the type of the field it replaces."""
-    if isinstance(current, bool) or isinstance(value, bool):
+    if isinstance(current, bool):
+        if not isinstance(value, bool):
+            raise ProfileError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(value, bool):
         raise ProfileError(f"{where}: booleans are not accepted here")
     if isinstance(current, int) and not isinstance(current, bool):
         if isinstance(value, float) and value.is_integer():
@@ -287,7 +421,16 @@ def _coerce(where: str, f: dataclasses.Field[Any], value: Any, current: Any) -> 
     if isinstance(current, float):
         if not isinstance(value, int | float):
             raise ProfileError(f"{where} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ProfileError(f"{where} must be a finite number, got {value}")
         return float(value)
+    if isinstance(current, tuple):
+        if not isinstance(value, list) or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+            raise ProfileError(f"{where} must be a list of numbers, got {value!r}")
+        if not all(math.isfinite(v) for v in value):
+            raise ProfileError(f"{where} must hold finite numbers, got {value!r}")
+        return tuple(float(v) for v in value)
     if isinstance(current, str):
         if not isinstance(value, str):
             raise ProfileError(f"{where} must be a string, got {value!r}")
@@ -300,6 +443,9 @@ def _override(obj: Any, table: dict[str, Any], where: str) -> Any:
     changes = {}
     for key, value in table.items():
         f = fields.get(key)
+        why = UNUSED.get(where, {}).get(key)
+        if why is not None:
+            raise ProfileError(f"{where}.{key} is not used ({why}); remove it")
         if f is None:
             known = ", ".join(sorted(fields))
             raise ProfileError(f"unknown key {where}.{key} (known: {known})")

@@ -20,6 +20,7 @@ class SimRequest:
 
     spec: Request
     transfer_id: str
+    incarnation: int = 0  #: drawn by the router for each use of ``transfer_id``
     prefill: str | None = None  #: prefill engine id
     decode: str | None = None  #: decode engine id
     # decode-side state

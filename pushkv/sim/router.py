@@ -17,12 +17,13 @@ to decode to compute locally (``recompute`` policy) or failed.
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import simpy
 
-from ..protocol import FailurePolicy
+from ..protocol import FailurePolicy, new_incarnation
 from .engine import DecodeEngine, PrefillEngine, Recorder
 from .request import Outcome, SimRequest
 from .scenario import Dispatch, RouterPolicy, SimConfig
@@ -42,6 +43,7 @@ class Router:
         prefills: Sequence[PrefillEngine],
         decodes: Sequence[DecodeEngine],
         recorder: Recorder,
+        rng: random.Random | None = None,
     ) -> None:
         self.env = env
         self.cfg = cfg
@@ -49,6 +51,7 @@ class Router:
         self.prefills = list(prefills)
         self.decodes = list(decodes)
         self.recorder = recorder
+        self._rng = rng or random.Random(0)  #: draws each transfer's incarnation
         self.hop = cfg.profile.network.router_hop_s
         self.concurrent = cfg.effective_dispatch is Dispatch.CONCURRENT
         self._rr: dict[str, itertools.count[int]] = {"p": itertools.count(), "d": itertools.count()}
@@ -84,6 +87,7 @@ class Router:
             self._no_prefill(req)
             return
         req.prefill = p.engine_id
+        req.incarnation = new_incarnation(self._rng)  # one per use of the id, both legs
         self._awaiting[req.transfer_id] = req
         self._later(p.submit, req)
         if self.concurrent:

@@ -77,12 +77,14 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
     wall0 = time.perf_counter()
     profile = cfg.profile
     seeds = np.random.SeedSequence([cfg.workload.seed, cfg.iteration])
-    arrival_seed, fault_seed, *pool_seeds = seeds.spawn(2 + cfg.num_prefill + cfg.num_decode)
+    streams = seeds.spawn(4 + cfg.num_prefill + cfg.num_decode)
+    arrival_seed, fault_seed, *pool_seeds, skew_seed, incarnation_seed = streams
     env = simpy.Environment()
     network = Network(env, profile.network)
     transport = SimTransport(
         env, profile, network, cfg.protocol, cfg.faults,
         random.Random(int(fault_seed.generate_state(1)[0])),
+        skew_rng=np.random.default_rng(skew_seed),
     )
     specs = generate(cfg.workload, np.random.default_rng(arrival_seed))
     recorder = Recorder(env, len(specs))
@@ -109,7 +111,8 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
         transport.add_consumer(_ranks(eid, profile, profile.decode), deng)
         decodes.append(deng)
     transport.handshake()
-    router = Router(env, cfg, transport, prefills, decodes, recorder)
+    router = Router(env, cfg, transport, prefills, decodes, recorder,
+                    random.Random(int(incarnation_seed.generate_state(1)[0])))
     router_ref.append(router)
 
     reqs = [SimRequest(spec=s, transfer_id=f"req-{s.index}") for s in specs]
@@ -235,5 +238,8 @@ def _extra(
         "prefill_cached_tokens": sum(p.cached_tokens for p in prefills),
         "prefill_computed_tokens": sum(p.computed_tokens for p in prefills),
         "network_busy_s": transport.net.busy_s,
+        "gil_wait_ms_by_engine": {k: v * 1000 for k, v in sorted(transport.gil_wait_s.items())
+                                  if v > 0},
+        "rank_skew_mean": float(np.mean(transport.skews)) if transport.skews else 0.0,
         "mean_kv_ready_ms": float(np.mean(waits)) * 1000 if waits else 0.0,
     }

@@ -6,16 +6,19 @@ help string per field), so a run is a pure function of its config and seed.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..protocol import ConsumerConfig, FailurePolicy, ProducerConfig
+from ..protocol.errors import ConfigError as ProtocolConfigError
 from .profile import DEFAULT, Profile
 from .workload import WorkloadConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(ProtocolConfigError):
     """A scenario parameter is out of range."""
 
 
@@ -45,27 +48,22 @@ class RouterPolicy(enum.Enum):
     ROUND_ROBIN = "round-robin"
 
 
+def _core(cls: type, name: str) -> dict[str, Any]:
+    """The core's definition of setting ``name``: its default and help, restated nowhere."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return {"default": f.default, "metadata": {"help": f.metadata.get("help", "")}}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProtocolSettings:
-    """Timeouts and failure policy of the endpoints (vLLM's defaults)."""
+    """Timeouts and failure policy of the endpoints: the core's settings and defaults
+    (:mod:`pushkv.protocol.config`, vLLM's values), settable per run."""
 
-    lease_s: float = field(
-        default=30.0, metadata={"help": "prefill holds unclaimed KV this long (vLLM: 30 s)"}
-    )
-    heartbeat_s: float = field(
-        default=5.0, metadata={"help": "decode renews prefill leases this often (lease/6)"}
-    )
-    window_s: float = field(
-        default=480.0,
-        metadata={"help": "decode waits this long for its KV before failing (vLLM: 480 s)"},
-    )
-    fence_grace_s: float = field(
-        default=30.0, metadata={"help": "after the window, blocks are released unfenced"}
-    )
-    policy: FailurePolicy = field(
-        default=FailurePolicy.FAIL,
-        metadata={"help": "failed transfer: 'fail' the request or 'recompute' on decode"},
-    )
+    lease_s: float = field(**_core(ProducerConfig, "lease_s"))
+    heartbeat_s: float = field(**_core(ConsumerConfig, "heartbeat_s"))
+    window_s: float = field(**_core(ConsumerConfig, "window_s"))
+    fence_grace_s: float = field(**_core(ConsumerConfig, "fence_grace_s"))
+    policy: FailurePolicy = field(**_core(ConsumerConfig, "policy"))
 
     def producer_config(self) -> ProducerConfig:
         return ProducerConfig(lease_s=self.lease_s)

@@ -49,7 +49,9 @@ class SweepSpec:
     rates: tuple[float, ...] = field(default=(1, 2, 4, 8), metadata={"help": "request rates"})
     output_len: int = field(default=128, metadata={"help": "generated tokens per request"})
     num_prompts: int = field(default=100, metadata={"help": "requests per point"})
-    iterations: int = field(default=1, metadata={"help": "repetitions of each point"})
+    iterations: int = field(default=5, metadata={
+        "help": "iterations of each point, each with its own random streams (seeds): "
+        "figures are means over them"})
     seed: int = field(default=0, metadata={"help": "workload seed (each iteration its own stream)"})
     burstiness: float = field(default=1.0, metadata={"help": "gamma shape of the gaps"})
 

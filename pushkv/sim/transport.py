@@ -34,12 +34,14 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import simpy
 
 from ..protocol import (
     Action,
     Consumer,
     FailurePolicy,
+    Heartbeat,
     IssueRead,
     IssueWrite,
     Mode,
@@ -58,6 +60,7 @@ from ..protocol import (
     encode,
     expected_writers,
 )
+from ..protocol.messages import MAX_HEARTBEAT_ITEMS
 from .costs import post_s
 from .network import Network
 from .profile import Profile
@@ -91,6 +94,7 @@ class SimTransport:
         settings: ProtocolSettings,
         faults: FaultConfig,
         fault_rng: random.Random,
+        skew_rng: np.random.Generator | None = None,
     ) -> None:
         self.env = env
         self.profile = profile
@@ -98,12 +102,17 @@ class SimTransport:
         self.settings = settings
         self.faults = faults
         self._rng = fault_rng
+        self._skew_rng = skew_rng or np.random.default_rng(0)
+        self.skews: list[float] = []  #: the slowest rank's X of every transfer
         self.producers: dict[str, Producer] = {}
         self.consumers: dict[str, Consumer] = {}
         self._producer_hosts: dict[str, ProducerHost] = {}
         self._consumer_hosts: dict[str, ConsumerHost] = {}
         self._writer: dict[str, simpy.Resource] = {}  # prefill background thread
         self._reader: dict[str, simpy.Resource] = {}  # decode background thread (pull-async)
+        #: each engine process's interpreter lock: its loop and its posting thread share it
+        self.gil: dict[str, simpy.Resource] = {}
+        self.gil_wait_s: defaultdict[str, float] = defaultdict(float)
         self.alive: set[str] = set()
         self.known_dead: set[str] = set()  #: deaths already reported to the endpoints
         self.death_listeners: list[Callable[[str], None]] = []
@@ -133,6 +142,7 @@ class SimTransport:
 
     def _add_node(self, eid: str) -> None:
         self.net.add_node(eid)
+        self.gil[eid] = simpy.Resource(self.env, capacity=1)
         self.alive.add(eid)
         self._armed[eid] = set()
 
@@ -150,16 +160,17 @@ class SimTransport:
 
     def register(
         self, decode: str, transfer_id: str, producer: str, block_ids: Sequence[int],
-        num_tokens: int,
+        num_tokens: int, *, incarnation: int = 0,
     ) -> None:
         """Push: the decode engine allocated blocks; the registration is born."""
         c = self.consumers[decode]
         self._apply(decode, c.register(transfer_id, producer, block_ids, num_tokens,
-                                       self.env.now))
+                                       self.env.now, incarnation=incarnation))
 
     def start_pull(
         self, decode: str, transfer_id: str, producer: str, src_ids: Sequence[int],
         dst_ids: Sequence[int], num_tokens: int, *, inline_after: float | None,
+        incarnation: int = 0,
     ) -> float:
         """Pull: read ``src_ids`` into ``dst_ids``.
 
@@ -169,19 +180,78 @@ class SimTransport:
         With ``None`` a decode background thread posts and 0 is returned.
         """
         c = self.consumers[decode]
-        actions = c.start_pull(transfer_id, producer, src_ids, dst_ids, num_tokens, self.env.now)
+        actions = c.start_pull(transfer_id, producer, src_ids, dst_ids, num_tokens, self.env.now,
+                               incarnation=incarnation)
         return self._apply(decode, actions, inline_after=inline_after)
 
     def prefill_finished(
         self, prefill: str, transfer_id: str, block_ids: Sequence[int], num_tokens: int,
-        mode: Mode,
+        mode: Mode, *, incarnation: int = 0,
     ) -> None:
         p = self.producers[prefill]
         self._apply(prefill, p.prefill_finished(transfer_id, block_ids, num_tokens,
-                                                self.env.now, mode=mode))
+                                                self.env.now, mode=mode,
+                                                incarnation=incarnation))
+
+    def heartbeat_queued(
+        self, decode: str, producer: str, transfers: Sequence[tuple[str, int]]
+    ) -> None:
+        """vLLM's decode scheduler renews the leases of requests still queued on it.
+
+        Its connector tracks every request with remote KV from ``on_new_request``
+        on and heartbeats them all, scheduled or not (``nixl_kv_cache_lease.md``);
+        the consumer endpoint only knows transfers once they started, so the
+        engine sends these itself, as vLLM's scheduler does beside its worker.
+        """
+        c = self.consumers[decode].info
+        peer = Peer(producer, 0)  # rank 0 stands for every rank
+        for i in range(0, len(transfers), MAX_HEARTBEAT_ITEMS):
+            msg = Heartbeat(engine_id=c.engine_id, rank=c.rank, transfers=tuple(
+                (tid, 0, inc) for tid, inc in transfers[i:i + MAX_HEARTBEAT_ITEMS]))
+            self.stats["sent_queued_Heartbeat"] += 1
+            self._deliver_later(peer, encode(msg), self.profile.network.control_latency_s)
 
     def prefill_aborted(self, prefill: str, transfer_id: str) -> None:
         self._apply(prefill, self.producers[prefill].prefill_aborted(transfer_id, self.env.now))
+
+    def _slowest_rank(self, tp: int) -> float:
+        """X of the slowest of ``tp`` ranks: it takes (1 + X) times the representative's."""
+        net = self.profile.network
+        if net.rank_skew == 0 or tp <= 1:
+            return 0.0
+        if net.rank_skew_dist == "fixed":
+            x = 2.0 * net.rank_skew
+        else:
+            x = float(self._skew_rng.exponential(net.rank_skew, size=tp).max())
+        self.skews.append(x)
+        return x
+
+    def _post_holding_gil(self, eid: str, cost: float) -> Generator[Any, Any, None]:
+        """A background thread posts for ``cost`` seconds, holding ``eid``'s interpreter
+        lock for ``post_gil_fraction`` of them (NIXL's postXferReq keeps the GIL)."""
+        held = cost * self.profile.network.post_gil_fraction
+        if held > 0:
+            with self.gil[eid].request() as lock:
+                yield lock
+                yield self.env.timeout(held)
+        if cost > held:
+            yield self.env.timeout(cost - held)
+
+    def run_step(self, eid: str, python_s: float, dt: float) -> Generator[Any, Any, float]:
+        """An engine step of ``dt`` seconds whose first ``python_s`` need the interpreter
+        lock: it waits while a posting thread of the same process holds it. Returns the
+        seconds the step took."""
+        start = self.env.now
+        if python_s > 0 and self.profile.network.post_gil_fraction > 0:
+            with self.gil[eid].request() as lock:
+                yield lock
+                self.gil_wait_s[eid] += self.env.now - start
+                yield self.env.timeout(min(python_s, dt))
+            if dt > python_s:
+                yield self.env.timeout(dt - python_s)
+        else:
+            yield self.env.timeout(dt)
+        return self.env.now - start
 
     # ------------------------------------------------------------------ deaths
 
@@ -223,8 +293,9 @@ class SimTransport:
                 else:
                     cost = post_s(self.profile.network, a.plan.descriptor_count)
                     self.post_s_by_thread["decode-loop"] += cost
-                    self._spawn(self._read(eid, a, (inline_after + stall, cost)))
-                    stall += cost
+                    x = self._slowest_rank(self.profile.decode.tp)
+                    self._spawn(self._read(eid, a, (inline_after + stall, cost), x))
+                    stall += cost * (1.0 + x)  # the step waits for the slowest poster
             elif isinstance(a, Publish):
                 self._producer_hosts[eid].published(a.transfer_id, a.block_ids, a.num_tokens)
             elif isinstance(a, ReleaseSource):
@@ -293,15 +364,18 @@ class SimTransport:
         dst = a.peer.engine_id
         with self._writer[eid].request() as slot:
             yield slot
+            started = self.env.now
             cost = post_s(net, a.plan.descriptor_count)
             self.post_s_by_thread["prefill-bg"] += cost
             wire = self.env.process(self.net.transfer(
                 eid, dst, a.plan.nbytes, a.plan.descriptor_count, read=False,
-                posted_at=self.env.now + cost))
-            yield self.env.timeout(cost)
+                posted_at=self.env.now + cost, poster=f"{eid}/writer"))
+            yield from self._post_holding_gil(eid, cost)
         if eid not in self.alive:
             return
         yield wire
+        yield self.env.timeout(  # READY waits for the slowest rank's write
+            self._slowest_rank(self.profile.prefill.tp) * (self.env.now - started))
         if eid not in self.alive:
             self.stats["writes_lost"] += 1  # the producer died with its write
             return
@@ -312,43 +386,50 @@ class SimTransport:
             else:
                 self._deliver_later(a.peer, encode(a.notify), net.control_latency_s)
         p = self.producers[eid]
-        self._apply(eid, p.write_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now))
+        self._apply(eid, p.write_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now,
+                                           incarnation=a.incarnation))
 
     def _read(
-        self, eid: str, a: IssueRead, inline: tuple[float, float] | None
+        self, eid: str, a: IssueRead, inline: tuple[float, float] | None, skew: float = 0.0,
     ) -> Generator[Any, Any, None]:
-        """Pull: posted inline (``(start offset, seconds)`` within the engine's step) or by
-        the decode background thread; the fabric moves while posting goes on."""
+        """Pull: posted inline (``(start offset, seconds)`` within the engine's step, the
+        slowest rank ``skew`` late) or by the decode background thread; the fabric moves
+        while posting goes on."""
         src = a.peer.engine_id
         net = self.profile.network
 
         def wire(posted_at: float) -> simpy.Process:
             return self.env.process(self.net.transfer(
                 src, eid, a.plan.nbytes, a.plan.descriptor_count, read=True,
-                posted_at=posted_at))
+                posted_at=posted_at, poster=f"{eid}/reader"))
 
         if inline is None:
             with self._reader[eid].request() as slot:
                 yield slot
+                started = self.env.now
+                skew = self._slowest_rank(self.profile.decode.tp)
                 cost = post_s(net, a.plan.descriptor_count)
                 self.post_s_by_thread["decode-bg"] += cost
                 moving = src in self.alive and eid in self.alive
                 xfer = wire(self.env.now + cost) if moving else None
-                yield self.env.timeout(cost)
+                yield from self._post_holding_gil(eid, cost)
         else:
             start, cost = inline
             if start > 0:
                 yield self.env.timeout(start)
+            started = self.env.now
             moving = src in self.alive and eid in self.alive
             xfer = wire(self.env.now + cost) if moving else None
             yield self.env.timeout(cost)
         if xfer is not None:
             yield xfer
+        yield self.env.timeout(skew * (self.env.now - started))  # the slowest rank's read
         if eid not in self.alive:
             return
-        ok = src in self.alive and a.transfer_id in self.producers[src].held_blocks()
+        ok = src in self.alive and (a.transfer_id, a.incarnation) in self.producers[src].held()
         c = self.consumers[eid]
-        self._apply(eid, c.read_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now))
+        self._apply(eid, c.read_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now,
+                                          incarnation=a.incarnation))
 
     # ------------------------------------------------------------------ timers
 

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..protocol.errors import ConfigError
 
-class WorkloadError(ValueError):
+
+class WorkloadError(ConfigError):
     """A workload parameter is out of range."""
 
 

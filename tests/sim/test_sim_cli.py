@@ -54,6 +54,22 @@ def test_bad_input_exits_2_with_a_message(argv: list[str], words: str,
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(("text", "words"), [
+    ("[network]\npost_fixed_s = nan\n", "network.post_fixed_s must be a finite number"),
+    ("[network]\nrouter_hop_s = inf\n", "network.router_hop_s must be a finite number"),
+    ("[decode]\nprefix_hit_fraction = 0.5\n", "decode.prefix_hit_fraction is not used"),
+    ("[decode]\nblock_size = 3\n", "decode.block_size must be a power of two"),
+])
+def test_impossible_profiles_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, words: str
+) -> None:
+    f = tmp_path / "p.toml"
+    f.write_text(text)
+    assert _exit_code(["sim", "--profile", str(f), "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert words in err[-1] and "Traceback" not in "\n".join(err)
+
+
 def test_malformed_profile_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "p.toml"
     bad.write_text("[network]\npost_per_descriptor_s = 'slow'\n")
@@ -104,9 +120,14 @@ def test_sweep_then_plot_from_the_command_line(
     out = tmp_path / "res"
     assert main(["sweep", "--modes", "pull", "push", "pull-async", "--input-lens", "1024",
                  "2048", "--rates", "1", "4", "--output-len", "8", "--num-prompts", "6",
-                 "--jobs", "1", "--no-progress", "--out", str(out)]) == 0
-    assert len(list(out.glob("*.json"))) == 12
-    assert "12 points" in capsys.readouterr().out
+                 "--iterations", "2", "--jobs", "1", "--no-progress", "--out", str(out)]) == 0
+    files = sorted(p.name for p in out.glob("*.json"))
+    assert len(files) == 24
+    assert "24 points" in capsys.readouterr().out
+    # Each iteration is its own seed: one file per iteration, different arrivals.
+    a, b = (json.loads((out / f"push_qps4_in1024_out8_iter{n}.json").read_text())
+            for n in (0, 1))
+    assert a["start_times"] != b["start_times"]
     for metric in ("ttft", "tpot"):
         assert main(["plot", "--results-dir", str(out), "--metric", metric]) == 0
         assert (out / f"{metric}.png").stat().st_size > 10_000

@@ -42,7 +42,42 @@ def test_iterations_are_averaged_per_mode_and_rate(tmp_path: Path) -> None:
     (tmp_path / "README.txt").write_text("ignored")
     lines = series(load_points(tmp_path, "ttft"))
     assert set(lines) == {("pull", 1.0), ("pull", 8.0), ("push", 1.0), ("push", 8.0)}
-    assert lines["push", 8.0] == [(1024, 400.5), (4096, 1600.5)]
+    assert [(p.input_len, p.mean, p.count) for p in lines["push", 8.0]] == [
+        (1024, 400.5, 2), (4096, 1600.5, 2)]
+    first = lines["push", 8.0][0]
+    assert (first.lo, first.hi) == (400.0, 401.0)
+    assert first.std == pytest.approx(0.5 ** 0.5)  # sample std of 400 and 401
+
+
+def test_error_bars_and_an_overlay_are_drawn(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    sim, real = tmp_path / "sim", tmp_path / "real"
+    sim.mkdir()
+    real.mkdir()
+    _real_like(sim)
+    _write(real, "push_qps1_in1024_out128_iter0.json", mean_ttft_ms=40.0)
+    drawn: list[dict[str, object]] = []
+    original = plt.Axes.errorbar
+
+    def spy(self, x, y, *args, **kwargs):  # type: ignore[no-untyped-def]
+        drawn.append({"x": list(x), "y": list(y), **kwargs})
+        return original(self, x, y, *args, **kwargs)
+
+    plt.Axes.errorbar = spy  # type: ignore[method-assign]
+    try:
+        out = plot(sim, "ttft", tmp_path / "o.png", overlay=real, labels=("sim", "real"))
+    finally:
+        plt.Axes.errorbar = original  # type: ignore[method-assign]
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    simulated = [d for d in drawn if str(d["label"]).endswith("(sim)")]
+    measured = [d for d in drawn if str(d["label"]).endswith("(real)")]
+    assert len(simulated) == 4 and len(measured) == 1
+    assert all(d["yerr"] is not None for d in simulated)  # two iterations: bars
+    assert measured[0]["yerr"] is None and measured[0]["y"] == [40.0]  # one: none
 
 
 @pytest.mark.parametrize("metric", ["ttft", "tpot"])

@@ -55,6 +55,12 @@ def test_integer_valued_floats_are_accepted_for_integers() -> None:
     ({"network": {"post_fixed_s": -1.0}}, ">= 0"),
     ({"model": 3}, "must be a table"),
     ({"name": ""}, "non-empty"),
+    ({"network": {"post_fixed_s": float("nan")}}, "finite"),
+    ({"network": {"router_hop_s": float("inf")}}, "finite"),
+    ({"gpu": {"peak_flops": float("inf")}}, "finite"),
+    ({"decode": {"prefix_hit_fraction": 0.5}}, "decode.prefix_hit_fraction is not used"),
+    ({"prefill": {"inline_post": "before-forward"}}, "prefill.inline_post is not used"),
+    ({"decode": {"block_size": 3}}, "power of two"),
 ])
 def test_bad_values_name_the_key(doc: dict[str, object], words: str) -> None:
     with pytest.raises(ProfileError, match=words.replace("[", r"\[").replace("]", r"\]")):
@@ -79,3 +85,34 @@ def test_the_example_profile_in_the_docs_loads(tmp_path: Path) -> None:
     p = load_profile(example)
     assert p.model.num_layers == 80
     assert p.network.descriptor_rate == 4e6
+
+
+def test_values_set_in_code_are_checked_too() -> None:
+    import dataclasses
+    bad = dataclasses.replace(DEFAULT, network=dataclasses.replace(
+        DEFAULT.network, control_latency_s=float("nan")))
+    with pytest.raises(ProfileError, match=r"network\.control_latency_s must be a finite"):
+        bad.validate()
+    unused = dataclasses.replace(DEFAULT, decode=dataclasses.replace(
+        DEFAULT.decode, prefix_hit_fraction=0.3))
+    with pytest.raises(ProfileError, match="not used"):
+        unused.validate()
+    assert DEFAULT.validate() is DEFAULT
+
+
+def test_every_config_error_is_the_core_one() -> None:
+    from pushkv.protocol import errors
+    from pushkv.sim import ConfigError, WorkloadError
+
+    for cls in (ProfileError, ConfigError, WorkloadError):
+        assert issubclass(cls, errors.ConfigError)
+
+
+def test_protocol_defaults_are_the_core_ones() -> None:
+    from pushkv.protocol import ConsumerConfig, ProducerConfig
+    from pushkv.sim import ProtocolSettings
+
+    s, p, c = ProtocolSettings(), ProducerConfig(), ConsumerConfig()
+    assert s.lease_s == p.lease_s
+    assert (s.heartbeat_s, s.window_s, s.fence_grace_s, s.policy) == (
+        c.heartbeat_s, c.window_s, c.fence_grace_s, c.policy)

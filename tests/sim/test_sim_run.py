@@ -33,6 +33,9 @@ def test_another_seed_gives_another_run() -> None:
 def test_every_request_ends_once_and_nothing_leaks(mode: str) -> None:
     r = run(config(mode, qps=8.0, input_len=8192, num_prompts=40), keep_objects=True)
     assert sorted(q.spec.index for q in r.requests) == list(range(40))
+    # The router draws one incarnation per use of a transfer id, for both legs.
+    assert len({q.incarnation for q in r.requests}) == 40
+    assert all(q.incarnation > 0 for q in r.requests)
     assert all(q.outcome is Outcome.OK for q in r.requests)
     assert all(len(q.token_times) == q.output_len for q in r.requests)
     assert r.result["completed"] == 40 and r.result["failed"] == 0
@@ -142,9 +145,13 @@ def test_pull_stalls_decode_and_push_does_not() -> None:
     assert pull["p99_itl_ms"] > 4 * push["p99_itl_ms"]
     # ... which holds the 8 decode slots longer, so new requests wait: TTFT explodes.
     assert pull["mean_ttft_ms"] > 2 * push["mean_ttft_ms"]
-    # Posting from a background thread recovers most of it without changing the protocol.
-    assert pasync["mean_tpot_ms"] < 1.05 * push["mean_tpot_ms"]
-    assert pasync["mean_ttft_ms"] < 0.5 * pull["mean_ttft_ms"]
+    # A decode background thread that posts holding the interpreter lock stalls the decode
+    # loop almost as much (NIXL's postXferReq keeps the GIL) ...
+    assert pasync["mean_ttft_ms"] > 2 * push["mean_ttft_ms"]
+    # ... and recovers most of push's gain only if posting released the lock.
+    free = _point("pull-async", 8, 16384, profile=with_profile(network={"post_gil_fraction": 0}))
+    assert free["mean_tpot_ms"] < 1.05 * push["mean_tpot_ms"]
+    assert free["mean_ttft_ms"] < 0.5 * pull["mean_ttft_ms"]
 
 
 def test_more_decode_slots_remove_the_slot_queue() -> None:

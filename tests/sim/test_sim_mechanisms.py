@@ -1,0 +1,106 @@
+"""Each switchable mechanism's limiting case against its closed form."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("simpy")
+
+from sim_helpers import config, with_profile
+
+from pushkv.sim import costs, run
+from pushkv.sim.profile import DEFAULT
+
+H8 = sum(1 / k for k in range(1, 9))  # the slowest of 8 exponentials: H_8 x the mean
+
+
+def _alone(mode: str, **sections: dict) -> tuple[float, float]:
+    """TTFT of one request alone, and the duration of its transfer as one rank sees it
+    (from the start of posting to the end of the wire)."""
+    r = run(config(mode, qps=1.0, input_len=4096, output_len=4, num_prompts=1,
+                   profile=with_profile(**sections) if sections else DEFAULT),
+            keep_objects=True)
+    assert r.transport is not None
+    (n,) = r.transport.descriptors
+    net = DEFAULT.network
+    kv = 4096 * DEFAULT.model.kv_bytes_per_token(DEFAULT.decode.tp)
+    moved = costs.pipelined_s(net, kv, n, read=mode != "push",
+                              posting_left_s=costs.post_s(net, n))
+    return r.result["ttfts"][0], moved
+
+
+@pytest.mark.parametrize("mode", ["pull", "pull-async", "push"])
+def test_ready_waits_for_the_slowest_rank(mode: str) -> None:
+    """With a fixed skew the slowest rank takes (1 + 2s) times as long: TTFT grows by
+    exactly 2s times the transfer."""
+    base, moved = _alone(mode)
+    skewed, _ = _alone(mode, network={"rank_skew": 0.1, "rank_skew_dist": "fixed"})
+    assert skewed - base == pytest.approx(0.2 * moved, abs=2e-7)  # ttfts: 7 decimals
+
+
+def test_exponential_skew_makes_the_slowest_of_eight_h8_times_late() -> None:
+    r = run(config("push", qps=8.0, input_len=1024, output_len=4, num_prompts=400,
+                   profile=with_profile(network={"rank_skew": 0.05})), keep_objects=True)
+    assert r.transport is not None
+    skews = r.transport.skews
+    assert len(skews) == 400
+    assert sum(skews) / len(skews) == pytest.approx(0.05 * H8, rel=0.08)
+
+
+def _gil_case(fraction: float, post: float, step_at: float, python_s: float,
+              dt: float) -> float:
+    """A posting thread starts a ``post``-second post at 0; the engine loop of the same
+    process starts a ``dt`` step at ``step_at``; return when the step ends."""
+    import random
+
+    import simpy
+
+    from pushkv.sim.network import Network
+    from pushkv.sim.scenario import FaultConfig, ProtocolSettings
+    from pushkv.sim.transport import SimTransport
+
+    prof = with_profile(network={"post_gil_fraction": fraction})
+    env = simpy.Environment()
+    t = SimTransport(env, prof, Network(env, prof.network), ProtocolSettings(),
+                     FaultConfig(), random.Random(0))
+    t._add_node("p")
+    ended: list[float] = []
+
+    def loop():  # type: ignore[no-untyped-def]
+        yield env.timeout(step_at)
+        yield from t.run_step("p", python_s, dt)
+        ended.append(env.now)
+
+    env.process(t._post_holding_gil("p", post))
+    env.process(loop())
+    env.run()
+    return ended[0]
+
+
+@pytest.mark.parametrize(("fraction", "expected"), [
+    (1.0, 0.040 + 0.010),   # the loop waits for the whole post, then runs its step
+    (0.5, 0.020 + 0.010),   # the lock is held for half the post
+    (0.25, 0.010 + 0.010),
+    (0.1, 0.005 + 0.010),   # released (at 4 ms) before the loop asked: no wait
+    (0.0, 0.005 + 0.010),
+])
+def test_a_posting_thread_holding_the_lock_delays_the_loop(fraction: float,
+                                                           expected: float) -> None:
+    assert _gil_case(fraction, post=0.040, step_at=0.005, python_s=0.002,
+                     dt=0.010) == pytest.approx(expected)
+
+
+def test_moving_posting_off_the_loop_has_its_price_in_pull_async_not_in_push() -> None:
+    """A decode reader thread holds decode's lock while it posts: decode steps wait. Push
+    posts on prefill, whose steps have room, and decode never waits."""
+    def go(mode: str, fraction: float) -> dict:
+        prof = with_profile(network={"post_gil_fraction": fraction})
+        return run(config(mode, qps=8.0, input_len=16384, output_len=64, num_prompts=40,
+                          profile=prof)).result
+
+    held, free = go("pull-async", 1.0), go("pull-async", 0.0)
+    assert held["pushkv"]["gil_wait_ms_by_engine"].get("decode-0", 0) > 100
+    assert free["pushkv"]["gil_wait_ms_by_engine"] == {}
+    assert held["mean_tpot_ms"] > free["mean_tpot_ms"] * 1.05
+    push = go("push", 1.0)
+    assert "decode-0" not in push["pushkv"]["gil_wait_ms_by_engine"]
