@@ -51,9 +51,11 @@ from .states import (
     CONSUMER_FENCING,
     CONSUMER_TABLE,
     CONSUMER_TERMINAL,
+    ZOMBIE_TABLE,
     ConsumerEffect,
     ConsumerInput,
     ConsumerState,
+    ZombieState,
     consumer_step,
 )
 
@@ -213,8 +215,7 @@ class Consumer(Endpoint):
             dead = t.mode is Mode.PUSH
             for z in list(t.zombies.values()):
                 if dead:
-                    z.fenced |= z.expected
-                    out += self._settle_zombie(t, z)
+                    out += self._zombie(t, z, CI.PEER_DIED, now, z.expected)
             if t.state not in CONSUMER_TERMINAL:
                 out += self._input(t, CI.PEER_DIED, now,
                                    ranks=t.cur.expected if dead else frozenset())
@@ -454,18 +455,17 @@ class Consumer(Endpoint):
         a = t.cur if attempt == t.cur.attempt else z
         if a is None:
             self.stats["stale"] += 1  # rule 6: other attempts never count
-            return []
+            return self._input(t, CI.STALE, now)
         if rank not in a.expected:
             raise _invalid(f"rank {rank} is not an expected writer", t.transfer_id, attempt, inp)
         if rank in a.fenced:
             self.stats["duplicate"] += 1
-            return []
+            return self._zombie(t, z, CI.STALE, now) if z else self._input(t, CI.STALE, now)
         if z is not None:
-            z.fenced.add(rank)
-            return self._settle_zombie(t, z)
+            return self._zombie(t, z, inp, now, frozenset((rank,)))
         if t.state not in _LISTENING:
             self.stats["stale"] += 1
-            return []
+            return self._input(t, CI.STALE, now)
         if inp is CI.CANCEL_ACK and t.state is CS.REGISTERED:
             raise _invalid("CancelAck for an attempt that was not cancelled", t.transfer_id,
                            attempt, inp)
@@ -511,7 +511,7 @@ class Consumer(Endpoint):
         block_ids: tuple[int, ...],
     ) -> list[Action]:
         cur, tid, inc = t.cur, t.transfer_id, t.inc
-        if effect is CE.NONE:
+        if effect in (CE.NONE, CE.DROP):
             return []
         if effect is CE.COUNT:
             cur.notified |= ranks
@@ -681,12 +681,29 @@ class Consumer(Endpoint):
         return ReleaseDestination(transfer_id=t.transfer_id, attempt=a.attempt,
                                   block_ids=a.block_ids, incarnation=t.inc)
 
-    def _settle_zombie(self, t: _Transfer, z: _Attempt) -> list[Action]:
-        if not z.all_fenced():
-            return []
-        del t.zombies[z.attempt]
-        out: list[Action] = [self._release(t, z)]
-        self._maybe_forget(t)
+    def _zombie(
+        self, t: _Transfer, z: _Attempt, inp: ConsumerInput, now: float,
+        ranks: frozenset[int] = frozenset(),
+    ) -> list[Action]:
+        """Feed one input to an abandoned attempt (rule 7, :data:`ZOMBIE_TABLE`)."""
+        try:
+            effect, nxt = ZOMBIE_TABLE[ZombieState.FENCING, inp]
+        except KeyError:
+            raise LocalProtocolError("no zombie transition", transfer_id=t.transfer_id,
+                                     attempt=z.attempt, input=inp.value) from None
+        out: list[Action] = []
+        if effect is CE.FENCE:
+            z.fenced |= ranks
+        elif effect is CE.RELEASE:
+            del t.zombies[z.attempt]
+            out.append(self._release(t, z))
+        if self.trace is not None:
+            self.trace.append(Step(t.key, None, ZombieState.FENCING, inp, effect, nxt,
+                                   tuple(out)))
+        if effect is CE.FENCE and z.all_fenced():
+            out += self._zombie(t, z, CI.FENCED, now)
+        elif effect is CE.RELEASE:
+            self._maybe_forget(t)
         return out
 
     def _lend(self, t: _Transfer, a: _Attempt) -> None:
@@ -739,8 +756,7 @@ class Consumer(Endpoint):
         for z in list(t.zombies.values()):
             if z.hard <= now:
                 self.stats["forced_release"] += 1
-                z.fenced |= z.expected
-                out += self._settle_zombie(t, z)
+                out += self._zombie(t, z, CI.HARD_DEADLINE, now, z.expected)
         if t.state is CS.REGISTERED and t.cur.deadline <= now:
             out += self._input(t, CI.DEADLINE, now)
         if t.state in CONSUMER_FENCING and t.cur.hard <= now:

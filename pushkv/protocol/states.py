@@ -161,6 +161,7 @@ class ConsumerInput(enum.Enum):
     CONNECTED = "CONNECTED"  #: the producer engine became usable (every rank handshaken)
     HANDSHAKE_FAILED = "HANDSHAKE_FAILED"  #: the driver gave up, or the handshake timed out
     REISSUE_CONNECTING = "REISSUE_CONNECTING"  #: a reissue while the engine is not usable
+    STALE = "STALE"  #: a producer message of another attempt, or a repeat: it never counts
 
 
 class ConsumerEffect(enum.Enum):
@@ -182,6 +183,16 @@ class ConsumerEffect(enum.Enum):
     REPORT_FAILED = "failed"  #: blocks already released: only report the failure
     SEND_HELD = "send held registration"  #: the engine is usable: register the attempt
     HOLD = "hold+connect"  #: a new attempt waits for the handshake (Connect once per engine)
+    DROP = "drop stale"  #: count the message, change nothing
+
+
+class ZombieState(enum.Enum):
+    """An attempt abandoned by a reissue before its fence (rule 7)."""
+
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
+    FENCING = "FENCING"  #: its blocks stay lent until every expected rank is fenced
+    RELEASED = "RELEASED"  #: fenced; its blocks went back
 
 
 P, PI, PE = ProducerState, ProducerInput, ProducerEffect
@@ -291,7 +302,8 @@ PRODUCER_TABLE: dict[
     (P.GONE, PI.CANCEL_STALE): (PE.ACK, P.GONE),
 }
 
-CONSUMER_TERMINAL = frozenset({C.READY, C.CANCELLED, C.FAILED})
+_C_TERMINAL = (C.READY, C.CANCELLED, C.FAILED)
+CONSUMER_TERMINAL = frozenset(_C_TERMINAL)
 _C_FENCING = (C.PREEMPTING, C.CANCELLING, C.FAILING)
 #: States waiting for the fence of the current attempt.
 CONSUMER_FENCING = frozenset(_C_FENCING)
@@ -338,6 +350,20 @@ CONSUMER_TABLE: dict[
     (C.FAILING, CI.HARD_DEADLINE): (CE.RELEASE_FAILED, C.FAILED),
     (C.FAILING, CI.ABORT): (CE.CANCEL_ALL, C.CANCELLING),
     (C.FAILING, CI.PREEMPT): (CE.NONE, C.FAILING),
+    # Rule 6: a message of another attempt or use, or a repeat, never counts. A
+    # transfer whose old attempts are still fenced (zombies) outlives its end.
+    **{(s, CI.STALE): (CE.DROP, s) for s in (C.REGISTERED, *_C_FENCING, C.PREEMPTED,
+                                             *_C_TERMINAL)},
+}
+
+
+Z = ZombieState
+#: A zombie attempt: every outcome of a rank fences it; the last fence releases.
+ZOMBIE_TABLE: dict[tuple[ZombieState, ConsumerInput], tuple[ConsumerEffect, ZombieState]] = {
+    **{(Z.FENCING, i): (CE.FENCE, Z.FENCING)
+       for i in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.PEER_DIED, CI.HARD_DEADLINE)},
+    (Z.FENCING, CI.STALE): (CE.DROP, Z.FENCING),
+    (Z.FENCING, CI.FENCED): (CE.RELEASE, Z.RELEASED),
 }
 
 
