@@ -13,9 +13,11 @@ from typing import Any
 from .states import (
     CONSUMER_TABLE,
     PRODUCER_TABLE,
+    SOURCE_TABLE,
     ZOMBIE_TABLE,
     ConsumerState,
     ProducerState,
+    SourceState,
     ZombieState,
 )
 
@@ -59,6 +61,10 @@ def page() -> str:
         "```mermaid\n"
         + mermaid(PRODUCER_TABLE, [ProducerState.EMPTY]) + "\n```\n",
         markdown_table(PRODUCER_TABLE) + "\n",
+        "## Source of a transfer (one per producer rank and transfer)\n",
+        "```mermaid\n"
+        + mermaid(SOURCE_TABLE, [SourceState.PENDING]) + "\n```\n",
+        markdown_table(SOURCE_TABLE) + "\n",
         "## Consumer transfer (one per consumer rank)\n",
         "```mermaid\n"
         + mermaid(CONSUMER_TABLE, [ConsumerState.REGISTERED]) + "\n```\n",

@@ -8,7 +8,6 @@ clock -- into actions for its driver. The transitions live in :mod:`.states`.
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -50,9 +49,13 @@ from .states import (
     PRODUCER_TABLE,
     PRODUCER_TERMINAL,
     PRODUCER_WRITING,
+    SOURCE_TABLE,
     ProducerEffect,
     ProducerInput,
     ProducerState,
+    SourceEffect,
+    SourceInput,
+    SourceState,
     producer_step,
 )
 
@@ -70,16 +73,8 @@ _REASON = {
 Key = tuple[str, int]
 
 
-class Kv(enum.Enum):
-    """Where a transfer's source KV stands on this rank."""
-
-    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
-
-
-    PENDING = "pending"  #: prefill not finished
-    HELD = "held"  #: blocks held for the transfer
-    RELEASED = "released"  #: ReleaseSource emitted
-    ABORTED = "aborted"  #: prefill aborted before finishing
+Kv = SourceState
+SI, SE = SourceInput, SourceEffect
 
 
 @dataclass(slots=True)
@@ -377,14 +372,8 @@ class Producer(Endpoint):
             t = self._transfers[key] = _Transfer(transfer_id, incarnation)
         else:
             self._orphans -= 1
-        t.mode, t.kv, t.src_ids, t.num_tokens = mode, Kv.HELD, ids, num_tokens
-        t.orphan = float("inf")
-        t.lease = now + self.config.lease_s  # armed by _settle if the source stays held
-        if mode is Mode.PULL:
-            out.append(Publish(transfer_id=transfer_id, block_ids=ids, num_tokens=num_tokens,
-                               incarnation=incarnation))
-        for leg in list(t.legs.values()):
-            out += self._input(t, leg, PI.KV_READY, now)
+        t.mode, t.src_ids, t.num_tokens = mode, ids, num_tokens
+        out += self._source(t, SI.PREFILL_DONE, now)
         return out + self._settle(t, now)
 
     def prefill_aborted(
@@ -400,12 +389,7 @@ class Producer(Endpoint):
                                  aborted=True, dead=True)
                 self._tombstone(dead)
             return out
-        t.aborted = True
-        if t.kv is Kv.PENDING:
-            t.kv = Kv.ABORTED
-            self._orphans -= 1
-        for leg in list(t.legs.values()):
-            out += self._input(t, leg, PI.KV_ABORTED, now)
+        out += self._source(t, SI.PREFILL_ABORTED, now)
         return out + self._settle(t, now)
 
     def write_completed(
@@ -460,21 +444,58 @@ class Producer(Endpoint):
         if t.kv is Kv.HELD and t.lease_armed <= now:
             t.lease_armed = float("inf")  # fired; _settle re-arms for a renewed lease
         if t.kv is Kv.HELD and t.lease <= now and not t.expired:
-            t.expired = True
-            self.stats["lease_expired"] += 1
-            for leg in list(t.legs.values()):
-                out += self._input(t, leg, PI.LEASE_EXPIRED, now)
+            out += self._source(t, SI.LEASE_EXPIRED, now)
         waiting = any(leg.state in (PS.REGISTERED, PS.SUPERSEDED) for leg in t.legs.values())
         if t.kv is Kv.PENDING and not waiting:
             if t.orphan > now:  # nobody is registered: keep it only until the orphan TTL
                 self._schedule(t.orphan, key)
                 return out
+            return out + self._source(t, SI.ORPHAN_EXPIRED, now)
+        return out + self._settle(t, now)
+
+    def _source(self, t: _Transfer, inp: SourceInput, now: float) -> list[Action]:
+        """Feed one input to the transfer's source (:data:`SOURCE_TABLE`)."""
+        try:
+            effect, nxt = SOURCE_TABLE[t.kv, inp]
+        except KeyError:
+            raise LocalProtocolError("no source transition", transfer_id=t.transfer_id,
+                                     state=t.kv.value, input=inp.value) from None
+        before, t.kv = t.kv, nxt
+        own: list[Action] = []
+        leg_input: ProducerInput | None = None
+        if effect is SE.HOLD:
+            t.orphan = float("inf")
+            t.lease = now + self.config.lease_s  # armed by _settle while the source is held
+            if t.mode is Mode.PULL:
+                own.append(Publish(transfer_id=t.transfer_id, block_ids=t.src_ids,
+                                   num_tokens=t.num_tokens, incarnation=t.inc))
+            leg_input = PI.KV_READY
+        elif effect is SE.ABORT:
+            t.aborted = True
+            if before is Kv.PENDING:
+                self._orphans -= 1
+            leg_input = PI.KV_ABORTED
+        elif effect is SE.EXPIRE:
+            t.expired = True
+            self.stats["lease_expired"] += 1
+            leg_input = PI.LEASE_EXPIRED
+        elif effect is SE.RELEASE:
+            self.stats["released"] += 1
+            own.append(ReleaseSource(transfer_id=t.transfer_id, block_ids=t.src_ids,
+                                     incarnation=t.inc))
+        if self.trace is not None:
+            self.trace.append(Step(t.key, None, before, inp, effect, nxt, tuple(own)))
+        out = own
+        if leg_input is not None:
+            for leg in list(t.legs.values()):
+                out += self._input(t, leg, leg_input, now)
+        if effect is SE.FORGET:  # an orphan nobody registered: its waiting legs expire
+            self._orphans -= 1
             for leg in list(t.legs.values()):
                 if leg.state is PS.EMPTY:
                     out += self._input(t, leg, PI.DEADLINE, now)
             self._forget(t)
-            return out
-        return out + self._settle(t, now)
+        return out
 
     def _new_orphan(self, key: Key, now: float, *, arm: bool = True) -> _Transfer | None:
         """A transfer a peer speaks of before prefill finished; None when full."""
@@ -683,10 +704,7 @@ class Producer(Endpoint):
                         break
             if not finished:
                 return out
-            t.kv = kv = Kv.RELEASED
-            self.stats["released"] += 1
-            out.append(ReleaseSource(transfer_id=t.transfer_id, block_ids=t.src_ids,
-                                     incarnation=t.inc))
+            out += self._source(t, SI.SETTLED, now)
         for leg in legs.values():
             if leg.state in PRODUCER_WRITING:
                 return out
@@ -697,13 +715,9 @@ class Producer(Endpoint):
         return out
 
     def _forget(self, t: _Transfer) -> None:
-        if t.kv is Kv.PENDING:
-            self._orphans -= 1
         for leg in t.legs.values():
             if leg.state is not PS.GONE:  # rule 4: every leg ends with the source
                 self._input(t, leg, PI.SOURCE_GONE, self._now)
-        if t.kv is Kv.PENDING:
-            t.kv = Kv.RELEASED  # never held here: a late prefill is released at once
         t.final = t.final or t.aborted
         del self._transfers[t.key]
         self._tombstone(t)

@@ -130,6 +130,37 @@ class ProducerEffect(enum.Enum):
     FAIL_GONE = "fail: source gone"  #: Fail(SOURCE_RELEASED or PREFILL_ABORTED)
 
 
+class SourceState(enum.Enum):
+    """Where a transfer's source KV stands on one producer rank."""
+
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
+    PENDING = "pending"  #: prefill not finished (a peer's message made it: an orphan)
+    HELD = "held"  #: blocks held for the transfer, under a lease
+    RELEASED = "released"  #: ReleaseSource emitted (or never held and forgotten)
+    ABORTED = "aborted"  #: the local request ended before prefill finished
+
+
+class SourceInput(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
+    PREFILL_DONE = "PREFILL_DONE"
+    PREFILL_ABORTED = "PREFILL_ABORTED"
+    LEASE_EXPIRED = "LEASE_EXPIRED"  #: no heartbeat renewed the lease in time
+    ORPHAN_EXPIRED = "ORPHAN_EXPIRED"  #: before prefill, nobody registered within the TTL
+    SETTLED = "SETTLED"  #: derived, rule 4: no leg writing, and the transfer is over here
+
+
+class SourceEffect(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
+    HOLD = "hold+lease"  #: arm the lease; every leg gets KV_READY (rule 1)
+    ABORT = "abort legs"  #: every leg gets KV_ABORTED
+    EXPIRE = "expire legs"  #: every leg gets LEASE_EXPIRED
+    RELEASE = "release"  #: ReleaseSource, once; then every leg ends (SOURCE_GONE)
+    FORGET = "forget"  #: waiting legs expire, then every leg ends (SOURCE_GONE)
+
+
 class ConsumerState(enum.Enum):
     __hash__ = object.__hash__  # members are singletons: hash by identity, fast
 
@@ -233,6 +264,17 @@ _stale = {
 # source goes, every leg that is not writing ends in GONE.
 _reopen = {(s, PI.REOPEN): (PE.NONE, P.EMPTY) for s in _P_FINISHED}
 _gone = {(s, PI.SOURCE_GONE): (PE.NONE, P.GONE) for s in (P.KV_READY, *_P_FINISHED)}
+
+S, SI, SE = SourceState, SourceInput, SourceEffect
+#: The source of one transfer on one producer rank (rule 4; orphans are PENDING).
+SOURCE_TABLE: dict[tuple[SourceState, SourceInput], tuple[SourceEffect, SourceState]] = {
+    (S.PENDING, SI.PREFILL_DONE): (SE.HOLD, S.HELD),
+    (S.PENDING, SI.PREFILL_ABORTED): (SE.ABORT, S.ABORTED),
+    (S.PENDING, SI.ORPHAN_EXPIRED): (SE.FORGET, S.RELEASED),
+    (S.HELD, SI.PREFILL_ABORTED): (SE.ABORT, S.HELD),  # released once no write is in flight
+    (S.HELD, SI.LEASE_EXPIRED): (SE.EXPIRE, S.HELD),  # likewise: a lease never cuts a write
+    (S.HELD, SI.SETTLED): (SE.RELEASE, S.RELEASED),
+}
 
 PRODUCER_TABLE: dict[
     tuple[ProducerState, ProducerInput], tuple[ProducerEffect, ProducerState]

@@ -36,6 +36,7 @@ from pushkv.protocol.states import (
     CONSUMER_TERMINAL,
     PRODUCER_TABLE,
     PRODUCER_TERMINAL,
+    SOURCE_TABLE,
     ZOMBIE_TABLE,
     ConsumerEffect,
     ConsumerInput,
@@ -43,6 +44,8 @@ from pushkv.protocol.states import (
     ProducerEffect,
     ProducerInput,
     ProducerState,
+    SourceEffect,
+    SourceState,
     ZombieState,
     consumer_step,
     producer_step,
@@ -118,6 +121,12 @@ P_ACTIONS = {
     PE.STASH: {(), ("CancelAck",)}, PE.ACK_STASHED_AND_STASH: {("CancelAck",)},
     PE.WRITE_STASHED: {("IssueWrite",), ()},
     PE.FAIL_AND_WRITE_STASHED: {("Fail", "IssueWrite"), ("Fail",)},
+}
+#: The actions each source effect emits itself (its legs' inputs are steps of their own).
+S_ACTIONS = {
+    SourceEffect.HOLD: {(), ("Publish",)}, SourceEffect.ABORT: {()},
+    SourceEffect.EXPIRE: {()}, SourceEffect.RELEASE: {("ReleaseSource",)},
+    SourceEffect.FORGET: {()},
 }
 #: The actions each consumer effect emits (``*``: one per producer rank named).
 C_ACTIONS = {
@@ -261,13 +270,17 @@ def _run_producer(label, call):
         assert p.trace == []
         return []
     steps = [st for st in p.trace if st.peer == D0]
+    for st in p.trace:
+        if isinstance(st.state, SourceState):  # the source follows its own table
+            assert (st.effect, st.next) == SOURCE_TABLE[st.state, st.input]
+            assert tuple(_kind(a) for a in st.actions) in S_ACTIONS[st.effect]
     if state is None and steps:
         assert steps[0].state in _NEW_LEG
         state = steps[0].state
     end = _check_steps(steps, state, PRODUCER_TABLE, P_ACTIONS, f"{label}: {call}")
     now = p.leg_state("t", D0)
     assert now in (end, None), f"leg ended in {now}, the table says {end}"
-    return steps
+    return p.trace
 
 
 @pytest.mark.parametrize("label", list(PRODUCER_RECIPES))
@@ -280,7 +293,8 @@ def test_every_producer_row_is_exercised_through_the_endpoint():
     hit = set()
     for label, call in itertools.product(PRODUCER_RECIPES, PRODUCER_CALLS):
         hit |= {(st.state, st.input) for st in _run_producer(label, call)}
-    missing = sorted(f"{s.name} x {i.name}" for s, i in set(PRODUCER_TABLE) - hit)
+    missing = sorted(f"{s.name} x {i.name}" for s, i in
+                     (set(PRODUCER_TABLE) | set(SOURCE_TABLE)) - hit)
     assert not missing, missing
 
 
