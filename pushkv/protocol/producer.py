@@ -9,7 +9,6 @@ clock -- into actions for its driver. The transitions live in :mod:`.states`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy.typing as npt
 
@@ -44,8 +43,12 @@ from .messages import (
     Skip,
 )
 from .planner import block_tuple, plan_transfer
+from .producer_messages import on_cancel, on_heartbeat, on_read_done, on_register, on_skip
+from .records import Key
+from .records import Leg as _Leg
+from .records import Registration as _Registration
+from .records import Source as _Transfer
 from .states import (
-    PRODUCER_FINISHED,
     PRODUCER_TABLE,
     PRODUCER_TERMINAL,
     PRODUCER_WRITING,
@@ -69,55 +72,8 @@ _REASON = {
     PI.LEASE_EXPIRED: FailReason.LEASE_EXPIRED,
     PI.SOURCE_GONE: FailReason.SOURCE_RELEASED,
 }
-#: A transfer is one use of an id: (transfer id, incarnation).
-Key = tuple[str, int]
-
-
 Kv = SourceState
 SI, SE = SourceInput, SourceEffect
-
-
-@dataclass(slots=True)
-class _Registration:
-    attempt: int
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    first_token: int
-    deadline: float
-
-
-@dataclass(slots=True)
-class _Leg:
-    peer: Peer
-    state: ProducerState
-    attempt: int = -1  # newest attempt seen on this leg
-    reg: _Registration | None = None
-    stash: _Registration | None = None
-    writing: int | None = None  # attempt of the write in flight
-    refused: tuple[ProducerInput, FailReason, str] | None = None  # a write that may not start
-
-
-@dataclass(slots=True)
-class _Transfer:
-    transfer_id: str
-    inc: int = 0
-    mode: Mode = Mode.PUSH
-    kv: Kv = Kv.PENDING
-    src_ids: tuple[int, ...] = ()
-    num_tokens: int = 0
-    lease: float = float("inf")
-    lease_armed: float = float("inf")  # when the scheduled lease timer fires
-    orphan: float = float("inf")  # while KV is pending: forget after this
-    legs: dict[Peer, _Leg] = field(default_factory=dict)
-    consumer_engine: str | None = None
-    final: bool = False
-    expired: bool = False
-    aborted: bool = False
-    dead: bool = False  # forgotten: kept only as a tombstone answering late messages
-
-    @property
-    def key(self) -> Key:
-        return (self.transfer_id, self.inc)
 
 
 class Producer(Endpoint):
@@ -128,9 +84,13 @@ class Producer(Endpoint):
     def __init__(self, info: RankInfo, config: ProducerConfig | None = None) -> None:
         super().__init__(info)
         self.config = config or ProducerConfig()
-        self._handlers.update({Register: self._on_register, Cancel: self._on_cancel,
-                               Heartbeat: self._on_heartbeat, ReadDone: self._on_read_done,
-                               Skip: self._on_skip})
+        self._handlers.update({
+            Register: lambda m, now: on_register(self, m, now),
+            Cancel: lambda m, now: on_cancel(self, m, now),
+            Heartbeat: lambda m, now: on_heartbeat(self, m, now),
+            ReadDone: lambda m, now: on_read_done(self, m, now),
+            Skip: lambda m, now: on_skip(self, m, now),
+        })
         self._peers: dict[Peer, RankInfo] = {}
         self._targets: dict[str, tuple[Peer, ...]] = {}  # consumer engine -> legs to write
         self._target_set: set[Peer] = set()
@@ -193,143 +153,6 @@ class Producer(Endpoint):
         """The live transfer, else its tombstone (legs GONE), else None."""
         t = self._transfers.get(key)
         return t if t is not None else self._tombstones.get(key)
-
-    def _on_register(self, msg: Register, now: float) -> list[Action]:
-        peer = Peer(msg.engine_id, msg.rank)
-        info = self._known(msg.engine_id, msg.rank)
-
-        def invalid(why: str) -> ValidationError:
-            return ValidationError(why, transfer_id=msg.transfer_id, attempt=msg.attempt)
-
-        if msg.producer_engine_id != self.info.engine_id:
-            raise invalid("registration addressed to another engine")
-        if peer not in self._target_set:
-            raise invalid(f"rank {self.peer.rank} does not write into {peer}")
-        lo = info.layout
-        ids = msg.block_ids  # each >= 0, checked by the decoder
-        if ids and max(ids) >= lo.num_blocks:
-            raise invalid(f"block id {max(ids)} outside the {lo.num_blocks} registered blocks")
-        if len(ids) * lo.block_size < msg.num_tokens or msg.first_token > msg.num_tokens:
-            raise invalid(
-                f"{len(ids)} blocks of {lo.block_size} tokens cannot hold tokens "
-                f"[{msg.first_token}, {msg.num_tokens})"
-            )
-        key = (msg.transfer_id, msg.incarnation)
-        t = self._find(key)
-        if t is None:
-            # The registration's own deadline bounds this entry, so no orphan timer.
-            t = self._new_orphan(key, now, arm=False)
-            if t is None:
-                return [self._fail(peer, key, msg.attempt, FailReason.OVERLOADED)]
-        if t.mode is Mode.PULL:
-            raise invalid("registration for a pull transfer")
-        if t.consumer_engine is not None and t.consumer_engine != msg.engine_id:
-            raise invalid("transfer already bound to another consumer engine")
-        t.consumer_engine = msg.engine_id
-        leg = self._leg(t, peer)
-        if msg.attempt <= leg.attempt:  # rule 2
-            self.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
-            return self._input(t, leg, PI.REGISTER_STALE, now)
-        reg = _Registration(
-            attempt=msg.attempt,
-            block_ids=ids,
-            num_tokens=msg.num_tokens,
-            first_token=msg.first_token,
-            deadline=now + msg.window_ms / 1000.0,
-        )
-        out: list[Action] = []
-        if leg.state in PRODUCER_FINISHED:  # rule 3: reopen as a new leg would start
-            if t.kv in (Kv.PENDING, Kv.HELD):
-                out += self._input(t, leg, PI.REOPEN, now)
-                if t.kv is Kv.HELD:
-                    out += self._input(t, leg, PI.KV_READY, now)
-            else:
-                out += self._input(t, leg, PI.SOURCE_GONE, now)
-        out += self._input(t, leg, PI.REGISTER, now, reg=reg)
-        if not t.dead:
-            self._schedule(reg.deadline, t.key)
-            out += self._settle(t, now)
-        return out
-
-    def _on_cancel(self, msg: Cancel, now: float) -> list[Action]:
-        peer = Peer(msg.engine_id, msg.rank)
-        self._known(msg.engine_id, msg.rank)
-        key = (msg.transfer_id, msg.incarnation)
-        t = self._find(key)
-        if t is None:
-            # A cancel overtook its registration: remember it, bounded in time.
-            t = self._new_orphan(key, now)
-            if t is None:
-                return [self._ack(peer, key, msg.attempt)]
-        leg = self._leg(t, peer)
-        if msg.attempt < leg.attempt or (msg.attempt == leg.attempt and leg.state in (
-            PS.CANCELLING,
-            PS.PREEMPTING,
-            *PRODUCER_TERMINAL,
-        )):
-            self.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
-            return self._input(t, leg, PI.CANCEL_STALE, now, cancel=msg.attempt)
-        if msg.final and not t.dead:
-            t.final = True
-        out = self._input(t, leg, PI.CANCEL if msg.final else PI.PREEMPT, now, cancel=msg.attempt)
-        leg.attempt = max(leg.attempt, msg.attempt)
-        return out if t.dead else out + self._settle(t, now)
-
-    def _on_skip(self, msg: Skip, now: float) -> list[Action]:
-        self._known(msg.engine_id, msg.rank)
-        if msg.producer_engine_id != self.info.engine_id:
-            raise ValidationError("skip addressed to another engine", transfer_id=msg.transfer_id)
-        if self._targets.get(msg.engine_id):
-            raise ValidationError(f"rank {self.peer.rank} writes into {msg.engine_id!r}",
-                                  transfer_id=msg.transfer_id)
-        key = (msg.transfer_id, msg.incarnation)
-        t = self._find(key)
-        if t is None:
-            t = self._new_orphan(key, now)
-            if t is None:
-                return []
-        if t.dead or t.consumer_engine not in (None, msg.engine_id):
-            self.stats["stale"] += 1
-            return []
-        # This rank writes nothing for the transfer: the source is not needed.
-        t.consumer_engine, t.final = msg.engine_id, True
-        self.stats["skipped"] += 1
-        return self._settle(t, now)
-
-    def _on_heartbeat(self, msg: Heartbeat, now: float) -> list[Action]:
-        self._known(msg.engine_id, msg.rank)
-        for transfer_id, _attempt, inc in msg.transfers:
-            t = self._transfers.get((transfer_id, inc))
-            if t is None or t.consumer_engine not in (None, msg.engine_id):
-                continue
-            self.stats["renewed"] += 1
-            if t.kv is Kv.HELD:  # the armed timer finds the later lease and re-arms
-                if not t.expired:
-                    t.lease = max(t.lease, now + self.config.lease_s * self.config.renew_fraction)
-            elif t.kv is Kv.PENDING:
-                t.orphan = max(t.orphan, now + self.config.orphan_ttl_s)
-        return []
-
-    def _on_read_done(self, msg: ReadDone, now: float) -> list[Action]:
-        peer = Peer(msg.engine_id, msg.rank)
-        self._known(msg.engine_id, msg.rank)
-        if msg.producer_engine_id != self.info.engine_id:
-            raise ValidationError("read report addressed to another engine")
-        t = self._transfers.get((msg.transfer_id, msg.incarnation))
-        if t is None or t.mode is not Mode.PULL or t.kv is not Kv.HELD:
-            self.stats["stale"] += 1
-            return []
-        if peer not in self._target_set:
-            raise ValidationError(f"{peer} does not read from rank {self.peer.rank}")
-        if t.consumer_engine not in (None, msg.engine_id):
-            raise ValidationError("pull transfer already bound to another consumer engine")
-        t.consumer_engine = msg.engine_id
-        leg = self._leg(t, peer)
-        if leg.state is not PS.KV_READY:
-            self.stats["duplicate"] += 1
-            return []
-        leg.attempt = max(leg.attempt, msg.attempt)
-        return self._input(t, leg, PI.READ_DONE, now) + self._settle(t, now)
 
     # ---------------------------------------------------------- local input
 
