@@ -312,6 +312,7 @@ class Consumer(Endpoint):
         self.stats["registered"] += 1
         if not usable:  # rule 8: wait in CONNECTING for the handshake
             return out + self._connect(producer, now)
+        t.skipped = True
         return out + self._start_attempt(t, now) + skips(self, t.key, producer)
 
     def reissue(self, transfer_id: str, block_ids: npt.ArrayLike, now: float) -> list[Action]:
@@ -523,7 +524,10 @@ class Consumer(Endpoint):
         if effect is CE.SEND_HELD:  # rule 8: the engine is usable now
             t.cur = self._attempt(cur.attempt, cur.block_ids, t.producer, now)
             out = self._start_attempt(t, now)
-            return out + skips(self, t.key, t.producer) if cur.attempt == 0 else out
+            if t.skipped:
+                return out
+            t.skipped = True
+            return out + skips(self, t.key, t.producer)
         if effect is CE.HOLD:
             t.cur = self._attempt(cur.attempt + 1, block_ids, t.producer, now)
             t.reason, t.code = "", FailReason.WRITE_FAILED

@@ -94,6 +94,7 @@ class Transfer:
     first_token: int
     src_ids: tuple[int, ...] = ()
     zombies: dict[int, Attempt] = field(default_factory=dict)
+    skipped: bool = False  # the producer ranks that write nothing were told (Skip)
     reason: str = ""
     code: FailReason = FailReason.WRITE_FAILED
 
