@@ -116,11 +116,15 @@ class Consumer(Endpoint):
                 r for r in range(src.world_size)
                 if r % dst.world_size == self.peer.rank and not targets_of(src, dst, r)
             )
-        if not self._usable(info.engine_id):
-            return []
-        # Rule 8: the engine became usable; the registrations held for it go out.
         when = self._now if now is None else now
         out = self._run_timers(when) if now is not None else []
+        if info.rank in self._silent[info.engine_id]:  # told late: Skip what went out
+            out += [a for t in self._transfers.values() if t.producer == info.engine_id
+                    and t.skipped and t.state not in CONSUMER_TERMINAL
+                    for a in skips(self, t.key, info.engine_id, only=info.rank)]
+        if not self._usable(info.engine_id):
+            return out
+        # Rule 8: the engine became usable; the registrations held for it go out.
         self._connecting.pop(info.engine_id, None)
         for t in list(self._transfers.values()):
             if t.state is CS.CONNECTING and t.producer == info.engine_id:
@@ -128,12 +132,13 @@ class Consumer(Endpoint):
         return out
 
     def _usable(self, engine_id: str) -> bool:
-        """Every producer rank this rank registers with or Skips is handshaken."""
+        """Every producer rank that writes into this rank is handshaken (ranks that
+        write nothing are told with Skip if known, never waited for)."""
         writers = self._writers.get(engine_id)
         if writers is None:
             return False
         peers = self._peers
-        return all(Peer(engine_id, r) in peers for r in (*writers, *self._silent[engine_id]))
+        return all(Peer(engine_id, r) in peers for r in writers)
 
     def handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
         """The driver could not handshake with ``engine_id``: every transfer waiting

@@ -43,13 +43,15 @@ def abandons(c: Consumer, key: Key, producer: str, writers: frozenset[int]) -> l
     ] + skips(c, key, producer)
 
 
-def skips(c: Consumer, key: Key, producer: str) -> list[Action]:
-    """Skip to the producer ranks this rank speaks for that write nothing."""
+def skips(c: Consumer, key: Key, producer: str, only: int | None = None) -> list[Action]:
+    """Skip to the producer ranks this rank speaks for that write nothing (and
+    has handshaken with; ``only``: to that rank alone)."""
     return [
         SendMessage(peer=Peer(producer, r), message=Skip(
             transfer_id=key[0], engine_id=c.peer.engine_id, rank=c.peer.rank,
             producer_engine_id=producer, incarnation=key[1]))
         for r in c._silent.get(producer, ())
+        if Peer(producer, r) in c._peers and only in (None, r)
     ]
 
 def reads(

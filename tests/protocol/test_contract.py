@@ -246,9 +246,9 @@ def test_ranks_that_write_nothing_are_told_even_after_a_preempted_handshake_wait
     c.register("t", "P", [1, 2, 3], 40, 0.0)
     c.preempt("t", 0.1)
     c.reissue("t", [4, 5, 6], 0.2)  # attempt 1, still waiting for the handshake
-    c.add_peer(pair.p[0].info, now=0.3)
-    out = c.add_peer(pair.p[1].info, now=0.3)
+    out = c.add_peer(pair.p[0].info, now=0.3)  # the writer: the registration goes out
     assert [(m.attempt, m.rank) for m in msgs(out, Register)] == [(1, 0)]
+    out = c.add_peer(pair.p[1].info, now=0.3)  # the rank that writes nothing: told now
     (skip,) = msgs(out, Skip)
     assert skip.transfer_id == "t"
     assert [a.peer.rank for a in out if isinstance(a.message, Skip)] == [1]
