@@ -85,7 +85,7 @@ reissue keeps its own fence (a *zombie*, ``ZOMBIE_TABLE``) and releases its
 blocks on its own.
 
 Rule 8 -- **handshake in the core.** A registration for a producer engine this
-rank cannot use yet (not every producer rank it talks to has handshaken)
+rank cannot use yet (not every producer rank that writes into it has handshaken)
 waits in ``CONNECTING`` with its blocks lent; the consumer emits ``Connect``
 once per engine, the handshake's completion (``CONNECTED``) sends it, and a
 failed or timed-out handshake (``handshake_timeout_s``) fails it with
