@@ -226,8 +226,9 @@ class IOLoop:
     def _publish_stats(self) -> None:
         stats = self._stats
         stats["dropped_frames"] = self._side.dropped
-        for reason, n in self._side.auth_dropped.items():  # totals, not increments
-            stats[reason] = n
+        if self._authenticated:
+            for reason, n in self._side.auth_dropped.items():  # totals, not increments
+                stats[reason] = n
         self._stats_view = dict(stats)
 
     # ------------------------------------------------------------ commands
