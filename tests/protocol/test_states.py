@@ -36,12 +36,17 @@ from pushkv.protocol.states import (
     CONSUMER_TERMINAL,
     PRODUCER_TABLE,
     PRODUCER_TERMINAL,
+    SOURCE_TABLE,
+    ZOMBIE_TABLE,
     ConsumerEffect,
     ConsumerInput,
     ConsumerState,
     ProducerEffect,
     ProducerInput,
     ProducerState,
+    SourceEffect,
+    SourceState,
+    ZombieState,
     consumer_step,
     producer_step,
 )
@@ -72,9 +77,10 @@ def test_producer_table_pair(state, inp):
 @pytest.mark.parametrize("inp", list(CI))
 def test_consumer_table_pair(state, inp):
     if (state, inp) in CONSUMER_TABLE:
-        _, nxt = consumer_step(state, inp)
+        effect, nxt = consumer_step(state, inp)
         assert isinstance(nxt, CS)
-        assert state not in CONSUMER_TERMINAL
+        if state in CONSUMER_TERMINAL:  # only a late message reaches an ended transfer
+            assert (inp, effect, nxt) == (CI.STALE, CE.DROP, state)
     else:
         with pytest.raises(LocalProtocolError):
             consumer_step(state, inp)
@@ -116,6 +122,12 @@ P_ACTIONS = {
     PE.WRITE_STASHED: {("IssueWrite",), ()},
     PE.FAIL_AND_WRITE_STASHED: {("Fail", "IssueWrite"), ("Fail",)},
 }
+#: The actions each source effect emits itself (its legs' inputs are steps of their own).
+S_ACTIONS = {
+    SourceEffect.HOLD: {(), ("Publish",)}, SourceEffect.ABORT: {()},
+    SourceEffect.EXPIRE: {()}, SourceEffect.RELEASE: {("ReleaseSource",)},
+    SourceEffect.FORGET: {()},
+}
 #: The actions each consumer effect emits (``*``: one per producer rank named).
 C_ACTIONS = {
     CE.NONE: {()}, CE.COUNT: {()}, CE.FENCE: {()},
@@ -129,6 +141,7 @@ C_ACTIONS = {
     CE.FINAL_CANCEL_RELEASED: {("Cancel", "Cancel", "TransferCancelled"), ("TransferCancelled",)},
     CE.REPORT_FAILED: {("TransferFailed",)},
     CE.SEND_HELD: {("Register", "Register")}, CE.HOLD: {(), ("Connect",)},
+    CE.DROP: {()},
 }
 def _check_steps(steps, start, table, actions, where):
     """Every recorded transition is the table's, exactly, and they chain."""
@@ -257,13 +270,17 @@ def _run_producer(label, call):
         assert p.trace == []
         return []
     steps = [st for st in p.trace if st.peer == D0]
+    for st in p.trace:
+        if isinstance(st.state, SourceState):  # the source follows its own table
+            assert (st.effect, st.next) == SOURCE_TABLE[st.state, st.input]
+            assert tuple(_kind(a) for a in st.actions) in S_ACTIONS[st.effect]
     if state is None and steps:
         assert steps[0].state in _NEW_LEG
         state = steps[0].state
     end = _check_steps(steps, state, PRODUCER_TABLE, P_ACTIONS, f"{label}: {call}")
     now = p.leg_state("t", D0)
     assert now in (end, None), f"leg ended in {now}, the table says {end}"
-    return steps
+    return p.trace
 
 
 @pytest.mark.parametrize("label", list(PRODUCER_RECIPES))
@@ -276,7 +293,8 @@ def test_every_producer_row_is_exercised_through_the_endpoint():
     hit = set()
     for label, call in itertools.product(PRODUCER_RECIPES, PRODUCER_CALLS):
         hit |= {(st.state, st.input) for st in _run_producer(label, call)}
-    missing = sorted(f"{s.name} x {i.name}" for s, i in set(PRODUCER_TABLE) - hit)
+    missing = sorted(f"{s.name} x {i.name}" for s, i in
+                     (set(PRODUCER_TABLE) | set(SOURCE_TABLE)) - hit)
     assert not missing, missing
 
 
@@ -316,8 +334,38 @@ CONSUMER_RECIPES = {
     CS.CANCELLING: lambda pair: (pair.c[0].abort("t", 0.0), pair.c[0])[1],
     CS.FAILING: lambda pair: (pair.c[0].handle_timer(10.0), pair.c[0])[1],
 }
+def _zombie_then(pair, then):
+    c = pair.c[0]
+    _reg_c(c)
+    c.preempt("t", 0.0)
+    c.reissue("t", [20, 21, 22], 0.0)
+    then(c)
+    return c
+
+
+def _ready_with_zombie(pair):
+    c = pair.c[0]
+    _reg_c(c)
+    c.preempt("t", 0.0)
+    c.reissue("t", [20, 21, 22], 0.0)  # attempt 0 keeps its fence: a zombie
+    c.receive(_note(0, 1), 0.0)
+    c.receive(_note(1, 1), 0.0)
+    return c
+
+
 #: More recipes, by label: (state, recipe).
 CONSUMER_MORE = {
+    "READY, a zombie fencing": (CS.READY, _ready_with_zombie),
+    "CANCELLED, a zombie fencing": (CS.CANCELLED, lambda pair: (
+        _zombie_then(pair, lambda c: (c.abort("t", 0.0), c.receive(_ack(0, 1), 0.0),
+                                      c.receive(_ack(1, 1), 0.0))))),
+    "FAILED, a zombie fencing": (CS.FAILED, lambda pair: (
+        _zombie_then(pair, lambda c: [c.receive(Fail(
+            transfer_id="t", attempt=1, engine_id="P", rank=r,
+            reason=FailReason.WRITE_FAILED), 0.0) for r in (0, 1)]))),
+    "REGISTERED, a zombie fencing": (CS.REGISTERED, lambda pair: (
+        _reg_c(pair.c[0]), pair.c[0].preempt("t", 0.0),
+        pair.c[0].reissue("t", [20, 21, 22], 0.0), pair.c[0])[3]),
     "PREEMPTED while connecting": (CS.PREEMPTED, lambda pair: (
         lambda c: (c.preempt("t", 0.0), c)[1])(_connecting(pair))),
 }
@@ -343,6 +391,15 @@ def _consumer_calls(c, pair):
         "peer died": lambda: c.peer_died("P", 5.0),
         "handshake done": lambda: c.add_peer(pair.p[1].info, now=5.0),
         "handshake failed": lambda: c.handshake_failed("P", "refused", 5.0),
+        "notify again": lambda: (c.receive(_note(0, attempt), 5.0),
+                                 c.receive(_note(0, attempt), 5.0)),
+        "notify of another use": lambda: c.receive(
+            Notify(transfer_id="t", attempt=attempt, engine_id="P", rank=0, incarnation=9), 5.0),
+        "zombie notified": lambda: c.receive(_note(0, 0), 5.0),
+        "zombie acked by both": lambda: (c.receive(_ack(0, 0), 5.0), c.receive(_ack(1, 0), 5.0)),
+        "zombie failed, then again": lambda: [c.receive(Fail(
+            transfer_id="t", attempt=0, engine_id="P", rank=0,
+            reason=FailReason.WRITE_FAILED), 5.0) for _ in range(2)],
     }
 
 
@@ -364,13 +421,17 @@ def _run_consumer(label, call):
         assert _dump(c) == before, "a refused call changed the endpoint"
         assert c.trace == []
         return []
-    steps = [st for st in c.trace if st.key[0] == "t"]
+    steps = [st for st in c.trace if st.key[0] == "t" and not isinstance(st.state, ZombieState)]
+    for st in c.trace:
+        if isinstance(st.state, ZombieState):  # zombie steps follow the zombie table
+            assert (st.effect, st.next) == ZOMBIE_TABLE[st.state, st.input]
+            assert tuple(_kind(a) for a in st.actions) in C_ACTIONS[st.effect]
     end = _check_steps(steps, state, CONSUMER_TABLE, C_ACTIONS, f"{state} {call}")
     now = c.state_of("t")
     assert now in (end, None), f"transfer ended in {now}, the table says {end}"
     if now is None:  # terminal and forgotten: no block may stay lent
         assert end in CONSUMER_TERMINAL and c.lent_blocks() == {}
-    return steps
+    return c.trace
 
 
 @pytest.mark.parametrize("label", [*CONSUMER_RECIPES, *CONSUMER_MORE])
@@ -383,7 +444,8 @@ def test_every_consumer_row_is_exercised_through_the_endpoint():
     hit = set()
     for state, call in itertools.product([*CONSUMER_RECIPES, *CONSUMER_MORE], CONSUMER_CALLS):
         hit |= {(st.state, st.input) for st in _run_consumer(state, call)}
-    missing = sorted(f"{s.name} x {i.name}" for s, i in set(CONSUMER_TABLE) - hit)
+    missing = sorted(f"{s.name} x {i.name}" for s, i in
+                     (set(CONSUMER_TABLE) | set(ZOMBIE_TABLE)) - hit)
     assert not missing, missing
 
 
