@@ -475,7 +475,7 @@ class IOLoop:
             link = self._peers.links.get(address)
             if link is not None and link.dead:  # a fresh attempt at an address that died
                 self._peers.forget(link)
-            link = self._peers.link(address, identity(eng.engine_id, rank))
+            self._peers.link(address, identity(eng.engine_id, rank))
             self._side.send(address, sc.HELLO, body)
 
     def _on_card(self, body: bytes, now: float) -> None:
