@@ -18,11 +18,14 @@ through :meth:`NixlRuntime.poll`.
                                    NIXL notifications
 
 Handshake. A consumer learns producer addresses with :meth:`NixlRuntime.connect`
-(cheap, idempotent). On first use -- or at once with ``eager=True`` -- it sends
-its :class:`~.sidechannel.PeerCard` (pushkv ``Hello``, NIXL metadata, region
-addresses) to every rank of the producer engine; each answers with its own
-card (the table of :mod:`.runtime_handshake`). A producer answers cards; it
-never needs to be told about consumers.
+(cheap, idempotent). When the endpoint needs the engine (its ``Connect``
+action, on the first registration) -- or at once with ``eager=True`` -- the
+runtime sends its :class:`~.sidechannel.PeerCard` (pushkv ``Hello``, NIXL
+metadata, region addresses) to every rank of the producer engine; each answers
+with its own card (the table of :mod:`.runtime_handshake`), which goes to the
+endpoint (``add_peer``). What waits for a handshake, and what a failed one
+means, is the endpoint's business. A producer answers cards; it never needs to
+be told about consumers.
 
 Ports and key. The side channel binds ``NixlConfig.port``, or a free port when
 it is 0 (the default); :attr:`NixlRuntime.address` is what peers must be told.

@@ -226,8 +226,9 @@ class IOLoop:
     def _publish_stats(self) -> None:
         stats = self._stats
         stats["dropped_frames"] = self._side.dropped
-        for reason, n in self._side.auth_dropped.items():  # totals, not increments
-            stats[reason] = n
+        if self._authenticated:
+            for reason, n in self._side.auth_dropped.items():  # totals, not increments
+                stats[reason] = n
         self._stats_view = dict(stats)
 
     # ------------------------------------------------------------ commands
@@ -474,7 +475,7 @@ class IOLoop:
             link = self._peers.links.get(address)
             if link is not None and link.dead:  # a fresh attempt at an address that died
                 self._peers.forget(link)
-            link = self._peers.link(address, identity(eng.engine_id, rank))
+            self._peers.link(address, identity(eng.engine_id, rank))
             self._side.send(address, sc.HELLO, body)
 
     def _on_card(self, body: bytes, now: float) -> None:
