@@ -41,7 +41,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -63,6 +63,7 @@ from .pool import HealthSettings, Instance, Pool
 from .proxy_input import CHAT, COMPLETIONS, Checked, ClientError, ModelInfo, check_request
 from .proxy_input import error_body as _error_body
 from .proxy_metrics import CONTENT_TYPE, ProxyMetrics
+from .proxy_sse import read_json, sse_error, sse_events, write_sse_error
 from .signing import sign
 
 logger = logging.getLogger("pushkv.proxy")
@@ -263,7 +264,7 @@ class PushProxy:
                     inst.url + path,
                     timeout=aiohttp.ClientTimeout(total=self.settings.connect_timeout_s * 2)
             ) as resp:
-                return resp.status, await _read_json(resp)
+                return resp.status, await read_json(resp)
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.pool.mark_down(inst, f"unreachable: {exc!r}")
             raise LegError(inst.role, 502, f"{inst.url} unreachable: {exc!r}",
@@ -276,7 +277,7 @@ class PushProxy:
                     inst.url + path, json=body, headers=headers,
                     timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s)
             ) as resp:
-                return resp.status, await _read_json(resp)
+                return resp.status, await read_json(resp)
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.pool.mark_down(inst, f"failed: {exc!r}")
             raise LegError(inst.role, 502, f"{inst.url} failed: {exc!r}",
@@ -415,7 +416,7 @@ class PushProxy:
             message = f"no answer within the proxy's bound of {self.settings.request_timeout_s} s"
             logger.warning("request timed out: %s", message)
             if req.out is not None:
-                await _write_sse_error(req.out, message, 504)
+                await write_sse_error(req.out, message, 504)
                 return req.out
             return web.json_response(_error_body(message, 504), status=504)
         try:
@@ -561,16 +562,16 @@ class PushProxy:
             raise LegError("decode", 502, f"{inst.url} failed: {exc!r}", retryable=True) \
                 from None
         if resp.status != 200:
-            answer = await _read_json(resp)
+            answer = await read_json(resp)
             resp.close()
             raise self._leg_error(inst, resp.status, answer)
         return resp
 
     async def _relay_stream(self, req: _Request, d_resp: aiohttp.ClientResponse,
                             watch: _Watch) -> web.StreamResponse:
-        events = _sse_events(d_resp)
+        events = sse_events(d_resp)
         head = await watch.race(anext(events, b""))
-        error = _sse_error(head)
+        error = sse_error(head)
         if error is not None:  # the decode leg failed before its first token
             status = int(error.get("code") or 500)
             raise self._leg_error(watch.decode, status if status >= 400 else 500,
@@ -588,7 +589,7 @@ class PushProxy:
                 await out.write(event)
         except LegError as exc:
             self.metrics.legs.labels("decode", "failed").inc()
-            await _write_sse_error(out, f"decode stream broke: {exc.body}", 502)
+            await write_sse_error(out, f"decode stream broke: {exc.body}", 502)
             return out
         self.metrics.legs.labels("decode", "ok").inc()
         await out.write_eof()
@@ -598,46 +599,6 @@ class PushProxy:
 def _raise_if_failed(task: asyncio.Future[Any]) -> None:
     if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
         raise exc
-
-
-async def _read_json(resp: aiohttp.ClientResponse) -> Any:
-    raw = await resp.read()
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace")
-
-
-async def _sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The upstream stream cut into whole SSE events (each ending in a blank line)."""
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        while (cut := buf.find(b"\n\n")) >= 0:
-            yield buf[: cut + 2]
-            buf = buf[cut + 2:]
-    if buf:
-        yield buf
-
-
-def _sse_error(event: bytes) -> dict[str, Any] | None:
-    """The error object of an SSE ``data: {"error": ...}`` event, else None."""
-    for line in event.splitlines():
-        if line.startswith(b"data:"):
-            try:
-                data = json.loads(line[5:].strip())
-            except ValueError:
-                return None
-            if isinstance(data, dict) and isinstance(data.get("error"), dict):
-                return dict(data["error"])
-    return None
-
-
-async def _write_sse_error(out: web.StreamResponse, message: str, code: int) -> None:
-    with contextlib.suppress(ConnectionError, RuntimeError):
-        await out.write(b"data: " + json.dumps(_error_body(message, code)).encode() + b"\n\n")
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
 
 
 def _prefill_body(body: dict[str, Any], path: str, params: dict[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,11 @@ COUNTERS: dict[str, str] = {
     "pushes_aborted": "prefills that ended before their KV was complete",
     "sources_released": "prefilled KV released after its push, a cancel or a lease expiry",
     "blocks_sent": "KV blocks released after a completed push",
+    "frames_refused": "side-channel frames dropped: failed authentication, replayed, stale "
+                      "or malformed (the runtime's counts)",
 }
+#: The runtime's counters that make up ``frames_refused``.
+REFUSED_FRAMES = ("auth_failed", "auth_replayed", "auth_stale", "auth_unprotected", "rejected")
 
 
 #: Histogram name -> (help, buckets).

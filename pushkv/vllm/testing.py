@@ -51,14 +51,21 @@ TINY_LLAMA = {
 }
 
 
-def write_tiny_llama(path: str | os.PathLike[str], seed: int = 0) -> Path:
-    """Write the tiny random Llama to ``path`` (idempotent for a given seed)."""
+#: A variant with 2 KV heads, so that tensor parallelism 2 splits them (TP 1 <-> TP 2).
+TINY_LLAMA_2KV = {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 32}
+
+
+def write_tiny_llama(path: str | os.PathLike[str], seed: int = 0,
+                     config: dict[str, Any] | None = None) -> Path:
+    """Write the tiny random Llama (or ``config``, e.g. :data:`TINY_LLAMA_2KV`) to
+    ``path`` (idempotent for a given seed)."""
     import torch
     from safetensors.torch import save_file
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = TINY_LLAMA
+    cfg = config or TINY_LLAMA
     gen = torch.Generator().manual_seed(seed)
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = cfg["head_dim"]
@@ -244,7 +251,7 @@ class Server:
         if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+            proc.wait(120)  # a loaded machine can take a while to reap a whole server
 
     def tail(self, lines: int = 60) -> str:
         try:

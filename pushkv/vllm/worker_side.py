@@ -40,7 +40,7 @@ from ..protocol.layout import EngineSpec
 from .config import ConnectorConfigError, PushKVSettings, parse_cpus
 from .layout import KVRegions, describe_kv_caches
 from .metadata import PushKVMetadata, RankAddress, RecvOrder
-from .stats import FAILED_REASON, PushKVStats
+from .stats import FAILED_REASON, REFUSED_FRAMES, PushKVStats
 from .write_sampler import WriteSampler
 
 if TYPE_CHECKING:
@@ -150,6 +150,7 @@ class WorkerSide:
         self._stats = PushKVStats()
         self._seen: Counter[str] = Counter()
         self._sampler: WriteSampler | None = None
+        self._refused = 0  # the runtime's refused frames, as last counted
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, *, settings: PushKVSettings,
@@ -373,6 +374,11 @@ class WorkerSide:
     # ------------------------------------------------------------- misc
 
     def take_stats(self) -> PushKVStats | None:
+        if self.runtime is not None:
+            counts = self.runtime.stats()
+            refused = sum(counts.get(k, 0) for k in REFUSED_FRAMES)
+            self._stats.add("frames_refused", refused - self._refused)
+            self._refused = refused
         if self._sampler is not None:
             for w in self._sampler.take():
                 if w.ok:
