@@ -282,7 +282,6 @@ class DecodeEngine(_Loop):
     def _admit_new(self, req: SimRequest, stall: float) -> float:
         """Give a new request its blocks and start its transfer; return posting stall."""
         eng = self.eng
-        tid = req.transfer_id
         producer = req.prefill
         assert producer is not None
         if producer in self.transport.known_dead:
@@ -291,6 +290,18 @@ class DecodeEngine(_Loop):
             return 0.0
         req.dst_blocks = self.pool.allocate(blocks_for(req.input_len, eng.block_size))
         self.holding.append(req)
+        return self._start_transfer(req, stall)
+
+    def _start_transfer(self, req: SimRequest, stall: float) -> float:
+        tid, producer = req.transfer_id, req.prefill
+        assert producer is not None
+        if self.mode.is_pull and not self.transport.knows(self.engine_id, producer):
+            # A pull is planned against the producer's layout: handshake first (vLLM's
+            # _ensure_handshake); the read goes out in the step after it completes.
+            req.awaiting_handshake = True
+            self.transport.connect(self.engine_id, producer)
+            return 0.0
+        req.awaiting_handshake = False
         if self.mode is TransferMode.PUSH:
             self.transport.register(self.engine_id, tid, producer, req.dst_blocks, req.input_len,
                                     incarnation=req.incarnation)
@@ -301,9 +312,16 @@ class DecodeEngine(_Loop):
             inline_after=inline, incarnation=req.incarnation,
         )
 
+    def connected(self, producer: str) -> None:
+        """A handshake finished: held pulls to ``producer`` start at the next step."""
+        self.poke()
+
     def _schedule(self) -> float:
         eng = self.eng
         stall = 0.0
+        for req in self.holding:
+            if req.awaiting_handshake and self.transport.knows(self.engine_id, req.prefill or ""):
+                stall += self._start_transfer(req, stall)
         for req in list(self.holding):  # KV-holding requests first, as vLLM does
             if len(self.running) >= eng.max_num_seqs:
                 break

@@ -286,6 +286,42 @@ class NetworkProfile:
     )
 
 
+VLLM_STEPS = "CAL 'Control plane and contention' (connectors act at engine-step boundaries)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlProfile:
+    """The control plane: what a message and a first contact cost."""
+
+    message_send_s: float = _f(
+        30e-6,
+        "sender's time per control message (msgspec encode, ZMQ send, Python): held on "
+        "the interpreter lock of the sending engine's process",
+        ASSUMED + "; " + VLLM_STEPS + " (side-channel messages cost sender and receiver "
+        "time)",
+    )
+    message_recv_s: float = _f(
+        30e-6,
+        "receiver's time per control message or write notification (ZMQ or NIXL notif "
+        "receive, decode, the endpoint's Python): held on the receiving process's lock",
+        ASSUMED,
+    )
+    handshake_s: float = _f(
+        2.0,
+        "NIXL handshake between a new prefill/decode pair (metadata exchange, memory "
+        "registration of the peer): a transfer to a producer this decode engine has not "
+        "met waits for it (the core's Connect action)",
+        CAL_DESC + ": 'NIXL handshake between a new P/D pair: seconds (first contact only)'",
+    )
+    handshake_before_run: bool = _f(
+        True,
+        "every pair has met before the first measured request (vllm bench serve sends "
+        "one test prompt first); false: the run's first transfer to each producer pays "
+        "handshake_s",
+        "vLLM vllm/benchmarks/serve.py ('Starting initial single prompt test run')",
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Profile:
     """Everything that sets a duration in the model."""
@@ -302,6 +338,9 @@ class Profile:
     )
     network: NetworkProfile = field(
         default_factory=NetworkProfile, metadata={"help": "fabric and posting costs"}
+    )
+    control: ControlProfile = field(
+        default_factory=ControlProfile, metadata={"help": "control-plane costs"}
     )
 
     def validate(self) -> Profile:
@@ -381,6 +420,10 @@ class Profile:
                 _positive(f"network.{name}", v)
         if any(b <= a for a, b in itertools.pairwise(sizes)):
             raise ProfileError("network.point_sizes_bytes must be strictly ascending")
+        c = self.control
+        for name in ("message_send_s", "message_recv_s", "handshake_s"):
+            if getattr(c, name) < 0:
+                raise ProfileError(f"control.{name} must be >= 0")
         for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "post_fixed_s",
                      "post_per_descriptor_s"):
             if getattr(n, name) < 0:
@@ -401,6 +444,7 @@ _SECTIONS = {
     "prefill": EngineProfile,
     "decode": EngineProfile,
     "network": NetworkProfile,
+    "control": ControlProfile,
 }
 
 

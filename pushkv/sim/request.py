@@ -27,6 +27,7 @@ class SimRequest:
     dst_blocks: list[int] = field(default_factory=list)
     src_blocks: tuple[int, ...] = ()  #: published by prefill (pull)
     kv_ready: bool = False
+    awaiting_handshake: bool = False  #: pull: blocks allocated, the read waits for it
     local_prefill: bool = False  #: decode computes the prompt itself (recompute)
     prefilled: int = 0  #: prompt tokens computed on decode so far
     # timeline

@@ -54,8 +54,11 @@ def test_every_request_ends_once_and_nothing_leaks(mode: str) -> None:
 
 
 def _single(mode: str, input_len: int, output_len: int):
+    """One request; control messages free (their price has its own closed form in
+    test_sim_mechanisms.py)."""
+    free = with_profile(control={"message_send_s": 0.0, "message_recv_s": 0.0})
     return run(config(mode, qps=1.0, input_len=input_len, output_len=output_len,
-                      num_prompts=1), keep_objects=True)
+                      num_prompts=1, profile=free), keep_objects=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
