@@ -64,6 +64,7 @@ INLINE_POSTS = ("after-forward", "before-forward")
 WIRE_MODELS = ("measured-points", "two-limits")
 SHARINGS = ("fair", "fifo")
 SKEWS = ("exponential", "fixed")
+ALLOCATORS = ("static", "history")
 MOONCAKE = (
     "CAL 'Hardware': Mooncake EFA WRITE on p5en by block size (64 KB 97 GB/s ... 2 MB 367)"
 )
@@ -185,10 +186,27 @@ class EngineProfile:
     )
     fragmentation: float = _f(
         0.05,
-        "probability that a block of a request is not physically next to the previous "
-        "one (a warmed-up allocator); drives the descriptor count",
+        "the free queue at the start of a run: probability that a block is not "
+        "physically next to the previous one (a warmed-up allocator; 0: a fresh server)",
         FIT + "; " + CAL_DESC,
     )
+    allocator: str = _f(
+        "static",
+        "what freed blocks do to the free queue: 'static' -- appended in order, so the "
+        "starting shuffle (fragmentation) stays what it is; 'history' -- as vLLM frees "
+        "them (a request's blocks in reverse order; prefix-cached blocks to the tail, "
+        "uncached ones to the head, reused first), so descriptor counts follow from the "
+        "run's allocations",
+        "vLLM 0.32 v1/core/single_type_kv_cache_manager.py free(), block_pool.py "
+        "free_blocks() (LIFO reuse of non-cached blocks)",
+    )
+
+    @property
+    def free_order(self) -> str:
+        """Where the pool puts freed blocks (see :class:`~pushkv.sim.blocks.BlockPool`)."""
+        if self.allocator == "static":
+            return "tail"
+        return "vllm-cached" if self.prefix_hit_fraction > 0 else "vllm-uncached"
 
     def num_blocks(self, model: ModelProfile, gpu: GPUProfile) -> int:
         """KV blocks per rank: what is left of HBM after weights and activations."""
@@ -380,6 +398,9 @@ class Profile:
             if e.block_size & (e.block_size - 1) or e.block_size > 1024:
                 raise ProfileError(f"{side}.block_size must be a power of two up to 1024 "
                                    f"(vLLM's attention kernels), got {e.block_size}")
+            if e.allocator not in ALLOCATORS:
+                raise ProfileError(f"{side}.allocator must be one of {', '.join(ALLOCATORS)}, "
+                                   f"got {e.allocator!r}")
             if e.inline_post not in INLINE_POSTS:
                 raise ProfileError(f"{side}.inline_post must be one of {', '.join(INLINE_POSTS)}, "
                                    f"got {e.inline_post!r}")

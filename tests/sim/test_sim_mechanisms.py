@@ -145,3 +145,37 @@ def test_the_first_contact_waits_for_the_handshake_once(mode: str) -> None:
     ttfts, stats = go(False, 6)
     assert stats["handshakes"] == 1  # one per pair, however many transfers wait for it
     assert max(ttfts) < 1.5 + 0.1
+
+
+def test_vllm_free_order_reuses_uncached_blocks_first_and_reversed() -> None:
+    import numpy as np
+
+    from pushkv.sim.blocks import BlockPool
+
+    rng = np.random.default_rng(0)
+    uncached = BlockPool(10, 0.0, rng, "vllm-uncached")
+    a = uncached.allocate(4)
+    uncached.free(a)
+    assert uncached.allocate(4) == [3, 2, 1, 0]  # reversed, at the head
+    cached = BlockPool(10, 0.0, rng, "vllm-cached")
+    cached.free(cached.allocate(4))
+    assert cached.allocate(6) == [4, 5, 6, 7, 8, 9]  # LRU: to the tail
+    assert cached.allocate(4) == [3, 2, 1, 0]
+    static = BlockPool(10, 0.0, rng, "tail")
+    static.free(static.allocate(4))
+    assert static.allocate(10) == [4, 5, 6, 7, 8, 9, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("allocator", "second"), [("static", 128), ("history", 128 * 64)])
+def test_descriptor_counts_follow_the_pools_history(allocator: str, second: int) -> None:
+    """Fresh pools, two 1k-token requests one after the other. With vLLM's free order the
+    second lands in the first's decode blocks, reversed: no two blocks adjacent in the
+    same direction on both sides, one descriptor per block, layer and plane."""
+    prof = with_profile(prefill={"allocator": allocator, "fragmentation": 0.0},
+                        decode={"allocator": allocator, "fragmentation": 0.0})
+    r = run(config("push", qps=0.5, input_len=1024, output_len=8, num_prompts=2,
+                   profile=prof), keep_objects=True)
+    assert r.transport is not None
+    first, then = r.requests
+    assert first.token_times[-1] < then.arrival  # strictly one after the other
+    assert r.transport.descriptors == [128, second]
