@@ -65,6 +65,7 @@ WIRE_MODELS = ("measured-points", "two-limits")
 SHARINGS = ("fair", "fifo")
 SKEWS = ("exponential", "fixed")
 ALLOCATORS = ("static", "history")
+PREEMPTIONS = ("recompute", "reissue", "off")
 MOONCAKE = (
     "CAL 'Hardware': Mooncake EFA WRITE on p5en by block size (64 KB 97 GB/s ... 2 MB 367)"
 )
@@ -76,6 +77,7 @@ UNUSED = {
         "decode_step_overhead_s": "prefill steps always prefill",
         "kv_read_efficiency": "prefill steps read no decode KV",
         "heartbeat_queued": "only decode renews leases",
+        "preemption": "prefill waits for free blocks instead",
     },
     "decode": {
         "prefix_hit_fraction": "decode runs with --no-enable-prefix-caching; a request "
@@ -189,6 +191,18 @@ class EngineProfile:
         "the free queue at the start of a run: probability that a block is not "
         "physically next to the previous one (a warmed-up allocator; 0: a fresh server)",
         FIT + "; " + CAL_DESC,
+    )
+    preemption: str = _f(
+        "recompute",
+        "decode memory pressure: 'recompute' -- blocks are taken one at a time as tokens "
+        "are generated; when none is free the newest running request is preempted, its "
+        "blocks freed, and it computes its prompt and tokens again (vLLM's default); "
+        "'reissue' -- first preempt the newest request whose push transfer is still in "
+        "flight (the core's preempt: fence, release, then a reissue registers a new "
+        "attempt), recompute only when there is none; 'off' -- every output block is "
+        "reserved when a request starts running (no preemption)",
+        "vLLM 0.32 v1/core/sched/scheduler.py (preempt the last running request, "
+        "recompute); pushkv.protocol Consumer.preempt / reissue",
     )
     allocator: str = _f(
         "static",
@@ -398,6 +412,9 @@ class Profile:
             if e.block_size & (e.block_size - 1) or e.block_size > 1024:
                 raise ProfileError(f"{side}.block_size must be a power of two up to 1024 "
                                    f"(vLLM's attention kernels), got {e.block_size}")
+            if e.preemption not in PREEMPTIONS:
+                raise ProfileError(f"{side}.preemption must be one of {', '.join(PREEMPTIONS)}, "
+                                   f"got {e.preemption!r}")
             if e.allocator not in ALLOCATORS:
                 raise ProfileError(f"{side}.allocator must be one of {', '.join(ALLOCATORS)}, "
                                    f"got {e.allocator!r}")

@@ -219,6 +219,7 @@ def _extra(
         "post_per_descriptor_s": profile.network.post_per_descriptor_s,
         "policy": cfg.protocol.policy.value,
         "recomputed": sum(1 for r in reqs if r.recomputed),
+        "preempted": sum(d.preempted for d in decodes),
         "recomputed_ok": sum(1 for r in ok if r.recomputed),
         "transfer_failures": sum(d.failed_transfers for d in decodes),
         "rerouted": router.rerouted,

@@ -207,6 +207,17 @@ class SimTransport:
         self._apply(decode, c.register(transfer_id, producer, block_ids, num_tokens,
                                        self.env.now, incarnation=incarnation))
 
+    def preempt(self, decode: str, transfer_id: str) -> None:
+        """Decode preempted a request whose transfer is in flight: fence, then release."""
+        self.stats["preempted_transfers"] += 1
+        self._apply(decode, self.consumers[decode].preempt(transfer_id, self.env.now))
+
+    def reissue(self, decode: str, transfer_id: str, block_ids: Sequence[int]) -> None:
+        """A preempted transfer registers again into new blocks: a new attempt."""
+        self.stats["reissued"] += 1
+        self._apply(decode, self.consumers[decode].reissue(transfer_id, block_ids,
+                                                           self.env.now))
+
     def start_pull(
         self, decode: str, transfer_id: str, producer: str, src_ids: Sequence[int],
         dst_ids: Sequence[int], num_tokens: int, *, inline_after: float | None,

@@ -179,3 +179,61 @@ def test_descriptor_counts_follow_the_pools_history(allocator: str, second: int)
     first, then = r.requests
     assert first.token_times[-1] < then.arrival  # strictly one after the other
     assert r.transport.descriptors == [128, second]
+
+
+def _decode_pool_of(blocks: int) -> float:
+    """A decode activation reserve that leaves ``blocks`` KV blocks."""
+    m, g, d = DEFAULT.model, DEFAULT.gpu, DEFAULT.decode
+    per_block = m.kv_bytes_per_token(d.tp) * d.block_size
+    return g.memory_bytes * d.gpu_memory_utilization - m.weight_bytes_per_gpu(d.tp) - (
+        blocks + 0.5) * per_block
+
+
+def test_memory_pressure_preempts_the_newest_and_it_recomputes() -> None:
+    """Two 1k requests (64 blocks of prompt, 4 more for 64 tokens) in a 130-block decode
+    pool: both start, then the second is preempted for the first's growth; when the
+    first ends, the second computes its prompt and tokens again in one step."""
+    prof = with_profile(decode={"activation_reserve_bytes": _decode_pool_of(130)})
+    r = run(config("push", qps=float("inf"), input_len=1024, output_len=64, num_prompts=2,
+                   profile=prof), keep_objects=True)
+    assert r.decodes[0].pool.num_blocks == 130
+    first, second = r.requests
+    assert r.result["completed"] == 2 and r.leaked_blocks == 0
+    assert (first.preempted, second.preempted) == (0, 1)
+    assert second.recomputed and len(second.token_times) == 64
+    ctx = second.recompute_len
+    assert 1024 < ctx < 1024 + 64
+    gap = second.token_times[ctx - 1024] - first.token_times[-1]
+    assert gap == pytest.approx(
+        costs.step_s(DEFAULT, DEFAULT.decode, prefill_chunks=((ctx, 0),)), abs=1e-9)
+
+
+def test_without_preemption_the_second_waits_for_room() -> None:
+    prof = with_profile(decode={"activation_reserve_bytes": _decode_pool_of(130),
+                                "preemption": "off"})
+    r = run(config("push", qps=float("inf"), input_len=1024, output_len=64, num_prompts=2,
+                   profile=prof), keep_objects=True)
+    first, second = r.requests
+    assert (first.preempted, second.preempted) == (0, 0) and not second.recomputed
+    assert second.token_times[0] > first.token_times[-1]
+    assert r.result["completed"] == 2 and r.leaked_blocks == 0
+
+
+def test_reissue_preempts_a_transfer_in_flight_and_registers_a_new_attempt() -> None:
+    """Prefill computes one prompt per second, so the second registration waits for its
+    KV while the first request runs and needs blocks: the core fences the second's
+    attempt, its blocks come back, and when there is room it registers again (a new
+    attempt); it completes and nobody recomputes."""
+    prof = with_profile(decode={"activation_reserve_bytes": _decode_pool_of(130),
+                                "preemption": "reissue"},
+                        prefill={"max_num_seqs": 1, "prefill_step_overhead_s": 1.0})
+    r = run(config("push", qps=float("inf"), input_len=1024, output_len=64, num_prompts=2,
+                   profile=prof), keep_objects=True)
+    assert r.transport is not None
+    first, second = r.requests
+    assert r.result["completed"] == 2 and r.leaked_blocks == 0
+    assert first.preempted == 0 and second.preempted >= 1 and not second.recomputed
+    stats = r.transport.stats
+    assert stats["preempted_transfers"] == stats["reissued"] == second.preempted
+    assert stats["sent_Register"] == 2 + second.preempted  # one per attempt
+    assert len(r.transport.descriptors) == 2  # the KV was written once, into the last
