@@ -263,7 +263,7 @@ class NetworkProfile:
         CAL_DESC + ": fit of 118 desc = 460 us and 18,880 desc = 46 ms",
     )
     post_per_descriptor_s: float = _f(
-        3.2e-6,
+        2.7e-6,
         "cost per descriptor of preparing and posting, paid by the posting thread",
         FIT + ", inside " + CAL_DESC + " 2.4-3.9 us per descriptor",
     )

@@ -114,6 +114,7 @@ class SimTransport:
         self._reader: dict[str, simpy.Resource] = {}  # decode background thread (pull-async)
         #: each engine process's interpreter lock: its loop and its posting thread share it
         self.gil: dict[str, simpy.Resource] = {}
+        self._loop_holds_until: defaultdict[str, float] = defaultdict(float)
         self.gil_wait_s: defaultdict[str, float] = defaultdict(float)
         self._connecting: set[tuple[str, str]] = set()
         ctl = profile.control
@@ -292,14 +293,16 @@ class SimTransport:
         lock: it waits while a posting thread of the same process holds it. Returns the
         seconds the step took."""
         start = self.env.now
-        if python_s > 0 and self._gil_contended:
-            with self.gil[eid].request() as lock:
-                yield lock
+        lock = self.gil[eid]
+        if python_s > 0 and self._gil_contended and (lock.count or lock.queue):
+            with lock.request() as req:
+                yield req
                 self.gil_wait_s[eid] += self.env.now - start
                 yield self.env.timeout(min(python_s, dt))
             if dt > python_s:
                 yield self.env.timeout(dt - python_s)
-        else:
+        else:  # the lock is free: hold it for python_s without queueing (the fast path)
+            self._loop_holds_until[eid] = start + min(python_s, dt)
             yield self.env.timeout(dt)
         return self.env.now - start
 
@@ -432,6 +435,11 @@ class SimTransport:
         self._apply(eid, ep.receive_bytes(frame, self.env.now))
 
     def _hold_gil(self, eid: str, seconds: float) -> Generator[Any, Any, None]:
+        """A posting or message thread holds ``eid``'s interpreter lock for ``seconds``,
+        after the engine loop's current hold, if any."""
+        wait = self._loop_holds_until[eid] - self.env.now
+        if wait > 0:
+            yield self.env.timeout(wait)
         with self.gil[eid].request() as lock:
             yield lock
             yield self.env.timeout(seconds)
