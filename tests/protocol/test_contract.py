@@ -20,6 +20,7 @@ from pushkv.protocol import (
     Register,
     ReleaseDestination,
     ReleaseSource,
+    Skip,
     TransferCancelled,
     TransferFailed,
     TransferReady,
@@ -237,3 +238,17 @@ def test_preempt_reissue_and_abort_while_waiting_for_the_handshake():
     out = c.abort("u", 0.5)
     assert of(out, TransferCancelled) and of(out, ReleaseDestination)
     assert c.state_of("u") is None
+
+
+def test_ranks_that_write_nothing_are_told_even_after_a_preempted_handshake_wait():
+    pair = Pair(producer={"tp": 2, "num_kv_heads": 1}, consumer={"num_kv_heads": 1})
+    c = _fresh_consumer(pair)
+    c.register("t", "P", [1, 2, 3], 40, 0.0)
+    c.preempt("t", 0.1)
+    c.reissue("t", [4, 5, 6], 0.2)  # attempt 1, still waiting for the handshake
+    out = c.add_peer(pair.p[0].info, now=0.3)  # the writer: the registration goes out
+    assert [(m.attempt, m.rank) for m in msgs(out, Register)] == [(1, 0)]
+    out = c.add_peer(pair.p[1].info, now=0.3)  # the rank that writes nothing: told now
+    (skip,) = msgs(out, Skip)
+    assert skip.transfer_id == "t"
+    assert [a.peer.rank for a in out if isinstance(a.message, Skip)] == [1]
