@@ -168,7 +168,9 @@ def test_a_sequential_router_costs_push_its_gain_only_where_the_gain_is_small() 
     """At low load push's small edge is the overlap a sequential router removes; under
     load the edge is the stall-free decode loop, which the router does not touch."""
     low = {m: _point(m, 1, 4096)["mean_ttft_ms"] for m in ("pull", "push", "push-seq")}
-    assert low["push"] < low["push-seq"] <= low["pull"] * 1.01
+    # push-seq is back at pull's TTFT (its registration's round trip, a message on each
+    # end and a wait for the write, can put it a little above).
+    assert low["push"] < low["push-seq"] <= low["pull"] * 1.03
     high = {m: _point(m, 8, 16384)["mean_ttft_ms"] for m in ("pull", "push", "push-seq")}
     kept = (high["pull"] - high["push-seq"]) / (high["pull"] - high["push"])
     assert kept > 0.9
