@@ -37,11 +37,27 @@ def fragmented_order(num_blocks: int, fragmentation: float, rng: np.random.Gener
     return np.repeat(new_starts - offsets, new_lengths) + ids
 
 
-class BlockPool:
-    """Free-queue allocator of one engine's KV blocks (per rank; ranks are symmetric)."""
+FREE_ORDERS = ("tail", "vllm-cached", "vllm-uncached")
 
-    def __init__(self, num_blocks: int, fragmentation: float, rng: np.random.Generator) -> None:
+
+class BlockPool:
+    """Free-queue allocator of one engine's KV blocks (per rank; ranks are symmetric).
+
+    ``free_order`` says where freed blocks go, so that the descriptor counts of
+    later requests follow from the pool's history: ``"tail"`` appends them in
+    their order (a static shuffle stays static); vLLM frees a request's blocks
+    in reverse order (``single_type_kv_cache_manager.free``) and puts blocks
+    that carry a prefix-cache hash at the tail (LRU, ``"vllm-cached"``) and
+    blocks without one at the head, to be reused first (``"vllm-uncached"``,
+    ``block_pool.free_blocks``: LIFO for GPU locality).
+    """
+
+    def __init__(self, num_blocks: int, fragmentation: float, rng: np.random.Generator,
+                 free_order: str = "tail") -> None:
+        if free_order not in FREE_ORDERS:
+            raise ValueError(f"free_order must be one of {FREE_ORDERS}, got {free_order!r}")
         self.num_blocks = num_blocks
+        self.free_order = free_order
         self._free: deque[int] = deque(fragmented_order(num_blocks, fragmentation, rng).tolist())
         self._used = 0
 
@@ -65,7 +81,12 @@ class BlockPool:
         return out
 
     def free(self, block_ids: list[int] | tuple[int, ...]) -> None:
-        self._free.extend(block_ids)
+        if self.free_order == "tail":
+            self._free.extend(block_ids)
+        elif self.free_order == "vllm-cached":
+            self._free.extend(reversed(block_ids))
+        else:  # reversed, then prepended as a run: the request's last block comes first
+            self._free.extendleft(block_ids)
         self._used -= len(block_ids)
         if self._used < 0:
             raise AssertionError("more blocks freed than allocated")

@@ -231,6 +231,7 @@ class DecodeEngine(_Loop):
         self.stall_s = 0.0
         self.stalled_steps = 0
         self.recomputed = 0
+        self.preempted = 0  #: requests preempted under memory pressure
         self.failed_transfers = 0
         self._queued = env.event()  #: fires when a request is queued (heartbeats)
         env.process(self._loop())
@@ -282,7 +283,6 @@ class DecodeEngine(_Loop):
     def _admit_new(self, req: SimRequest, stall: float) -> float:
         """Give a new request its blocks and start its transfer; return posting stall."""
         eng = self.eng
-        tid = req.transfer_id
         producer = req.prefill
         assert producer is not None
         if producer in self.transport.known_dead:
@@ -291,6 +291,18 @@ class DecodeEngine(_Loop):
             return 0.0
         req.dst_blocks = self.pool.allocate(blocks_for(req.input_len, eng.block_size))
         self.holding.append(req)
+        return self._start_transfer(req, stall)
+
+    def _start_transfer(self, req: SimRequest, stall: float) -> float:
+        tid, producer = req.transfer_id, req.prefill
+        assert producer is not None
+        if self.mode.is_pull and not self.transport.knows(self.engine_id, producer):
+            # A pull is planned against the producer's layout: handshake first (vLLM's
+            # _ensure_handshake); the read goes out in the step after it completes.
+            req.awaiting_handshake = True
+            self.transport.connect(self.engine_id, producer)
+            return 0.0
+        req.awaiting_handshake = False
         if self.mode is TransferMode.PUSH:
             self.transport.register(self.engine_id, tid, producer, req.dst_blocks, req.input_len,
                                     incarnation=req.incarnation)
@@ -301,35 +313,57 @@ class DecodeEngine(_Loop):
             inline_after=inline, incarnation=req.incarnation,
         )
 
-    def _schedule(self) -> float:
+    def connected(self, producer: str) -> None:
+        """A handshake finished: held pulls to ``producer`` start at the next step."""
+        self.poke()
+
+    def _schedule(self, *, admit_waiting: bool = True) -> float:
         eng = self.eng
         stall = 0.0
+        for req in self.holding:
+            if req.awaiting_handshake and self.transport.knows(self.engine_id, req.prefill or ""):
+                stall += self._start_transfer(req, stall)
         for req in list(self.holding):  # KV-holding requests first, as vLLM does
             if len(self.running) >= eng.max_num_seqs:
                 break
             if req.kv_ready and self._grow(req):
                 self.holding.remove(req)
                 self.running.append(req)
-        while self.waiting and len(self.running) < eng.max_num_seqs:
+        while admit_waiting and self.waiting and len(self.running) < eng.max_num_seqs:
             req = self.waiting[0]
-            total = blocks_for(req.input_len + req.output_len, eng.block_size)
-            need = total if req.local_prefill else blocks_for(req.input_len, eng.block_size)
-            if not self.pool.can_allocate(need):
+            off = eng.preemption == "off"  # reserve every output block up front
+            if req.local_prefill:
+                upto = req.input_len + req.output_len if off else req.prefill_target + 1
+            else:
+                upto = req.input_len
+            need = blocks_for(upto, eng.block_size)
+            full = blocks_for(req.input_len + req.output_len, eng.block_size) if off else need
+            if not self.pool.can_allocate(full):
                 break
+            if not req.local_prefill and full > need:
+                req.reserved = self.pool.allocate(full - need)
             self.waiting.popleft()
             if req.local_prefill:
-                req.dst_blocks = self.pool.allocate(total)
+                req.dst_blocks = self.pool.allocate(need)
                 req.prefilled = 0
                 self.running.append(req)
+            elif req.reissue:  # a new attempt of its transfer, into new blocks
+                req.reissue = False
+                req.dst_blocks = self.pool.allocate(need)
+                self.holding.append(req)
+                self.transport.reissue(self.engine_id, req.transfer_id, req.dst_blocks)
             else:
                 stall += self._admit_new(req, stall)
         return stall
 
     def _grow(self, req: SimRequest) -> bool:
-        """Blocks for the generated tokens, taken when the request starts running."""
-        extra = blocks_for(req.input_len + req.output_len, self.eng.block_size) - len(
-            req.dst_blocks
-        )
+        """Blocks for the generated tokens when the request starts running: all of them
+        without preemption, else those of its next token (more come one at a time)."""
+        if req.reserved:  # no preemption: taken at admission
+            req.dst_blocks += req.reserved
+            req.reserved = []
+        upto = req.input_len + (req.output_len if self.eng.preemption == "off" else 1)
+        extra = blocks_for(upto, self.eng.block_size) - len(req.dst_blocks)
         if extra <= 0:
             return True
         if not self.pool.can_allocate(extra):
@@ -337,16 +371,72 @@ class DecodeEngine(_Loop):
         req.dst_blocks += self.pool.allocate(extra)
         return True
 
+    def _make_room(self) -> bool:
+        """Give every running request the block its next token needs, preempting under
+        pressure as vLLM does (the newest running request first); True if it preempted
+        or waits for a preempted transfer's blocks."""
+        if self.eng.preemption == "off":
+            return False
+        if any(v.reissue for v in self.holding):
+            return True  # a preempted transfer's fence is pending: its blocks will come
+        bs = self.eng.block_size
+        preempted = False
+        for r in list(self.running):
+            if r not in self.running:
+                continue  # preempted for an earlier one
+            upto = r.prefill_target + 1 if r.local_prefill and r.prefilled < r.prefill_target \
+                else r.context + 1
+            need = blocks_for(upto, bs) - len(r.dst_blocks)
+            while need > 0 and not self.pool.can_allocate(need):
+                preempted = True
+                if not self._preempt_one(r):
+                    return True
+                if r not in self.running:
+                    break
+            if r in self.running and need > 0:
+                r.dst_blocks += self.pool.allocate(need)
+        return preempted
+
+    def _preempt_one(self, needy: SimRequest) -> bool:
+        """Free memory for ``needy``; False when nothing can be freed now."""
+        if self.eng.preemption == "reissue" and self.mode is TransferMode.PUSH:
+            for v in reversed(self.holding):
+                if not v.kv_ready and not v.awaiting_handshake and not v.reissue:
+                    v.reissue = True  # blocks come back after the fence (release_destination)
+                    v.preempted += 1
+                    self.preempted += 1
+                    self.transport.preempt(self.engine_id, v.transfer_id)
+                    return False  # this step waits for the fence
+        victim = self.running[-1]
+        self.running.remove(victim)
+        self.pool.free(victim.dst_blocks)
+        victim.dst_blocks = []
+        victim.preempted += 1
+        self.preempted += 1
+        # Its KV is gone and the producer has released the source: compute it again.
+        victim.local_prefill = True
+        victim.recomputed = True
+        victim.prefilled = 0
+        victim.recompute_len = victim.context
+        self.waiting.appendleft(victim)
+        return victim is not needy
+
     def _loop(self) -> Generator[Any, Any, None]:
         eng = self.eng
         while self.alive:
-            stall = self._schedule()
-            decodes = [r for r in self.running if not r.local_prefill or r.prefilled >= r.input_len]
+            # Running requests get their next token's block first (preempting under
+            # pressure); a step that preempted admits no waiting request (as vLLM).
+            preempted = self._make_room()
+            stall = self._schedule(admit_waiting=not preempted)
+            bs = eng.block_size
+            decodes = [r for r in self.running
+                       if (not r.local_prefill or r.prefilled >= r.prefill_target)
+                       and len(r.dst_blocks) * bs > r.context]
             budget = eng.max_num_batched_tokens - len(decodes)
             chunks: list[tuple[SimRequest, int]] = []
             for r in self.running:
-                if r.local_prefill and r.prefilled < r.input_len and budget > 0:
-                    n = min(r.input_len - r.prefilled, budget)
+                if r.local_prefill and r.prefilled < r.prefill_target and budget > 0:
+                    n = min(r.prefill_target - r.prefilled, budget)
                     chunks.append((r, n))
                     budget -= n
             if not decodes and not chunks:
@@ -371,8 +461,8 @@ class DecodeEngine(_Loop):
             now = self.env.now
             for r, n in chunks:
                 r.prefilled += n
-                if r.prefilled >= r.input_len:
-                    decodes.append(r)  # the prompt's last chunk yields the first token
+                if r.prefilled >= r.prefill_target:
+                    decodes.append(r)  # the prompt's last chunk yields the next token
             for r in decodes:
                 r.token_times.append(now)
                 if len(r.token_times) >= r.output_len:
@@ -389,8 +479,8 @@ class DecodeEngine(_Loop):
     def _complete(self, req: SimRequest, error: str = "") -> None:
         if req in self.running:
             self.running.remove(req)
-        self.pool.free(req.dst_blocks)
-        req.dst_blocks = []
+        self.pool.free(req.dst_blocks + req.reserved)
+        req.dst_blocks, req.reserved = [], []
         self._by_tid.pop(req.transfer_id, None)
         self.recorder.finish(req, error)
 
@@ -416,6 +506,9 @@ class DecodeEngine(_Loop):
     def _apply_policy(self, req: SimRequest, reason: str, policy: FailurePolicy) -> None:
         if req.dst_blocks:  # the protocol released them before reporting the failure
             raise AssertionError(f"{req.transfer_id}: blocks not released before failure")
+        if req.reserved:  # output blocks the engine held ahead
+            self.pool.free(req.reserved)
+            req.reserved = []
         if policy is FailurePolicy.RECOMPUTE:
             self.recomputed += 1
             req.local_prefill = True
@@ -435,6 +528,9 @@ class DecodeEngine(_Loop):
             raise AssertionError(f"{transfer_id}: released blocks differ from lent ones")
         self.pool.free(req.dst_blocks)
         req.dst_blocks = []
+        if req.reissue and req in self.holding:  # preempted: back in line for a new attempt
+            self.holding.remove(req)
+            self.waiting.appendleft(req)
         self.poke()  # freed blocks may admit a request that waits for room
 
     def kill(self) -> None:

@@ -64,6 +64,8 @@ INLINE_POSTS = ("after-forward", "before-forward")
 WIRE_MODELS = ("measured-points", "two-limits")
 SHARINGS = ("fair", "fifo")
 SKEWS = ("exponential", "fixed")
+ALLOCATORS = ("static", "history")
+PREEMPTIONS = ("recompute", "reissue", "off")
 MOONCAKE = (
     "CAL 'Hardware': Mooncake EFA WRITE on p5en by block size (64 KB 97 GB/s ... 2 MB 367)"
 )
@@ -75,6 +77,7 @@ UNUSED = {
         "decode_step_overhead_s": "prefill steps always prefill",
         "kv_read_efficiency": "prefill steps read no decode KV",
         "heartbeat_queued": "only decode renews leases",
+        "preemption": "prefill waits for free blocks instead",
     },
     "decode": {
         "prefix_hit_fraction": "decode runs with --no-enable-prefix-caching; a request "
@@ -185,10 +188,39 @@ class EngineProfile:
     )
     fragmentation: float = _f(
         0.05,
-        "probability that a block of a request is not physically next to the previous "
-        "one (a warmed-up allocator); drives the descriptor count",
+        "the free queue at the start of a run: probability that a block is not "
+        "physically next to the previous one (a warmed-up allocator; 0: a fresh server)",
         FIT + "; " + CAL_DESC,
     )
+    preemption: str = _f(
+        "recompute",
+        "decode memory pressure: 'recompute' -- blocks are taken one at a time as tokens "
+        "are generated; when none is free the newest running request is preempted, its "
+        "blocks freed, and it computes its prompt and tokens again (vLLM's default); "
+        "'reissue' -- first preempt the newest request whose push transfer is still in "
+        "flight (the core's preempt: fence, release, then a reissue registers a new "
+        "attempt), recompute only when there is none; 'off' -- every output block is "
+        "reserved when a request starts running (no preemption)",
+        "vLLM 0.32 v1/core/sched/scheduler.py (preempt the last running request, "
+        "recompute); pushkv.protocol Consumer.preempt / reissue",
+    )
+    allocator: str = _f(
+        "static",
+        "what freed blocks do to the free queue: 'static' -- appended in order, so the "
+        "starting shuffle (fragmentation) stays what it is; 'history' -- as vLLM frees "
+        "them (a request's blocks in reverse order; prefix-cached blocks to the tail, "
+        "uncached ones to the head, reused first), so descriptor counts follow from the "
+        "run's allocations",
+        "vLLM 0.32 v1/core/single_type_kv_cache_manager.py free(), block_pool.py "
+        "free_blocks() (LIFO reuse of non-cached blocks)",
+    )
+
+    @property
+    def free_order(self) -> str:
+        """Where the pool puts freed blocks (see :class:`~pushkv.sim.blocks.BlockPool`)."""
+        if self.allocator == "static":
+            return "tail"
+        return "vllm-cached" if self.prefix_hit_fraction > 0 else "vllm-uncached"
 
     def num_blocks(self, model: ModelProfile, gpu: GPUProfile) -> int:
         """KV blocks per rank: what is left of HBM after weights and activations."""
@@ -231,7 +263,7 @@ class NetworkProfile:
         CAL_DESC + ": fit of 118 desc = 460 us and 18,880 desc = 46 ms",
     )
     post_per_descriptor_s: float = _f(
-        3.2e-6,
+        2.7e-6,
         "cost per descriptor of preparing and posting, paid by the posting thread",
         FIT + ", inside " + CAL_DESC + " 2.4-3.9 us per descriptor",
     )
@@ -286,6 +318,42 @@ class NetworkProfile:
     )
 
 
+VLLM_STEPS = "CAL 'Control plane and contention' (connectors act at engine-step boundaries)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlProfile:
+    """The control plane: what a message and a first contact cost."""
+
+    message_send_s: float = _f(
+        30e-6,
+        "sender's time per control message (msgspec encode, ZMQ send, Python): held on "
+        "the interpreter lock of the sending engine's process",
+        ASSUMED + "; " + VLLM_STEPS + " (side-channel messages cost sender and receiver "
+        "time)",
+    )
+    message_recv_s: float = _f(
+        30e-6,
+        "receiver's time per control message or write notification (ZMQ or NIXL notif "
+        "receive, decode, the endpoint's Python): held on the receiving process's lock",
+        ASSUMED,
+    )
+    handshake_s: float = _f(
+        2.0,
+        "NIXL handshake between a new prefill/decode pair (metadata exchange, memory "
+        "registration of the peer): a transfer to a producer this decode engine has not "
+        "met waits for it (the core's Connect action)",
+        CAL_DESC + ": 'NIXL handshake between a new P/D pair: seconds (first contact only)'",
+    )
+    handshake_before_run: bool = _f(
+        True,
+        "every pair has met before the first measured request (vllm bench serve sends "
+        "one test prompt first); false: the run's first transfer to each producer pays "
+        "handshake_s",
+        "vLLM vllm/benchmarks/serve.py ('Starting initial single prompt test run')",
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Profile:
     """Everything that sets a duration in the model."""
@@ -302,6 +370,9 @@ class Profile:
     )
     network: NetworkProfile = field(
         default_factory=NetworkProfile, metadata={"help": "fabric and posting costs"}
+    )
+    control: ControlProfile = field(
+        default_factory=ControlProfile, metadata={"help": "control-plane costs"}
     )
 
     def validate(self) -> Profile:
@@ -341,6 +412,12 @@ class Profile:
             if e.block_size & (e.block_size - 1) or e.block_size > 1024:
                 raise ProfileError(f"{side}.block_size must be a power of two up to 1024 "
                                    f"(vLLM's attention kernels), got {e.block_size}")
+            if e.preemption not in PREEMPTIONS:
+                raise ProfileError(f"{side}.preemption must be one of {', '.join(PREEMPTIONS)}, "
+                                   f"got {e.preemption!r}")
+            if e.allocator not in ALLOCATORS:
+                raise ProfileError(f"{side}.allocator must be one of {', '.join(ALLOCATORS)}, "
+                                   f"got {e.allocator!r}")
             if e.inline_post not in INLINE_POSTS:
                 raise ProfileError(f"{side}.inline_post must be one of {', '.join(INLINE_POSTS)}, "
                                    f"got {e.inline_post!r}")
@@ -381,6 +458,10 @@ class Profile:
                 _positive(f"network.{name}", v)
         if any(b <= a for a, b in itertools.pairwise(sizes)):
             raise ProfileError("network.point_sizes_bytes must be strictly ascending")
+        c = self.control
+        for name in ("message_send_s", "message_recv_s", "handshake_s"):
+            if getattr(c, name) < 0:
+                raise ProfileError(f"control.{name} must be >= 0")
         for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "post_fixed_s",
                      "post_per_descriptor_s"):
             if getattr(n, name) < 0:
@@ -401,6 +482,7 @@ _SECTIONS = {
     "prefill": EngineProfile,
     "decode": EngineProfile,
     "network": NetworkProfile,
+    "control": ControlProfile,
 }
 
 

@@ -25,10 +25,15 @@ class SimRequest:
     decode: str | None = None  #: decode engine id
     # decode-side state
     dst_blocks: list[int] = field(default_factory=list)
+    reserved: list[int] = field(default_factory=list)  #: output blocks held ahead (no preemption)
     src_blocks: tuple[int, ...] = ()  #: published by prefill (pull)
     kv_ready: bool = False
+    awaiting_handshake: bool = False  #: pull: blocks allocated, the read waits for it
     local_prefill: bool = False  #: decode computes the prompt itself (recompute)
     prefilled: int = 0  #: prompt tokens computed on decode so far
+    recompute_len: int = 0  #: tokens a preempted request computes again (0: the prompt)
+    reissue: bool = False  #: its transfer was preempted: register again, a new attempt
+    preempted: int = 0  #: times this request was preempted on decode
     # timeline
     prefill_done_at: float | None = None
     kv_ready_at: float | None = None
@@ -48,6 +53,11 @@ class SimRequest:
     @property
     def arrival(self) -> float:
         return self.spec.arrival
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens decode computes itself before the next token (local prefill only)."""
+        return self.recompute_len or self.input_len
 
     @property
     def context(self) -> int:

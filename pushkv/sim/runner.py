@@ -99,14 +99,15 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
     for i in range(cfg.num_prefill):
         eid = f"prefill-{i}"
         pool = BlockPool(profile.prefill.num_blocks(m, gpu), profile.prefill.fragmentation,
-                         np.random.default_rng(pool_seeds[i]))
+                         np.random.default_rng(pool_seeds[i]), profile.prefill.free_order)
         eng = PrefillEngine(env, eid, profile, pool, transport, cfg.mode, on_done)
         transport.add_producer(_ranks(eid, profile, profile.prefill), eng)
         prefills.append(eng)
     for j in range(cfg.num_decode):
         eid = f"decode-{j}"
         pool = BlockPool(profile.decode.num_blocks(m, gpu), profile.decode.fragmentation,
-                         np.random.default_rng(pool_seeds[cfg.num_prefill + j]))
+                         np.random.default_rng(pool_seeds[cfg.num_prefill + j]),
+                         profile.decode.free_order)
         deng = DecodeEngine(env, eid, profile, pool, transport, cfg.mode, recorder)
         transport.add_consumer(_ranks(eid, profile, profile.decode), deng)
         decodes.append(deng)
@@ -218,6 +219,7 @@ def _extra(
         "post_per_descriptor_s": profile.network.post_per_descriptor_s,
         "policy": cfg.protocol.policy.value,
         "recomputed": sum(1 for r in reqs if r.recomputed),
+        "preempted": sum(d.preempted for d in decodes),
         "recomputed_ok": sum(1 for r in ok if r.recomputed),
         "transfer_failures": sum(d.failed_transfers for d in decodes),
         "rerouted": router.rerouted,

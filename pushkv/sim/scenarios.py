@@ -234,23 +234,149 @@ def xpyd() -> Scenario:
     return Scenario("xpyd", _doc(xpyd), HEAD_COLS, rows, _latency)
 
 
+def gil() -> Scenario:
+    """The price of a background poster: it holds its process's interpreter lock while it
+    posts (NIXL's postXferReq keeps the GIL), so pull-async's decode reader stalls the
+    decode loop almost as pull does, while push's writer, on prefill, costs decode
+    nothing. 8 QPS, 16k input; cells are TTFT / TPOT in ms."""
+    modes = ("pull", "pull-async", "push")
+    return Scenario(
+        "gil", _doc(gil), tuple(f"{m}: TTFT / TPOT (ms)" for m in modes),
+        tuple((f"lock held for {f:.0%} of the posting", tuple(
+            _point(m, 8, 16384, _with(network={"post_gil_fraction": f})) for m in modes))
+            for f in (1.0, 0.5, 0.0)),
+        _latency,
+    )
+
+
+def rank_skew() -> Scenario:
+    """TP rank skew: every rank's transfer takes (1 + X) times the representative's, X
+    exponential with the given mean; READY waits for the slowest of 8 ranks (H_8 = 2.7
+    times the mean late) and pull's inline posting step for its slowest poster."""
+    return Scenario(
+        "rank-skew", _doc(rank_skew), HEAD_COLS,
+        tuple(_headline_rows(f"mean skew {x:.0%}", _with(network={"rank_skew": x}))
+              for x in (0.0, 0.05, 0.1, 0.2)),
+        _latency,
+    )
+
+
+def _descriptors(res: dict[str, Any]) -> str:
+    return (f"{res['mean_ttft_ms']:,.0f} / {res['mean_tpot_ms']:.2f} / "
+            f"{res['pushkv']['descriptors_mean']:,.0f}")
+
+
+def allocator() -> Scenario:
+    """Descriptor counts from the pools' history: vLLM frees a request's blocks in reverse
+    order and reuses uncached (decode) blocks first, so a warm decode cache hands out
+    descending runs that merge with nothing. 8 QPS, 16k; cells are TTFT / TPOT (ms) /
+    descriptors per transfer and rank."""
+    cols = tuple(f"{m}: TTFT / TPOT / descriptors" for m in HEADLINE)
+    rows = []
+    for label, alloc, frag in (("static shuffle, fragmentation 0.05 (default)", "static", 0.05),
+                               ("history, fresh pools", "history", 0.0),
+                               ("history, warm pools (0.05)", "history", 0.05)):
+        prof = _with(prefill={"allocator": alloc, "fragmentation": frag},
+                     decode={"allocator": alloc, "fragmentation": frag})
+        rows.append((label, tuple(_point(m, 8, 16384, prof) for m in HEADLINE)))
+    return Scenario("allocator", _doc(allocator), cols, tuple(rows), _descriptors)
+
+
+def control() -> Scenario:
+    """The control plane's price: time per message on each end, and a handshake at first
+    contact (2 s) paid by the run's first transfer instead of a warm-up request. 1 QPS
+    and 8 QPS, 16k input; cells are TTFT / TPOT in ms."""
+    rows = []
+    for label, ctl in (("messages free, met before the run", {"message_send_s": 0.0,
+                                                               "message_recv_s": 0.0}),
+                       ("30 us per message and end (default)", {}),
+                       ("300 us per message and end", {"message_send_s": 3e-4,
+                                                      "message_recv_s": 3e-4}),
+                       ("first contact in the run (2 s handshake)",
+                        {"handshake_before_run": False})):
+        prof = _with(control=ctl) if ctl else DEFAULT
+        rows.append((label, tuple(_point(m, q, 16384, prof)
+                                  for q in (1, 8) for m in HEADLINE)))
+    cols = tuple(f"{m}, {q} QPS" for q in (1, 8) for m in HEADLINE)
+    return Scenario("control", _doc(control), cols, tuple(rows), _latency)
+
+
+def memory() -> Scenario:
+    """Decode memory pressure: a decode pool of 8 x 16k prompts' worth of blocks, so the
+    8 running requests' growth needs more than is free. Preempting the newest running
+    request (vLLM) recomputes it on decode; 'reissue' first preempts a push transfer
+    still in flight and registers it again. 8 QPS, 16k input; cells: outcomes."""
+    m, g, d = DEFAULT.model, DEFAULT.gpu, DEFAULT.decode
+    per_block = m.kv_bytes_per_token(d.tp) * d.block_size
+    blocks = 8 * 16384 // d.block_size + 16
+    reserve = g.memory_bytes * d.gpu_memory_utilization - m.weight_bytes_per_gpu(d.tp) - (
+        blocks + 0.5) * per_block
+    rows = tuple(
+        (f"preemption {p}", tuple(
+            _point(mode, 8, 16384, _with(decode={"preemption": p,
+                                                 "activation_reserve_bytes": reserve}))
+            for mode in HEADLINE))
+        for p in ("off", "recompute", "reissue"))
+    return Scenario("memory", _doc(memory), HEADLINE, rows, _preempted)
+
+
+def _preempted(res: dict[str, Any]) -> str:
+    e = res["pushkv"]
+    return (f"TTFT {res['mean_ttft_ms']:,.0f} / TPOT {res['mean_tpot_ms']:.2f}; "
+            f"{e['preempted']} preempted, {e['recomputed']} recomputed, "
+            f"{e['leaked_blocks']} leaked")
+
+
+def sharing() -> Scenario:
+    """Two prefill instances writing into one decode node share its NICs fairly (different
+    posters); one poster's transfers leave in order. 2P1D, 8 QPS, 16k; TTFT / TPOT."""
+    return Scenario(
+        "sharing", _doc(sharing), HEAD_COLS,
+        tuple((f"{s} sharing", tuple(_point(m, 8, 16384, _with(network={"sharing": s}),
+                                            num_prefill=2) for m in HEADLINE))
+              for s in ("fair", "fifo")),
+        _latency,
+    )
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "prefix-hit": prefix_hit, "fragmentation": fragmentation, "post-cost": post_cost,
     "rate-coupling": rate_coupling, "decode-slots": decode_slots,
     "num-prompts": num_prompts, "modes": modes, "router": router, "faults": faults,
-    "xpyd": xpyd,
+    "xpyd": xpyd, "gil": gil, "rank-skew": rank_skew, "allocator": allocator,
+    "control": control, "memory": memory, "sharing": sharing,
 }
 
 
-def run_scenario(s: Scenario, jobs: int = 1) -> str:
-    """Run every config of ``s`` and return its markdown table."""
-    flat = [c for _, cfgs in s.rows for c in cfgs]
+def mean_result(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The numeric fields of several runs' results (top level and ``pushkv``), averaged;
+    counts that come out whole stay integers."""
+    def avg(vals: list[Any]) -> Any:
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals):
+            return vals[0]
+        m = sum(vals) / len(vals)
+        if all(isinstance(v, int) for v in vals):
+            return int(m) if m == int(m) else round(m, 1)
+        return m
+
+    first = results[0]
+    out = {k: avg([r[k] for r in results]) for k in first if k != "pushkv"}
+    out["pushkv"] = {k: avg([r["pushkv"][k] for r in results]) for k in first["pushkv"]}
+    return out
+
+
+def run_scenario(s: Scenario, jobs: int = 1, seeds: int = 1) -> str:
+    """Run every config of ``s`` (each over ``seeds`` iterations, averaged) and return
+    its markdown table."""
+    flat = [dataclasses.replace(c, iteration=i) for _, cfgs in s.rows for c in cfgs
+            for i in range(seeds)]
     if jobs > 1:
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
             texts = [p.text for p in pool.map(run_point, flat)]
     else:
         texts = [run_point(c).text for c in flat]
-    results = iter(json.loads(t) for t in texts)
+    loaded = [json.loads(t) for t in texts]
+    results = iter(mean_result(loaded[i:i + seeds]) for i in range(0, len(loaded), seeds))
     lines = ["| | " + " | ".join(s.columns) + " |", "|---" * (len(s.columns) + 1) + "|"]
     for label, cfgs in s.rows:
         lines.append(f"| {label} | " + " | ".join(s.cell(next(results)) for _ in cfgs) + " |")
@@ -266,6 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile-table", action="store_true",
                    help="print the default profile's parameters with their sources")
     p.add_argument("--jobs", type=int, default=default_jobs(), help="worker processes")
+    p.add_argument("--seeds", type=int, default=5,
+                   help="iterations per cell; cells show their means (default 5)")
     args = p.parse_args(argv)
     names = list(SCENARIOS) if args.all else args.names
     if args.profile_table:
@@ -279,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"unknown scenario {unknown[0]!r} (choose from {', '.join(SCENARIOS)})")
     for name in names:
         s = SCENARIOS[name]()
-        print(f"### {name}\n\n{s.doc}\n\n{run_scenario(s, args.jobs)}\n")
+        print(f"### {name}\n\n{s.doc}\n\n{run_scenario(s, args.jobs, args.seeds)}\n")
     return 0
 
 

@@ -39,6 +39,7 @@ import simpy
 
 from ..protocol import (
     Action,
+    Connect,
     Consumer,
     FailurePolicy,
     Heartbeat,
@@ -81,6 +82,7 @@ class ConsumerHost(Protocol):
     def transfer_failed(self, transfer_id: str, reason: str, policy: FailurePolicy) -> None: ...
     def transfer_cancelled(self, transfer_id: str) -> None: ...
     def release_destination(self, transfer_id: str, block_ids: tuple[int, ...]) -> None: ...
+    def connected(self, producer: str) -> None: ...
 
 
 class SimTransport:
@@ -112,7 +114,12 @@ class SimTransport:
         self._reader: dict[str, simpy.Resource] = {}  # decode background thread (pull-async)
         #: each engine process's interpreter lock: its loop and its posting thread share it
         self.gil: dict[str, simpy.Resource] = {}
+        self._loop_holds_until: defaultdict[str, float] = defaultdict(float)
         self.gil_wait_s: defaultdict[str, float] = defaultdict(float)
+        self._connecting: set[tuple[str, str]] = set()
+        ctl = profile.control
+        self._gil_contended = bool(profile.network.post_gil_fraction > 0
+                                   or ctl.message_send_s > 0 or ctl.message_recv_s > 0)
         self.alive: set[str] = set()
         self.known_dead: set[str] = set()  #: deaths already reported to the endpoints
         self.death_listeners: list[Callable[[str], None]] = []
@@ -147,14 +154,48 @@ class SimTransport:
         self._armed[eid] = set()
 
     def handshake(self) -> None:
-        """Every producer meets every consumer (the NIXL handshake, before the run)."""
+        """Every producer meets every consumer (the NIXL handshake, before the run), unless
+        ``control.handshake_before_run`` is off: then a consumer's first transfer to a
+        producer emits the core's ``Connect`` and waits ``control.handshake_s``."""
         for p in self.producers.values():
             for c in self.consumers.values():
-                p.add_peer(c.info)
-                c.add_peer(p.info)
                 writers = expected_writers(p.info.engine, c.info.engine, c.info.rank)
                 if writers != {p.info.rank}:  # pragma: no cover - guarded by SimConfig
                     raise AssertionError(f"rank {c.info.rank} expects writers {set(writers)}")
+                if self.profile.control.handshake_before_run:
+                    p.add_peer(c.info)
+                    c.add_peer(p.info)
+
+    def knows(self, decode: str, producer: str) -> bool:
+        """Whether ``decode`` has handshaken with ``producer`` (pull plans need it)."""
+        return self.consumers[decode].knows(producer)
+
+    def connect(self, decode: str, producer: str) -> None:
+        """Pull: handshake before the read can be planned (vLLM's ``_ensure_handshake``);
+        the decode engine is poked when it is done."""
+        if (decode, producer) not in self._connecting:
+            self._connect(decode, producer)
+
+    def _connect(self, decode: str, producer: str) -> None:
+        """The NIXL handshake of ``decode`` with ``producer``'s ranks, then ``add_peer``."""
+        self._connecting.add((decode, producer))
+        self.stats["handshakes"] += 1
+
+        def done(_: Any) -> None:
+            self._connecting.discard((decode, producer))
+            if decode not in self.alive:
+                return
+            c = self.consumers[decode]
+            if producer not in self.alive:
+                self._apply(decode, c.handshake_failed(producer, "producer is down",
+                                                       self.env.now))
+                return
+            p = self.producers[producer]
+            self._apply(producer, p.add_peer(c.info, now=self.env.now))
+            self._apply(decode, c.add_peer(p.info, now=self.env.now))
+            self._consumer_hosts[decode].connected(producer)
+
+        self.env.timeout(self.profile.control.handshake_s).callbacks.append(done)
 
     # ------------------------------------------------------ calls from engines
 
@@ -166,6 +207,17 @@ class SimTransport:
         c = self.consumers[decode]
         self._apply(decode, c.register(transfer_id, producer, block_ids, num_tokens,
                                        self.env.now, incarnation=incarnation))
+
+    def preempt(self, decode: str, transfer_id: str) -> None:
+        """Decode preempted a request whose transfer is in flight: fence, then release."""
+        self.stats["preempted_transfers"] += 1
+        self._apply(decode, self.consumers[decode].preempt(transfer_id, self.env.now))
+
+    def reissue(self, decode: str, transfer_id: str, block_ids: Sequence[int]) -> None:
+        """A preempted transfer registers again into new blocks: a new attempt."""
+        self.stats["reissued"] += 1
+        self._apply(decode, self.consumers[decode].reissue(transfer_id, block_ids,
+                                                           self.env.now))
 
     def start_pull(
         self, decode: str, transfer_id: str, producer: str, src_ids: Sequence[int],
@@ -209,7 +261,8 @@ class SimTransport:
             msg = Heartbeat(engine_id=c.engine_id, rank=c.rank, transfers=tuple(
                 (tid, 0, inc) for tid, inc in transfers[i:i + MAX_HEARTBEAT_ITEMS]))
             self.stats["sent_queued_Heartbeat"] += 1
-            self._deliver_later(peer, encode(msg), self.profile.network.control_latency_s)
+            self._deliver_later(peer, encode(msg), self.profile.network.control_latency_s,
+                                src=decode)
 
     def prefill_aborted(self, prefill: str, transfer_id: str) -> None:
         self._apply(prefill, self.producers[prefill].prefill_aborted(transfer_id, self.env.now))
@@ -231,9 +284,7 @@ class SimTransport:
         lock for ``post_gil_fraction`` of them (NIXL's postXferReq keeps the GIL)."""
         held = cost * self.profile.network.post_gil_fraction
         if held > 0:
-            with self.gil[eid].request() as lock:
-                yield lock
-                yield self.env.timeout(held)
+            yield from self._hold_gil(eid, held)
         if cost > held:
             yield self.env.timeout(cost - held)
 
@@ -242,14 +293,16 @@ class SimTransport:
         lock: it waits while a posting thread of the same process holds it. Returns the
         seconds the step took."""
         start = self.env.now
-        if python_s > 0 and self.profile.network.post_gil_fraction > 0:
-            with self.gil[eid].request() as lock:
-                yield lock
+        lock = self.gil[eid]
+        if python_s > 0 and self._gil_contended and (lock.count or lock.queue):
+            with lock.request() as req:
+                yield req
                 self.gil_wait_s[eid] += self.env.now - start
                 yield self.env.timeout(min(python_s, dt))
             if dt > python_s:
                 yield self.env.timeout(dt - python_s)
-        else:
+        else:  # the lock is free: hold it for python_s without queueing (the fast path)
+            self._loop_holds_until[eid] = start + min(python_s, dt)
             yield self.env.timeout(dt)
         return self.env.now - start
 
@@ -283,6 +336,8 @@ class SimTransport:
         for a in actions:
             if isinstance(a, SendMessage):
                 self._send(eid, a.peer, a)
+            elif isinstance(a, Connect):
+                self._connect(eid, a.engine_id)
             elif isinstance(a, IssueWrite):
                 self.descriptors.append(a.plan.descriptor_count)
                 self._spawn(self._write(eid, a))
@@ -339,24 +394,55 @@ class SimTransport:
         if isinstance(msg, Register) and self._lose(self.faults.drop_register):
             self.stats["lost_Register"] += 1
             return
-        self._deliver_later(peer, encode(msg), self.profile.network.control_latency_s)
+        self._deliver_later(peer, encode(msg), self.profile.network.control_latency_s, src=src)
 
     def _lose(self, p: float) -> bool:
         return p > 0 and self._rng.random() < p
 
-    def _deliver_later(self, peer: Peer, frame: bytes, delay: float) -> None:
-        self.inflight += 1
+    def _deliver_later(
+        self, peer: Peer, frame: bytes, delay: float, *, src: str | None = None
+    ) -> None:
+        """``frame`` reaches ``peer``'s endpoint after the sender's time (``src``; none for
+        a notification riding on a write), ``delay`` in flight and the receiver's time;
+        both hold their process's interpreter lock."""
+        ctl = self.profile.control
+        send = ctl.message_send_s if src is not None else 0.0
+        if send == 0 and ctl.message_recv_s == 0:
+            self.inflight += 1
 
-        def deliver(_: Any) -> None:
-            self.inflight -= 1
-            eid = peer.engine_id
-            if eid not in self.alive:
-                self.stats["frames_to_dead"] += 1
-                return
-            ep = self.producers.get(eid) or self.consumers[eid]
-            self._apply(eid, ep.receive_bytes(frame, self.env.now))
+            def deliver(_: Any) -> None:
+                self.inflight -= 1
+                self._receive(peer.engine_id, frame)
 
-        self.env.timeout(delay).callbacks.append(deliver)
+            self.env.timeout(delay).callbacks.append(deliver)
+            return
+
+        def carry() -> Generator[Any, Any, None]:
+            if send > 0 and src is not None and src in self.alive:
+                yield from self._hold_gil(src, send)
+            yield self.env.timeout(delay)
+            if ctl.message_recv_s > 0 and peer.engine_id in self.alive:
+                yield from self._hold_gil(peer.engine_id, ctl.message_recv_s)
+            self._receive(peer.engine_id, frame)
+
+        self._spawn(carry())
+
+    def _receive(self, eid: str, frame: bytes) -> None:
+        if eid not in self.alive:
+            self.stats["frames_to_dead"] += 1
+            return
+        ep = self.producers.get(eid) or self.consumers[eid]
+        self._apply(eid, ep.receive_bytes(frame, self.env.now))
+
+    def _hold_gil(self, eid: str, seconds: float) -> Generator[Any, Any, None]:
+        """A posting or message thread holds ``eid``'s interpreter lock for ``seconds``,
+        after the engine loop's current hold, if any."""
+        wait = self._loop_holds_until[eid] - self.env.now
+        if wait > 0:
+            yield self.env.timeout(wait)
+        with self.gil[eid].request() as lock:
+            yield lock
+            yield self.env.timeout(seconds)
 
     def _write(self, eid: str, a: IssueWrite) -> Generator[Any, Any, None]:
         """The prefill background thread posts while the fabric moves; the consumer is told."""

@@ -54,8 +54,11 @@ def test_every_request_ends_once_and_nothing_leaks(mode: str) -> None:
 
 
 def _single(mode: str, input_len: int, output_len: int):
+    """One request; control messages free (their price has its own closed form in
+    test_sim_mechanisms.py)."""
+    free = with_profile(control={"message_send_s": 0.0, "message_recv_s": 0.0})
     return run(config(mode, qps=1.0, input_len=input_len, output_len=output_len,
-                      num_prompts=1), keep_objects=True)
+                      num_prompts=1, profile=free), keep_objects=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -165,7 +168,9 @@ def test_a_sequential_router_costs_push_its_gain_only_where_the_gain_is_small() 
     """At low load push's small edge is the overlap a sequential router removes; under
     load the edge is the stall-free decode loop, which the router does not touch."""
     low = {m: _point(m, 1, 4096)["mean_ttft_ms"] for m in ("pull", "push", "push-seq")}
-    assert low["push"] < low["push-seq"] <= low["pull"] * 1.01
+    # push-seq is back at pull's TTFT (its registration's round trip, a message on each
+    # end and a wait for the write, can put it a little above).
+    assert low["push"] < low["push-seq"] <= low["pull"] * 1.03
     high = {m: _point(m, 8, 16384)["mean_ttft_ms"] for m in ("pull", "push", "push-seq")}
     kept = (high["pull"] - high["push-seq"]) / (high["pull"] - high["push"])
     assert kept > 0.9

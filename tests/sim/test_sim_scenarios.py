@@ -35,3 +35,17 @@ def test_unknown_scenario_is_refused(capsys: pytest.CaptureFixture[str]) -> None
         main(["nonsense"])
     assert info.value.code == 2
     assert "unknown scenario" in capsys.readouterr().err
+
+
+def test_cells_are_means_over_seeds() -> None:
+    from pushkv.sim import run
+    from pushkv.sim.scenarios import mean_result
+
+    cfg = config("push", num_prompts=4)
+    a, b = (run(cfg.__class__(**{**cfg.__dict__, "iteration": i})).result for i in (0, 1))
+    m = mean_result([a, b])
+    assert m["mean_ttft_ms"] == (a["mean_ttft_ms"] + b["mean_ttft_ms"]) / 2
+    assert m["completed"] == 4 and m["pushkv"]["leaked_blocks"] == 0
+    s = Scenario("tiny", "One row, two seeds.", ("push",), (("2 QPS", (cfg,)),),
+                 lambda res: f"{res['mean_ttft_ms']:.6f}")
+    assert run_scenario(s, seeds=2).splitlines()[-1] == f"| 2 QPS | {m['mean_ttft_ms']:.6f} |"
