@@ -1,4 +1,7 @@
-"""Timeouts and bounds of the endpoints, with the defaults vLLM uses."""
+"""Timeouts and bounds of the endpoints, with the defaults vLLM uses.
+
+The one definition of every protocol timeout and table bound: the simulator,
+the transports and the vLLM connector take their defaults from these fields."""
 
 from __future__ import annotations
 
@@ -62,13 +65,18 @@ class ConsumerConfig:
         default=5.0,
         metadata={"help": "heartbeat period renewing producer leases (vLLM: lease/6)"},
     )
+    handshake_timeout_s: float = field(
+        default=10.0,
+        metadata={"help": "transfers waiting for a producer engine's handshake fail "
+                  "(HANDSHAKE_FAILED) when it has not completed within this"},
+    )
     policy: FailurePolicy = field(
         default=FailurePolicy.FAIL,
         metadata={"help": "what a failed transfer means for the request"},
     )
 
     def __post_init__(self) -> None:
-        for name in ("window_s", "fence_grace_s", "heartbeat_s"):
+        for name in ("window_s", "fence_grace_s", "heartbeat_s", "handshake_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not isinstance(self.policy, FailurePolicy):

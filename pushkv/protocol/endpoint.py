@@ -3,10 +3,11 @@ message dispatch, the handshake, a timer heap and counters."""
 
 from __future__ import annotations
 
+import enum
 import heapq
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
 from .errors import ConfigError, DecodeError, RemoteProtocolError, ValidationError
 from .events import Action, Peer, Rejected, sender_of
@@ -14,6 +15,18 @@ from .layout import RankInfo
 from .messages import Hello, Message, decode
 
 Handler = Callable[[Any, float], list[Action]]
+
+
+class Step(NamedTuple):
+    """One table transition an endpoint made (recorded when ``trace`` is a list)."""
+
+    key: tuple[str, int]  #: (transfer id, incarnation)
+    peer: Peer | None  #: the producer leg's consumer rank; None on a consumer
+    state: enum.Enum
+    input: enum.Enum
+    effect: enum.Enum
+    next: enum.Enum
+    actions: tuple[Action, ...]  #: what the effect itself emitted
 
 
 class Endpoint:
@@ -27,11 +40,16 @@ class Endpoint:
         self.info = info
         self.peer = Peer(info.engine_id, info.rank)
         self.stats: Counter[str] = Counter()
-        self._timers: list[tuple[float, int, str]] = []  # (when, seq, transfer id), lazy
+        self._timers: list[tuple[float, int, Hashable]] = []  # (when, seq, key), lazy
         self._seq = 0
+        self._now = float("-inf")  # the latest time any call brought
+        #: Set to a list to record every table transition (tests, debugging).
+        self.trace: list[Step] | None = None
         self._handlers: dict[type, Handler] = {Hello: self._on_hello}
 
-    def add_peer(self, info: RankInfo) -> None:  # pragma: no cover - overridden
+    def add_peer(
+        self, info: RankInfo, *, now: float | None = None
+    ) -> list[Action]:  # pragma: no cover - overridden
         raise NotImplementedError
 
     # ------------------------------------------------------------- peer input
@@ -61,10 +79,9 @@ class Endpoint:
 
     def _on_hello(self, msg: Hello, now: float) -> list[Action]:
         try:
-            self.add_peer(msg.info)
+            return self.add_peer(msg.info, now=now)
         except ConfigError as exc:
             raise ValidationError(f"handshake refused: {exc.message}") from exc
-        return []
 
     # ----------------------------------------------------------------- timers
 
@@ -75,21 +92,23 @@ class Endpoint:
     def handle_timer(self, now: float) -> list[Action]:
         return self._run_timers(now)
 
-    def _schedule(self, when: float, transfer_id: str) -> None:
+    def _schedule(self, when: float, key: Hashable) -> None:
         if when != float("inf"):
             self._seq += 1
-            heapq.heappush(self._timers, (when, self._seq, transfer_id))
+            heapq.heappush(self._timers, (when, self._seq, key))
 
     def _run_timers(self, now: float) -> list[Action]:
         # Take what is due first: a timer armed while expiring runs on the next call,
         # so a mistake that re-arms in the past can never spin inside one call.
+        if now > self._now:
+            self._now = now
         due = []
         while self._timers and self._timers[0][0] <= now:
             due.append(heapq.heappop(self._timers)[2])
         out: list[Action] = []
-        for transfer_id in due:
-            out += self._expire(transfer_id, now)
+        for key in due:
+            out += self._expire(key, now)
         return out
 
-    def _expire(self, transfer_id: str, now: float) -> list[Action]:  # pragma: no cover
+    def _expire(self, key: Any, now: float) -> list[Action]:  # pragma: no cover
         raise NotImplementedError

@@ -68,6 +68,7 @@ class IssueWrite:
     peer: Peer
     plan: TransferPlan
     notify: Notify
+    incarnation: int = 0  #: which use of the transfer id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +80,7 @@ class IssueRead:
     attempt: int
     peer: Peer
     plan: TransferPlan
+    incarnation: int = 0  #: which use of the transfer id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +90,7 @@ class Publish:
     transfer_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    incarnation: int = 0  #: which use of the transfer id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,6 +99,7 @@ class ReleaseSource:
 
     transfer_id: str
     block_ids: tuple[int, ...]
+    incarnation: int = 0  #: which use of the transfer id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +109,7 @@ class ReleaseDestination:
     transfer_id: str
     attempt: int
     block_ids: tuple[int, ...]
+    incarnation: int = 0  #: which use of the transfer id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,6 +118,7 @@ class TransferReady:
 
     transfer_id: str
     attempt: int
+    incarnation: int = 0  #: which use of the transfer id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,6 +130,7 @@ class TransferFailed:
     reason: str  #: for people: what happened
     policy: FailurePolicy
     code: FailReason = FailReason.WRITE_FAILED  #: for programs: why, to count by cause
+    incarnation: int = 0  #: which use of the transfer id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,6 +139,16 @@ class TransferCancelled:
 
     transfer_id: str
     attempt: int
+    incarnation: int = 0  #: which use of the transfer id
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Connect:
+    """Consumer: registrations wait for producer engine ``engine_id``; handshake
+    with its ranks, then call ``add_peer`` for each (or ``handshake_failed``).
+    Emitted once per engine until it is usable or has failed."""
+
+    engine_id: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,5 +169,6 @@ Action = (
     | TransferReady
     | TransferFailed
     | TransferCancelled
+    | Connect
     | Rejected
 )

@@ -8,8 +8,11 @@ MessagePack, names an unknown tag, or carries an out-of-range field raises
 :class:`~pushkv.protocol.errors.DecodeError` -- and nothing else.
 
 Identities carried by every per-transfer message: ``transfer_id`` (chosen by
-the router, shared by both legs), ``attempt`` (the consumer's epoch for that
-transfer) and the sender's ``engine_id`` + global ``rank``.
+the router, shared by both legs), ``incarnation`` (which use of that id: a
+nonce drawn by whoever created the transfer, the same on every rank; 0 when
+none was given), ``attempt`` (the consumer's epoch for that transfer) and the
+sender's ``engine_id`` + global ``rank``. ``(transfer_id, incarnation)`` names
+one transfer: messages of another incarnation never touch it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from .errors import DecodeError
 from .layout import MAX_ID_LEN, MAX_RANKS, RankInfo
 
 MAGIC: Final = b"PK"
-VERSION: Final = 1
+VERSION: Final = 2
 #: Largest frame accepted (bytes). A 1M-token request at block size 16 is 64k ids.
 MAX_FRAME: Final = 4 << 20
 MAX_BLOCK_IDS: Final = 1 << 19
@@ -33,6 +36,7 @@ MAX_TOKENS: Final = 1 << 31
 TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 Attempt = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+Incarnation = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS * MAX_RANKS)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
@@ -50,6 +54,8 @@ class FailReason(enum.IntEnum):
     INVALID = 6  #: the registration was rejected (see detail)
     PEER_DIED = 7  #: the transport lost the peer
     READ_FAILED = 8  #: pull: the consumer's own read failed (never on the wire)
+    HANDSHAKE_FAILED = 9  #: the producer engine could not be reached (never on the wire)
+    LEASE_EXPIRED = 10  #: the source's lease ended before this attempt could be written
 
     def __repr__(self) -> str:  # valid Python, so failing examples replay
         return f"FailReason.{self.name}"
@@ -74,6 +80,7 @@ class Register(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=2
     first_token: Tokens = 0
     #: The producer must not *start* the write later than this after receipt.
     window_ms: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)] = 480_000
+    incarnation: Incarnation = 0
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=3):
@@ -89,6 +96,7 @@ class Cancel(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=3):
     engine_id: EngineId
     rank: Rank
     final: bool = True
+    incarnation: Incarnation = 0
 
 
 class CancelAck(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=4):
@@ -98,6 +106,7 @@ class CancelAck(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=
     attempt: Attempt
     engine_id: EngineId
     rank: Rank
+    incarnation: Incarnation = 0
 
 
 class Fail(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=5):
@@ -109,15 +118,19 @@ class Fail(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=5):
     rank: Rank
     reason: FailReason
     detail: Detail = ""
+    incarnation: Incarnation = 0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=6):
-    """Consumer -> producer: these transfers are alive; renew their leases."""
+    """Consumer -> producer: these transfers are alive; renew their leases.
+
+    Items are ``(transfer_id, attempt, incarnation)``."""
 
     engine_id: EngineId
     rank: Rank
     transfers: Annotated[
-        tuple[tuple[TransferId, Attempt], ...], msgspec.Meta(max_length=MAX_HEARTBEAT_ITEMS)
+        tuple[tuple[TransferId, Attempt, Incarnation], ...],
+        msgspec.Meta(max_length=MAX_HEARTBEAT_ITEMS),
     ]
 
 
@@ -128,6 +141,7 @@ class Notify(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=7):
     attempt: Attempt
     engine_id: EngineId
     rank: Rank
+    incarnation: Incarnation = 0
 
 
 class ReadDone(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=8):
@@ -138,9 +152,22 @@ class ReadDone(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=8
     engine_id: EngineId
     rank: Rank
     producer_engine_id: EngineId
+    incarnation: Incarnation = 0
 
 
-Message = Hello | Register | Cancel | CancelAck | Fail | Heartbeat | Notify | ReadDone
+class Skip(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=9):
+    """Consumer rank -> a producer rank that writes nothing into the consumer
+    engine for this transfer (replicated heads, MLA, producer TP above consumer
+    TP): nothing will be asked of you, release the source. Not answered."""
+
+    transfer_id: TransferId
+    engine_id: EngineId
+    rank: Rank
+    producer_engine_id: EngineId
+    incarnation: Incarnation = 0
+
+
+Message = Hello | Register | Cancel | CancelAck | Fail | Heartbeat | Notify | ReadDone | Skip
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -8,14 +8,12 @@ clock -- into actions for its driver. The transitions live in :mod:`.states`.
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy.typing as npt
 
 from .config import ProducerConfig
-from .endpoint import Endpoint
+from .endpoint import Endpoint, Step
 from .errors import (
     ConfigError,
     LocalProtocolError,
@@ -42,15 +40,25 @@ from .messages import (
     Notify,
     ReadDone,
     Register,
+    Skip,
 )
 from .planner import block_tuple, plan_transfer
+from .producer_messages import on_cancel, on_heartbeat, on_read_done, on_register, on_skip
+from .records import Key
+from .records import Leg as _Leg
+from .records import Registration as _Registration
+from .records import Source as _Transfer
 from .states import (
     PRODUCER_TABLE,
     PRODUCER_TERMINAL,
     PRODUCER_WRITING,
+    SOURCE_TABLE,
     ProducerEffect,
     ProducerInput,
     ProducerState,
+    SourceEffect,
+    SourceInput,
+    SourceState,
     producer_step,
 )
 
@@ -61,55 +69,11 @@ _REASON = {
     PI.DEADLINE: FailReason.DEADLINE,
     PI.KV_ABORTED: FailReason.PREFILL_ABORTED,
     PI.WRITE_ERROR: FailReason.WRITE_FAILED,
+    PI.LEASE_EXPIRED: FailReason.LEASE_EXPIRED,
+    PI.SOURCE_GONE: FailReason.SOURCE_RELEASED,
 }
-
-
-class Kv(enum.Enum):
-    """Where a transfer's source KV stands on this rank."""
-
-    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
-
-
-    PENDING = "pending"  #: prefill not finished
-    HELD = "held"  #: blocks held for the transfer
-    RELEASED = "released"  #: ReleaseSource emitted
-    ABORTED = "aborted"  #: prefill aborted before finishing
-
-
-@dataclass(slots=True)
-class _Registration:
-    attempt: int
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    first_token: int
-    deadline: float
-
-
-@dataclass(slots=True)
-class _Leg:
-    peer: Peer
-    state: ProducerState
-    attempt: int = -1  # newest attempt seen on this leg
-    reg: _Registration | None = None
-    stash: _Registration | None = None
-    writing: int | None = None  # attempt of the write in flight
-
-
-@dataclass(slots=True)
-class _Transfer:
-    transfer_id: str
-    mode: Mode = Mode.PUSH
-    kv: Kv = Kv.PENDING
-    src_ids: tuple[int, ...] = ()
-    num_tokens: int = 0
-    lease: float = float("inf")
-    lease_armed: float = float("inf")  # when the scheduled lease timer fires
-    orphan: float = float("inf")  # while KV is pending: forget after this
-    legs: dict[Peer, _Leg] = field(default_factory=dict)
-    consumer_engine: str | None = None
-    final: bool = False
-    expired: bool = False
-    aborted: bool = False
+Kv = SourceState
+SI, SE = SourceInput, SourceEffect
 
 
 class Producer(Endpoint):
@@ -120,20 +84,27 @@ class Producer(Endpoint):
     def __init__(self, info: RankInfo, config: ProducerConfig | None = None) -> None:
         super().__init__(info)
         self.config = config or ProducerConfig()
-        self._handlers.update({Register: self._on_register, Cancel: self._on_cancel,
-                               Heartbeat: self._on_heartbeat, ReadDone: self._on_read_done})
+        self._handlers.update({
+            Register: lambda m, now: on_register(self, m, now),
+            Cancel: lambda m, now: on_cancel(self, m, now),
+            Heartbeat: lambda m, now: on_heartbeat(self, m, now),
+            ReadDone: lambda m, now: on_read_done(self, m, now),
+            Skip: lambda m, now: on_skip(self, m, now),
+        })
         self._peers: dict[Peer, RankInfo] = {}
         self._targets: dict[str, tuple[Peer, ...]] = {}  # consumer engine -> legs to write
         self._target_set: set[Peer] = set()
         self._assigned: dict[Peer, Assignment] = {}  # what this rank writes into each
-        self._transfers: dict[str, _Transfer] = {}
-        self._tombstones: OrderedDict[str, tuple[int, Kv, bool]] = OrderedDict()
+        self._transfers: dict[Key, _Transfer] = {}
+        # Forgotten transfers, per incarnation, with their legs in GONE: late
+        # messages are answered by the same table rows as live ones.
+        self._tombstones: OrderedDict[Key, _Transfer] = OrderedDict()
         self._pending_regs = 0  # legs in REGISTERED
         self._orphans = 0  # transfers created by a peer, prefill not finished
 
     # ------------------------------------------------------------------ peers
 
-    def add_peer(self, info: RankInfo) -> None:
+    def add_peer(self, info: RankInfo, *, now: float | None = None) -> list[Action]:
         """Accept a consumer rank's handshake. Raises ConfigError if incompatible."""
         info.validate()
         expected_writers(self.info.engine, info.engine, info.rank)  # compatibility
@@ -153,6 +124,7 @@ class Producer(Endpoint):
         )
         self._target_set.update(targets)
         self._assigned.update(zip(targets, assigned, strict=True))
+        return []
 
     def peer_died(self, engine_id: str, now: float) -> list[Action]:
         """The transport lost ``engine_id``: its legs end, its writes fence themselves."""
@@ -177,138 +149,10 @@ class Producer(Endpoint):
             raise ValidationError(f"no handshake with {engine_id!r} rank {rank}")
         return info
 
-    def _on_register(self, msg: Register, now: float) -> list[Action]:
-        peer = Peer(msg.engine_id, msg.rank)
-        info = self._known(msg.engine_id, msg.rank)
-
-        def invalid(why: str) -> ValidationError:
-            return ValidationError(why, transfer_id=msg.transfer_id, attempt=msg.attempt)
-
-        if msg.producer_engine_id != self.info.engine_id:
-            raise invalid("registration addressed to another engine")
-        if peer not in self._target_set:
-            raise invalid(f"rank {self.peer.rank} does not write into {peer}")
-        lo = info.layout
-        ids = msg.block_ids  # each >= 0, checked by the decoder
-        if ids and max(ids) >= lo.num_blocks:
-            raise invalid(f"block id {max(ids)} outside the {lo.num_blocks} registered blocks")
-        if len(ids) * lo.block_size < msg.num_tokens or msg.first_token > msg.num_tokens:
-            raise invalid(
-                f"{len(ids)} blocks of {lo.block_size} tokens cannot hold tokens "
-                f"[{msg.first_token}, {msg.num_tokens})"
-            )
-        t = self._transfers.get(msg.transfer_id)
-        if t is None:
-            tomb = self._tombstones.get(msg.transfer_id)
-            if tomb is not None:
-                return self._answer_tombstone(msg, peer, tomb)
-            # The registration's own deadline bounds this entry, so no orphan timer.
-            t = self._new_orphan(msg.transfer_id, now, arm=False)
-            if t is None:
-                return [self._fail(peer, msg.transfer_id, msg.attempt, FailReason.OVERLOADED)]
-        if t.mode is Mode.PULL:
-            raise invalid("registration for a pull transfer")
-        if t.consumer_engine is not None and t.consumer_engine != msg.engine_id:
-            raise invalid("transfer already bound to another consumer engine")
-        t.consumer_engine = msg.engine_id
-        leg = self._leg(t, peer)
-        if msg.attempt <= leg.attempt:
-            self.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
-            return []
-        reg = _Registration(
-            attempt=msg.attempt,
-            block_ids=ids,
-            num_tokens=msg.num_tokens,
-            first_token=msg.first_token,
-            deadline=now + msg.window_ms / 1000.0,
-        )
-        out: list[Action] = []
-        if leg.state in PRODUCER_TERMINAL:  # rule 3: reopen
-            if t.kv in (Kv.RELEASED, Kv.ABORTED):
-                leg.attempt = msg.attempt
-                reason = (
-                    FailReason.PREFILL_ABORTED if t.kv is Kv.ABORTED else FailReason.SOURCE_RELEASED
-                )
-                return [self._fail(peer, t.transfer_id, msg.attempt, reason)]
-            leg.state = PS.KV_READY if t.kv is Kv.HELD else PS.EMPTY
-        out += self._input(t, leg, PI.REGISTER, now, reg=reg)
-        self._schedule(reg.deadline, t.transfer_id)
-        out += self._settle(t, now)
-        return out
-
-    def _answer_tombstone(
-        self, msg: Register, peer: Peer, tomb: tuple[int, Kv, bool]
-    ) -> list[Action]:
-        last_attempt, kv, _final = tomb
-        if msg.attempt <= last_attempt:
-            self.stats["stale"] += 1
-            return []
-        reason = FailReason.PREFILL_ABORTED if kv is Kv.ABORTED else FailReason.SOURCE_RELEASED
-        return [self._fail(peer, msg.transfer_id, msg.attempt, reason)]
-
-    def _on_cancel(self, msg: Cancel, now: float) -> list[Action]:
-        peer = Peer(msg.engine_id, msg.rank)
-        self._known(msg.engine_id, msg.rank)
-        t = self._transfers.get(msg.transfer_id)
-        if t is None:
-            tomb = self._tombstones.get(msg.transfer_id)
-            if tomb is not None and msg.attempt <= tomb[0]:
-                self.stats["stale"] += 1
-                return [self._ack(peer, msg.transfer_id, msg.attempt)]
-            # A cancel overtook its registration: remember it, bounded in time.
-            t = self._new_orphan(msg.transfer_id, now)
-            if t is None:
-                return [self._ack(peer, msg.transfer_id, msg.attempt)]
-        leg = self._leg(t, peer)
-        if msg.attempt < leg.attempt:
-            self.stats["stale"] += 1
-            return []
-        if msg.attempt == leg.attempt and leg.state in (
-            PS.CANCELLING,
-            PS.PREEMPTING,
-            *PRODUCER_TERMINAL,
-        ):
-            self.stats["duplicate"] += 1
-            return []
-        if msg.final:
-            t.final = True
-        out = self._input(t, leg, PI.CANCEL if msg.final else PI.PREEMPT, now, cancel=msg.attempt)
-        leg.attempt = max(leg.attempt, msg.attempt)
-        return out + self._settle(t, now)
-
-    def _on_heartbeat(self, msg: Heartbeat, now: float) -> list[Action]:
-        self._known(msg.engine_id, msg.rank)
-        for transfer_id, _attempt in msg.transfers:
-            t = self._transfers.get(transfer_id)
-            if t is None or t.consumer_engine not in (None, msg.engine_id):
-                continue
-            self.stats["renewed"] += 1
-            if t.kv is Kv.HELD:  # the armed timer finds the later lease and re-arms
-                t.lease = max(t.lease, now + self.config.lease_s * self.config.renew_fraction)
-            elif t.kv is Kv.PENDING:
-                t.orphan = max(t.orphan, now + self.config.orphan_ttl_s)
-        return []
-
-    def _on_read_done(self, msg: ReadDone, now: float) -> list[Action]:
-        peer = Peer(msg.engine_id, msg.rank)
-        self._known(msg.engine_id, msg.rank)
-        if msg.producer_engine_id != self.info.engine_id:
-            raise ValidationError("read report addressed to another engine")
-        t = self._transfers.get(msg.transfer_id)
-        if t is None or t.mode is not Mode.PULL or t.kv is not Kv.HELD:
-            self.stats["stale"] += 1
-            return []
-        if peer not in self._target_set:
-            raise ValidationError(f"{peer} does not read from rank {self.peer.rank}")
-        if t.consumer_engine not in (None, msg.engine_id):
-            raise ValidationError("pull transfer already bound to another consumer engine")
-        t.consumer_engine = msg.engine_id
-        leg = self._leg(t, peer)
-        if leg.state is not PS.KV_READY:
-            self.stats["duplicate"] += 1
-            return []
-        leg.attempt = max(leg.attempt, msg.attempt)
-        return self._input(t, leg, PI.READ_DONE, now) + self._settle(t, now)
+    def _find(self, key: Key) -> _Transfer | None:
+        """The live transfer, else its tombstone (legs GONE), else None."""
+        t = self._transfers.get(key)
+        return t if t is not None else self._tombstones.get(key)
 
     # ---------------------------------------------------------- local input
 
@@ -319,15 +163,19 @@ class Producer(Endpoint):
         num_tokens: int,
         now: float,
         mode: Mode = Mode.PUSH,
+        *,
+        incarnation: int = 0,
     ) -> list[Action]:
-        """Prefill of ``transfer_id`` finished; its KV is in ``block_ids``."""
+        """Prefill of ``transfer_id`` (this ``incarnation`` of it) finished; its KV
+        is in ``block_ids``."""
         ids = block_tuple(block_ids)
         lo = self.info.layout
         if ids and (min(ids) < 0 or max(ids) >= lo.num_blocks):
             raise ConfigError(f"source block id outside [0, {lo.num_blocks})")
         if num_tokens < 0 or len(ids) * lo.block_size < num_tokens:
             raise ConfigError(f"{len(ids)} blocks cannot hold {num_tokens} tokens")
-        t = self._transfers.get(transfer_id)
+        key = (transfer_id, incarnation)
+        t = self._transfers.get(key)
         if t is not None and t.kv is not Kv.PENDING:
             raise LocalProtocolError(
                 "prefill already reported", transfer_id=transfer_id, state=t.kv.value
@@ -337,46 +185,47 @@ class Producer(Endpoint):
                 "pull transfer has push registrations", transfer_id=transfer_id
             )
         out = self._run_timers(now)
-        t = self._transfers.get(transfer_id)
-        if t is None and transfer_id in self._tombstones:
+        t = self._transfers.get(key)
+        if t is None and key in self._tombstones:
             # Already concluded here (cancelled, expired): nobody will read it.
             self.stats["released"] += 1
-            return [*out, ReleaseSource(transfer_id=transfer_id, block_ids=ids)]
+            return [*out, ReleaseSource(transfer_id=transfer_id, block_ids=ids,
+                                        incarnation=incarnation)]
         if t is None:
-            t = self._transfers[transfer_id] = _Transfer(transfer_id)
+            t = self._transfers[key] = _Transfer(transfer_id, incarnation)
         else:
             self._orphans -= 1
-        t.mode, t.kv, t.src_ids, t.num_tokens = mode, Kv.HELD, ids, num_tokens
-        t.orphan = float("inf")
-        t.lease = now + self.config.lease_s  # armed by _settle if the source stays held
-        if mode is Mode.PULL:
-            out.append(Publish(transfer_id=transfer_id, block_ids=ids, num_tokens=num_tokens))
-        for leg in list(t.legs.values()):
-            out += self._input(t, leg, PI.KV_READY, now)
+        t.mode, t.src_ids, t.num_tokens = mode, ids, num_tokens
+        out += self._source(t, SI.PREFILL_DONE, now)
         return out + self._settle(t, now)
 
-    def prefill_aborted(self, transfer_id: str, now: float) -> list[Action]:
+    def prefill_aborted(
+        self, transfer_id: str, now: float, *, incarnation: int = 0
+    ) -> list[Action]:
         """The local engine aborted ``transfer_id`` (before or after its prefill)."""
         out = self._run_timers(now)
-        t = self._transfers.get(transfer_id)
+        key = (transfer_id, incarnation)
+        t = self._transfers.get(key)
         if t is None:
-            self._tombstone(transfer_id, -1, Kv.ABORTED, final=True)
+            if key not in self._tombstones:
+                dead = _Transfer(transfer_id, incarnation, kv=Kv.ABORTED, final=True,
+                                 aborted=True, dead=True)
+                self._tombstone(dead)
             return out
-        t.aborted = True
-        if t.kv is Kv.PENDING:
-            t.kv = Kv.ABORTED
-            self._orphans -= 1
-        for leg in list(t.legs.values()):
-            out += self._input(t, leg, PI.KV_ABORTED, now)
+        out += self._source(t, SI.PREFILL_ABORTED, now)
         return out + self._settle(t, now)
 
     def write_completed(
-        self, transfer_id: str, attempt: int, peer: Peer, ok: bool, now: float
+        self, transfer_id: str, attempt: int, peer: Peer, ok: bool, now: float, *,
+        incarnation: int | None = None,
     ) -> list[Action]:
-        """The transport finished (``ok``) or failed a write issued by IssueWrite."""
-        t = self._transfers.get(transfer_id)
-        leg = t.legs.get(peer) if t else None
-        if t is None or leg is None or leg.writing != attempt:
+        """The transport finished (``ok``) or failed a write issued by IssueWrite.
+
+        ``incarnation`` is the IssueWrite's; None finds the one write in flight
+        for ``(transfer_id, attempt, peer)``."""
+        t = self._writing(transfer_id, attempt, peer, incarnation)
+        leg = t.legs[peer] if t is not None else None
+        if t is None or leg is None:
             raise LocalProtocolError(
                 "completion for a write that is not in flight",
                 transfer_id=transfer_id,
@@ -387,10 +236,24 @@ class Producer(Endpoint):
         out += self._input(t, leg, PI.WRITE_OK if ok else PI.WRITE_ERROR, now)
         return out + self._settle(t, now)
 
+    def _writing(
+        self, transfer_id: str, attempt: int, peer: Peer, inc: int | None
+    ) -> _Transfer | None:
+        def writes(t: _Transfer | None) -> bool:
+            leg = t.legs.get(peer) if t is not None else None
+            return leg is not None and leg.writing == attempt
+
+        t = self._transfers.get((transfer_id, 0 if inc is None else inc))
+        if writes(t) or inc is not None:
+            return t if writes(t) else None
+        found = [t for t in self._transfers.values()
+                 if t.transfer_id == transfer_id and writes(t)]
+        return found[0] if len(found) == 1 else None
+
     # ---------------------------------------------------------------- timers
 
-    def _expire(self, transfer_id: str, now: float) -> list[Action]:
-        t = self._transfers.get(transfer_id)
+    def _expire(self, key: Key, now: float) -> list[Action]:
+        t = self._transfers.get(key)
         if t is None:
             return []
         out: list[Action] = []
@@ -404,33 +267,70 @@ class Producer(Endpoint):
         if t.kv is Kv.HELD and t.lease_armed <= now:
             t.lease_armed = float("inf")  # fired; _settle re-arms for a renewed lease
         if t.kv is Kv.HELD and t.lease <= now and not t.expired:
-            t.expired = True
-            self.stats["lease_expired"] += 1
-            for leg in list(t.legs.values()):
-                out += self._input(t, leg, PI.LEASE_EXPIRED, now)
+            out += self._source(t, SI.LEASE_EXPIRED, now)
         waiting = any(leg.state in (PS.REGISTERED, PS.SUPERSEDED) for leg in t.legs.values())
         if t.kv is Kv.PENDING and not waiting:
             if t.orphan > now:  # nobody is registered: keep it only until the orphan TTL
-                self._schedule(t.orphan, t.transfer_id)
+                self._schedule(t.orphan, key)
                 return out
+            return out + self._source(t, SI.ORPHAN_EXPIRED, now)
+        return out + self._settle(t, now)
+
+    def _source(self, t: _Transfer, inp: SourceInput, now: float) -> list[Action]:
+        """Feed one input to the transfer's source (:data:`SOURCE_TABLE`)."""
+        try:
+            effect, nxt = SOURCE_TABLE[t.kv, inp]
+        except KeyError:
+            raise LocalProtocolError("no source transition", transfer_id=t.transfer_id,
+                                     state=t.kv.value, input=inp.value) from None
+        before, t.kv = t.kv, nxt
+        own: list[Action] = []
+        leg_input: ProducerInput | None = None
+        if effect is SE.HOLD:
+            t.orphan = float("inf")
+            t.lease = now + self.config.lease_s  # armed by _settle while the source is held
+            if t.mode is Mode.PULL:
+                own.append(Publish(transfer_id=t.transfer_id, block_ids=t.src_ids,
+                                   num_tokens=t.num_tokens, incarnation=t.inc))
+            leg_input = PI.KV_READY
+        elif effect is SE.ABORT:
+            t.aborted = True
+            if before is Kv.PENDING:
+                self._orphans -= 1
+            leg_input = PI.KV_ABORTED
+        elif effect is SE.EXPIRE:
+            t.expired = True
+            self.stats["lease_expired"] += 1
+            leg_input = PI.LEASE_EXPIRED
+        elif effect is SE.RELEASE:
+            self.stats["released"] += 1
+            own.append(ReleaseSource(transfer_id=t.transfer_id, block_ids=t.src_ids,
+                                     incarnation=t.inc))
+        if self.trace is not None:
+            self.trace.append(Step(t.key, None, before, inp, effect, nxt, tuple(own)))
+        out = own
+        if leg_input is not None:
+            for leg in list(t.legs.values()):
+                out += self._input(t, leg, leg_input, now)
+        if effect is SE.FORGET:  # an orphan nobody registered: its waiting legs expire
+            self._orphans -= 1
             for leg in list(t.legs.values()):
                 if leg.state is PS.EMPTY:
                     out += self._input(t, leg, PI.DEADLINE, now)
             self._forget(t)
-            return out
-        return out + self._settle(t, now)
+        return out
 
-    def _new_orphan(self, transfer_id: str, now: float, *, arm: bool = True) -> _Transfer | None:
+    def _new_orphan(self, key: Key, now: float, *, arm: bool = True) -> _Transfer | None:
         """A transfer a peer speaks of before prefill finished; None when full."""
         limit = self.config.max_pending_registrations
         if self._orphans >= limit or self._pending_regs >= limit:
             self.stats["overloaded"] += 1
             return None
-        t = self._transfers[transfer_id] = _Transfer(transfer_id)
+        t = self._transfers[key] = _Transfer(key[0], key[1])
         self._orphans += 1
         t.orphan = now + self.config.orphan_ttl_s
         if arm:
-            self._schedule(t.orphan, transfer_id)
+            self._schedule(t.orphan, key)
         return t
 
     # ---------------------------------------------------------- transitions
@@ -438,7 +338,8 @@ class Producer(Endpoint):
     def _leg(self, t: _Transfer, peer: Peer) -> _Leg:
         leg = t.legs.get(peer)
         if leg is None:
-            state = PS.KV_READY if t.kv is Kv.HELD else PS.EMPTY
+            kv = t.kv
+            state = PS.KV_READY if kv is Kv.HELD else PS.EMPTY if kv is Kv.PENDING else PS.GONE
             leg = t.legs[peer] = _Leg(peer=peer, state=state)
         return leg
 
@@ -451,6 +352,7 @@ class Producer(Endpoint):
         *,
         reg: _Registration | None = None,
         cancel: int | None = None,
+        fail: tuple[FailReason, str] | None = None,
     ) -> list[Action]:
         try:
             effect, nxt = PRODUCER_TABLE[leg.state, inp]
@@ -462,10 +364,15 @@ class Producer(Endpoint):
         if inp in (PI.WRITE_OK, PI.WRITE_ERROR):
             finished, leg.writing = leg.writing, None
         leg.state = nxt
-        if nxt in (PS.EMPTY, PS.KV_READY):
+        if nxt in (PS.EMPTY, PS.KV_READY, PS.GONE):
             leg.reg = None  # parked: no registration held
-        out = self._effect(t, leg, effect, now, _REASON.get(inp), reg, cancel, finished)
+        out = self._effect(t, leg, effect, now, fail or _REASON.get(inp), reg, cancel, finished)
         self._count_pending(before, leg.state)
+        if self.trace is not None:
+            self.trace.append(Step(t.key, leg.peer, before, inp, effect, nxt, tuple(out)))
+        if leg.refused is not None:  # the write just adopted may not start (rule 5)
+            refusal, leg.refused = leg.refused, None
+            out += self._input(t, leg, refusal[0], now, fail=refusal[1:])
         return out
 
     def _count_pending(self, before: ProducerState, after: ProducerState) -> None:
@@ -477,13 +384,18 @@ class Producer(Endpoint):
         leg: _Leg,
         effect: ProducerEffect,
         now: float,
-        reason: FailReason | None,
+        reason: FailReason | tuple[FailReason, str] | None,
         reg: _Registration | None,
         cancel: int | None,
         finished: int | None,
     ) -> list[Action]:
-        tid = t.transfer_id
+        key = t.key
+        detail = ""
+        if isinstance(reason, tuple):
+            reason, detail = reason
         if effect is PE.NONE:
+            return []
+        if effect is PE.STALE:  # counted by the caller, as stale or duplicate
             return []
         if effect in (PE.ADOPT, PE.ADOPT_AND_WRITE, PE.ACK_AND_ADOPT):
             assert reg is not None
@@ -491,7 +403,7 @@ class Producer(Endpoint):
             if effect is PE.ADOPT_AND_WRITE:
                 return self._write(t, leg, now)
             if effect is PE.ACK_AND_ADOPT and old is not None:
-                return [self._ack(leg.peer, tid, old.attempt)]
+                return [self._ack(leg.peer, key, old.attempt)]
             return []
         if effect is PE.WRITE:
             return self._write(t, leg, now)
@@ -505,25 +417,32 @@ class Producer(Endpoint):
                 attempts.discard(leg.writing)  # its completion is its fence
             if leg.writing is None:
                 leg.reg = None
-            return [self._ack(leg.peer, tid, a) for a in sorted(attempts)]
+            return [self._ack(leg.peer, key, a) for a in sorted(attempts)]
         if effect is PE.FAIL:
             assert reason is not None
             failed = finished if finished is not None else leg.attempt
-            return [self._fail(leg.peer, tid, failed, reason)]
+            return [self._fail(leg.peer, key, failed, reason, detail)]
+        if effect is PE.FAIL_GONE:
+            assert reg is not None
+            leg.attempt = reg.attempt
+            why = FailReason.PREFILL_ABORTED if t.kv is Kv.ABORTED else FailReason.SOURCE_RELEASED
+            return [self._fail(leg.peer, key, reg.attempt, why,
+                               "the source was released before this registration arrived"
+                               if why is FailReason.SOURCE_RELEASED else "")]
         if effect in (PE.STASH, PE.ACK_STASHED_AND_STASH):
             assert reg is not None
             old, leg.stash, leg.attempt = leg.stash, reg, reg.attempt
-            return [self._ack(leg.peer, tid, old.attempt)] if old is not None else []
+            return [self._ack(leg.peer, key, old.attempt)] if old is not None else []
         if effect is PE.FAIL_STASHED:
             assert leg.stash is not None and reason is not None
             stash, leg.stash = leg.stash, None
-            return [self._fail(leg.peer, tid, stash.attempt, reason)]
+            return [self._fail(leg.peer, key, stash.attempt, reason)]
         if effect in (PE.WRITE_STASHED, PE.FAIL_AND_WRITE_STASHED):
             assert leg.stash is not None
             out: list[Action] = []
             if effect is PE.FAIL_AND_WRITE_STASHED:
                 assert finished is not None
-                out.append(self._fail(leg.peer, tid, finished, FailReason.WRITE_FAILED))
+                out.append(self._fail(leg.peer, key, finished, FailReason.WRITE_FAILED))
             leg.reg, leg.stash = leg.stash, None
             return out + self._write(t, leg, now)
         raise AssertionError(f"unhandled effect {effect}")  # pragma: no cover
@@ -532,13 +451,15 @@ class Producer(Endpoint):
         """Rendezvous reached (rule 1): plan and issue the write of ``leg.reg``."""
         reg = leg.reg
         assert reg is not None and t.kv is Kv.HELD
-        leg.writing = reg.attempt
         info = self._peers.get(leg.peer)
-        if now > reg.deadline:  # rule 5: never start after the window
+        if now > reg.deadline or t.expired or now >= t.lease or t.aborted:
+            # Rule 5: never start after the window, nor after the source's lease
+            # (or the local request) ended: the endpoint feeds WRITE_REFUSED.
             self.stats["write_refused_deadline"] += 1
-            leg.state = PS.EXPIRED
-            leg.writing = None
-            return [self._fail(leg.peer, t.transfer_id, reg.attempt, FailReason.DEADLINE)]
+            why = (FailReason.PREFILL_ABORTED if t.aborted else FailReason.DEADLINE
+                   if now > reg.deadline else FailReason.LEASE_EXPIRED)
+            leg.refused = (PI.WRITE_REFUSED, why, "")
+            return []
         try:
             if info is None:
                 raise PlanError("consumer rank left")
@@ -557,32 +478,36 @@ class Producer(Endpoint):
             )
         except (PlanError, ConfigError) as exc:
             self.stats["plan_failed"] += 1
-            leg.state, leg.writing = PS.FAILED, None
-            return [
-                self._fail(leg.peer, t.transfer_id, reg.attempt, FailReason.INVALID, exc.message)
-            ]
+            leg.refused = (PI.PLAN_FAILED, FailReason.INVALID, exc.message)
+            return []
         self.stats["writes_issued"] += 1
+        leg.writing = reg.attempt
         notify = Notify(
             transfer_id=t.transfer_id,
             attempt=reg.attempt,
             engine_id=self.peer.engine_id,
             rank=self.peer.rank,
+            incarnation=t.inc,
         )
         return [
             IssueWrite(
                 transfer_id=t.transfer_id, attempt=reg.attempt, peer=leg.peer, plan=plan,
-                notify=notify,
+                notify=notify, incarnation=t.inc,
             )
         ]
 
     def _settle(self, t: _Transfer, now: float) -> list[Action]:
         """Rule 4 (release exactly once) and forgetting finished transfers."""
         kv = t.kv
-        if kv is Kv.PENDING:
+        if kv is Kv.PENDING or t.dead:
             return []
         out: list[Action] = []
         legs = t.legs
         if kv is Kv.HELD:
+            if t.lease < t.lease_armed and not t.expired:
+                # Rule 5: a lease timer while the source is held, writing or not.
+                t.lease_armed = t.lease
+                self._schedule(t.lease, t.key)
             for leg in legs.values():
                 if leg.state in PRODUCER_WRITING:
                     return out  # settled again when the write completes
@@ -601,66 +526,64 @@ class Producer(Endpoint):
                         finished = False
                         break
             if not finished:
-                if t.lease < t.lease_armed:  # rule 5: a lease timer while the source idles
-                    t.lease_armed = t.lease
-                    self._schedule(t.lease, t.transfer_id)
                 return out
-            t.kv = kv = Kv.RELEASED
-            self.stats["released"] += 1
-            out.append(ReleaseSource(transfer_id=t.transfer_id, block_ids=t.src_ids))
-            for leg in legs.values():  # parked legs end with the source
-                if leg.state is PS.KV_READY:
-                    leg.state = PS.EXPIRED if t.expired else PS.CANCELLED
+            out += self._source(t, SI.SETTLED, now)
         for leg in legs.values():
-            if leg.state not in PRODUCER_TERMINAL:
+            if leg.state in PRODUCER_WRITING:
                 return out
+        for leg in list(legs.values()):  # rule 4: every other leg ends with the source
+            if leg.state is not PS.GONE:
+                out += self._input(t, leg, PI.SOURCE_GONE, now)
         self._forget(t)
         return out
 
     def _forget(self, t: _Transfer) -> None:
-        if t.kv is Kv.PENDING:
-            self._orphans -= 1
         for leg in t.legs.values():
-            self._count_pending(leg.state, PS.DONE)
-        last = max((leg.attempt for leg in t.legs.values()), default=-1)
-        self._tombstone(t.transfer_id, last, t.kv, final=t.final or t.aborted)
-        del self._transfers[t.transfer_id]
+            if leg.state is not PS.GONE:  # rule 4: every leg ends with the source
+                self._input(t, leg, PI.SOURCE_GONE, self._now)
+        t.final = t.final or t.aborted
+        del self._transfers[t.key]
+        self._tombstone(t)
 
-    def _tombstone(self, transfer_id: str, attempt: int, kv: Kv, *, final: bool) -> None:
+    def _tombstone(self, t: _Transfer) -> None:
+        t.dead = True
         if self.config.max_tombstones == 0:
             return
-        self._tombstones[transfer_id] = (attempt, kv, final)
-        self._tombstones.move_to_end(transfer_id)
+        key = t.key
+        self._tombstones[key] = t
+        self._tombstones.move_to_end(key)
         while len(self._tombstones) > self.config.max_tombstones:
             self._tombstones.popitem(last=False)
 
     # ---------------------------------------------------------------- output
 
-    def _ack(self, peer: Peer, transfer_id: str, attempt: int) -> SendMessage:
+    def _ack(self, peer: Peer, key: Key, attempt: int) -> SendMessage:
         self.stats["acks"] += 1
         return SendMessage(
             peer=peer,
             message=CancelAck(
-                transfer_id=transfer_id,
+                transfer_id=key[0],
                 attempt=attempt,
                 engine_id=self.peer.engine_id,
                 rank=self.peer.rank,
+                incarnation=key[1],
             ),
         )
 
     def _fail(
-        self, peer: Peer, transfer_id: str, attempt: int, reason: FailReason, detail: str = ""
+        self, peer: Peer, key: Key, attempt: int, reason: FailReason, detail: str = ""
     ) -> SendMessage:
         self.stats["fails"] += 1
         return SendMessage(
             peer=peer,
             message=Fail(
-                transfer_id=transfer_id,
+                transfer_id=key[0],
                 attempt=attempt,
                 engine_id=self.peer.engine_id,
                 rank=self.peer.rank,
                 reason=reason,
                 detail=detail[:1024],
+                incarnation=key[1],
             ),
         )
 
@@ -675,11 +598,18 @@ class Producer(Endpoint):
         return self._pending_regs
 
     def held_blocks(self) -> dict[str, tuple[int, ...]]:
-        """Source blocks currently held, by transfer."""
+        """Source blocks currently held, by transfer id."""
+        return {t.transfer_id: t.src_ids for t in self._transfers.values() if t.kv is Kv.HELD}
+
+    def held(self) -> dict[Key, tuple[int, ...]]:
+        """Source blocks currently held, by (transfer id, incarnation)."""
         return {k: t.src_ids for k, t in self._transfers.items() if t.kv is Kv.HELD}
 
-    def leg_state(self, transfer_id: str, peer: Peer) -> ProducerState | None:
-        t = self._transfers.get(transfer_id)
+    def leg_state(
+        self, transfer_id: str, peer: Peer, *, incarnation: int = 0
+    ) -> ProducerState | None:
+        """State of a leg (GONE once its transfer is forgotten, while remembered)."""
+        t = self._find((transfer_id, incarnation))
         leg = t.legs.get(peer) if t else None
         return leg.state if leg else None
 

@@ -18,6 +18,7 @@ from pushkv.protocol import (
     Notify,
     ReadDone,
     Register,
+    Skip,
     decode,
     encode,
     uniform_ranks,
@@ -28,22 +29,29 @@ ids = st.text(min_size=1, max_size=40)
 attempts = st.integers(0, 2**32 - 1)
 ranks = st.integers(0, 1000)
 
+incs = st.integers(0, 2**63 - 1)
+
 messages = st.one_of(
     st.builds(Register, transfer_id=ids, attempt=attempts, engine_id=ids, rank=ranks,
               producer_engine_id=ids,
               block_ids=st.lists(st.integers(0, 2**31 - 1), max_size=50).map(tuple),
               num_tokens=st.integers(0, 2**20), first_token=st.integers(0, 10),
-              window_ms=st.integers(1, 10**9)),
+              window_ms=st.integers(1, 10**9), incarnation=incs),
     st.builds(Cancel, transfer_id=ids, attempt=attempts, engine_id=ids, rank=ranks,
-              final=st.booleans()),
-    st.builds(CancelAck, transfer_id=ids, attempt=attempts, engine_id=ids, rank=ranks),
+              final=st.booleans(), incarnation=incs),
+    st.builds(CancelAck, transfer_id=ids, attempt=attempts, engine_id=ids, rank=ranks,
+              incarnation=incs),
     st.builds(Fail, transfer_id=ids, attempt=attempts, engine_id=ids, rank=ranks,
-              reason=st.sampled_from(FailReason), detail=st.text(max_size=100)),
+              reason=st.sampled_from(FailReason), detail=st.text(max_size=100),
+              incarnation=incs),
     st.builds(Heartbeat, engine_id=ids, rank=ranks,
-              transfers=st.lists(st.tuples(ids, attempts), max_size=5).map(tuple)),
-    st.builds(Notify, transfer_id=ids, attempt=attempts, engine_id=ids, rank=ranks),
+              transfers=st.lists(st.tuples(ids, attempts, incs), max_size=5).map(tuple)),
+    st.builds(Notify, transfer_id=ids, attempt=attempts, engine_id=ids, rank=ranks,
+              incarnation=incs),
     st.builds(ReadDone, transfer_id=ids, attempt=attempts, engine_id=ids, rank=ranks,
-              producer_engine_id=ids),
+              producer_engine_id=ids, incarnation=incs),
+    st.builds(Skip, transfer_id=ids, engine_id=ids, rank=ranks, producer_engine_id=ids,
+              incarnation=incs),
 )
 
 
@@ -87,15 +95,15 @@ def test_mutated_frames_raise_only_decode_error(msg, data):
     [
         (b"", "bad magic"),
         (b"XX\x01\x90", "bad magic"),
-        (b"PK\x02" + msgspec.msgpack.encode([7, "t", 0, "e", 0]), "version"),
-        (b"PK\x01" + msgspec.msgpack.encode([99, "t"]), "malformed"),
-        (b"PK\x01" + msgspec.msgpack.encode([7, "t", -1, "e", 0]), "malformed"),
-        (b"PK\x01" + msgspec.msgpack.encode([7, "", 0, "e", 0]), "malformed"),
-        (b"PK\x01" + msgspec.msgpack.encode([5, "t", 0, "e", 0, 42, ""]), "malformed"),
-        (b"PK\x01" + msgspec.msgpack.encode([2, "t", 0, "e", 0, "p", [-5], 10]), "malformed"),
-        (b"PK\x01" + b"\xdd\xff\xff\xff\xff", "malformed"),
-        (b"PK\x01" + b"\x91" * 5000, "malformed"),
-        (b"PK\x01" + b"\x00" * (MAX_FRAME + 1), "exceeds"),
+        (b"PK\x01" + msgspec.msgpack.encode([7, "t", 0, "e", 0]), "version"),
+        (b"PK\x02" + msgspec.msgpack.encode([99, "t"]), "malformed"),
+        (b"PK\x02" + msgspec.msgpack.encode([7, "t", -1, "e", 0]), "malformed"),
+        (b"PK\x02" + msgspec.msgpack.encode([7, "", 0, "e", 0]), "malformed"),
+        (b"PK\x02" + msgspec.msgpack.encode([5, "t", 0, "e", 0, 42, ""]), "malformed"),
+        (b"PK\x02" + msgspec.msgpack.encode([2, "t", 0, "e", 0, "p", [-5], 10]), "malformed"),
+        (b"PK\x02" + b"\xdd\xff\xff\xff\xff", "malformed"),
+        (b"PK\x02" + b"\x91" * 5000, "malformed"),
+        (b"PK\x02" + b"\x00" * (MAX_FRAME + 1), "exceeds"),
     ],
 )
 def test_rejections_say_why(frame, why):

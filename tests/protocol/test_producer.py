@@ -120,7 +120,7 @@ def test_lease_expires_without_heartbeats_and_renews_with_them(pair):
     (p,) = pair.p
     p.prefill_finished("a", [1], 10, 0.0)
     p.prefill_finished("b", [2], 10, 0.0)
-    hb = Heartbeat(engine_id="D", rank=0, transfers=(("b", 0),))
+    hb = Heartbeat(engine_id="D", rank=0, transfers=(("b", 0, 0),))
     p.receive(hb, 5.0)
     p.receive(hb, 9.0)  # lease of b now 9 + 10 * 2/3
     out = p.handle_timer(10.0)
