@@ -51,7 +51,7 @@ from .events import (
     TransferReady,
 )
 from .mapping import expected_writers
-from .messages import Message, decode, encode
+from .messages import Heartbeat, Message, Register, decode, encode
 from .planner import TransferPlan
 from .producer import Producer
 from .states import ConsumerState
@@ -130,6 +130,7 @@ class Model:
                 p.add_peer(c.info)
                 c.add_peer(p.info)
         self.endpoints: list[Endpoint] = [*self.producers, *self.consumers]
+        self.renew = self.producers[0].config.renew_fraction
         self.snaps = Snapshots(self.endpoints)
         self.writers = [expected_writers(pinfo[0].engine, dinfo[0].engine, c)
                         for c in range(self.nd)]
@@ -159,7 +160,7 @@ class Model:
             return int(action.incarnation) - 1
         if side == "P":
             for k, p in enumerate(w.pinc):
-                if p.blocks == blocks and p.status in (P_HELD, P_OVER):
+                if p.blocks == blocks and p.status == P_HELD:
                     return k
             return -1
         for k, c in enumerate(w.cinc):
@@ -312,8 +313,12 @@ class Model:
                 msg = self.message(frame)
                 if self.log is not None:
                     self._say(f"{dst_e}{dst_r} receives {brief(msg)} from {src_e}{src_r}")
+                if dst_e == "P":
+                    self._timing(w, dst_r, src_r, msg)
                 self._run(w, ids, i, ("m", frame, w.now), lambda ep: ep.receive(msg, w.now))
             elif kind in ("land", "wfail"):
+                if kind == "wfail":
+                    w.faulted = True
                 self._land(w, item, ok=kind == "land")
             else:
                 _, p, d, attempt, inc, ok, _sent = item
@@ -373,6 +378,8 @@ class Model:
             pi = w.pinc[k]
             blocks = self._take(w.p_owner, k)
             pi.status, pi.blocks = P_HELD, blocks
+            for r in range(self.np):
+                w.leases[r, k] = w.now + sc.lease_s
             if self.log is not None:
                 self._say(f"P finishes the prefill of t#{k} into source blocks {list(blocks)}")
             for r in range(self.np):
@@ -426,6 +433,9 @@ class Model:
         w.lossy = w.faulted = True
         if self.log is not None:
             self._say(f"engine {engine} dies; the transport tells the survivors")
+        if engine == "D":  # the transport fails the writes still in flight to it
+            w.flight = [done_item(it[1], it[2], it[3], it[4], False, it[-1])
+                        if it[0] == WRITE else it for it in w.flight]
         w.flight = [it for it in w.flight if not self._touches(it, engine)]
         survivors = range(self.np, self.np + self.nd) if engine == "P" else range(self.np)
         for i in survivors:
@@ -435,7 +445,7 @@ class Model:
     def _touches(item: Item, engine: str) -> bool:
         if item[0] == FRAME:
             return engine in (item[1], item[3])
-        return True  # writes and completions involve both engines
+        return engine == "P"  # a dead producer's writes never land nor complete
 
     def _land(self, w: World, item: Item, *, ok: bool) -> None:
         _, p, d, attempt, inc, src, dst, notify, data, _sent = item
@@ -454,7 +464,8 @@ class Model:
                 what = ("free" if owner is None else
                         f"released by D{d}" if owner == (k, attempt) else
                         f"now holding t#{owner[0]} attempt {owner[1]}")
-                raise Violation("reuse", f"P{p}'s write of t#{k} attempt {attempt} landed in "
+                kind = "incarnation" if owner is not None and owner[0] != k else "reuse"
+                raise Violation(kind, f"P{p}'s write of t#{k} attempt {attempt} landed in "
                                 f"D{d} block {b}, which is {what}")
             w.content[d, b, p] = (k, attempt) if ok else (-1, attempt)
         if ok:
@@ -522,9 +533,15 @@ class Model:
         if data < 0:
             raise Violation("source", f"P{p} started a write of attempt {a.attempt} from "
                             f"source blocks {list(src)} it does not hold")
+        inc = getattr(a, "incarnation", 0)
+        if w.now >= w.leases.get((p, data), 0.0):
+            raise Violation("lease", f"P{p} started a write of t#{data} attempt {a.attempt} "
+                            f"at t={w.now:g}, after its source's lease ended")
+        if w.now > w.windows.get((p, d, a.attempt, data), w.now):
+            raise Violation("window", f"P{p} started a write of t#{data} attempt {a.attempt} "
+                            f"at t={w.now:g}, after the registration's window")
         if w.dead == "D":
-            w.flight.append(done_item(p, d, a.attempt, getattr(a, "incarnation", 0), False,
-                                      w.now))
+            w.flight.append(done_item(p, d, a.attempt, inc, False, w.now))
             return
         w.flight.append(write_item(p, d, a.attempt, getattr(a, "incarnation", 0), src, dst,
                                    encode(a.notify), data, w.now))
@@ -539,6 +556,22 @@ class Model:
         if p in pi.released:
             raise Violation("source", f"P{p} released the source of t#{k} twice")
         pi.released = pi.released | {p}
+        w.leases.pop((p, k), None)
+
+    def _timing(self, w: World, p: int, d: int, msg: Message) -> None:
+        """Track, generously, when each lease and write window ends (rule 5)."""
+        if isinstance(msg, Register):
+            k = msg.incarnation - 1 if HAS_INCARNATION else self._k_of(msg, w)
+            key = (p, d, msg.attempt, k)
+            if key not in w.windows:  # the first copy to arrive is the one adopted
+                w.windows[key] = w.now + msg.window_ms / 1000.0
+        elif isinstance(msg, Heartbeat):
+            sc = self.scope
+            for item in msg.transfers:
+                k = int(item[2]) - 1 if len(item) > 2 else self._k_of(msg, w)
+                lease = w.leases.get((p, k))
+                if lease is not None and w.now < lease:
+                    w.leases[p, k] = max(lease, w.now + sc.lease_s * self.renew)
 
     def _release_destination(self, w: World, d: int, a: ReleaseDestination) -> None:
         blocks = tuple(a.block_ids)

@@ -22,10 +22,10 @@ import enum
 import io
 import operator
 import pickle
+import sys
 from collections import OrderedDict
 from typing import Any
 
-from . import consumer, events, messages, producer, states
 from .endpoint import Endpoint
 from .events import Peer
 from .layout import EngineSpec, KVLayout, RankInfo
@@ -66,7 +66,8 @@ _NESTED: dict[type, tuple[str, ...]] = {}
 def _register_records() -> None:
     """Pickle the endpoints' mutable records as constructor calls and their enums by
     name: several times faster than the generic dataclass and enum protocols."""
-    for module in (producer, consumer, states, events, messages):
+    for module in [m for name, m in sorted(sys.modules.items())
+                   if name.startswith(__package__ + ".") and ".check" not in name]:
         for obj in vars(module).values():
             if not isinstance(obj, type) or obj.__module__ != module.__name__:
                 continue
@@ -87,6 +88,8 @@ def _register_records() -> None:
                 _NESTED[obj] = tuple(f.name for f in fs
                                      if "dict" in str(f.type) or "_" in str(f.type)[:1])
 
+
+from . import consumer, producer  # noqa: E402,F401  (the records they use are loaded)
 
 _register_records()
 
@@ -127,7 +130,11 @@ def canonicalize(ep: Endpoint) -> None:
     """
     timers = ep._timers
     if timers:
-        ep._timers = sorted([(e[0], 0, *e[2:]) for e in timers])
+        entries = [(e[0], 0, *e[2:]) for e in timers]
+        try:
+            ep._timers = sorted(entries)
+        except TypeError:  # keys of several types: any fixed order will do
+            ep._timers = sorted(entries, key=repr)
     d = ep.__dict__
     for k, v in d.items():
         if k not in STATIC and (type(v) is dict or type(v) is OrderedDict):

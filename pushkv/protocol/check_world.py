@@ -98,11 +98,15 @@ class World:
     """Mutable twin of a frozen world, for the length of one step."""
 
     __slots__ = ("cinc", "content", "d_owner", "dead", "drops", "dups", "faulted", "flight",
-                 "lossy", "now", "p_owner", "pinc")
+                 "leases", "lossy", "now", "p_owner", "pinc", "windows")
 
     def __init__(self, f: Frozen) -> None:
         (self.now, flight, self.dups, self.drops, self.dead, self.lossy, self.faulted, cinc,
-         pinc, d_owner, p_owner, content) = f
+         pinc, d_owner, p_owner, content, leases, windows) = f
+        #: (producer rank, incarnation) -> when its source's lease ends, at the latest
+        self.leases: dict[tuple[int, int], float] = dict(leases)
+        #: (producer rank, consumer rank, attempt, incarnation) -> end of the write window
+        self.windows: dict[tuple[int, int, int, int], float] = dict(windows)
         self.flight: list[Item] = list(flight)
         self.cinc = [CInc(*c) for c in cinc]
         self.pinc = [PInc(*p) for p in pinc]
@@ -114,7 +118,8 @@ class World:
         return (self.now, tuple(sorted(self.flight)), self.dups, self.drops, self.dead,
                 self.lossy, self.faulted, tuple(c.freeze() for c in self.cinc),
                 tuple(p.freeze() for p in self.pinc), tuple(self.d_owner),
-                tuple(self.p_owner), tuple(sorted(self.content.items())))
+                tuple(self.p_owner), tuple(sorted(self.content.items())),
+                tuple(sorted(self.leases.items())), tuple(sorted(self.windows.items())))
 
 
 def initial(scope: Scope) -> Frozen:
@@ -124,4 +129,4 @@ def initial(scope: Scope) -> Frozen:
     pinc: tuple[Any, ...] = tuple(
         ((P_PREFILL if k == 0 else P_WAIT), (), frozenset(), False) for k in range(n))
     return (0.0, (), scope.dups, scope.drops, "", False, False, cinc, pinc,
-            (None,) * scope.d_blocks, (None,) * scope.p_blocks, ())
+            (None,) * scope.d_blocks, (None,) * scope.p_blocks, (), (), ())
