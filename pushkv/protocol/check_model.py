@@ -1,0 +1,757 @@
+"""The system the checker explores: real endpoints inside a modelled world.
+
+:class:`Model` owns one working endpoint per rank and a
+:class:`~.check_snap.Snapshots` store. A *state* is ``(snapshot ids, frozen
+world)``; :meth:`Model.steps` lists every step enabled in a state and
+:meth:`Model.apply` runs one, calling the real endpoint methods and carrying
+out their actions in the world, checking the protocol's promises as it goes.
+:meth:`Model.check_state` and :meth:`Model.check_final` check what must hold
+in every state and once nothing can happen any more.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple
+
+from .check_scope import Scope
+from .check_snap import Snapshots
+from .check_world import (
+    C_IDLE,
+    C_LIVE,
+    C_OVER,
+    FRAME,
+    P_HELD,
+    P_OVER,
+    P_PREFILL,
+    P_WAIT,
+    TID,
+    WRITE,
+    Frozen,
+    Item,
+    World,
+    done_item,
+    frame_item,
+    initial,
+    write_item,
+)
+from .consumer import Consumer
+from .endpoint import Endpoint
+from .errors import PushKVError
+from .events import (
+    Action,
+    IssueWrite,
+    Peer,
+    Rejected,
+    ReleaseDestination,
+    ReleaseSource,
+    SendMessage,
+    TransferCancelled,
+    TransferFailed,
+    TransferReady,
+)
+from .mapping import expected_writers
+from .messages import Heartbeat, Message, Register, decode, encode
+from .planner import TransferPlan
+from .producer import Producer
+from .states import ConsumerState
+
+CS = ConsumerState
+State = tuple[tuple[int, ...], Frozen]
+Step = tuple[Any, ...]
+
+#: Whether the endpoints take the ``incarnation`` keyword (transfer incarnations).
+HAS_INCARNATION = "incarnation" in inspect.signature(Consumer.register).parameters
+_TERMINAL = frozenset({CS.READY, CS.CANCELLED, CS.FAILED})
+#: Consumer states that only an answer of the producer (or a timer) moves on.
+_WAITING = frozenset(s for s in CS if s not in _TERMINAL and s.name != "PREEMPTED")
+
+
+class EpInfo(NamedTuple):
+    deadline: float | None
+    state: Any  # consumer: state of the transfer
+    lent: tuple[int, ...]  # consumer: blocks a write may still land in
+    held: tuple[tuple[int, ...], ...]  # producer: source blocks held
+    pending: int  # producer: registrations waiting
+    transfers: int
+    writes: int  # producer: writes it thinks are in flight
+
+
+class Violation(Exception):
+    """A promise of the protocol was broken (raised inside a step, reported with its trace)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+def touched(plan: TransferPlan, stride: int, side: int) -> tuple[int, ...]:
+    """Blocks a plan touches on one side (0: source, 1: destination)."""
+    out: set[int] = set()
+    for off, n in zip(plan.runs[:, side].tolist(), plan.runs[:, 2].tolist(), strict=True):
+        out.update(range(off // stride, (off + n - 1) // stride + 1))
+    return tuple(sorted(out))
+
+
+def brief(msg: Message) -> str:
+    """A short readable form of a message."""
+    name = type(msg).__name__
+    f = msg.__struct_fields__
+    parts = []
+    if "transfer_id" in f:
+        inc = getattr(msg, "incarnation", 0)
+        parts.append(f"{msg.transfer_id}" + (f"#{inc}" if inc else ""))  # type: ignore[union-attr]
+    if "attempt" in f:
+        parts.append(f"a{msg.attempt}")  # type: ignore[union-attr]
+    if "block_ids" in f:
+        parts.append(f"blocks={list(msg.block_ids)}")  # type: ignore[union-attr]
+    if "final" in f:
+        parts.append("final" if msg.final else "preempt")  # type: ignore[union-attr]
+    if "reason" in f:
+        parts.append(msg.reason.name)  # type: ignore[union-attr]
+    if "transfers" in f:
+        parts.append(repr(list(msg.transfers)))  # type: ignore[union-attr]
+    return f"{name}({' '.join(parts)})"
+
+
+class Model:
+    """The real endpoints of one scope, and the rules of the world around them."""
+
+    def __init__(self, scope: Scope, *, check_rejects: bool = True) -> None:
+        self.scope = scope
+        self.check_rejects = check_rejects
+        pinfo, dinfo = scope.ranks()
+        self.np, self.nd = len(pinfo), len(dinfo)
+        self.producers = [Producer(i, scope.producer_config()) for i in pinfo]
+        self.consumers = [Consumer(i, scope.consumer_config()) for i in dinfo]
+        for p in self.producers:
+            for c in self.consumers:
+                p.add_peer(c.info)
+                c.add_peer(p.info)
+        self.endpoints: list[Endpoint] = [*self.producers, *self.consumers]
+        self.renew = self.producers[0].config.renew_fraction
+        self.snaps = Snapshots(self.endpoints)
+        self.writers = [expected_writers(pinfo[0].engine, dinfo[0].engine, c)
+                        for c in range(self.nd)]
+        self.d_stride = dinfo[0].layout.stride
+        self.p_stride = pinfo[0].layout.stride
+        self._messages: dict[bytes, Message] = {}
+        self.log: list[str] | None = None  # set to a list to record what happens
+        self._info: dict[tuple[int, int], EpInfo] = {}
+        #: (endpoint, snapshot, input) -> (next snapshot, actions) or the Violation raised:
+        #: an endpoint's answer depends on nothing else, so each is computed once.
+        self.memo: dict[tuple[Any, ...], tuple[int, list[Action]] | Violation] = {}
+        self.root = self._root()
+
+    def _root(self) -> State:
+        ids = tuple(self.snaps.save(i) for i in range(len(self.endpoints)))
+        return ids, initial(self.scope)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _inc(self, k: int) -> dict[str, int]:
+        return {"incarnation": k + 1} if HAS_INCARNATION else {}
+
+    def _k_of(self, action: Any, w: World, blocks: tuple[int, ...] | None = None,
+              side: str = "D") -> int:
+        """Which incarnation (index) an action is about."""
+        if HAS_INCARNATION:
+            return int(action.incarnation) - 1
+        if side == "P":
+            for k, p in enumerate(w.pinc):
+                if p.blocks == blocks and p.status == P_HELD:
+                    return k
+            return -1
+        for k, c in enumerate(w.cinc):
+            if c.status == C_LIVE:
+                return k
+        return len([c for c in w.cinc if c.status != C_IDLE]) - 1
+
+    def info(self, i: int, sid: int) -> EpInfo:
+        """What the checker reads of endpoint ``i`` in snapshot ``sid`` (cached)."""
+        got = self._info.get((i, sid))
+        if got is None:
+            self.snaps.load(i, sid)
+            ep = self.endpoints[i]
+            if isinstance(ep, Consumer):
+                got = EpInfo(ep.next_deadline(), ep.state_of(TID), tuple(sorted(ep.lent_blocks())),
+                              (), 0, ep.num_transfers, 0)
+            else:
+                assert isinstance(ep, Producer)
+                got = EpInfo(ep.next_deadline(), None, (), tuple(ep.held_blocks().values()),
+                             ep.pending_registrations, ep.num_transfers,
+                             len(ep.writes_in_flight()))
+            self._info[i, sid] = got
+        return got
+
+    def c_state(self, c: int, sid: int) -> Any:
+        return self.info(self.np + c, sid).state
+
+    def message(self, frame: bytes) -> Message:
+        m = self._messages.get(frame)
+        if m is None:
+            m = self._messages[frame] = decode(frame)
+        return m
+
+    def _say(self, text: str) -> None:
+        assert self.log is not None
+        self.log.append(text)
+
+    # ------------------------------------------------------------------ steps
+
+    def steps(self, state: State) -> list[Step]:
+        """Every step enabled in ``state`` (whose endpoints must be loaded)."""
+        ids, f = state
+        sc = self.scope
+        now, flight, dups, drops, dead = f[0], f[1], f[2], f[3], f[4]
+        cinc, pinc, d_owner, p_owner = f[7], f[8], f[9], f[10]
+        out: list[Step] = []
+        seen = None
+        for item in flight:
+            if item == seen:
+                continue
+            seen = item
+            kind = item[0]
+            if kind == FRAME:
+                out.append(("deliver", item))
+                if dups:
+                    out.append(("dup", item))
+                if drops:
+                    out.append(("drop", item))
+            elif kind == WRITE:
+                out.append(("land", item))
+                if sc.write_errors:
+                    out.append(("wfail", item))
+            else:
+                out.append(("complete", item))
+        obliged = False
+        free_d = sum(1 for o in d_owner if o is None)
+        free_p = sum(1 for o in p_owner if o is None)
+        if dead != "D":
+            states = [self.c_state(c, ids[self.np + c]) for c in range(self.nd)]
+            for k, (status, allocs, _rel, outcomes, aborted, _freed) in enumerate(cinc):
+                if status == C_IDLE:
+                    if (k == 0 or cinc[k - 1][0] == C_OVER) and dead != "P":
+                        obliged = True
+                        if free_d:
+                            out.append(("register", k))
+                    break
+                if status != C_LIVE:
+                    continue
+                live = [s for s, o in zip(states, outcomes, strict=True) if o is None]
+                if (not aborted and len(allocs) < sc.attempts and states
+                        and all(s is CS.REGISTERED for s in states)):
+                    out.append(("preempt", k))
+                if live and all(s in (CS.PREEMPTING, CS.PREEMPTED) for s in states):
+                    obliged = obliged or all(s is CS.PREEMPTED for s in states)
+                    if free_d and dead != "P":
+                        out.append(("reissue", k))
+                if sc.aborts and not aborted and any(
+                        s is not None and s not in _TERMINAL for s in states):
+                    out.append(("abort", k))
+        if dead != "P":
+            for k, (status, _blocks, _rel, aborted) in enumerate(pinc):
+                if status == P_PREFILL:
+                    obliged = True
+                    if free_p:
+                        out.append(("prefill", k))
+                if sc.prefill_aborts and not aborted and status in (P_PREFILL, P_HELD):
+                    out.append(("pabort", k))
+        if not dead:
+            out.extend(("kill", e) for e in sc.deaths)
+        # Timers fire in time order: only the endpoints due first may fire.
+        best: float | None = None
+        due: list[int] = []
+        for i, sid in enumerate(ids):
+            if dead and (i < self.np) == (dead == "P"):
+                continue
+            d = self.info(i, sid).deadline
+            if d is None:
+                continue
+            if best is None or d < best:
+                best, due = d, [i]
+            elif d == best:
+                due.append(i)
+        if best is not None:
+            at = max(now, best)
+            if not (obliged and at > sc.horizon_s) and all(
+                    it[-1] + sc.max_write_s >= at for it in flight if it[0] != FRAME):
+                out.extend(("tick", i) for i in due)
+        return out
+
+    def apply(self, state: State, step: Step) -> State:
+        """Run ``step`` from ``state`` (endpoints loaded); return the next state.
+
+        Raises :class:`Violation` if a promise broke on the way.
+        """
+        w = World(state[1])
+        ids = list(state[0])
+        self._step(w, step, step[0], ids)
+        self._progress(w)
+        return tuple(ids), w.freeze()
+
+    def _step(self, w: World, step: Step, kind: str, ids: list[int]) -> None:
+        sc = self.scope
+        if kind in ("deliver", "dup", "drop", "land", "wfail", "complete"):
+            item = step[1]
+            if kind == "dup":
+                w.flight.append(item)
+                w.dups -= 1
+                if self.log is not None:
+                    self._say(f"the network duplicates {self._item(item)}")
+                return
+            w.flight.remove(item)
+            if kind == "drop":
+                w.drops -= 1
+                w.lossy = w.faulted = True
+                if self.log is not None:
+                    self._say(f"the network drops {self._item(item)}")
+            elif kind == "deliver":
+                _, dst_e, dst_r, src_e, src_r, frame, _sent = item
+                i = dst_r if dst_e == "P" else self.np + dst_r
+                msg = self.message(frame)
+                if self.log is not None:
+                    self._say(f"{dst_e}{dst_r} receives {brief(msg)} from {src_e}{src_r}")
+                if dst_e == "P":
+                    self._timing(w, dst_r, src_r, msg)
+                self._run(w, ids, i, ("m", frame, w.now), lambda ep: ep.receive(msg, w.now))
+            elif kind in ("land", "wfail"):
+                if kind == "wfail":
+                    w.faulted = True
+                self._land(w, item, ok=kind == "land")
+            else:
+                _, p, d, attempt, inc, ok, _sent = item
+                if self.log is not None:
+                    self._say(f"P{p} learns its write of a{attempt} to D{d} "
+                              + ("completed" if ok else "failed"))
+                kw = {"incarnation": inc} if HAS_INCARNATION else {}
+                self._run(w, ids, p, ("c", attempt, inc, d, ok, w.now),
+                          lambda ep: ep.write_completed(TID, attempt, Peer("D", d), ok, w.now,
+                                                        **kw))
+            return
+        if kind == "tick":
+            i = step[1]
+            d = self.info(i, ids[i]).deadline
+            assert d is not None
+            at = max(w.now, d)
+            if at > sc.time_limit_s:
+                raise Violation("liveness", f"{self._name(i)} still has a timer due at "
+                                f"t={at:g}, past the scope's time limit")
+            if at >= sc.window_s:
+                w.faulted = True  # a window may have passed: failures are expected now
+            if self.log is not None:
+                self._say(f"t={at:g}: {self._name(i)}'s timer fires")
+            if at > w.now:
+                kept = [it for it in w.flight if it[0] != FRAME or it[-1] + sc.max_transit_s >= at]
+                if len(kept) != len(w.flight):
+                    w.lossy = w.faulted = True
+                    if self.log is not None:
+                        self._say(f"  (frames older than {sc.max_transit_s:g} s are lost)")
+                w.flight = kept
+                w.now = at
+            self._run(w, ids, i, ("t", w.now), lambda ep: ep.handle_timer(w.now))
+            return
+        if kind == "kill":
+            self._kill(w, step[1], ids)
+            return
+        k = step[1]
+        if kind in ("register", "reissue"):
+            self._allocate(w, k, ids, reissue=kind == "reissue")
+        elif kind == "preempt":
+            w.faulted = True  # a reissue may find the source gone: failure is allowed
+            if self.log is not None:
+                self._say(f"D preempts t#{k}")
+            for c in range(self.nd):
+                self._run(w, ids, self.np + c, ("preempt", w.now),
+                          lambda ep: ep.preempt(TID, w.now))
+        elif kind == "abort":
+            w.cinc[k].aborted = True
+            w.faulted = True
+            if self.log is not None:
+                self._say(f"D aborts t#{k}")
+            for c in range(self.nd):
+                i = self.np + c
+                if self.info(i, ids[i]).state not in (None, *_TERMINAL):
+                    self._run(w, ids, i, ("abort", w.now), lambda ep: ep.abort(TID, w.now))
+        elif kind == "prefill":
+            pi = w.pinc[k]
+            blocks = self._take(w.p_owner, k)
+            pi.status, pi.blocks = P_HELD, blocks
+            for r in range(self.np):
+                w.leases[r, k] = w.now + sc.lease_s
+            if self.log is not None:
+                self._say(f"P finishes the prefill of t#{k} into source blocks {list(blocks)}")
+            for r in range(self.np):
+                self._run(w, ids, r, ("prefill", k, blocks, w.now),
+                          lambda ep: ep.prefill_finished(TID, blocks, 1, w.now, **self._inc(k)))
+        elif kind == "pabort":
+            pi = w.pinc[k]
+            pi.aborted = True
+            w.faulted = True
+            if pi.status == P_PREFILL:
+                pi.status = P_OVER
+            if self.log is not None:
+                self._say(f"P aborts the request of t#{k}")
+            for r in range(self.np):
+                self._run(w, ids, r, ("pabort", k, w.now),
+                          lambda ep: ep.prefill_aborted(TID, w.now, **self._inc(k)))
+        else:  # pragma: no cover
+            raise AssertionError(step)
+
+    @staticmethod
+    def _take(owner: list[Any], tag: Any) -> tuple[int, ...]:
+        b = owner.index(None)  # the lowest free block: freed blocks are reused at once
+        owner[b] = tag
+        return (b,)
+
+    def _allocate(self, w: World, k: int, ids: list[int], *, reissue: bool) -> None:
+        ci = w.cinc[k]
+        a = len(ci.allocs)
+        blocks = self._take(w.d_owner, (k, a))
+        for key in [key for key in w.content if key[1] in blocks]:
+            del w.content[key]  # fresh blocks hold nothing of ours
+        ci.allocs = (*ci.allocs, blocks)
+        if reissue:
+            if self.log is not None:
+                self._say(f"D reissues t#{k} as attempt {a} into blocks {list(blocks)}")
+        else:
+            ci.status = C_LIVE
+            if self.log is not None:
+                self._say(f"D registers t#{k} into blocks {list(blocks)}")
+        for c in range(self.nd):
+            i = self.np + c
+            if reissue:
+                self._run(w, ids, i, ("reissue", blocks, w.now),
+                          lambda ep: ep.reissue(TID, blocks, w.now))
+            else:
+                self._run(w, ids, i, ("register", k, blocks, w.now),
+                          lambda ep: ep.register(TID, "P", blocks, 1, w.now, **self._inc(k)))
+
+    def _kill(self, w: World, engine: str, ids: list[int]) -> None:
+        w.dead = engine
+        w.lossy = w.faulted = True
+        if self.log is not None:
+            self._say(f"engine {engine} dies; the transport tells the survivors")
+        if engine == "D":  # the transport fails the writes still in flight to it
+            w.flight = [done_item(it[1], it[2], it[3], it[4], False, it[-1])
+                        if it[0] == WRITE else it for it in w.flight]
+        w.flight = [it for it in w.flight if not self._touches(it, engine)]
+        survivors = range(self.np, self.np + self.nd) if engine == "P" else range(self.np)
+        for i in survivors:
+            self._run(w, ids, i, ("died", engine, w.now), lambda ep: ep.peer_died(engine, w.now))
+
+    @staticmethod
+    def _touches(item: Item, engine: str) -> bool:
+        if item[0] == FRAME:
+            return engine in (item[1], item[3])
+        return engine == "P"  # a dead producer's writes never land nor complete
+
+    def _land(self, w: World, item: Item, *, ok: bool) -> None:
+        _, p, d, attempt, inc, src, dst, notify, data, _sent = item
+        k = data
+        if self.log is not None:
+            self._say(f"P{p}'s write of t#{k} a{attempt} into D{d} blocks {list(dst)} "
+                      + ("lands" if ok else "fails (some bytes may land)"))
+        pi = w.pinc[k]
+        if p in pi.released or any(w.p_owner[b] != k for b in src):
+            raise Violation("source", f"P{p} wrote t#{k} from source blocks {list(src)} "
+                            "after releasing them")
+        ci = w.cinc[k] if k < len(w.cinc) else None
+        for b in dst:
+            owner = w.d_owner[b]
+            if owner != (k, attempt) or ci is None or (d, attempt) in ci.released:
+                what = ("free" if owner is None else
+                        f"released by D{d}" if owner == (k, attempt) else
+                        f"now holding t#{owner[0]} attempt {owner[1]}")
+                kind = "incarnation" if owner is not None and owner[0] != k else "reuse"
+                raise Violation(kind, f"P{p}'s write of t#{k} attempt {attempt} landed in "
+                                f"D{d} block {b}, which is {what}")
+            w.content[d, b, p] = (k, attempt) if ok else (-1, attempt)
+        if ok:
+            w.flight.append(frame_item(("D", d), ("P", p), notify, w.now))
+        w.flight.append(done_item(p, d, attempt, inc, ok, w.now))
+
+    # ---------------------------------------------------------------- actions
+
+    def _name(self, i: int) -> str:
+        return f"P{i}" if i < self.np else f"D{i - self.np}"
+
+    def _run(self, w: World, ids: list[int], i: int, key: tuple[Any, ...], call: Any) -> None:
+        """Give endpoint ``i`` (in snapshot ``ids[i]``) one input, named by ``key``."""
+        mkey = (i, ids[i], *key)
+        got = self.memo.get(mkey)
+        if got is None:
+            self.snaps.load(i, ids[i])
+            try:
+                actions = call(self.endpoints[i])
+                got = (self.snaps.save(i), actions)
+            except PushKVError as exc:
+                got = Violation("refused", f"{self._name(i)} refused a legal call: {exc}")
+            except Exception as exc:
+                got = Violation("crash", f"{self._name(i)} raised {exc!r}")
+            if isinstance(got, Violation):
+                self.snaps.invalidate(i)
+            self.memo[mkey] = got
+        if isinstance(got, Violation):
+            raise got
+        ids[i] = got[0]
+        self._actions(w, i, got[1])
+
+    def _actions(self, w: World, i: int, actions: list[Action]) -> None:
+        src = ("P", i) if i < self.np else ("D", i - self.np)
+        for a in actions:
+            if self.log is not None:
+                self._say(f"  -> {self._name(i)}: {self._action(a)}")
+            if isinstance(a, SendMessage):
+                if a.peer.engine_id != w.dead:
+                    w.flight.append(frame_item(a.peer, src, encode(a.message), w.now))
+            elif isinstance(a, IssueWrite):
+                self._issue(w, i, a)
+            elif isinstance(a, ReleaseSource):
+                self._release_source(w, i, a)
+            elif isinstance(a, ReleaseDestination):
+                self._release_destination(w, i - self.np, a)
+            elif isinstance(a, TransferReady | TransferFailed | TransferCancelled):
+                self._outcome(w, i - self.np, a)
+            elif isinstance(a, Rejected):
+                if self.check_rejects:
+                    raise Violation("rejected", f"{self._name(i)} rejected a correct peer's "
+                                    f"message: {a.error}")
+            elif type(a).__name__ == "Connect":
+                raise Violation("handshake", f"{self._name(i)} asks to connect to a peer it "
+                                "handshook with")
+            else:
+                raise Violation("action", f"{self._name(i)} emitted unexpected {a!r}")
+
+    def _issue(self, w: World, p: int, a: IssueWrite) -> None:
+        d = a.peer.rank
+        src = touched(a.plan, self.p_stride, 0)
+        dst = touched(a.plan, self.d_stride, 1)
+        data = next((k for k, pi in enumerate(w.pinc)
+                     if pi.status == P_HELD and pi.blocks == src and p not in pi.released), -1)
+        if data < 0:
+            raise Violation("source", f"P{p} started a write of attempt {a.attempt} from "
+                            f"source blocks {list(src)} it does not hold")
+        inc = getattr(a, "incarnation", 0)
+        if w.now >= w.leases.get((p, data), 0.0):
+            raise Violation("lease", f"P{p} started a write of t#{data} attempt {a.attempt} "
+                            f"at t={w.now:g}, after its source's lease ended")
+        if w.now > w.windows.get((p, d, a.attempt, data), w.now):
+            raise Violation("window", f"P{p} started a write of t#{data} attempt {a.attempt} "
+                            f"at t={w.now:g}, after the registration's window")
+        if w.dead == "D":
+            w.flight.append(done_item(p, d, a.attempt, inc, False, w.now))
+            return
+        w.flight.append(write_item(p, d, a.attempt, getattr(a, "incarnation", 0), src, dst,
+                                   encode(a.notify), data, w.now))
+
+    def _release_source(self, w: World, p: int, a: ReleaseSource) -> None:
+        blocks = tuple(a.block_ids)
+        k = self._k_of(a, w, blocks, side="P")
+        pi = w.pinc[k] if 0 <= k < len(w.pinc) else None
+        if pi is None or pi.blocks != blocks or pi.status != P_HELD:
+            raise Violation("source", f"P{p} released source blocks {list(blocks)} it does "
+                            "not hold")
+        if p in pi.released:
+            raise Violation("source", f"P{p} released the source of t#{k} twice")
+        pi.released = pi.released | {p}
+        w.leases.pop((p, k), None)
+
+    def _timing(self, w: World, p: int, d: int, msg: Message) -> None:
+        """Track, generously, when each lease and write window ends (rule 5)."""
+        if isinstance(msg, Register):
+            k = msg.incarnation - 1 if HAS_INCARNATION else self._k_of(msg, w)
+            key = (p, d, msg.attempt, k)
+            if key not in w.windows:  # the first copy to arrive is the one adopted
+                w.windows[key] = w.now + msg.window_ms / 1000.0
+        elif isinstance(msg, Heartbeat):
+            sc = self.scope
+            for item in msg.transfers:
+                k = int(item[2]) - 1 if len(item) > 2 else self._k_of(msg, w)
+                lease = w.leases.get((p, k))
+                if lease is not None and w.now < lease:
+                    w.leases[p, k] = max(lease, w.now + sc.lease_s * self.renew)
+
+    def _release_destination(self, w: World, d: int, a: ReleaseDestination) -> None:
+        blocks = tuple(a.block_ids)
+        k = self._k_of(a, w)
+        if not HAS_INCARNATION:  # the incarnation whose attempt holds these blocks
+            k = next((j for j, c in enumerate(w.cinc) if a.attempt < len(c.allocs)
+                      and c.allocs[a.attempt] == blocks and (d, a.attempt) not in c.released
+                      and a.attempt not in c.freed), k)
+        ci = w.cinc[k]
+        if a.attempt >= len(ci.allocs) or ci.allocs[a.attempt] != blocks:
+            raise Violation("destination", f"D{d} released blocks {list(blocks)} of t#{k} "
+                            f"attempt {a.attempt}, which it was not given")
+        if (d, a.attempt) in ci.released:
+            raise Violation("destination", f"D{d} released t#{k} attempt {a.attempt} twice")
+        ci.released = ci.released | {(d, a.attempt)}
+
+    def _outcome(self, w: World, d: int, a: TransferReady | TransferFailed | TransferCancelled
+                 ) -> None:
+        k = self._k_of(a, w)
+        ci = w.cinc[k]
+        kind = {TransferReady: "ready", TransferFailed: "failed",
+                TransferCancelled: "cancelled"}[type(a)]
+        if ci.status != C_LIVE or ci.outcomes[d] is not None:
+            raise Violation("outcome", f"D{d} reported t#{k} {kind} (attempt {a.attempt}) "
+                            f"after {ci.outcomes[d] or 'its end'}")
+        cur = len(ci.allocs) - 1
+        if a.attempt != cur:
+            raise Violation("stale", f"D{d} reported t#{k} {kind} for attempt {a.attempt}; "
+                            f"the current attempt is {cur}")
+        if kind == "ready":
+            for b in ci.allocs[cur]:
+                for p in sorted(self.writers[d]):
+                    got = w.content.get((d, b, p))
+                    if got != (k, cur):
+                        had = ("nothing" if got is None else "a failed write" if got[0] < 0
+                               else f"t#{got[0]} attempt {got[1]}")
+                        raise Violation("bytes", f"D{d} declared t#{k} attempt {cur} READY but "
+                                        f"block {b} holds {had} from P{p}")
+        elif not w.faulted:
+            reason = getattr(a, "reason", "")
+            raise Violation("progress", f"D{d} reports t#{k} {kind} ({reason}) though nothing "
+                            "went wrong: no fault, no abort, no deadline")
+        outs = list(ci.outcomes)
+        outs[d] = (kind, a.attempt)
+        ci.outcomes = tuple(outs)
+
+    def _progress(self, w: World) -> None:
+        """Engine bookkeeping after a step: ends of incarnations, blocks back to the pools."""
+        for ci in w.cinc:
+            if ci.status == C_LIVE and (w.dead == "D" or all(o is not None for o in ci.outcomes)):
+                ci.status = C_OVER
+            if ci.status == C_IDLE or w.dead == "D":
+                continue
+            for a, blocks in enumerate(ci.allocs):
+                if a in ci.freed:
+                    continue
+                if all((d, a) in ci.released or (ci.status == C_OVER and ci.outcomes[d] ==
+                                                 ("ready", a)) for d in range(self.nd)):
+                    ci.freed = ci.freed | {a}
+                    for b in blocks:
+                        w.d_owner[b] = None
+        for k, pi in enumerate(w.pinc):
+            if pi.status == P_HELD and len(pi.released) == self.np:
+                pi.status = P_OVER
+                for b in pi.blocks:
+                    w.p_owner[b] = None
+            if pi.status == P_WAIT and (k == 0 or w.pinc[k - 1].status == P_OVER):
+                pi.status = P_PREFILL
+
+    # ------------------------------------------------------------- invariants
+
+    def check_state(self, state: State) -> None:
+        """What must hold in every reachable state."""
+        ids, f = state
+        dead = f[4]
+        d_owner, p_owner = f[9], f[10]
+        if dead != "D":
+            for c in range(self.nd):
+                for b in self.info(self.np + c, ids[self.np + c]).lent:
+                    if d_owner[b] is None:
+                        raise Violation("reuse", f"D{c} still lends block {b}, which its "
+                                        "engine already took back")
+        if dead != "P":
+            for r in range(self.np):
+                got = self.info(r, ids[r])
+                if got.pending > 64:
+                    raise Violation("bounds", f"P{r} holds too many registrations")
+                for blocks in got.held:
+                    if any(p_owner[b] is None for b in blocks):
+                        raise Violation("source", f"P{r} holds source blocks {list(blocks)} "
+                                        "its engine already took back")
+        if not f[5] and not f[1]:
+            self._check_prompt(ids, f)
+
+    def _check_prompt(self, ids: tuple[int, ...], f: Frozen) -> None:
+        """Nothing in flight, nothing lost: every known answer must have been given."""
+        cinc, pinc = f[7], f[8]
+        owed = False
+        for k, ci in enumerate(cinc):
+            if ci[0] == C_IDLE or pinc[k][0] in (P_WAIT, P_PREFILL):
+                owed = owed or ci[0] == C_LIVE
+                continue  # the producer still owes its prefill
+            if ci[0] == C_LIVE:
+                for c in range(self.nd):
+                    s = self.c_state(c, ids[self.np + c])
+                    if s in _WAITING:
+                        raise Violation("prompt", f"D{c} waits in {s.name} for t#{k} with "
+                                        "nothing in flight: only a timer can end the wait")
+            elif pinc[k][0] == P_HELD:
+                held = sorted(set(range(self.np)) - pinc[k][2])
+                raise Violation("prompt", f"P{held[0]} still holds the source of t#{k} after "
+                                "every consumer rank learned its outcome, with nothing in "
+                                "flight: only its lease will free it")
+        if owed:
+            return
+        for c in range(self.nd):
+            lent = self.info(self.np + c, ids[self.np + c]).lent
+            if lent:
+                raise Violation("prompt", f"D{c} still lends blocks {list(lent)} with nothing "
+                                "in flight: only a timer can free them")
+
+    def check_final(self, state: State) -> None:
+        """Nothing can happen any more: everything must have ended and been freed."""
+        ids, f = state
+        dead, cinc, pinc = f[4], f[7], f[8]
+        if dead != "D":
+            for k, ci in enumerate(cinc):
+                if ci[0] == C_LIVE:
+                    raise Violation("final", f"t#{k} never ended on the consumer: outcomes "
+                                    f"{list(ci[3])}")
+                if ci[0] == C_IDLE and (k == 0 or cinc[k - 1][0] == C_OVER) and dead != "P":
+                    raise Violation("final", f"t#{k} could never be registered: no free block")
+                if len(ci[5]) != len(ci[1]):
+                    raise Violation("final", f"blocks of t#{k} never went back to the pool")
+            for c in range(self.nd):
+                self._final_endpoint(f"D{c}", self.info(self.np + c, ids[self.np + c]))
+        if dead != "P":
+            for k, pi in enumerate(pinc):
+                if pi[0] in (P_PREFILL, P_HELD):
+                    raise Violation("final", f"the source of t#{k} was never released "
+                                    f"(status {pi[0]}, released by {sorted(pi[2])})")
+            for r in range(self.np):
+                got = self.info(r, ids[r])
+                self._final_endpoint(f"P{r}", got)
+                if got.writes:
+                    raise Violation("final", f"P{r} still thinks writes are in flight")
+
+    @staticmethod
+    def _final_endpoint(name: str, got: EpInfo) -> None:
+        if got.lent or got.held:
+            raise Violation("final", f"{name} still holds blocks {got.lent or got.held}")
+        if got.transfers:
+            raise Violation("final", f"{name} still tracks {got.transfers} transfer(s)")
+        if got.deadline is not None:
+            raise Violation("final", f"{name} still has a timer at t={got.deadline:g}")
+
+    # ------------------------------------------------------------- describing
+
+    def _item(self, item: Item) -> str:
+        if item[0] == FRAME:
+            return f"{brief(self.message(item[5]))} {item[3]}{item[4]} -> {item[1]}{item[2]}"
+        if item[0] == WRITE:
+            return f"P{item[1]}'s write of t#{item[8]} a{item[3]} to D{item[2]}"
+        return f"the completion of P{item[1]}'s write of a{item[3]} to D{item[2]}"
+
+    def _action(self, a: Action) -> str:
+        if isinstance(a, SendMessage):
+            return f"send {brief(a.message)} to {a.peer.engine_id}{a.peer.rank}"
+        if isinstance(a, IssueWrite):
+            return (f"IssueWrite(a{a.attempt} to D{a.peer.rank} blocks "
+                    f"{list(touched(a.plan, self.d_stride, 1))})")
+        return repr(a)
+
+    def describe(self, step: Step) -> str:
+        """One line for a step, before it runs."""
+        kind = step[0]
+        if kind in ("deliver", "dup", "drop", "land", "wfail", "complete"):
+            return f"{kind} {self._item(step[1])}"
+        if kind == "tick":
+            return f"timer of {self._name(step[1])}"
+        if kind == "kill":
+            return f"engine {step[1]} dies"
+        return f"{kind} t#{step[1]}"

@@ -1,0 +1,143 @@
+"""What one run of the model checker explores: a :class:`Scope`, and the named scopes.
+
+A scope fixes the engines (tensor parallelism on each side, KV heads), how many
+times one transfer id is used (incarnations, one after the other), how many
+attempts each use may take (preempt then reissue), and which faults the
+network and the engines may inject: dropped and duplicated frames, failed
+writes, engines that die, aborts on either side. Every timeout is a small
+whole number of seconds, so times stay exact and few.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .config import ConsumerConfig, ProducerConfig
+from .errors import ConfigError
+from .layout import RankInfo, uniform_ranks
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scope:
+    """The bounds of one exhaustive exploration."""
+
+    name: str = field(default="custom", metadata={"help": "shown in reports"})
+    p_tp: int = field(default=1, metadata={"help": "producer tensor-parallel size"})
+    d_tp: int = field(default=1, metadata={"help": "consumer tensor-parallel size"})
+    kv_heads: int = field(
+        default=0, metadata={"help": "KV heads of the model; 0: max(p_tp, d_tp) (split)"}
+    )
+    incarnations: int = field(default=1, metadata={"help": "uses of the one transfer id"})
+    attempts: int = field(default=1, metadata={"help": "attempts per use (preempt+reissue)"})
+    drops: int = field(default=0, metadata={"help": "frames the network may drop per path"})
+    dups: int = field(default=0, metadata={"help": "frames the network may duplicate per path"})
+    deaths: tuple[str, ...] = field(
+        default=(), metadata={"help": "engines that may die: 'P', 'D' (one death per path)"}
+    )
+    write_errors: bool = field(default=False, metadata={"help": "writes may fail"})
+    aborts: bool = field(default=True, metadata={"help": "the consumer engine may abort"})
+    prefill_aborts: bool = field(
+        default=False, metadata={"help": "the producer engine may abort a request"}
+    )
+    heartbeats: bool = field(default=True, metadata={"help": "consumers renew leases"})
+    d_blocks: int = field(default=2, metadata={"help": "consumer block pool (reused at once)"})
+    p_blocks: int = field(default=1, metadata={"help": "producer block pool (reused at once)"})
+    window_s: float = 4.0
+    grace_s: float = 3.0
+    lease_s: float = 6.0
+    heartbeat_s: float = 3.0
+    orphan_ttl_s: float = 8.0
+    max_transit_s: float = field(
+        default=1.0, metadata={"help": "a frame older than this is lost (timing assumption)"}
+    )
+    max_write_s: float = field(
+        default=1.0, metadata={"help": "a write lands and completes within this"}
+    )
+    horizon_s: float = field(
+        default=16.0,
+        metadata={"help": "past this time, engines act on what they owe before a timer fires"},
+    )
+    time_limit_s: float = field(
+        default=64.0, metadata={"help": "a timer still due past this is a liveness violation"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.incarnations < 1 or self.attempts < 1:
+            raise ConfigError("a scope needs at least one incarnation and one attempt")
+        if not set(self.deaths) <= {"P", "D"}:
+            raise ConfigError(f"deaths must name 'P' or 'D', got {self.deaths!r}")
+        if self.max_transit_s + self.max_write_s >= self.grace_s:
+            raise ConfigError("the fence grace must exceed transit plus the longest write")
+        if self.d_blocks < 1 or self.p_blocks < 1:
+            raise ConfigError("block pools must hold at least one block")
+
+    @property
+    def heads(self) -> int:
+        return self.kv_heads or max(self.p_tp, self.d_tp)
+
+    def ranks(self) -> tuple[list[RankInfo], list[RankInfo]]:
+        """Producer and consumer ranks: one layer, one token per block, one block each."""
+        def ranks(engine: str, tp: int, blocks: int) -> list[RankInfo]:
+            return uniform_ranks(engine, tp=tp, num_blocks=blocks, num_layers=1,
+                                 num_kv_heads=self.heads, head_dim=1, dtype_bytes=1,
+                                 block_size=1)
+
+        return ranks("P", self.p_tp, self.p_blocks), ranks("D", self.d_tp, self.d_blocks)
+
+    def producer_config(self) -> ProducerConfig:
+        return ProducerConfig(lease_s=self.lease_s, orphan_ttl_s=self.orphan_ttl_s,
+                              max_pending_registrations=64, max_tombstones=64)
+
+    def consumer_config(self) -> ConsumerConfig:
+        hb = self.heartbeat_s if self.heartbeats else self.horizon_s  # once, after the rest
+        return ConsumerConfig(window_s=self.window_s, fence_grace_s=self.grace_s,
+                              heartbeat_s=hb)
+
+    def describe(self) -> str:
+        faults = [f"{self.drops} drop(s)" if self.drops else "",
+                  f"{self.dups} dup(s)" if self.dups else "",
+                  f"death of {'/'.join(self.deaths)}" if self.deaths else "",
+                  "write errors" if self.write_errors else "",
+                  "consumer aborts" if self.aborts else "",
+                  "producer aborts" if self.prefill_aborts else ""]
+        return (f"P TP{self.p_tp} -> D TP{self.d_tp}, {self.heads} KV head(s), "
+                f"{self.incarnations} incarnation(s) x {self.attempts} attempt(s); "
+                + (", ".join(f for f in faults if f) or "no faults"))
+
+
+def _scopes(*scopes: Scope) -> dict[str, Scope]:
+    return {s.name: s for s in scopes}
+
+
+#: The scopes CI runs to completion, each with what it proves.
+CI_SCOPES = _scopes(
+    Scope(name="1to1", dups=1, drops=1, attempts=2, prefill_aborts=True),
+    Scope(name="1to1-faults", deaths=("P", "D"), write_errors=True, attempts=2),
+    Scope(name="1to1-reuse", incarnations=2, dups=1, prefill_aborts=True),
+    Scope(name="1to2", d_tp=2, attempts=2, dups=1),
+    Scope(name="2to1", p_tp=2, attempts=2, dups=1),
+    Scope(name="replicated", p_tp=2, kv_heads=1, attempts=2, prefill_aborts=True),
+    Scope(name="replicated-reuse", p_tp=2, kv_heads=1, incarnations=2, deaths=("D",)),
+)
+
+#: Deeper scopes for the benchmark and for people with time.
+DEEP_SCOPES = _scopes(
+    Scope(name="1to1-deep", attempts=3, dups=1, drops=1, prefill_aborts=True,
+          write_errors=True, deaths=("P", "D")),
+    Scope(name="1to1-reuse-deep", incarnations=2, attempts=2, dups=1, drops=1,
+          prefill_aborts=True),
+    Scope(name="2to1-deep", p_tp=2, attempts=2, dups=1, drops=1, prefill_aborts=True),
+    Scope(name="1to2-deep", d_tp=2, attempts=2, dups=1, drops=1, prefill_aborts=True),
+    Scope(name="replicated-deep", p_tp=2, kv_heads=1, incarnations=2, attempts=2, dups=1),
+)
+
+SCOPES = {**CI_SCOPES, **DEEP_SCOPES}
+
+
+def scope(name: str, **overrides: object) -> Scope:
+    """A named scope, with fields overridden (e.g. ``scope("1to1", dups=2)``)."""
+    try:
+        base = SCOPES[name]
+    except KeyError as exc:
+        raise ConfigError(f"unknown scope {name!r}; known: {', '.join(SCOPES)}") from exc
+    return replace(base, **overrides)  # type: ignore[arg-type]

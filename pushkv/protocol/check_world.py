@@ -1,0 +1,132 @@
+"""The world around the real endpoints: engines, a network, memory, a clock.
+
+Everything the endpoints do not own is modelled here as plain, immutable
+tuples, so that a whole world state can be hashed and stored:
+
+* the **network**: a multiset of items in flight -- control frames (really
+  encoded), writes posted by a producer rank and their completions. Any item
+  may be delivered next; a frame may also be duplicated or dropped, within the
+  scope's budgets. A write *lands* (its bytes and then its notification frame)
+  or fails, then completes on the producer.
+* the **engines**: one consumer engine ``D`` and one producer engine ``P``,
+  each with a block pool that hands freed blocks out again at once (lowest id
+  first), and the life of each *incarnation* (use) of the transfer id ``t``.
+* **memory**, abstractly: for every (consumer rank, block, writer rank), which
+  (incarnation, attempt) last wrote it. READY must find every expected slice
+  written by the current incarnation and attempt, after the blocks were
+  allocated.
+* the **clock**: it only moves to the next deadline an endpoint reports,
+  firing that endpoint's timers; frames older than ``max_transit_s`` are lost
+  and writes land within ``max_write_s`` (the protocol's timing assumption).
+
+The frozen world is the tuple :data:`Frozen`; :class:`World` is its mutable
+twin used while one step runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .check_scope import Scope
+
+TID = "t"
+
+# Consumer incarnation status
+C_IDLE, C_LIVE, C_OVER = 0, 1, 2
+# Producer incarnation status
+P_WAIT, P_PREFILL, P_HELD, P_OVER = 0, 1, 2, 3
+
+# Item kinds in flight (sorted first by kind)
+FRAME, WRITE, DONE = 0, 1, 2
+
+#: (kind, ...) -- see :func:`frame_item`, :func:`write_item`, :func:`done_item`.
+Item = tuple[Any, ...]
+Frozen = tuple[Any, ...]
+
+
+def frame_item(dst: tuple[str, int], src: tuple[str, int], frame: bytes, sent: float) -> Item:
+    return (FRAME, dst[0], dst[1], src[0], src[1], frame, sent)
+
+
+def write_item(p_rank: int, d_rank: int, attempt: int, inc: int, src_blocks: tuple[int, ...],
+               dst_blocks: tuple[int, ...], notify: bytes, data: int, sent: float) -> Item:
+    """A posted write: ``data`` is the incarnation whose prefill fills the source blocks."""
+    return (WRITE, p_rank, d_rank, attempt, inc, src_blocks, dst_blocks, notify, data, sent)
+
+
+def done_item(p_rank: int, d_rank: int, attempt: int, inc: int, ok: bool, sent: float) -> Item:
+    return (DONE, p_rank, d_rank, attempt, inc, ok, sent)
+
+
+class CInc:
+    """The consumer engine's view of one incarnation."""
+
+    __slots__ = ("aborted", "allocs", "freed", "outcomes", "released", "status")
+
+    def __init__(self, status: int, allocs: tuple[tuple[int, ...], ...],
+                 released: frozenset[tuple[int, int]], outcomes: tuple[Any, ...],
+                 aborted: bool, freed: frozenset[int]) -> None:
+        self.status = status
+        self.allocs = allocs  # destination blocks per attempt
+        self.released = released  # (rank, attempt) released by that rank
+        self.outcomes = outcomes  # per rank: None or (kind, attempt)
+        self.aborted = aborted
+        self.freed = freed  # attempts whose blocks went back to the pool
+
+    def freeze(self) -> tuple[Any, ...]:
+        return (self.status, self.allocs, self.released, self.outcomes, self.aborted,
+                self.freed)
+
+
+class PInc:
+    """The producer engine's view of one incarnation."""
+
+    __slots__ = ("aborted", "blocks", "released", "status")
+
+    def __init__(self, status: int, blocks: tuple[int, ...], released: frozenset[int],
+                 aborted: bool) -> None:
+        self.status = status
+        self.blocks = blocks
+        self.released = released  # producer ranks that released the source
+        self.aborted = aborted
+
+    def freeze(self) -> tuple[Any, ...]:
+        return (self.status, self.blocks, self.released, self.aborted)
+
+
+class World:
+    """Mutable twin of a frozen world, for the length of one step."""
+
+    __slots__ = ("cinc", "content", "d_owner", "dead", "drops", "dups", "faulted", "flight",
+                 "leases", "lossy", "now", "p_owner", "pinc", "windows")
+
+    def __init__(self, f: Frozen) -> None:
+        (self.now, flight, self.dups, self.drops, self.dead, self.lossy, self.faulted, cinc,
+         pinc, d_owner, p_owner, content, leases, windows) = f
+        #: (producer rank, incarnation) -> when its source's lease ends, at the latest
+        self.leases: dict[tuple[int, int], float] = dict(leases)
+        #: (producer rank, consumer rank, attempt, incarnation) -> end of the write window
+        self.windows: dict[tuple[int, int, int, int], float] = dict(windows)
+        self.flight: list[Item] = list(flight)
+        self.cinc = [CInc(*c) for c in cinc]
+        self.pinc = [PInc(*p) for p in pinc]
+        self.d_owner: list[tuple[int, int] | None] = list(d_owner)
+        self.p_owner: list[int | None] = list(p_owner)
+        self.content: dict[tuple[int, int, int], tuple[int, int]] = dict(content)
+
+    def freeze(self) -> Frozen:
+        return (self.now, tuple(sorted(self.flight)), self.dups, self.drops, self.dead,
+                self.lossy, self.faulted, tuple(c.freeze() for c in self.cinc),
+                tuple(p.freeze() for p in self.pinc), tuple(self.d_owner),
+                tuple(self.p_owner), tuple(sorted(self.content.items())),
+                tuple(sorted(self.leases.items())), tuple(sorted(self.windows.items())))
+
+
+def initial(scope: Scope) -> Frozen:
+    n = scope.incarnations
+    cinc: tuple[Any, ...] = tuple(
+        (C_IDLE, (), frozenset(), (None,) * scope.d_tp, False, frozenset()) for _ in range(n))
+    pinc: tuple[Any, ...] = tuple(
+        ((P_PREFILL if k == 0 else P_WAIT), (), frozenset(), False) for k in range(n))
+    return (0.0, (), scope.dups, scope.drops, "", False, False, cinc, pinc,
+            (None,) * scope.d_blocks, (None,) * scope.p_blocks, (), (), ())

@@ -1,0 +1,178 @@
+"""The model checker can fail: each test injects one known bug into the real
+endpoints (a table row or a method, patched for the test alone) and expects the
+checker to find it, on its own, with a trace.
+
+Each mutation names the scope that can reach the bug and the kind of broken
+promise it must show; the search stops at the first violation of that kind.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pushkv.protocol import consumer as consumer_module
+from pushkv.protocol import producer as producer_module
+from pushkv.protocol import producer_messages, records, states
+from pushkv.protocol.check import Scope, explore
+from pushkv.protocol.states import (
+    ConsumerEffect,
+    ConsumerInput,
+    ConsumerState,
+    ProducerEffect,
+    ProducerInput,
+    ProducerState,
+    SourceInput,
+)
+
+C, CI, CE = ConsumerState, ConsumerInput, ConsumerEffect
+P, PI, PE = ProducerState, ProducerInput, ProducerEffect
+Consumer, Producer = consumer_module.Consumer, producer_module.Producer
+
+ONE = Scope(name="1to1", heartbeats=False, prefill_aborts=True)
+TWO_ATTEMPTS = Scope(name="1to1x2", attempts=2, heartbeats=False)
+REUSE = Scope(name="reuse", incarnations=2, dups=1, heartbeats=False, aborts=False)
+TWO_TO_ONE = Scope(name="2to1", p_tp=2, dups=1, heartbeats=False, aborts=False)
+TWO_TO_ONE_ABORTS = Scope(name="2to1-aborts", p_tp=2, heartbeats=False)
+REPLICATED = Scope(name="replicated", p_tp=2, kv_heads=1, heartbeats=False, aborts=False)
+
+
+def stale_incarnation_counted(mp: pytest.MonkeyPatch) -> None:
+    """The consumer matches producer messages on the transfer id alone."""
+    orig = Consumer._from_producer
+
+    def mutated(self, msg, inp, now):
+        t = self._transfers.get(msg.transfer_id)
+        if t is not None:
+            msg = msgspec.structs.replace(msg, incarnation=t.inc)
+        return orig(self, msg, inp, now)
+
+    mp.setattr(Consumer, "_from_producer", mutated)
+
+
+def silent_rank_holds_source(mp: pytest.MonkeyPatch) -> None:
+    """A producer rank that writes nothing ignores the consumer's Skip."""
+    mp.setattr(producer_module, "on_skip", lambda p, msg, now: [])
+
+
+def write_after_lease(mp: pytest.MonkeyPatch) -> None:
+    """The lease neither ends the source nor stops a write from starting."""
+    orig_source, orig_write = Producer._source, Producer._write
+
+    def source(self, t, inp, now):
+        return [] if inp is SourceInput.LEASE_EXPIRED else orig_source(self, t, inp, now)
+
+    def write(self, t, leg, now):
+        lease, t.lease = t.lease, float("inf")
+        try:
+            return orig_write(self, t, leg, now)
+        finally:
+            t.lease = lease
+
+    mp.setattr(Producer, "_source", source)
+    mp.setattr(Producer, "_write", write)
+
+
+def write_after_window(mp: pytest.MonkeyPatch) -> None:
+    """The producer forgets a registration's window: no deadline, no check at the start."""
+    mp.setitem(states.PRODUCER_TABLE, (P.REGISTERED, PI.DEADLINE), (PE.NONE, P.REGISTERED))
+    orig = Producer._write
+
+    def write(self, t, leg, now):
+        deadline, leg.reg.deadline = leg.reg.deadline, float("inf")
+        try:
+            return orig(self, t, leg, now)
+        finally:
+            if leg.reg is not None:
+                leg.reg.deadline = deadline
+
+    mp.setattr(Producer, "_write", write)
+
+
+def known_answer_waited_out(mp: pytest.MonkeyPatch) -> None:
+    """A held registration whose prefill is aborted is not told so."""
+    mp.setitem(states.PRODUCER_TABLE, (P.REGISTERED, PI.KV_ABORTED), (PE.NONE, P.FAILED))
+
+
+def registration_dropped_as_stale(mp: pytest.MonkeyPatch) -> None:
+    """A registration reaching a released source is dropped instead of failed."""
+    mp.setitem(states.PRODUCER_TABLE, (P.GONE, PI.REGISTER), (PE.STALE, P.GONE))
+
+
+def dropped_fence(mp: pytest.MonkeyPatch) -> None:
+    """The consumer takes one rank's fence for all of them."""
+    mp.setattr(records.Attempt, "all_fenced", lambda self: bool(self.fenced))
+
+
+def double_count(mp: pytest.MonkeyPatch) -> None:
+    """A repeated notification is counted for a rank that has not notified yet."""
+    orig = Consumer._report
+
+    def report(self, t, attempt, rank, inp, now):
+        a = t.cur
+        if inp is CI.NOTIFY and attempt == a.attempt and rank in a.notified:
+            rank = next((r for r in sorted(a.expected) if r not in a.notified), rank)
+        return orig(self, t, attempt, rank, inp, now)
+
+    mp.setattr(Consumer, "_report", report)
+
+
+def write_into_reused_blocks(mp: pytest.MonkeyPatch) -> None:
+    """Preemption releases the destination at once, without waiting for the fence."""
+    mp.setitem(states.CONSUMER_TABLE, (C.REGISTERED, CI.PREEMPT), (CE.RELEASE, C.PREEMPTED))
+
+
+def ready_too_early(mp: pytest.MonkeyPatch) -> None:
+    """The first notification of an attempt makes it READY."""
+    mp.setitem(states.CONSUMER_TABLE, (C.REGISTERED, CI.NOTIFY), (CE.READY, C.READY))
+
+
+def source_released_twice(mp: pytest.MonkeyPatch) -> None:
+    """Settling a released source releases it again."""
+    orig = Producer._settle
+
+    def settle(self, t, now):
+        out = orig(self, t, now)
+        return out + [a for a in out if type(a).__name__ == "ReleaseSource"]
+
+    mp.setattr(Producer, "_settle", settle)
+
+
+MUTATIONS = [
+    (stale_incarnation_counted, REUSE, "bytes"),
+    (silent_rank_holds_source, REPLICATED, "prompt"),
+    (write_after_lease, ONE, "lease"),
+    (write_after_window, ONE, "window"),
+    (known_answer_waited_out, ONE, "prompt"),
+    (registration_dropped_as_stale, ONE, "prompt"),
+    (dropped_fence, TWO_TO_ONE_ABORTS, "reuse"),
+    (double_count, TWO_TO_ONE, "bytes"),
+    (write_into_reused_blocks, TWO_ATTEMPTS, "reuse"),
+    (ready_too_early, TWO_TO_ONE, "bytes"),
+    (source_released_twice, ONE, "source"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "scope", "kind"), MUTATIONS,
+                         ids=[m[0].__name__ for m in MUTATIONS])
+def test_the_checker_finds_an_injected_bug(monkeypatch, mutate, scope, kind):
+    mutate(monkeypatch)
+    res = explore(scope, want=kind, max_states=400_000)
+    assert res.violations, f"{mutate.__name__}: no {kind} violation in {res.summary()}"
+    found = res.violations[0]
+    assert found.kind == kind
+    assert found.steps and len(found.story) >= len(found.steps)
+    assert "!!" in found.story[-1] or "!!" in "".join(found.story)
+    # The trace is the shortest: replaying one step fewer shows no such violation.
+    assert all(line.strip() for line in found.story)
+
+
+def test_every_mutation_is_a_real_bug_of_its_own():
+    """The unmutated core passes each mutation's search (else the test proves nothing)."""
+    kinds = {}
+    for mutate, scope, kind in MUTATIONS:
+        kinds.setdefault((scope.name, kind), []).append(mutate.__name__)
+    for (name, kind), muts in kinds.items():
+        scope = next(s for _, s, _ in MUTATIONS if s.name == name)
+        res = explore(scope, want=kind)
+        assert not res.violations, (muts, res.violations[0].report())
