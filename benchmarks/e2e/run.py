@@ -1,25 +1,28 @@
-"""Drive bench_e2e.sh: start each P/D deployment on this machine, run ``vllm bench
-serve`` against its router at a few request rates, write one result JSON per point.
+"""Drive bench_e2e.sh: every deployment up at once, modes alternating, latency and
+outputs checked against a plain server in the same run.
 
-Modes (one prefill server on core 0, one decode server on core 1, tiny model):
+For each iteration, every mode (rows of :data:`modes.MODES`, order rotated each
+iteration) serves the same fresh prompts twice: **sequentially** (one request
+at a time) and **concurrently** (all at once). Every request is streamed; the
+client records its latency, TTFT, TPOT and output tokens, which must equal the
+plain server's. Then, optionally (``--serve-qps``), ``vllm bench serve`` runs
+against each router mode and the plain server.
 
-* ``push``      -- pushkv: ``PushKVConnector`` on both, ``pushkv proxy`` in front.
-* ``pull``      -- vLLM's ``NixlConnector``: prefill first, then the decode reads.
-* ``vllm-push`` -- vLLM's ``NixlPushConnector``: both legs at once, the prefill writes.
-* ``plain``     -- one server without disaggregation (core 0), for reference.
-
-Result files are named ``{mode}_qps{q}_in{i}_out{o}_iter{n}.json`` (what
-``pushkv plot --results-dir`` reads). Prefix caching is off on every server so
-repeated random prompts never skip a transfer. A mode that fails to start or
-to serve is reported and skipped; the others still run.
+Output (``--out``): ``latency.json`` (every request), ``timeline/<mode>/``
+(pushkv.timeline marks of routers and clients; ``timeline/<deployment>/``: the
+servers'), ``{mode}_qps{q}_in{i}_out{o}_iter{n}.json`` of ``vllm bench serve``,
+``logs/``. The last line printed is one JSON object (see :func:`verdict`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -28,19 +31,23 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from client import Client, Result, Target  # noqa: E402
+from modes import DEFAULT_MODES, MODES, Mode, RouterArgs  # noqa: E402
+
+from pushkv import timeline  # noqa: E402
 from pushkv.vllm.testing import (  # noqa: E402
     Server,
     ServerSpec,
     free_port,
     get_text,
     kv_transfer_config,
-    post_json,
     write_tiny_llama,
     write_word_tokenizer,
 )
 
-MODES = ("push", "pull", "vllm-push", "plain")
+THROTTLE = ROOT / "benchmarks" / "e2e" / "nixl_throttle"
 
 
 def nixl_config(connector: str, role: str, engine_id: str) -> dict[str, Any]:
@@ -49,16 +56,15 @@ def nixl_config(connector: str, role: str, engine_id: str) -> dict[str, Any]:
 
 
 class Deployment:
-    """The servers and router of one mode."""
+    """The servers of one connector (or the plain server)."""
 
-    def __init__(self, mode: str, model: str, logs: Path, max_model_len: int,
-                 nixl_delay_us: int = 0) -> None:
-        self.mode, self.model, self.logs = mode, model, logs
-        self.nixl_delay_us = nixl_delay_us
+    def __init__(self, kind: str, model: str, out: Path, *, max_model_len: int,
+                 delay_us: int) -> None:
+        self.kind, self.model, self.out = kind, model, out
+        self.max_model_len, self.delay_us = max_model_len, delay_us
+        self.timeline_dir = out / "timeline" / kind
         self.servers: list[Server] = []
-        self.router: subprocess.Popen[bytes] | None = None
-        self.url = ""
-        self.max_model_len = max_model_len
+        self.side_port = 0
 
     def spec(self, cpu: int, kv: dict[str, Any] | None = None,
              env: dict[str, str] | None = None) -> ServerSpec:
@@ -67,69 +73,73 @@ class Deployment:
                           max_model_len=self.max_model_len, env=env or {})
 
     def start(self) -> None:
-        mode = self.mode
-        if mode == "plain":
-            plain = Server(self.spec(0), self.logs / "plain.log")
-            self.servers = [plain]
-            plain.start().wait_healthy()
-            self.url = plain.url
-            return
-        if mode == "push":
-            p = self.spec(0, kv_transfer_config("kv_producer", "prefill-0", free_port()))
-            d = self.spec(1, kv_transfer_config("kv_consumer", "decode-0", free_port()))
+        logs = self.out / "logs"
+        if self.kind == "plain":
+            self.servers = [Server(self.spec(0), logs / "plain.log")]
+        elif self.kind == "pushkv":
+            extra = {"progress_delay_us": self.delay_us, "timeline_dir": str(self.timeline_dir)}
+            p = self.spec(0, kv_transfer_config("kv_producer", "prefill-0", **extra))
+            d = self.spec(1, kv_transfer_config("kv_consumer", "decode-0", **extra))
+            self.servers = [Server(p, logs / "pushkv-prefill.log"),
+                            Server(d, logs / "pushkv-decode.log")]
         else:
-            connector = "NixlConnector" if mode == "pull" else "NixlPushConnector"
-            p_side, d_side = free_port(), free_port()
-            nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-            if self.nixl_delay_us:
-                throttle = str(ROOT / "benchmarks" / "e2e" / "nixl_throttle")
-                nixl_env |= {"PUSHKV_BENCH_NIXL_DELAY_US": str(self.nixl_delay_us),
-                             "PYTHONPATH": os.pathsep.join(
-                                 p for p in (throttle, str(ROOT), os.environ.get("PYTHONPATH"))
-                                 if p)}
+            connector = "NixlConnector" if self.kind == "nixl-pull" else "NixlPushConnector"
+            self.side_port = free_port()
+            env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                   "PUSHKV_BENCH_NIXL_DELAY_US": str(self.delay_us),
+                   "PUSHKV_BENCH_TIMELINE_DIR": str(self.timeline_dir),
+                   "PYTHONPATH": os.pathsep.join(
+                       p for p in (str(THROTTLE), str(ROOT), os.environ.get("PYTHONPATH"))
+                       if p)}
             p = self.spec(0, nixl_config(connector, "kv_producer", "prefill-0"),
-                          nixl_env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_side)})
+                          env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_port),
+                                 "PUSHKV_BENCH_KEEP_CORE": "0"})
             d = self.spec(1, nixl_config(connector, "kv_consumer", "decode-0"),
-                          nixl_env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_side)})
-        prefill = Server(p, self.logs / f"{mode}-prefill.log")
-        decode = Server(d, self.logs / f"{mode}-decode.log")
-        self.servers = [prefill, decode]
+                          env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                                 "PUSHKV_BENCH_KEEP_CORE": "1"})
+            self.servers = [Server(p, logs / f"{self.kind}-prefill.log"),
+                            Server(d, logs / f"{self.kind}-decode.log")]
         for s in self.servers:
             s.start()
         for s in self.servers:
             s.wait_healthy()
-        port = free_port()
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        if mode == "push":
-            cmd = [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", prefill.url,
-                   "--decode", decode.url, "--port", str(port), "--log-level", "WARNING"]
-        else:
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e" / "vllm_proxy.py"), "--mode",
-                   mode, "--prefill", prefill.url, "--decode", decode.url, "--port", str(port),
-                   "--prefill-port", p.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")]
-        with (self.logs / f"{mode}-router.log").open("ab") as out:
-            self.router = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
-        self.url = f"http://127.0.0.1:{port}"
-        end = time.monotonic() + 30
-        while True:
-            try:
-                get_text(self.url + "/health", timeout=5)
-                break
-            except OSError:
-                if time.monotonic() > end:
-                    raise RuntimeError(f"{mode} router did not come up") from None
-                time.sleep(0.2)
 
-    def warm_up(self) -> None:
-        """A few requests first (handshakes, first allocations); each must succeed."""
-        for i in range(4):
-            text = " ".join(f"w{(97 * i + 13 * j) % 990 + 5}" for j in range(64 + 40 * i))
-            status, answer = post_json(self.url + "/v1/completions", {
-                "model": self.model, "prompt": text, "max_tokens": 4, "temperature": 0,
-                "ignore_eos": True}, timeout=60)
-            if status != 200:
-                raise RuntimeError(f"{self.mode}: warm-up request failed: {status} {answer}")
+    @property
+    def prefill(self) -> Server:
+        return self.servers[0]
+
+    @property
+    def decode(self) -> Server:
+        return self.servers[-1]
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+class Endpoint:
+    """A mode ready to serve: its target, and its router process if any."""
+
+    def __init__(self, mode: Mode, dep: Deployment, out: Path) -> None:
+        self.mode, self.dep = mode, dep
+        self.timeline_dir = out / "timeline" / mode.name
+        self.router: subprocess.Popen[bytes] | None = None
+        dispatch = mode.client_dispatch
+        url = dep.decode.url
+        if mode.router is not None:
+            port = free_port()
+            cmd = mode.router(RouterArgs(
+                prefill_url=dep.prefill.url, decode_url=dep.decode.url, port=port,
+                prefill_side_port=dep.side_port, timeline_dir=str(self.timeline_dir)))
+            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            with (out / "logs" / f"{mode.name}-router.log").open("ab") as log:
+                self.router = subprocess.Popen(cmd, env=env, stdout=log,
+                                               stderr=subprocess.STDOUT,
+                                               start_new_session=True)
+            url = f"http://127.0.0.1:{port}"
+            wait_up(url, mode.name)
+        self.target = Target(url=url, dispatch=dispatch, prefill_url=dep.prefill.url,
+                             prefill_side_port=dep.side_port)
 
     def stop(self) -> None:
         if self.router is not None and self.router.poll() is None:
@@ -139,12 +149,103 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 os.killpg(self.router.pid, signal.SIGKILL)
                 self.router.wait(5)
-        for s in self.servers:
-            s.stop()
 
 
-def bench(url: str, model: str, out: Path, name: str, *, qps: str, input_len: int,
-          output_len: int, num_prompts: int, seed: int, log: Path) -> bool:
+def wait_up(url: str, name: str, timeout_s: float = 60) -> None:
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            get_text(url + "/health", timeout=5)
+            return
+        except OSError:
+            if time.monotonic() > end:
+                raise RuntimeError(f"{name}: router did not come up") from None
+            time.sleep(0.2)
+
+
+def prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(5, 995) for _ in range(length)] for _ in range(n)]
+
+
+async def run_mode(client: Client, ep: Endpoint, batch: list[list[int]], max_tokens: int,
+                   concurrent: bool) -> list[Result]:
+    timeline.configure(None)
+    timeline.configure(ep.timeline_dir, f"client-{ep.mode.name}")
+    try:
+        if concurrent:
+            return list(await asyncio.gather(*(client.request(ep.target, p, max_tokens)
+                                               for p in batch)))
+        return [await client.request(ep.target, p, max_tokens) for p in batch]
+    finally:
+        timeline.configure(None)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
+    """The run's one JSON object: per-mode medians and pushkv's overhead ratios."""
+    per: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for r in records:
+        per.setdefault((r["mode"], r["load"], r["iter"]), []).append(r)
+
+    def run_medians(mode: str, load: str, key: str) -> list[float]:
+        return [median([r[key] for r in rs]) for (m, ld, _), rs in sorted(per.items())
+                if m == mode and ld == load]
+
+    out: dict[str, Any] = {}
+    lat = {(m, ld): median(run_medians(m, ld, "latency_ms")) for m in modes
+           for ld in ("seq", "conc")}
+    for load in ("seq", "conc"):
+        plain = lat.get(("plain", load), float("nan"))
+        push = lat.get(("push-client", load), float("nan")) - plain
+        vllm = lat.get(("vllm-push-client", load), float("nan")) - plain
+        out[f"overhead_ratio_vs_vllm_push_{load}"] = round(push / vllm, 3) if vllm else None
+    hops = [a - b for a, b in zip(run_medians("push", "seq", "latency_ms"),
+                                  run_medians("push-client", "seq", "latency_ms"),
+                                  strict=False)]
+    out["proxy_hop_ms"] = round(median(hops), 2) if hops else None
+    for key in ("latency_ms", "ttft_ms", "tpot_ms"):
+        out[f"median_{key}"] = {f"{m}_{ld}": round(median(run_medians(m, ld, key)), 2)
+                                for m in modes for ld in ("seq", "conc")
+                                if run_medians(m, ld, key)}
+    out["outputs_identical_to_plain"] = all(r["same_as_plain"] for r in records)
+    out["iterations"] = len({r["iter"] for r in records})
+    return out
+
+
+def latency_table(summary: dict[str, Any], modes: list[str]) -> str:
+    lines = ["| mode | load | latency (ms) | TTFT (ms) | TPOT (ms) |", "|---|---|---|---|---|"]
+    for m in modes:
+        for ld in ("seq", "conc"):
+            k = f"{m}_{ld}"
+            if k in summary["median_latency_ms"]:
+                lines.append(f"| {m} | {ld} | {summary['median_latency_ms'][k]:.1f} | "
+                             f"{summary['median_ttft_ms'][k]:.1f} | "
+                             f"{summary['median_tpot_ms'][k]:.2f} |")
+    return "\n".join(lines)
+
+
+def timeline_report(out: Path, modes: list[str]) -> str:
+    """Median / p90 of every timeline segment, per mode (router/client marks joined with
+    their deployment's server marks by request id)."""
+    stats: dict[str, dict[str, dict[str, float]]] = {}
+    for name in modes:
+        mode = MODES[name]
+        own = timeline.read(out / "timeline" / name)
+        ids = {m.transfer_id for m in own}
+        server = [m for m in timeline.read(out / "timeline" / mode.deployment)
+                  if m.transfer_id in ids]
+        segs = timeline.segments(timeline.by_request(own + server))
+        stats[name] = {k: {"median": median(v), "p90": timeline.percentile(v, 0.9),
+                           "n": len(v)} for k, v in segs.items()}
+    (out / "timeline.json").write_text(json.dumps(stats, indent=1))
+    return timeline.table(stats)
+
+
+def bench_serve(url: str, model: str, out: Path, name: str, *, qps: str, input_len: int,
+                output_len: int, num_prompts: int, seed: int, log: Path) -> bool:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e" / "bench_serve.py"),
            "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
            "--model", model, "--tokenizer", model, "--dataset-name", "random",
@@ -164,65 +265,130 @@ def bench(url: str, model: str, out: Path, name: str, *, qps: str, input_len: in
     return int(result.get("failed", 0)) == 0 and int(result.get("completed", 0)) == num_prompts
 
 
+async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str,
+                  out: Path) -> list[dict[str, Any]]:
+    names = list(eps)
+    records: list[dict[str, Any]] = []
+    rng = random.Random(args.seed)
+    async with Client(model) as client:
+        for ep in eps.values():
+            if ep.target.dispatch == "pushkv":
+                await client.discover(ep.target)
+            warm = prompts(4, args.input_len, rng)  # handshakes, first allocations
+            await run_mode(client, ep, warm[:2], 4, concurrent=False)
+            await run_mode(client, ep, warm[2:], 4, concurrent=True)
+        for it in range(args.iters):
+            order = names[it % len(names):] + names[:it % len(names)]
+            for load, n in (("seq", args.seq_requests), ("conc", args.conc_requests)):
+                batch = prompts(n, args.input_len, rng)
+                reference: list[list[int]] | None = None
+                if "plain" in eps:
+                    reference = [r.tokens for r in await run_mode(
+                        client, eps["plain"], batch, args.output_len, load == "conc")]
+                for name in order:
+                    results = await run_mode(client, eps[name], batch, args.output_len,
+                                             load == "conc")
+                    for p, r, i in zip(batch, results, range(n), strict=True):
+                        same = reference is None or r.tokens == reference[i]
+                        records.append({
+                            "mode": name, "load": load, "iter": it, "prompt_len": len(p),
+                            "latency_ms": r.latency_s * 1e3, "ttft_ms": r.ttft_s * 1e3,
+                            "tpot_ms": r.tpot_s * 1e3, "tokens": len(r.tokens),
+                            "same_as_plain": same})
+                    lat = median([r.latency_s * 1e3 for r in results])
+                    bad = sum(1 for rec in records[-n:] if not rec["same_as_plain"])
+                    print(f"[iter {it}] {name:18s} {load:4s} median {lat:7.1f} ms"
+                          + (f"  {bad} OUTPUTS DIFFER FROM PLAIN" if bad else ""), flush=True)
+    (out / "latency.json").write_text(json.dumps(records))
+    return records
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "e2e")
-    p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--qps", default="2,8,inf", help="request rates, comma separated")
-    p.add_argument("--input-len", default="128,512", help="prompt lengths, comma separated")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma separated, from: {', '.join(MODES)}")
+    p.add_argument("--iters", type=int, default=3, help="alternating rounds of every mode")
+    p.add_argument("--seq-requests", type=int, default=8)
+    p.add_argument("--conc-requests", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--num-prompts", type=int, default=24)
-    p.add_argument("--iters", type=int, default=1)
-    p.add_argument("--nixl-delay-us", type=int, default=0,
-                   help="pull / vllm-push: make NIXL's progress thread sleep this long "
-                   "between polls, as pushkv's does (0: as vLLM ships it, busy-spinning)")
+    p.add_argument("--delay-us", type=int, default=100,
+                   help="sleep of every NIXL progress thread between polls, all modes alike")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--serve-qps", default="",
+                   help="also run `vllm bench serve` at these rates (comma separated) "
+                   "against the router modes and plain; empty: skip")
+    p.add_argument("--serve-prompts", type=int, default=16)
     args = p.parse_args()
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    logs = out / "logs"
-    logs.mkdir(exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
     model = out / "tiny-llama"
     write_tiny_llama(model)
     write_word_tokenizer(model)
-    lengths = [int(x) for x in args.input_len.split(",")]
-    max_len = max(lengths) + args.output_len + 64
+    names = args.modes.split(",")
+    for name in names:
+        if name not in MODES:
+            raise SystemExit(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
+    max_len = -(-(args.input_len + args.output_len + 64) // 256) * 256
+    deps: dict[str, Deployment] = {}
+    eps: dict[str, Endpoint] = {}
     status: dict[str, str] = {}
-    for mode in args.modes.split(","):
-        if mode not in MODES:
-            raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-        dep = Deployment(mode, str(model), logs, max_model_len=-(-max_len // 256) * 256,
-                         nixl_delay_us=args.nixl_delay_us)
-        t0 = time.monotonic()
-        try:
-            dep.start()
-            dep.warm_up()
-        except Exception as exc:  # a baseline that does not run here is reported, not fatal
-            status[mode] = f"did not start or serve: {exc}"
-            print(f"[{mode}] {status[mode]}", flush=True)
+    try:
+        for kind in dict.fromkeys(MODES[n].deployment for n in names):
+            dep = Deployment(kind, str(model), out, max_model_len=max_len,
+                             delay_us=args.delay_us)
+            t0 = time.monotonic()
+            try:
+                dep.start()
+            except Exception as exc:  # a baseline that does not start is reported
+                status[kind] = f"did not start: {exc}"
+                print(f"[{kind}] {status[kind]}", flush=True)
+                dep.stop()
+                continue
+            deps[kind] = dep
+            print(f"[{kind}] up in {time.monotonic() - t0:.0f} s", flush=True)
+        for name in names:
+            dep = deps.get(MODES[name].deployment)
+            if dep is not None:
+                try:
+                    eps[name] = Endpoint(MODES[name], dep, out)
+                except Exception as exc:
+                    status[name] = f"router did not start: {exc}"
+                    print(f"[{name}] {status[name]}", flush=True)
+        records = asyncio.run(measure(args, eps, str(model), out))
+        if args.serve_qps:
+            for name, ep in eps.items():
+                if ep.target.dispatch != "router":
+                    continue
+                for qps in args.serve_qps.split(","):
+                    fname = f"{name}_qps{qps}_in{args.input_len}_out{args.output_len}_iter0.json"
+                    ok = bench_serve(ep.target.url, str(model), out, fname, qps=qps,
+                                     input_len=args.input_len, output_len=args.output_len,
+                                     num_prompts=args.serve_prompts, seed=args.seed,
+                                     log=out / "logs" / f"{name}-bench.log")
+                    print(f"[{name}] vllm bench serve qps {qps}: {'ok' if ok else 'FAILED'}",
+                          flush=True)
+                    if not ok:
+                        status[name] = f"vllm bench serve failed at qps {qps}"
+    finally:
+        for ep in eps.values():
+            ep.stop()
+        for dep in deps.values():
             dep.stop()
-            continue
-        print(f"[{mode}] up in {time.monotonic() - t0:.0f} s", flush=True)
-        failed = []
-        try:
-            for it in range(args.iters):
-                for input_len in lengths:
-                    for qps in args.qps.split(","):
-                        name = f"{mode}_qps{qps}_in{input_len}_out{args.output_len}_iter{it}.json"
-                        seed = 1000 * it + input_len + len(qps) * 7
-                        ok = bench(dep.url, str(model), out, name, qps=qps,
-                                   input_len=input_len, output_len=args.output_len,
-                                   num_prompts=args.num_prompts, seed=seed,
-                                   log=logs / f"{mode}-bench.log")
-                        print(f"[{mode}] {name}: {'ok' if ok else 'FAILED'}", flush=True)
-                        if not ok:
-                            failed.append(name)
-        finally:
-            dep.stop()
-        status[mode] = "ok" if not failed else f"failed points: {', '.join(failed)}"
-    (out / "status.json").write_text(json.dumps(status, indent=1))
-    print(json.dumps(status, indent=1))
-    return 0 if all(v == "ok" for v in status.values()) else 1
+    measured = [n for n in names if n in eps]
+    summary = verdict(records, measured)
+    summary["status"] = status or "ok"
+    print()
+    print(latency_table(summary, measured))
+    print()
+    print(timeline_report(out, measured))
+    print()
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    ok = not status and summary["outputs_identical_to_plain"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -17,19 +17,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
+import sys
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from pushkv import timeline
 
 
 class Router:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.session: aiohttp.ClientSession | None = None
-        self.ids = itertools.count()
 
     async def start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
@@ -49,8 +53,11 @@ class Router:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         assert self.session is not None
+        received = time.monotonic()
         body = await request.json()
-        rid = f"bench-{next(self.ids)}-{uuid.uuid4().hex[:8]}"
+        rid = uuid.uuid4().hex  # 32 hex digits: the servers' timeline marks find it
+        timeline.mark(rid, "received", received)
+        timeline.mark(rid, "legs_sent")
         headers = {"X-Request-Id": rid}
         prefill = dict(body, max_tokens=1, stream=False, kv_transfer_params={
             "do_remote_decode": True, "do_remote_prefill": False})
@@ -63,14 +70,14 @@ class Router:
                 if r.status != 200:
                     return web.json_response(answer, status=r.status)
             decode = dict(body, kv_transfer_params=answer.get("kv_transfer_params"))
-            return await self.relay(request, decode, headers)
+            return await self.relay(request, decode, headers, rid)
         decode = dict(body, kv_transfer_params={
             "do_remote_prefill": True, "remote_engine_id": self.args.prefill_engine_id,
             "remote_host": self.args.prefill_host, "remote_port": self.args.prefill_port,
             "tp_size": 1, "pp_size": 1, "remote_request_id": rid, "transfer_mode": "push"})
         leg = asyncio.create_task(self.post_prefill(prefill, headers))
         try:
-            return await self.relay(request, decode, headers)
+            return await self.relay(request, decode, headers, rid)
         finally:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(leg, 60)
@@ -82,7 +89,7 @@ class Router:
             await r.read()
 
     async def relay(self, request: web.Request, body: dict[str, Any],
-                    headers: dict[str, str]) -> web.StreamResponse:
+                    headers: dict[str, str], rid: str) -> web.StreamResponse:
         assert self.session is not None
         async with self.session.post(self.args.decode + "/v1/completions", json=body,
                                      headers=headers) as r:
@@ -91,9 +98,17 @@ class Router:
                                     content_type=r.content_type)
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
+            first, last = True, time.monotonic()
             async for chunk in r.content.iter_any():
+                if first:
+                    timeline.mark(rid, "first_token")
+                    first = False
+                if b"[DONE]" not in chunk:
+                    last = time.monotonic()
                 await out.write(chunk)
+            timeline.mark(rid, "last_token", last)
             await out.write_eof()
+            timeline.mark(rid, "answer_sent")
             return out
 
 
@@ -107,7 +122,9 @@ def main() -> None:
     p.add_argument("--prefill-host", default="127.0.0.1")
     p.add_argument("--prefill-port", type=int, default=0,
                    help="the prefill server's VLLM_NIXL_SIDE_CHANNEL_PORT (push mode)")
+    p.add_argument("--timeline-dir", default="", help="record pushkv.timeline marks here")
     args = p.parse_args()
+    timeline.configure(args.timeline_dir, "router")
     router = Router(args)
     app = web.Application()
     app.router.add_post("/v1/completions", router.completions)

@@ -25,6 +25,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .. import timeline
 from ..protocol import (
     Action,
     Connect,
@@ -47,7 +48,7 @@ from ..protocol import (
 )
 from ..protocol.errors import ConfigError, RemoteProtocolError
 from ..protocol.events import Publish, sender_of
-from ..protocol.messages import Notify
+from ..protocol.messages import Notify, Register
 from . import runtime_commands as cmd
 from . import sidechannel as sc
 from .nixl_agent import Agent, nixl_status
@@ -327,8 +328,11 @@ class IOLoop:
     def _apply(self, actions: list[Action], now: float) -> None:
         for a in actions:
             if isinstance(a, SendMessage):
+                if isinstance(a.message, Register):
+                    timeline.mark(a.message.transfer_id, "registration_sent")
                 self._send(a.peer, encode(a.message))
             elif isinstance(a, IssueWrite):
+                timeline.mark(a.transfer_id, "write_posted")
                 self._issue(a)
             elif isinstance(a, Rejected):
                 self._stats["rejected"] += 1
@@ -382,6 +386,7 @@ class IOLoop:
         producer = self._endpoint
         while self._completions:
             r = self._completions.popleft()
+            timeline.mark(r.transfer_id, "write_completed")
             self._writes -= 1
             self._recent.append(r)
             if r.ok:
@@ -447,6 +452,9 @@ class IOLoop:
                 self._reject(claimed, f"notification from agent {agent!r} claims to be "
                              f"{claimed}", ValidationError)
                 return
+        if isinstance(msg, Register | Notify):
+            timeline.mark(msg.transfer_id, "registration_received" if isinstance(msg, Register)
+                          else "notify_received")
         self._apply(self._endpoint.receive(msg, now), now)
 
     # ----------------------------------------------------------- handshake

@@ -127,6 +127,11 @@ class PushKVSettings:
         default_factory=dict,
         metadata={"help": "extra backend parameters passed to NIXL as strings"},
     )
+    timeline_dir: str = field(
+        default="",
+        metadata={"help": "record a per-request timeline (pushkv.timeline) into this "
+                  "directory, one file per process; empty: off"},
+    )
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

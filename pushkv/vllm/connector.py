@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from .. import timeline
 from .config import ConnectorConfigError, PushKVSettings, failure_policy
 from .metadata import PushKVMetadata, RankAddress
 from .params import Endpoint, with_ranks
@@ -98,6 +99,7 @@ class PushKVConnector(KVConnectorBase_V1):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        timeline.configure(self.settings.timeline_dir, f"{self.engine_id}-{role.name.lower()}")
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 endpoint=self.endpoint, block_size=self.block_size,

@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from .. import timeline
 from ..protocol import new_incarnation
 from ..transports.nixl_config import NixlConfig
 from .params import (
@@ -127,6 +128,7 @@ class _Request:
     started: float
     out: web.StreamResponse | None = None  #: set once the answer began
     first_byte: float | None = None
+    transfer_id: str = ""  #: the current attempt's (timeline marks)
 
 
 class _Watch:
@@ -510,8 +512,11 @@ class PushProxy:
             PrefillLeg(transfer_id=transfer_id, incarnation=incarnation).to_params()))
         d_body = dict(chk.body, kv_transfer_params=self._sign(DecodeLeg(
             transfer_id=transfer_id, producer=endpoint, incarnation=incarnation).to_params()))
+        req.transfer_id = transfer_id
+        timeline.mark(transfer_id, "received", req.started)
         with self._busy(prefill, chk.prompt_tokens), \
                 self._busy(decode, chk.prompt_tokens + chk.max_tokens):
+            timeline.mark(transfer_id, "legs_sent")
             p_task = asyncio.create_task(self._prefill_leg(prefill, req.path, p_body, headers))
             try:
                 return await self._relay(req, decode, d_body, headers,
@@ -544,6 +549,7 @@ class PushProxy:
             data = await watch.race(d_resp.read())
             self.metrics.legs.labels("decode", "ok").inc()
             req.first_byte = time.monotonic()
+            timeline.mark(req.transfer_id, "last_token", req.first_byte)
             req.out = web.Response(body=data, status=200,
                                    content_type=d_resp.content_type or "application/json")
             return req.out
@@ -581,18 +587,24 @@ class PushProxy:
             "Cache-Control": "no-cache"})
         await out.prepare(req.request)
         req.out, req.first_byte = out, time.monotonic()
+        timeline.mark(req.transfer_id, "first_token", req.first_byte)
         await out.write(head)
         # Tokens are flowing: the KV has landed, so the prefill leg no longer
         # matters; the decode instance going out of rotation still ends the stream.
+        last = req.first_byte
         try:
             while (event := await watch.race(anext(events, b""), prefill=False)):
+                if b"[DONE]" not in event:
+                    last = time.monotonic()
                 await out.write(event)
         except LegError as exc:
             self.metrics.legs.labels("decode", "failed").inc()
             await write_sse_error(out, f"decode stream broke: {exc.body}", 502)
             return out
         self.metrics.legs.labels("decode", "ok").inc()
+        timeline.mark(req.transfer_id, "last_token", last)
         await out.write_eof()
+        timeline.mark(req.transfer_id, "answer_sent")
         return out
 
 
@@ -654,6 +666,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="file holding the shared key (the connectors' key_file) that signs "
                    f"every kv_transfer_params sent; default: ${KEY_ENV}, else none")
     p.add_argument("--log-level", default="INFO", help="logging level")
+    p.add_argument("--timeline-dir", default="",
+                   help="record each request's timeline (pushkv.timeline) into this directory")
     p.set_defaults(func=_main)
 
 
@@ -674,6 +688,7 @@ def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
+    timeline.configure(args.timeline_dir, "proxy")
     proxy = PushProxy(args.prefill, args.decode, settings=settings)
     logger.info("push proxy on %s:%d: prefill %s, decode %s, %s", args.host, args.port,
                 args.prefill, args.decode,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
+from .. import timeline
 from .metadata import Abandon, Abort, PushKVMetadata, RecvOrder, SendOrder
 from .params import (
     ENDPOINT_KEY,
@@ -116,6 +117,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens the producer will push, beyond the local prefix hit. No side effects."""
+        if timeline.enabled():
+            self._mark_seen(request)
         if not self.is_consumer or request.request_id in self._recv:
             return 0, False  # not ours, or a re-admission after the transfer ended
         if self._decode_leg(request) is None:
@@ -128,6 +131,9 @@ class SchedulerSide:
         """The registration is born here, with the blocks vLLM just allocated."""
         req_id = request.request_id
         if not self.is_consumer or req_id in self._recv:
+            rec = self._recv.get(req_id)
+            if rec is not None and rec.phase is Phase.LOADED and rec.leg is not None:
+                timeline.mark(rec.leg.transfer_id, "decode_scheduled")
             return  # second call after the load, or not a consumer request
         leg = self._decode_leg(request)
         if leg is None:
@@ -171,6 +177,7 @@ class SchedulerSide:
             self._lent[b] = req_id
         rec.phase = Phase.WAITING
         self._meta.recv.append(order)
+        timeline.mark(order.transfer_id, "registration_shipped")
         return True
 
     def _abandon(self, leg: DecodeLeg) -> None:
@@ -257,6 +264,7 @@ class SchedulerSide:
                                                incarnation=leg.incarnation))
             return False, None
         self._sending[req_id] = tid
+        timeline.mark(tid, "prefill_finished")
         self._meta.send.append(SendOrder(req_id=req_id, transfer_id=tid,
                                          block_ids=tuple(block_ids), num_tokens=n,
                                          incarnation=leg.incarnation))
@@ -268,9 +276,27 @@ class SchedulerSide:
         for req_id in output.finished_recving or ():
             rec = self._recv.get(req_id)
             if rec is not None:
+                if rec.leg is not None:
+                    timeline.mark(rec.leg.transfer_id, "ready_scheduled")
                 self._end_recv(req_id, rec, Phase.LOCAL if req_id in failed else Phase.LOADED)
         for req_id in output.finished_sending or ():
             self._sending.pop(req_id, None)
+
+    def _mark_seen(self, request: Request) -> None:
+        """Timeline: the first time a scheduler considers a request of a transfer."""
+        if request.request_id in self._recv or request.request_id in self._sending:
+            return
+        params = request.kv_transfer_params
+        try:  # no replay check here: that is the real parse's
+            if self._key is not None and isinstance(params, dict):
+                params = verify(params, self._key)
+            leg = parse_params(params)
+        except ParamsError:
+            return
+        if isinstance(leg, DecodeLeg):
+            timeline.mark(leg.transfer_id, "decode_seen")
+        elif isinstance(leg, PrefillLeg):
+            timeline.mark(leg.transfer_id, "prefill_seen")
 
     # ------------------------------------------------------ introspection
 

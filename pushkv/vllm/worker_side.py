@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import timeline
 from ..protocol.errors import ConfigError
 from ..protocol.events import (
     FailurePolicy,
@@ -274,6 +275,7 @@ class WorkerSide:
             self._stats.add("transfers_abandoned")
         for send in meta.send:
             self._send[send.transfer_id] = send.req_id
+            timeline.mark(send.transfer_id, "write_handed")
             rt.prefill_finished(send.transfer_id, send.block_ids, regions.units(send.num_tokens),
                                 incarnation=send.incarnation)
             self._stats.add("pushes_started")
@@ -291,6 +293,7 @@ class WorkerSide:
             self._transfer_failed(order.transfer_id, order.req_id, "CANNOT_START", str(exc))
             return
         self._recv[order.transfer_id] = _Recv(order.req_id, written, time.monotonic())
+        timeline.mark(order.transfer_id, "registration_handed")
         rt.register(order.transfer_id, order.producer.engine_id, order.block_ids,
                     regions.units(order.num_tokens), first, incarnation=order.incarnation)
         self._stats.add("transfers_registered")
@@ -313,6 +316,7 @@ class WorkerSide:
         if isinstance(event, TransferReady):
             rec = self._recv.pop(event.transfer_id, None)
             if rec is not None:
+                timeline.mark(event.transfer_id, "ready")
                 self._done.add(rec.req_id)
                 self._stats.add("transfers_ready")
                 self._stats.add("blocks_received", rec.blocks)

@@ -30,6 +30,7 @@ from .conftest import VLLM_MISSING
 if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)
 
+from pushkv import timeline
 from pushkv.vllm.testing import (
     Server,
     ServerSpec,
@@ -141,7 +142,8 @@ def proxy_healthy(url: str) -> bool:
         return False
 
 
-def start_proxy(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_proxy(prefill: str, decode: str, log: Path,
+                *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
@@ -150,7 +152,7 @@ def start_proxy(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen[
         proc = subprocess.Popen(
             [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", prefill, "--decode",
              decode, "--port", str(port), "--timeout", "60", "--health-interval", "0.5",
-             "--backoff-max", "1"],
+             "--backoff-max", "1", *extra],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 30
@@ -167,14 +169,17 @@ def start_proxy(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen[
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, logs: Path, reference: object) -> Iterator[Cluster]:
     model = str(tiny_model)
-    # Default side-channel settings: both servers bind free ports on one host.
+    # Default side-channel settings: both servers bind free ports on one host. Every
+    # process records its timeline (test_timeline_of_a_request_is_complete_and_ordered).
+    tl = str(logs / "timeline")
     p_spec = ServerSpec(model=model, port=free_port(), cpu=0, kv_config=kv_transfer_config(
-        "kv_producer", "prefill-0", **FAST))
+        "kv_producer", "prefill-0", timeline_dir=tl, **FAST))
     d_spec = ServerSpec(model=model, port=free_port(), cpu=1, kv_config=kv_transfer_config(
-        "kv_consumer", "decode-0", **FAST))
+        "kv_consumer", "decode-0", timeline_dir=tl, **FAST))
     prefill, decode = Server(p_spec, logs / "prefill.log"), Server(d_spec, logs / "decode.log")
     with running(prefill, decode):
-        proc, url = start_proxy(prefill.url, decode.url, logs / "proxy.log")
+        proc, url = start_proxy(prefill.url, decode.url, logs / "proxy.log",
+                                "--timeline-dir", tl)
         c = Cluster(model, prefill, decode, url, d_spec, logs)
         try:
             yield c
@@ -240,6 +245,40 @@ def test_streamed_outputs_equal_a_single_server(cluster, reference):
         outputs = list(pool.map(lambda t: stream_tokens(c.proxy_url, c.model, t), prompts))
     for tokens, got in zip(prompts, outputs, strict=True):
         assert got == reference[tuple(tokens)]
+    c.wait_idle()
+
+
+#: A streamed request's marks, in an order each process must respect (the prefill's
+#: and the decode's branches meet at the write, which needs both).
+TIMELINE_ORDER = (
+    ("received", "legs_sent", "decode_seen", "registration_shipped", "registration_handed",
+     "registration_sent", "registration_received", "write_posted"),
+    ("legs_sent", "prefill_seen", "prefill_finished", "write_handed", "write_posted",
+     "write_completed"),
+    ("write_posted", "notify_received", "ready", "ready_scheduled", "decode_scheduled",
+     "first_token", "last_token", "answer_sent"),
+)
+
+
+def test_timeline_of_a_request_is_complete_and_ordered(cluster, reference):
+    c = cluster
+    tl = c.logs / "timeline"
+    before = set(timeline.by_request(timeline.read(tl)))
+    tokens = batch(SALTS["stream"])[5]
+    assert stream_tokens(c.proxy_url, c.model, tokens) == reference[tuple(tokens)]
+    (tid,) = set(timeline.by_request(timeline.read(tl))) - before
+    end = time.monotonic() + 30  # the prefill's last marks may follow the answer
+    while True:
+        marks = timeline.by_request(timeline.read(tl))[tid]
+        if set(timeline.EVENTS) <= set(marks) or time.monotonic() > end:
+            break
+        time.sleep(0.2)
+    assert set(timeline.EVENTS) - set(marks) == set(), marks
+    for chain in TIMELINE_ORDER:
+        times = [marks[e] for e in chain]
+        assert times == sorted(times), {e: marks[e] for e in chain}
+    stats = timeline.summary({"push": tl})["push"]
+    assert stats["legs out -> first token"]["n"] >= 1
     c.wait_idle()
 
 

@@ -33,7 +33,7 @@ def test_defaults_are_valid_and_documented():
         "fence_grace_s", "heartbeat_s", "handshake_timeout_s", "write_timeout_s",
         "peer_confirm_s", "max_pending_registrations", "notify_poll_ms", "progress_delay_us",
         "transport_cpus",
-        "backend_options"}
+        "backend_options", "timeline_dir"}
     assert all(PushKVSettings.help().values())
 
 

@@ -1,16 +1,30 @@
-"""Benchmark-only: let vLLM's own NIXL connectors' progress thread sleep between polls.
+"""Benchmark-only fixes for vLLM's own NIXL connectors, so the comparison is fair.
 
-NIXL's Python wrapper creates every agent with ``pthrDelay = 0``, so the UCX
-progress thread of each agent busy-spins a core, even when idle. bench_e2e.sh
-puts this directory on ``PYTHONPATH`` of the baseline servers (``--nixl-delay-us``)
-so every process of those servers creates its agents with the delay given in
-``PUSHKV_BENCH_NIXL_DELAY_US`` -- the same setting pushkv's transport uses --
-and the comparison measures the transfer design, not a spinning thread.
+bench_e2e.sh puts this directory on ``PYTHONPATH`` of the baseline servers.
+
+1. **Progress thread.** NIXL's Python wrapper creates every agent with
+   ``pthrDelay = 0``: each agent's UCX progress thread busy-spins a core, even
+   idle. With ``PUSHKV_BENCH_NIXL_DELAY_US`` set, agents sleep that long
+   between polls -- the value pushkv's ``progress_delay_us`` gets in the same run.
+2. **Placement.** vLLM's NIXL worker pins itself to the last core of each NUMA
+   node (on 2 cores: both servers on core 1). With ``PUSHKV_BENCH_KEEP_CORE``
+   set, that call keeps the worker on the cores it was bound to
+   (``VLLM_CPU_OMP_THREADS_BIND``), where pushkv's transport runs too.
+3. **Timeline.** With ``PUSHKV_BENCH_TIMELINE_DIR`` set, the connector's
+   scheduler marks ``prefill_seen``, ``decode_seen``, ``prefill_finished``,
+   ``ready_scheduled`` and ``decode_scheduled`` (:mod:`pushkv.timeline`) under
+   the request's ``X-Request-Id`` (32 hex digits, as the benchmark sends them).
 """
 
+import importlib.abc
+import importlib.machinery
 import os
+import re
+import sys
 
 _DELAY = int(os.environ.get("PUSHKV_BENCH_NIXL_DELAY_US", "0") or 0)
+_KEEP = os.environ.get("PUSHKV_BENCH_KEEP_CORE", "")
+_TIMELINE = os.environ.get("PUSHKV_BENCH_TIMELINE_DIR", "")
 
 if _DELAY > 0:
     try:
@@ -26,3 +40,102 @@ if _DELAY > 0:
         _bind.nixlAgent = _throttled
     except Exception:  # nixl missing or changed: run unthrottled
         pass
+
+if _KEEP and hasattr(os, "sched_setaffinity"):
+    _setaffinity = os.sched_setaffinity
+
+    def _keep_core(pid, cpus):  # type: ignore[no-untyped-def]
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.endswith("kv_connector.v1.nixl.base_worker"):
+            cpus = {int(c) for c in _KEEP.split(",")}
+        return _setaffinity(pid, cpus)
+
+    os.sched_setaffinity = _keep_core
+
+_RID = re.compile(r"[0-9a-f]{32}")
+
+
+def _instrument(module):  # type: ignore[no-untyped-def]
+    from pushkv import timeline
+
+    cls = module.NixlBaseConnector
+    seen, loaded = set(), set()
+
+    def rid(request):  # type: ignore[no-untyped-def]
+        m = _RID.search(request.request_id)
+        return m.group(0) if m else None
+
+    def is_consumer(self):  # type: ignore[no-untyped-def]
+        return self._kv_transfer_config.is_kv_consumer
+
+    get_matched = cls.get_num_new_matched_tokens
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):  # type: ignore[no-untyped-def]
+        r = rid(request)
+        if r and request.request_id not in seen:
+            seen.add(request.request_id)
+            timeline.mark(r, "decode_seen" if is_consumer(self) else "prefill_seen")
+        return get_matched(self, request, num_computed_tokens)
+
+    after_alloc = cls.update_state_after_alloc
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):  # type: ignore[no-untyped-def]
+        r = rid(request)
+        if r and request.request_id in loaded:
+            loaded.discard(request.request_id)
+            timeline.mark(r, "decode_scheduled")
+        return after_alloc(self, request, blocks, num_external_tokens)
+
+    finished = cls.request_finished
+
+    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
+        r = rid(request)
+        seen.discard(request.request_id)
+        if r and not is_consumer(self):
+            timeline.mark(r, "prefill_finished")
+        return finished(self, request, block_ids)
+
+    update = cls.update_connector_output
+
+    def update_connector_output(self, connector_output):  # type: ignore[no-untyped-def]
+        for req_id in connector_output.finished_recving or ():
+            r = _RID.search(req_id)
+            if r:
+                loaded.add(req_id)
+                timeline.mark(r.group(0), "ready_scheduled")
+        return update(self, connector_output)
+
+    cls.get_num_new_matched_tokens = get_num_new_matched_tokens
+    cls.update_state_after_alloc = update_state_after_alloc
+    cls.request_finished = request_finished
+    cls.update_connector_output = update_connector_output
+    timeline.configure(_TIMELINE, f"vllm-{os.getpid()}")
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Instrument vLLM's NIXL connector module right after it is imported."""
+
+    NAME = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"
+
+    def find_spec(self, fullname, path, target=None):  # type: ignore[no-untyped-def]
+        if fullname != self.NAME:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_instrument(module):  # type: ignore[no-untyped-def]
+            exec_module(module)
+            try:
+                _instrument(module)
+            except Exception as exc:  # the benchmark still runs, without these marks
+                print(f"pushkv bench: cannot instrument {self.NAME}: {exc!r}", file=sys.stderr)
+
+        loader.exec_module = exec_and_instrument  # type: ignore[method-assign]
+        return spec
+
+
+if _TIMELINE:
+    sys.meta_path.insert(0, _AfterImport())

@@ -1,0 +1,239 @@
+"""Per-request timelines: when each hop of a P/D request happened, in every process.
+
+Each process that takes part in a request (the proxy or benchmark client, the
+prefill and decode schedulers, their workers and transport threads) records
+*marks*: ``(transfer id, event name, time.monotonic())``. Marks are written as
+JSON lines into one file per process under a directory (``timeline-<pid>.jsonl``)
+and correlated afterwards by transfer id. ``time.monotonic()`` is the host's
+``CLOCK_MONOTONIC``, shared by all processes of one machine, so marks of a
+single-host deployment compare directly; across hosts only segments whose two
+marks come from the same host are meaningful.
+
+Recording is off unless :func:`configure` was called with a directory (the
+connector's ``timeline_dir`` setting, ``pushkv proxy --timeline-dir``); when off,
+:func:`mark` is one global lookup and a return.
+
+:data:`EVENTS` names every mark in the order a request normally meets them and
+:data:`SEGMENTS` the intervals the report (``python -m pushkv.timeline``) prints:
+median and p90 of each segment, side by side per mode::
+
+    python -m pushkv.timeline push=/tmp/tl/push vllm-push=/tmp/tl/vllm-push [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+#: Marks, in the order a request meets them (a push's two branches interleave).
+EVENTS: tuple[str, ...] = (
+    "received",              # router: the client's request arrived
+    "legs_sent",             # router or client: both legs handed to the network
+    "prefill_seen",          # prefill scheduler: the request is considered for a step
+    "decode_seen",           # decode scheduler: the request is considered for a step
+    "registration_shipped",  # decode scheduler: the registration goes into a step's orders
+    "registration_handed",   # decode worker: the registration handed to the transport
+    "registration_sent",     # decode transport: Register sent to the producer
+    "registration_received",  # prefill transport: Register arrived
+    "prefill_finished",      # prefill scheduler: the prompt's KV is complete
+    "write_handed",          # prefill worker: the push handed to the transport
+    "write_posted",          # prefill transport: the write handed to the NIXL writer
+    "write_completed",       # prefill transport: the write (and its notification) done
+    "notify_received",       # decode transport: the write's notification arrived
+    "ready",                 # decode worker: TransferReady reached the connector
+    "ready_scheduled",       # decode scheduler: vLLM learnt the KV landed
+    "decode_scheduled",      # decode scheduler: the request admitted for its first step
+    "first_token",           # router or client: the first token arrived
+    "last_token",            # router or client: the last token arrived
+    "answer_sent",           # router: the answer finished
+)
+
+#: (name, from, to): the intervals of the report. A segment is counted for a
+#: request only when both marks were recorded for it.
+SEGMENTS: tuple[tuple[str, str, str], ...] = (
+    ("proxy in -> legs out", "received", "legs_sent"),
+    ("legs out -> decode sees", "legs_sent", "decode_seen"),
+    ("legs out -> prefill sees", "legs_sent", "prefill_seen"),
+    ("decode sees -> registration shipped", "decode_seen", "registration_shipped"),
+    ("registration shipped -> handed", "registration_shipped", "registration_handed"),
+    ("registration handed -> sent", "registration_handed", "registration_sent"),
+    ("registration sent -> received", "registration_sent", "registration_received"),
+    ("prefill sees -> prefill finished", "prefill_seen", "prefill_finished"),
+    ("prefill finished -> write handed", "prefill_finished", "write_handed"),
+    ("write handed -> posted", "write_handed", "write_posted"),
+    ("registration received -> posted", "registration_received", "write_posted"),
+    ("write posted -> completed", "write_posted", "write_completed"),
+    ("write posted -> notification", "write_posted", "notify_received"),
+    ("notification -> ready", "notify_received", "ready"),
+    ("ready -> scheduler knows", "ready", "ready_scheduled"),
+    ("prefill finished -> scheduler knows", "prefill_finished", "ready_scheduled"),
+    ("scheduler knows -> decode step", "ready_scheduled", "decode_scheduled"),
+    ("decode step -> first token", "decode_scheduled", "first_token"),
+    ("first token -> last token", "first_token", "last_token"),
+    ("last token -> answer sent", "last_token", "answer_sent"),
+    ("legs out -> first token", "legs_sent", "first_token"),
+    ("legs out -> last token", "legs_sent", "last_token"),
+)
+
+
+class Recorder:
+    """Appends marks of this process to ``<directory>/timeline-<pid>.jsonl``."""
+
+    def __init__(self, directory: str | os.PathLike[str], process: str = "") -> None:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.process = process or f"pid{os.getpid()}"
+        self.path = path / f"timeline-{os.getpid()}.jsonl"
+        self._lock = threading.Lock()
+        self._file: TextIO = self.path.open("a", buffering=1, encoding="utf-8")
+
+    def mark(self, transfer_id: str, event: str, t: float | None = None) -> None:
+        line = json.dumps({"id": transfer_id, "ev": event,
+                           "t": time.monotonic() if t is None else t, "p": self.process})
+        with self._lock:
+            self._file.write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+_recorder: Recorder | None = None
+
+
+def configure(directory: str | os.PathLike[str] | None, process: str = "") -> None:
+    """Record this process's marks under ``directory`` from now on (None or "": stop).
+
+    Called once per process by whatever owns the setting; a second call with a
+    directory keeps the first recorder (one file per process)."""
+    global _recorder
+    if not directory:
+        if _recorder is not None:
+            _recorder.close()
+        _recorder = None
+    elif _recorder is None:
+        _recorder = Recorder(directory, process)
+
+
+def enabled() -> bool:
+    return _recorder is not None
+
+
+def mark(transfer_id: str, event: str, t: float | None = None) -> None:
+    """Record ``event`` of ``transfer_id`` at ``t`` (``time.monotonic()``; default now),
+    nothing when recording is off."""
+    rec = _recorder
+    if rec is not None:
+        rec.mark(transfer_id, event, t)
+
+
+# ------------------------------------------------------------------ reading
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    transfer_id: str
+    event: str
+    t: float
+    process: str
+
+
+def read(directory: str | os.PathLike[str]) -> list[Mark]:
+    """Every mark recorded under ``directory`` (all processes)."""
+    out: list[Mark] = []
+    for path in sorted(Path(directory).glob("timeline-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                d = json.loads(line)
+                out.append(Mark(str(d["id"]), str(d["ev"]), float(d["t"]), str(d.get("p", ""))))
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line of a killed process
+    return out
+
+
+def by_request(marks: Iterable[Mark]) -> dict[str, dict[str, float]]:
+    """Per transfer id, each event's first time (a retried or repeated mark keeps its first)."""
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for m in sorted(marks, key=lambda m: m.t):
+        out[m.transfer_id].setdefault(m.event, m.t)
+    return dict(out)
+
+
+def segments(requests: Mapping[str, Mapping[str, float]]) -> dict[str, list[float]]:
+    """Durations (ms) of every segment, over the requests that recorded both of its ends."""
+    out: dict[str, list[float]] = {}
+    for name, start, end in SEGMENTS:
+        values = [(r[end] - r[start]) * 1000 for r in requests.values()
+                  if start in r and end in r]
+        if values:
+            out[name] = values
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by linear interpolation."""
+    s = sorted(values)
+    if len(s) == 1:
+        return s[0]
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summary(dirs: Mapping[str, str | os.PathLike[str]]) -> dict[str, dict[str, dict[str, float]]]:
+    """``{mode: {segment: {"median": ms, "p90": ms, "n": count}}}``."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for mode, directory in dirs.items():
+        segs = segments(by_request(read(directory)))
+        out[mode] = {name: {"median": round(statistics.median(v), 3),
+                            "p90": round(percentile(v, 0.9), 3), "n": len(v)}
+                     for name, v in segs.items()}
+    return out
+
+
+def table(stats: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
+    """A markdown table: a row per segment, median / p90 (ms) per mode."""
+    modes = list(stats)
+    head = ["segment", *(f"{m} median / p90 (ms)" for m in modes)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, _, _ in SEGMENTS:
+        if not any(name in stats[m] for m in modes):
+            continue
+        cells = [name]
+        for m in modes:
+            s = stats[m].get(name)
+            cells.append(f"{s['median']:.1f} / {s['p90']:.1f}" if s else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pushkv.timeline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dirs", nargs="+", metavar="MODE=DIR",
+                   help="a mode's name and the directory its processes recorded into")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    args = p.parse_args(argv)
+    dirs: dict[str, str] = {}
+    for item in args.dirs:
+        mode, sep, directory = item.partition("=")
+        if not sep:
+            p.error(f"expected MODE=DIR, got {item!r}")
+        dirs[mode] = directory
+    stats = summary(dirs)
+    print(json.dumps(stats) if args.json else table(stats))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

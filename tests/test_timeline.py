@@ -1,0 +1,69 @@
+"""pushkv.timeline: marks recorded per process, joined by transfer id, summarised."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pushkv import timeline
+
+
+@pytest.fixture(autouse=True)
+def _off():
+    yield
+    timeline.configure(None)
+
+
+def test_off_records_nothing(tmp_path: Path):
+    timeline.configure(None)
+    assert not timeline.enabled()
+    timeline.mark("t1", "legs_sent")
+    assert timeline.read(tmp_path) == []
+
+
+def test_marks_of_several_processes_join_by_transfer_id(tmp_path: Path):
+    timeline.configure(tmp_path, "proxy")
+    timeline.mark("t1", "legs_sent", 10.0)
+    timeline.mark("t1", "first_token", 10.050)
+    timeline.mark("t1", "first_token", 10.090)  # a repeated mark keeps its first time
+    timeline.mark("t2", "legs_sent", 20.0)
+    # Another process (the decode server) wrote its own file, and was killed mid-line.
+    (tmp_path / "timeline-999999.jsonl").write_text(
+        json.dumps({"id": "t1", "ev": "decode_seen", "t": 10.004, "p": "decode"}) + "\n"
+        + json.dumps({"id": "t2", "ev": "decode_seen", "t": 20.010, "p": "decode"}) + "\n"
+        + '{"id": "t2", "ev": "rea')
+    requests = timeline.by_request(timeline.read(tmp_path))
+    assert requests == {"t1": {"legs_sent": 10.0, "decode_seen": 10.004, "first_token": 10.05},
+                        "t2": {"legs_sent": 20.0, "decode_seen": 20.010}}
+    segs = timeline.segments(requests)
+    assert segs["legs out -> decode sees"] == pytest.approx([4.0, 10.0])
+    assert segs["legs out -> first token"] == pytest.approx([50.0])
+    assert "write posted -> completed" not in segs  # no request recorded both ends
+
+
+def test_report_gives_median_and_p90_per_mode(tmp_path: Path):
+    for mode, step in (("push", 0.001), ("vllm-push", 0.003)):
+        d = tmp_path / mode
+        d.mkdir()
+        lines = []
+        for i in range(11):
+            t0 = float(i)
+            lines.append({"id": f"{mode}{i}", "ev": "legs_sent", "t": t0})
+            lines.append({"id": f"{mode}{i}", "ev": "first_token", "t": t0 + step * (i + 1)})
+        (d / "timeline-1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    stats = timeline.summary({"push": tmp_path / "push", "vllm-push": tmp_path / "vllm-push"})
+    seg = "legs out -> first token"
+    assert stats["push"][seg] == {"median": 6.0, "p90": 10.0, "n": 11}
+    assert stats["vllm-push"][seg]["median"] == pytest.approx(18.0)
+    table = timeline.table(stats)
+    assert "| legs out -> first token | 6.0 / 10.0 | 18.0 / 30.0 |" in table
+    assert timeline.main([f"push={tmp_path / 'push'}", "--json"]) == 0
+
+
+def test_every_segment_names_known_events():
+    known = set(timeline.EVENTS)
+    for _, start, end in timeline.SEGMENTS:
+        assert {start, end} <= known
+        assert timeline.EVENTS.index(start) < timeline.EVENTS.index(end)
