@@ -592,11 +592,23 @@ class PushProxy:
         # Tokens are flowing: the KV has landed, so the prefill leg no longer
         # matters; the decode instance going out of rotation still ends the stream.
         last = req.first_byte
-        try:
-            while (event := await watch.race(anext(events, b""), prefill=False)):
+
+        async def pump() -> None:
+            # One race for the whole stream, not one per event: racing each token
+            # cost a task and a wait per event on the proxy's critical path.
+            nonlocal last
+            async for event in events:
                 if b"[DONE]" not in event:
                     last = time.monotonic()
-                await out.write(event)
+                try:
+                    await out.write(event)
+                except ConnectionError as exc:  # the client left: not the decode's fault
+                    raise _ClientGone from exc
+
+        try:
+            await watch.race(pump(), prefill=False)
+        except _ClientGone as gone:
+            raise gone.__cause__ from None  # type: ignore[misc]
         except LegError as exc:
             self.metrics.legs.labels("decode", "failed").inc()
             await write_sse_error(out, f"decode stream broke: {exc.body}", 502)
@@ -606,6 +618,10 @@ class PushProxy:
         await out.write_eof()
         timeline.mark(req.transfer_id, "answer_sent")
         return out
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed (raised from the ConnectionError)."""
 
 
 def _raise_if_failed(task: asyncio.Future[Any]) -> None:
