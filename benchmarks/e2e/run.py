@@ -86,6 +86,9 @@ class Deployment:
             connector = "NixlConnector" if self.kind == "nixl-pull" else "NixlPushConnector"
             self.side_port = free_port()
             env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                   # what vLLM sets itself when NIXL is imported after it (the throttle
+                   # imports NIXL first)
+                   "UCX_RCACHE_MAX_UNRELEASED": "1024",
                    "PUSHKV_BENCH_NIXL_DELAY_US": str(self.delay_us),
                    "PUSHKV_BENCH_TIMELINE_DIR": str(self.timeline_dir),
                    "PYTHONPATH": os.pathsep.join(
