@@ -105,7 +105,7 @@ class Deployment:
         for s in self.servers:
             s.start()
         for s in self.servers:
-            s.wait_healthy()
+            s.wait_healthy(600)  # a busy machine starts vLLM slowly
 
     @property
     def prefill(self) -> Server:
@@ -187,6 +187,11 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def finite(x: float, digits: int = 3) -> float | None:
+    """``x`` rounded, or None (JSON null) when it could not be measured."""
+    return round(x, digits) if x == x and abs(x) != float("inf") else None
+
+
 def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     """The run's one JSON object: per-mode medians and pushkv's overhead ratios."""
     per: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
@@ -204,11 +209,11 @@ def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
         plain = lat.get(("plain", load), float("nan"))
         push = lat.get(("push-client", load), float("nan")) - plain
         vllm = lat.get(("vllm-push-client", load), float("nan")) - plain
-        out[f"overhead_ratio_vs_vllm_push_{load}"] = round(push / vllm, 3) if vllm else None
+        out[f"overhead_ratio_vs_vllm_push_{load}"] = finite(push / vllm) if vllm else None
     hops = [a - b for a, b in zip(run_medians("push", "seq", "latency_ms"),
                                   run_medians("push-client", "seq", "latency_ms"),
                                   strict=False)]
-    out["proxy_hop_ms"] = round(median(hops), 2) if hops else None
+    out["proxy_hop_ms"] = finite(median(hops), 2)
     for key in ("latency_ms", "ttft_ms", "tpot_ms"):
         out[f"median_{key}"] = {f"{m}_{ld}": round(median(run_medians(m, ld, key)), 2)
                                 for m in modes for ld in ("seq", "conc")
