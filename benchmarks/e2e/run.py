@@ -193,33 +193,42 @@ def finite(x: float, digits: int = 3) -> float | None:
 
 
 def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
-    """The run's one JSON object: per-mode medians and pushkv's overhead ratios."""
-    per: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    """The run's one JSON object: per-mode medians and pushkv's overhead ratios.
+
+    A mode's overhead is paired: its median latency in a round minus the plain
+    server's in the same round (same phase, same prompts), the median over rounds."""
+    per: dict[tuple[str, str, str, int], list[float]] = {}
     for r in records:
-        per.setdefault((r["mode"], r["load"], r["iter"]), []).append(r)
+        per.setdefault((r["mode"], r["load"], r["phase"], r["iter"]), []).append(
+            r["latency_ms"])
+    runs = {k: median(v) for k, v in per.items()}
+
+    def paired(mode: str, base: str, load: str) -> list[float]:
+        return [v - runs[base, ld, ph, it] for (m, ld, ph, it), v in sorted(runs.items())
+                if m == mode and ld == load and (base, ld, ph, it) in runs]
 
     def run_medians(mode: str, load: str, key: str) -> list[float]:
-        return [median([r[key] for r in rs]) for (m, ld, _), rs in sorted(per.items())
-                if m == mode and ld == load]
+        groups: dict[tuple[str, int], list[float]] = {}
+        for r in records:
+            if r["mode"] == mode and r["load"] == load:
+                groups.setdefault((r["phase"], r["iter"]), []).append(r[key])
+        return [median(v) for v in groups.values()]
 
     out: dict[str, Any] = {}
-    lat = {(m, ld): median(run_medians(m, ld, "latency_ms")) for m in modes
-           for ld in ("seq", "conc")}
     for load in ("seq", "conc"):
-        plain = lat.get(("plain", load), float("nan"))
-        push = lat.get(("push-client", load), float("nan")) - plain
-        vllm = lat.get(("vllm-push-client", load), float("nan")) - plain
+        push = median(paired("push-client", "plain", load))
+        vllm = median(paired("vllm-push-client", "plain", load))
         out[f"overhead_ratio_vs_vllm_push_{load}"] = finite(push / vllm) if vllm else None
-    hops = [a - b for a, b in zip(run_medians("push", "seq", "latency_ms"),
-                                  run_medians("push-client", "seq", "latency_ms"),
-                                  strict=False)]
-    out["proxy_hop_ms"] = finite(median(hops), 2)
+        out[f"overhead_ms_{load}"] = {m: finite(median(paired(m, "plain", load)), 2)
+                                      for m in modes if m != "plain"
+                                      and paired(m, "plain", load)}
+    out["proxy_hop_ms"] = finite(median(paired("push", "push-client", "seq")), 2)
     for key in ("latency_ms", "ttft_ms", "tpot_ms"):
         out[f"median_{key}"] = {f"{m}_{ld}": round(median(run_medians(m, ld, key)), 2)
                                 for m in modes for ld in ("seq", "conc")
                                 if run_medians(m, ld, key)}
     out["outputs_identical_to_plain"] = all(r["same_as_plain"] for r in records)
-    out["iterations"] = len({r["iter"] for r in records})
+    out["rounds"] = len({(r["phase"], r["iter"]) for r in records})
     return out
 
 
@@ -274,10 +283,9 @@ def bench_serve(url: str, model: str, out: Path, name: str, *, qps: str, input_l
 
 
 async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str,
-                  out: Path) -> list[dict[str, Any]]:
+                  phase: str, rng: random.Random) -> list[dict[str, Any]]:
     names = list(eps)
     records: list[dict[str, Any]] = []
-    rng = random.Random(args.seed)
     async with Client(model) as client:
         for ep in eps.values():
             if ep.target.dispatch == "pushkv":
@@ -299,16 +307,36 @@ async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str
                     for p, r, i in zip(batch, results, range(n), strict=True):
                         same = reference is None or r.tokens == reference[i]
                         records.append({
-                            "mode": name, "load": load, "iter": it, "prompt_len": len(p),
+                            "mode": name, "load": load, "iter": it, "phase": phase,
+                            "prompt_len": len(p),
                             "latency_ms": r.latency_s * 1e3, "ttft_ms": r.ttft_s * 1e3,
                             "tpot_ms": r.tpot_s * 1e3, "tokens": len(r.tokens),
                             "same_as_plain": same})
                     lat = median([r.latency_s * 1e3 for r in results])
                     bad = sum(1 for rec in records[-n:] if not rec["same_as_plain"])
-                    print(f"[iter {it}] {name:18s} {load:4s} median {lat:7.1f} ms"
+                    print(f"[{phase} iter {it}] {name:18s} {load:4s} median {lat:7.1f} ms"
                           + (f"  {bad} OUTPUTS DIFFER FROM PLAIN" if bad else ""), flush=True)
-    (out / "latency.json").write_text(json.dumps(records))
     return records
+
+
+def serve(args: argparse.Namespace, eps: dict[str, Endpoint], model: str, out: Path,
+          status: dict[str, str]) -> None:
+    """``vllm bench serve`` against the router modes (and plain) of this phase."""
+    for name, ep in eps.items():
+        if ep.target.dispatch != "router":
+            continue
+        for qps in args.serve_qps.split(","):
+            fname = f"{name}_qps{qps}_in{args.input_len}_out{args.output_len}_iter0.json"
+            if (out / fname).exists():
+                continue  # plain: once per run
+            ok = bench_serve(ep.target.url, model, out, fname, qps=qps,
+                             input_len=args.input_len, output_len=args.output_len,
+                             num_prompts=args.serve_prompts, seed=args.seed,
+                             log=out / "logs" / f"{name}-bench.log")
+            print(f"[{name}] vllm bench serve qps {qps}: {'ok' if ok else 'FAILED'}",
+                  flush=True)
+            if not ok:
+                status[name] = f"vllm bench serve failed at qps {qps}"
 
 
 def main() -> int:
@@ -329,6 +357,9 @@ def main() -> int:
                    help="also run `vllm bench serve` at these rates (comma separated) "
                    "against the router modes and plain; empty: skip")
     p.add_argument("--serve-prompts", type=int, default=16)
+    p.add_argument("--phases", choices=("each", "all"), default="each",
+                   help="each: the plain server plus one connector's servers at a time "
+                   "(modes alternate within a phase); all: every deployment at once")
     args = p.parse_args()
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -340,52 +371,65 @@ def main() -> int:
         if name not in MODES:
             raise SystemExit(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
     max_len = -(-(args.input_len + args.output_len + 64) // 256) * 256
+    kinds = list(dict.fromkeys(MODES[n].deployment for n in names))
+    # "each": the plain server stays up and the connectors' deployments come up one
+    # at a time (7 vLLM servers at once need about 21 GiB); "all": everything at once.
+    if args.phases == "all":
+        phases = [kinds]
+    else:
+        base = [k for k in kinds if k == "plain"]
+        phases = [[*base, k] for k in kinds if k != "plain"] or [base]
     deps: dict[str, Deployment] = {}
     eps: dict[str, Endpoint] = {}
     status: dict[str, str] = {}
+    records: list[dict[str, Any]] = []
+    measured: list[str] = []
+    rng = random.Random(args.seed)
     try:
-        for kind in dict.fromkeys(MODES[n].deployment for n in names):
-            dep = Deployment(kind, str(model), out, max_model_len=max_len,
-                             delay_us=args.delay_us)
-            t0 = time.monotonic()
-            try:
-                dep.start()
-            except Exception as exc:  # a baseline that does not start is reported
-                status[kind] = f"did not start: {exc}"
-                print(f"[{kind}] {status[kind]}", flush=True)
-                dep.stop()
-                continue
-            deps[kind] = dep
-            print(f"[{kind}] up in {time.monotonic() - t0:.0f} s", flush=True)
-        for name in names:
-            dep = deps.get(MODES[name].deployment)
-            if dep is not None:
-                try:
-                    eps[name] = Endpoint(MODES[name], dep, out)
-                except Exception as exc:
-                    status[name] = f"router did not start: {exc}"
-                    print(f"[{name}] {status[name]}", flush=True)
-        records = asyncio.run(measure(args, eps, str(model), out))
-        if args.serve_qps:
-            for name, ep in eps.items():
-                if ep.target.dispatch != "router":
+        for phase in phases:
+            for kind in phase:
+                if kind in deps:
                     continue
-                for qps in args.serve_qps.split(","):
-                    fname = f"{name}_qps{qps}_in{args.input_len}_out{args.output_len}_iter0.json"
-                    ok = bench_serve(ep.target.url, str(model), out, fname, qps=qps,
-                                     input_len=args.input_len, output_len=args.output_len,
-                                     num_prompts=args.serve_prompts, seed=args.seed,
-                                     log=out / "logs" / f"{name}-bench.log")
-                    print(f"[{name}] vllm bench serve qps {qps}: {'ok' if ok else 'FAILED'}",
-                          flush=True)
-                    if not ok:
-                        status[name] = f"vllm bench serve failed at qps {qps}"
+                dep = Deployment(kind, str(model), out, max_model_len=max_len,
+                                 delay_us=args.delay_us)
+                t0 = time.monotonic()
+                try:
+                    dep.start()
+                except Exception as exc:  # a baseline that does not start is reported
+                    status[kind] = f"did not start: {exc}"
+                    print(f"[{kind}] {status[kind]}", flush=True)
+                    dep.stop()
+                    continue
+                deps[kind] = dep
+                print(f"[{kind}] up in {time.monotonic() - t0:.0f} s", flush=True)
+            eps = {}
+            for name in names:
+                dep = deps.get(MODES[name].deployment)
+                if dep is not None and MODES[name].deployment in phase:
+                    try:
+                        eps[name] = Endpoint(MODES[name], dep, out)
+                    except Exception as exc:
+                        status[name] = f"router did not start: {exc}"
+                        print(f"[{name}] {status[name]}", flush=True)
+            label = "+".join(phase)
+            try:
+                records += asyncio.run(measure(args, eps, str(model), label, rng))
+                if args.serve_qps:
+                    serve(args, eps, str(model), out, status)
+            finally:
+                for ep in eps.values():
+                    ep.stop()
+                for kind in phase:
+                    if kind != "plain" and kind in deps:
+                        deps.pop(kind).stop()
+            measured += [n for n in eps if n not in measured]
+            partial = verdict(records, [n for n in names if n in measured])
+            (out / "summary.json").write_text(json.dumps(partial, indent=1))  # so far
     finally:
-        for ep in eps.values():
-            ep.stop()
         for dep in deps.values():
             dep.stop()
-    measured = [n for n in names if n in eps]
+    (out / "latency.json").write_text(json.dumps(records))
+    measured = [n for n in names if n in measured]
     summary = verdict(records, measured)
     summary["status"] = status or "ok"
     print()
