@@ -139,6 +139,7 @@ class Model:
         self._messages: dict[bytes, Message] = {}
         self.log: list[str] | None = None  # set to a list to record what happens
         self._info: dict[tuple[int, int], EpInfo] = {}
+        self._frames: dict[int, tuple[Message, bytes]] = {}
         #: (endpoint, snapshot, input) -> (next snapshot, actions) or the Violation raised:
         #: an endpoint's answer depends on nothing else, so each is computed once.
         self.memo: dict[tuple[Any, ...], tuple[int, list[Action]] | Violation] = {}
@@ -187,6 +188,13 @@ class Model:
 
     def c_state(self, c: int, sid: int) -> Any:
         return self.info(self.np + c, sid).state
+
+    def _frame(self, msg: Message) -> bytes:
+        """The wire frame of a message (each message object is encoded once)."""
+        got = self._frames.get(id(msg))
+        if got is None or got[0] is not msg:
+            got = self._frames[id(msg)] = (msg, encode(msg))
+        return got[1]
 
     def message(self, frame: bytes) -> Message:
         m = self._messages.get(frame)
@@ -288,7 +296,8 @@ class Model:
         w = World(state[1])
         ids = list(state[0])
         self._step(w, step, step[0], ids)
-        self._progress(w)
+        if w.engines_touched:
+            self._progress(w)
         return tuple(ids), w.freeze()
 
     def _step(self, w: World, step: Step, kind: str, ids: list[int]) -> None:
@@ -296,7 +305,7 @@ class Model:
         if kind in ("deliver", "dup", "drop", "land", "wfail", "complete"):
             item = step[1]
             if kind == "dup":
-                w.flight.append(item)
+                w.add(item)
                 w.dups -= 1
                 if self.log is not None:
                     self._say(f"the network duplicates {self._item(item)}")
@@ -430,12 +439,13 @@ class Model:
 
     def _kill(self, w: World, engine: str, ids: list[int]) -> None:
         w.dead = engine
+        w.cinc  # noqa: B018 -- the engines' bookkeeping must see the death
         w.lossy = w.faulted = True
         if self.log is not None:
             self._say(f"engine {engine} dies; the transport tells the survivors")
         if engine == "D":  # the transport fails the writes still in flight to it
-            w.flight = [done_item(it[1], it[2], it[3], it[4], False, it[-1])
-                        if it[0] == WRITE else it for it in w.flight]
+            w.flight = sorted(done_item(it[1], it[2], it[3], it[4], False, it[-1])
+                              if it[0] == WRITE else it for it in w.flight)
         w.flight = [it for it in w.flight if not self._touches(it, engine)]
         survivors = range(self.np, self.np + self.nd) if engine == "P" else range(self.np)
         for i in survivors:
@@ -469,8 +479,8 @@ class Model:
                                 f"D{d} block {b}, which is {what}")
             w.content[d, b, p] = (k, attempt) if ok else (-1, attempt)
         if ok:
-            w.flight.append(frame_item(("D", d), ("P", p), notify, w.now))
-        w.flight.append(done_item(p, d, attempt, inc, ok, w.now))
+            w.add(frame_item(("D", d), ("P", p), notify, w.now))
+        w.add(done_item(p, d, attempt, inc, ok, w.now))
 
     # ---------------------------------------------------------------- actions
 
@@ -505,7 +515,7 @@ class Model:
                 self._say(f"  -> {self._name(i)}: {self._action(a)}")
             if isinstance(a, SendMessage):
                 if a.peer.engine_id != w.dead:
-                    w.flight.append(frame_item(a.peer, src, encode(a.message), w.now))
+                    w.add(frame_item(a.peer, src, self._frame(a.message), w.now))
             elif isinstance(a, IssueWrite):
                 self._issue(w, i, a)
             elif isinstance(a, ReleaseSource):
@@ -541,10 +551,9 @@ class Model:
             raise Violation("window", f"P{p} started a write of t#{data} attempt {a.attempt} "
                             f"at t={w.now:g}, after the registration's window")
         if w.dead == "D":
-            w.flight.append(done_item(p, d, a.attempt, inc, False, w.now))
+            w.add(done_item(p, d, a.attempt, inc, False, w.now))
             return
-        w.flight.append(write_item(p, d, a.attempt, getattr(a, "incarnation", 0), src, dst,
-                                   encode(a.notify), data, w.now))
+        w.add(write_item(p, d, a.attempt, inc, src, dst, self._frame(a.notify), data, w.now))
 
     def _release_source(self, w: World, p: int, a: ReleaseSource) -> None:
         blocks = tuple(a.block_ids)

@@ -25,6 +25,7 @@ twin used while one step runs.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 from .check_scope import Scope
@@ -95,31 +96,92 @@ class PInc:
 
 
 class World:
-    """Mutable twin of a frozen world, for the length of one step."""
+    """Mutable twin of a frozen world, for the length of one step.
 
-    __slots__ = ("cinc", "content", "d_owner", "dead", "drops", "dups", "faulted", "flight",
-                 "leases", "lossy", "now", "p_owner", "pinc", "windows")
+    Copy on write: a part of the world is thawed only when a step reads or
+    changes it, and freezing reuses every part left untouched.
+    """
+
+    __slots__ = ("_cinc", "_content", "_d_owner", "_leases", "_p_owner", "_pinc", "_windows",
+                 "dead", "drops", "dups", "f", "faulted", "flight", "lossy", "now")
 
     def __init__(self, f: Frozen) -> None:
-        (self.now, flight, self.dups, self.drops, self.dead, self.lossy, self.faulted, cinc,
-         pinc, d_owner, p_owner, content, leases, windows) = f
-        #: (producer rank, incarnation) -> when its source's lease ends, at the latest
-        self.leases: dict[tuple[int, int], float] = dict(leases)
-        #: (producer rank, consumer rank, attempt, incarnation) -> end of the write window
-        self.windows: dict[tuple[int, int, int, int], float] = dict(windows)
-        self.flight: list[Item] = list(flight)
-        self.cinc = [CInc(*c) for c in cinc]
-        self.pinc = [PInc(*p) for p in pinc]
-        self.d_owner: list[tuple[int, int] | None] = list(d_owner)
-        self.p_owner: list[int | None] = list(p_owner)
-        self.content: dict[tuple[int, int, int], tuple[int, int]] = dict(content)
+        self.f = f
+        (self.now, flight, self.dups, self.drops, self.dead, self.lossy, self.faulted) = f[:7]
+        self.flight: list[Item] = list(flight)  # kept sorted
+        self._cinc: list[CInc] | None = None
+        self._pinc: list[PInc] | None = None
+        self._d_owner: list[tuple[int, int] | None] | None = None
+        self._p_owner: list[int | None] | None = None
+        self._content: dict[tuple[int, int, int], tuple[int, int]] | None = None
+        self._leases: dict[tuple[int, int], float] | None = None
+        self._windows: dict[tuple[int, int, int, int], float] | None = None
+
+    def add(self, item: Item) -> None:
+        bisect.insort(self.flight, item)
+
+    @property
+    def engines_touched(self) -> bool:
+        return self._cinc is not None or self._pinc is not None
+
+    @property
+    def cinc(self) -> list[CInc]:
+        if self._cinc is None:
+            self._cinc = [CInc(*c) for c in self.f[7]]
+        return self._cinc
+
+    @property
+    def pinc(self) -> list[PInc]:
+        if self._pinc is None:
+            self._pinc = [PInc(*p) for p in self.f[8]]
+        return self._pinc
+
+    @property
+    def d_owner(self) -> list[tuple[int, int] | None]:
+        """Which (incarnation, attempt) holds each consumer block (None: free)."""
+        if self._d_owner is None:
+            self._d_owner = list(self.f[9])
+        return self._d_owner
+
+    @property
+    def p_owner(self) -> list[int | None]:
+        """Which incarnation's prefill holds each producer block (None: free)."""
+        if self._p_owner is None:
+            self._p_owner = list(self.f[10])
+        return self._p_owner
+
+    @property
+    def content(self) -> dict[tuple[int, int, int], tuple[int, int]]:
+        """(consumer rank, block, writer rank) -> (incarnation, attempt) that wrote it."""
+        if self._content is None:
+            self._content = dict(self.f[11])
+        return self._content
+
+    @property
+    def leases(self) -> dict[tuple[int, int], float]:
+        """(producer rank, incarnation) -> when its source's lease ends, at the latest."""
+        if self._leases is None:
+            self._leases = dict(self.f[12])
+        return self._leases
+
+    @property
+    def windows(self) -> dict[tuple[int, int, int, int], float]:
+        """(producer rank, consumer rank, attempt, incarnation) -> end of the write window."""
+        if self._windows is None:
+            self._windows = dict(self.f[13])
+        return self._windows
 
     def freeze(self) -> Frozen:
-        return (self.now, tuple(sorted(self.flight)), self.dups, self.drops, self.dead,
-                self.lossy, self.faulted, tuple(c.freeze() for c in self.cinc),
-                tuple(p.freeze() for p in self.pinc), tuple(self.d_owner),
-                tuple(self.p_owner), tuple(sorted(self.content.items())),
-                tuple(sorted(self.leases.items())), tuple(sorted(self.windows.items())))
+        f = self.f
+        return (self.now, tuple(self.flight), self.dups, self.drops, self.dead,
+                self.lossy, self.faulted,
+                f[7] if self._cinc is None else tuple(c.freeze() for c in self._cinc),
+                f[8] if self._pinc is None else tuple(p.freeze() for p in self._pinc),
+                f[9] if self._d_owner is None else tuple(self._d_owner),
+                f[10] if self._p_owner is None else tuple(self._p_owner),
+                f[11] if self._content is None else tuple(sorted(self._content.items())),
+                f[12] if self._leases is None else tuple(sorted(self._leases.items())),
+                f[13] if self._windows is None else tuple(sorted(self._windows.items())))
 
 
 def initial(scope: Scope) -> Frozen:
