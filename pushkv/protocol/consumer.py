@@ -93,6 +93,10 @@ class Consumer(Endpoint):
         self._next_heartbeat: float | None = None
         self._connecting: dict[str, float] = {}  # engine -> handshake deadline (Connect sent)
         self._ready_engines: set[str] = set()  # every rank writing into us is handshaken
+        # Transfers cancelled while their registration waited for the handshake, by
+        # engine: abandoned (final Cancel, Skip) once it is usable; bounded by the
+        # handshake timeout, which forgets them.
+        self._abandoned: dict[str, list[Key]] = {}
 
     # ------------------------------------------------------------------ peers
 
@@ -128,12 +132,21 @@ class Consumer(Endpoint):
                     for a in skips(self, t.key, info.engine_id, only=info.rank)]
         if not self._usable(info.engine_id):
             return out
-        # Rule 8: the engine became usable; the registrations held for it go out.
+        # Rule 8: the engine became usable; the registrations held for it go out,
+        # and the producer learns of the transfers that ended while they waited.
         self._connecting.pop(info.engine_id, None)
+        for key in self._abandoned.pop(info.engine_id, ()):
+            out += abandons(self, key, info.engine_id, self._writers[info.engine_id])
         for t in list(self._transfers.values()):
             if t.state is CS.CONNECTING and t.producer == info.engine_id:
                 out += self._input(t, CI.CONNECTED, max(when, 0.0))
         return out
+
+    def _abandon_later(self, t: _Transfer) -> None:
+        """A transfer cancelled before any registration went out (it waited for the
+        handshake): tell the producer when the engine becomes usable."""
+        if not t.skipped and t.mode is Mode.PUSH:
+            self._abandoned.setdefault(t.producer, []).append(t.key)
 
     def _usable(self, engine_id: str) -> bool:
         """Every producer rank that writes into this rank is handshaken (ranks that
@@ -149,6 +162,7 @@ class Consumer(Endpoint):
 
     def _handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
         self._connecting.pop(engine_id, None)
+        self._abandoned.pop(engine_id, None)  # no channel: the producer's lease decides
         self.stats["handshakes_failed"] += 1
         out: list[Action] = []
         for t in list(self._transfers.values()):
@@ -518,6 +532,7 @@ class Consumer(Endpoint):
             if effect is not CE.RELEASE and t.mode is Mode.PULL:
                 out += final_cancels(self, t)
             if effect is CE.RELEASE_CANCELLED:
+                self._abandon_later(t)
                 self.stats["cancelled"] += 1
                 out.append(TransferCancelled(transfer_id=tid, attempt=cur.attempt,
                                              incarnation=inc))
@@ -557,6 +572,7 @@ class Consumer(Endpoint):
             return [TransferFailed(transfer_id=tid, attempt=cur.attempt, reason=t.reason,
                                    policy=self.config.policy, code=t.code, incarnation=inc)]
         if effect is CE.FINAL_CANCEL_RELEASED:
+            self._abandon_later(t)
             self.stats["cancelled"] += 1
             return [*final_cancels(self, t),
                     TransferCancelled(transfer_id=tid, attempt=cur.attempt, incarnation=inc)]
