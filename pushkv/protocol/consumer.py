@@ -92,6 +92,7 @@ class Consumer(Endpoint):
         self._lent: dict[int, Key] = {}  # block id -> transfer that may still be written
         self._next_heartbeat: float | None = None
         self._connecting: dict[str, float] = {}  # engine -> handshake deadline (Connect sent)
+        self._ready_engines: set[str] = set()  # every rank writing into us is handshaken
 
     # ------------------------------------------------------------------ peers
 
@@ -116,6 +117,9 @@ class Consumer(Endpoint):
                 r for r in range(src.world_size)
                 if r % dst.world_size == self.peer.rank and not targets_of(src, dst, r)
             )
+        writers = self._writers[info.engine_id]
+        if all(Peer(info.engine_id, r) in self._peers for r in writers):
+            self._ready_engines.add(info.engine_id)
         when = self._now if now is None else now
         out = self._run_timers(when) if now is not None else []
         if info.rank in self._silent[info.engine_id]:  # told late: Skip what went out
@@ -134,11 +138,7 @@ class Consumer(Endpoint):
     def _usable(self, engine_id: str) -> bool:
         """Every producer rank that writes into this rank is handshaken (ranks that
         write nothing are told with Skip if known, never waited for)."""
-        writers = self._writers.get(engine_id)
-        if writers is None:
-            return False
-        peers = self._peers
-        return all(Peer(engine_id, r) in peers for r in writers)
+        return engine_id in self._ready_engines
 
     def handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
         """The driver could not handshake with ``engine_id``: every transfer waiting
@@ -175,6 +175,7 @@ class Consumer(Endpoint):
         self._engines.pop(engine_id, None)
         self._writers.pop(engine_id, None)
         self._silent.pop(engine_id, None)
+        self._ready_engines.discard(engine_id)
         for t in [*self._transfers.values(), *self._retired.values()]:
             if t.producer != engine_id:
                 continue
@@ -318,7 +319,8 @@ class Consumer(Endpoint):
         if not usable:  # rule 8: wait in CONNECTING for the handshake
             return out + self._connect(producer, now)
         t.skipped = True
-        return out + self._start_attempt(t, now) + skips(self, t.key, producer)
+        out += self._start_attempt(t, now)
+        return out + skips(self, t.key, producer) if self._silent[producer] else out
 
     def reissue(self, transfer_id: str, block_ids: npt.ArrayLike, now: float) -> list[Action]:
         """Register a preempted transfer again, with a new attempt, into ``block_ids``."""
@@ -614,14 +616,16 @@ class Consumer(Endpoint):
         return out
 
     def _lend(self, t: _Transfer, a: _Attempt) -> None:
+        key = t.key
         for b in _written(a.block_ids, self.info.layout.block_size, t.first_token,
                           t.num_tokens):
-            self._lent[b] = t.key
+            self._lent[b] = key
 
     def _unlend(self, t: _Transfer, a: _Attempt) -> None:
+        key, lent = t.key, self._lent
         for b in a.block_ids:
-            if self._lent.get(b) == t.key:  # only what this transfer lent
-                del self._lent[b]
+            if lent.get(b) == key:  # only what this transfer lent
+                del lent[b]
 
     def _maybe_forget(self, t: _Transfer) -> None:
         if t.state in CONSUMER_TERMINAL and not t.zombies:

@@ -285,3 +285,16 @@ def test_a_newer_cancel_also_fences_the_older_registration_it_drops():
     assert of(out, TransferCancelled) and c.lent_blocks() == {} and c.num_transfers == 0
     pair.to_consumers(pair.to_producers(late))  # the overtaken messages change nothing
     assert c.lent_blocks() == {}
+
+
+def test_a_final_cancel_after_a_preempt_of_the_same_attempt_releases_the_source():
+    """Preempt then abort while the write is in flight: the abort must not be
+    taken for a repeat of the preempt, or the source waits for its lease."""
+    pair = Pair(pcfg=ProducerConfig(lease_s=30.0))
+    (p,), (c,) = pair.p, pair.c
+    pair.to_producers(c.register("t", "P", [1, 2, 3], 40, 0.0))
+    cancels = c.preempt("t", 0.0) + c.abort("t", 0.0)
+    writes = p.prefill_finished("t", [7, 8, 9], 40, 0.0)
+    pair.to_producers(cancels)
+    back, _ = pair.complete(writes)
+    assert of(back, ReleaseSource) and p.held_blocks() == {}
