@@ -43,7 +43,7 @@ FAST = {"lease_s": 30.0, "heartbeat_s": 1.0, "window_s": 8.0, "fence_grace_s": 2
         "handshake_timeout_s": 20.0, "peer_confirm_s": 1.0}
 #: Proxy flags for fast failover.
 PROXY_FLAGS = ("--health-interval", "0.5", "--health-timeout", "1.5", "--unhealthy-after",
-               "2", "--backoff-max", "2", "--probe-generate", "10")
+               "2", "--backoff-max", "2")
 
 
 def prompt(n: int, salt: int) -> list[int]:
