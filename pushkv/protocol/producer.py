@@ -415,9 +415,13 @@ class Producer(Endpoint):
                 leg.stash = None
             if leg.writing is not None:
                 attempts.discard(leg.writing)  # its completion is its fence
-            if leg.writing is None:
+            elif leg.reg is not None:  # the registration dropped is fenced too
+                attempts.add(leg.reg.attempt)
                 leg.reg = None
             return [self._ack(leg.peer, key, a) for a in sorted(attempts)]
+        if effect is PE.ACK_STALE:
+            assert cancel is not None
+            return [] if cancel == leg.writing else [self._ack(leg.peer, key, cancel)]
         if effect is PE.FAIL:
             assert reason is not None
             failed = finished if finished is not None else leg.attempt

@@ -29,8 +29,11 @@ to every leg when prefill finishes, and a leg created later starts in
 
 Rule 2 -- **attempts.** The consumer owns the attempt number. A Register or
 Cancel whose attempt is older than the leg's newest (stale) or repeats it is
-the input ``REGISTER_STALE`` / ``CANCEL_STALE`` and changes nothing (a source
-that is gone still acknowledges a cancel); only newer ones are ``REGISTER`` /
+the input ``REGISTER_STALE`` / ``CANCEL_STALE`` and changes nothing, but such a
+cancel is acknowledged (``ACK_STALE``): an attempt older than the leg's newest
+can never be written any more, unless it is the write in flight, whose
+completion is its fence. A cancel also fences the older registration it makes
+the leg drop. Only newer ones are ``REGISTER`` /
 ``CANCEL`` / ``PREEMPT``. A newer Register while the old attempt is being written
 is *stashed* (``SUPERSEDED``) and written only after the old write finished:
 the old write is fenced before the new one starts. A newer Register before
@@ -154,6 +157,7 @@ class ProducerEffect(enum.Enum):
     ACK_STASHED_AND_STASH = "ack stashed+stash"
     FAIL_STASHED = "fail stashed"
     STALE = "drop stale"  #: count the message, answer nothing
+    ACK_STALE = "ack stale"  #: CancelAck an older attempt (never written now) unless in flight
     FAIL_GONE = "fail: source gone"  #: Fail(SOURCE_RELEASED or PREFILL_ABORTED)
 
 
@@ -283,10 +287,11 @@ _quiet_when_finished = {
 _ack_when_terminal = {
     (s, i): (PE.ACK, s) for s in _P_TERMINAL for i in (PI.CANCEL, PI.PREEMPT)
 }
-# Rule 2: stale and repeated messages are inputs too; they change nothing.
-_stale = {
-    (s, i): (PE.STALE, s) for s in _P_ALL for i in (PI.REGISTER_STALE, PI.CANCEL_STALE)
-}
+# Rule 2: stale and repeated messages are inputs too; they change nothing. An
+# older attempt can never be written any more, so its cancel is acknowledged at
+# once (unless that very attempt is being written: its completion is the fence).
+_stale = {(s, PI.REGISTER_STALE): (PE.STALE, s) for s in _P_ALL}
+_stale |= {(s, PI.CANCEL_STALE): (PE.ACK_STALE, s) for s in _P_ALL}
 # Rule 3: reopen a finished leg as a new one would start; rule 4: when the
 # source goes, every leg that is not writing ends in GONE.
 _reopen = {(s, PI.REOPEN): (PE.NONE, P.EMPTY) for s in _P_FINISHED}
@@ -365,10 +370,8 @@ PRODUCER_TABLE: dict[
     **_stale,
     **_reopen,
     **_gone,
-    # A source that is gone answers every newer registration at once (rule 3),
-    # and acknowledges every cancel, old or new, from memory.
+    # A source that is gone answers every newer registration at once (rule 3).
     (P.GONE, PI.REGISTER): (PE.FAIL_GONE, P.GONE),
-    (P.GONE, PI.CANCEL_STALE): (PE.ACK, P.GONE),
 }
 
 _C_TERMINAL = (C.READY, C.CANCELLED, C.FAILED)

@@ -252,3 +252,49 @@ def test_ranks_that_write_nothing_are_told_even_after_a_preempted_handshake_wait
     (skip,) = msgs(out, Skip)
     assert skip.transfer_id == "t"
     assert [a.peer.rank for a in out if isinstance(a.message, Skip)] == [1]
+
+
+# ------------------------------------------- fences answered, never waited out
+
+
+def test_an_overtaken_cancel_of_an_older_attempt_is_still_acknowledged():
+    """Register a1 overtakes Cancel a0 and Register a0: the old attempt will never
+    be written, so its cancel is acknowledged and its zombie released at once."""
+    pair = Pair()
+    (c,) = pair.c
+    reg0 = c.register("t", "P", [1, 2, 3], 40, 0.0)
+    cancel0 = c.preempt("t", 0.0)
+    reg1 = c.reissue("t", [4, 5, 6], 0.0)
+    answers = pair.to_producers(reg1) + pair.to_producers(cancel0) + pair.to_producers(reg0)
+    assert [m.attempt for m in msgs(answers, CancelAck)] == [0]
+    out = pair.to_consumers(answers)
+    assert [r.attempt for r in of(out, ReleaseDestination)] == [0]
+    assert c.lent_blocks() == {4: "t", 5: "t", 6: "t"}
+
+
+def test_a_newer_cancel_also_fences_the_older_registration_it_drops():
+    """Cancel a1 (final) reaches a leg still holding Register a0: both are
+    acknowledged, so the consumer's zombie a0 is not left to the hard deadline."""
+    pair = Pair()
+    (c,) = pair.c
+    pair.to_producers(c.register("t", "P", [1, 2, 3], 40, 0.0))
+    late = c.preempt("t", 0.0) + c.reissue("t", [4, 5, 6], 0.0)
+    answers = pair.to_producers(c.abort("t", 0.0))
+    assert sorted(m.attempt for m in msgs(answers, CancelAck)) == [0, 1]
+    out = pair.to_consumers(answers)
+    assert of(out, TransferCancelled) and c.lent_blocks() == {} and c.num_transfers == 0
+    pair.to_consumers(pair.to_producers(late))  # the overtaken messages change nothing
+    assert c.lent_blocks() == {}
+
+
+def test_a_final_cancel_after_a_preempt_of_the_same_attempt_releases_the_source():
+    """Preempt then abort while the write is in flight: the abort must not be
+    taken for a repeat of the preempt, or the source waits for its lease."""
+    pair = Pair(pcfg=ProducerConfig(lease_s=30.0))
+    (p,), (c,) = pair.p, pair.c
+    pair.to_producers(c.register("t", "P", [1, 2, 3], 40, 0.0))
+    cancels = c.preempt("t", 0.0) + c.abort("t", 0.0)
+    writes = p.prefill_finished("t", [7, 8, 9], 40, 0.0)
+    pair.to_producers(cancels)
+    back, _ = pair.complete(writes)
+    assert of(back, ReleaseSource) and p.held_blocks() == {}

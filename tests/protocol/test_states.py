@@ -117,6 +117,7 @@ P_ACTIONS = {
     PE.WRITE: {("IssueWrite",), ()},
     PE.ACK: {(), ("CancelAck",), ("CancelAck", "CancelAck")},  # a write in flight is its fence
     PE.ACK_AND_ADOPT: {("CancelAck",)},
+    PE.ACK_STALE: {(), ("CancelAck",)},
     PE.FAIL: {("Fail",)}, PE.FAIL_GONE: {("Fail",)}, PE.FAIL_STASHED: {("Fail",)},
     PE.STASH: {(), ("CancelAck",)}, PE.ACK_STASHED_AND_STASH: {("CancelAck",)},
     PE.WRITE_STASHED: {("IssueWrite",), ()},
