@@ -21,6 +21,7 @@ from .check_world import (
     C_LIVE,
     C_OVER,
     FRAME,
+    HELLO,
     P_HELD,
     P_OVER,
     P_PREFILL,
@@ -32,6 +33,7 @@ from .check_world import (
     World,
     done_item,
     frame_item,
+    hello_item,
     initial,
     write_item,
 )
@@ -125,10 +127,12 @@ class Model:
         self.np, self.nd = len(pinfo), len(dinfo)
         self.producers = [Producer(i, scope.producer_config()) for i in pinfo]
         self.consumers = [Consumer(i, scope.consumer_config()) for i in dinfo]
+        self.pinfo, self.dinfo = pinfo, dinfo
         for p in self.producers:
             for c in self.consumers:
-                p.add_peer(c.info)
-                c.add_peer(p.info)
+                if not scope.handshake:  # else on demand, when a consumer asks (Connect)
+                    p.add_peer(c.info)
+                    c.add_peer(p.info)
         self.endpoints: list[Endpoint] = [*self.producers, *self.consumers]
         self.renew = self.producers[0].config.renew_fraction
         self.snaps = Snapshots(self.endpoints)
@@ -231,6 +235,9 @@ class Model:
                 out.append(("land", item))
                 if sc.write_errors:
                     out.append(("wfail", item))
+            elif kind == HELLO:
+                out.append(("hello", item))
+                out.append(("hsfail", item))
             else:
                 out.append(("complete", item))
         obliged = False
@@ -302,6 +309,9 @@ class Model:
 
     def _step(self, w: World, step: Step, kind: str, ids: list[int]) -> None:
         sc = self.scope
+        if kind in ("hello", "hsfail"):
+            self._handshake(w, ids, step[1], ok=kind == "hello")
+            return
         if kind in ("deliver", "dup", "drop", "land", "wfail", "complete"):
             item = step[1]
             if kind == "dup":
@@ -451,10 +461,39 @@ class Model:
         for i in survivors:
             self._run(w, ids, i, ("died", engine, w.now), lambda ep: ep.peer_died(engine, w.now))
 
+    def _handshake(self, w: World, ids: list[int], item: Item, *, ok: bool) -> None:
+        _, d, p, _sent = item
+        if not ok:  # this consumer rank gives up on the engine: all its handshakes end
+            w.flight = [it for it in w.flight if not (it[0] == HELLO and it[1] == d)]
+            w.faulted = w.lossy = True  # no channel to tell the producer: its lease will
+            if self.log is not None:
+                self._say(f"the handshake of D{d} with P{p} fails")
+            self._run(w, ids, self.np + d, ("hsfail", w.now),
+                      lambda ep: ep.handshake_failed("P", "refused", w.now))
+            return
+        w.flight.remove(item)
+        w.shaken = w.shaken | {(d, p)}
+        if self.log is not None:
+            self._say(f"D{d} and P{p} complete their handshake")
+        self._run(w, ids, p, ("hello", d, w.now), lambda ep: ep.add_peer(self.dinfo[d]) or [])
+        self._run(w, ids, self.np + d, ("hello", p, w.now),
+                  lambda ep: ep.add_peer(self.pinfo[p], now=w.now))
+
+    def _connect(self, w: World, d: int) -> None:
+        """Consumer rank ``d`` asks for a handshake with every producer rank."""
+        if not self.scope.handshake:
+            raise Violation("handshake", f"D{d} asks to connect to a peer it handshook with")
+        busy = {it[2] for it in w.flight if it[0] == HELLO and it[1] == d}
+        for p in range(self.np):
+            if (d, p) not in w.shaken and p not in busy:
+                w.add(hello_item(d, p, w.now))
+
     @staticmethod
     def _touches(item: Item, engine: str) -> bool:
         if item[0] == FRAME:
             return engine in (item[1], item[3])
+        if item[0] == HELLO:
+            return True
         return engine == "P"  # a dead producer's writes never land nor complete
 
     def _land(self, w: World, item: Item, *, ok: bool) -> None:
@@ -529,8 +568,7 @@ class Model:
                     raise Violation("rejected", f"{self._name(i)} rejected a correct peer's "
                                     f"message: {a.error}")
             elif type(a).__name__ == "Connect":
-                raise Violation("handshake", f"{self._name(i)} asks to connect to a peer it "
-                                "handshook with")
+                self._connect(w, i - self.np)
             else:
                 raise Violation("action", f"{self._name(i)} emitted unexpected {a!r}")
 
@@ -744,6 +782,8 @@ class Model:
             return f"{brief(self.message(item[5]))} {item[3]}{item[4]} -> {item[1]}{item[2]}"
         if item[0] == WRITE:
             return f"P{item[1]}'s write of t#{item[8]} a{item[3]} to D{item[2]}"
+        if item[0] == HELLO:
+            return f"the handshake of D{item[1]} with P{item[2]}"
         return f"the completion of P{item[1]}'s write of a{item[3]} to D{item[2]}"
 
     def _action(self, a: Action) -> str:
@@ -757,7 +797,7 @@ class Model:
     def describe(self, step: Step) -> str:
         """One line for a step, before it runs."""
         kind = step[0]
-        if kind in ("deliver", "dup", "drop", "land", "wfail", "complete"):
+        if kind in ("deliver", "dup", "drop", "land", "wfail", "complete", "hello", "hsfail"):
             return f"{kind} {self._item(step[1])}"
         if kind == "tick":
             return f"timer of {self._name(step[1])}"

@@ -40,6 +40,10 @@ class Scope:
         default=False, metadata={"help": "the producer engine may abort a request"}
     )
     heartbeats: bool = field(default=True, metadata={"help": "consumers renew leases"})
+    handshake: bool = field(
+        default=False,
+        metadata={"help": "handshake on demand (Connect), each rank pair may fail"},
+    )
     d_blocks: int = field(default=2, metadata={"help": "consumer block pool (reused at once)"})
     p_blocks: int = field(default=1, metadata={"help": "producer block pool (reused at once)"})
     window_s: float = 4.0
@@ -99,7 +103,8 @@ class Scope:
                   f"death of {'/'.join(self.deaths)}" if self.deaths else "",
                   "write errors" if self.write_errors else "",
                   "consumer aborts" if self.aborts else "",
-                  "producer aborts" if self.prefill_aborts else ""]
+                  "producer aborts" if self.prefill_aborts else "",
+                  "handshakes on demand" if self.handshake else ""]
         return (f"P TP{self.p_tp} -> D TP{self.d_tp}, {self.heads} KV head(s), "
                 f"{self.incarnations} incarnation(s) x {self.attempts} attempt(s); "
                 + (", ".join(f for f in faults if f) or "no faults"))
@@ -121,6 +126,7 @@ CI_SCOPES = _scopes(
           heartbeats=False),
     Scope(name="replicated-reuse", p_tp=2, kv_heads=1, incarnations=2, heartbeats=False,
           aborts=False),
+    Scope(name="handshake", p_tp=2, kv_heads=1, handshake=True, heartbeats=False),
 )
 
 #: Deeper scopes for the benchmark and for people with time.
@@ -131,6 +137,8 @@ DEEP_SCOPES = _scopes(
     Scope(name="2to1-deep", p_tp=2, attempts=2, dups=1, prefill_aborts=True),
     Scope(name="1to2-deep", d_tp=2, attempts=2, dups=1, prefill_aborts=True),
     Scope(name="replicated-reuse-deep", p_tp=2, kv_heads=1, incarnations=2, heartbeats=False),
+    Scope(name="handshake-deep", p_tp=2, kv_heads=1, handshake=True, attempts=2, dups=1,
+          heartbeats=False),
 )
 
 SCOPES = {**CI_SCOPES, **DEEP_SCOPES}

@@ -38,7 +38,7 @@ C_IDLE, C_LIVE, C_OVER = 0, 1, 2
 P_WAIT, P_PREFILL, P_HELD, P_OVER = 0, 1, 2, 3
 
 # Item kinds in flight (sorted first by kind)
-FRAME, WRITE, DONE = 0, 1, 2
+FRAME, WRITE, DONE, HELLO = 0, 1, 2, 3
 
 #: (kind, ...) -- see :func:`frame_item`, :func:`write_item`, :func:`done_item`.
 Item = tuple[Any, ...]
@@ -53,6 +53,11 @@ def write_item(p_rank: int, d_rank: int, attempt: int, inc: int, src_blocks: tup
                dst_blocks: tuple[int, ...], notify: bytes, data: int, sent: float) -> Item:
     """A posted write: ``data`` is the incarnation whose prefill fills the source blocks."""
     return (WRITE, p_rank, d_rank, attempt, inc, src_blocks, dst_blocks, notify, data, sent)
+
+
+def hello_item(d_rank: int, p_rank: int, sent: float) -> Item:
+    """A handshake between a consumer rank and a producer rank, under way."""
+    return (HELLO, d_rank, p_rank, sent)
 
 
 def done_item(p_rank: int, d_rank: int, attempt: int, inc: int, ok: bool, sent: float) -> Item:
@@ -103,7 +108,7 @@ class World:
     """
 
     __slots__ = ("_cinc", "_content", "_d_owner", "_leases", "_p_owner", "_pinc", "_windows",
-                 "dead", "drops", "dups", "f", "faulted", "flight", "lossy", "now")
+                 "dead", "drops", "dups", "f", "faulted", "flight", "lossy", "now", "shaken")
 
     def __init__(self, f: Frozen) -> None:
         self.f = f
@@ -116,6 +121,8 @@ class World:
         self._content: dict[tuple[int, int, int], tuple[int, int]] | None = None
         self._leases: dict[tuple[int, int], float] | None = None
         self._windows: dict[tuple[int, int, int, int], float] | None = None
+        #: (consumer rank, producer rank) pairs that completed a handshake
+        self.shaken: frozenset[tuple[int, int]] = f[14]
 
     def add(self, item: Item) -> None:
         bisect.insort(self.flight, item)
@@ -181,7 +188,8 @@ class World:
                 f[10] if self._p_owner is None else tuple(self._p_owner),
                 f[11] if self._content is None else tuple(sorted(self._content.items())),
                 f[12] if self._leases is None else tuple(sorted(self._leases.items())),
-                f[13] if self._windows is None else tuple(sorted(self._windows.items())))
+                f[13] if self._windows is None else tuple(sorted(self._windows.items())),
+                self.shaken)
 
 
 def initial(scope: Scope) -> Frozen:
@@ -191,4 +199,4 @@ def initial(scope: Scope) -> Frozen:
     pinc: tuple[Any, ...] = tuple(
         ((P_PREFILL if k == 0 else P_WAIT), (), frozenset(), False) for k in range(n))
     return (0.0, (), scope.dups, scope.drops, "", False, False, cinc, pinc,
-            (None,) * scope.d_blocks, (None,) * scope.p_blocks, (), (), ())
+            (None,) * scope.d_blocks, (None,) * scope.p_blocks, (), (), (), frozenset())
