@@ -283,7 +283,7 @@ def bench_serve(url: str, model: str, out: Path, name: str, *, qps: str, input_l
 
 
 async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str,
-                  phase: str, rng: random.Random) -> list[dict[str, Any]]:
+                  phase: str, rng: random.Random, failures: list[str]) -> list[dict[str, Any]]:
     names = list(eps)
     records: list[dict[str, Any]] = []
     async with Client(model) as client:
@@ -297,25 +297,33 @@ async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str
             order = names[it % len(names):] + names[:it % len(names)]
             for load, n in (("seq", args.seq_requests), ("conc", args.conc_requests)):
                 batch = prompts(n, args.input_len, rng)
-                reference: list[list[int]] | None = None
-                if "plain" in eps:
-                    reference = [r.tokens for r in await run_mode(
-                        client, eps["plain"], batch, args.output_len, load == "conc")]
+                got: dict[str, list[Result]] = {}
                 for name in order:
-                    results = await run_mode(client, eps[name], batch, args.output_len,
-                                             load == "conc")
-                    for p, r, i in zip(batch, results, range(n), strict=True):
-                        same = reference is None or r.tokens == reference[i]
+                    try:
+                        got[name] = await run_mode(client, eps[name], batch, args.output_len,
+                                                   load == "conc")
+                    except Exception as exc:  # reported; the other modes still run
+                        failures.append(f"{name} {load} round {it}: {exc!r:.200}")
+                        print(f"[{phase} iter {it}] {name:18s} {load:4s} FAILED: {exc!r:.200}",
+                              flush=True)
+                        continue
+                    lat = median([r.latency_s * 1e3 for r in got[name]])
+                    print(f"[{phase} iter {it}] {name:18s} {load:4s} median {lat:7.1f} ms",
+                          flush=True)
+                reference = got.get("plain")
+                for name, results in got.items():
+                    for i, (p, r) in enumerate(zip(batch, results, strict=True)):
+                        same = reference is not None and r.tokens == reference[i].tokens
                         records.append({
                             "mode": name, "load": load, "iter": it, "phase": phase,
                             "prompt_len": len(p),
                             "latency_ms": r.latency_s * 1e3, "ttft_ms": r.ttft_s * 1e3,
                             "tpot_ms": r.tpot_s * 1e3, "tokens": len(r.tokens),
                             "same_as_plain": same})
-                    lat = median([r.latency_s * 1e3 for r in results])
                     bad = sum(1 for rec in records[-n:] if not rec["same_as_plain"])
-                    print(f"[{phase} iter {it}] {name:18s} {load:4s} median {lat:7.1f} ms"
-                          + (f"  {bad} OUTPUTS DIFFER FROM PLAIN" if bad else ""), flush=True)
+                    if bad:
+                        print(f"[{phase} iter {it}] {name}: {bad} outputs differ from plain's "
+                              "(or plain failed)", flush=True)
     return records
 
 
@@ -383,6 +391,7 @@ def main() -> int:
     eps: dict[str, Endpoint] = {}
     status: dict[str, str] = {}
     records: list[dict[str, Any]] = []
+    failures: list[str] = []
     measured: list[str] = []
     rng = random.Random(args.seed)
     try:
@@ -413,7 +422,11 @@ def main() -> int:
                         print(f"[{name}] {status[name]}", flush=True)
             label = "+".join(phase)
             try:
-                records += asyncio.run(measure(args, eps, str(model), label, rng))
+                try:
+                    records += asyncio.run(measure(args, eps, str(model), label, rng, failures))
+                except Exception as exc:  # e.g. a warm-up failed: the next phase still runs
+                    status[label] = f"failed: {exc!r:.300}"
+                    print(f"[{label}] {status[label]}", flush=True)
                 if args.serve_qps:
                     serve(args, eps, str(model), out, status)
             finally:
@@ -432,6 +445,8 @@ def main() -> int:
     measured = [n for n in names if n in measured]
     summary = verdict(records, measured)
     summary["status"] = status or "ok"
+    if failures:
+        summary["failed_rounds"] = failures
     print()
     print(latency_table(summary, measured))
     print()
@@ -439,7 +454,7 @@ def main() -> int:
     print()
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
-    ok = not status and summary["outputs_identical_to_plain"]
+    ok = not status and not failures and summary["outputs_identical_to_plain"]
     return 0 if ok else 1
 
 
