@@ -86,14 +86,23 @@ def _instrument(module):  # type: ignore[no-untyped-def]
             timeline.mark(r, "decode_scheduled")
         return after_alloc(self, request, blocks, num_external_tokens)
 
-    finished = cls.request_finished
-
-    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
+    def on_finished(self, request):  # type: ignore[no-untyped-def]
         r = rid(request)
         seen.discard(request.request_id)
         if r and not is_consumer(self):
             timeline.mark(r, "prefill_finished")
+
+    finished = cls.request_finished
+
+    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
+        on_finished(self, request)
         return finished(self, request, block_ids)
+
+    finished_all = cls.request_finished_all_groups  # what the scheduler calls (HMA)
+
+    def request_finished_all_groups(self, request, block_ids):  # type: ignore[no-untyped-def]
+        on_finished(self, request)
+        return finished_all(self, request, block_ids)
 
     update = cls.update_connector_output
 
@@ -108,6 +117,7 @@ def _instrument(module):  # type: ignore[no-untyped-def]
     cls.get_num_new_matched_tokens = get_num_new_matched_tokens
     cls.update_state_after_alloc = update_state_after_alloc
     cls.request_finished = request_finished
+    cls.request_finished_all_groups = request_finished_all_groups
     cls.update_connector_output = update_connector_output
     timeline.configure(_TIMELINE, f"vllm-{os.getpid()}")
 
