@@ -99,7 +99,9 @@ class PushKVConnector(KVConnectorBase_V1):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        timeline.configure(self.settings.timeline_dir, f"{self.engine_id}-{role.name.lower()}")
+        if self.settings.timeline_dir:  # empty: leave the process's recorder as it is
+            timeline.configure(self.settings.timeline_dir,
+                               f"{self.engine_id}-{role.name.lower()}")
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 endpoint=self.endpoint, block_size=self.block_size,

@@ -323,3 +323,22 @@ def test_discovery_request_returns_the_endpoint(producer):
 def test_bad_extra_config_is_refused_by_name(tiny_model, extra, match):
     with pytest.raises(ConnectorConfigError, match=match):
         Engine(vllm_config(tiny_model, "kv_consumer", extra=extra))
+
+
+def test_timeline_marks_the_decode_schedulers_hops_in_order(consumer, tmp_path):
+    from pushkv import timeline
+
+    timeline.configure(tmp_path, "decode-scheduler")
+    try:
+        e = consumer()
+        req = e.request(70, params=decode_params("t-tl"), max_tokens=2)
+        e.step()
+        e.run(2)  # still waiting: seen once, registered once
+        e.step(kv=recv_done(req.request_id))
+        e.run_until(lambda: req.request_id in e.outputs.finish)
+    finally:
+        timeline.configure(None)
+    marks = timeline.by_request(timeline.read(tmp_path))["t-tl"]
+    chain = ["decode_seen", "registration_shipped", "ready_scheduled", "decode_scheduled"]
+    assert list(marks) == chain  # each once, in this order
+    assert [marks[k] for k in chain] == sorted(marks.values())
