@@ -97,6 +97,9 @@ class Consumer(Endpoint):
         # engine: abandoned (final Cancel, Skip) once it is usable; bounded by the
         # handshake timeout, which forgets them.
         self._abandoned: dict[str, list[Key]] = {}
+        # Transfers whose Skip could not reach a rank that writes nothing (no
+        # handshake yet), by engine, oldest first; bounded by ``max_untold``.
+        self._untold: dict[str, dict[Key, None]] = {}
 
     # ------------------------------------------------------------------ peers
 
@@ -126,10 +129,13 @@ class Consumer(Endpoint):
             self._ready_engines.add(info.engine_id)
         when = self._now if now is None else now
         out = self._run_timers(when) if now is not None else []
-        if info.rank in self._silent[info.engine_id]:  # told late: Skip what went out
-            out += [a for t in self._transfers.values() if t.producer == info.engine_id
-                    and t.skipped and t.state not in CONSUMER_TERMINAL
-                    for a in skips(self, t.key, info.engine_id, only=info.rank)]
+        silent = self._silent[info.engine_id]
+        if info.rank in silent:  # told late: Skip every transfer it missed
+            untold = self._untold.get(info.engine_id, {})
+            out += [a for key in untold for a in skips(self, key, info.engine_id,
+                                                         only=info.rank)]
+            if all(Peer(info.engine_id, r) in self._peers for r in silent):
+                self._untold.pop(info.engine_id, None)
         if not self._usable(info.engine_id):
             return out
         # Rule 8: the engine became usable; the registrations held for it go out,
@@ -163,6 +169,7 @@ class Consumer(Endpoint):
     def _handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
         self._connecting.pop(engine_id, None)
         self._abandoned.pop(engine_id, None)  # no channel: the producer's lease decides
+        self._untold.pop(engine_id, None)
         self.stats["handshakes_failed"] += 1
         out: list[Action] = []
         for t in list(self._transfers.values()):
@@ -190,6 +197,7 @@ class Consumer(Endpoint):
         self._writers.pop(engine_id, None)
         self._silent.pop(engine_id, None)
         self._ready_engines.discard(engine_id)
+        self._untold.pop(engine_id, None)
         for t in [*self._transfers.values(), *self._retired.values()]:
             if t.producer != engine_id:
                 continue
