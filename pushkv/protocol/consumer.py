@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy.typing as npt
 
 from .config import ConsumerConfig
+from .consumer_handshake import connect, fail_handshake, learn_rank
 from .consumer_messages import (
     abandons,
     cancels,
@@ -29,7 +30,6 @@ from .errors import (
 )
 from .events import (
     Action,
-    Connect,
     Mode,
     Peer,
     ReleaseDestination,
@@ -39,7 +39,7 @@ from .events import (
     TransferReady,
 )
 from .layout import EngineSpec, RankInfo
-from .mapping import expected_writers, targets_of
+from .mapping import expected_writers
 from .messages import (
     CancelAck,
     Fail,
@@ -97,6 +97,9 @@ class Consumer(Endpoint):
         # engine: abandoned (final Cancel, Skip) once it is usable; bounded by the
         # handshake timeout, which forgets them.
         self._abandoned: dict[str, list[Key]] = {}
+        # Transfers whose Skip could not reach a rank that writes nothing (no
+        # handshake yet), by engine, oldest first; bounded by ``max_untold``.
+        self._untold: dict[str, dict[Key, None]] = {}
 
     # ------------------------------------------------------------------ peers
 
@@ -112,35 +115,7 @@ class Consumer(Endpoint):
         self._writers[info.engine_id] = expected_writers(
             info.engine, self.info.engine, self.peer.rank
         )
-        if info.engine_id not in self._silent:
-            # Producer ranks that write nothing into this engine learn from one
-            # consumer rank (rank r from consumer rank r mod world) that their
-            # source is not needed.
-            src, dst = info.engine, self.info.engine
-            self._silent[info.engine_id] = tuple(
-                r for r in range(src.world_size)
-                if r % dst.world_size == self.peer.rank and not targets_of(src, dst, r)
-            )
-        writers = self._writers[info.engine_id]
-        if all(Peer(info.engine_id, r) in self._peers for r in writers):
-            self._ready_engines.add(info.engine_id)
-        when = self._now if now is None else now
-        out = self._run_timers(when) if now is not None else []
-        if info.rank in self._silent[info.engine_id]:  # told late: Skip what went out
-            out += [a for t in self._transfers.values() if t.producer == info.engine_id
-                    and t.skipped and t.state not in CONSUMER_TERMINAL
-                    for a in skips(self, t.key, info.engine_id, only=info.rank)]
-        if not self._usable(info.engine_id):
-            return out
-        # Rule 8: the engine became usable; the registrations held for it go out,
-        # and the producer learns of the transfers that ended while they waited.
-        self._connecting.pop(info.engine_id, None)
-        for key in self._abandoned.pop(info.engine_id, ()):
-            out += abandons(self, key, info.engine_id, self._writers[info.engine_id])
-        for t in list(self._transfers.values()):
-            if t.state is CS.CONNECTING and t.producer == info.engine_id:
-                out += self._input(t, CI.CONNECTED, max(when, 0.0))
-        return out
+        return learn_rank(self, info, now)
 
     def _abandon_later(self, t: _Transfer) -> None:
         """A transfer cancelled before any registration went out (it waited for the
@@ -158,28 +133,7 @@ class Consumer(Endpoint):
         for it fails (HANDSHAKE_FAILED) and releases its blocks. A later
         registration asks for the engine again."""
         out = self._run_timers(now)
-        return out + self._handshake_failed(engine_id, reason, now)
-
-    def _handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
-        self._connecting.pop(engine_id, None)
-        self._abandoned.pop(engine_id, None)  # no channel: the producer's lease decides
-        self.stats["handshakes_failed"] += 1
-        out: list[Action] = []
-        for t in list(self._transfers.values()):
-            if t.state is CS.CONNECTING and t.producer == engine_id:
-                t.why(FailReason.HANDSHAKE_FAILED,
-                      f"handshake with producer engine {engine_id!r} failed: {reason}")
-                out += self._input(t, CI.HANDSHAKE_FAILED, now)
-        return out
-
-    def _connect(self, engine_id: str, now: float) -> list[Action]:
-        """Ask the driver for a handshake, once per engine; a core timer bounds it."""
-        if engine_id in self._connecting:
-            return []
-        deadline = self._connecting[engine_id] = now + self.config.handshake_timeout_s
-        self._schedule(deadline, engine_id)
-        self.stats["connects"] += 1
-        return [Connect(engine_id=engine_id)]
+        return out + fail_handshake(self, engine_id, reason, now)
 
     def peer_died(self, engine_id: str, now: float) -> list[Action]:
         """The transport confirmed ``engine_id`` dead: it fences every attempt it owed."""
@@ -190,6 +144,7 @@ class Consumer(Endpoint):
         self._writers.pop(engine_id, None)
         self._silent.pop(engine_id, None)
         self._ready_engines.discard(engine_id)
+        self._untold.pop(engine_id, None)
         for t in [*self._transfers.values(), *self._retired.values()]:
             if t.producer != engine_id:
                 continue
@@ -331,7 +286,7 @@ class Consumer(Endpoint):
         self._lend(t, cur)
         self.stats["registered"] += 1
         if not usable:  # rule 8: wait in CONNECTING for the handshake
-            return out + self._connect(producer, now)
+            return out + connect(self, producer, now)
         t.skipped = True
         out += self._start_attempt(t, now)
         return out + skips(self, t.key, producer) if self._silent[producer] else out
@@ -554,7 +509,7 @@ class Consumer(Endpoint):
             t.cur = self._attempt(cur.attempt + 1, block_ids, t.producer, now)
             t.reason, t.code = "", FailReason.WRITE_FAILED
             self._lend(t, t.cur)
-            return self._connect(t.producer, now)
+            return connect(self, t.producer, now)
         if effect in (CE.REGISTER, CE.ZOMBIFY_AND_REGISTER):
             spec = self._engines.get(t.producer)
             if spec is None:  # the producer left while we were preempted
@@ -673,7 +628,7 @@ class Consumer(Endpoint):
             due = self._connecting.get(key)
             if due is None or due > now:
                 return []
-            return self._handshake_failed(key, "handshake timed out", now)
+            return fail_handshake(self, key, "handshake timed out", now)
         t = self._transfers.get(key[0])
         if t is None or t.inc != key[1]:
             t = self._retired.get(key)
