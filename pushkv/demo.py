@@ -17,6 +17,7 @@ from .protocol import (
     TransferCancelled,
     TransferFailed,
     TransferReady,
+    encode,
     uniform_ranks,
 )
 from .protocol.events import Action
@@ -27,7 +28,7 @@ from .transports.testing import reference_destination
 def _describe(a: Action) -> str:
     if isinstance(a, SendMessage):
         m = a.message
-        fields = f"{getattr(m, 'transfer_id', '')}#{getattr(m, 'attempt', '')}"
+        fields = f"{getattr(m, 'transfer_id', '')}#{getattr(m, 'attempt', '-')}"
         return f"send {type(m).__name__:<9} {fields:<8} -> {a.peer.engine_id}[{a.peer.rank}]"
     if isinstance(a, IssueWrite):
         return (f"WRITE     {a.transfer_id}#{a.attempt:<5} -> {a.peer.engine_id}[{a.peer.rank}] "
@@ -50,8 +51,8 @@ def _timeline(net: InMemoryNetwork) -> list[str]:
     return [r for _, r in sorted(rows, key=lambda x: x[0])]
 
 
-def _net(p_tp: int = 1, d_tp: int = 1) -> InMemoryNetwork:
-    heads = max(p_tp, d_tp)
+def _net(p_tp: int = 1, d_tp: int = 1, heads: int = 0) -> InMemoryNetwork:
+    heads = heads or max(p_tp, d_tp)
     net = pair(uniform_ranks("prefill", tp=p_tp, num_kv_heads=heads),
                uniform_ranks("decode", tp=d_tp, num_kv_heads=heads),
                latency=0.0005, write_latency=0.002, keep_log=True)
@@ -62,14 +63,14 @@ def _each(net: InMemoryNetwork, side: str) -> list:
     return list((net.producers if side == "p" else net.consumers).values())
 
 
-def _register(net: InMemoryNetwork, tid: str, blocks: list[int], n: int) -> None:
+def _register(net: InMemoryNetwork, tid: str, blocks: list[int], n: int, inc: int = 0) -> None:
     for c in _each(net, "c"):
-        c.apply(c.endpoint.register(tid, "prefill", blocks, n, net.now))
+        c.apply(c.endpoint.register(tid, "prefill", blocks, n, net.now, incarnation=inc))
 
 
-def _prefill(net: InMemoryNetwork, tid: str, blocks: list[int], n: int) -> None:
+def _prefill(net: InMemoryNetwork, tid: str, blocks: list[int], n: int, inc: int = 0) -> None:
     for p in _each(net, "p"):
-        p.apply(p.endpoint.prefill_finished(tid, blocks, n, net.now))
+        p.apply(p.endpoint.prefill_finished(tid, blocks, n, net.now, incarnation=inc))
 
 
 def _bytes_ok(net: InMemoryNetwork, transfers: list) -> bool:
@@ -146,8 +147,38 @@ def cancel() -> tuple[InMemoryNetwork, list]:
     return net, []
 
 
+def reused_id() -> tuple[InMemoryNetwork, list]:
+    """The id of a finished request comes back at once for a new one. Each use has
+    its own incarnation, so the old use's late duplicate notification is stale and
+    only the new write completes the new transfer."""
+    net = _net()
+    _register(net, "req-6", [4, 5, 6], 40, inc=1001)
+    _prefill(net, "req-6", [10, 11, 12], 40, inc=1001)
+    net.run(until=net.now + 0.005)
+    (c,) = _each(net, "c")
+    old = next(a.notify for _, a in _each(net, "p")[0].log if isinstance(a, IssueWrite))
+    _register(net, "req-6", [20, 21, 22], 40, inc=1002)
+    net.send(_each(net, "p")[0].peer, c.peer, encode(old))  # a late duplicate of the old one
+    net.advance(0.005)
+    _prefill(net, "req-6", [13, 14, 15], 40, inc=1002)
+    net.run()
+    return net, [([10, 11, 12], [4, 5, 6], 40, 0), ([13, 14, 15], [20, 21, 22], 40, 0)]
+
+
+def replicated_head() -> tuple[InMemoryNetwork, list]:
+    """Prefill TP 2 holds one KV head twice; decode TP 1 reads it from rank 0 only.
+    Rank 1 writes nothing: decode's Skip tells it, and it frees its KV at once."""
+    net = _net(p_tp=2, heads=1)
+    _register(net, "req-7", [4, 5, 6], 40)
+    net.advance(0.002)
+    _prefill(net, "req-7", [10, 11, 12], 40)
+    net.run()
+    return net, [([10, 11, 12], [4, 5, 6], 40, 0)]
+
+
 SCENARIOS: list[Callable[[], tuple[InMemoryNetwork, list]]] = [
-    registration_first, prefill_first, two_writers, preempt_and_reissue, cancel,
+    registration_first, prefill_first, two_writers, preempt_and_reissue, cancel, reused_id,
+    replicated_head,
 ]
 
 

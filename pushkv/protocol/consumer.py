@@ -9,12 +9,19 @@ any attempt may still land in it. The transitions live in :mod:`.states`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy.typing as npt
 
 from .config import ConsumerConfig
-from .endpoint import Endpoint
+from .consumer_messages import (
+    abandons,
+    cancels,
+    final_cancels,
+    heartbeats,
+    reads,
+    registers,
+    skips,
+)
+from .endpoint import Endpoint, Step
 from .errors import (
     ConfigError,
     LocalProtocolError,
@@ -22,7 +29,7 @@ from .errors import (
 )
 from .events import (
     Action,
-    IssueRead,
+    Connect,
     Mode,
     Peer,
     ReleaseDestination,
@@ -32,74 +39,33 @@ from .events import (
     TransferReady,
 )
 from .layout import EngineSpec, RankInfo
-from .mapping import assignment, expected_writers, targets_of
+from .mapping import expected_writers, targets_of
 from .messages import (
-    MAX_HEARTBEAT_ITEMS,
-    Cancel,
     CancelAck,
     Fail,
     FailReason,
-    Heartbeat,
     Notify,
     ReadDone,
-    Register,
-    Skip,
 )
-from .planner import block_tuple, plan_transfer
+from .planner import block_tuple
+from .records import Attempt as _Attempt
+from .records import Key
+from .records import Transfer as _Transfer
 from .states import (
     CONSUMER_FENCING,
     CONSUMER_TABLE,
     CONSUMER_TERMINAL,
+    ZOMBIE_TABLE,
     ConsumerEffect,
     ConsumerInput,
     ConsumerState,
+    ZombieState,
     consumer_step,
 )
 
 CS, CI, CE = ConsumerState, ConsumerInput, ConsumerEffect
 #: States in which producer outcomes for the current attempt still matter.
 _LISTENING = frozenset({CS.REGISTERED, *CONSUMER_FENCING})
-#: A transfer is one use of an id: (transfer id, incarnation).
-Key = tuple[str, int]
-
-
-@dataclass(slots=True)
-class _Attempt:
-    attempt: int
-    block_ids: tuple[int, ...]
-    expected: frozenset[int]
-    deadline: float
-    hard: float
-    notified: set[int] = field(default_factory=set)
-    fenced: set[int] = field(default_factory=set)
-
-    def all_fenced(self) -> bool:
-        return self.fenced >= self.expected
-
-
-@dataclass(slots=True)
-class _Transfer:
-    transfer_id: str
-    inc: int
-    producer: str
-    mode: Mode
-    state: ConsumerState
-    cur: _Attempt
-    num_tokens: int
-    first_token: int
-    src_ids: tuple[int, ...] = ()
-    zombies: dict[int, _Attempt] = field(default_factory=dict)
-    reason: str = ""
-    code: FailReason = FailReason.WRITE_FAILED
-
-    @property
-    def key(self) -> Key:
-        return (self.transfer_id, self.inc)
-
-    def why(self, code: FailReason, reason: str) -> None:
-        """Record the first cause of a failure (later ones are consequences)."""
-        if not self.reason:
-            self.code, self.reason = code, reason
 
 
 class Consumer(Endpoint):
@@ -125,6 +91,8 @@ class Consumer(Endpoint):
         self._silent: dict[str, tuple[int, ...]] = {}  # producer ranks we Skip, by engine
         self._lent: dict[int, Key] = {}  # block id -> transfer that may still be written
         self._next_heartbeat: float | None = None
+        self._connecting: dict[str, float] = {}  # engine -> handshake deadline (Connect sent)
+        self._ready_engines: set[str] = set()  # every rank writing into us is handshaken
 
     # ------------------------------------------------------------------ peers
 
@@ -149,7 +117,55 @@ class Consumer(Endpoint):
                 r for r in range(src.world_size)
                 if r % dst.world_size == self.peer.rank and not targets_of(src, dst, r)
             )
-        return []
+        writers = self._writers[info.engine_id]
+        if all(Peer(info.engine_id, r) in self._peers for r in writers):
+            self._ready_engines.add(info.engine_id)
+        when = self._now if now is None else now
+        out = self._run_timers(when) if now is not None else []
+        if info.rank in self._silent[info.engine_id]:  # told late: Skip what went out
+            out += [a for t in self._transfers.values() if t.producer == info.engine_id
+                    and t.skipped and t.state not in CONSUMER_TERMINAL
+                    for a in skips(self, t.key, info.engine_id, only=info.rank)]
+        if not self._usable(info.engine_id):
+            return out
+        # Rule 8: the engine became usable; the registrations held for it go out.
+        self._connecting.pop(info.engine_id, None)
+        for t in list(self._transfers.values()):
+            if t.state is CS.CONNECTING and t.producer == info.engine_id:
+                out += self._input(t, CI.CONNECTED, max(when, 0.0))
+        return out
+
+    def _usable(self, engine_id: str) -> bool:
+        """Every producer rank that writes into this rank is handshaken (ranks that
+        write nothing are told with Skip if known, never waited for)."""
+        return engine_id in self._ready_engines
+
+    def handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
+        """The driver could not handshake with ``engine_id``: every transfer waiting
+        for it fails (HANDSHAKE_FAILED) and releases its blocks. A later
+        registration asks for the engine again."""
+        out = self._run_timers(now)
+        return out + self._handshake_failed(engine_id, reason, now)
+
+    def _handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
+        self._connecting.pop(engine_id, None)
+        self.stats["handshakes_failed"] += 1
+        out: list[Action] = []
+        for t in list(self._transfers.values()):
+            if t.state is CS.CONNECTING and t.producer == engine_id:
+                t.why(FailReason.HANDSHAKE_FAILED,
+                      f"handshake with producer engine {engine_id!r} failed: {reason}")
+                out += self._input(t, CI.HANDSHAKE_FAILED, now)
+        return out
+
+    def _connect(self, engine_id: str, now: float) -> list[Action]:
+        """Ask the driver for a handshake, once per engine; a core timer bounds it."""
+        if engine_id in self._connecting:
+            return []
+        deadline = self._connecting[engine_id] = now + self.config.handshake_timeout_s
+        self._schedule(deadline, engine_id)
+        self.stats["connects"] += 1
+        return [Connect(engine_id=engine_id)]
 
     def peer_died(self, engine_id: str, now: float) -> list[Action]:
         """The transport confirmed ``engine_id`` dead: it fences every attempt it owed."""
@@ -159,6 +175,7 @@ class Consumer(Endpoint):
         self._engines.pop(engine_id, None)
         self._writers.pop(engine_id, None)
         self._silent.pop(engine_id, None)
+        self._ready_engines.discard(engine_id)
         for t in [*self._transfers.values(), *self._retired.values()]:
             if t.producer != engine_id:
                 continue
@@ -167,8 +184,7 @@ class Consumer(Endpoint):
             dead = t.mode is Mode.PUSH
             for z in list(t.zombies.values()):
                 if dead:
-                    z.fenced |= z.expected
-                    out += self._settle_zombie(t, z)
+                    out += self._zombie(t, z, CI.PEER_DIED, now, z.expected)
             if t.state not in CONSUMER_TERMINAL:
                 out += self._input(t, CI.PEER_DIED, now,
                                    ranks=t.cur.expected if dead else frozenset())
@@ -262,13 +278,7 @@ class Consumer(Endpoint):
             return out
         self.stats["abandoned"] += 1
         key = (transfer_id, incarnation)
-        out += [
-            SendMessage(peer=Peer(producer_engine_id, r), message=Cancel(
-                transfer_id=transfer_id, attempt=0, engine_id=self.peer.engine_id,
-                rank=self.peer.rank, final=True, incarnation=incarnation))
-            for r in sorted(writers)
-        ]
-        return out + self._skips(key, producer_engine_id)
+        return out + abandons(self, key, producer_engine_id, writers)
 
     def _open(
         self,
@@ -287,38 +297,46 @@ class Consumer(Endpoint):
             # One live use of an id per rank; an ended one whose old attempts may
             # still be written can only be followed by another incarnation.
             raise LocalProtocolError("transfer already registered", transfer_id=transfer_id)
-        self._engine(producer)
+        if mode is Mode.PULL:
+            self._engine(producer)  # pull reads are planned now: they need the handshake
         ids = self._check_blocks(transfer_id, block_ids, num_tokens, first_token)
         if mode is Mode.PULL:  # plan first: a plan that cannot be made changes nothing
-            self._reads(transfer_id, producer, src, ids, num_tokens, first_token, 0)
+            reads(self, transfer_id, producer, src, ids, num_tokens, first_token, 0)
         out = self._run_timers(now)
         old = self._transfers.pop(transfer_id, None)
         if old is not None:  # (the timers may have ended it meanwhile)
             self._retired[old.key] = old
+        usable = self._usable(producer)
         cur = self._attempt(0, ids, producer, now)
         t = _Transfer(
             transfer_id=transfer_id, inc=inc, producer=producer, mode=mode,
-            state=CS.REGISTERED, cur=cur, num_tokens=num_tokens, first_token=first_token,
-            src_ids=src,
+            state=CS.REGISTERED if usable else CS.CONNECTING, cur=cur, num_tokens=num_tokens,
+            first_token=first_token, src_ids=src,
         )
         self._transfers[transfer_id] = t
         self._lend(t, cur)
         self.stats["registered"] += 1
-        return out + self._start_attempt(t, now) + self._skips(t.key, producer)
+        if not usable:  # rule 8: wait in CONNECTING for the handshake
+            return out + self._connect(producer, now)
+        t.skipped = True
+        out += self._start_attempt(t, now)
+        return out + skips(self, t.key, producer) if self._silent[producer] else out
 
     def reissue(self, transfer_id: str, block_ids: npt.ArrayLike, now: float) -> list[Action]:
         """Register a preempted transfer again, with a new attempt, into ``block_ids``."""
         t = self._get(transfer_id)
-        if (t.state, CI.REISSUE) not in CONSUMER_TABLE:
+        inp = CI.REISSUE if self._usable(t.producer) else CI.REISSUE_CONNECTING
+        if (t.state, inp) not in CONSUMER_TABLE:
             raise LocalProtocolError(
                 "reissue needs a preempted transfer", transfer_id=transfer_id,
-                state=t.state.value, input=CI.REISSUE.value,
+                state=t.state.value, input=inp.value,
             )
         ids = self._check_blocks(transfer_id, block_ids, t.num_tokens, t.first_token)
-        self._engine(t.producer)  # the producer must still be known
         out = self._run_timers(now)
+        if self._transfers.get(transfer_id) is not t or t.state in CONSUMER_TERMINAL:
+            return out  # a timer ended it first
         self.stats["reissued"] += 1
-        return out + self._input(t, CI.REISSUE, now, block_ids=ids)
+        return out + self._input(t, inp, now, block_ids=ids)
 
     def preempt(self, transfer_id: str, now: float) -> list[Action]:
         """The engine preempted the waiting request: fence, release, await a reissue."""
@@ -402,18 +420,17 @@ class Consumer(Endpoint):
         a = t.cur if attempt == t.cur.attempt else z
         if a is None:
             self.stats["stale"] += 1  # rule 6: other attempts never count
-            return []
+            return self._input(t, CI.STALE, now)
         if rank not in a.expected:
             raise _invalid(f"rank {rank} is not an expected writer", t.transfer_id, attempt, inp)
         if rank in a.fenced:
             self.stats["duplicate"] += 1
-            return []
+            return self._zombie(t, z, CI.STALE, now) if z else self._input(t, CI.STALE, now)
         if z is not None:
-            z.fenced.add(rank)
-            return self._settle_zombie(t, z)
+            return self._zombie(t, z, inp, now, frozenset((rank,)))
         if t.state not in _LISTENING:
             self.stats["stale"] += 1
-            return []
+            return self._input(t, CI.STALE, now)
         if inp is CI.CANCEL_ACK and t.state is CS.REGISTERED:
             raise _invalid("CancelAck for an attempt that was not cancelled", t.transfer_id,
                            attempt, inp)
@@ -439,6 +456,8 @@ class Consumer(Endpoint):
         if nxt in CONSUMER_FENCING and before not in CONSUMER_FENCING:
             self._schedule(t.cur.hard, t.key)
         out = self._effect(t, effect, inp, now, ranks, block_ids)
+        if self.trace is not None:
+            self.trace.append(Step(t.key, None, before, inp, effect, nxt, tuple(out)))
         # Derived inputs (rules 6 and 7), fed whichever input completed them.
         if t.state is CS.REGISTERED and t.cur.notified >= t.cur.expected:
             out += self._input(t, CI.ALL_NOTIFIED, now)
@@ -457,7 +476,7 @@ class Consumer(Endpoint):
         block_ids: tuple[int, ...],
     ) -> list[Action]:
         cur, tid, inc = t.cur, t.transfer_id, t.inc
-        if effect is CE.NONE:
+        if effect in (CE.NONE, CE.DROP):
             return []
         if effect is CE.COUNT:
             cur.notified |= ranks
@@ -483,19 +502,21 @@ class Consumer(Endpoint):
             cur.fenced |= ranks
             if inp is CI.PEER_DIED:
                 t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
-            return self._cancel(t, final=True)
+            return cancels(self, t, final=True)
         if effect is CE.CANCEL_ALL:
             if inp is CI.DEADLINE:
                 t.why(FailReason.DEADLINE, "no write within the registration window")
-            return self._cancel(t, final=True)
+            return cancels(self, t, final=True)
         if effect is CE.PREEMPT_ALL:
-            return self._cancel(t, final=False)
+            return cancels(self, t, final=False)
         if effect in (CE.RELEASE, CE.RELEASE_CANCELLED, CE.RELEASE_FAILED):
+            if inp is CI.PEER_DIED:
+                t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
             if inp is CI.HARD_DEADLINE:
                 self.stats["forced_release"] += 1
             out = [self._release(t, cur)]
             if effect is not CE.RELEASE and t.mode is Mode.PULL:
-                out += self._final_cancel(t)
+                out += final_cancels(self, t)
             if effect is CE.RELEASE_CANCELLED:
                 self.stats["cancelled"] += 1
                 out.append(TransferCancelled(transfer_id=tid, attempt=cur.attempt,
@@ -507,6 +528,18 @@ class Consumer(Endpoint):
                                           policy=self.config.policy, code=t.code,
                                           incarnation=inc))
             return out
+        if effect is CE.SEND_HELD:  # rule 8: the engine is usable now
+            t.cur = self._attempt(cur.attempt, cur.block_ids, t.producer, now)
+            out = self._start_attempt(t, now)
+            if t.skipped:
+                return out
+            t.skipped = True
+            return out + skips(self, t.key, t.producer)
+        if effect is CE.HOLD:
+            t.cur = self._attempt(cur.attempt + 1, block_ids, t.producer, now)
+            t.reason, t.code = "", FailReason.WRITE_FAILED
+            self._lend(t, t.cur)
+            return self._connect(t.producer, now)
         if effect in (CE.REGISTER, CE.ZOMBIFY_AND_REGISTER):
             spec = self._engines.get(t.producer)
             if spec is None:  # the producer left while we were preempted
@@ -525,14 +558,19 @@ class Consumer(Endpoint):
                                    policy=self.config.policy, code=t.code, incarnation=inc)]
         if effect is CE.FINAL_CANCEL_RELEASED:
             self.stats["cancelled"] += 1
-            return [*self._final_cancel(t),
+            return [*final_cancels(self, t),
                     TransferCancelled(transfer_id=tid, attempt=cur.attempt, incarnation=inc)]
         raise AssertionError(f"unhandled effect {effect}")  # pragma: no cover
 
     def _attempt(self, attempt: int, ids: tuple[int, ...], producer: str, now: float) -> _Attempt:
+        writers = self._writers.get(producer)
+        if writers is None or not self._usable(producer):
+            # Waiting for the handshake: no writer known, no window running yet.
+            return _Attempt(attempt=attempt, block_ids=ids, expected=frozenset(),
+                            deadline=float("inf"), hard=float("inf"))
         deadline = now + self.config.window_s
         return _Attempt(
-            attempt=attempt, block_ids=ids, expected=self._writers[producer],
+            attempt=attempt, block_ids=ids, expected=writers,
             deadline=deadline, hard=deadline + self.config.fence_grace_s,
         )
 
@@ -542,68 +580,9 @@ class Consumer(Endpoint):
         if self._next_heartbeat is None:
             self._next_heartbeat = now + self.config.heartbeat_s
         if t.mode is Mode.PUSH:
-            window_ms = max(1, int(self.config.window_s * 1000))
-            return [
-                SendMessage(peer=Peer(t.producer, r), message=Register(
-                    transfer_id=t.transfer_id, attempt=cur.attempt,
-                    engine_id=self.peer.engine_id, rank=self.peer.rank,
-                    producer_engine_id=t.producer, block_ids=cur.block_ids,
-                    num_tokens=t.num_tokens, first_token=t.first_token, window_ms=window_ms,
-                    incarnation=t.inc))
-                for r in sorted(cur.expected)
-            ]
-        return list(self._reads(t.transfer_id, t.producer, t.src_ids, cur.block_ids,
-                                t.num_tokens, t.first_token, cur.attempt, t.inc))
-
-    def _skips(self, key: Key, producer: str) -> list[Action]:
-        """Skip to the producer ranks this rank speaks for that write nothing."""
-        return [
-            SendMessage(peer=Peer(producer, r), message=Skip(
-                transfer_id=key[0], engine_id=self.peer.engine_id, rank=self.peer.rank,
-                producer_engine_id=producer, incarnation=key[1]))
-            for r in self._silent.get(producer, ())
-        ]
-
-    def _reads(
-        self, tid: str, producer: str, src: tuple[int, ...], dst: tuple[int, ...], n: int,
-        first: int, attempt: int, inc: int = 0,
-    ) -> list[IssueRead]:
-        """Pull: one planned read per producer rank. Raises before any state changes."""
-        out = []
-        for r in sorted(self._writers[producer]):
-            info = self._peers.get(Peer(producer, r))
-            if info is None:
-                raise LocalProtocolError(f"no handshake with producer rank {r}", transfer_id=tid)
-            plan = plan_transfer(
-                info.layout, self.info.layout,
-                assignment(info.engine, self.info.engine, r, self.peer.rank),
-                src, dst, n, first,
-            )
-            out.append(IssueRead(transfer_id=tid, attempt=attempt, peer=Peer(producer, r),
-                                 plan=plan, incarnation=inc))
-        return out
-
-    def _cancel(self, t: _Transfer, *, final: bool) -> list[Action]:
-        if t.mode is Mode.PULL:  # our own reads are the fence
-            return []
-        cur = t.cur
-        return [
-            SendMessage(peer=Peer(t.producer, r), message=Cancel(
-                transfer_id=t.transfer_id, attempt=cur.attempt,
-                engine_id=self.peer.engine_id, rank=self.peer.rank, final=final,
-                incarnation=t.inc))
-            for r in sorted(cur.expected - cur.fenced)
-        ]
-
-    def _final_cancel(self, t: _Transfer) -> list[Action]:
-        """Tell every producer rank it may drop the source KV."""
-        return [
-            SendMessage(peer=Peer(t.producer, r), message=Cancel(
-                transfer_id=t.transfer_id, attempt=t.cur.attempt,
-                engine_id=self.peer.engine_id, rank=self.peer.rank, final=True,
-                incarnation=t.inc))
-            for r in sorted(t.cur.expected)
-        ]
+            return registers(self, t)
+        return list(reads(self, t.transfer_id, t.producer, t.src_ids, cur.block_ids,
+                          t.num_tokens, t.first_token, cur.attempt, t.inc))
 
     def _release(self, t: _Transfer, a: _Attempt) -> ReleaseDestination:
         self._unlend(t, a)
@@ -611,23 +590,42 @@ class Consumer(Endpoint):
         return ReleaseDestination(transfer_id=t.transfer_id, attempt=a.attempt,
                                   block_ids=a.block_ids, incarnation=t.inc)
 
-    def _settle_zombie(self, t: _Transfer, z: _Attempt) -> list[Action]:
-        if not z.all_fenced():
-            return []
-        del t.zombies[z.attempt]
-        out: list[Action] = [self._release(t, z)]
-        self._maybe_forget(t)
+    def _zombie(
+        self, t: _Transfer, z: _Attempt, inp: ConsumerInput, now: float,
+        ranks: frozenset[int] = frozenset(),
+    ) -> list[Action]:
+        """Feed one input to an abandoned attempt (rule 7, :data:`ZOMBIE_TABLE`)."""
+        try:
+            effect, nxt = ZOMBIE_TABLE[ZombieState.FENCING, inp]
+        except KeyError:
+            raise LocalProtocolError("no zombie transition", transfer_id=t.transfer_id,
+                                     attempt=z.attempt, input=inp.value) from None
+        out: list[Action] = []
+        if effect is CE.FENCE:
+            z.fenced |= ranks
+        elif effect is CE.RELEASE:
+            del t.zombies[z.attempt]
+            out.append(self._release(t, z))
+        if self.trace is not None:
+            self.trace.append(Step(t.key, None, ZombieState.FENCING, inp, effect, nxt,
+                                   tuple(out)))
+        if effect is CE.FENCE and z.all_fenced():
+            out += self._zombie(t, z, CI.FENCED, now)
+        elif effect is CE.RELEASE:
+            self._maybe_forget(t)
         return out
 
     def _lend(self, t: _Transfer, a: _Attempt) -> None:
+        key = t.key
         for b in _written(a.block_ids, self.info.layout.block_size, t.first_token,
                           t.num_tokens):
-            self._lent[b] = t.key
+            self._lent[b] = key
 
     def _unlend(self, t: _Transfer, a: _Attempt) -> None:
+        key, lent = t.key, self._lent
         for b in a.block_ids:
-            if self._lent.get(b) == t.key:  # only what this transfer lent
-                del self._lent[b]
+            if lent.get(b) == key:  # only what this transfer lent
+                del lent[b]
 
     def _maybe_forget(self, t: _Transfer) -> None:
         if t.state in CONSUMER_TERMINAL and not t.zombies:
@@ -649,12 +647,17 @@ class Consumer(Endpoint):
     def _run_timers(self, now: float) -> list[Action]:
         out = super()._run_timers(now)
         if self._next_heartbeat is not None and self._next_heartbeat <= now:
-            out += self._heartbeats()
+            out += heartbeats(self)
             live = any(t.state not in CONSUMER_TERMINAL for t in self._transfers.values())
             self._next_heartbeat = now + self.config.heartbeat_s if live else None
         return out
 
-    def _expire(self, key: Key, now: float) -> list[Action]:
+    def _expire(self, key: Key | str, now: float) -> list[Action]:
+        if isinstance(key, str):  # a producer engine's handshake deadline
+            due = self._connecting.get(key)
+            if due is None or due > now:
+                return []
+            return self._handshake_failed(key, "handshake timed out", now)
         t = self._transfers.get(key[0])
         if t is None or t.inc != key[1]:
             t = self._retired.get(key)
@@ -664,28 +667,12 @@ class Consumer(Endpoint):
         for z in list(t.zombies.values()):
             if z.hard <= now:
                 self.stats["forced_release"] += 1
-                z.fenced |= z.expected
-                out += self._settle_zombie(t, z)
+                out += self._zombie(t, z, CI.HARD_DEADLINE, now, z.expected)
         if t.state is CS.REGISTERED and t.cur.deadline <= now:
             out += self._input(t, CI.DEADLINE, now)
         if t.state in CONSUMER_FENCING and t.cur.hard <= now:
             out += self._input(t, CI.HARD_DEADLINE, now)
         self._maybe_forget(t)
-        return out
-
-    def _heartbeats(self) -> list[Action]:
-        by_peer: dict[Peer, list[tuple[str, int, int]]] = {}
-        for t in self._transfers.values():
-            if t.state in (CS.REGISTERED, CS.PREEMPTING, CS.PREEMPTED):
-                for r in t.cur.expected:
-                    by_peer.setdefault(Peer(t.producer, r), []).append(
-                        (t.transfer_id, t.cur.attempt, t.inc))
-        out: list[Action] = []
-        for peer, items in sorted(by_peer.items()):
-            for i in range(0, len(items), MAX_HEARTBEAT_ITEMS):
-                out.append(SendMessage(peer=peer, message=Heartbeat(
-                    engine_id=self.peer.engine_id, rank=self.peer.rank,
-                    transfers=tuple(items[i:i + MAX_HEARTBEAT_ITEMS]))))
         return out
 
     # --------------------------------------------------------- introspection

@@ -3,10 +3,11 @@ message dispatch, the handshake, a timer heap and counters."""
 
 from __future__ import annotations
 
+import enum
 import heapq
 from collections import Counter
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import ConfigError, DecodeError, RemoteProtocolError, ValidationError
 from .events import Action, Peer, Rejected, sender_of
@@ -14,6 +15,18 @@ from .layout import RankInfo
 from .messages import Hello, Message, decode
 
 Handler = Callable[[Any, float], list[Action]]
+
+
+class Step(NamedTuple):
+    """One table transition an endpoint made (recorded when ``trace`` is a list)."""
+
+    key: tuple[str, int]  #: (transfer id, incarnation)
+    peer: Peer | None  #: the producer leg's consumer rank; None on a consumer
+    state: enum.Enum
+    input: enum.Enum
+    effect: enum.Enum
+    next: enum.Enum
+    actions: tuple[Action, ...]  #: what the effect itself emitted
 
 
 class Endpoint:
@@ -30,6 +43,8 @@ class Endpoint:
         self._timers: list[tuple[float, int, Hashable]] = []  # (when, seq, key), lazy
         self._seq = 0
         self._now = float("-inf")  # the latest time any call brought
+        #: Set to a list to record every table transition (tests, debugging).
+        self.trace: list[Step] | None = None
         self._handlers: dict[type, Handler] = {Hello: self._on_hello}
 
     def add_peer(

@@ -8,14 +8,12 @@ clock -- into actions for its driver. The transitions live in :mod:`.states`.
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy.typing as npt
 
 from .config import ProducerConfig
-from .endpoint import Endpoint
+from .endpoint import Endpoint, Step
 from .errors import (
     ConfigError,
     LocalProtocolError,
@@ -45,14 +43,22 @@ from .messages import (
     Skip,
 )
 from .planner import block_tuple, plan_transfer
+from .producer_messages import on_cancel, on_heartbeat, on_read_done, on_register, on_skip
+from .records import Key
+from .records import Leg as _Leg
+from .records import Registration as _Registration
+from .records import Source as _Transfer
 from .states import (
-    PRODUCER_FINISHED,
     PRODUCER_TABLE,
     PRODUCER_TERMINAL,
     PRODUCER_WRITING,
+    SOURCE_TABLE,
     ProducerEffect,
     ProducerInput,
     ProducerState,
+    SourceEffect,
+    SourceInput,
+    SourceState,
     producer_step,
 )
 
@@ -66,62 +72,10 @@ _REASON = {
     PI.LEASE_EXPIRED: FailReason.LEASE_EXPIRED,
     PI.SOURCE_GONE: FailReason.SOURCE_RELEASED,
 }
-#: A transfer is one use of an id: (transfer id, incarnation).
-Key = tuple[str, int]
-
-
-class Kv(enum.Enum):
-    """Where a transfer's source KV stands on this rank."""
-
-    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
-
-
-    PENDING = "pending"  #: prefill not finished
-    HELD = "held"  #: blocks held for the transfer
-    RELEASED = "released"  #: ReleaseSource emitted
-    ABORTED = "aborted"  #: prefill aborted before finishing
-
-
-@dataclass(slots=True)
-class _Registration:
-    attempt: int
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    first_token: int
-    deadline: float
-
-
-@dataclass(slots=True)
-class _Leg:
-    peer: Peer
-    state: ProducerState
-    attempt: int = -1  # newest attempt seen on this leg
-    reg: _Registration | None = None
-    stash: _Registration | None = None
-    writing: int | None = None  # attempt of the write in flight
-
-
-@dataclass(slots=True)
-class _Transfer:
-    transfer_id: str
-    inc: int = 0
-    mode: Mode = Mode.PUSH
-    kv: Kv = Kv.PENDING
-    src_ids: tuple[int, ...] = ()
-    num_tokens: int = 0
-    lease: float = float("inf")
-    lease_armed: float = float("inf")  # when the scheduled lease timer fires
-    orphan: float = float("inf")  # while KV is pending: forget after this
-    legs: dict[Peer, _Leg] = field(default_factory=dict)
-    consumer_engine: str | None = None
-    final: bool = False
-    expired: bool = False
-    aborted: bool = False
-    dead: bool = False  # forgotten: kept only as a tombstone answering late messages
-
-    @property
-    def key(self) -> Key:
-        return (self.transfer_id, self.inc)
+Kv = SourceState
+_COMPLETIONS = frozenset((PI.WRITE_OK, PI.WRITE_ERROR))
+_PARKED = frozenset((PS.EMPTY, PS.KV_READY, PS.GONE))
+SI, SE = SourceInput, SourceEffect
 
 
 class Producer(Endpoint):
@@ -132,9 +86,13 @@ class Producer(Endpoint):
     def __init__(self, info: RankInfo, config: ProducerConfig | None = None) -> None:
         super().__init__(info)
         self.config = config or ProducerConfig()
-        self._handlers.update({Register: self._on_register, Cancel: self._on_cancel,
-                               Heartbeat: self._on_heartbeat, ReadDone: self._on_read_done,
-                               Skip: self._on_skip})
+        self._handlers.update({
+            Register: lambda m, now: on_register(self, m, now),
+            Cancel: lambda m, now: on_cancel(self, m, now),
+            Heartbeat: lambda m, now: on_heartbeat(self, m, now),
+            ReadDone: lambda m, now: on_read_done(self, m, now),
+            Skip: lambda m, now: on_skip(self, m, now),
+        })
         self._peers: dict[Peer, RankInfo] = {}
         self._targets: dict[str, tuple[Peer, ...]] = {}  # consumer engine -> legs to write
         self._target_set: set[Peer] = set()
@@ -198,143 +156,6 @@ class Producer(Endpoint):
         t = self._transfers.get(key)
         return t if t is not None else self._tombstones.get(key)
 
-    def _on_register(self, msg: Register, now: float) -> list[Action]:
-        peer = Peer(msg.engine_id, msg.rank)
-        info = self._known(msg.engine_id, msg.rank)
-
-        def invalid(why: str) -> ValidationError:
-            return ValidationError(why, transfer_id=msg.transfer_id, attempt=msg.attempt)
-
-        if msg.producer_engine_id != self.info.engine_id:
-            raise invalid("registration addressed to another engine")
-        if peer not in self._target_set:
-            raise invalid(f"rank {self.peer.rank} does not write into {peer}")
-        lo = info.layout
-        ids = msg.block_ids  # each >= 0, checked by the decoder
-        if ids and max(ids) >= lo.num_blocks:
-            raise invalid(f"block id {max(ids)} outside the {lo.num_blocks} registered blocks")
-        if len(ids) * lo.block_size < msg.num_tokens or msg.first_token > msg.num_tokens:
-            raise invalid(
-                f"{len(ids)} blocks of {lo.block_size} tokens cannot hold tokens "
-                f"[{msg.first_token}, {msg.num_tokens})"
-            )
-        key = (msg.transfer_id, msg.incarnation)
-        t = self._find(key)
-        if t is None:
-            # The registration's own deadline bounds this entry, so no orphan timer.
-            t = self._new_orphan(key, now, arm=False)
-            if t is None:
-                return [self._fail(peer, key, msg.attempt, FailReason.OVERLOADED)]
-        if t.mode is Mode.PULL:
-            raise invalid("registration for a pull transfer")
-        if t.consumer_engine is not None and t.consumer_engine != msg.engine_id:
-            raise invalid("transfer already bound to another consumer engine")
-        t.consumer_engine = msg.engine_id
-        leg = self._leg(t, peer)
-        if msg.attempt <= leg.attempt:  # rule 2
-            self.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
-            return self._input(t, leg, PI.REGISTER_STALE, now)
-        reg = _Registration(
-            attempt=msg.attempt,
-            block_ids=ids,
-            num_tokens=msg.num_tokens,
-            first_token=msg.first_token,
-            deadline=now + msg.window_ms / 1000.0,
-        )
-        out: list[Action] = []
-        if leg.state in PRODUCER_FINISHED:  # rule 3: reopen as a new leg would start
-            if t.kv in (Kv.PENDING, Kv.HELD):
-                out += self._input(t, leg, PI.REOPEN, now)
-                if t.kv is Kv.HELD:
-                    out += self._input(t, leg, PI.KV_READY, now)
-            else:
-                out += self._input(t, leg, PI.SOURCE_GONE, now)
-        out += self._input(t, leg, PI.REGISTER, now, reg=reg)
-        if not t.dead:
-            self._schedule(reg.deadline, t.key)
-            out += self._settle(t, now)
-        return out
-
-    def _on_cancel(self, msg: Cancel, now: float) -> list[Action]:
-        peer = Peer(msg.engine_id, msg.rank)
-        self._known(msg.engine_id, msg.rank)
-        key = (msg.transfer_id, msg.incarnation)
-        t = self._find(key)
-        if t is None:
-            # A cancel overtook its registration: remember it, bounded in time.
-            t = self._new_orphan(key, now)
-            if t is None:
-                return [self._ack(peer, key, msg.attempt)]
-        leg = self._leg(t, peer)
-        if msg.attempt < leg.attempt or (msg.attempt == leg.attempt and leg.state in (
-            PS.CANCELLING,
-            PS.PREEMPTING,
-            *PRODUCER_TERMINAL,
-        )):
-            self.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
-            return self._input(t, leg, PI.CANCEL_STALE, now, cancel=msg.attempt)
-        if msg.final and not t.dead:
-            t.final = True
-        out = self._input(t, leg, PI.CANCEL if msg.final else PI.PREEMPT, now, cancel=msg.attempt)
-        leg.attempt = max(leg.attempt, msg.attempt)
-        return out if t.dead else out + self._settle(t, now)
-
-    def _on_skip(self, msg: Skip, now: float) -> list[Action]:
-        self._known(msg.engine_id, msg.rank)
-        if msg.producer_engine_id != self.info.engine_id:
-            raise ValidationError("skip addressed to another engine", transfer_id=msg.transfer_id)
-        if self._targets.get(msg.engine_id):
-            raise ValidationError(f"rank {self.peer.rank} writes into {msg.engine_id!r}",
-                                  transfer_id=msg.transfer_id)
-        key = (msg.transfer_id, msg.incarnation)
-        t = self._find(key)
-        if t is None:
-            t = self._new_orphan(key, now)
-            if t is None:
-                return []
-        if t.dead or t.consumer_engine not in (None, msg.engine_id):
-            self.stats["stale"] += 1
-            return []
-        # This rank writes nothing for the transfer: the source is not needed.
-        t.consumer_engine, t.final = msg.engine_id, True
-        self.stats["skipped"] += 1
-        return self._settle(t, now)
-
-    def _on_heartbeat(self, msg: Heartbeat, now: float) -> list[Action]:
-        self._known(msg.engine_id, msg.rank)
-        for transfer_id, _attempt, inc in msg.transfers:
-            t = self._transfers.get((transfer_id, inc))
-            if t is None or t.consumer_engine not in (None, msg.engine_id):
-                continue
-            self.stats["renewed"] += 1
-            if t.kv is Kv.HELD:  # the armed timer finds the later lease and re-arms
-                if not t.expired:
-                    t.lease = max(t.lease, now + self.config.lease_s * self.config.renew_fraction)
-            elif t.kv is Kv.PENDING:
-                t.orphan = max(t.orphan, now + self.config.orphan_ttl_s)
-        return []
-
-    def _on_read_done(self, msg: ReadDone, now: float) -> list[Action]:
-        peer = Peer(msg.engine_id, msg.rank)
-        self._known(msg.engine_id, msg.rank)
-        if msg.producer_engine_id != self.info.engine_id:
-            raise ValidationError("read report addressed to another engine")
-        t = self._transfers.get((msg.transfer_id, msg.incarnation))
-        if t is None or t.mode is not Mode.PULL or t.kv is not Kv.HELD:
-            self.stats["stale"] += 1
-            return []
-        if peer not in self._target_set:
-            raise ValidationError(f"{peer} does not read from rank {self.peer.rank}")
-        if t.consumer_engine not in (None, msg.engine_id):
-            raise ValidationError("pull transfer already bound to another consumer engine")
-        t.consumer_engine = msg.engine_id
-        leg = self._leg(t, peer)
-        if leg.state is not PS.KV_READY:
-            self.stats["duplicate"] += 1
-            return []
-        leg.attempt = max(leg.attempt, msg.attempt)
-        return self._input(t, leg, PI.READ_DONE, now) + self._settle(t, now)
-
     # ---------------------------------------------------------- local input
 
     def prefill_finished(
@@ -376,14 +197,8 @@ class Producer(Endpoint):
             t = self._transfers[key] = _Transfer(transfer_id, incarnation)
         else:
             self._orphans -= 1
-        t.mode, t.kv, t.src_ids, t.num_tokens = mode, Kv.HELD, ids, num_tokens
-        t.orphan = float("inf")
-        t.lease = now + self.config.lease_s  # armed by _settle if the source stays held
-        if mode is Mode.PULL:
-            out.append(Publish(transfer_id=transfer_id, block_ids=ids, num_tokens=num_tokens,
-                               incarnation=incarnation))
-        for leg in list(t.legs.values()):
-            out += self._input(t, leg, PI.KV_READY, now)
+        t.mode, t.src_ids, t.num_tokens = mode, ids, num_tokens
+        out += self._source(t, SI.PREFILL_DONE, now)
         return out + self._settle(t, now)
 
     def prefill_aborted(
@@ -399,12 +214,7 @@ class Producer(Endpoint):
                                  aborted=True, dead=True)
                 self._tombstone(dead)
             return out
-        t.aborted = True
-        if t.kv is Kv.PENDING:
-            t.kv = Kv.ABORTED
-            self._orphans -= 1
-        for leg in list(t.legs.values()):
-            out += self._input(t, leg, PI.KV_ABORTED, now)
+        out += self._source(t, SI.PREFILL_ABORTED, now)
         return out + self._settle(t, now)
 
     def write_completed(
@@ -459,21 +269,58 @@ class Producer(Endpoint):
         if t.kv is Kv.HELD and t.lease_armed <= now:
             t.lease_armed = float("inf")  # fired; _settle re-arms for a renewed lease
         if t.kv is Kv.HELD and t.lease <= now and not t.expired:
-            t.expired = True
-            self.stats["lease_expired"] += 1
-            for leg in list(t.legs.values()):
-                out += self._input(t, leg, PI.LEASE_EXPIRED, now)
+            out += self._source(t, SI.LEASE_EXPIRED, now)
         waiting = any(leg.state in (PS.REGISTERED, PS.SUPERSEDED) for leg in t.legs.values())
         if t.kv is Kv.PENDING and not waiting:
             if t.orphan > now:  # nobody is registered: keep it only until the orphan TTL
                 self._schedule(t.orphan, key)
                 return out
+            return out + self._source(t, SI.ORPHAN_EXPIRED, now)
+        return out + self._settle(t, now)
+
+    def _source(self, t: _Transfer, inp: SourceInput, now: float) -> list[Action]:
+        """Feed one input to the transfer's source (:data:`SOURCE_TABLE`)."""
+        try:
+            effect, nxt = SOURCE_TABLE[t.kv, inp]
+        except KeyError:
+            raise LocalProtocolError("no source transition", transfer_id=t.transfer_id,
+                                     state=t.kv.value, input=inp.value) from None
+        before, t.kv = t.kv, nxt
+        own: list[Action] = []
+        leg_input: ProducerInput | None = None
+        if effect is SE.HOLD:
+            t.orphan = float("inf")
+            t.lease = now + self.config.lease_s  # armed by _settle while the source is held
+            if t.mode is Mode.PULL:
+                own.append(Publish(transfer_id=t.transfer_id, block_ids=t.src_ids,
+                                   num_tokens=t.num_tokens, incarnation=t.inc))
+            leg_input = PI.KV_READY
+        elif effect is SE.ABORT:
+            t.aborted = True
+            if before is Kv.PENDING:
+                self._orphans -= 1
+            leg_input = PI.KV_ABORTED
+        elif effect is SE.EXPIRE:
+            t.expired = True
+            self.stats["lease_expired"] += 1
+            leg_input = PI.LEASE_EXPIRED
+        elif effect is SE.RELEASE:
+            self.stats["released"] += 1
+            own.append(ReleaseSource(transfer_id=t.transfer_id, block_ids=t.src_ids,
+                                     incarnation=t.inc))
+        if self.trace is not None:
+            self.trace.append(Step(t.key, None, before, inp, effect, nxt, tuple(own)))
+        out = own
+        if leg_input is not None:
+            for leg in list(t.legs.values()):
+                out += self._input(t, leg, leg_input, now)
+        if effect is SE.FORGET:  # an orphan nobody registered: its waiting legs expire
+            self._orphans -= 1
             for leg in list(t.legs.values()):
                 if leg.state is PS.EMPTY:
                     out += self._input(t, leg, PI.DEADLINE, now)
-            self._forget(t)
-            return out
-        return out + self._settle(t, now)
+            out += self._forget(t, now)
+        return out
 
     def _new_orphan(self, key: Key, now: float, *, arm: bool = True) -> _Transfer | None:
         """A transfer a peer speaks of before prefill finished; None when full."""
@@ -507,6 +354,7 @@ class Producer(Endpoint):
         *,
         reg: _Registration | None = None,
         cancel: int | None = None,
+        fail: tuple[FailReason, str] | None = None,
     ) -> list[Action]:
         try:
             effect, nxt = PRODUCER_TABLE[leg.state, inp]
@@ -515,13 +363,20 @@ class Producer(Endpoint):
             raise
         before = leg.state
         finished = None
-        if inp in (PI.WRITE_OK, PI.WRITE_ERROR):
+        if inp in _COMPLETIONS:
             finished, leg.writing = leg.writing, None
         leg.state = nxt
-        if nxt in (PS.EMPTY, PS.KV_READY, PS.GONE):
+        if nxt in _PARKED:
             leg.reg = None  # parked: no registration held
-        out = self._effect(t, leg, effect, now, _REASON.get(inp), reg, cancel, finished)
-        self._count_pending(before, leg.state)
+        out = [] if effect is PE.NONE else self._effect(
+            t, leg, effect, now, fail or _REASON.get(inp), reg, cancel, finished)
+        if before is PS.REGISTERED or nxt is PS.REGISTERED:
+            self._count_pending(before, leg.state)
+        if self.trace is not None:
+            self.trace.append(Step(t.key, leg.peer, before, inp, effect, nxt, tuple(out)))
+        if leg.refused is not None:  # the write just adopted may not start (rule 5)
+            refusal, leg.refused = leg.refused, None
+            out += self._input(t, leg, refusal[0], now, fail=refusal[1:])
         return out
 
     def _count_pending(self, before: ProducerState, after: ProducerState) -> None:
@@ -533,12 +388,15 @@ class Producer(Endpoint):
         leg: _Leg,
         effect: ProducerEffect,
         now: float,
-        reason: FailReason | None,
+        reason: FailReason | tuple[FailReason, str] | None,
         reg: _Registration | None,
         cancel: int | None,
         finished: int | None,
     ) -> list[Action]:
         key = t.key
+        detail = ""
+        if isinstance(reason, tuple):
+            reason, detail = reason
         if effect is PE.NONE:
             return []
         if effect is PE.STALE:  # counted by the caller, as stale or duplicate
@@ -561,13 +419,17 @@ class Producer(Endpoint):
                 leg.stash = None
             if leg.writing is not None:
                 attempts.discard(leg.writing)  # its completion is its fence
-            if leg.writing is None:
+            elif leg.reg is not None:  # the registration dropped is fenced too
+                attempts.add(leg.reg.attempt)
                 leg.reg = None
             return [self._ack(leg.peer, key, a) for a in sorted(attempts)]
+        if effect is PE.ACK_STALE:
+            assert cancel is not None
+            return [] if cancel == leg.writing else [self._ack(leg.peer, key, cancel)]
         if effect is PE.FAIL:
             assert reason is not None
             failed = finished if finished is not None else leg.attempt
-            return [self._fail(leg.peer, key, failed, reason)]
+            return [self._fail(leg.peer, key, failed, reason, detail)]
         if effect is PE.FAIL_GONE:
             assert reg is not None
             leg.attempt = reg.attempt
@@ -597,17 +459,15 @@ class Producer(Endpoint):
         """Rendezvous reached (rule 1): plan and issue the write of ``leg.reg``."""
         reg = leg.reg
         assert reg is not None and t.kv is Kv.HELD
-        leg.writing = reg.attempt
         info = self._peers.get(leg.peer)
         if now > reg.deadline or t.expired or now >= t.lease or t.aborted:
             # Rule 5: never start after the window, nor after the source's lease
-            # (or the local request) ended.
+            # (or the local request) ended: the endpoint feeds WRITE_REFUSED.
             self.stats["write_refused_deadline"] += 1
-            leg.state = PS.EXPIRED
-            leg.writing = None
             why = (FailReason.PREFILL_ABORTED if t.aborted else FailReason.DEADLINE
                    if now > reg.deadline else FailReason.LEASE_EXPIRED)
-            return [self._fail(leg.peer, t.key, reg.attempt, why)]
+            leg.refused = (PI.WRITE_REFUSED, why, "")
+            return []
         try:
             if info is None:
                 raise PlanError("consumer rank left")
@@ -626,11 +486,10 @@ class Producer(Endpoint):
             )
         except (PlanError, ConfigError) as exc:
             self.stats["plan_failed"] += 1
-            leg.state, leg.writing = PS.FAILED, None
-            return [
-                self._fail(leg.peer, t.key, reg.attempt, FailReason.INVALID, exc.message)
-            ]
+            leg.refused = (PI.PLAN_FAILED, FailReason.INVALID, exc.message)
+            return []
         self.stats["writes_issued"] += 1
+        leg.writing = reg.attempt
         notify = Notify(
             transfer_id=t.transfer_id,
             attempt=reg.attempt,
@@ -676,30 +535,28 @@ class Producer(Endpoint):
                         break
             if not finished:
                 return out
-            t.kv = kv = Kv.RELEASED
-            self.stats["released"] += 1
-            out.append(ReleaseSource(transfer_id=t.transfer_id, block_ids=t.src_ids,
-                                     incarnation=t.inc))
+            out += self._source(t, SI.SETTLED, now)
         for leg in legs.values():
             if leg.state in PRODUCER_WRITING:
                 return out
-        for leg in list(legs.values()):  # rule 4: every other leg ends with the source
-            if leg.state is not PS.GONE:
-                out += self._input(t, leg, PI.SOURCE_GONE, now)
-        self._forget(t)
+        out += self._forget(t, now)
         return out
 
-    def _forget(self, t: _Transfer) -> None:
-        if t.kv is Kv.PENDING:
-            self._orphans -= 1
-        for leg in t.legs.values():
-            self._count_pending(leg.state, PS.DONE)
-            leg.state, leg.reg, leg.stash = PS.GONE, None, None
-        if t.kv is Kv.PENDING:
-            t.kv = Kv.RELEASED  # never held here: a late prefill is released at once
+    def _forget(self, t: _Transfer, now: float) -> list[Action]:
+        out: list[Action] = []
+        quiet = self.trace is None
+        for leg in t.legs.values():  # rule 4: every leg ends with the source
+            if leg.state is PS.GONE:
+                continue
+            row = PRODUCER_TABLE.get((leg.state, PI.SOURCE_GONE))
+            if quiet and row is not None and row[0] is PE.NONE:
+                leg.state, leg.reg = row[1], None  # the row's move, nothing to carry out
+            else:
+                out += self._input(t, leg, PI.SOURCE_GONE, now)
         t.final = t.final or t.aborted
         del self._transfers[t.key]
         self._tombstone(t)
+        return out
 
     def _tombstone(self, t: _Transfer) -> None:
         t.dead = True
@@ -764,8 +621,8 @@ class Producer(Endpoint):
     def leg_state(
         self, transfer_id: str, peer: Peer, *, incarnation: int = 0
     ) -> ProducerState | None:
-        """State of a live leg (None once the transfer is forgotten)."""
-        t = self._transfers.get((transfer_id, incarnation))
+        """State of a leg (GONE once its transfer is forgotten, while remembered)."""
+        t = self._find((transfer_id, incarnation))
         leg = t.legs.get(peer) if t else None
         return leg.state if leg else None
 

@@ -4,11 +4,16 @@ Theory of operation
 ===================
 
 A transfer moves one request's KV from the producer (prefill) engine to the
-consumer (decode) engine. Each *producer rank* keeps one **leg** per consumer
-rank it writes into; each *consumer rank* keeps one **transfer** record. The
-transition tables below are the whole behaviour; the endpoints
-(:mod:`.producer`, :mod:`.consumer`) only look inputs up here and carry out
-the named effects. The state diagrams in the docs are drawn from these tables.
+consumer (decode) engine. It is named by ``(transfer_id, incarnation)``: the
+incarnation tells one use of an id from the next, so nothing of an ended use
+(message, notification, timer, tombstone) ever touches a new one. Each
+*producer rank* keeps one **source** per transfer and one **leg** per consumer
+rank it writes into; each *consumer rank* keeps one **transfer** record and
+its **zombie** attempts. The five tables below (``PRODUCER_TABLE``,
+``SOURCE_TABLE``, ``CONSUMER_TABLE``, ``ZOMBIE_TABLE``) are the whole
+behaviour: the endpoints only classify their inputs, look them up here and
+carry out the named effects, and can record every transition they make
+(``Endpoint.trace``). The state diagrams in the docs are drawn from these tables.
 
 Producer leg (push)::
 
@@ -22,39 +27,56 @@ KV readiness is a property of the transfer; the endpoint feeds ``KV_READY``
 to every leg when prefill finishes, and a leg created later starts in
 ``KV_READY`` instead of ``EMPTY``.
 
-Rule 2 -- **attempts.** The consumer owns the attempt number. Before the
-table is consulted, a producer drops any Register or Cancel whose attempt is
-older than the leg's newest (stale) or equal to it (duplicate); only newer
-ones become inputs. A newer Register while the old attempt is being written
+Rule 2 -- **attempts.** The consumer owns the attempt number. A Register or
+Cancel whose attempt is older than the leg's newest (stale) or repeats it is
+the input ``REGISTER_STALE`` / ``CANCEL_STALE`` and changes nothing, but such a
+cancel is acknowledged (``ACK_STALE``): an attempt older than the leg's newest
+can never be written any more, unless it is the write in flight, whose
+completion is its fence. A cancel also fences the older registration it makes
+the leg drop. Only newer ones are ``REGISTER`` /
+``CANCEL`` / ``PREEMPT``. A newer Register while the old attempt is being written
 is *stashed* (``SUPERSEDED``) and written only after the old write finished:
 the old write is fenced before the new one starts. A newer Register before
 any write acknowledges the old attempt at once (``CancelAck``).
 
-Rule 3 -- **reopen.** A newer attempt for a finished leg reopens it: the leg
-restarts from ``KV_READY`` if the source KV is still held, from ``EMPTY`` if
-prefill has not finished, and fails with ``SOURCE_RELEASED`` (or
-``PREFILL_ABORTED``) if the source is gone.
+Rule 3 -- **reopen, and answers from memory.** A newer attempt for a finished
+leg reopens it (``REOPEN`` -> ``EMPTY``, then ``KV_READY`` if the source is
+held). When the source is gone every leg ends in ``GONE``; a forgotten
+transfer is kept, per incarnation, as a tombstone whose legs are ``GONE``, and
+a registration reaching a ``GONE`` leg -- even from a consumer rank whose leg
+never existed -- is failed at once with ``SOURCE_RELEASED`` (or
+``PREFILL_ABORTED``), never dropped: known answers are given, not waited out.
 
-Rule 4 -- **release.** The transfer's source blocks are released exactly once,
-when no leg is writing and either every expected leg has finished, a final
-cancel arrived, the lease expired, or the local engine aborted the request.
+Rule 4 -- **release.** The transfer's source (``SOURCE_TABLE``) is released
+exactly once, when no leg is writing and either every expected leg has
+finished, a final cancel or a Skip arrived, the lease expired, or the local
+engine aborted the request (the derived input ``SETTLED``). A producer rank
+that writes nothing into the consumer engine (replicated heads, MLA, producer
+TP above consumer TP) learns so from one consumer rank's ``Skip`` and
+releases as soon as prefill finished. An *orphan* -- a source a peer spoke of
+before prefill finished -- is forgotten after ``orphan_ttl_s`` unless someone
+waits for it (``ORPHAN_EXPIRED``).
 
-Rule 5 -- **deadlines.** A registration must be written within its window:
-the producer never *starts* a write after it (``DEADLINE``). Source KV is
-held under a lease renewed by heartbeats (``LEASE_EXPIRED``); a lease never
-cuts a write short.
+Rule 5 -- **deadlines.** A registration must be written within its window
+and while the source's lease lasts: the producer never *starts* a write after
+either (``WRITE_REFUSED``: ``DEADLINE`` or ``LEASE_EXPIRED``), nor after the
+local request was aborted. The lease timer runs while a write is in flight; a
+stash still waiting when the lease ends is failed then (``LEASE_EXPIRED``).
+Source KV is held under a lease renewed by heartbeats; a lease never cuts a
+write short.
 
 Consumer transfer::
 
-    REGISTERED --all notified--> READY
+    CONNECTING --connected--> REGISTERED --all notified--> READY
     REGISTERED --fail / deadline / peer died--> FAILING --fenced--> FAILED
     REGISTERED --abort--> CANCELLING --fenced--> CANCELLED
     REGISTERED --preempt--> PREEMPTING --fenced--> PREEMPTED --reissue--> REGISTERED
 
 Rule 6 -- **counting.** ``NOTIFY`` records one producer rank for the current
 attempt; the endpoint feeds ``ALL_NOTIFIED`` once every producer rank the
-mapping assigns has notified. Notifications of other attempts, of ranks that
-are not expected, and duplicates never count.
+mapping assigns has notified. Notifications of other attempts or other
+incarnations, and duplicates, are the input ``STALE`` and never count;
+ranks that are not expected are rejected.
 
 Rule 7 -- **fences.** Destination blocks are released only when no write of
 the attempt can land any more: every expected producer rank has notified,
@@ -62,7 +84,15 @@ acknowledged a cancel, reported a failure or been declared dead by the
 transport -- or the hard deadline (window + grace) has passed, which the
 producer honours by never starting a write after the window. The endpoint
 feeds ``FENCED`` when the last rank is fenced. An attempt abandoned by a
-reissue keeps its own fence (a *zombie*) and releases its blocks on its own.
+reissue keeps its own fence (a *zombie*, ``ZOMBIE_TABLE``) and releases its
+blocks on its own.
+
+Rule 8 -- **handshake in the core.** A registration for a producer engine this
+rank cannot use yet (not every producer rank that writes into it has handshaken)
+waits in ``CONNECTING`` with its blocks lent; the consumer emits ``Connect``
+once per engine, the handshake's completion (``CONNECTED``) sends it, and a
+failed or timed-out handshake (``handshake_timeout_s``) fails it with
+``HANDSHAKE_FAILED``. Preempting, reissuing and aborting while waiting are rows.
 """
 
 from __future__ import annotations
@@ -107,6 +137,8 @@ class ProducerInput(enum.Enum):
     CANCEL_STALE = "CANCEL_STALE"  #: a cancel of an older attempt, or a repeated one
     REOPEN = "REOPEN"  #: a newer registration for a finished leg (rule 3)
     SOURCE_GONE = "SOURCE_GONE"  #: the transfer's source was released or aborted
+    WRITE_REFUSED = "WRITE_REFUSED"  #: rule 5: the window, the lease or the request ended
+    PLAN_FAILED = "PLAN_FAILED"  #: the registration cannot be planned against the source
 
 
 class ProducerEffect(enum.Enum):
@@ -125,12 +157,45 @@ class ProducerEffect(enum.Enum):
     ACK_STASHED_AND_STASH = "ack stashed+stash"
     FAIL_STASHED = "fail stashed"
     STALE = "drop stale"  #: count the message, answer nothing
+    ACK_STALE = "ack stale"  #: CancelAck an older attempt (never written now) unless in flight
     FAIL_GONE = "fail: source gone"  #: Fail(SOURCE_RELEASED or PREFILL_ABORTED)
+
+
+class SourceState(enum.Enum):
+    """Where a transfer's source KV stands on one producer rank."""
+
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
+    PENDING = "pending"  #: prefill not finished (a peer's message made it: an orphan)
+    HELD = "held"  #: blocks held for the transfer, under a lease
+    RELEASED = "released"  #: ReleaseSource emitted (or never held and forgotten)
+    ABORTED = "aborted"  #: the local request ended before prefill finished
+
+
+class SourceInput(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
+    PREFILL_DONE = "PREFILL_DONE"
+    PREFILL_ABORTED = "PREFILL_ABORTED"
+    LEASE_EXPIRED = "LEASE_EXPIRED"  #: no heartbeat renewed the lease in time
+    ORPHAN_EXPIRED = "ORPHAN_EXPIRED"  #: before prefill, nobody registered within the TTL
+    SETTLED = "SETTLED"  #: derived, rule 4: no leg writing, and the transfer is over here
+
+
+class SourceEffect(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
+    HOLD = "hold+lease"  #: arm the lease; every leg gets KV_READY (rule 1)
+    ABORT = "abort legs"  #: every leg gets KV_ABORTED
+    EXPIRE = "expire legs"  #: every leg gets LEASE_EXPIRED
+    RELEASE = "release"  #: ReleaseSource, once; then every leg ends (SOURCE_GONE)
+    FORGET = "forget"  #: waiting legs expire, then every leg ends (SOURCE_GONE)
 
 
 class ConsumerState(enum.Enum):
     __hash__ = object.__hash__  # members are singletons: hash by identity, fast
 
+    CONNECTING = "CONNECTING"  #: blocks lent, waiting for the producer engine's handshake
     REGISTERED = "REGISTERED"  #: waiting for notifications (pull: reads)
     READY = "READY"
     PREEMPTING = "PREEMPTING"  #: waiting for the fence before releasing blocks
@@ -155,6 +220,10 @@ class ConsumerInput(enum.Enum):
     DEADLINE = "DEADLINE"  #: the window passed without READY
     HARD_DEADLINE = "HARD_DEADLINE"  #: window + grace: release without a fence
     PEER_DIED = "PEER_DIED"
+    CONNECTED = "CONNECTED"  #: the producer engine became usable (every rank handshaken)
+    HANDSHAKE_FAILED = "HANDSHAKE_FAILED"  #: the driver gave up, or the handshake timed out
+    REISSUE_CONNECTING = "REISSUE_CONNECTING"  #: a reissue while the engine is not usable
+    STALE = "STALE"  #: a producer message of another attempt, or a repeat: it never counts
 
 
 class ConsumerEffect(enum.Enum):
@@ -174,6 +243,18 @@ class ConsumerEffect(enum.Enum):
     ZOMBIFY_AND_REGISTER = "zombify+register"  #: old attempt keeps its fence
     FINAL_CANCEL_RELEASED = "final cancel+cancelled"  #: blocks already released
     REPORT_FAILED = "failed"  #: blocks already released: only report the failure
+    SEND_HELD = "send held registration"  #: the engine is usable: register the attempt
+    HOLD = "hold+connect"  #: a new attempt waits for the handshake (Connect once per engine)
+    DROP = "drop stale"  #: count the message, change nothing
+
+
+class ZombieState(enum.Enum):
+    """An attempt abandoned by a reissue before its fence (rule 7)."""
+
+    __hash__ = object.__hash__  # members are singletons: hash by identity, fast
+
+    FENCING = "FENCING"  #: its blocks stay lent until every expected rank is fenced
+    RELEASED = "RELEASED"  #: fenced; its blocks went back
 
 
 P, PI, PE = ProducerState, ProducerInput, ProducerEffect
@@ -191,29 +272,40 @@ PRODUCER_FINISHED = frozenset(_P_FINISHED)
 #: States in which a write of the leg may be in flight.
 PRODUCER_WRITING = frozenset(_P_WRITING)
 
+# Transfer-wide inputs reach every leg; a leg writing or finished ignores them
+# (a lease never cuts a write short; rule 4 releases after the write).
 _quiet_when_writing = {
     (s, i): (PE.NONE, s)
     for s in _P_WRITING
-    for i in (PI.KV_ABORTED, PI.LEASE_EXPIRED, PI.DEADLINE, PI.PEER_DIED)
+    for i in (PI.KV_ABORTED, PI.LEASE_EXPIRED, PI.PEER_DIED)
 }
-_quiet_when_terminal = {
+_quiet_when_finished = {
     (s, i): (PE.NONE, s)
-    for s in _P_TERMINAL
-    for i in (PI.KV_READY, PI.KV_ABORTED, PI.LEASE_EXPIRED, PI.DEADLINE, PI.PEER_DIED)
+    for s in _P_FINISHED
+    for i in (PI.KV_ABORTED, PI.LEASE_EXPIRED, PI.PEER_DIED)
 }
 _ack_when_terminal = {
     (s, i): (PE.ACK, s) for s in _P_TERMINAL for i in (PI.CANCEL, PI.PREEMPT)
 }
-# Rule 2: stale and repeated messages are inputs too; they change nothing.
-_stale = {
-    (s, i): (PE.STALE, s) for s in _P_ALL for i in (PI.REGISTER_STALE, PI.CANCEL_STALE)
-}
+# Rule 2: stale and repeated messages are inputs too; they change nothing. An
+# older attempt can never be written any more, so its cancel is acknowledged at
+# once (unless that very attempt is being written: its completion is the fence).
+_stale = {(s, PI.REGISTER_STALE): (PE.STALE, s) for s in _P_ALL}
+_stale |= {(s, PI.CANCEL_STALE): (PE.ACK_STALE, s) for s in _P_ALL}
 # Rule 3: reopen a finished leg as a new one would start; rule 4: when the
 # source goes, every leg that is not writing ends in GONE.
 _reopen = {(s, PI.REOPEN): (PE.NONE, P.EMPTY) for s in _P_FINISHED}
-_gone = {
-    (s, PI.SOURCE_GONE): (PE.NONE, P.GONE)
-    for s in (P.EMPTY, P.KV_READY, *_P_TERMINAL)
+_gone = {(s, PI.SOURCE_GONE): (PE.NONE, P.GONE) for s in (P.KV_READY, *_P_FINISHED)}
+
+S, SI, SE = SourceState, SourceInput, SourceEffect
+#: The source of one transfer on one producer rank (rule 4; orphans are PENDING).
+SOURCE_TABLE: dict[tuple[SourceState, SourceInput], tuple[SourceEffect, SourceState]] = {
+    (S.PENDING, SI.PREFILL_DONE): (SE.HOLD, S.HELD),
+    (S.PENDING, SI.PREFILL_ABORTED): (SE.ABORT, S.ABORTED),
+    (S.PENDING, SI.ORPHAN_EXPIRED): (SE.FORGET, S.RELEASED),
+    (S.HELD, SI.PREFILL_ABORTED): (SE.ABORT, S.HELD),  # released once no write is in flight
+    (S.HELD, SI.LEASE_EXPIRED): (SE.EXPIRE, S.HELD),  # likewise: a lease never cuts a write
+    (S.HELD, SI.SETTLED): (SE.RELEASE, S.RELEASED),
 }
 
 PRODUCER_TABLE: dict[
@@ -241,6 +333,8 @@ PRODUCER_TABLE: dict[
     (P.KV_READY, PI.PEER_DIED): (PE.NONE, P.CANCELLED),
     (P.KV_READY, PI.READ_DONE): (PE.NONE, P.DONE),
     (P.WRITING, PI.WRITE_OK): (PE.NONE, P.DONE),
+    (P.WRITING, PI.WRITE_REFUSED): (PE.FAIL, P.EXPIRED),  # rule 5, found as it would start
+    (P.WRITING, PI.PLAN_FAILED): (PE.FAIL, P.FAILED),
     (P.WRITING, PI.WRITE_ERROR): (PE.FAIL, P.FAILED),
     (P.WRITING, PI.REGISTER): (PE.STASH, P.SUPERSEDED),  # rule 2: fence old first
     (P.WRITING, PI.CANCEL): (PE.ACK, P.CANCELLING),
@@ -268,19 +362,20 @@ PRODUCER_TABLE: dict[
     # Rule 5: the lease ended while an old write is in flight: the stash is
     # answered now, never written later.
     (P.SUPERSEDED, PI.LEASE_EXPIRED): (PE.FAIL_STASHED, P.WRITING),
-    **_quiet_when_terminal,
+    **_quiet_when_finished,
+    # A leg ended before prefill finished stays ended (its cancel or deadline came first).
+    (P.CANCELLED, PI.KV_READY): (PE.NONE, P.CANCELLED),
+    (P.EXPIRED, PI.KV_READY): (PE.NONE, P.EXPIRED),
     **_ack_when_terminal,
     **_stale,
     **_reopen,
     **_gone,
-    (P.REGISTERED, PI.SOURCE_GONE): (PE.FAIL, P.GONE),
-    # A source that is gone answers every newer registration at once (rule 3),
-    # and acknowledges every cancel, old or new, from memory.
+    # A source that is gone answers every newer registration at once (rule 3).
     (P.GONE, PI.REGISTER): (PE.FAIL_GONE, P.GONE),
-    (P.GONE, PI.CANCEL_STALE): (PE.ACK, P.GONE),
 }
 
-CONSUMER_TERMINAL = frozenset({C.READY, C.CANCELLED, C.FAILED})
+_C_TERMINAL = (C.READY, C.CANCELLED, C.FAILED)
+CONSUMER_TERMINAL = frozenset(_C_TERMINAL)
 _C_FENCING = (C.PREEMPTING, C.CANCELLING, C.FAILING)
 #: States waiting for the fence of the current attempt.
 CONSUMER_FENCING = frozenset(_C_FENCING)
@@ -294,6 +389,14 @@ _fence_inputs = {
 CONSUMER_TABLE: dict[
     tuple[ConsumerState, ConsumerInput], tuple[ConsumerEffect, ConsumerState]
 ] = {
+    # Registrations made before the producer engine is usable wait here; the
+    # driver handshakes on Connect (rule 8).
+    (C.CONNECTING, CI.CONNECTED): (CE.SEND_HELD, C.REGISTERED),
+    (C.CONNECTING, CI.HANDSHAKE_FAILED): (CE.RELEASE_FAILED, C.FAILED),
+    (C.CONNECTING, CI.PEER_DIED): (CE.RELEASE_FAILED, C.FAILED),
+    (C.CONNECTING, CI.ABORT): (CE.RELEASE_CANCELLED, C.CANCELLED),
+    (C.CONNECTING, CI.PREEMPT): (CE.RELEASE, C.PREEMPTED),
+    (C.PREEMPTED, CI.REISSUE_CONNECTING): (CE.HOLD, C.CONNECTING),
     (C.REGISTERED, CI.NOTIFY): (CE.COUNT, C.REGISTERED),
     (C.REGISTERED, CI.ALL_NOTIFIED): (CE.READY, C.READY),  # rule 6
     (C.REGISTERED, CI.FAIL): (CE.FAIL_REST, C.FAILING),
@@ -307,7 +410,6 @@ CONSUMER_TABLE: dict[
     (C.PREEMPTING, CI.REISSUE): (CE.ZOMBIFY_AND_REGISTER, C.REGISTERED),
     (C.PREEMPTING, CI.ABORT): (CE.CANCEL_ALL, C.CANCELLING),
     (C.PREEMPTING, CI.PREEMPT): (CE.NONE, C.PREEMPTING),
-    (C.PREEMPTING, CI.DEADLINE): (CE.NONE, C.PREEMPTING),
     (C.PREEMPTED, CI.REISSUE): (CE.REGISTER, C.REGISTERED),
     (C.PREEMPTED, CI.ABORT): (CE.FINAL_CANCEL_RELEASED, C.CANCELLED),
     (C.PREEMPTED, CI.PREEMPT): (CE.NONE, C.PREEMPTED),
@@ -316,12 +418,24 @@ CONSUMER_TABLE: dict[
     (C.CANCELLING, CI.HARD_DEADLINE): (CE.RELEASE_CANCELLED, C.CANCELLED),
     (C.CANCELLING, CI.ABORT): (CE.NONE, C.CANCELLING),
     (C.CANCELLING, CI.PREEMPT): (CE.NONE, C.CANCELLING),
-    (C.CANCELLING, CI.DEADLINE): (CE.NONE, C.CANCELLING),
     (C.FAILING, CI.FENCED): (CE.RELEASE_FAILED, C.FAILED),
     (C.FAILING, CI.HARD_DEADLINE): (CE.RELEASE_FAILED, C.FAILED),
     (C.FAILING, CI.ABORT): (CE.CANCEL_ALL, C.CANCELLING),
     (C.FAILING, CI.PREEMPT): (CE.NONE, C.FAILING),
-    (C.FAILING, CI.DEADLINE): (CE.NONE, C.FAILING),
+    # Rule 6: a message of another attempt or use, or a repeat, never counts. A
+    # transfer whose old attempts are still fenced (zombies) outlives its end.
+    **{(s, CI.STALE): (CE.DROP, s) for s in (C.REGISTERED, *_C_FENCING, C.PREEMPTED,
+                                             *_C_TERMINAL)},
+}
+
+
+Z = ZombieState
+#: A zombie attempt: every outcome of a rank fences it; the last fence releases.
+ZOMBIE_TABLE: dict[tuple[ZombieState, ConsumerInput], tuple[ConsumerEffect, ZombieState]] = {
+    **{(Z.FENCING, i): (CE.FENCE, Z.FENCING)
+       for i in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.PEER_DIED, CI.HARD_DEADLINE)},
+    (Z.FENCING, CI.STALE): (CE.DROP, Z.FENCING),
+    (Z.FENCING, CI.FENCED): (CE.RELEASE, Z.RELEASED),
 }
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..protocol import (
     Action,
+    Connect,
     Consumer,
     ConsumerConfig,
     Hello,
@@ -127,16 +128,21 @@ class ProducerNode(Node):
     def __init__(self, net: InMemoryNetwork, endpoint: Producer, memory: list[np.ndarray]):
         super().__init__(net, endpoint.info, memory)
         self.endpoint = endpoint
-        self.released: Counter[str] = Counter()
+        self.released: Counter[str] = Counter()  # by transfer id (every incarnation)
+        self.released_by_key: Counter[tuple[str, int]] = Counter()  # by (id, incarnation)
+        self.released_at: dict[tuple[str, int], float] = {}  # when, by (id, incarnation)
         self.published: dict[str, Publish] = {}
 
     def handle(self, a: Action) -> None:
         if isinstance(a, IssueWrite):
             self.net.enqueue("write", self.peer, a.peer, a, self.net.write_latency)
         elif isinstance(a, ReleaseSource):
+            key = (a.transfer_id, a.incarnation)
             self.released[a.transfer_id] += 1
-            if self.released[a.transfer_id] > 1:
-                self.net.violations.append(f"{self.peer}: source of {a.transfer_id} released twice")
+            self.released_by_key[key] += 1
+            self.released_at.setdefault(key, self.net.now)
+            if self.released_by_key[key] > 1:
+                self.net.violations.append(f"{self.peer}: source of {key} released twice")
         elif isinstance(a, Publish):
             self.published[a.transfer_id] = a
         else:  # pragma: no cover
@@ -150,20 +156,30 @@ class ConsumerNode(Node):
     def __init__(self, net: InMemoryNetwork, endpoint: Consumer, memory: list[np.ndarray]):
         super().__init__(net, endpoint.info, memory)
         self.endpoint = endpoint
-        self.outcomes: dict[str, list[tuple[str, int]]] = {}
+        self.outcomes: dict[str, list[tuple[str, int]]] = {}  # by id (every incarnation)
+        self.outcomes_by_key: dict[tuple[str, int], list[tuple[str, int]]] = {}
         self.released: list[ReleaseDestination] = []
+        self.connects: list[str] = []
+
+    def _outcome(self, kind: str, a: TransferReady | TransferFailed | TransferCancelled) -> None:
+        self.outcomes.setdefault(a.transfer_id, []).append((kind, a.attempt))
+        self.outcomes_by_key.setdefault((a.transfer_id, a.incarnation), []).append(
+            (kind, a.attempt))
 
     def handle(self, a: Action) -> None:
         if isinstance(a, TransferReady):
-            self.outcomes.setdefault(a.transfer_id, []).append(("ready", a.attempt))
+            self._outcome("ready", a)
         elif isinstance(a, TransferFailed):
-            self.outcomes.setdefault(a.transfer_id, []).append(("failed", a.attempt))
+            self._outcome("failed", a)
         elif isinstance(a, TransferCancelled):
-            self.outcomes.setdefault(a.transfer_id, []).append(("cancelled", a.attempt))
+            self._outcome("cancelled", a)
         elif isinstance(a, ReleaseDestination):
             self.released.append(a)
         elif isinstance(a, IssueRead):
             self.net.enqueue("read", self.peer, a.peer, a, self.net.write_latency)
+        elif isinstance(a, Connect):
+            self.connects.append(a.engine_id)
+            self.net.connect(self.peer, a.engine_id)
         else:  # pragma: no cover
             raise AssertionError(f"unexpected consumer action {a!r}")
 
@@ -239,6 +255,16 @@ class InMemoryNetwork:
             for c in self.consumers.values():
                 p.frame(encode(Hello(info=c.info)), self.now)
                 c.frame(encode(Hello(info=p.info)), self.now)
+
+    def connect(self, consumer: Peer, engine_id: str) -> None:
+        """A consumer rank asked for a handshake: Hello frames both ways, on the wire
+        (so they take the control latency and obey hold mode). An engine with no
+        rank here never answers; the consumer's handshake timeout fails it."""
+        node = self.consumers[consumer]
+        for p in self.producers.values():
+            if p.peer.engine_id == engine_id:
+                self.send(p.peer, consumer, encode(Hello(info=p.info)))
+                self.send(consumer, p.peer, encode(Hello(info=node.info)))
 
     def node(self, peer: Peer) -> Node | None:
         return self.producers.get(peer) or self.consumers.get(peer)
@@ -389,8 +415,9 @@ class InMemoryNetwork:
                            plan: TransferPlan) -> None:
         lo = dst.info.layout
         allowed = dst.endpoint.blocks_of(transfer_id, attempt, incarnation=inc)
+        key, lender = (transfer_id, inc), dst.endpoint.lender
         for b in touched_blocks(plan, lo.stride, 1):
-            if dst.endpoint.lender(b) != (transfer_id, inc):
+            if lender(b) != key:
                 self.violations.append(
                     f"write of {transfer_id}#{attempt} lands in block {b} not lent to it")
             elif b not in allowed:
@@ -516,16 +543,16 @@ class InMemoryCluster:
         return [n for n in self.net.producers.values() if n.alive]
 
     def register(self, transfer_id: str, dst_block_ids: Sequence[int], num_tokens: int,
-                 first_token: int = 0) -> None:
+                 first_token: int = 0, *, incarnation: int = 0) -> None:
         for n in self._consumers():
             n.apply(n.endpoint.register(transfer_id, "prefill-0", dst_block_ids, num_tokens,
-                                        self.net.now, first_token))
+                                        self.net.now, first_token, incarnation=incarnation))
 
     def prefill_finished(self, transfer_id: str, src_block_ids: Sequence[int],
-                         num_tokens: int) -> None:
+                         num_tokens: int, *, incarnation: int = 0) -> None:
         for n in self._producers():
             n.apply(n.endpoint.prefill_finished(transfer_id, src_block_ids, num_tokens,
-                                                self.net.now))
+                                                self.net.now, incarnation=incarnation))
 
     def preempt(self, transfer_id: str) -> None:
         for n in self._consumers():

@@ -13,7 +13,10 @@ ControlChannel = Literal["side", "nixl"]
 
 @dataclass(frozen=True, kw_only=True)
 class NixlConfig:
-    """How one rank's runtime talks to its peers."""
+    """How one rank's runtime talks to its peers.
+
+    Protocol timeouts (lease, window, fence grace, heartbeat, handshake timeout)
+    are not here: they are the endpoint's, in :mod:`pushkv.protocol.config`."""
 
     backend: Backend = field(
         default="UCX",
@@ -82,10 +85,6 @@ class NixlConfig:
         default=0.0002,
         metadata={"help": "writer thread: sleep between completion checks of a posted write"},
     )
-    handshake_timeout_s: float = field(
-        default=10.0,
-        metadata={"help": "transfers waiting for a peer's handshake fail after this"},
-    )
     write_timeout_s: float = field(
         default=60.0,
         metadata={"help": "a posted write still running after this is cancelled and failed"},
@@ -116,7 +115,7 @@ class NixlConfig:
                               "to the address peers use")
         if self.progress_delay_us < 0 or self.num_threads < 0 or not 0 <= self.port < 65536:
             raise ConfigError("progress_delay_us, num_threads and port must be >= 0")
-        for name in ("active_poll_s", "idle_poll_s", "write_poll_s", "handshake_timeout_s",
+        for name in ("active_poll_s", "idle_poll_s", "write_poll_s",
                      "write_timeout_s", "peer_confirm_s", "close_timeout_s", "key_window_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

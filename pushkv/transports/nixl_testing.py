@@ -156,10 +156,7 @@ class _HostServer:
                     out["outcomes"][r, tid] = list(seen)
                 for (tid, a), n in st.dst_released.items():
                     out["dst_released"][r, tid, a] = n
-                lent = dict(view.lent)
-                for tid, blocks in view.pending.items():
-                    lent.update(dict.fromkeys(blocks, tid))
-                out["lent"][r] = lent
+                out["lent"][r] = dict(view.lent)
             else:
                 for tid, n in st.src_released.items():
                     out["src_released"][r, tid] = n

@@ -18,11 +18,14 @@ through :meth:`NixlRuntime.poll`.
                                    NIXL notifications
 
 Handshake. A consumer learns producer addresses with :meth:`NixlRuntime.connect`
-(cheap, idempotent). On first use -- or at once with ``eager=True`` -- it sends
-its :class:`~.sidechannel.PeerCard` (pushkv ``Hello``, NIXL metadata, region
-addresses) to every rank of the producer engine; each answers with its own
-card (the table of :mod:`.runtime_handshake`). A producer answers cards; it
-never needs to be told about consumers.
+(cheap, idempotent). When the endpoint needs the engine (its ``Connect``
+action, on the first registration) -- or at once with ``eager=True`` -- the
+runtime sends its :class:`~.sidechannel.PeerCard` (pushkv ``Hello``, NIXL
+metadata, region addresses) to every rank of the producer engine; each answers
+with its own card (the table of :mod:`.runtime_handshake`), which goes to the
+endpoint (``add_peer``). What waits for a handshake, and what a failed one
+means, is the endpoint's business. A producer answers cards; it never needs to
+be told about consumers.
 
 Ports and key. The side channel binds ``NixlConfig.port``, or a free port when
 it is 0 (the default); :attr:`NixlRuntime.address` is what peers must be told.
@@ -134,15 +137,14 @@ class NixlRuntime:
                 bases=mem.bases, sizes=mem.sizes, kind=mem.kind, device=mem.device,
             )
             self._loop = IOLoop(endpoint, agent, side, mem, card, cfg,
-                                authenticated=key is not None,
-                                handshake_timeout_s=cfg.handshake_timeout_s,
-                                name=str(info.rank))
+                                authenticated=key is not None, name=str(info.rank))
         except BaseException:
             if side is not None:
                 side.close(0)
             agent.close()
             raise
         self._closing = False
+        self._enqueue = self._loop.submit
 
     # ------------------------------------------------------------ consumer
 
@@ -170,9 +172,9 @@ class NixlRuntime:
         ``incarnation`` tells this use of ``transfer_id`` from any other; every rank
         of both engines must be given the same one (see
         :func:`pushkv.protocol.new_incarnation`)."""
-        self._submit(cmd.Register(transfer_id=transfer_id, producer_engine_id=producer_engine_id,
-                                  block_ids=block_ids, num_tokens=num_tokens,
-                                  first_token=first_token, incarnation=incarnation))
+        # Commands are built positionally: keywords triple the cost on this hot path.
+        self._submit(cmd.Register(transfer_id, producer_engine_id, block_ids, num_tokens,
+                                  first_token, incarnation))
 
     def abandon(self, transfer_id: str, producer_engine_id: str, *,
                 incarnation: int = 0) -> None:
@@ -184,15 +186,15 @@ class NixlRuntime:
     def preempt(self, transfer_id: str) -> None:
         """The engine preempted the waiting request; blocks come back via
         ``ReleaseDestination``, then :meth:`reissue` may register it again."""
-        self._submit(cmd.Preempt(transfer_id=transfer_id))
+        self._submit(cmd.Preempt(transfer_id))
 
     def reissue(self, transfer_id: str, block_ids: Sequence[int] | np.ndarray) -> None:
         """Register a preempted transfer again into new ``block_ids``."""
-        self._submit(cmd.Reissue(transfer_id=transfer_id, block_ids=block_ids))
+        self._submit(cmd.Reissue(transfer_id, block_ids))
 
     def abort(self, transfer_id: str) -> None:
         """The engine gave the request up: fence, then ``TransferCancelled``."""
-        self._submit(cmd.Abort(transfer_id=transfer_id))
+        self._submit(cmd.Abort(transfer_id))
 
     # ------------------------------------------------------------ producer
 
@@ -200,12 +202,11 @@ class NixlRuntime:
                          num_tokens: int, *, incarnation: int = 0) -> None:
         """Prefill of ``transfer_id`` finished; its KV is in ``block_ids`` (not to be
         reused until ``ReleaseSource``; do not mutate the sequence after the call)."""
-        self._submit(cmd.PrefillFinished(transfer_id=transfer_id, block_ids=block_ids,
-                                         num_tokens=num_tokens, incarnation=incarnation))
+        self._submit(cmd.PrefillFinished(transfer_id, block_ids, num_tokens, incarnation))
 
     def prefill_aborted(self, transfer_id: str, *, incarnation: int = 0) -> None:
         """The engine aborted ``transfer_id`` before or after its prefill."""
-        self._submit(cmd.PrefillAborted(transfer_id=transfer_id, incarnation=incarnation))
+        self._submit(cmd.PrefillAborted(transfer_id, incarnation))
 
     # ---------------------------------------------------------------- both
 
@@ -253,4 +254,4 @@ class NixlRuntime:
     def _submit(self, command: cmd.Command) -> None:
         if self._closing:
             raise RuntimeError("runtime is closed")
-        self._loop.submit(command)
+        self._enqueue(command)

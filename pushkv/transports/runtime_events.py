@@ -51,7 +51,6 @@ class RuntimeView:
 
     lent: dict[int, str]  #: consumer: destination blocks a write may still land in
     held: dict[str, tuple[int, ...]]  #: producer: source blocks held, by transfer
-    pending: dict[str, tuple[int, ...]]  #: consumer: transfers waiting for a handshake
     ready_engines: tuple[str, ...]
     writes_in_flight: int
     stats: dict[str, int]

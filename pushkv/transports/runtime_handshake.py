@@ -163,8 +163,12 @@ class Handshakes:
 
     def expired(self, now: float) -> list[RemoteEngine]:
         """Engines whose handshake deadline passed (still HANDSHAKING)."""
+        if not self.engines:  # a producer's loop asks every pass
+            return []
         return [e for e in self.engines.values()
                 if e.state is S.HANDSHAKING and now >= e.deadline]
 
     def next_deadline(self) -> float:
-        return min((e.deadline for e in self.engines.values()), default=float("inf"))
+        if not self.engines:
+            return float("inf")
+        return min(e.deadline for e in self.engines.values())

@@ -30,7 +30,6 @@ from ..protocol import (
     Connect,
     Consumer,
     DecodeError,
-    FailReason,
     Hello,
     IssueRead,
     IssueWrite,
@@ -57,7 +56,6 @@ from .nixl_writer import WriteJob, Writer, WriteResult
 from .peers import Link, PeerTable, card_problem
 from .runtime_events import CallFailed, Event, PeerLost, RuntimeView
 from .runtime_handshake import Effect, HandshakeInput, Handshakes, RemoteEngine
-from .runtime_pending import PendingRegistrations
 from .sidechannel_auth import identity
 
 if TYPE_CHECKING:
@@ -72,7 +70,7 @@ class IOLoop:
 
     def __init__(self, endpoint: Producer | Consumer, agent: Agent, side: sc.SideChannel,
                  memory: KVMemory, card: sc.PeerCard, config: NixlConfig, *,
-                 authenticated: bool, handshake_timeout_s: float, name: str) -> None:
+                 authenticated: bool, name: str) -> None:
         self.config = config
         self._endpoint = endpoint
         self._agent = agent
@@ -95,8 +93,9 @@ class IOLoop:
         self._stats: Counter[str] = Counter()
         self._stats_view: dict[str, int] = {}
         self._peers = PeerTable(side, agent, config.peer_confirm_s)
-        self.handshakes = Handshakes(handshake_timeout_s)
-        self._pending = PendingRegistrations()
+        # The card exchange gives up when the endpoint's own handshake timer would.
+        self.handshakes = Handshakes(endpoint.config.handshake_timeout_s
+                                     if isinstance(endpoint, Consumer) else float("inf"))
         self._writes = 0
         self._next_notif = 0.0
         self._writer: Writer | None = None
@@ -217,7 +216,7 @@ class IOLoop:
         return max(0.0, until - now)
 
     def _live(self) -> bool:
-        return self._endpoint.num_transfers > 0 or self._writes > 0 or bool(self._pending)
+        return self._endpoint.num_transfers > 0 or self._writes > 0
 
     def _emit(self, event: Event) -> None:
         with self._events_cv:
@@ -227,8 +226,9 @@ class IOLoop:
     def _publish_stats(self) -> None:
         stats = self._stats
         stats["dropped_frames"] = self._side.dropped
-        for reason, n in self._side.auth_dropped.items():  # totals, not increments
-            stats[reason] = n
+        if self._authenticated:
+            for reason, n in self._side.auth_dropped.items():  # totals, not increments
+                stats[reason] = n
         self._stats_view = dict(stats)
 
     # ------------------------------------------------------------ commands
@@ -243,13 +243,13 @@ class IOLoop:
             try:
                 self._handlers[type(command)](command, now)
             except PushKVError as exc:
-                self._emit(CallFailed(operation=command.operation,
+                self._emit(CallFailed(operation=cmd.operation_of(command),
                                       transfer_id=getattr(command, "transfer_id", None),
                                       error=str(exc)))
             except Exception as exc:
                 self._stats["internal_errors"] += 1
-                log.exception("pushkv command %s failed", command.operation)
-                self._emit(CallFailed(operation=command.operation, transfer_id=None,
+                log.exception("pushkv command %s failed", cmd.operation_of(command))
+                self._emit(CallFailed(operation=cmd.operation_of(command), transfer_id=None,
                                       error=repr(exc)))
         return False
 
@@ -279,42 +279,25 @@ class IOLoop:
 
     def _register(self, c: cmd.Register, now: float) -> None:
         consumer = self._consumer()
-        eng = self.handshakes.engines.get(c.producer_engine_id)
-        if eng is None:
+        if c.producer_engine_id not in self.handshakes.engines:  # bad input: nothing changes
             raise ConfigError(f"no address for producer engine {c.producer_engine_id!r}: "
                               "call connect()", transfer_id=c.transfer_id)
-        if c.producer_engine_id in self.handshakes.ready:
-            self._apply(consumer.register(c.transfer_id, c.producer_engine_id, c.block_ids,
-                                          c.num_tokens, now, c.first_token,
-                                          incarnation=c.incarnation), now)
-            return
-        if consumer.state_of(c.transfer_id) is not None:
-            raise ConfigError("transfer already registered", transfer_id=c.transfer_id)
-        self._apply(self._pending.hold(c, now), now)
-        self._start_handshake(eng, now)
+        self._apply(consumer.register(c.transfer_id, c.producer_engine_id, c.block_ids,
+                                      c.num_tokens, now, c.first_token,
+                                      incarnation=c.incarnation), now)
 
     def _abandon(self, c: cmd.Abandon, now: float) -> None:
         self._apply(self._consumer().abandon(c.transfer_id, c.producer_engine_id, now,
                                              incarnation=c.incarnation), now)
 
     def _preempt(self, c: cmd.Preempt, now: float) -> None:
-        if c.transfer_id in self._pending:
-            self._apply(self._pending.preempt(c.transfer_id), now)
-        else:
-            self._apply(self._consumer().preempt(c.transfer_id, now), now)
+        self._apply(self._consumer().preempt(c.transfer_id, now), now)
 
     def _reissue(self, c: cmd.Reissue, now: float) -> None:
-        if c.transfer_id in self._pending:
-            self._apply(self._pending.reissue(self._consumer(), c, self.handshakes.ready, now),
-                        now)
-        else:
-            self._apply(self._consumer().reissue(c.transfer_id, c.block_ids, now), now)
+        self._apply(self._consumer().reissue(c.transfer_id, c.block_ids, now), now)
 
     def _abort(self, c: cmd.Abort, now: float) -> None:
-        if c.transfer_id in self._pending:
-            self._apply(self._pending.abort(c.transfer_id), now)
-        else:
-            self._apply(self._consumer().abort(c.transfer_id, now), now)
+        self._apply(self._consumer().abort(c.transfer_id, now), now)
 
     def _inspect(self, c: cmd.Inspect, now: float) -> None:
         ep = self._endpoint
@@ -322,7 +305,6 @@ class IOLoop:
         c.reply.set_result(RuntimeView(
             lent=dict(ep.lent_blocks()) if isinstance(ep, Consumer) else {},
             held=ep.held_blocks() if isinstance(ep, Producer) else {},
-            pending=self._pending.blocks(),
             ready_engines=tuple(sorted(self.handshakes.ready)),
             writes_in_flight=self._writes,
             stats=dict(self._stats_view),
@@ -472,9 +454,10 @@ class IOLoop:
     def _handshake_needed(self, engine_id: str, now: float) -> None:
         """The endpoint waits for ``engine_id`` (its ``Connect`` action)."""
         eng = self.handshakes.engines.get(engine_id)
-        if eng is None:  # no address: the endpoint's handshake deadline fails it
-            self._stats["connect_without_address"] += 1
-            log.warning("no side-channel address for producer engine %r", engine_id)
+        if eng is None:  # cannot happen through register(), which checks first
+            self._apply(self._consumer().handshake_failed(
+                engine_id, f"no side-channel address for producer engine {engine_id!r}",
+                now), now)
             return
         self._start_handshake(eng, now, HandshakeInput.NEEDED)
 
@@ -492,7 +475,7 @@ class IOLoop:
             link = self._peers.links.get(address)
             if link is not None and link.dead:  # a fresh attempt at an address that died
                 self._peers.forget(link)
-            link = self._peers.link(address, identity(eng.engine_id, rank))
+            self._peers.link(address, identity(eng.engine_id, rank))
             self._side.send(address, sc.HELLO, body)
 
     def _on_card(self, body: bytes, now: float) -> None:
@@ -518,8 +501,8 @@ class IOLoop:
         eng, effect = self.handshakes.answer(info, card.address, not error, now, why)
         if effect is Effect.STALE or eng is None:
             self._stats["stale_cards"] += 1
-        elif effect is Effect.READY:
-            self._engine_ready(eng, now)
+        elif effect is Effect.READY:  # each card already went to the endpoint
+            self._stats["handshakes_done"] += 1
         elif effect is Effect.FAIL:
             self._engine_failed(eng, now)
 
@@ -555,16 +538,12 @@ class IOLoop:
         self._apply(actions, now)  # e.g. registrations that waited for this peer
         return ""
 
-    def _engine_ready(self, eng: RemoteEngine, now: float) -> None:
-        self._stats["handshakes_done"] += 1
-        self._apply(self._pending.engine_ready(self._consumer(), eng.engine_id, now), now)
-
     def _engine_failed(self, eng: RemoteEngine, now: float) -> None:
+        """The card exchange failed: the endpoint fails what waits for the engine
+        (``HANDSHAKE_FAILED``, destination released)."""
         self._stats["handshakes_failed"] += 1
         log.warning("%s", eng.error)
-        self._apply(self._pending.engine_failed(
-            eng.engine_id, eng.error, FailReason.WRITE_FAILED,
-            self._consumer().config.policy), now)
+        self._apply(self._consumer().handshake_failed(eng.engine_id, eng.error, now), now)
 
     # ------------------------------------------------------------ liveness
 

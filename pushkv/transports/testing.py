@@ -90,11 +90,13 @@ class Cluster(Protocol):
     topology: Topology
 
     def register(self, transfer_id: str, dst_block_ids: Sequence[int], num_tokens: int,
-                 first_token: int = 0) -> None:
-        """Every consumer rank registers the same (engine-level) blocks."""
+                 first_token: int = 0, *, incarnation: int = 0) -> None:
+        """Every consumer rank registers the same (engine-level) blocks.
+
+        ``incarnation`` is needed only by :data:`REUSED_ID_CHECKS`."""
 
     def prefill_finished(self, transfer_id: str, src_block_ids: Sequence[int],
-                         num_tokens: int) -> None:
+                         num_tokens: int, *, incarnation: int = 0) -> None:
         """Every producer rank reports prefill done."""
 
     def preempt(self, transfer_id: str) -> None: ...
@@ -419,6 +421,61 @@ def check_garbage(make: MakeCluster, topo: Topology | None = None) -> None:
         assert_clean(c)
     finally:
         c.close()
+
+
+def check_reused_id(make: MakeCluster, topo: Topology | None = None) -> None:
+    """A transfer id used again at once is a new transfer (a new incarnation):
+    an old use's held source is never written into the new one, a new use
+    registered right after the old one's READY completes with its own bytes,
+    and a use cancelled before its prefill does not touch the next."""
+    topo = topo or Topology()
+    c = make(topo)
+    _, cranks = _ranks(topo)
+
+    def uses(n: int) -> Callable[[Snapshot], bool]:
+        return lambda s: all(len(s.outcomes.get((r, "t"), [])) >= n for r in cranks)
+
+    try:
+        c.prefill_finished("t", [30, 31, 32], 40, incarnation=101)  # nobody registers it
+        c.wait(lambda s: False, 0.05)
+        c.register("t", [1, 2, 3], 40, incarnation=102)
+        c.prefill_finished("t", [7, 8, 9], 40, incarnation=102)
+        snap = c.wait(uses(1), 20)
+        assert snap.all_outcomes("t", cranks) == {"ready"}, snap.outcomes
+        c.register("t", [4, 5, 6], 40, incarnation=103)  # at once, same id
+        c.prefill_finished("t", [10, 11, 12], 40, incarnation=103)
+        snap = c.wait(uses(2), 20)
+        assert snap.all_outcomes("t", cranks) == {"ready"}, snap.outcomes
+        c.register("t", [13, 14, 15], 40, incarnation=104)
+        c.wait(lambda s: False, 0.05)
+        c.abort("t")
+        snap = c.wait(uses(3), 20)
+        assert snap.all_outcomes("t", cranks) == {"cancelled"}, snap.outcomes
+        c.register("t", [16, 17, 18], 40, incarnation=105)
+        c.prefill_finished("t", [19, 20, 21], 40, incarnation=105)
+        snap = c.wait(uses(4), 20)
+        assert snap.all_outcomes("t", cranks) == {"ready"}, snap.outcomes
+        c.prefill_finished("t", [22, 23, 24], 40, incarnation=104)  # the cancelled use's
+        assert_destination(c, [([7, 8, 9], [1, 2, 3], 40, 0), ([10, 11, 12], [4, 5, 6], 40, 0),
+                               ([19, 20, 21], [16, 17, 18], 40, 0)])
+        snap = c.wait(lambda s: not any(s.lent.values()) and not any(s.held.values()), 20)
+        assert not snap.violations, snap.violations
+        assert not any(snap.lent.values()) and not any(snap.held.values()), snap
+        # Five prefills of "t" on every producer rank, each released once.
+        assert all(n == 5 for n in snap.src_released.values()), snap.src_released
+    finally:
+        c.close()
+
+
+#: Checks that need the cluster to pass incarnations (``register`` and
+#: ``prefill_finished`` take ``incarnation=``); a transport opts in.
+REUSED_ID_CHECKS: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
+    "reused_id": (check_reused_id, {}),
+    "reused_id_tp2-1": (check_reused_id, {"topo": Topology(
+        producer={"tp": 2, "num_kv_heads": 2}, consumer={"num_kv_heads": 2})}),
+    "reused_id_replicated": (check_reused_id, {"topo": Topology(
+        producer={"tp": 2, "num_kv_heads": 1}, consumer={"num_kv_heads": 1})}),
+}
 
 
 #: Topologies every transport must handle (name -> topology).

@@ -205,7 +205,6 @@ class WorkerSide:
             key_file=s.key_file,
             key_env=s.key_env,
             progress_delay_us=s.progress_delay_us,
-            handshake_timeout_s=s.handshake_timeout_s,
             write_timeout_s=s.write_timeout_s,
             peer_confirm_s=s.peer_confirm_s,
         )

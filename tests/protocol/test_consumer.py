@@ -6,6 +6,7 @@ from pushkv.protocol import (
     Cancel,
     CancelAck,
     ConfigError,
+    Connect,
     ConsumerConfig,
     ConsumerState,
     Fail,
@@ -173,8 +174,8 @@ def test_producer_death_fails_the_transfer(two_writers):
     out = c.peer_died("P", 0.5)
     assert of(out, TransferFailed) and of(out, ReleaseDestination)
     assert of(out, TransferFailed)[0].code is FailReason.PEER_DIED and not c.knows("P")
-    with pytest.raises(LocalProtocolError, match="no handshake"):
-        c.register("u", "P", [4], 10, 1.0)
+    # A later registration waits for a new handshake instead of failing.
+    assert c.register("u", "P", [4], 10, 1.0) == [Connect(engine_id="P")]
 
 
 def test_local_misuse_raises_and_changes_nothing(two_writers):
@@ -183,7 +184,8 @@ def test_local_misuse_raises_and_changes_nothing(two_writers):
     lent = c.lent_blocks()
     cases = [
         (lambda: c.register("t", "P", [7], 10, 0.0), LocalProtocolError, "already"),
-        (lambda: c.register("u", "nobody", [7], 10, 0.0), LocalProtocolError, "handshake"),
+        (lambda: c.start_pull("u", "nobody", [1], [7], 10, 0.0), LocalProtocolError,
+         "handshake"),
         (lambda: c.register("u", "P", [64], 10, 0.0), ConfigError, "outside"),
         (lambda: c.register("u", "P", [7, 7], 20, 0.0), ConfigError, "twice"),
         (lambda: c.register("u", "P", [7], 17, 0.0), ConfigError, "cannot hold"),

@@ -7,6 +7,7 @@ a delayed or duplicated message is simply delivered late, or twice.
 from pushkv.protocol import (
     Cancel,
     CancelAck,
+    Connect,
     ConsumerConfig,
     ConsumerState,
     Fail,
@@ -17,7 +18,10 @@ from pushkv.protocol import (
     ProducerConfig,
     ProducerState,
     Register,
+    ReleaseDestination,
     ReleaseSource,
+    Skip,
+    TransferCancelled,
     TransferFailed,
     TransferReady,
 )
@@ -170,3 +174,127 @@ def test_preempt_reissue_twice_against_a_released_source_fails_promptly():
 def test_consumer_config_has_the_handshake_timeout():
     assert ConsumerConfig().handshake_timeout_s == 10.0
     assert isinstance(Notify(transfer_id="t", attempt=0, engine_id="P", rank=0).incarnation, int)
+
+
+# ------------------------------------------------ handshake in the core (rule 8)
+
+
+def _fresh_consumer(pair, ccfg=None):
+    from pushkv.protocol import Consumer
+
+    return Consumer(pair.c[0].info, ccfg or ConsumerConfig())
+
+
+def test_a_registration_waits_for_the_handshake_then_goes_out():
+    pair = Pair(producer={"tp": 2, "num_kv_heads": 2}, consumer={"num_kv_heads": 2})
+    c = _fresh_consumer(pair)
+    out = c.register("t", "P", [1, 2, 3], 40, 0.0)
+    assert out == [Connect(engine_id="P")]
+    assert c.state_of("t") is ConsumerState.CONNECTING and c.lent_blocks()
+    assert c.register("u", "P", [4, 5, 6], 40, 0.1) == []  # one Connect per engine
+    assert c.add_peer(pair.p[0].info, now=0.5) == []  # rank 1 still unknown
+    out = c.add_peer(pair.p[1].info, now=0.6)
+    sent = msgs(out, Register)
+    assert sorted((m.transfer_id, m.rank) for m in sent) == [("t", 0), ("t", 0), ("u", 0),
+                                                              ("u", 0)]
+    assert c.state_of("t") is ConsumerState.REGISTERED
+    assert c.next_deadline() is not None
+
+
+def test_a_failed_handshake_fails_the_waiting_transfers_with_its_own_reason():
+    pair = Pair()
+    c = _fresh_consumer(pair)
+    c.register("t", "P", [1, 2, 3], 40, 0.0)
+    out = c.handshake_failed("P", "connection refused", 1.0)
+    (failed,) = of(out, TransferFailed)
+    assert failed.code is FailReason.HANDSHAKE_FAILED and "connection refused" in failed.reason
+    assert of(out, ReleaseDestination) and c.lent_blocks() == {} and c.num_transfers == 0
+    # A later registration asks again.
+    assert c.register("u", "P", [1, 2, 3], 40, 2.0) == [Connect(engine_id="P")]
+
+
+def test_the_handshake_times_out_on_a_core_timer():
+    pair = Pair()
+    c = _fresh_consumer(pair, ConsumerConfig(handshake_timeout_s=3.0))
+    c.register("t", "P", [1, 2, 3], 40, 0.0)
+    assert c.next_deadline() == 3.0
+    out = c.handle_timer(3.0)
+    (failed,) = of(out, TransferFailed)
+    assert failed.code is FailReason.HANDSHAKE_FAILED and "timed out" in failed.reason
+    assert c.num_transfers == 0 and c.next_deadline() is None
+
+
+def test_preempt_reissue_and_abort_while_waiting_for_the_handshake():
+    pair = Pair()
+    c = _fresh_consumer(pair)
+    c.register("t", "P", [1, 2, 3], 40, 0.0)
+    out = c.preempt("t", 0.1)
+    assert of(out, ReleaseDestination) and c.state_of("t") is ConsumerState.PREEMPTED
+    assert c.reissue("t", [4, 5, 6], 0.2) == []  # the Connect already went out
+    assert c.state_of("t") is ConsumerState.CONNECTING and c.attempt_of("t") == 1
+    (reg1,) = msgs(c.add_peer(pair.p[0].info, now=0.3), Register)
+    assert reg1.attempt == 1 and reg1.block_ids == (4, 5, 6)
+    c.register("u", "Q", [7, 8], 20, 0.4)
+    out = c.abort("u", 0.5)
+    assert of(out, TransferCancelled) and of(out, ReleaseDestination)
+    assert c.state_of("u") is None
+
+
+def test_ranks_that_write_nothing_are_told_even_after_a_preempted_handshake_wait():
+    pair = Pair(producer={"tp": 2, "num_kv_heads": 1}, consumer={"num_kv_heads": 1})
+    c = _fresh_consumer(pair)
+    c.register("t", "P", [1, 2, 3], 40, 0.0)
+    c.preempt("t", 0.1)
+    c.reissue("t", [4, 5, 6], 0.2)  # attempt 1, still waiting for the handshake
+    out = c.add_peer(pair.p[0].info, now=0.3)  # the writer: the registration goes out
+    assert [(m.attempt, m.rank) for m in msgs(out, Register)] == [(1, 0)]
+    out = c.add_peer(pair.p[1].info, now=0.3)  # the rank that writes nothing: told now
+    (skip,) = msgs(out, Skip)
+    assert skip.transfer_id == "t"
+    assert [a.peer.rank for a in out if isinstance(a.message, Skip)] == [1]
+
+
+# ------------------------------------------- fences answered, never waited out
+
+
+def test_an_overtaken_cancel_of_an_older_attempt_is_still_acknowledged():
+    """Register a1 overtakes Cancel a0 and Register a0: the old attempt will never
+    be written, so its cancel is acknowledged and its zombie released at once."""
+    pair = Pair()
+    (c,) = pair.c
+    reg0 = c.register("t", "P", [1, 2, 3], 40, 0.0)
+    cancel0 = c.preempt("t", 0.0)
+    reg1 = c.reissue("t", [4, 5, 6], 0.0)
+    answers = pair.to_producers(reg1) + pair.to_producers(cancel0) + pair.to_producers(reg0)
+    assert [m.attempt for m in msgs(answers, CancelAck)] == [0]
+    out = pair.to_consumers(answers)
+    assert [r.attempt for r in of(out, ReleaseDestination)] == [0]
+    assert c.lent_blocks() == {4: "t", 5: "t", 6: "t"}
+
+
+def test_a_newer_cancel_also_fences_the_older_registration_it_drops():
+    """Cancel a1 (final) reaches a leg still holding Register a0: both are
+    acknowledged, so the consumer's zombie a0 is not left to the hard deadline."""
+    pair = Pair()
+    (c,) = pair.c
+    pair.to_producers(c.register("t", "P", [1, 2, 3], 40, 0.0))
+    late = c.preempt("t", 0.0) + c.reissue("t", [4, 5, 6], 0.0)
+    answers = pair.to_producers(c.abort("t", 0.0))
+    assert sorted(m.attempt for m in msgs(answers, CancelAck)) == [0, 1]
+    out = pair.to_consumers(answers)
+    assert of(out, TransferCancelled) and c.lent_blocks() == {} and c.num_transfers == 0
+    pair.to_consumers(pair.to_producers(late))  # the overtaken messages change nothing
+    assert c.lent_blocks() == {}
+
+
+def test_a_final_cancel_after_a_preempt_of_the_same_attempt_releases_the_source():
+    """Preempt then abort while the write is in flight: the abort must not be
+    taken for a repeat of the preempt, or the source waits for its lease."""
+    pair = Pair(pcfg=ProducerConfig(lease_s=30.0))
+    (p,), (c,) = pair.p, pair.c
+    pair.to_producers(c.register("t", "P", [1, 2, 3], 40, 0.0))
+    cancels = c.preempt("t", 0.0) + c.abort("t", 0.0)
+    writes = p.prefill_finished("t", [7, 8, 9], 40, 0.0)
+    pair.to_producers(cancels)
+    back, _ = pair.complete(writes)
+    assert of(back, ReleaseSource) and p.held_blocks() == {}

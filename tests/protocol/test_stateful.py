@@ -6,9 +6,16 @@ engine (several TP ratios and block sizes) through the in-memory transport in
 item, so registrations, prefill completions, writes, notifications, cancels
 and acknowledgements arrive in any order. Engine-level block pools hand freed
 blocks to new transfers at once, so a write into reused memory is caught.
+Transfer ids come back (a new incarnation of an ended transfer, while the old
+one's messages may still be in flight), and some topologies have producer
+ranks that write nothing (replicated heads): when nothing was lost, every
+rank must have released a finished transfer's source without waiting for its
+lease.
 """
 
 from __future__ import annotations
+
+import random
 
 import numpy as np
 from hypothesis import note, settings
@@ -23,7 +30,14 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pushkv.protocol import ConsumerConfig, ConsumerState, Mode, ProducerConfig, uniform_ranks
+from pushkv.protocol import (
+    ConsumerConfig,
+    ConsumerState,
+    Mode,
+    ProducerConfig,
+    new_incarnation,
+    uniform_ranks,
+)
 from pushkv.transports.inmemory import pair
 from pushkv.transports.testing import reference_destination
 
@@ -34,7 +48,10 @@ TOPOLOGIES = [
     ({"tp": 2, "num_kv_heads": 2}, {"tp": 2, "num_kv_heads": 2, "block_size": 8}),
     ({"num_kv_heads": 2, "block_size": 8}, {"num_kv_heads": 2, "order": "HND"}),
     ({"num_kv_heads": 2, "order": "BLOCK"}, {"num_kv_heads": 2, "order": "BLOCK"}),
+    ({"tp": 2, "num_kv_heads": 1}, {"num_kv_heads": 1}),  # producer rank 1 writes nothing
+    ({"tp": 2, "num_kv_heads": 1, "mla": True}, {"tp": 2, "num_kv_heads": 1, "mla": True}),
 ]
+_ENDED = (None, ConsumerState.READY, ConsumerState.CANCELLED, ConsumerState.FAILED)
 WINDOW, GRACE, LEASE = 4.0, 2.0, 6.0
 
 
@@ -45,8 +62,9 @@ def _plain(fn):
 
 
 class Transfer:
-    def __init__(self, tid: str, n: int, pull: bool, first: int = 0):
-        self.tid, self.n, self.pull = tid, n, pull
+    def __init__(self, tid: str, inc: int, n: int, pull: bool, first: int = 0):
+        self.tid, self.inc, self.n, self.pull = tid, inc, n, pull
+        self.key = (tid, inc)
         self.first = min(first, n)  # tokens decode already holds (a cached prefix)
         self.src: list[int] | None = None
         self.dst: dict[int, list[int]] = {}  # attempt -> blocks
@@ -75,7 +93,11 @@ class Protocol(RuleBasedStateMachine):
         )
         self.p_free = list(range(self.pinfo[0].layout.num_blocks))
         self.c_free = list(range(self.cinfo[0].layout.num_blocks))
-        self.model: dict[str, Transfer] = {}
+        self.model: dict[tuple[str, int], Transfer] = {}
+        self.current: dict[str, Transfer] = {}  # the latest incarnation of each id
+        self.rng = random.Random(seed)
+        self.lossy = False  # something was dropped or expired: leases may be needed
+        self.ready_at: dict[tuple[str, int], float] = {}  # READY on every consumer rank
         self.checked_ready: set[tuple[int, str, int]] = set()
         self.count = 0
         self.dead = set()
@@ -109,15 +131,33 @@ class Protocol(RuleBasedStateMachine):
         self.count += 1
         if self.cinfo[0].layout.order == "BLOCK":  # opaque blocks: whole-block prefixes
             first -= first % self.cinfo[0].layout.block_size
-        t = Transfer(f"t{self.count}", n, pull, first)
-        self.model[t.tid] = t
-        note(f"new {'pull' if pull else 'push'} {t.tid} n={n} first={t.first}")
+        return self._add(f"t{self.count}", n, pull, first)
+
+    def _add(self, tid, n, pull, first):
+        t = Transfer(tid, new_incarnation(self.rng), n, pull, first)
+        self.model[t.key] = self.current[tid] = t
+        note(f"new {'pull' if pull else 'push'} {t.key} n={n} first={t.first}")
         return t
+
+    @rule(target=transfers, i=st.integers(0, 10**6))
+    def reuse_id(self, i):
+        """The id of an ended request comes back at once, as a new incarnation."""
+        ended = [t for t in self.current.values()
+                 if t.attempt >= 0 and not self._states(t) - set(_ENDED)]
+        if not ended:
+            return multiple()
+        t = ended[i % len(ended)]
+        new = self._add(t.tid, t.n, t.pull, t.first)
+        self.register(new)  # at once, while the old use's messages may be in flight
+        return new
+
+    def _cur(self, t):
+        return self.current[t.tid] is t
 
     @rule(t=transfers)
     def start_pull(self, t):
         """Pull: the router relays the published block ids; decode reads them."""
-        if not t.pull or t.src is None or t.attempt >= 0 or self.dead:
+        if not t.pull or t.src is None or t.attempt >= 0 or self.dead or not self._cur(t):
             return
         k = -(-t.n // self.cinfo[0].layout.block_size)
         blocks = self._take(self.c_free, k)
@@ -127,11 +167,11 @@ class Protocol(RuleBasedStateMachine):
         note(f"pull {t.tid} -> {blocks}")
         for c in self.consumers:
             c.apply(c.endpoint.start_pull(t.tid, "P", t.src, blocks, t.n, self.net.now,
-                                          first_token=t.first))
+                                          first_token=t.first, incarnation=t.inc))
 
     @rule(t=transfers)
     def register(self, t):
-        if t.pull or t.attempt >= 0 or self.dead:
+        if t.pull or t.attempt >= 0 or self.dead or not self._cur(t):
             return  # after a death, nobody registers with a peer it knows is gone
         k = -(-t.n // self.cinfo[0].layout.block_size)
         blocks = self._take(self.c_free, k)
@@ -141,7 +181,7 @@ class Protocol(RuleBasedStateMachine):
         note(f"register {t.tid} -> {blocks}")
         for c in self.consumers:
             c.apply(c.endpoint.register(t.tid, "P", blocks, t.n, self.net.now,
-                                        first_token=t.first))
+                                        first_token=t.first, incarnation=t.inc))
 
     @rule(t=transfers)
     def prefill(self, t):
@@ -157,11 +197,12 @@ class Protocol(RuleBasedStateMachine):
         note(f"prefill {t.tid} <- {blocks}")
         mode = Mode.PULL if t.pull else Mode.PUSH
         for p in self.producers:
-            p.apply(p.endpoint.prefill_finished(t.tid, blocks, t.n, self.net.now, mode=mode))
+            p.apply(p.endpoint.prefill_finished(t.tid, blocks, t.n, self.net.now, mode=mode,
+                                                incarnation=t.inc))
 
     @rule(t=transfers)
     def preempt(self, t):
-        if t.attempt >= 0 and self._states(t) == {ConsumerState.REGISTERED}:
+        if t.attempt >= 0 and self._cur(t) and self._states(t) == {ConsumerState.REGISTERED}:
             note(f"preempt {t.tid}")
             for c in self.consumers:
                 c.apply(c.endpoint.preempt(t.tid, self.net.now))
@@ -169,7 +210,8 @@ class Protocol(RuleBasedStateMachine):
     @rule(t=transfers)
     def reissue(self, t):
         states = self._states(t)
-        if not states or not states <= {ConsumerState.PREEMPTING, ConsumerState.PREEMPTED}:
+        if not self._cur(t) or not states or not states <= {ConsumerState.PREEMPTING,
+                                                            ConsumerState.PREEMPTED}:
             return
         if any(c.endpoint._engines.get("P") is None for c in self.consumers):
             return
@@ -185,8 +227,8 @@ class Protocol(RuleBasedStateMachine):
 
     @rule(t=transfers)
     def abort(self, t):
-        live = [c for c in self.consumers if c.endpoint.state_of(t.tid) not in
-                (None, ConsumerState.READY, ConsumerState.CANCELLED, ConsumerState.FAILED)]
+        live = [c for c in self.consumers if self._cur(t) and c.endpoint.state_of(t.tid)
+                not in _ENDED]
         if live:
             note(f"abort {t.tid}")
         for c in live:
@@ -196,7 +238,7 @@ class Protocol(RuleBasedStateMachine):
     def producer_abort(self, t):
         note(f"producer abort {t.tid}")
         for p in self.producers:
-            p.apply(p.endpoint.prefill_aborted(t.tid, self.net.now))
+            p.apply(p.endpoint.prefill_aborted(t.tid, self.net.now, incarnation=t.inc))
 
     @precondition(lambda self: self.net.pending)
     @rule(i=st.integers(0, 10**6))
@@ -214,11 +256,17 @@ class Protocol(RuleBasedStateMachine):
     def drop(self, i):
         item = self.net.drop(i % len(self.net.pending))
         if item is not None:
+            self.lossy = True
             note(f"drop {item.kind} {item.src} -> {item.dst}")
 
     @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 3.0]))
     def tick(self, dt):
         self.net.tick(dt)
+
+    @rule()
+    def flow(self):
+        """Everything in flight moves, in time order, for a moment (progress)."""
+        self.net.run(until=self.net.now + 0.02)
 
     @precondition(lambda self: not self.dead)
     @rule(engine=st.sampled_from(["P", "D"]))
@@ -241,11 +289,12 @@ class Protocol(RuleBasedStateMachine):
             for attempt, blocks in t.dst.items():
                 if attempt in t.freed:
                     continue
-                released = all(any(r.transfer_id == t.tid and r.attempt == attempt
-                                   for r in c.released) for c in cons)
+                released = all(any((r.transfer_id, r.incarnation) == t.key
+                                   and r.attempt == attempt for r in c.released) for c in cons)
                 ready = attempt == t.attempt and all(
-                    ("ready", attempt) in c.outcomes.get(t.tid, []) or any(
-                        r.transfer_id == t.tid and r.attempt == attempt for r in c.released)
+                    ("ready", attempt) in c.outcomes_by_key.get(t.key, []) or any(
+                        (r.transfer_id, r.incarnation) == t.key and r.attempt == attempt
+                        for r in c.released)
                     for c in cons)
                 if "D" in self.dead:
                     released = True  # a dead engine's memory is gone with it
@@ -255,7 +304,7 @@ class Protocol(RuleBasedStateMachine):
                         self.c_free += blocks
         for t in self.model.values():
             if (t.src is not None and not t.done and "P" not in self.dead
-                    and all(p.released[t.tid] >= 1 for p in self.net.producers.values())):
+                    and all(p.released_by_key[t.key] >= 1 for p in self.net.producers.values())):
                 t.done = True
                 self.p_free += t.src
 
@@ -271,29 +320,36 @@ class Protocol(RuleBasedStateMachine):
         for c in self.consumers:
             lent = set(c.endpoint.lent_blocks())
             assert not (free & lent), f"blocks {free & lent} are free but may be written"
-        held = {b for p in self.producers for ids in p.endpoint.held_blocks().values()
-                for b in ids}
+        held = {b for p in self.producers for ids in p.endpoint.held().values() for b in ids}
         assert not (set(self.p_free) & held)
 
     @invariant()
     def ready_means_every_byte_landed(self):
         psrc = [p.memory for p in self.net.producers.values()]
         for c in self.net.consumers.values():
-            for tid, seen in c.outcomes.items():
+            for tkey, seen in c.outcomes_by_key.items():
                 kinds = [k for k, _ in seen]
-                assert len(kinds) == len(set(seen)), f"{tid} reported twice: {seen}"
+                assert len(kinds) == len(set(seen)), f"{tkey} reported twice: {seen}"
                 for kind, attempt in seen:
-                    key = (c.peer.rank, tid, attempt)
+                    key = (c.peer.rank, tkey, attempt)
                     if kind != "ready" or key in self.checked_ready:
                         continue
                     self.checked_ready.add(key)
-                    t = self.model[tid]
+                    t = self.model[tkey]
                     assert attempt == t.attempt, "a stale attempt became ready"
                     want = reference_destination(self.pinfo, psrc, c.info,
                                                  [(t.src, t.dst[attempt], t.n, t.first)],
                                                  base=c.memory)
                     for region, (w, g) in enumerate(zip(want, c.memory, strict=True)):
-                        assert np.array_equal(w, g), f"{tid} region {region} differs"
+                        assert np.array_equal(w, g), f"{tkey} region {region} differs"
+
+    @invariant()
+    def note_when_ready(self):
+        for t in self.model.values():
+            if t.key not in self.ready_at and t.attempt >= 0 and all(
+                    c.outcomes_by_key.get(t.key, [None])[-1] == ("ready", t.attempt)
+                    for c in self.consumers):
+                self.ready_at[t.key] = self.net.now
 
     @invariant()
     def tables_are_bounded(self):
@@ -306,6 +362,19 @@ class Protocol(RuleBasedStateMachine):
         if not hasattr(self, "net"):
             return
         horizon = WINDOW + GRACE + LEASE + 70.0
+        # Property 2: with nothing lost, every rank releases a finished transfer's
+        # source as soon as its outcome is known -- ranks that write nothing too --
+        # not at lease expiry: within the transit bound (0.5) of READY.
+        self.net.run(until=self.net.now + 1.0)
+        self._free_blocks()
+        if not self.lossy and not self.dead and not self.net.stats["frames_expired"]:
+            for key, at in self.ready_at.items():
+                if self.model[key].src is None:
+                    continue
+                for p in self.producers:
+                    when = p.released_at.get(key)
+                    assert when is not None and when <= at + 0.5 + 1e-9, (
+                        f"{p.peer} released {key} at {when}, READY at {at}")
         self.net.run(until=self.net.now + horizon)
         self._free_blocks()
         for c in self.consumers:
@@ -313,8 +382,8 @@ class Protocol(RuleBasedStateMachine):
             # their engine to reissue or abort them -- as it eventually does.
             assert c.endpoint.lent_blocks() == {}, c.endpoint.lent_blocks()
             assert all(c.endpoint.state_of(t) in (None, ConsumerState.PREEMPTED)
-                       for t in self.model)
-            for t in self.model:
+                       for t in self.current)
+            for t in self.current:
                 if c.endpoint.state_of(t) is ConsumerState.PREEMPTED:
                     c.apply(c.endpoint.abort(t, self.net.now))
         self.net.run(until=self.net.now + horizon)
@@ -326,7 +395,7 @@ class Protocol(RuleBasedStateMachine):
             assert p.endpoint.held_blocks() == {}, p.endpoint.held_blocks()
             assert p.endpoint.writes_in_flight() == []
         for p in self.net.producers.values():
-            assert all(v == 1 for v in p.released.values())
+            assert all(v == 1 for v in p.released_by_key.values())
 
 
 TestProtocol = Protocol.TestCase

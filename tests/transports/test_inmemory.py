@@ -14,6 +14,24 @@ def test_conformance(name):
     fn(InMemoryCluster, **kwargs)
 
 
+@pytest.mark.parametrize("name", list(testing.REUSED_ID_CHECKS))
+def test_conformance_reused_ids(name):
+    fn, kwargs = testing.REUSED_ID_CHECKS[name]
+    fn(InMemoryCluster, **kwargs)
+
+
+def test_reused_id_check_catches_a_consumer_that_ignores_incarnations(monkeypatch):
+    """Not vacuous: registering every use under one incarnation fails the check."""
+    real = InMemoryCluster.register
+
+    def one_incarnation(self, *args, incarnation=0, **kwargs):
+        real(self, *args, incarnation=0, **kwargs)
+
+    monkeypatch.setattr(InMemoryCluster, "register", one_incarnation)
+    with pytest.raises(AssertionError):
+        testing.check_reused_id(InMemoryCluster)
+
+
 def test_conformance_suite_catches_a_corrupting_transport(monkeypatch):
     """The suite is not vacuous: a transport that flips one byte per write fails it."""
     from pushkv.transports import inmemory

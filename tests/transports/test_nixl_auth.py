@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip install nixl)")
 pytest.importorskip("zmq", reason="pyzmq is not installed")
 
-from pushkv.protocol import ConfigError, Fail, FailReason, Register, encode
+from pushkv.protocol import ConfigError, ConsumerConfig, Fail, FailReason, Register, encode
+from pushkv.transports import testing
 from pushkv.transports.nixl import NixlConfig
 from pushkv.transports.nixl_testing import HostPool, NixlCluster
 from pushkv.transports.sidechannel import PeerCard, encode_card
@@ -129,14 +130,16 @@ def test_ranks_with_different_keys_never_handshake(pool: HostPool, keyed: NixlCo
                                                    tmp_path: Path) -> None:
     other = tmp_path / "other"
     other.write_bytes(b"a different key, also long enough")
-    cons = NixlConfig(key_file=str(other), handshake_timeout_s=0.5)
-    c = NixlCluster(Topology(), pool, keyed, connect="lazy", consumer_nixl=cons)
+    cons = NixlConfig(key_file=str(other))
+    topo = Topology(consumer_config=ConsumerConfig(handshake_timeout_s=0.5))
+    c = NixlCluster(topo, pool, keyed, connect="lazy", consumer_nixl=cons)
     try:
         c.register("t", [1, 2, 3], 40)
         snap = c.wait(lambda s: s.outcome(0, "t") == "failed" and not any(s.lent.values()), 10)
         assert snap.outcomes.get((0, "t")) == [("failed", 0)], snap.outcomes
         assert snap.dst_released.get((0, "t", 0)) == 1
-        p, _ = c.raw_snapshot()
+        p, cons_view = c.raw_snapshot()
+        assert cons_view["fail_codes"][0, "t"] == ["HANDSHAKE_FAILED"]
         assert p["stats"][0].get("auth_failed", 0) >= 1  # the consumer's card
         assert p["stats"][0].get("peers_accepted", 0) == 0
     finally:
@@ -183,3 +186,11 @@ def test_key_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         load_key(str(tmp_path / "missing"), "")
     cfg = NixlConfig(key_file=str(path))
     assert KEY.decode() not in repr(cfg)
+
+
+@pytest.mark.parametrize("name", ["reissue", "cancel", "prefill_aborted", "producer_killed",
+                                  "transfer_tp2-1", "transfer_tp1-2"])
+def test_conformance_with_a_key(pool: HostPool, keyed: NixlConfig, name: str) -> None:
+    """The protocol works unchanged over an authenticated side channel."""
+    fn, kwargs = testing.CHECKS[name]
+    fn(lambda topo: NixlCluster(topo, pool, keyed), **kwargs)

@@ -126,8 +126,8 @@ def test_garbage_on_the_side_channel(pool: HostPool) -> None:
 def test_unanswered_handshake_fails_within_timeout(pool: HostPool) -> None:
     """A producer address where nobody answers: the transfer fails (blocks back)
     within the handshake timeout, and nothing hangs."""
-    cfg = NixlConfig(handshake_timeout_s=0.5)
-    c = NixlCluster(Topology(), pool, cfg, connect="none")
+    topo = Topology(consumer_config=ConsumerConfig(handshake_timeout_s=0.5))
+    c = NixlCluster(topo, pool, connect="none")
     try:
         c.connect({0: _unused_address()})
         t0 = time.monotonic()
@@ -137,6 +137,8 @@ def test_unanswered_handshake_fails_within_timeout(pool: HostPool) -> None:
         assert snap.outcomes.get((0, "t")) == [("failed", 0)], snap.outcomes
         assert snap.dst_released.get((0, "t", 0)) == 1
         assert 0.4 < took < 5.0, took
+        _, cons = c.raw_snapshot()
+        assert cons["fail_codes"][0, "t"] == ["HANDSHAKE_FAILED"]  # not a failed write
     finally:
         c.close()
 
@@ -184,10 +186,15 @@ def test_reused_transfer_id_is_a_new_transfer(pool: HostPool) -> None:
         snap = c.wait(lambda s: s.outcome(0, "r") == "ready", 10)
         assert snap.outcomes.get((0, "r")) == [("ready", 0)], snap.outcomes
         c.register("r", [20, 21, 22], 40, incarnation=12)
+        _, cons = c.raw_snapshot()
+        seen = cons["stats"][0].get("notifications", 0)
         old = Notify(transfer_id="r", attempt=0, engine_id="prefill-0", rank=0, incarnation=11)
         c.inject("consumer", 0, "notify", encode(old))
-        c.raw_snapshot(0.2)  # let it arrive (it must change nothing)
-        snap = c.snapshot()
+        end = time.monotonic() + 10
+        while cons["stats"][0].get("notifications", 0) <= seen:  # it arrived...
+            assert time.monotonic() < end, "the injected notification never arrived"
+            _, cons = c.raw_snapshot(0.01)
+        snap = c.snapshot()  # ...and changed nothing
         assert snap.outcomes.get((0, "r")) == [("ready", 0)], snap.outcomes
         assert snap.lent[0], "the new incarnation's blocks must still be lent"
         c.prefill_finished("r", [30, 31, 32], 40, incarnation=12)

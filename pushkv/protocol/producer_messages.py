@@ -1,0 +1,160 @@
+"""The producer's answers to peer messages: each message becomes table inputs.
+
+Rule 2's stale and repeated filtering, rule 3's reopen and the tombstones
+that answer late messages are decided here and fed to :data:`~.states.PRODUCER_TABLE`
+as inputs; nothing here changes a leg's state directly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .errors import ValidationError
+from .events import Action, Mode, Peer
+from .messages import Cancel, FailReason, Heartbeat, ReadDone, Register, Skip
+from .records import Kv
+from .records import Registration as _Registration
+from .states import PRODUCER_FINISHED, PRODUCER_TERMINAL, ProducerInput, ProducerState
+
+if TYPE_CHECKING:
+    from .producer import Producer
+
+PS, PI = ProducerState, ProducerInput
+
+
+def on_register(p: Producer, msg: Register, now: float) -> list[Action]:
+    peer = Peer(msg.engine_id, msg.rank)
+    info = p._known(msg.engine_id, msg.rank)
+
+    def invalid(why: str) -> ValidationError:
+        return ValidationError(why, transfer_id=msg.transfer_id, attempt=msg.attempt)
+
+    if msg.producer_engine_id != p.info.engine_id:
+        raise invalid("registration addressed to another engine")
+    if peer not in p._target_set:
+        raise invalid(f"rank {p.peer.rank} does not write into {peer}")
+    lo = info.layout
+    ids = msg.block_ids  # each >= 0, checked by the decoder
+    if ids and max(ids) >= lo.num_blocks:
+        raise invalid(f"block id {max(ids)} outside the {lo.num_blocks} registered blocks")
+    if len(ids) * lo.block_size < msg.num_tokens or msg.first_token > msg.num_tokens:
+        raise invalid(
+            f"{len(ids)} blocks of {lo.block_size} tokens cannot hold tokens "
+            f"[{msg.first_token}, {msg.num_tokens})"
+        )
+    key = (msg.transfer_id, msg.incarnation)
+    t = p._find(key)
+    if t is None:
+        # The registration's own deadline bounds this entry, so no orphan timer.
+        t = p._new_orphan(key, now, arm=False)
+        if t is None:
+            return [p._fail(peer, key, msg.attempt, FailReason.OVERLOADED)]
+    if t.mode is Mode.PULL:
+        raise invalid("registration for a pull transfer")
+    if t.consumer_engine is not None and t.consumer_engine != msg.engine_id:
+        raise invalid("transfer already bound to another consumer engine")
+    t.consumer_engine = msg.engine_id
+    leg = p._leg(t, peer)
+    if msg.attempt <= leg.attempt:  # rule 2
+        p.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
+        return p._input(t, leg, PI.REGISTER_STALE, now)
+    reg = _Registration(
+        attempt=msg.attempt,
+        block_ids=ids,
+        num_tokens=msg.num_tokens,
+        first_token=msg.first_token,
+        deadline=now + msg.window_ms / 1000.0,
+    )
+    out: list[Action] = []
+    if leg.state in PRODUCER_FINISHED:  # rule 3: reopen as a new leg would start
+        if t.kv in (Kv.PENDING, Kv.HELD):
+            out += p._input(t, leg, PI.REOPEN, now)
+            if t.kv is Kv.HELD:
+                out += p._input(t, leg, PI.KV_READY, now)
+        else:
+            out += p._input(t, leg, PI.SOURCE_GONE, now)
+    out += p._input(t, leg, PI.REGISTER, now, reg=reg)
+    if not t.dead:
+        p._schedule(reg.deadline, t.key)
+        out += p._settle(t, now)
+    return out
+
+def on_cancel(p: Producer, msg: Cancel, now: float) -> list[Action]:
+    peer = Peer(msg.engine_id, msg.rank)
+    p._known(msg.engine_id, msg.rank)
+    key = (msg.transfer_id, msg.incarnation)
+    t = p._find(key)
+    if t is None:
+        # A cancel overtook its registration: remember it, bounded in time.
+        t = p._new_orphan(key, now)
+        if t is None:
+            return [p._ack(peer, key, msg.attempt)]
+    leg = p._leg(t, peer)
+    # A repeat of a cancel already taken; a final cancel after a preempt of the
+    # same attempt is not a repeat: it ends the transfer (the source goes).
+    repeat = leg.state in (PS.CANCELLING, *PRODUCER_TERMINAL) or (
+        leg.state is PS.PREEMPTING and not msg.final)
+    if msg.attempt < leg.attempt or (msg.attempt == leg.attempt and repeat):
+        p.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
+        return p._input(t, leg, PI.CANCEL_STALE, now, cancel=msg.attempt)
+    if msg.final and not t.dead:
+        t.final = True
+    out = p._input(t, leg, PI.CANCEL if msg.final else PI.PREEMPT, now, cancel=msg.attempt)
+    leg.attempt = max(leg.attempt, msg.attempt)
+    return out if t.dead else out + p._settle(t, now)
+
+def on_skip(p: Producer, msg: Skip, now: float) -> list[Action]:
+    p._known(msg.engine_id, msg.rank)
+    if msg.producer_engine_id != p.info.engine_id:
+        raise ValidationError("skip addressed to another engine", transfer_id=msg.transfer_id)
+    if p._targets.get(msg.engine_id):
+        raise ValidationError(f"rank {p.peer.rank} writes into {msg.engine_id!r}",
+                              transfer_id=msg.transfer_id)
+    key = (msg.transfer_id, msg.incarnation)
+    t = p._find(key)
+    if t is None:
+        t = p._new_orphan(key, now)
+        if t is None:
+            return []
+    if t.dead or t.consumer_engine not in (None, msg.engine_id):
+        p.stats["stale"] += 1
+        return []
+    # This rank writes nothing for the transfer: the source is not needed.
+    t.consumer_engine, t.final = msg.engine_id, True
+    p.stats["skipped"] += 1
+    return p._settle(t, now)
+
+def on_heartbeat(p: Producer, msg: Heartbeat, now: float) -> list[Action]:
+    p._known(msg.engine_id, msg.rank)
+    for transfer_id, _attempt, inc in msg.transfers:
+        t = p._transfers.get((transfer_id, inc))
+        if t is None or t.consumer_engine not in (None, msg.engine_id):
+            continue
+        p.stats["renewed"] += 1
+        if t.kv is Kv.HELD:  # the armed timer finds the later lease and re-arms
+            if not t.expired:
+                t.lease = max(t.lease, now + p.config.lease_s * p.config.renew_fraction)
+        elif t.kv is Kv.PENDING:
+            t.orphan = max(t.orphan, now + p.config.orphan_ttl_s)
+    return []
+
+def on_read_done(p: Producer, msg: ReadDone, now: float) -> list[Action]:
+    peer = Peer(msg.engine_id, msg.rank)
+    p._known(msg.engine_id, msg.rank)
+    if msg.producer_engine_id != p.info.engine_id:
+        raise ValidationError("read report addressed to another engine")
+    t = p._transfers.get((msg.transfer_id, msg.incarnation))
+    if t is None or t.mode is not Mode.PULL or t.kv is not Kv.HELD:
+        p.stats["stale"] += 1
+        return []
+    if peer not in p._target_set:
+        raise ValidationError(f"{peer} does not read from rank {p.peer.rank}")
+    if t.consumer_engine not in (None, msg.engine_id):
+        raise ValidationError("pull transfer already bound to another consumer engine")
+    t.consumer_engine = msg.engine_id
+    leg = p._leg(t, peer)
+    if leg.state is not PS.KV_READY:
+        p.stats["duplicate"] += 1
+        return []
+    leg.attempt = max(leg.attempt, msg.attempt)
+    return p._input(t, leg, PI.READ_DONE, now) + p._settle(t, now)

@@ -1,0 +1,110 @@
+"""What each endpoint remembers per transfer: plain records, no behaviour.
+
+The transitions that change them live in :mod:`.states`; the endpoints
+(:mod:`.producer`, :mod:`.consumer`) carry them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .events import Mode, Peer
+from .messages import FailReason
+from .states import ConsumerState, ProducerInput, ProducerState, SourceState
+
+#: A transfer is one use of an id: (transfer id, incarnation).
+Key = tuple[str, int]
+Kv = SourceState
+
+# ------------------------------------------------------------------ producer
+
+@dataclass(slots=True)
+class Registration:
+    attempt: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+    deadline: float
+
+
+@dataclass(slots=True)
+class Leg:
+    peer: Peer
+    state: ProducerState
+    attempt: int = -1  # newest attempt seen on this leg
+    reg: Registration | None = None
+    stash: Registration | None = None
+    writing: int | None = None  # attempt of the write in flight
+    refused: tuple[ProducerInput, FailReason, str] | None = None  # a write that may not start
+
+
+@dataclass(slots=True)
+class Source:
+    """One transfer on one producer rank: its source KV and one leg per consumer rank."""
+
+    transfer_id: str
+    inc: int = 0
+    mode: Mode = Mode.PUSH
+    kv: Kv = Kv.PENDING
+    src_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    lease: float = float("inf")
+    lease_armed: float = float("inf")  # when the scheduled lease timer fires
+    orphan: float = float("inf")  # while KV is pending: forget after this
+    legs: dict[Peer, Leg] = field(default_factory=dict)
+    consumer_engine: str | None = None
+    final: bool = False
+    expired: bool = False
+    aborted: bool = False
+    dead: bool = False  # forgotten: kept only as a tombstone answering late messages
+
+    key: Key = field(init=False)  #: (transfer id, incarnation), set once
+
+    def __post_init__(self) -> None:
+        self.key = (self.transfer_id, self.inc)
+
+
+
+# ------------------------------------------------------------------ consumer
+
+@dataclass(slots=True)
+class Attempt:
+    attempt: int
+    block_ids: tuple[int, ...]
+    expected: frozenset[int]
+    deadline: float
+    hard: float
+    notified: set[int] = field(default_factory=set)
+    fenced: set[int] = field(default_factory=set)
+
+    def all_fenced(self) -> bool:
+        return self.fenced >= self.expected
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One transfer on one consumer rank: the current attempt and abandoned ones."""
+
+    transfer_id: str
+    inc: int
+    producer: str
+    mode: Mode
+    state: ConsumerState
+    cur: Attempt
+    num_tokens: int
+    first_token: int
+    src_ids: tuple[int, ...] = ()
+    zombies: dict[int, Attempt] = field(default_factory=dict)
+    skipped: bool = False  # the producer ranks that write nothing were told (Skip)
+    reason: str = ""
+    code: FailReason = FailReason.WRITE_FAILED
+
+    key: Key = field(init=False)  #: (transfer id, incarnation), set once
+
+    def __post_init__(self) -> None:
+        self.key = (self.transfer_id, self.inc)
+
+    def why(self, code: FailReason, reason: str) -> None:
+        """Record the first cause of a failure (later ones are consequences)."""
+        if not self.reason:
+            self.code, self.reason = code, reason
