@@ -40,7 +40,7 @@ from pushkv.vllm.chaos import (
 )
 from pushkv.vllm.testing import get_text, metric
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]
 
 MAX_TOKENS = 12
 BOUND_S = 30.0  #: the proxy's bound on a client's wait
