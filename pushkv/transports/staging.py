@@ -1,5 +1,5 @@
 """Staging memory of packed writes: a pool lent like destination blocks, and
-vectorised gather/scatter on host memory (numpy) and on a device (torch).
+vectorised gather/scatter on host memory (numpy) and on any torch device.
 
 A :class:`StagingPool` is one buffer, registered once with the transport. A
 write borrows a contiguous range with :meth:`StagingPool.lend` and gives it
@@ -85,6 +85,32 @@ def _groups(lengths: np.ndarray) -> list[tuple[int, np.ndarray]]:
     return [(int(n), np.flatnonzero(lengths == n)) for n in np.unique(lengths)]
 
 
+def _rows(buf: np.ndarray, n: int, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``buf`` as rows of ``n`` bytes and the row index of each offset: a plain
+    reshape when every offset is row aligned (the common case: whole blocks), else
+    a sliding window (any offset)."""
+    if buf.size % n == 0 and not bool(np.any(offsets % n)):
+        return buf.reshape(-1, n), offsets // n
+    return sliding_window_view(buf, n, writeable=buf.flags.writeable), offsets
+
+
+def _copy_runs(src: np.ndarray, s_off: np.ndarray, dst: np.ndarray, d_off: np.ndarray,
+               n: int) -> None:
+    s_rows, s_idx = _rows(src, n, s_off)
+    d_rows, d_idx = _rows(dst, n, d_off)
+    if (d_idx.size and s_rows.strides == d_rows.strides == (n, 1)
+            and bool(np.all(np.diff(d_idx) == 1))):
+        # consecutive destination rows: gather straight into them (np.take copies a
+        # strided source whole, so only plain row views take this path)
+        lo = int(d_idx[0])
+        np.take(s_rows, s_idx, axis=0, out=d_rows[lo:lo + d_idx.size])
+    elif (s_idx.size and s_rows.strides == (n, 1) and bool(np.all(np.diff(s_idx) == 1))):
+        lo = int(s_idx[0])  # consecutive source rows (a scatter): no gathered temporary
+        d_rows[d_idx] = s_rows[lo:lo + s_idx.size]
+    else:
+        d_rows[d_idx] = s_rows[s_idx]
+
+
 def _pair_rows(packed: PackedPlan) -> tuple[int, int]:
     pairs = int(packed.plan.src_regions.shape[0])
     return pairs, int(packed.plan.runs.shape[0])
@@ -95,13 +121,11 @@ def gather_host(packed: PackedPlan, src: Sequence[np.ndarray], staging: np.ndarr
     pairs, r = _pair_rows(packed)
     groups = _groups(packed.plan.runs[:, 2])
     out = staging.reshape(-1)
-    for k in range(pairs):
+    for k in range(pairs if r else 0):
         rows = packed.gather[k * r:(k + 1) * r]
-        buf = src[int(rows[0, 0])] if r else None
+        buf = src[int(rows[0, 0])]
         for n, idx in groups:
-            win = sliding_window_view(buf, n)  # type: ignore[arg-type]
-            dst_win = sliding_window_view(out, n, writeable=True)
-            dst_win[rows[idx, 2]] = win[rows[idx, 1]]
+            _copy_runs(buf, rows[idx, 1], out, rows[idx, 2], n)
 
 
 def scatter_host(packed: PackedPlan, staging: np.ndarray, dst: Sequence[np.ndarray]) -> None:
@@ -109,14 +133,60 @@ def scatter_host(packed: PackedPlan, staging: np.ndarray, dst: Sequence[np.ndarr
     pairs, r = _pair_rows(packed)
     groups = _groups(packed.plan.runs[:, 2])
     src = staging.reshape(-1)
-    for k in range(pairs):
+    for k in range(pairs if r else 0):
         rows = packed.scatter[k * r:(k + 1) * r]
-        if not r:
-            continue
         buf = dst[int(rows[0, 1])]
         for n, idx in groups:
-            dst_win = sliding_window_view(buf, n, writeable=True)
-            dst_win[rows[idx, 2]] = sliding_window_view(src, n)[rows[idx, 0]]
+            _copy_runs(src, rows[idx, 0], buf, rows[idx, 2], n)
+
+
+def _torch_copy_runs(src: Any, s_off: np.ndarray, dst: Any, d_off: np.ndarray, n: int) -> None:
+    import torch
+
+    if (src.numel() % n == 0 and dst.numel() % n == 0 and not bool(np.any(s_off % n))
+            and not bool(np.any(d_off % n))):
+        s_idx = torch.from_numpy(s_off // n).to(src.device, non_blocking=True)
+        d_idx = torch.from_numpy(d_off // n).to(dst.device, non_blocking=True)
+        dst.view(-1, n).index_copy_(0, d_idx, src.view(-1, n).index_select(0, s_idx))
+        return
+    for so, do in zip(s_off.tolist(), d_off.tolist(), strict=True):  # unaligned: rare
+        dst[do:do + n].copy_(src[so:so + n])
+
+
+def gather_torch(packed: PackedPlan, src: Sequence[Any], staging: Any,
+                 stream: Any | None = None) -> None:
+    """:func:`gather_host` for flat uint8 torch tensors on any device: one
+    ``index_select``/``index_copy_`` per region and run length. On CUDA, pass a side
+    stream and synchronise on it (or an event) before the staging is written."""
+    _torch_apply(packed, packed.gather, src, staging, stream, gather=True)
+
+
+def scatter_torch(packed: PackedPlan, staging: Any, dst: Sequence[Any],
+                  stream: Any | None = None) -> None:
+    """:func:`scatter_host` for flat uint8 torch tensors on any device."""
+    _torch_apply(packed, packed.scatter, dst, staging, stream, gather=False)
+
+
+def _torch_apply(packed: PackedPlan, table: np.ndarray, regions: Sequence[Any], staging: Any,
+                 stream: Any | None, *, gather: bool) -> None:
+    import contextlib
+
+    import torch
+
+    pairs, r = _pair_rows(packed)
+    groups = _groups(packed.plan.runs[:, 2])
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    flat = staging.reshape(-1)
+    with ctx:
+        for k in range(pairs if r else 0):
+            rows = table[k * r:(k + 1) * r]
+            for n, idx in groups:
+                if gather:
+                    _torch_copy_runs(regions[int(rows[0, 0])], rows[idx, 1], flat,
+                                     rows[idx, 2], n)
+                else:
+                    _torch_copy_runs(flat, rows[idx, 0], regions[int(rows[0, 1])],
+                                     rows[idx, 2], n)
 
 
 def copy_staging(src: np.ndarray, dst: np.ndarray, wire: np.ndarray) -> None:
@@ -125,4 +195,5 @@ def copy_staging(src: np.ndarray, dst: np.ndarray, wire: np.ndarray) -> None:
         dst[off:off + n] = src[off:off + n]
 
 
-__all__ = ["StagingExhausted", "StagingPool", "copy_staging", "gather_host", "scatter_host"]
+__all__ = ["StagingExhausted", "StagingPool", "copy_staging", "gather_host", "gather_torch",
+           "scatter_host", "scatter_torch"]

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 
 from pushkv.protocol import plan_transfer
 from pushkv.protocol.mapping import Assignment
@@ -13,7 +13,9 @@ from pushkv.transports.staging import (
     StagingPool,
     copy_staging,
     gather_host,
+    gather_torch,
     scatter_host,
+    scatter_torch,
 )
 from tests.protocol.test_planner import cases, layout
 
@@ -75,3 +77,23 @@ def test_pool_lends_disjoint_ranges_and_coalesces_on_return():
     assert pool.lent_bytes == 0 and pool.largest_free() == 100
     with pytest.raises(KeyError):
         pool.give_back(a)  # a range is given back once
+
+
+@settings(max_examples=30)
+@given(cases())
+def test_torch_gather_and_scatter_match_numpy(case):
+    """The device path (here on CPU tensors) lands the same bytes as the direct copy."""
+    torch = pytest.importorskip("torch")
+    src, dst, a, s_ids, d_ids, n, first = case
+    plan = plan_transfer(src, dst, a, s_ids, d_ids, n, first)
+    packed = PackedPlan(plan, 64)
+    rng = np.random.default_rng(3)
+    s_mem = [rng.integers(1, 256, src.region_bytes, dtype=np.uint8) for _ in range(4)]
+    want = [np.zeros(dst.region_bytes, np.uint8) for _ in range(4)]
+    copy_plan(plan, s_mem, want)
+    t_src = [torch.from_numpy(m.copy()) for m in s_mem]
+    t_dst = [torch.zeros(dst.region_bytes, dtype=torch.uint8) for _ in range(4)]
+    staging = torch.zeros(max(packed.nbytes, 1), dtype=torch.uint8)
+    gather_torch(packed, t_src, staging)
+    scatter_torch(packed, staging, t_dst)
+    assert all(np.array_equal(g.numpy(), w) for g, w in zip(t_dst, want, strict=True))
