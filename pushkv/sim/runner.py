@@ -84,7 +84,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
     transport = SimTransport(
         env, profile, network, cfg.protocol, cfg.faults,
         random.Random(int(fault_seed.generate_state(1)[0])),
-        skew_rng=np.random.default_rng(skew_seed),
+        skew_rng=np.random.default_rng(skew_seed), packing=cfg.packing,
     )
     specs = generate(cfg.workload, np.random.default_rng(arrival_seed))
     recorder = Recorder(env, len(specs))
@@ -231,6 +231,8 @@ def _extra(
         "descriptors_mean": float(np.mean(desc)) if desc else 0.0,
         "descriptors_max": int(max(desc)) if desc else 0,
         "bytes_moved": transport.net.bytes_moved,
+        "packed_writes": transport.staging.packed_writes,
+        "prefill_post_ms": transport.post_s_by_thread.get("prefill-bg", 0.0) * 1000,
         "post_ms_by_thread": {k: v * 1000 for k, v in sorted(transport.post_s_by_thread.items())},
         "decode_stall_ms_total": sum(d.stall_s for d in decodes) * 1000,
         "decode_stalled_steps": sum(d.stalled_steps for d in decodes),

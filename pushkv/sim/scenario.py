@@ -14,6 +14,8 @@ from typing import Any
 
 from ..protocol import ConsumerConfig, FailurePolicy, ProducerConfig
 from ..protocol.errors import ConfigError as ProtocolConfigError
+from ..protocol.packing import PackingConfig
+from .packing import SIM_PACKING
 from .profile import DEFAULT, Profile
 from .workload import WorkloadConfig
 
@@ -124,6 +126,8 @@ class SimConfig:
     protocol: ProtocolSettings = field(default_factory=ProtocolSettings)
     faults: FaultConfig = field(default_factory=FaultConfig)
     profile: Profile = field(default=DEFAULT)
+    packing: PackingConfig = field(
+        default=SIM_PACKING, metadata={"help": "packed writes: the transports' cost model"})
     iteration: int = field(default=0, metadata={"help": "iteration number (file name, seed)"})
 
     def __post_init__(self) -> None:
