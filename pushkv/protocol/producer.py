@@ -245,6 +245,8 @@ class Producer(Endpoint):
             t.orphan = float("inf")  # the local engine is prefilling it
         if len(ids) > len(t.src_ids):
             t.src_ids = ids
+        if lo.order == "BLOCK":  # opaque blocks move whole: only whole blocks are final
+            a, b = -(-a // lo.block_size) * lo.block_size, b - b % lo.block_size
         mark(t.ready, (a, b, max(l0, lo.layer_start), min(l1, lo.layer_end)))
         out += self._source(t, SI.RANGE_READY, now)
         return out + self._settle(t, now)
