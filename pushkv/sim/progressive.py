@@ -15,8 +15,8 @@ write; this module only feeds them the inputs an engine would:
 Each ``IssueWrite`` costs what it costs in :mod:`.transport`: posting on the
 prefill node's background thread (fixed + per descriptor of the real plan,
 holding the interpreter lock for ``post_gil_fraction`` of it, which delays
-the engine's next step and its end-of-prefill hand-off), pipelined with the wire (:func:`.costs.pipelined_s`);
-the protocol keeps one write in flight per leg, so later ranges share the wire
+the engine's next step and its end-of-prefill hand-off), pipelined with the
+wire (:func:`.costs.pipelined_s`); the protocol keeps one write in flight per leg, so later ranges share the wire
 by waiting for it and are coalesced into the next write. READY needs every
 part's notification (one control latency after its bytes).
 
@@ -38,7 +38,6 @@ from ..protocol import (
     Consumer,
     ConsumerConfig,
     IssueWrite,
-    Peer,
     Producer,
     ProducerConfig,
     SendMessage,

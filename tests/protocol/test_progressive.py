@@ -6,9 +6,9 @@ import pytest
 
 from pushkv.protocol import (
     CancelAck,
-    Fail,
     ConfigError,
     ConsumerState,
+    Fail,
     IssueWrite,
     Notify,
     ReleaseDestination,
@@ -153,7 +153,7 @@ def test_request_aborted_with_a_part_in_flight_releases_after_it():
 def test_window_passing_between_parts_fails_with_the_count():
     pair = _pair()
     _register(pair)
-    p, c = pair.p[0], pair.c[0]
+    p = pair.p[0]
     (w0,) = of(_ready(pair, 0, 16), IssueWrite)
     p.write_completed("t", 0, w0.peer, True, 0.0)
     (fail,) = msgs(p.handle_timer(10_000.0), Fail)

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from pushkv.sim import costs
+from pushkv.sim.profile import DEFAULT
 from pushkv.sim.progressive import (
     MODES,
     PROFILES,
@@ -13,7 +14,6 @@ from pushkv.sim.progressive import (
     table,
     whatif,
 )
-from pushkv.sim.profile import DEFAULT
 
 
 def test_whole_request_push_matches_the_closed_form():
