@@ -16,8 +16,9 @@ Each ``IssueWrite`` costs what it costs in :mod:`.transport`: posting on the
 prefill node's background thread (fixed + per descriptor of the real plan,
 holding the interpreter lock for ``post_gil_fraction`` of it, which delays
 the engine's next step and its end-of-prefill hand-off), pipelined with the
-wire (:func:`.costs.pipelined_s`); the protocol keeps one write in flight per leg, so later ranges share the wire
-by waiting for it and are coalesced into the next write. READY needs every
+wire (:func:`.costs.pipelined_s`); the protocol keeps one write in flight per
+leg, so later ranges share the wire by waiting for it and are coalesced into
+the next write. READY needs every
 part's notification (one control latency after its bytes).
 
 TTFT = router hop + max(prefill end, READY) + one decode step + router hop.
