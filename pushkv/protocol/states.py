@@ -93,6 +93,18 @@ waits in ``CONNECTING`` with its blocks lent; the consumer emits ``Connect``
 once per engine, the handshake's completion (``CONNECTED``) sends it, and a
 failed or timed-out handshake (``handshake_timeout_s``) fails it with
 ``HANDSHAKE_FAILED``. Preempting, reissuing and aborting while waiting are rows.
+
+Rule 9 -- **partial readiness.** Before prefill finished the engine may report
+ranges (tokens x layers) of the KV as final (``SourceInput.RANGE_READY``: the
+source turns ``PARTIAL``, held for the writes). A registered leg writes what
+is ready, one write at a time (``RANGE_READY``, ``PART_OK``; ``NOTHING_READY``
+parks it in ``REGISTERED``); ``KV_READY`` on a leg means "some KV ready, no
+registration". Each write is a numbered part; the last one carries the count,
+and a CancelAck or Fail for a partly written attempt carries the parts that
+finished, sent only once no part is in flight (``ACK_PARTS``). The consumer
+counts parts (``PART``) and takes a rank's outcome -- notified or fenced --
+only when all its parts' notifications arrived. Whole-request push is the
+case with no range: one write, part 0 of 1.
 """
 
 from __future__ import annotations
