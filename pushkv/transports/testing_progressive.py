@@ -37,7 +37,10 @@ class _Prefill:
         producers = c.topology.producer_ranks()
         self.ranks = [(p, c.source_memory(p.rank)) for p in producers]
         self.full = [[np.array(r, copy=True) for r in mem] for _, mem in self.ranks]
-        for (p, mem) in self.ranks:  # nothing is final yet
+        # A cluster whose source memory lives elsewhere (other processes) is not
+        # staged: its bytes are final from the start; parts and fences still count.
+        self.staged = bool(getattr(c, "stages_source", True))
+        for (p, mem) in self.ranks if self.staged else ():  # nothing is final yet
             lo = p.layout
             for region in mem:
                 for b in self.src:
@@ -45,8 +48,7 @@ class _Prefill:
 
     def ready(self, tid: str, rng: Range) -> None:
         a, b, l0, l1 = rng
-        es = None
-        for (p, mem), full in zip(self.ranks, self.full, strict=True):
+        for (p, mem), full in zip(self.ranks if self.staged else (), self.full, strict=False):
             lo = p.layout
             es = lo.head_dim * lo.dtype_bytes
             for layer in range(max(l0, lo.layer_start), min(l1, lo.layer_end)):
@@ -64,7 +66,7 @@ class _Prefill:
         self.c.range_ready(tid, self.src, (a, b), (l0, l1))
 
     def finish(self, tid: str, n: int) -> None:
-        for (_, mem), full in zip(self.ranks, self.full, strict=True):
+        for (_, mem), full in zip(self.ranks if self.staged else (), self.full, strict=False):
             for region, want in zip(mem, full, strict=True):
                 region[:] = want
         self.c.prefill_finished(tid, self.src, n)
