@@ -427,7 +427,7 @@ class Consumer(Endpoint):
         a = t.cur if msg.attempt == t.cur.attempt else t.zombies.get(msg.attempt)
         if a is not None and msg.rank in a.expected and msg.rank not in a.fenced and (
             a is not t.cur or t.state in _LISTENING
-        ):
+        ) and not (inp is CI.CANCEL_ACK and a is t.cur and t.state is CS.REGISTERED):
             inp = _parts(a, msg.rank, inp, msg)
             if inp is CI.PART:
                 self.stats["parts"] += 1

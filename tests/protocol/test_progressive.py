@@ -175,3 +175,17 @@ def test_notify_and_register_round_trip_with_parts():
 
     n = Notify(transfer_id="t", attempt=0, engine_id="P", rank=0, part=3, parts=4)
     assert decode(encode(n)) == n
+
+
+def test_an_unasked_cancel_ack_with_parts_is_refused_and_changes_nothing():
+    import copy
+
+    from pushkv.protocol import Rejected
+
+    pair = _pair()
+    _register(pair)
+    c = pair.c[0]
+    before = copy.deepcopy(c._transfers["t"].cur)
+    out = c.receive(CancelAck(transfer_id="t", attempt=0, engine_id="P", rank=0, parts=3), 0.0)
+    assert of(out, Rejected)
+    assert c._transfers["t"].cur == before
