@@ -379,6 +379,13 @@ class Consumer(Endpoint):
                            inp)
         if isinstance(msg, Fail):
             t.why(msg.reason, f"{msg.reason.name} from rank {msg.rank}: {msg.detail}")
+        a = t.cur if msg.attempt == t.cur.attempt else t.zombies.get(msg.attempt)
+        if a is not None and msg.rank in a.expected and msg.rank not in a.fenced and (
+            a is not t.cur or t.state in _LISTENING
+        ) and not (inp is CI.CANCEL_ACK and a is t.cur and t.state is CS.REGISTERED):
+            inp = _parts(a, msg.rank, inp, msg)
+            if inp is CI.PART:
+                self.stats["parts"] += 1
         return self._report(t, msg.attempt, msg.rank, inp, now)
 
     def _report(
@@ -451,6 +458,8 @@ class Consumer(Endpoint):
             cur.notified |= ranks
             cur.fenced |= ranks  # a finished write is its own fence
             return []
+        if effect is CE.PART:  # rule 9: counted in the attempt's parts already
+            return []
         if effect is CE.READY:
             self._unlend(t, cur)
             self.stats["ready"] += 1
@@ -465,10 +474,10 @@ class Consumer(Endpoint):
                 ]
             return out
         if effect is CE.FENCE:
-            cur.fenced |= ranks
+            cur.fenced |= {r for r in ranks if cur.landed(r)}
             return []
         if effect is CE.FAIL_REST:
-            cur.fenced |= ranks
+            cur.fenced |= {r for r in ranks if cur.landed(r) or inp is CI.PEER_DIED}
             if inp is CI.PEER_DIED:
                 t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
             return cancels(self, t, final=True)
@@ -573,7 +582,10 @@ class Consumer(Endpoint):
                                      attempt=z.attempt, input=inp.value) from None
         out: list[Action] = []
         if effect is CE.FENCE:
-            z.fenced |= ranks
+            # A rank's own word fences only once its parts landed (rule 9); a dead
+            # peer or the hard deadline fences regardless.
+            word = inp in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL)
+            z.fenced |= {r for r in ranks if not word or z.landed(r)}
         elif effect is CE.RELEASE:
             del t.zombies[z.attempt]
             out.append(self._release(t, z))
@@ -702,3 +714,21 @@ def _written(ids: tuple[int, ...], block_size: int, first: int, n: int) -> tuple
 
 def _invalid(why: str, transfer_id: str, attempt: int, inp: ConsumerInput) -> ValidationError:
     return ValidationError(why, transfer_id=transfer_id, attempt=attempt, input=inp.value)
+
+
+def _parts(a: _Attempt, rank: int, inp: ConsumerInput, msg: Notify | CancelAck | Fail) -> (
+        ConsumerInput):
+    """Rule 9: count a producer rank's parts. A Notify that does not complete the
+    rank (more parts to come, or its count not known yet) is the input PART; the
+    rank's last word (final Notify, CancelAck, Fail) says how many parts to wait
+    for, and the part that completes them is fed as NOTIFY (its fence)."""
+    owed = a.need.get(rank)
+    if isinstance(msg, Notify):
+        a.got.setdefault(rank, set()).add(msg.part)
+        if msg.parts:
+            a.need[rank] = max(msg.parts, owed or 0)
+        elif owed is None:
+            return CI.PART
+        return CI.NOTIFY if a.landed(rank) else CI.PART
+    a.need[rank] = max(msg.parts, owed or 0)
+    return inp

@@ -398,6 +398,9 @@ class InMemoryNetwork:
             self._complete(item, ok=False)
             return
         self._check_destination(dst, a.transfer_id, a.incarnation, a.attempt, a.plan)
+        if (a.transfer_id, a.incarnation) in src.released_at:
+            self.violations.append(
+                f"write of {a.transfer_id}#{a.attempt} reads a released source")
         if not self._packed_write(a.plan, src, dst):
             copy_plan(a.plan, src.memory, dst.memory)
         self.stats["writes"] += 1
@@ -593,6 +596,13 @@ class InMemoryCluster:
         for n in self._producers():
             n.apply(n.endpoint.prefill_finished(transfer_id, src_block_ids, num_tokens,
                                                 self.net.now, incarnation=incarnation))
+
+    def range_ready(self, transfer_id: str, src_block_ids: Sequence[int],
+                    tokens: tuple[int, int], layers: tuple[int, int] | None = None) -> None:
+        """Progressive push: part of the prefill is final (see Producer.range_ready)."""
+        for n in self._producers():
+            n.apply(n.endpoint.range_ready(transfer_id, src_block_ids, tokens, self.net.now,
+                                           layers=layers))
 
     def preempt(self, transfer_id: str) -> None:
         for n in self._consumers():

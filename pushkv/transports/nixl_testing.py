@@ -282,6 +282,8 @@ class HostPool:
 class NixlCluster:
     """A :class:`~pushkv.transports.testing.Cluster` whose engines are real processes."""
 
+    stages_source = False  # the source memory lives in the producer processes
+
     def __init__(self, topology: Topology, pool: HostPool, config: Any = None, *,
                  connect: str = "eager", consumer_nixl: Any = None) -> None:
         """``config``: the ranks' :class:`NixlConfig` (``consumer_nixl``: the consumer's,
@@ -325,6 +327,11 @@ class NixlCluster:
         self._producer.call("each", "prefill_finished",
                             (transfer_id, list(src_block_ids), num_tokens),
                             {"incarnation": incarnation})
+
+    def range_ready(self, transfer_id: str, src_block_ids: Sequence[int],
+                    tokens: tuple[int, int], layers: tuple[int, int] | None = None) -> None:
+        self._producer.call("each", "range_ready", (transfer_id, list(src_block_ids),
+                                                    tuple(tokens)), {"layers": layers})
 
     def preempt(self, transfer_id: str) -> None:
         self._consumer.call("each", "preempt", (transfer_id,))

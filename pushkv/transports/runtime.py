@@ -204,6 +204,17 @@ class NixlRuntime:
         reused until ``ReleaseSource``; do not mutate the sequence after the call)."""
         self._submit(cmd.PrefillFinished(transfer_id, block_ids, num_tokens, incarnation))
 
+    def range_ready(self, transfer_id: str, block_ids: Sequence[int] | np.ndarray,
+                    tokens: tuple[int, int], *, layers: tuple[int, int] | None = None,
+                    incarnation: int = 0, ready: Any = None) -> None:
+        """Progressive push: tokens ``[a, b)`` of ``transfer_id`` are final for layers
+        ``[l0, l1)`` (None: all) in ``block_ids`` -- once ``ready.query()`` is true
+        when given (a CUDA event recorded after the layer: the I/O thread polls it,
+        the engine thread never waits). Registered legs write the range at once;
+        :meth:`prefill_finished` still ends the stream."""
+        self._submit(cmd.RangeReady(transfer_id, block_ids, tokens, layers, incarnation,
+                                    ready))
+
     def prefill_aborted(self, transfer_id: str, *, incarnation: int = 0) -> None:
         """The engine aborted ``transfer_id`` before or after its prefill."""
         self._submit(cmd.PrefillAborted(transfer_id, incarnation))

@@ -38,6 +38,18 @@ class PrefillFinished(NamedTuple):
     incarnation: int = 0
 
 
+class RangeReady(NamedTuple):
+    """Progressive push: tokens x layers of a prefill are final (once ``ready``
+    says so: an object with ``query() -> bool``, e.g. a CUDA event; None: now)."""
+
+    transfer_id: str
+    block_ids: Any
+    tokens: tuple[int, int]
+    layers: tuple[int, int] | None = None
+    incarnation: int = 0
+    ready: Any = None
+
+
 class PrefillAborted(NamedTuple):
     transfer_id: str
     incarnation: int = 0
@@ -92,13 +104,13 @@ class Close(NamedTuple):
 
 
 
-Command = (Connect | PrefillFinished | PrefillAborted | Register | Abandon | Preempt | Reissue
-           | Abort | Inspect | Inject | Close)
+Command = (Connect | PrefillFinished | RangeReady | PrefillAborted | Register | Abandon | Preempt
+           | Reissue | Abort | Inspect | Inject | Close)
 
 _OPERATIONS: dict[type[Any], str] = {
     c: re.sub(r"(?<!^)(?=[A-Z])", "_", c.__name__).lower()
-    for c in (Connect, PrefillFinished, PrefillAborted, Register, Abandon, Preempt, Reissue,
-              Abort, Inspect, Inject, Close)
+    for c in (Connect, PrefillFinished, RangeReady, PrefillAborted, Register, Abandon, Preempt,
+              Reissue, Abort, Inspect, Inject, Close)
 }
 
 

@@ -99,6 +99,7 @@ class IOLoop:
         self._writes = 0
         self._next_notif = 0.0
         self._writer: Writer | None = None
+        self._unready: list[cmd.RangeReady] = []  # ranges whose event has not completed
         if self.role == "producer":
             self._writer = Writer(agent, memory, poll_s=config.write_poll_s,
                                   timeout_s=config.write_timeout_s, on_done=self._write_done,
@@ -106,6 +107,7 @@ class IOLoop:
         self._handlers: dict[type[Any], Callable[[Any, float], None]] = {
             cmd.Connect: self._connect,
             cmd.PrefillFinished: self._prefill_finished,
+            cmd.RangeReady: self._range_ready,
             cmd.PrefillAborted: self._prefill_aborted,
             cmd.Register: self._register,
             cmd.Abandon: self._abandon,
@@ -166,6 +168,8 @@ class IOLoop:
                 self._idle = self._woken = False
                 now = time.monotonic()
                 had_commands = bool(self._commands)
+                if self._unready:
+                    self._guard(self._ranges_due, now)
                 if self._drain_commands(now):
                     break
                 if had_commands and self._live():  # a new transfer: poll at the live rate now
@@ -208,6 +212,8 @@ class IOLoop:
     def _timeout(self, now: float) -> float:
         if self._completions or self._commands:
             return 0.0
+        if self._unready:  # a range waits for its event: poll it at the live rate
+            return self.config.active_poll_s
         until = min(self._next_notif, self.handshakes.next_deadline(),
                     self._peers.next_deadline())
         d = self._endpoint.next_deadline()
@@ -263,11 +269,33 @@ class IOLoop:
             raise ConfigError("this runtime is a producer")
         return self._endpoint
 
+    def _forget_ranges(self, tid: str, inc: int) -> None:
+        """Prefill finished or aborted: ranges still waiting for their event are moot."""
+        self._unready = [r for r in self._unready
+                         if (r.transfer_id, r.incarnation) != (tid, inc)]
+
     def _prefill_finished(self, c: cmd.PrefillFinished, now: float) -> None:
+        self._forget_ranges(c.transfer_id, c.incarnation)
         self._apply(self._producer().prefill_finished(
             c.transfer_id, c.block_ids, c.num_tokens, now, incarnation=c.incarnation), now)
 
+    def _range_ready(self, c: cmd.RangeReady, now: float) -> None:
+        if self._unready or (c.ready is not None and not c.ready.query()):
+            self._unready.append(c)  # in order: later commands of the request wait too
+            return
+        self._apply(self._producer().range_ready(
+            c.transfer_id, c.block_ids, c.tokens, now, layers=c.layers,
+            incarnation=c.incarnation), now)
+
+    def _ranges_due(self, now: float) -> None:
+        """Feed the ranges whose event completed, in the order they were reported."""
+        waiting, self._unready = self._unready, []
+        while waiting and (waiting[0].ready is None or waiting[0].ready.query()):
+            self._range_ready(waiting.pop(0), now)
+        self._unready = waiting + self._unready
+
     def _prefill_aborted(self, c: cmd.PrefillAborted, now: float) -> None:
+        self._forget_ranges(c.transfer_id, c.incarnation)
         self._apply(self._producer().prefill_aborted(c.transfer_id, now,
                                                      incarnation=c.incarnation), now)
 

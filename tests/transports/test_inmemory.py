@@ -5,7 +5,7 @@ import pytest
 
 from pushkv.protocol import Mode, Peer, uniform_ranks
 from pushkv.protocol.packing import PackingConfig
-from pushkv.transports import testing
+from pushkv.transports import testing, testing_progressive
 from pushkv.transports.inmemory import InMemoryCluster, pair
 
 
@@ -19,6 +19,28 @@ def test_conformance(name):
 def test_conformance_reused_ids(name):
     fn, kwargs = testing.REUSED_ID_CHECKS[name]
     fn(InMemoryCluster, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(testing_progressive.PROGRESSIVE_CHECKS))
+def test_conformance_progressive(name):
+    fn, kwargs = testing_progressive.PROGRESSIVE_CHECKS[name]
+    fn(InMemoryCluster, **kwargs)
+
+
+def test_progressive_check_catches_a_write_before_its_range_is_ready(monkeypatch):
+    """Not vacuous: a producer that treats the first range as the whole prefill
+    reads bytes that are not final yet and fails the byte check."""
+    from pushkv.protocol import Producer
+
+    real = Producer.range_ready
+
+    def too_early(self, transfer_id, block_ids, tokens, now, *, layers=None, incarnation=0):
+        whole = len(block_ids) * self.info.layout.block_size
+        return real(self, transfer_id, block_ids, (0, whole), now, incarnation=incarnation)
+
+    monkeypatch.setattr(Producer, "range_ready", too_early)
+    with pytest.raises(AssertionError, match="bytes differ"):
+        testing_progressive.check_progressive(InMemoryCluster, register_after=0)
 
 
 def test_reused_id_check_catches_a_consumer_that_ignores_incarnations(monkeypatch):
@@ -144,3 +166,13 @@ def test_auto_packs_only_over_the_budget():
         [(s, d, 70, 0) for s, d in cases.values()])
     assert all(np.array_equal(w, g) for w, g in zip(want, c.memory, strict=True))
     assert not net.violations and net.staging[p.peer].lent_bytes == 0
+
+
+def test_progressive_check_catches_a_consumer_that_ignores_parts(monkeypatch):
+    """Not vacuous: READY on the first part's notification fails the suite (the
+    later parts land in blocks no longer lent, or the bytes are short)."""
+    from pushkv.protocol import consumer
+
+    monkeypatch.setattr(consumer, "_parts", lambda a, rank, inp, msg: inp)
+    with pytest.raises(AssertionError):
+        testing_progressive.check_progressive(InMemoryCluster, register_after=0)
