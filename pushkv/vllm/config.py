@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..direction import SETTINGS
 from ..protocol.config import ConsumerConfig, ProducerConfig
 from ..protocol.errors import ConfigError
 from ..protocol.events import FailurePolicy
@@ -163,7 +164,7 @@ class PushKVSettings:
             raise ConnectorConfigError("max_pending_registrations must be >= 1")
         if not 0 <= self.progress_delay_us <= 1_000_000:
             raise ConnectorConfigError("progress_delay_us must be in [0, 1000000]")
-        if self.direction not in ("auto", "push", "pull"):
+        if self.direction not in SETTINGS:
             raise ConnectorConfigError(
                 f"direction must be 'auto', 'push' or 'pull', got {self.direction!r}")
         if self.transport_cpus not in ("auto", "inherit"):

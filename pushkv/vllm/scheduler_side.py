@@ -21,7 +21,7 @@ reports the push completed, was cancelled or its lease expired; any other end
 consumer's registration so the consumer can apply its failure policy.
 
 Direction. The producer chooses, per request, from how the request was
-dispatched (:func:`choose_direction`): a leg of pushkv's proxy has its decode
+dispatched (:func:`leg_direction`): a leg of pushkv's proxy has its decode
 leg dispatched at the same time (concurrent dispatch), so its KV is pushed
 into the registration that is on its way; a leg of vLLM's NIXL PD flow comes
 from a router that waits for this prefill's answer before it even sends the
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
+from ..direction import SETTINGS, choose_direction
 from ..protocol.incarnation import new_incarnation
 from .metadata import Abandon, Abort, PushKVMetadata, RecvOrder, SendOrder
 from .params import (
@@ -67,17 +68,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: ``direction`` settings: "auto" chooses by dispatch; "push"/"pull" force one where it
-#: can work (a concurrent leg always pushes: its decode leg cannot know the blocks).
-DIRECTION_SETTINGS = ("auto", "push", "pull")
-
-
-def choose_direction(leg: PrefillLeg | NixlPrefillLeg, setting: str = "auto") -> str:
-    """How a prefill's KV moves: ``"pull"`` for a sequentially dispatched leg (vLLM's
-    NIXL flow) unless ``setting`` forces push, ``"push"`` for a concurrent one."""
-    if isinstance(leg, PrefillLeg):
-        return "push"  # the decode leg is already on its way, without the block ids
-    return "push" if setting == "push" else "pull"
+def leg_direction(leg: PrefillLeg | NixlPrefillLeg, setting: str = "auto") -> str:
+    """How a prefill's KV moves (:func:`pushkv.direction.choose_direction`): a leg of
+    pushkv's proxy was dispatched with its decode leg (concurrent); a leg of vLLM's
+    NIXL flow comes from a router that waits for its answer (sequential)."""
+    dispatch = "concurrent" if isinstance(leg, PrefillLeg) else "sequential"
+    return choose_direction(dispatch, setting)
 
 
 def producer_transfer_id(engine_id: str, request_id: str) -> str:
@@ -116,9 +112,8 @@ class SchedulerSide:
     def __init__(self, *, endpoint: Endpoint, block_size: int, is_producer: bool,
                  is_consumer: bool, policy: str = "fail", key: bytes | None = None,
                  direction: str = "auto") -> None:
-        if direction not in DIRECTION_SETTINGS:
-            raise ParamsError(f"direction must be one of {DIRECTION_SETTINGS}, got "
-                              f"{direction!r}")
+        if direction not in SETTINGS:
+            raise ParamsError(f"direction must be one of {SETTINGS}, got {direction!r}")
         self.direction = direction
         self._rng = random.SystemRandom()
         self.endpoint = endpoint
@@ -313,7 +308,7 @@ class SchedulerSide:
                 self._meta.send_abort.append(Abort(req_id=req_id, transfer_id=tid,
                                                    incarnation=incarnation))
             return False, None
-        direction = choose_direction(leg, self.direction)
+        direction = leg_direction(leg, self.direction)
         self._sending[req_id] = tid
         self._meta.send.append(SendOrder(req_id=req_id, transfer_id=tid,
                                          block_ids=tuple(block_ids), num_tokens=n,

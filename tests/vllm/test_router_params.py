@@ -23,7 +23,7 @@ from pushkv.vllm.params import (
     PrefillLeg,
     parse_params,
 )
-from pushkv.vllm.scheduler_side import choose_direction
+from pushkv.vllm.scheduler_side import leg_direction
 
 from .harness import Engine, fresh_free, vllm_config
 
@@ -79,10 +79,11 @@ def test_direction_push_overrides_the_choice_behind_a_sequential_router(tiny_mod
 
 
 def test_a_concurrent_leg_always_pushes():
-    assert choose_direction(PrefillLeg(transfer_id="t"), "auto") == "push"
-    assert choose_direction(PrefillLeg(transfer_id="t"), "pull") == "push"
-    assert choose_direction(NixlPrefillLeg(), "auto") == "pull"
-    assert choose_direction(NixlPrefillLeg(), "push") == "push"
+    assert leg_direction(PrefillLeg(transfer_id="t"), "auto") == "push"
+    assert leg_direction(PrefillLeg(transfer_id="t"), "pull") == "push"
+    assert leg_direction(NixlPrefillLeg(), "auto") == "pull"
+    assert leg_direction(NixlPrefillLeg(), "pull") == "pull"
+    assert leg_direction(NixlPrefillLeg(), "push") == "push"
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
