@@ -32,17 +32,21 @@ nixl`` (and other sequential routers) drive it, is spoken too:
   into the decode leg: vLLM's fields (``do_remote_prefill: true``,
   ``remote_engine_id``, ``remote_block_ids``, ``remote_request_id``,
   ``remote_host``, ``remote_port``, ``tp_size``, ``pp_size``,
-  ``remote_num_tokens``, ``transfer_mode``) plus pushkv's (``transfer_id`` and
-  ``incarnation``, both minted by the producer, and ``pushkv_endpoint``).
+  ``remote_num_tokens``, ``transfer_mode: "pull"`` for a pull) plus pushkv's
+  (``transfer_id`` and ``incarnation``, both minted by the producer,
+  ``pushkv_endpoint`` and ``pushkv_direction``). A push is not announced in
+  ``transfer_mode``: vllm-router rewrites the decode leg of a ``"push"`` answer
+  into vLLM's push-connector fields and drops pushkv's.
 * **NIXL decode leg** (router -> consumer): that answer. pushkv reads
   ``transfer_id``, ``incarnation``, ``pushkv_endpoint`` (where to connect),
-  ``transfer_mode`` (``"pull"``: read ``remote_block_ids``; ``"push"``:
-  register), ``remote_block_ids`` and ``remote_engine_id`` (checked against
-  the endpoint); it ignores ``remote_host``/``remote_port`` (the endpoint lists
-  every rank's address), ``tp_size``/``pp_size`` (the handshake tells), and
-  ``remote_request_id``, ``remote_num_tokens``, ``remote_blocks_expiry_time``,
-  ``dcp_size``. A decode leg without ``transfer_id`` is another connector's
-  (vLLM's NixlConnector) and is left alone.
+  ``pushkv_direction`` (else ``transfer_mode``; ``"pull"``: read
+  ``remote_block_ids``; ``"push"``: register), ``remote_block_ids`` and
+  ``remote_engine_id`` (checked against the endpoint). It ignores
+  ``remote_host``/``remote_port`` (the endpoint lists every rank's address),
+  ``tp_size``/``pp_size`` (the handshake tells), ``remote_request_id``,
+  ``remote_num_tokens``, ``remote_blocks_expiry_time`` and ``dcp_size``. A
+  decode leg without ``transfer_id`` is another connector's (vLLM's
+  NixlConnector) and is left alone.
 
 The transfer id and its incarnation are drawn by the proxy (random) and are
 the key both sides match on; with a shared key every object also carries the
@@ -69,6 +73,8 @@ _ADDRESS = re.compile(r"tcp://[A-Za-z0-9.\-:\[\]]{1,253}:[0-9]{1,5}")
 MAX_BLOCKS = 65536
 
 DISCOVER_KEY = "pushkv_discover"
+#: In a NIXL-style answer: "pull" or "push", how this transfer's KV moves.
+DIRECTION_KEY = "pushkv_direction"
 ENDPOINT_KEY = "pushkv_endpoint"
 #: In a consumer's discovery answer: its ``kv_load_failure_policy``.
 POLICY_KEY = "pushkv_policy"
@@ -228,8 +234,8 @@ Leg = PrefillLeg | NixlPrefillLeg | DecodeLeg | Discover
 
 #: The keys of a NIXL-style answer a producer signs (with a shared key): every one
 #: a consumer reads. Routers and vLLM may add others; they are dropped unread.
-NIXL_SIGNED = ("do_remote_prefill", "transfer_id", "incarnation", "transfer_mode",
-               "remote_block_ids", "remote_engine_id", ENDPOINT_KEY)
+NIXL_SIGNED = ("do_remote_prefill", "transfer_id", "incarnation", "pushkv_direction",
+               "transfer_mode", "remote_block_ids", "remote_engine_id", ENDPOINT_KEY)
 
 
 def nixl_answer(*, endpoint: Endpoint, transfer_id: str, incarnation: int, request_id: str,
@@ -247,7 +253,10 @@ def nixl_answer(*, endpoint: Endpoint, transfer_id: str, incarnation: int, reque
         "tp_size": endpoint.tp_size,
         "pp_size": endpoint.pp_size,
         "remote_num_tokens": num_tokens,
-        "transfer_mode": direction,
+        # vllm-router rewrites the decode leg of a "push" answer into vLLM's push
+        # connector's fields, dropping pushkv's: a push is announced in pushkv's key only.
+        **({"transfer_mode": "pull"} if direction == "pull" else {}),
+        DIRECTION_KEY: direction,
         "transfer_id": transfer_id,
         "incarnation": incarnation,
         "num_tokens": num_tokens,
@@ -277,9 +286,10 @@ def _nixl_decode(params: Mapping[str, Any], transfer_id: str, incarnation: int) 
     if engine is not None and engine != producer.engine_id:
         raise ParamsError(f"{where}: 'remote_engine_id' {engine!r:.80} is not the endpoint's "
                           f"engine {producer.engine_id!r}")
-    mode = params.get("transfer_mode", "push")
+    mode = params.get(DIRECTION_KEY, params.get("transfer_mode", "push"))
     if mode not in DIRECTIONS:
-        raise ParamsError(f"{where}: 'transfer_mode' must be 'push' or 'pull', got {mode!r:.40}")
+        raise ParamsError(f"{where}: {DIRECTION_KEY!r} must be 'push' or 'pull', got "
+                          f"{mode!r:.40}")
     if incarnation == 0:
         raise ParamsError(f"{where}: 'incarnation' is missing (the producer draws one)")
     src = _block_ids(params.get("remote_block_ids"), where) if mode == "pull" else ()

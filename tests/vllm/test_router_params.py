@@ -61,7 +61,8 @@ def test_the_router_prefill_leg_is_answered_with_a_pull(tiny_model):
     assert answer["do_remote_prefill"] is True and answer["do_remote_decode"] is False
     assert answer["remote_engine_id"] == "prefill-0"
     assert answer["remote_block_ids"] == blocks
-    assert answer["transfer_mode"] == "pull" and answer["tp_size"] == 1
+    assert answer["transfer_mode"] == "pull" and answer["pushkv_direction"] == "pull"
+    assert answer["tp_size"] == 1
     # pushkv's: a transfer id and incarnation the producer minted
     assert answer["transfer_id"] == send.transfer_id and answer["transfer_id"].startswith("nixl:")
     assert answer["incarnation"] == send.incarnation != 0
@@ -75,7 +76,10 @@ def test_direction_push_overrides_the_choice_behind_a_sequential_router(tiny_mod
     p, answer = prefill_answer(tiny_model, direction="push")
     p.step()
     (send,) = p.orders("send")
-    assert send.direction == "push" and answer["transfer_mode"] == "push"
+    assert send.direction == "push" and answer["pushkv_direction"] == "push"
+    # vllm-router would rewrite the decode leg of a transfer_mode "push" answer into
+    # vLLM's push fields (dropping pushkv's): a push is not announced there.
+    assert "transfer_mode" not in answer
 
 
 def test_a_concurrent_leg_always_pushes():
@@ -138,6 +142,7 @@ def test_a_good_answer_parses():
     {"remote_block_ids": ...},
     {"remote_engine_id": "someone-else"},
     {"transfer_mode": "teleport"},
+    {"pushkv_direction": "sideways"},
     {"incarnation": ...},
     {"incarnation": -1},
     {"transfer_id": "x" * 300},
