@@ -44,6 +44,7 @@ from pushkv.vllm.chaos import (  # noqa: E402
     prompt,
     references,
     wait_for,
+    warm,
 )
 from pushkv.vllm.testing import get_text, metric, write_tiny_llama  # noqa: E402
 
@@ -121,6 +122,7 @@ class Bench:
                 (["prefill-1", "prefill-2"], ["decode-1"], "prefill-2", "prefill-1"),
                 (["prefill-1"], ["decode-1", "decode-2"], "decode-2", "decode-1")):
             url = f.proxy(prefill, decode, timeout_s=BOUND_S)
+            warm(url, f.model, self.jobs(4))
             print(f"chaos: {prefill} x {decode}: kill {victim}, freeze {frozen}", flush=True)
             self.phase(url, lambda v=victim: f.kill(v), self.args.chaos_jobs)
             f.restart(victim)
@@ -139,14 +141,15 @@ class Bench:
     def soak(self) -> dict[str, float]:
         f = self.fleet
         url = f.proxy(["prefill-1", "prefill-2"], ["decode-1", "decode-2"], timeout_s=BOUND_S)
+        warm(url, f.model, self.jobs(8))
         pgids = [i.server.proc.pid for i in f.instances.values() if i.server.proc]
         pgids += [p.pid for p in f.proxies[-1:]]
         n = self.args.requests
-        warm = max(1, n // 10)
+        warmed = max(1, n // 10)
         load = Load(url, f.model, self.jobs(n, self.args.leave), clients=self.args.clients,
                     timeout_s=PATIENCE_S).start()
         print(f"soak: {n} requests, {self.args.clients} clients", flush=True)
-        wait_for(lambda: load.done >= warm, PATIENCE_S * n, "warm-up")
+        wait_for(lambda: load.done >= warmed, PATIENCE_S * n, "warm-up")
         rss_warm = rss_kib(pgids)
         last = 0
         while load.done < n:
@@ -184,7 +187,7 @@ class Bench:
 
     def run(self) -> dict[str, float]:
         a, f = self.args, self.fleet
-        need = a.requests + 4 * a.chaos_jobs + 8
+        need = a.requests + 4 * a.chaos_jobs + 32
         plain = f.plain(cpu=0)
         started = time.monotonic()
         try:

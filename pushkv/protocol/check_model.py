@@ -21,6 +21,7 @@ from .check_world import (
     C_LIVE,
     C_OVER,
     FRAME,
+    HELLO,
     P_HELD,
     P_OVER,
     P_PREFILL,
@@ -32,6 +33,7 @@ from .check_world import (
     World,
     done_item,
     frame_item,
+    hello_item,
     initial,
     write_item,
 )
@@ -125,10 +127,12 @@ class Model:
         self.np, self.nd = len(pinfo), len(dinfo)
         self.producers = [Producer(i, scope.producer_config()) for i in pinfo]
         self.consumers = [Consumer(i, scope.consumer_config()) for i in dinfo]
+        self.pinfo, self.dinfo = pinfo, dinfo
         for p in self.producers:
             for c in self.consumers:
-                p.add_peer(c.info)
-                c.add_peer(p.info)
+                if not scope.handshake:  # else on demand, when a consumer asks (Connect)
+                    p.add_peer(c.info)
+                    c.add_peer(p.info)
         self.endpoints: list[Endpoint] = [*self.producers, *self.consumers]
         self.renew = self.producers[0].config.renew_fraction
         self.snaps = Snapshots(self.endpoints)
@@ -139,6 +143,7 @@ class Model:
         self._messages: dict[bytes, Message] = {}
         self.log: list[str] | None = None  # set to a list to record what happens
         self._info: dict[tuple[int, int], EpInfo] = {}
+        self._frames: dict[int, tuple[Message, bytes]] = {}
         #: (endpoint, snapshot, input) -> (next snapshot, actions) or the Violation raised:
         #: an endpoint's answer depends on nothing else, so each is computed once.
         self.memo: dict[tuple[Any, ...], tuple[int, list[Action]] | Violation] = {}
@@ -188,6 +193,13 @@ class Model:
     def c_state(self, c: int, sid: int) -> Any:
         return self.info(self.np + c, sid).state
 
+    def _frame(self, msg: Message) -> bytes:
+        """The wire frame of a message (each message object is encoded once)."""
+        got = self._frames.get(id(msg))
+        if got is None or got[0] is not msg:
+            got = self._frames[id(msg)] = (msg, encode(msg))
+        return got[1]
+
     def message(self, frame: bytes) -> Message:
         m = self._messages.get(frame)
         if m is None:
@@ -223,6 +235,9 @@ class Model:
                 out.append(("land", item))
                 if sc.write_errors:
                     out.append(("wfail", item))
+            elif kind == HELLO:
+                out.append(("hello", item))
+                out.append(("hsfail", item))
             else:
                 out.append(("complete", item))
         obliged = False
@@ -288,15 +303,19 @@ class Model:
         w = World(state[1])
         ids = list(state[0])
         self._step(w, step, step[0], ids)
-        self._progress(w)
+        if w.engines_touched:
+            self._progress(w)
         return tuple(ids), w.freeze()
 
     def _step(self, w: World, step: Step, kind: str, ids: list[int]) -> None:
         sc = self.scope
+        if kind in ("hello", "hsfail"):
+            self._handshake(w, ids, step[1], ok=kind == "hello")
+            return
         if kind in ("deliver", "dup", "drop", "land", "wfail", "complete"):
             item = step[1]
             if kind == "dup":
-                w.flight.append(item)
+                w.add(item)
                 w.dups -= 1
                 if self.log is not None:
                     self._say(f"the network duplicates {self._item(item)}")
@@ -430,21 +449,51 @@ class Model:
 
     def _kill(self, w: World, engine: str, ids: list[int]) -> None:
         w.dead = engine
+        w.cinc  # noqa: B018 -- the engines' bookkeeping must see the death
         w.lossy = w.faulted = True
         if self.log is not None:
             self._say(f"engine {engine} dies; the transport tells the survivors")
         if engine == "D":  # the transport fails the writes still in flight to it
-            w.flight = [done_item(it[1], it[2], it[3], it[4], False, it[-1])
-                        if it[0] == WRITE else it for it in w.flight]
+            w.flight = sorted(done_item(it[1], it[2], it[3], it[4], False, it[-1])
+                              if it[0] == WRITE else it for it in w.flight)
         w.flight = [it for it in w.flight if not self._touches(it, engine)]
         survivors = range(self.np, self.np + self.nd) if engine == "P" else range(self.np)
         for i in survivors:
             self._run(w, ids, i, ("died", engine, w.now), lambda ep: ep.peer_died(engine, w.now))
 
+    def _handshake(self, w: World, ids: list[int], item: Item, *, ok: bool) -> None:
+        _, d, p, _sent = item
+        if not ok:  # this consumer rank gives up on the engine: all its handshakes end
+            w.flight = [it for it in w.flight if not (it[0] == HELLO and it[1] == d)]
+            w.faulted = w.lossy = True  # no channel to tell the producer: its lease will
+            if self.log is not None:
+                self._say(f"the handshake of D{d} with P{p} fails")
+            self._run(w, ids, self.np + d, ("hsfail", w.now),
+                      lambda ep: ep.handshake_failed("P", "refused", w.now))
+            return
+        w.flight.remove(item)
+        w.shaken = w.shaken | {(d, p)}
+        if self.log is not None:
+            self._say(f"D{d} and P{p} complete their handshake")
+        self._run(w, ids, p, ("hello", d, w.now), lambda ep: ep.add_peer(self.dinfo[d]) or [])
+        self._run(w, ids, self.np + d, ("hello", p, w.now),
+                  lambda ep: ep.add_peer(self.pinfo[p], now=w.now))
+
+    def _connect(self, w: World, d: int) -> None:
+        """Consumer rank ``d`` asks for a handshake with every producer rank."""
+        if not self.scope.handshake:
+            raise Violation("handshake", f"D{d} asks to connect to a peer it handshook with")
+        busy = {it[2] for it in w.flight if it[0] == HELLO and it[1] == d}
+        for p in range(self.np):
+            if (d, p) not in w.shaken and p not in busy:
+                w.add(hello_item(d, p, w.now))
+
     @staticmethod
     def _touches(item: Item, engine: str) -> bool:
         if item[0] == FRAME:
             return engine in (item[1], item[3])
+        if item[0] == HELLO:
+            return True
         return engine == "P"  # a dead producer's writes never land nor complete
 
     def _land(self, w: World, item: Item, *, ok: bool) -> None:
@@ -469,8 +518,8 @@ class Model:
                                 f"D{d} block {b}, which is {what}")
             w.content[d, b, p] = (k, attempt) if ok else (-1, attempt)
         if ok:
-            w.flight.append(frame_item(("D", d), ("P", p), notify, w.now))
-        w.flight.append(done_item(p, d, attempt, inc, ok, w.now))
+            w.add(frame_item(("D", d), ("P", p), notify, w.now))
+        w.add(done_item(p, d, attempt, inc, ok, w.now))
 
     # ---------------------------------------------------------------- actions
 
@@ -505,7 +554,7 @@ class Model:
                 self._say(f"  -> {self._name(i)}: {self._action(a)}")
             if isinstance(a, SendMessage):
                 if a.peer.engine_id != w.dead:
-                    w.flight.append(frame_item(a.peer, src, encode(a.message), w.now))
+                    w.add(frame_item(a.peer, src, self._frame(a.message), w.now))
             elif isinstance(a, IssueWrite):
                 self._issue(w, i, a)
             elif isinstance(a, ReleaseSource):
@@ -519,8 +568,7 @@ class Model:
                     raise Violation("rejected", f"{self._name(i)} rejected a correct peer's "
                                     f"message: {a.error}")
             elif type(a).__name__ == "Connect":
-                raise Violation("handshake", f"{self._name(i)} asks to connect to a peer it "
-                                "handshook with")
+                self._connect(w, i - self.np)
             else:
                 raise Violation("action", f"{self._name(i)} emitted unexpected {a!r}")
 
@@ -541,10 +589,9 @@ class Model:
             raise Violation("window", f"P{p} started a write of t#{data} attempt {a.attempt} "
                             f"at t={w.now:g}, after the registration's window")
         if w.dead == "D":
-            w.flight.append(done_item(p, d, a.attempt, inc, False, w.now))
+            w.add(done_item(p, d, a.attempt, inc, False, w.now))
             return
-        w.flight.append(write_item(p, d, a.attempt, getattr(a, "incarnation", 0), src, dst,
-                                   encode(a.notify), data, w.now))
+        w.add(write_item(p, d, a.attempt, inc, src, dst, self._frame(a.notify), data, w.now))
 
     def _release_source(self, w: World, p: int, a: ReleaseSource) -> None:
         blocks = tuple(a.block_ids)
@@ -735,6 +782,8 @@ class Model:
             return f"{brief(self.message(item[5]))} {item[3]}{item[4]} -> {item[1]}{item[2]}"
         if item[0] == WRITE:
             return f"P{item[1]}'s write of t#{item[8]} a{item[3]} to D{item[2]}"
+        if item[0] == HELLO:
+            return f"the handshake of D{item[1]} with P{item[2]}"
         return f"the completion of P{item[1]}'s write of a{item[3]} to D{item[2]}"
 
     def _action(self, a: Action) -> str:
@@ -748,7 +797,7 @@ class Model:
     def describe(self, step: Step) -> str:
         """One line for a step, before it runs."""
         kind = step[0]
-        if kind in ("deliver", "dup", "drop", "land", "wfail", "complete"):
+        if kind in ("deliver", "dup", "drop", "land", "wfail", "complete", "hello", "hsfail"):
             return f"{kind} {self._item(step[1])}"
         if kind == "tick":
             return f"timer of {self._name(step[1])}"

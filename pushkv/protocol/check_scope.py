@@ -40,6 +40,10 @@ class Scope:
         default=False, metadata={"help": "the producer engine may abort a request"}
     )
     heartbeats: bool = field(default=True, metadata={"help": "consumers renew leases"})
+    handshake: bool = field(
+        default=False,
+        metadata={"help": "handshake on demand (Connect), each rank pair may fail"},
+    )
     d_blocks: int = field(default=2, metadata={"help": "consumer block pool (reused at once)"})
     p_blocks: int = field(default=1, metadata={"help": "producer block pool (reused at once)"})
     window_s: float = 4.0
@@ -99,7 +103,8 @@ class Scope:
                   f"death of {'/'.join(self.deaths)}" if self.deaths else "",
                   "write errors" if self.write_errors else "",
                   "consumer aborts" if self.aborts else "",
-                  "producer aborts" if self.prefill_aborts else ""]
+                  "producer aborts" if self.prefill_aborts else "",
+                  "handshakes on demand" if self.handshake else ""]
         return (f"P TP{self.p_tp} -> D TP{self.d_tp}, {self.heads} KV head(s), "
                 f"{self.incarnations} incarnation(s) x {self.attempts} attempt(s); "
                 + (", ".join(f for f in faults if f) or "no faults"))
@@ -109,26 +114,31 @@ def _scopes(*scopes: Scope) -> dict[str, Scope]:
     return {s.name: s for s in scopes}
 
 
-#: The scopes CI runs to completion, each with what it proves.
+#: The scopes CI runs to completion (see docs/protocol.md for what each proves).
 CI_SCOPES = _scopes(
-    Scope(name="1to1", dups=1, drops=1, attempts=2, prefill_aborts=True),
-    Scope(name="1to1-faults", deaths=("P", "D"), write_errors=True, attempts=2),
-    Scope(name="1to1-reuse", incarnations=2, dups=1, prefill_aborts=True),
-    Scope(name="1to2", d_tp=2, attempts=2, dups=1),
-    Scope(name="2to1", p_tp=2, attempts=2, dups=1),
-    Scope(name="replicated", p_tp=2, kv_heads=1, attempts=2, prefill_aborts=True),
-    Scope(name="replicated-reuse", p_tp=2, kv_heads=1, incarnations=2, deaths=("D",)),
+    Scope(name="1to1", attempts=2, heartbeats=False, prefill_aborts=True),
+    Scope(name="1to1-net", dups=1, drops=1, prefill_aborts=True),
+    Scope(name="1to1-faults", deaths=("P", "D"), write_errors=True, prefill_aborts=True),
+    Scope(name="1to1-reuse", incarnations=2, dups=1, heartbeats=False, aborts=False),
+    Scope(name="1to2", d_tp=2, dups=1, heartbeats=False),
+    Scope(name="2to1", p_tp=2, dups=1, heartbeats=False),
+    Scope(name="replicated", p_tp=2, kv_heads=1, prefill_aborts=True, deaths=("D",),
+          heartbeats=False),
+    Scope(name="replicated-reuse", p_tp=2, kv_heads=1, incarnations=2, heartbeats=False,
+          aborts=False),
+    Scope(name="handshake", p_tp=2, kv_heads=1, handshake=True, heartbeats=False),
 )
 
 #: Deeper scopes for the benchmark and for people with time.
 DEEP_SCOPES = _scopes(
-    Scope(name="1to1-deep", attempts=3, dups=1, drops=1, prefill_aborts=True,
+    Scope(name="1to1-deep", attempts=2, dups=1, drops=1, prefill_aborts=True,
           write_errors=True, deaths=("P", "D")),
-    Scope(name="1to1-reuse-deep", incarnations=2, attempts=2, dups=1, drops=1,
-          prefill_aborts=True),
-    Scope(name="2to1-deep", p_tp=2, attempts=2, dups=1, drops=1, prefill_aborts=True),
-    Scope(name="1to2-deep", d_tp=2, attempts=2, dups=1, drops=1, prefill_aborts=True),
-    Scope(name="replicated-deep", p_tp=2, kv_heads=1, incarnations=2, attempts=2, dups=1),
+    Scope(name="1to1-reuse-deep", incarnations=2, dups=1, drops=1, prefill_aborts=True),
+    Scope(name="2to1-deep", p_tp=2, attempts=2, dups=1, prefill_aborts=True),
+    Scope(name="1to2-deep", d_tp=2, attempts=2, dups=1, prefill_aborts=True),
+    Scope(name="replicated-reuse-deep", p_tp=2, kv_heads=1, incarnations=2, heartbeats=False),
+    Scope(name="handshake-deep", p_tp=2, kv_heads=1, handshake=True, attempts=2, dups=1,
+          heartbeats=False),
 )
 
 SCOPES = {**CI_SCOPES, **DEEP_SCOPES}

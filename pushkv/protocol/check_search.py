@@ -70,7 +70,7 @@ Progress = Callable[[Result], None]
 def explore(scope: Scope, *, order: str = "bfs", max_states: int | None = None,
             stop_on_violation: bool = True, progress: Progress | None = None,
             progress_every_s: float = 10.0, model: Model | None = None,
-            want: str | None = None) -> Result:
+            want: str | None = None, max_seconds: float | None = None) -> Result:
     """Explore every reachable state of ``scope``; stop at the first violation.
 
     ``want``: only a violation of this kind counts (others prune their state);
@@ -144,6 +144,8 @@ def explore(scope: Scope, *, order: str = "bfs", max_states: int | None = None,
             if depth + 1 > res.max_depth:
                 res.max_depth = depth + 1
         if max_states is not None and res.states >= max_states:
+            break
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
         if progress is not None and time.perf_counter() - last >= progress_every_s:
             last = time.perf_counter()

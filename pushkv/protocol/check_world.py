@@ -25,6 +25,7 @@ twin used while one step runs.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 from .check_scope import Scope
@@ -37,7 +38,7 @@ C_IDLE, C_LIVE, C_OVER = 0, 1, 2
 P_WAIT, P_PREFILL, P_HELD, P_OVER = 0, 1, 2, 3
 
 # Item kinds in flight (sorted first by kind)
-FRAME, WRITE, DONE = 0, 1, 2
+FRAME, WRITE, DONE, HELLO = 0, 1, 2, 3
 
 #: (kind, ...) -- see :func:`frame_item`, :func:`write_item`, :func:`done_item`.
 Item = tuple[Any, ...]
@@ -52,6 +53,11 @@ def write_item(p_rank: int, d_rank: int, attempt: int, inc: int, src_blocks: tup
                dst_blocks: tuple[int, ...], notify: bytes, data: int, sent: float) -> Item:
     """A posted write: ``data`` is the incarnation whose prefill fills the source blocks."""
     return (WRITE, p_rank, d_rank, attempt, inc, src_blocks, dst_blocks, notify, data, sent)
+
+
+def hello_item(d_rank: int, p_rank: int, sent: float) -> Item:
+    """A handshake between a consumer rank and a producer rank, under way."""
+    return (HELLO, d_rank, p_rank, sent)
 
 
 def done_item(p_rank: int, d_rank: int, attempt: int, inc: int, ok: bool, sent: float) -> Item:
@@ -95,31 +101,95 @@ class PInc:
 
 
 class World:
-    """Mutable twin of a frozen world, for the length of one step."""
+    """Mutable twin of a frozen world, for the length of one step.
 
-    __slots__ = ("cinc", "content", "d_owner", "dead", "drops", "dups", "faulted", "flight",
-                 "leases", "lossy", "now", "p_owner", "pinc", "windows")
+    Copy on write: a part of the world is thawed only when a step reads or
+    changes it, and freezing reuses every part left untouched.
+    """
+
+    __slots__ = ("_cinc", "_content", "_d_owner", "_leases", "_p_owner", "_pinc", "_windows",
+                 "dead", "drops", "dups", "f", "faulted", "flight", "lossy", "now", "shaken")
 
     def __init__(self, f: Frozen) -> None:
-        (self.now, flight, self.dups, self.drops, self.dead, self.lossy, self.faulted, cinc,
-         pinc, d_owner, p_owner, content, leases, windows) = f
-        #: (producer rank, incarnation) -> when its source's lease ends, at the latest
-        self.leases: dict[tuple[int, int], float] = dict(leases)
-        #: (producer rank, consumer rank, attempt, incarnation) -> end of the write window
-        self.windows: dict[tuple[int, int, int, int], float] = dict(windows)
-        self.flight: list[Item] = list(flight)
-        self.cinc = [CInc(*c) for c in cinc]
-        self.pinc = [PInc(*p) for p in pinc]
-        self.d_owner: list[tuple[int, int] | None] = list(d_owner)
-        self.p_owner: list[int | None] = list(p_owner)
-        self.content: dict[tuple[int, int, int], tuple[int, int]] = dict(content)
+        self.f = f
+        (self.now, flight, self.dups, self.drops, self.dead, self.lossy, self.faulted) = f[:7]
+        self.flight: list[Item] = list(flight)  # kept sorted
+        self._cinc: list[CInc] | None = None
+        self._pinc: list[PInc] | None = None
+        self._d_owner: list[tuple[int, int] | None] | None = None
+        self._p_owner: list[int | None] | None = None
+        self._content: dict[tuple[int, int, int], tuple[int, int]] | None = None
+        self._leases: dict[tuple[int, int], float] | None = None
+        self._windows: dict[tuple[int, int, int, int], float] | None = None
+        #: (consumer rank, producer rank) pairs that completed a handshake
+        self.shaken: frozenset[tuple[int, int]] = f[14]
+
+    def add(self, item: Item) -> None:
+        bisect.insort(self.flight, item)
+
+    @property
+    def engines_touched(self) -> bool:
+        return self._cinc is not None or self._pinc is not None
+
+    @property
+    def cinc(self) -> list[CInc]:
+        if self._cinc is None:
+            self._cinc = [CInc(*c) for c in self.f[7]]
+        return self._cinc
+
+    @property
+    def pinc(self) -> list[PInc]:
+        if self._pinc is None:
+            self._pinc = [PInc(*p) for p in self.f[8]]
+        return self._pinc
+
+    @property
+    def d_owner(self) -> list[tuple[int, int] | None]:
+        """Which (incarnation, attempt) holds each consumer block (None: free)."""
+        if self._d_owner is None:
+            self._d_owner = list(self.f[9])
+        return self._d_owner
+
+    @property
+    def p_owner(self) -> list[int | None]:
+        """Which incarnation's prefill holds each producer block (None: free)."""
+        if self._p_owner is None:
+            self._p_owner = list(self.f[10])
+        return self._p_owner
+
+    @property
+    def content(self) -> dict[tuple[int, int, int], tuple[int, int]]:
+        """(consumer rank, block, writer rank) -> (incarnation, attempt) that wrote it."""
+        if self._content is None:
+            self._content = dict(self.f[11])
+        return self._content
+
+    @property
+    def leases(self) -> dict[tuple[int, int], float]:
+        """(producer rank, incarnation) -> when its source's lease ends, at the latest."""
+        if self._leases is None:
+            self._leases = dict(self.f[12])
+        return self._leases
+
+    @property
+    def windows(self) -> dict[tuple[int, int, int, int], float]:
+        """(producer rank, consumer rank, attempt, incarnation) -> end of the write window."""
+        if self._windows is None:
+            self._windows = dict(self.f[13])
+        return self._windows
 
     def freeze(self) -> Frozen:
-        return (self.now, tuple(sorted(self.flight)), self.dups, self.drops, self.dead,
-                self.lossy, self.faulted, tuple(c.freeze() for c in self.cinc),
-                tuple(p.freeze() for p in self.pinc), tuple(self.d_owner),
-                tuple(self.p_owner), tuple(sorted(self.content.items())),
-                tuple(sorted(self.leases.items())), tuple(sorted(self.windows.items())))
+        f = self.f
+        return (self.now, tuple(self.flight), self.dups, self.drops, self.dead,
+                self.lossy, self.faulted,
+                f[7] if self._cinc is None else tuple(c.freeze() for c in self._cinc),
+                f[8] if self._pinc is None else tuple(p.freeze() for p in self._pinc),
+                f[9] if self._d_owner is None else tuple(self._d_owner),
+                f[10] if self._p_owner is None else tuple(self._p_owner),
+                f[11] if self._content is None else tuple(sorted(self._content.items())),
+                f[12] if self._leases is None else tuple(sorted(self._leases.items())),
+                f[13] if self._windows is None else tuple(sorted(self._windows.items())),
+                self.shaken)
 
 
 def initial(scope: Scope) -> Frozen:
@@ -129,4 +199,4 @@ def initial(scope: Scope) -> Frozen:
     pinc: tuple[Any, ...] = tuple(
         ((P_PREFILL if k == 0 else P_WAIT), (), frozenset(), False) for k in range(n))
     return (0.0, (), scope.dups, scope.drops, "", False, False, cinc, pinc,
-            (None,) * scope.d_blocks, (None,) * scope.p_blocks, (), (), ())
+            (None,) * scope.d_blocks, (None,) * scope.p_blocks, (), (), (), frozenset())

@@ -92,6 +92,11 @@ class Consumer(Endpoint):
         self._lent: dict[int, Key] = {}  # block id -> transfer that may still be written
         self._next_heartbeat: float | None = None
         self._connecting: dict[str, float] = {}  # engine -> handshake deadline (Connect sent)
+        self._ready_engines: set[str] = set()  # every rank writing into us is handshaken
+        # Transfers cancelled while their registration waited for the handshake, by
+        # engine: abandoned (final Cancel, Skip) once it is usable; bounded by the
+        # handshake timeout, which forgets them.
+        self._abandoned: dict[str, list[Key]] = {}
 
     # ------------------------------------------------------------------ peers
 
@@ -116,6 +121,9 @@ class Consumer(Endpoint):
                 r for r in range(src.world_size)
                 if r % dst.world_size == self.peer.rank and not targets_of(src, dst, r)
             )
+        writers = self._writers[info.engine_id]
+        if all(Peer(info.engine_id, r) in self._peers for r in writers):
+            self._ready_engines.add(info.engine_id)
         when = self._now if now is None else now
         out = self._run_timers(when) if now is not None else []
         if info.rank in self._silent[info.engine_id]:  # told late: Skip what went out
@@ -124,21 +132,26 @@ class Consumer(Endpoint):
                     for a in skips(self, t.key, info.engine_id, only=info.rank)]
         if not self._usable(info.engine_id):
             return out
-        # Rule 8: the engine became usable; the registrations held for it go out.
+        # Rule 8: the engine became usable; the registrations held for it go out,
+        # and the producer learns of the transfers that ended while they waited.
         self._connecting.pop(info.engine_id, None)
+        for key in self._abandoned.pop(info.engine_id, ()):
+            out += abandons(self, key, info.engine_id, self._writers[info.engine_id])
         for t in list(self._transfers.values()):
             if t.state is CS.CONNECTING and t.producer == info.engine_id:
                 out += self._input(t, CI.CONNECTED, max(when, 0.0))
         return out
 
+    def _abandon_later(self, t: _Transfer) -> None:
+        """A transfer cancelled before any registration went out (it waited for the
+        handshake): tell the producer when the engine becomes usable."""
+        if not t.skipped and t.mode is Mode.PUSH:
+            self._abandoned.setdefault(t.producer, []).append(t.key)
+
     def _usable(self, engine_id: str) -> bool:
         """Every producer rank that writes into this rank is handshaken (ranks that
         write nothing are told with Skip if known, never waited for)."""
-        writers = self._writers.get(engine_id)
-        if writers is None:
-            return False
-        peers = self._peers
-        return all(Peer(engine_id, r) in peers for r in writers)
+        return engine_id in self._ready_engines
 
     def handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
         """The driver could not handshake with ``engine_id``: every transfer waiting
@@ -149,6 +162,7 @@ class Consumer(Endpoint):
 
     def _handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
         self._connecting.pop(engine_id, None)
+        self._abandoned.pop(engine_id, None)  # no channel: the producer's lease decides
         self.stats["handshakes_failed"] += 1
         out: list[Action] = []
         for t in list(self._transfers.values()):
@@ -175,6 +189,7 @@ class Consumer(Endpoint):
         self._engines.pop(engine_id, None)
         self._writers.pop(engine_id, None)
         self._silent.pop(engine_id, None)
+        self._ready_engines.discard(engine_id)
         for t in [*self._transfers.values(), *self._retired.values()]:
             if t.producer != engine_id:
                 continue
@@ -318,7 +333,8 @@ class Consumer(Endpoint):
         if not usable:  # rule 8: wait in CONNECTING for the handshake
             return out + self._connect(producer, now)
         t.skipped = True
-        return out + self._start_attempt(t, now) + skips(self, t.key, producer)
+        out += self._start_attempt(t, now)
+        return out + skips(self, t.key, producer) if self._silent[producer] else out
 
     def reissue(self, transfer_id: str, block_ids: npt.ArrayLike, now: float) -> list[Action]:
         """Register a preempted transfer again, with a new attempt, into ``block_ids``."""
@@ -516,6 +532,7 @@ class Consumer(Endpoint):
             if effect is not CE.RELEASE and t.mode is Mode.PULL:
                 out += final_cancels(self, t)
             if effect is CE.RELEASE_CANCELLED:
+                self._abandon_later(t)
                 self.stats["cancelled"] += 1
                 out.append(TransferCancelled(transfer_id=tid, attempt=cur.attempt,
                                              incarnation=inc))
@@ -555,6 +572,7 @@ class Consumer(Endpoint):
             return [TransferFailed(transfer_id=tid, attempt=cur.attempt, reason=t.reason,
                                    policy=self.config.policy, code=t.code, incarnation=inc)]
         if effect is CE.FINAL_CANCEL_RELEASED:
+            self._abandon_later(t)
             self.stats["cancelled"] += 1
             return [*final_cancels(self, t),
                     TransferCancelled(transfer_id=tid, attempt=cur.attempt, incarnation=inc)]
@@ -614,14 +632,16 @@ class Consumer(Endpoint):
         return out
 
     def _lend(self, t: _Transfer, a: _Attempt) -> None:
+        key = t.key
         for b in _written(a.block_ids, self.info.layout.block_size, t.first_token,
                           t.num_tokens):
-            self._lent[b] = t.key
+            self._lent[b] = key
 
     def _unlend(self, t: _Transfer, a: _Attempt) -> None:
+        key, lent = t.key, self._lent
         for b in a.block_ids:
-            if self._lent.get(b) == t.key:  # only what this transfer lent
-                del self._lent[b]
+            if lent.get(b) == key:  # only what this transfer lent
+                del lent[b]
 
     def _maybe_forget(self, t: _Transfer) -> None:
         if t.state in CONSUMER_TERMINAL and not t.zombies:

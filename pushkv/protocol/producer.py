@@ -73,6 +73,8 @@ _REASON = {
     PI.SOURCE_GONE: FailReason.SOURCE_RELEASED,
 }
 Kv = SourceState
+_COMPLETIONS = frozenset((PI.WRITE_OK, PI.WRITE_ERROR))
+_PARKED = frozenset((PS.EMPTY, PS.KV_READY, PS.GONE))
 SI, SE = SourceInput, SourceEffect
 
 
@@ -317,7 +319,7 @@ class Producer(Endpoint):
             for leg in list(t.legs.values()):
                 if leg.state is PS.EMPTY:
                     out += self._input(t, leg, PI.DEADLINE, now)
-            self._forget(t)
+            out += self._forget(t, now)
         return out
 
     def _new_orphan(self, key: Key, now: float, *, arm: bool = True) -> _Transfer | None:
@@ -361,13 +363,15 @@ class Producer(Endpoint):
             raise
         before = leg.state
         finished = None
-        if inp in (PI.WRITE_OK, PI.WRITE_ERROR):
+        if inp in _COMPLETIONS:
             finished, leg.writing = leg.writing, None
         leg.state = nxt
-        if nxt in (PS.EMPTY, PS.KV_READY, PS.GONE):
+        if nxt in _PARKED:
             leg.reg = None  # parked: no registration held
-        out = self._effect(t, leg, effect, now, fail or _REASON.get(inp), reg, cancel, finished)
-        self._count_pending(before, leg.state)
+        out = [] if effect is PE.NONE else self._effect(
+            t, leg, effect, now, fail or _REASON.get(inp), reg, cancel, finished)
+        if before is PS.REGISTERED or nxt is PS.REGISTERED:
+            self._count_pending(before, leg.state)
         if self.trace is not None:
             self.trace.append(Step(t.key, leg.peer, before, inp, effect, nxt, tuple(out)))
         if leg.refused is not None:  # the write just adopted may not start (rule 5)
@@ -535,19 +539,24 @@ class Producer(Endpoint):
         for leg in legs.values():
             if leg.state in PRODUCER_WRITING:
                 return out
-        for leg in list(legs.values()):  # rule 4: every other leg ends with the source
-            if leg.state is not PS.GONE:
-                out += self._input(t, leg, PI.SOURCE_GONE, now)
-        self._forget(t)
+        out += self._forget(t, now)
         return out
 
-    def _forget(self, t: _Transfer) -> None:
-        for leg in t.legs.values():
-            if leg.state is not PS.GONE:  # rule 4: every leg ends with the source
-                self._input(t, leg, PI.SOURCE_GONE, self._now)
+    def _forget(self, t: _Transfer, now: float) -> list[Action]:
+        out: list[Action] = []
+        quiet = self.trace is None
+        for leg in t.legs.values():  # rule 4: every leg ends with the source
+            if leg.state is PS.GONE:
+                continue
+            row = PRODUCER_TABLE.get((leg.state, PI.SOURCE_GONE))
+            if quiet and row is not None and row[0] is PE.NONE:
+                leg.state, leg.reg = row[1], None  # the row's move, nothing to carry out
+            else:
+                out += self._input(t, leg, PI.SOURCE_GONE, now)
         t.final = t.final or t.aborted
         del self._transfers[t.key]
         self._tombstone(t)
+        return out
 
     def _tombstone(self, t: _Transfer) -> None:
         t.dead = True

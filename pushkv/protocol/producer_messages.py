@@ -90,11 +90,11 @@ def on_cancel(p: Producer, msg: Cancel, now: float) -> list[Action]:
         if t is None:
             return [p._ack(peer, key, msg.attempt)]
     leg = p._leg(t, peer)
-    if msg.attempt < leg.attempt or (msg.attempt == leg.attempt and leg.state in (
-        PS.CANCELLING,
-        PS.PREEMPTING,
-        *PRODUCER_TERMINAL,
-    )):
+    # A repeat of a cancel already taken; a final cancel after a preempt of the
+    # same attempt is not a repeat: it ends the transfer (the source goes).
+    repeat = leg.state in (PS.CANCELLING, *PRODUCER_TERMINAL) or (
+        leg.state is PS.PREEMPTING and not msg.final)
+    if msg.attempt < leg.attempt or (msg.attempt == leg.attempt and repeat):
         p.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
         return p._input(t, leg, PI.CANCEL_STALE, now, cancel=msg.attempt)
     if msg.final and not t.dead:

@@ -58,9 +58,10 @@ class Source:
     aborted: bool = False
     dead: bool = False  # forgotten: kept only as a tombstone answering late messages
 
-    @property
-    def key(self) -> Key:
-        return (self.transfer_id, self.inc)
+    key: Key = field(init=False)  #: (transfer id, incarnation), set once
+
+    def __post_init__(self) -> None:
+        self.key = (self.transfer_id, self.inc)
 
 
 
@@ -98,9 +99,10 @@ class Transfer:
     reason: str = ""
     code: FailReason = FailReason.WRITE_FAILED
 
-    @property
-    def key(self) -> Key:
-        return (self.transfer_id, self.inc)
+    key: Key = field(init=False)  #: (transfer id, incarnation), set once
+
+    def __post_init__(self) -> None:
+        self.key = (self.transfer_id, self.inc)
 
     def why(self, code: FailReason, reason: str) -> None:
         """Record the first cause of a failure (later ones are consequences)."""

@@ -167,11 +167,14 @@ def num_prompts() -> Scenario:
 def modes() -> Scenario:
     """Pull, pull with a background poster, push, and push behind a sequential router.
 
-    Moving pull's posting to a decode background thread recovers nearly all
-    of push's gain. A sequential router costs push the overlap of decode's
-    admission and registration with prefill -- a few ms where decode has free
-    slots, nothing measurable behind a full slot queue -- because the
-    protocol writes only once the whole prompt is prefilled.
+    Moving pull's posting to a decode background thread recovers little of
+    push's gain while the poster holds the interpreter lock (NIXL's
+    postXferReq keeps the GIL; see the gil table): the decode loop waits for
+    it almost as long as it posted itself. Push's poster lives on prefill. A
+    sequential router costs push the overlap of decode's admission and
+    registration with prefill -- a few ms where decode has free slots, little
+    behind a full slot queue -- because the protocol writes only once the
+    whole prompt is prefilled.
     """
     labels = ("pull", "pull-async", "push", "push-seq")
     rows = tuple(

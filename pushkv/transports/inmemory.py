@@ -415,8 +415,9 @@ class InMemoryNetwork:
                            plan: TransferPlan) -> None:
         lo = dst.info.layout
         allowed = dst.endpoint.blocks_of(transfer_id, attempt, incarnation=inc)
+        key, lender = (transfer_id, inc), dst.endpoint.lender
         for b in touched_blocks(plan, lo.stride, 1):
-            if dst.endpoint.lender(b) != (transfer_id, inc):
+            if lender(b) != key:
                 self.violations.append(
                     f"write of {transfer_id}#{attempt} lands in block {b} not lent to it")
             elif b not in allowed:

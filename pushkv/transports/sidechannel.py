@@ -16,7 +16,7 @@ message ``[kind, body]``:
 Everything received is untrusted: a frame with the wrong shape or an unknown
 kind comes back as :data:`GARBAGE` for the caller to count and drop. With a
 shared key (:class:`~.sidechannel_auth.SideKey`), every frame carries a third
-part, an HMAC tag bound to the destination rank, a per-connection session and
+part, an HMAC tag bound to the destination rank, a per-connection stream and
 counter, and a timestamp; frames that fail are dropped here and only counted
 (:attr:`SideChannel.auth_dropped`), so they reach no handler.
 

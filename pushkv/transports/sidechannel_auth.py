@@ -3,26 +3,26 @@
 With a shared key configured, every side-channel frame ``[kind, body]`` gets a
 third part, its **tag**::
 
-    version (1 B) | session (16 B) | counter (8 B, big-endian) | timestamp (8 B, float)
+    version (1 B) | stream (16 B) | counter (8 B, big-endian) | timestamp (8 B, float)
     | HMAC-SHA256 (32 B)
 
 The MAC covers a domain label, the **destination's identity**
 (``engine_id/rank``, so a frame sent to one rank cannot be replayed to another),
 the kind, the header fields and the body with its length (so a truncated or
 extended frame fails). One sender connection (one ``PUSH`` socket) is one
-*session*: a random id, and a counter that grows by one per frame.
+*stream*: a random id, and a counter that grows by one per frame.
 
 A receiver accepts a frame only if, in this order:
 
 1. the tag has the right shape and the MAC verifies (``auth_failed`` if not);
 2. its timestamp lies within ``window_s`` of the receiver's clock
    (``auth_stale``): a frame captured earlier cannot be replayed later;
-3. its counter is greater than the last one accepted in its session
+3. its counter is greater than the last one accepted in its stream
    (``auth_replayed``): a frame cannot be replayed within the window either.
 
-A session idle for more than twice the window is forgotten: any frame of it
+A stream idle for more than twice the window is forgotten: any frame of it
 that could still be replayed is then outside the window. Only frames that
-passed the MAC touch the session table, so a party without the key cannot
+passed the MAC touch the stream table, so a party without the key cannot
 grow it.
 
 Not protected: confidentiality (frames travel in clear), NIXL notifications and
@@ -95,27 +95,27 @@ def _mac(key: bytes, dest: bytes, kind: bytes, header: bytes, body: bytes) -> by
 
 
 class Signer:
-    """Tags the frames of one sender connection (one session) to one destination."""
+    """Tags the frames of one sender connection (one stream) to one destination."""
 
-    __slots__ = ("_counter", "_dest", "_key", "dest", "session")
+    __slots__ = ("_counter", "_dest", "_key", "dest", "stream")
 
     def __init__(self, key: bytes, dest: str) -> None:
         self._key = key
         self.dest = dest
         self._dest = dest.encode()
-        self.session = os.urandom(16)
+        self.stream = os.urandom(16)
         self._counter = 0
 
     def sign(self, kind: bytes, body: bytes, *, timestamp: float | None = None) -> bytes:
-        """The tag part for ``[kind, body]`` (the next counter of this session)."""
+        """The tag part for ``[kind, body]`` (the next counter of this stream)."""
         self._counter += 1
-        header = _HEADER.pack(VERSION, self.session, self._counter,
+        header = _HEADER.pack(VERSION, self.stream, self._counter,
                               time.time() if timestamp is None else timestamp)
         return header + _mac(self._key, self._dest, kind, header, body)
 
 
 @dataclass(slots=True)
-class _Session:
+class _Stream:
     counter: int
     seen: float  #: receiver's monotonic clock at the last accepted frame
 
@@ -127,9 +127,9 @@ class Verifier:
     key: bytes = field(repr=False)
     me: str
     window_s: float
-    max_sessions: int = 65536
+    max_streams: int = 65536
     dropped: Counter[str] = field(default_factory=Counter)
-    _sessions: dict[bytes, _Session] = field(default_factory=dict)
+    _streams: dict[bytes, _Stream] = field(default_factory=dict)
     _next_prune: float = 0.0
 
     def check(self, kind: bytes, body: bytes, tag: bytes) -> bool:
@@ -138,7 +138,7 @@ class Verifier:
             self.dropped[FAILED] += 1
             return False
         header, mac = tag[:_HEADER.size], tag[_HEADER.size:]
-        version, session, counter, stamp = _HEADER.unpack(header)
+        version, stream, counter, stamp = _HEADER.unpack(header)
         want = _mac(self.key, self.me.encode(), kind, header, body)
         if version != VERSION or not hmac.compare_digest(mac, want):
             self.dropped[FAILED] += 1
@@ -148,12 +148,12 @@ class Verifier:
             return False
         now = time.monotonic()
         self._prune(now)
-        s = self._sessions.get(session)
+        s = self._streams.get(stream)
         if s is None:
-            if len(self._sessions) >= self.max_sessions:
+            if len(self._streams) >= self.max_streams:
                 self.dropped[FAILED] += 1
                 return False
-            self._sessions[session] = _Session(counter, now)
+            self._streams[stream] = _Stream(counter, now)
             return True
         if counter <= s.counter:
             self.dropped[REPLAYED] += 1
@@ -166,8 +166,8 @@ class Verifier:
             return
         self._next_prune = now + self.window_s
         idle = 2 * self.window_s
-        for sid in [sid for sid, s in self._sessions.items() if now - s.seen > idle]:
-            del self._sessions[sid]
+        for sid in [sid for sid, s in self._streams.items() if now - s.seen > idle]:
+            del self._streams[sid]
 
 
 @dataclass(frozen=True, slots=True)

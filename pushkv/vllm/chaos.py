@@ -38,8 +38,9 @@ from typing import Any
 from .testing import Server, ServerSpec, free_port, get_text, kv_transfer_config, metric
 
 #: Short protocol timeouts, so that failure paths end within seconds.
-FAST = {"lease_s": 10.0, "heartbeat_s": 1.0, "window_s": 8.0, "fence_grace_s": 2.0,
-        "handshake_timeout_s": 5.0, "peer_confirm_s": 1.0}
+#: Handshakes take seconds on a loaded machine; the lease outlasts one.
+FAST = {"lease_s": 30.0, "heartbeat_s": 1.0, "window_s": 8.0, "fence_grace_s": 2.0,
+        "handshake_timeout_s": 20.0, "peer_confirm_s": 1.0}
 #: Proxy flags for fast failover.
 PROXY_FLAGS = ("--health-interval", "0.5", "--health-timeout", "1.5", "--unhealthy-after",
                "2", "--backoff-max", "2")
@@ -334,6 +335,20 @@ def wait_for(cond: Any, timeout_s: float, what: str) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"not reached within {timeout_s} s: {what}")
         time.sleep(0.2)
+
+
+def warm(url: str, model: str, jobs: Sequence[Job], timeout_s: float = 240.0) -> None:
+    """Send ``jobs`` one at a time until each is answered exactly (the first requests
+    of a pair of instances pay their handshake, slow on a loaded machine)."""
+    end = time.monotonic() + timeout_s
+    for job in jobs:
+        while True:
+            out = request(url, model, job.tokens, job.expect, stream=False,
+                          timeout_s=max(1.0, end - time.monotonic()))
+            if out.kind == "correct":
+                break
+            if out.kind == "wrong" or time.monotonic() > end:
+                raise AssertionError(f"warm-up failed: {out}")
 
 
 def references(url: str, model: str, prompts: Sequence[list[int]], max_tokens: int,

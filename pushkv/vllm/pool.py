@@ -4,7 +4,9 @@ Each :class:`Instance` is *up* (in rotation) or *down*. An instance goes down
 when
 
 * ``unhealthy_after`` health probes in a row fail (``GET /health`` refused,
-  timed out, or answered with anything but 200), or
+  timed out, or answered with anything but 200; with ``generate_timeout_s``,
+  also a one-token completion not answered in time: an engine loop that is
+  stuck while its HTTP server still answers), or
 * a leg sent to it is refused, times out, breaks off, or is answered 503.
 
 A down instance is probed again after a back-off that doubles from
@@ -41,10 +43,15 @@ class HealthSettings:
     timeout_s: float = 2.0  #: a probe not answered within this has failed
     unhealthy_after: int = 2  #: failed probes in a row that take an instance down
     backoff_max_s: float = 30.0  #: longest wait between probes of a down instance
+    #: Also ask for one generated token (within this many seconds; 0: do not). vLLM's
+    #: /health answers while its engine loop is stuck; a token does not.
+    generate_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.interval_s > 0 and self.timeout_s > 0 and self.backoff_max_s > 0):
             raise ValueError("health intervals and timeouts must be positive")
+        if self.generate_timeout_s < 0:
+            raise ValueError("generate_timeout_s must be >= 0")
         if self.unhealthy_after < 1:
             raise ValueError("unhealthy_after must be at least 1")
 

@@ -250,10 +250,18 @@ class PushProxy:
     # ---------------------------------------------------- upstream I/O
 
     async def _probe(self, inst: Instance) -> bool:
+        h = self.settings.health
         try:
             async with self.session.get(
-                    inst.url + "/health",
-                    timeout=aiohttp.ClientTimeout(total=self.settings.health.timeout_s)) as r:
+                    inst.url + "/health", timeout=aiohttp.ClientTimeout(total=h.timeout_s)) as r:
+                if r.status != 200:
+                    return False
+            if not h.generate_timeout_s or not self.models:
+                return True
+            body = {"model": next(iter(self.models)), "prompt": [1], "max_tokens": 1}
+            async with self.session.post(
+                    inst.url + COMPLETIONS, json=body,
+                    timeout=aiohttp.ClientTimeout(total=h.generate_timeout_s)) as r:
                 return r.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
@@ -646,6 +654,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="failed probes in a row that take an instance out of rotation")
     p.add_argument("--backoff-max", type=float, default=h.backoff_max_s,
                    help="longest wait between probes of an instance out of rotation (s)")
+    p.add_argument("--probe-generate", type=float, default=h.generate_timeout_s,
+                   metavar="SECONDS", help="also probe with a one-token completion that must "
+                   "answer within this (0: /health only); catches an engine loop that is stuck "
+                   "while its HTTP server still answers")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="larger request bodies are refused with 413")
     p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit,
@@ -667,7 +679,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         max_tokens_limit=args.max_tokens_limit, key=key,
         health=HealthSettings(interval_s=args.health_interval, timeout_s=args.health_timeout,
                               unhealthy_after=args.unhealthy_after,
-                              backoff_max_s=args.backoff_max))
+                              backoff_max_s=args.backoff_max,
+                              generate_timeout_s=args.probe_generate))
 
 
 def _main(args: argparse.Namespace) -> int:

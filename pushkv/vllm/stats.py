@@ -49,14 +49,11 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
         "consumer: from sending a registration to the KV having landed",
         (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)),
     "transfer_seconds": (
-        "producer: one write, from preparing its descriptors to its completion",
-        (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)),
+        "producer: from the prefill's end to its KV released (pushed, or given up)",
+        (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 30, 60)),
     "transfer_bytes": (
-        "producer: bytes of one write",
+        "consumer: KV bytes that landed in this rank for one transfer",
         tuple(float(4**i * 1024) for i in range(12))),
-    "transfer_descriptors": (
-        "producer: NIXL descriptors of one write (after coalescing)",
-        (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)),
 }
 #: Prefix of the per-reason failure counts in the stats' data.
 FAILED_REASON = "failed_reason:"

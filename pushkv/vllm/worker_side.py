@@ -43,7 +43,6 @@ from .config import ConnectorConfigError, PushKVSettings, parse_cpus
 from .layout import KVRegions, describe_kv_caches
 from .metadata import PushKVMetadata, RankAddress, RecvOrder
 from .stats import FAILED_REASON, REFUSED_FRAMES, PushKVStats
-from .write_sampler import WriteSampler
 
 if TYPE_CHECKING:
     import torch
@@ -146,12 +145,13 @@ class WorkerSide:
         self.runtime: NixlRuntime | None = None
         self._recv: dict[str, _Recv] = {}  # consumer: transfer id -> request
         self._send: dict[str, str] = {}  # producer: transfer id -> request
+        self._send_since: dict[str, float] = {}  # producer: when its prefill finished
+        self._block_bytes = 0
         self._done: set[str] = set()  # consumer: requests to report finished
         self._failed: set[str] = set()
         self._sent: set[str] = set()
         self._stats = PushKVStats()
         self._seen: Counter[str] = Counter()
-        self._sampler: WriteSampler | None = None
         self._refused = 0  # the runtime's refused frames, as last counted
 
     @classmethod
@@ -230,8 +230,9 @@ class WorkerSide:
                 f"tcp://{exc.host}:{exc.port} (kv_connector_extra_config.{setting}="
                 f"{getattr(s, setting)!r}; side_channel_port 0 picks free ports)") from None
         self.regions = regions
-        if self.role == "producer":
-            self._sampler = WriteSampler(self.runtime)
+        # Bytes of one vLLM block on this rank, every layer and plane.
+        self._block_bytes = (regions.units(f.block_size) * regions.layout.token_bytes
+                             * regions.layout.num_regions)
         lo = regions.layout
         logger.info(
             "pushkv %s rank %d of %s: %d layers x %d planes, %d blocks of %d B, side channel %s",
@@ -276,6 +277,7 @@ class WorkerSide:
             self._stats.add("transfers_abandoned")
         for send in meta.send:
             self._send[send.transfer_id] = send.req_id
+            self._send_since[send.transfer_id] = time.monotonic()
             pull = send.direction == "pull"
             rt.prefill_finished(send.transfer_id, send.block_ids, regions.units(send.num_tokens),
                                 incarnation=send.incarnation,
@@ -328,6 +330,7 @@ class WorkerSide:
                 self._stats.add("blocks_received", rec.blocks)
                 self._stats.observe("registration_to_ready_seconds",
                                     time.monotonic() - rec.registered)
+                self._stats.observe("transfer_bytes", float(rec.blocks * self._block_bytes))
         elif isinstance(event, TransferFailed):
             rec = self._recv.pop(event.transfer_id, None)
             if rec is not None:
@@ -341,6 +344,9 @@ class WorkerSide:
                 self._stats.add("transfers_cancelled")
         elif isinstance(event, ReleaseSource):
             req_id = self._send.pop(event.transfer_id, None)
+            since = self._send_since.pop(event.transfer_id, None)
+            if since is not None:
+                self._stats.observe("transfer_seconds", time.monotonic() - since)
             if req_id is not None:
                 self._sent.add(req_id)
                 self._stats.add("sources_released")
@@ -378,6 +384,7 @@ class WorkerSide:
         elif event.operation == "prefill_finished" and tid in self._send:
             logger.error("transfer %s could not be pushed: %s", tid, event.error)
             self._sent.add(self._send.pop(tid))
+            self._send_since.pop(tid, None)
         else:  # e.g. an abort racing the transfer's own end: that end is reported
             logger.debug("pushkv: %s(%s) refused: %s", event.operation, tid, event.error)
 
@@ -389,20 +396,12 @@ class WorkerSide:
             refused = sum(counts.get(k, 0) for k in REFUSED_FRAMES)
             self._stats.add("frames_refused", refused - self._refused)
             self._refused = refused
-        if self._sampler is not None:
-            for w in self._sampler.take():
-                if w.ok:
-                    self._stats.observe("transfer_seconds", w.total_s)
-                    self._stats.observe("transfer_bytes", float(w.nbytes))
-                    self._stats.observe("transfer_descriptors", float(w.descriptors))
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, PushKVStats()
         return stats
 
     def shutdown(self) -> None:
-        if self._sampler is not None:
-            self._sampler.close()
         rt, self.runtime = self.runtime, None
         if rt is not None:
             rt.close()

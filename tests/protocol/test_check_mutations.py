@@ -13,7 +13,7 @@ import pytest
 
 from pushkv.protocol import consumer as consumer_module
 from pushkv.protocol import producer as producer_module
-from pushkv.protocol import producer_messages, records, states
+from pushkv.protocol import records, states
 from pushkv.protocol.check import Scope, explore
 from pushkv.protocol.states import (
     ConsumerEffect,

@@ -285,3 +285,32 @@ def test_a_newer_cancel_also_fences_the_older_registration_it_drops():
     assert of(out, TransferCancelled) and c.lent_blocks() == {} and c.num_transfers == 0
     pair.to_consumers(pair.to_producers(late))  # the overtaken messages change nothing
     assert c.lent_blocks() == {}
+
+
+def test_a_final_cancel_after_a_preempt_of_the_same_attempt_releases_the_source():
+    """Preempt then abort while the write is in flight: the abort must not be
+    taken for a repeat of the preempt, or the source waits for its lease."""
+    pair = Pair(pcfg=ProducerConfig(lease_s=30.0))
+    (p,), (c,) = pair.p, pair.c
+    pair.to_producers(c.register("t", "P", [1, 2, 3], 40, 0.0))
+    cancels = c.preempt("t", 0.0) + c.abort("t", 0.0)
+    writes = p.prefill_finished("t", [7, 8, 9], 40, 0.0)
+    pair.to_producers(cancels)
+    back, _ = pair.complete(writes)
+    assert of(back, ReleaseSource) and p.held_blocks() == {}
+
+
+def test_a_transfer_ended_while_waiting_for_the_handshake_is_told_once_connected():
+    """Aborted while its registration waited for the handshake: when the engine
+    becomes usable, the producer is told at once (final Cancel, Skip) instead of
+    holding the prefill until its lease."""
+    pair = Pair(producer={"tp": 2, "num_kv_heads": 1}, consumer={"num_kv_heads": 1})
+    c = _fresh_consumer(pair)
+    c.register("t", "P", [1, 2, 3], 40, 0.0, incarnation=7)
+    c.add_peer(pair.p[1].info, now=0.0)  # the rank that writes nothing
+    c.abort("t", 0.1)
+    out = c.add_peer(pair.p[0].info, now=0.2)  # the writer: the engine is usable now
+    (cancel,) = msgs(out, Cancel)
+    assert (cancel.final, cancel.incarnation, cancel.attempt) == (True, 7, 0)
+    assert [a.peer.rank for a in out if isinstance(a.message, Skip)] == [1]
+    assert c.add_peer(pair.p[0].info, now=0.3) == []  # told once

@@ -50,14 +50,14 @@ def test_any_bit_flip_fails(body: bytes, data: st.DataObject) -> None:
     assert sum(v.dropped.values()) == 1
 
 
-def test_replays_and_old_frames_fail_and_sessions_are_independent() -> None:
+def test_replays_and_old_frames_fail_and_streams_are_independent() -> None:
     v = Verifier(KEY, ME, window_s=60.0)
     a, b = Signer(KEY, ME), Signer(KEY, ME)
     first = (b"C", b"x", a.sign(b"C", b"x"))
     second = (b"C", b"y", a.sign(b"C", b"y"))
     other = (b"C", b"x", b.sign(b"C", b"x"))
-    assert v.check(*second) and not v.check(*first)  # an older counter of the session
-    assert v.check(*other) and not v.check(*other)  # another session; then its replay
+    assert v.check(*second) and not v.check(*first)  # an older counter of the stream
+    assert v.check(*other) and not v.check(*other)  # another stream; then its replay
     stale = (b"C", b"z", a.sign(b"C", b"z", timestamp=time.time() - 61))
     ahead = (b"C", b"z", a.sign(b"C", b"z", timestamp=time.time() + 61))
     nan = (b"C", b"z", a.sign(b"C", b"z", timestamp=float("nan")))

@@ -26,7 +26,16 @@ from .conftest import VLLM_MISSING
 if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)
 
-from pushkv.vllm.chaos import Fleet, Job, Load, Outcome, prompt, references, wait_for
+from pushkv.vllm.chaos import (
+    Fleet,
+    Job,
+    Load,
+    Outcome,
+    prompt,
+    references,
+    wait_for,
+    warm,
+)
 from pushkv.vllm.testing import get_text, metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]
@@ -63,7 +72,7 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
         f.start(*NAMES)
         plain.wait_healthy()
         prompts = [prompt(LENGTHS[i % len(LENGTHS)], next(_salts))
-                   for i in range(PHASE_JOBS * 4 + 16)]
+                   for i in range(PHASE_JOBS * 4 + 24)]
         outs = references(plain.url, f.model, prompts, MAX_TOKENS)
         plain.stop()
         yield f, {tuple(p): o for p, o in zip(prompts, outs, strict=True)}
@@ -93,7 +102,12 @@ def run_phase(f: Fleet, url: str, refs: dict[tuple[int, ...], list[int]], fault,
 
 def warm_and_count_threads(f: Fleet, url: str, refs: dict[tuple[int, ...], list[int]],
                            names: tuple[str, ...]) -> dict[str, int]:
-    """Serve a round of concurrent requests, wait idle, return each instance's threads."""
+    """Handshake every pair, serve a round of concurrent requests, wait idle, return
+    each instance's threads."""
+    try:
+        warm(url, f.model, make_jobs(refs, 4))
+    except AssertionError as exc:  # nothing served at all, before any fault
+        pytest.skip(f"the fleet could not serve before any fault (machine too loaded?): {exc}")
     outcomes = Load(url, f.model, make_jobs(refs, CLIENTS), clients=CLIENTS,
                     timeout_s=PATIENCE_S).start().join(PATIENCE_S * 2)
     assert Load.summary(outcomes)["correct"] == CLIENTS, outcomes

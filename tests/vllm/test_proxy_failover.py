@@ -213,3 +213,20 @@ def test_pool_backs_off_while_down_and_resets_when_up():
     pool.mark_down(p, "refused", now=60)
     assert pool.pick("prefill") is None and not p.up
 
+
+
+def test_a_generating_probe_catches_an_engine_stuck_behind_a_healthy_server():
+    stuck, good = FakeVllm("prefill"), FakeVllm("prefill")
+    d = FakeVllm("decode")
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        assert (await post(s, url))[0] == 200  # the proxy learns the model
+        stuck.delay_s = 60  # completions hang, /health still answers 200
+        await until(lambda: not proxy.prefill[0].up)
+        assert proxy.prefill[1].up and proxy.decode[0].up
+        stuck.delay_s = 0
+        await until(lambda: proxy.prefill[0].up)
+
+    run([stuck, good], [d], scenario, health=HealthSettings(
+        interval_s=0.05, timeout_s=0.5, unhealthy_after=2, backoff_max_s=0.2,
+        generate_timeout_s=0.5))

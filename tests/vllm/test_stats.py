@@ -43,13 +43,14 @@ def test_prometheus_metrics_per_engine():
     prom = PushKVPromMetrics(SimpleNamespace(kv_transfer_config=None), types,
                              ["engine"], {0: ["0"], 1: ["1"]})
     prom.observe({"transfers_failed": 2, FAILED_REASON + "PRODUCER_DEAD": 2,
-                  "transfer_bytes": [1024.0, 4096.0], "transfer_descriptors": [3.0]}, 1)
+                  "transfer_bytes": [1024.0, 4096.0], "transfer_seconds": [0.01]}, 1)
     text = generate_latest(reg).decode()
     assert metric(text, "pushkv:transfers_failed_total", engine="1") == 2
     assert metric(text, "pushkv:transfers_failed_by_reason_total", engine="1",
                   reason="PRODUCER_DEAD") == 2
     assert metric(text, "pushkv:transfer_bytes_count", engine="1") == 2
     assert metric(text, "pushkv:transfer_bytes_sum", engine="1") == 5120
-    assert metric(text, "pushkv:transfer_descriptors_count", engine="0") == 0
+    assert metric(text, "pushkv:transfer_seconds_count", engine="1") == 1
+    assert metric(text, "pushkv:transfer_seconds_count", engine="0") == 0
     for name in HISTOGRAMS:
         assert f"pushkv:{name}_bucket" in text
