@@ -13,7 +13,7 @@ pytest.importorskip("simpy")
 from sim_helpers import config
 
 from pushkv.direction import choose_direction
-from pushkv.sim import Dispatch, run
+from pushkv.sim import Dispatch, TransferMode, run
 from pushkv.sim.sweep import parse_mode
 
 
@@ -60,5 +60,5 @@ def test_behind_a_sequential_router_the_choice_beats_push():
 
 
 def test_labels():
-    assert parse_mode("auto-seq") == parse_mode("auto")[:1] + (Dispatch.SEQUENTIAL,)
+    assert parse_mode("auto-seq") == (TransferMode.AUTO, Dispatch.SEQUENTIAL)
     assert config("auto", dispatch=Dispatch.SEQUENTIAL).label() == "auto-seq"
