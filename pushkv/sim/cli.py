@@ -185,9 +185,11 @@ def _cmd_sim(args: argparse.Namespace) -> int:
 
     mode, default_dispatch = parse_mode(args.mode)
     base = _base_config(args)
-    dispatch = Dispatch.SEQUENTIAL if args.mode == "push-seq" else base.dispatch
+    seq = args.mode.endswith("-seq")
+    dispatch = Dispatch.SEQUENTIAL if seq else base.dispatch
+    free = mode in (TransferMode.PUSH, TransferMode.AUTO)  # the dispatch is a choice
     cfg = dataclasses.replace(
-        base, mode=mode, dispatch=dispatch if mode is TransferMode.PUSH else default_dispatch,
+        base, mode=mode, dispatch=dispatch if free else default_dispatch,
         iteration=args.iteration,
         workload=WorkloadConfig(
             request_rate=args.qps, burstiness=args.burstiness, input_len=args.input_len,

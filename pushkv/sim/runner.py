@@ -27,7 +27,7 @@ from .network import Network
 from .profile import EngineProfile, Profile
 from .request import Outcome, SimRequest
 from .router import Router
-from .scenario import SimConfig
+from .scenario import SimConfig, TransferMode
 from .transport import SimTransport
 from .workload import generate
 
@@ -100,7 +100,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
         eid = f"prefill-{i}"
         pool = BlockPool(profile.prefill.num_blocks(m, gpu), profile.prefill.fragmentation,
                          np.random.default_rng(pool_seeds[i]), profile.prefill.free_order)
-        eng = PrefillEngine(env, eid, profile, pool, transport, cfg.mode, on_done)
+        eng = PrefillEngine(env, eid, profile, pool, transport, cfg.resolved_mode, on_done)
         transport.add_producer(_ranks(eid, profile, profile.prefill), eng)
         prefills.append(eng)
     for j in range(cfg.num_decode):
@@ -108,7 +108,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
         pool = BlockPool(profile.decode.num_blocks(m, gpu), profile.decode.fragmentation,
                          np.random.default_rng(pool_seeds[cfg.num_prefill + j]),
                          profile.decode.free_order)
-        deng = DecodeEngine(env, eid, profile, pool, transport, cfg.mode, recorder)
+        deng = DecodeEngine(env, eid, profile, pool, transport, cfg.resolved_mode, recorder)
         transport.add_consumer(_ranks(eid, profile, profile.decode), deng)
         decodes.append(deng)
     transport.handshake()
@@ -207,6 +207,7 @@ def _extra(
     return {
         "mode": cfg.mode.value,
         "dispatch": cfg.effective_dispatch.value,
+        "direction": "push" if cfg.resolved_mode is TransferMode.PUSH else "pull",
         "num_prefill": cfg.num_prefill,
         "num_decode": cfg.num_decode,
         "profile": profile.name,
