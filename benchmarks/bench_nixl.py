@@ -16,8 +16,18 @@ Measured in one run, on host memory with UCX:
   thread, as pull does on the decode loop. On host memory UCX copies while
   posting, so the inline post includes the copy; the table splits it.
 
+* **packed**: the same fragmented request as a packed write -- the producer
+  gathers its runs into a staging buffer registered once with NIXL
+  (:mod:`pushkv.transports.staging`, numpy on host memory), writes it in
+  16 MiB descriptors into the consumer's staging buffer, and the consumer
+  scatters it into its blocks when the write's notification arrives; timed
+  from the start of the gather to the end of the scatter, unpipelined. This
+  drives the staging path with its own NIXL agents, beside the runtime, which
+  does not pack writes yet.
+
 The last line is one JSON object: ``contiguous_vs_copy``, ``fragmented_vs_copy``,
-``handoff_us_median``, ``inline_us_median`` (and a few raw figures).
+``fragmented_packed_vs_copy``, ``packed_descriptors``, ``handoff_us_median``,
+``inline_us_median`` (and a few raw figures).
 
     PYTHONPATH=. python benchmarks/bench_nixl.py [--reps 5]
 """
@@ -74,12 +84,21 @@ def producer_main(conn: Any) -> None:
     from pushkv.transports.nixl import NixlRuntime
 
     info = _ranks("prefill-0")
-    rt = NixlRuntime(info, _memory(info, fill=True), role="producer")
+    memory = _memory(info, fill=True)
+    rt = NixlRuntime(info, memory, role="producer")
     conn.send(rt.address)
+    stager = Stager("pack-prefill", progress_thread=False)
+    conn.send(stager.agent.metadata())
     handoffs: list[float] = []
     while True:
         cmd = conn.recv()
-        if cmd[0] == "prefill":
+        if cmd[0] == "pack_peer":
+            peer = stager.agent.add_peer(cmd[1])
+            conn.send(None)
+        elif cmd[0] == "packed":
+            _, tid, src, dst, remote_base = cmd
+            conn.send(stager.push(memory, _packed(src, dst), peer, remote_base, tid))
+        elif cmd[0] == "prefill":
             _, tid, ids = cmd
             t0 = time.perf_counter()
             rt.prefill_finished(tid, ids, TOKENS)
@@ -100,6 +119,7 @@ def producer_main(conn: Any) -> None:
             writes = rt.inspect().recent_writes
             conn.send((handoffs, statistics.median(plans), writes))
         elif cmd[0] == "close":
+            stager.close()
             rt.close()
             conn.send(None)
             return
@@ -114,10 +134,17 @@ def consumer_main(conn: Any, producer_address: str) -> None:
     rt.connect("prefill-0", [producer_address], eager=True)
     while not rt.connected("prefill-0"):
         rt.wait(0.01)
-    conn.send(None)
+    stager = Stager("pack-decode", progress_thread=True)
+    conn.send((stager.agent.metadata(), stager.base))
     while True:
         cmd = conn.recv()
-        if cmd[0] == "push":
+        if cmd[0] == "pack_peer":
+            stager.agent.add_peer(cmd[1])
+            conn.send(None)
+        elif cmd[0] == "packed":
+            _, tid, src, dst = cmd
+            conn.send(stager.land(memory, _packed(src, dst), tid))
+        elif cmd[0] == "push":
             _, tid, ids = cmd
             t0 = time.perf_counter()
             rt.register(tid, "prefill-0", ids, TOKENS)
@@ -133,9 +160,78 @@ def consumer_main(conn: Any, producer_address: str) -> None:
                 region.fill(0)
             conn.send(ok)
         elif cmd[0] == "close":
+            stager.close()
             rt.close()
             conn.send(None)
             return
+
+
+def _packed(src: list[int], dst: list[int]) -> Any:
+    """The packed byte maps of the request (both sides compute them from the plan)."""
+    from pushkv.protocol import plan_transfer
+    from pushkv.protocol.mapping import assignment
+    from pushkv.protocol.packing import PackedPlan, PackingConfig
+
+    p, d = _ranks("prefill-0"), _ranks("decode-0")
+    plan = plan_transfer(p.layout, d.layout, assignment(p.engine, d.engine, 0, 0), src, dst,
+                         TOKENS)
+    return PackedPlan(plan, PackingConfig().chunk_bytes)
+
+
+class Stager:
+    """The packed path: a staging buffer registered once with its own NIXL agent.
+    The producer gathers into it and writes it in chunk descriptors into the
+    consumer's, which scatters when the write's notification arrives."""
+
+    def __init__(self, name: str, *, progress_thread: bool) -> None:
+        from pushkv.transports.nixl_agent import Agent
+        from pushkv.transports.nixl_config import NixlConfig
+        from pushkv.transports.nixl_memory import KVMemory
+
+        size = LAYERS * 2 * TOKENS * HEAD_DIM * DTYPE
+        self.buffer = np.ones(size, np.uint8)  # pages faulted in, as a pool would be
+        self.agent = Agent(name, NixlConfig(), progress_thread=progress_thread)
+        self.memory = KVMemory.from_regions([self.buffer])
+        self.agent.register(self.memory)
+        self.base = self.memory.bases[0]
+
+    def push(self, memory: list[np.ndarray], packed: Any, peer: str, remote_base: int,
+             tid: str) -> tuple[float, float, int]:
+        """Gather, write, wait for completion: (gather s, write s, wire descriptors)."""
+        from pushkv.transports.staging import gather_host
+
+        t0 = time.perf_counter()
+        gather_host(packed, memory, self.buffer)
+        t1 = time.perf_counter()
+        n = packed.wire.shape[0]
+        local = np.stack([packed.wire[:, 0] + self.base, packed.wire[:, 1],
+                          np.zeros(n, np.int64)], axis=1)
+        remote = local.copy()
+        remote[:, 0] += remote_base - self.base
+        handle = self.agent.prepare_write(local, remote, peer, tid.encode(), "DRAM")
+        state = self.agent.post(handle)
+        while state == "PROC":
+            state = self.agent.state(handle)
+        self.agent.release(handle)
+        if state != "DONE":
+            raise RuntimeError(f"packed write ended {state}")
+        return t1 - t0, time.perf_counter() - t1, n
+
+    def land(self, memory: list[np.ndarray], packed: Any, tid: str) -> float:
+        """Wait for the write's notification, then scatter: scatter seconds."""
+        from pushkv.transports.staging import scatter_host
+
+        end = time.monotonic() + 60
+        while not any(m == tid.encode() for _, m in self.agent.notifications()):
+            if time.monotonic() > end:
+                raise TimeoutError(f"no packed write for {tid}")
+            time.sleep(0.0002)
+        t0 = time.perf_counter()
+        scatter_host(packed, self.buffer, memory)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.agent.close()
 
 
 class NumpyCopy:
@@ -175,9 +271,13 @@ def main() -> None:
     prod = ctx.Process(target=producer_main, args=(p_child,), daemon=True)
     prod.start()
     address = p_conn.recv()
+    p_meta = p_conn.recv()
     cons = ctx.Process(target=consumer_main, args=(c_child, address), daemon=True)
     cons.start()
-    c_conn.recv()
+    c_meta, c_staging = c_conn.recv()
+    for conn, meta in ((p_conn, c_meta), (c_conn, p_meta)):
+        conn.send(("pack_peer", meta))
+        conn.recv()
 
     nblocks = TOKENS // BLOCK
     rng = np.random.default_rng(0)
@@ -187,7 +287,10 @@ def main() -> None:
                        rng.permutation(BLOCKS)[:nblocks].tolist()),
     }
     nbytes = LAYERS * 2 * TOKENS * HEAD_DIM * DTYPE
-    times: dict[str, list[float]] = {k: [] for k in (*layouts, "copy", "copy_scattered")}
+    times: dict[str, list[float]] = {k: [] for k in (*layouts, "packed", "copy",
+                                                      "copy_scattered")}
+    parts: dict[str, list[float]] = {"gather": [], "write": [], "scatter": []}
+    wire_descriptors = 0
     verified = {}
     ref = NumpyCopy(*layouts["fragmented"])
     i = 0
@@ -211,6 +314,23 @@ def main() -> None:
             if name not in verified:
                 c_conn.send(("verify", src, dst))
                 verified[name] = c_conn.recv()
+        # the packed path on the same fragmented request, in the same round
+        src, dst = layouts["fragmented"]
+        tid = f"packed-{i}"
+        i += 1
+        t0 = time.perf_counter()
+        c_conn.send(("packed", tid, src, dst))
+        p_conn.send(("packed", tid, src, dst, c_staging))
+        gather_s, write_s, wire_descriptors = p_conn.recv()
+        scatter_s = c_conn.recv()
+        took = time.perf_counter() - t0
+        if rep:
+            times["packed"].append(took)
+            for k, v in (("gather", gather_s), ("write", write_s), ("scatter", scatter_s)):
+                parts[k].append(v)
+        if "packed" not in verified:
+            c_conn.send(("verify", src, dst))
+            verified["packed"] = c_conn.recv()
     src, dst = layouts["fragmented"]
     p_conn.send(("report", src, dst))
     handoffs, plan_s, writes = p_conn.recv()
@@ -239,17 +359,22 @@ def main() -> None:
         ("numpy copy, scattered blocks", "copy_scattered"),
         ("NIXL push, contiguous (register -> ready)", "contiguous"),
         (f"NIXL push, fragmented ({descs} descriptors)", "fragmented"),
+        (f"packed: gather+write+scatter ({wire_descriptors} desc.)", "packed"),
     ]
     for label, key in rows:
         print(f"{label:44s} {med[key] * 1e3:9.1f} ms {gbps[key]:8.2f} "
               f"{gbps[key] / copy_gbps:8.2f} {best[key] * 1e3:7.1f} ms "
               f"{best['copy'] / best[key]:8.2f}")
+    for k, v in parts.items():
+        print(f"{'  packed ' + k:44s} {statistics.median(v) * 1e3:9.1f} ms")
     print(f"{'engine-thread hand-off per pushed request':44s} {handoff_us:9.1f} us")
     print(f"{'inline: plan + descriptors + NIXL request':44s} {prep * 1e6:9.1f} us")
     print(f"{'inline: ... + post to completion (copy)':44s} {inline * 1e6:9.1f} us")
     print(json.dumps({
         "contiguous_vs_copy": round(gbps["contiguous"] / copy_gbps, 3),
         "fragmented_vs_copy": round(gbps["fragmented"] / copy_gbps, 3),
+        "fragmented_packed_vs_copy": round(gbps["packed"] / copy_gbps, 3),
+        "packed_descriptors": wire_descriptors,
         "handoff_us_median": round(handoff_us, 2),
         "inline_us_median": round(inline * 1e6, 1),
         "inline_prepare_us_median": round(prep * 1e6, 1),

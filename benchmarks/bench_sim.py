@@ -1,7 +1,7 @@
 """How fast the simulator runs: the full default sweep, then one point in-process.
 
 Runs ``pushkv sweep`` with its defaults (pull and push x 5 input lengths x 4
-rates, 100 prompts each) on every core into a temporary directory, then the
+rates x 5 iterations, 100 prompts each) on every core into a temporary directory, then the
 heaviest single point (pull, 8 QPS, 16k input) in this process. Prints
 simulated requests per wall-second; the last line is one JSON object with
 ``sweep_wall_s`` and ``sim_requests_per_s`` (of the sweep).

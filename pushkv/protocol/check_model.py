@@ -12,8 +12,9 @@ in every state and once nothing can happen any more.
 from __future__ import annotations
 
 import inspect
-from typing import Any, NamedTuple
+from typing import Any
 
+from .check_invariants import _TERMINAL, EpInfo, Invariants, State, Violation
 from .check_scope import Scope
 from .check_snap import Snapshots
 from .check_world import (
@@ -28,7 +29,6 @@ from .check_world import (
     P_WAIT,
     TID,
     WRITE,
-    Frozen,
     Item,
     World,
     done_item,
@@ -59,33 +59,10 @@ from .producer import Producer
 from .states import ConsumerState
 
 CS = ConsumerState
-State = tuple[tuple[int, ...], Frozen]
 Step = tuple[Any, ...]
 
 #: Whether the endpoints take the ``incarnation`` keyword (transfer incarnations).
 HAS_INCARNATION = "incarnation" in inspect.signature(Consumer.register).parameters
-_TERMINAL = frozenset({CS.READY, CS.CANCELLED, CS.FAILED})
-#: Consumer states that only an answer of the producer (or a timer) moves on.
-_WAITING = frozenset(s for s in CS if s not in _TERMINAL and s.name != "PREEMPTED")
-
-
-class EpInfo(NamedTuple):
-    deadline: float | None
-    state: Any  # consumer: state of the transfer
-    lent: tuple[int, ...]  # consumer: blocks a write may still land in
-    held: tuple[tuple[int, ...], ...]  # producer: source blocks held
-    pending: int  # producer: registrations waiting
-    transfers: int
-    writes: int  # producer: writes it thinks are in flight
-
-
-class Violation(Exception):
-    """A promise of the protocol was broken (raised inside a step, reported with its trace)."""
-
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-        self.detail = detail
 
 
 def touched(plan: TransferPlan, stride: int, side: int) -> tuple[int, ...]:
@@ -117,7 +94,10 @@ def brief(msg: Message) -> str:
     return f"{name}({' '.join(parts)})"
 
 
-class Model:
+__all__ = ["HAS_INCARNATION", "Model", "State", "Step", "Violation", "brief", "touched"]
+
+
+class Model(Invariants):
     """The real endpoints of one scope, and the rules of the world around them."""
 
     def __init__(self, scope: Scope, *, check_rejects: bool = True) -> None:
@@ -189,9 +169,6 @@ class Model:
                              len(ep.writes_in_flight()))
             self._info[i, sid] = got
         return got
-
-    def c_state(self, c: int, sid: int) -> Any:
-        return self.info(self.np + c, sid).state
 
     def _frame(self, msg: Message) -> bytes:
         """The wire frame of a message (each message object is encoded once)."""
@@ -687,93 +664,6 @@ class Model:
                     w.p_owner[b] = None
             if pi.status == P_WAIT and (k == 0 or w.pinc[k - 1].status == P_OVER):
                 pi.status = P_PREFILL
-
-    # ------------------------------------------------------------- invariants
-
-    def check_state(self, state: State) -> None:
-        """What must hold in every reachable state."""
-        ids, f = state
-        dead = f[4]
-        d_owner, p_owner = f[9], f[10]
-        if dead != "D":
-            for c in range(self.nd):
-                for b in self.info(self.np + c, ids[self.np + c]).lent:
-                    if d_owner[b] is None:
-                        raise Violation("reuse", f"D{c} still lends block {b}, which its "
-                                        "engine already took back")
-        if dead != "P":
-            for r in range(self.np):
-                got = self.info(r, ids[r])
-                if got.pending > 64:
-                    raise Violation("bounds", f"P{r} holds too many registrations")
-                for blocks in got.held:
-                    if any(p_owner[b] is None for b in blocks):
-                        raise Violation("source", f"P{r} holds source blocks {list(blocks)} "
-                                        "its engine already took back")
-        if not f[5] and not f[1]:
-            self._check_prompt(ids, f)
-
-    def _check_prompt(self, ids: tuple[int, ...], f: Frozen) -> None:
-        """Nothing in flight, nothing lost: every known answer must have been given."""
-        cinc, pinc = f[7], f[8]
-        owed = False
-        for k, ci in enumerate(cinc):
-            if ci[0] == C_IDLE or pinc[k][0] in (P_WAIT, P_PREFILL):
-                owed = owed or ci[0] == C_LIVE
-                continue  # the producer still owes its prefill
-            if ci[0] == C_LIVE:
-                for c in range(self.nd):
-                    s = self.c_state(c, ids[self.np + c])
-                    if s in _WAITING:
-                        raise Violation("prompt", f"D{c} waits in {s.name} for t#{k} with "
-                                        "nothing in flight: only a timer can end the wait")
-            elif pinc[k][0] == P_HELD:
-                held = sorted(set(range(self.np)) - pinc[k][2])
-                raise Violation("prompt", f"P{held[0]} still holds the source of t#{k} after "
-                                "every consumer rank learned its outcome, with nothing in "
-                                "flight: only its lease will free it")
-        if owed:
-            return
-        for c in range(self.nd):
-            lent = self.info(self.np + c, ids[self.np + c]).lent
-            if lent:
-                raise Violation("prompt", f"D{c} still lends blocks {list(lent)} with nothing "
-                                "in flight: only a timer can free them")
-
-    def check_final(self, state: State) -> None:
-        """Nothing can happen any more: everything must have ended and been freed."""
-        ids, f = state
-        dead, cinc, pinc = f[4], f[7], f[8]
-        if dead != "D":
-            for k, ci in enumerate(cinc):
-                if ci[0] == C_LIVE:
-                    raise Violation("final", f"t#{k} never ended on the consumer: outcomes "
-                                    f"{list(ci[3])}")
-                if ci[0] == C_IDLE and (k == 0 or cinc[k - 1][0] == C_OVER) and dead != "P":
-                    raise Violation("final", f"t#{k} could never be registered: no free block")
-                if len(ci[5]) != len(ci[1]):
-                    raise Violation("final", f"blocks of t#{k} never went back to the pool")
-            for c in range(self.nd):
-                self._final_endpoint(f"D{c}", self.info(self.np + c, ids[self.np + c]))
-        if dead != "P":
-            for k, pi in enumerate(pinc):
-                if pi[0] in (P_PREFILL, P_HELD):
-                    raise Violation("final", f"the source of t#{k} was never released "
-                                    f"(status {pi[0]}, released by {sorted(pi[2])})")
-            for r in range(self.np):
-                got = self.info(r, ids[r])
-                self._final_endpoint(f"P{r}", got)
-                if got.writes:
-                    raise Violation("final", f"P{r} still thinks writes are in flight")
-
-    @staticmethod
-    def _final_endpoint(name: str, got: EpInfo) -> None:
-        if got.lent or got.held:
-            raise Violation("final", f"{name} still holds blocks {got.lent or got.held}")
-        if got.transfers:
-            raise Violation("final", f"{name} still tracks {got.transfers} transfer(s)")
-        if got.deadline is not None:
-            raise Violation("final", f"{name} still has a timer at t={got.deadline:g}")
 
     # ------------------------------------------------------------- describing
 

@@ -70,6 +70,11 @@ class ConsumerConfig:
         metadata={"help": "transfers waiting for a producer engine's handshake fail "
                   "(HANDSHAKE_FAILED) when it has not completed within this"},
     )
+    max_untold: int = field(
+        default=4096,
+        metadata={"help": "transfers remembered, per producer engine, to Skip a rank that "
+                  "writes nothing once its handshake completes; beyond this its lease decides"},
+    )
     policy: FailurePolicy = field(
         default=FailurePolicy.FAIL,
         metadata={"help": "what a failed transfer means for the request"},
@@ -79,5 +84,7 @@ class ConsumerConfig:
         for name in ("window_s", "fence_grace_s", "heartbeat_s", "handshake_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_untold < 0:
+            raise ConfigError(f"max_untold must be >= 0, got {self.max_untold}")
         if not isinstance(self.policy, FailurePolicy):
             raise ConfigError(f"policy must be a FailurePolicy, got {self.policy!r}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy.typing as npt
 
 from .config import ConsumerConfig
+from .consumer_handshake import connect, fail_handshake, learn_rank
 from .consumer_messages import (
     abandons,
     cancels,
@@ -29,7 +30,6 @@ from .errors import (
 )
 from .events import (
     Action,
-    Connect,
     Mode,
     Peer,
     ReleaseDestination,
@@ -39,7 +39,7 @@ from .events import (
     TransferReady,
 )
 from .layout import EngineSpec, RankInfo
-from .mapping import expected_writers, targets_of
+from .mapping import expected_writers
 from .messages import (
     CancelAck,
     Fail,
@@ -97,6 +97,9 @@ class Consumer(Endpoint):
         # engine: abandoned (final Cancel, Skip) once it is usable; bounded by the
         # handshake timeout, which forgets them.
         self._abandoned: dict[str, list[Key]] = {}
+        # Transfers whose Skip could not reach a rank that writes nothing (no
+        # handshake yet), by engine, oldest first; bounded by ``max_untold``.
+        self._untold: dict[str, dict[Key, None]] = {}
 
     # ------------------------------------------------------------------ peers
 
@@ -112,35 +115,7 @@ class Consumer(Endpoint):
         self._writers[info.engine_id] = expected_writers(
             info.engine, self.info.engine, self.peer.rank
         )
-        if info.engine_id not in self._silent:
-            # Producer ranks that write nothing into this engine learn from one
-            # consumer rank (rank r from consumer rank r mod world) that their
-            # source is not needed.
-            src, dst = info.engine, self.info.engine
-            self._silent[info.engine_id] = tuple(
-                r for r in range(src.world_size)
-                if r % dst.world_size == self.peer.rank and not targets_of(src, dst, r)
-            )
-        writers = self._writers[info.engine_id]
-        if all(Peer(info.engine_id, r) in self._peers for r in writers):
-            self._ready_engines.add(info.engine_id)
-        when = self._now if now is None else now
-        out = self._run_timers(when) if now is not None else []
-        if info.rank in self._silent[info.engine_id]:  # told late: Skip what went out
-            out += [a for t in self._transfers.values() if t.producer == info.engine_id
-                    and t.skipped and t.state not in CONSUMER_TERMINAL
-                    for a in skips(self, t.key, info.engine_id, only=info.rank)]
-        if not self._usable(info.engine_id):
-            return out
-        # Rule 8: the engine became usable; the registrations held for it go out,
-        # and the producer learns of the transfers that ended while they waited.
-        self._connecting.pop(info.engine_id, None)
-        for key in self._abandoned.pop(info.engine_id, ()):
-            out += abandons(self, key, info.engine_id, self._writers[info.engine_id])
-        for t in list(self._transfers.values()):
-            if t.state is CS.CONNECTING and t.producer == info.engine_id:
-                out += self._input(t, CI.CONNECTED, max(when, 0.0))
-        return out
+        return learn_rank(self, info, now)
 
     def _abandon_later(self, t: _Transfer) -> None:
         """A transfer cancelled before any registration went out (it waited for the
@@ -158,28 +133,7 @@ class Consumer(Endpoint):
         for it fails (HANDSHAKE_FAILED) and releases its blocks. A later
         registration asks for the engine again."""
         out = self._run_timers(now)
-        return out + self._handshake_failed(engine_id, reason, now)
-
-    def _handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
-        self._connecting.pop(engine_id, None)
-        self._abandoned.pop(engine_id, None)  # no channel: the producer's lease decides
-        self.stats["handshakes_failed"] += 1
-        out: list[Action] = []
-        for t in list(self._transfers.values()):
-            if t.state is CS.CONNECTING and t.producer == engine_id:
-                t.why(FailReason.HANDSHAKE_FAILED,
-                      f"handshake with producer engine {engine_id!r} failed: {reason}")
-                out += self._input(t, CI.HANDSHAKE_FAILED, now)
-        return out
-
-    def _connect(self, engine_id: str, now: float) -> list[Action]:
-        """Ask the driver for a handshake, once per engine; a core timer bounds it."""
-        if engine_id in self._connecting:
-            return []
-        deadline = self._connecting[engine_id] = now + self.config.handshake_timeout_s
-        self._schedule(deadline, engine_id)
-        self.stats["connects"] += 1
-        return [Connect(engine_id=engine_id)]
+        return out + fail_handshake(self, engine_id, reason, now)
 
     def peer_died(self, engine_id: str, now: float) -> list[Action]:
         """The transport confirmed ``engine_id`` dead: it fences every attempt it owed."""
@@ -190,6 +144,7 @@ class Consumer(Endpoint):
         self._writers.pop(engine_id, None)
         self._silent.pop(engine_id, None)
         self._ready_engines.discard(engine_id)
+        self._untold.pop(engine_id, None)
         for t in [*self._transfers.values(), *self._retired.values()]:
             if t.producer != engine_id:
                 continue
@@ -331,7 +286,7 @@ class Consumer(Endpoint):
         self._lend(t, cur)
         self.stats["registered"] += 1
         if not usable:  # rule 8: wait in CONNECTING for the handshake
-            return out + self._connect(producer, now)
+            return out + connect(self, producer, now)
         t.skipped = True
         out += self._start_attempt(t, now)
         return out + skips(self, t.key, producer) if self._silent[producer] else out
@@ -424,6 +379,13 @@ class Consumer(Endpoint):
                            inp)
         if isinstance(msg, Fail):
             t.why(msg.reason, f"{msg.reason.name} from rank {msg.rank}: {msg.detail}")
+        a = t.cur if msg.attempt == t.cur.attempt else t.zombies.get(msg.attempt)
+        if a is not None and msg.rank in a.expected and msg.rank not in a.fenced and (
+            a is not t.cur or t.state in _LISTENING
+        ) and not (inp is CI.CANCEL_ACK and a is t.cur and t.state is CS.REGISTERED):
+            inp = _parts(a, msg.rank, inp, msg)
+            if inp is CI.PART:
+                self.stats["parts"] += 1
         return self._report(t, msg.attempt, msg.rank, inp, now)
 
     def _report(
@@ -496,6 +458,8 @@ class Consumer(Endpoint):
             cur.notified |= ranks
             cur.fenced |= ranks  # a finished write is its own fence
             return []
+        if effect is CE.PART:  # rule 9: counted in the attempt's parts already
+            return []
         if effect is CE.READY:
             self._unlend(t, cur)
             self.stats["ready"] += 1
@@ -510,10 +474,10 @@ class Consumer(Endpoint):
                 ]
             return out
         if effect is CE.FENCE:
-            cur.fenced |= ranks
+            cur.fenced |= {r for r in ranks if cur.landed(r)}
             return []
         if effect is CE.FAIL_REST:
-            cur.fenced |= ranks
+            cur.fenced |= {r for r in ranks if cur.landed(r) or inp is CI.PEER_DIED}
             if inp is CI.PEER_DIED:
                 t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
             return cancels(self, t, final=True)
@@ -554,7 +518,7 @@ class Consumer(Endpoint):
             t.cur = self._attempt(cur.attempt + 1, block_ids, t.producer, now)
             t.reason, t.code = "", FailReason.WRITE_FAILED
             self._lend(t, t.cur)
-            return self._connect(t.producer, now)
+            return connect(self, t.producer, now)
         if effect in (CE.REGISTER, CE.ZOMBIFY_AND_REGISTER):
             spec = self._engines.get(t.producer)
             if spec is None:  # the producer left while we were preempted
@@ -618,7 +582,10 @@ class Consumer(Endpoint):
                                      attempt=z.attempt, input=inp.value) from None
         out: list[Action] = []
         if effect is CE.FENCE:
-            z.fenced |= ranks
+            # A rank's own word fences only once its parts landed (rule 9); a dead
+            # peer or the hard deadline fences regardless.
+            word = inp in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL)
+            z.fenced |= {r for r in ranks if not word or z.landed(r)}
         elif effect is CE.RELEASE:
             del t.zombies[z.attempt]
             out.append(self._release(t, z))
@@ -673,7 +640,7 @@ class Consumer(Endpoint):
             due = self._connecting.get(key)
             if due is None or due > now:
                 return []
-            return self._handshake_failed(key, "handshake timed out", now)
+            return fail_handshake(self, key, "handshake timed out", now)
         t = self._transfers.get(key[0])
         if t is None or t.inc != key[1]:
             t = self._retired.get(key)
@@ -747,3 +714,21 @@ def _written(ids: tuple[int, ...], block_size: int, first: int, n: int) -> tuple
 
 def _invalid(why: str, transfer_id: str, attempt: int, inp: ConsumerInput) -> ValidationError:
     return ValidationError(why, transfer_id=transfer_id, attempt=attempt, input=inp.value)
+
+
+def _parts(a: _Attempt, rank: int, inp: ConsumerInput, msg: Notify | CancelAck | Fail) -> (
+        ConsumerInput):
+    """Rule 9: count a producer rank's parts. A Notify that does not complete the
+    rank (more parts to come, or its count not known yet) is the input PART; the
+    rank's last word (final Notify, CancelAck, Fail) says how many parts to wait
+    for, and the part that completes them is fed as NOTIFY (its fence)."""
+    owed = a.need.get(rank)
+    if isinstance(msg, Notify):
+        a.got.setdefault(rank, set()).add(msg.part)
+        if msg.parts:
+            a.need[rank] = max(msg.parts, owed or 0)
+        elif owed is None:
+            return CI.PART
+        return CI.NOTIFY if a.landed(rank) else CI.PART
+    a.need[rank] = max(msg.parts, owed or 0)
+    return inp

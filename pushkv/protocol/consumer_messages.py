@@ -46,11 +46,18 @@ def abandons(c: Consumer, key: Key, producer: str, writers: frozenset[int]) -> l
 def skips(c: Consumer, key: Key, producer: str, only: int | None = None) -> list[Action]:
     """Skip to the producer ranks this rank speaks for that write nothing (and
     has handshaken with; ``only``: to that rank alone)."""
+    silent = c._silent.get(producer, ())
+    if only is None and any(Peer(producer, r) not in c._peers for r in silent):
+        # A rank that writes nothing has not handshaken yet: tell it when it does.
+        untold = c._untold.setdefault(producer, {})
+        untold[key] = None
+        while len(untold) > c.config.max_untold:
+            del untold[next(iter(untold))]
     return [
         SendMessage(peer=Peer(producer, r), message=Skip(
             transfer_id=key[0], engine_id=c.peer.engine_id, rank=c.peer.rank,
             producer_engine_id=producer, incarnation=key[1]))
-        for r in c._silent.get(producer, ())
+        for r in silent
         if Peer(producer, r) in c._peers and only in (None, r)
     ]
 

@@ -41,6 +41,8 @@ Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS * MAX_RANKS)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
 Detail = Annotated[str, msgspec.Meta(max_length=1024)]
+#: Writes of one attempt of one leg (progressive push numbers them).
+Parts = Annotated[int, msgspec.Meta(ge=0, lt=1 << 24)]
 
 
 class FailReason(enum.IntEnum):
@@ -100,13 +102,17 @@ class Cancel(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=3):
 
 
 class CancelAck(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=4):
-    """Producer -> consumer: fence -- this attempt will never be written by me."""
+    """Producer -> consumer: fence -- this attempt will never be written by me.
+
+    ``parts``: how many writes of the attempt I finished before stopping (their
+    notifications may still be on the way); the fence holds once they arrived."""
 
     transfer_id: TransferId
     attempt: Attempt
     engine_id: EngineId
     rank: Rank
     incarnation: Incarnation = 0
+    parts: Parts = 0
 
 
 class Fail(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=5):
@@ -119,6 +125,7 @@ class Fail(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=5):
     reason: FailReason
     detail: Detail = ""
     incarnation: Incarnation = 0
+    parts: Parts = 0  #: as for CancelAck: writes that finished before the failure
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=6):
@@ -135,13 +142,20 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=
 
 
 class Notify(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=7):
-    """Write notification, riding on the WRITE: producer rank finished writing."""
+    """Write notification, riding on the WRITE: producer rank finished writing.
+
+    A leg written in several writes (progressive push) numbers them: ``part`` is
+    this write's index, and the last write says how many there are (``parts``;
+    0 on the others). The rank has finished once ``parts`` distinct parts
+    arrived, in any order. A whole-request write is part 0 of 1."""
 
     transfer_id: TransferId
     attempt: Attempt
     engine_id: EngineId
     rank: Rank
     incarnation: Incarnation = 0
+    part: Parts = 0
+    parts: Parts = 1
 
 
 class ReadDone(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=8):

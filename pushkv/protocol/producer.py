@@ -9,6 +9,7 @@ clock -- into actions for its driver. The transitions live in :mod:`.states`.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
 import numpy.typing as npt
 
@@ -44,6 +45,7 @@ from .messages import (
 )
 from .planner import block_tuple, plan_transfer
 from .producer_messages import on_cancel, on_heartbeat, on_read_done, on_register, on_skip
+from .ranges import mark, next_rect, todo
 from .records import Key
 from .records import Leg as _Leg
 from .records import Registration as _Registration
@@ -73,7 +75,7 @@ _REASON = {
     PI.SOURCE_GONE: FailReason.SOURCE_RELEASED,
 }
 Kv = SourceState
-_COMPLETIONS = frozenset((PI.WRITE_OK, PI.WRITE_ERROR))
+_COMPLETIONS = frozenset((PI.WRITE_OK, PI.WRITE_ERROR, PI.PART_OK))
 _PARKED = frozenset((PS.EMPTY, PS.KV_READY, PS.GONE))
 SI, SE = SourceInput, SourceEffect
 
@@ -178,11 +180,11 @@ class Producer(Endpoint):
             raise ConfigError(f"{len(ids)} blocks cannot hold {num_tokens} tokens")
         key = (transfer_id, incarnation)
         t = self._transfers.get(key)
-        if t is not None and t.kv is not Kv.PENDING:
+        if t is not None and t.kv not in (Kv.PENDING, Kv.PARTIAL):
             raise LocalProtocolError(
                 "prefill already reported", transfer_id=transfer_id, state=t.kv.value
             )
-        if t is not None and mode is Mode.PULL and t.legs:
+        if t is not None and mode is Mode.PULL and (t.legs or t.kv is Kv.PARTIAL):
             raise LocalProtocolError(
                 "pull transfer has push registrations", transfer_id=transfer_id
             )
@@ -195,10 +197,60 @@ class Producer(Endpoint):
                                         incarnation=incarnation)]
         if t is None:
             t = self._transfers[key] = _Transfer(transfer_id, incarnation)
-        else:
+        elif t.kv is Kv.PENDING:
             self._orphans -= 1
         t.mode, t.src_ids, t.num_tokens = mode, ids, num_tokens
         out += self._source(t, SI.PREFILL_DONE, now)
+        return out + self._settle(t, now)
+
+    def range_ready(
+        self,
+        transfer_id: str,
+        block_ids: npt.ArrayLike,
+        tokens: tuple[int, int],
+        now: float,
+        *,
+        layers: tuple[int, int] | None = None,
+        incarnation: int = 0,
+    ) -> list[Action]:
+        """Before prefill finished: tokens ``[a, b)`` of ``transfer_id`` are final
+        for layers ``[l0, l1)`` (global layer indices; None: every layer), in
+        ``block_ids`` (the request's blocks so far). Rule 9: registered legs write
+        them at once. Ranges may overlap, repeat and come in any order; prefill
+        completion (:meth:`prefill_finished`) still ends the stream and makes every
+        token final. Push only."""
+        ids = block_tuple(block_ids)
+        lo, eng = self.info.layout, self.info.engine
+        a, b = tokens
+        l0, l1 = (0, eng.num_layers) if layers is None else layers
+        if not 0 <= a < b or len(ids) * lo.block_size < b:
+            raise ConfigError(f"{len(ids)} blocks cannot hold tokens [{a}, {b})")
+        if ids and (min(ids) < 0 or max(ids) >= lo.num_blocks):
+            raise ConfigError(f"source block id outside [0, {lo.num_blocks})")
+        if not 0 <= l0 < l1 <= eng.num_layers:
+            raise ConfigError(f"layers [{l0}, {l1}) outside [0, {eng.num_layers})")
+        key = (transfer_id, incarnation)
+        t = self._transfers.get(key)
+        if t is not None and t.kv not in (Kv.PENDING, Kv.PARTIAL):
+            raise LocalProtocolError(
+                "range after prefill was reported", transfer_id=transfer_id, state=t.kv.value
+            )
+        out = self._run_timers(now)
+        t = self._transfers.get(key)
+        if t is None and key in self._tombstones:
+            return out  # already concluded here: nobody will read it
+        if t is None:
+            t = self._transfers[key] = _Transfer(transfer_id, incarnation)
+        elif t.kv is Kv.PENDING:
+            self._orphans -= 1
+        if t.kv is Kv.PENDING:
+            t.orphan = float("inf")  # the local engine is prefilling it
+        if len(ids) > len(t.src_ids):
+            t.src_ids = ids
+        if lo.order == "BLOCK":  # opaque blocks move whole: only whole blocks are final
+            a, b = -(-a // lo.block_size) * lo.block_size, b - b % lo.block_size
+        mark(t.ready, (a, b, max(l0, lo.layer_start), min(l1, lo.layer_end)))
+        out += self._source(t, SI.RANGE_READY, now)
         return out + self._settle(t, now)
 
     def prefill_aborted(
@@ -235,7 +287,9 @@ class Producer(Endpoint):
             )
         out = self._run_timers(now)
         self.stats["writes_ok" if ok else "writes_failed"] += 1
-        out += self._input(t, leg, PI.WRITE_OK if ok else PI.WRITE_ERROR, now)
+        # Rule 9: a part that is not the leg's last is PART_OK.
+        done = PI.WRITE_OK if leg.last else PI.PART_OK
+        out += self._input(t, leg, done if ok else PI.WRITE_ERROR, now)
         return out + self._settle(t, now)
 
     def _writing(
@@ -304,6 +358,8 @@ class Producer(Endpoint):
             t.expired = True
             self.stats["lease_expired"] += 1
             leg_input = PI.LEASE_EXPIRED
+        elif effect is SE.STREAM:
+            leg_input = PI.RANGE_READY
         elif effect is SE.RELEASE:
             self.stats["released"] += 1
             own.append(ReleaseSource(transfer_id=t.transfer_id, block_ids=t.src_ids,
@@ -341,7 +397,8 @@ class Producer(Endpoint):
         leg = t.legs.get(peer)
         if leg is None:
             kv = t.kv
-            state = PS.KV_READY if kv is Kv.HELD else PS.EMPTY if kv is Kv.PENDING else PS.GONE
+            state = (PS.KV_READY if kv in (Kv.HELD, Kv.PARTIAL) else
+                     PS.EMPTY if kv is Kv.PENDING else PS.GONE)
             leg = t.legs[peer] = _Leg(peer=peer, state=state)
         return leg
 
@@ -365,6 +422,8 @@ class Producer(Endpoint):
         finished = None
         if inp in _COMPLETIONS:
             finished, leg.writing = leg.writing, None
+            if inp is not PI.WRITE_ERROR:
+                leg.parts += 1
         leg.state = nxt
         if nxt in _PARKED:
             leg.reg = None  # parked: no registration held
@@ -374,7 +433,7 @@ class Producer(Endpoint):
             self._count_pending(before, leg.state)
         if self.trace is not None:
             self.trace.append(Step(t.key, leg.peer, before, inp, effect, nxt, tuple(out)))
-        if leg.refused is not None:  # the write just adopted may not start (rule 5)
+        if leg.refused is not None:  # the write may not start (rule 5) or waits (rule 9)
             refusal, leg.refused = leg.refused, None
             out += self._input(t, leg, refusal[0], now, fail=refusal[1:])
         return out
@@ -404,10 +463,12 @@ class Producer(Endpoint):
         if effect in (PE.ADOPT, PE.ADOPT_AND_WRITE, PE.ACK_AND_ADOPT):
             assert reg is not None
             old, leg.reg, leg.attempt = leg.reg, reg, reg.attempt
+            old_parts = self._parts_of(leg, old.attempt) if old is not None else 0
+            self._fresh(leg)
             if effect is PE.ADOPT_AND_WRITE:
                 return self._write(t, leg, now)
             if effect is PE.ACK_AND_ADOPT and old is not None:
-                return [self._ack(leg.peer, key, old.attempt)]
+                return [self._ack(leg.peer, key, old.attempt, old_parts)]
             return []
         if effect is PE.WRITE:
             return self._write(t, leg, now)
@@ -422,14 +483,24 @@ class Producer(Endpoint):
             elif leg.reg is not None:  # the registration dropped is fenced too
                 attempts.add(leg.reg.attempt)
                 leg.reg = None
-            return [self._ack(leg.peer, key, a) for a in sorted(attempts)]
+            return [self._ack(leg.peer, key, a, self._parts_of(leg, a)) for a in sorted(attempts)]
+        if effect in (PE.ACK_PARTS, PE.ACK_PARTS_AND_WRITE_STASHED):
+            assert finished is not None  # rule 9: the parts written are the fence
+            acks: list[Action] = [self._ack(leg.peer, key, finished, leg.parts)]
+            if effect is PE.ACK_PARTS:
+                return acks
+            assert leg.stash is not None
+            leg.reg, leg.stash = leg.stash, None
+            self._fresh(leg)
+            return acks + self._write(t, leg, now)
         if effect is PE.ACK_STALE:
             assert cancel is not None
             return [] if cancel == leg.writing else [self._ack(leg.peer, key, cancel)]
         if effect is PE.FAIL:
             assert reason is not None
             failed = finished if finished is not None else leg.attempt
-            return [self._fail(leg.peer, key, failed, reason, detail)]
+            return [self._fail(leg.peer, key, failed, reason, detail,
+                               self._parts_of(leg, failed))]
         if effect is PE.FAIL_GONE:
             assert reg is not None
             leg.attempt = reg.attempt
@@ -450,15 +521,17 @@ class Producer(Endpoint):
             out: list[Action] = []
             if effect is PE.FAIL_AND_WRITE_STASHED:
                 assert finished is not None
-                out.append(self._fail(leg.peer, key, finished, FailReason.WRITE_FAILED))
+                out.append(self._fail(leg.peer, key, finished, FailReason.WRITE_FAILED, "",
+                                      self._parts_of(leg, finished)))
             leg.reg, leg.stash = leg.stash, None
+            self._fresh(leg)
             return out + self._write(t, leg, now)
         raise AssertionError(f"unhandled effect {effect}")  # pragma: no cover
 
     def _write(self, t: _Transfer, leg: _Leg, now: float) -> list[Action]:
         """Rendezvous reached (rule 1): plan and issue the write of ``leg.reg``."""
         reg = leg.reg
-        assert reg is not None and t.kv is Kv.HELD
+        assert reg is not None and t.kv in (Kv.HELD, Kv.PARTIAL)
         info = self._peers.get(leg.peer)
         if now > reg.deadline or t.expired or now >= t.lease or t.aborted:
             # Rule 5: never start after the window, nor after the source's lease
@@ -471,18 +544,37 @@ class Producer(Endpoint):
         try:
             if info is None:
                 raise PlanError("consumer rank left")
-            if reg.num_tokens > t.num_tokens:
+            if t.kv is Kv.HELD and reg.num_tokens > t.num_tokens:
                 raise PlanError(
                     f"registration wants {reg.num_tokens} tokens, prefill produced {t.num_tokens}"
                 )
+            assigned = self._assigned[leg.peer]
+            if leg.parts_of != reg.attempt:
+                self._fresh(leg)
+            if not leg.written and t.kv is Kv.HELD:
+                rect = None  # the whole request in one write: the common case
+            else:
+                ready = None if t.kv is Kv.HELD else t.ready
+                pending = todo(ready, leg.written, assigned.layers, reg.first_token,
+                               reg.num_tokens)
+                rect = next_rect(pending)
+                if rect is None:
+                    # Rule 9: nothing new is ready yet; the next range writes it.
+                    leg.refused = (PI.NOTHING_READY, FailReason.INVALID, "")
+                    return []
+                mark(leg.written, rect)
+                after = todo(None, leg.written, assigned.layers, reg.first_token,
+                             reg.num_tokens)
+                leg.last = not after
+                assigned = replace(assigned, layers=range(rect[2], rect[3]))
             plan = plan_transfer(
                 self.info.layout,
                 info.layout,
-                self._assigned[leg.peer],
+                assigned,
                 t.src_ids,
                 reg.block_ids,
-                reg.num_tokens,
-                reg.first_token,
+                reg.num_tokens if rect is None else rect[1],
+                reg.first_token if rect is None else rect[0],
             )
         except (PlanError, ConfigError) as exc:
             self.stats["plan_failed"] += 1
@@ -490,12 +582,18 @@ class Producer(Endpoint):
             return []
         self.stats["writes_issued"] += 1
         leg.writing = reg.attempt
+        if rect is None:
+            leg.last = True
+            mark(leg.written, (reg.first_token, reg.num_tokens, assigned.layers.start,
+                               assigned.layers.stop))
         notify = Notify(
             transfer_id=t.transfer_id,
             attempt=reg.attempt,
             engine_id=self.peer.engine_id,
             rank=self.peer.rank,
             incarnation=t.inc,
+            part=leg.parts,
+            parts=leg.parts + 1 if leg.last else 0,
         )
         return [
             IssueWrite(
@@ -507,7 +605,7 @@ class Producer(Endpoint):
     def _settle(self, t: _Transfer, now: float) -> list[Action]:
         """Rule 4 (release exactly once) and forgetting finished transfers."""
         kv = t.kv
-        if kv is Kv.PENDING or t.dead:
+        if kv in (Kv.PENDING, Kv.PARTIAL) or t.dead:
             return []
         out: list[Action] = []
         legs = t.legs
@@ -542,6 +640,17 @@ class Producer(Endpoint):
         out += self._forget(t, now)
         return out
 
+    @staticmethod
+    def _fresh(leg: _Leg) -> None:
+        """A new registration on the leg: nothing of it written yet (rule 9)."""
+        leg.written, leg.parts, leg.last = {}, 0, True
+        leg.parts_of = leg.reg.attempt if leg.reg is not None else -1
+
+    @staticmethod
+    def _parts_of(leg: _Leg, attempt: int) -> int:
+        """Parts of ``attempt`` this leg finished writing (rule 9; 0 if none)."""
+        return leg.parts if attempt == leg.parts_of else 0
+
     def _forget(self, t: _Transfer, now: float) -> list[Action]:
         out: list[Action] = []
         quiet = self.trace is None
@@ -570,7 +679,7 @@ class Producer(Endpoint):
 
     # ---------------------------------------------------------------- output
 
-    def _ack(self, peer: Peer, key: Key, attempt: int) -> SendMessage:
+    def _ack(self, peer: Peer, key: Key, attempt: int, parts: int = 0) -> SendMessage:
         self.stats["acks"] += 1
         return SendMessage(
             peer=peer,
@@ -580,11 +689,13 @@ class Producer(Endpoint):
                 engine_id=self.peer.engine_id,
                 rank=self.peer.rank,
                 incarnation=key[1],
+                parts=parts,
             ),
         )
 
     def _fail(
-        self, peer: Peer, key: Key, attempt: int, reason: FailReason, detail: str = ""
+        self, peer: Peer, key: Key, attempt: int, reason: FailReason, detail: str = "",
+        parts: int = 0,
     ) -> SendMessage:
         self.stats["fails"] += 1
         return SendMessage(
@@ -597,6 +708,7 @@ class Producer(Endpoint):
                 reason=reason,
                 detail=detail[:1024],
                 incarnation=key[1],
+                parts=parts,
             ),
         )
 

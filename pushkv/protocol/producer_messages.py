@@ -67,10 +67,11 @@ def on_register(p: Producer, msg: Register, now: float) -> list[Action]:
     )
     out: list[Action] = []
     if leg.state in PRODUCER_FINISHED:  # rule 3: reopen as a new leg would start
-        if t.kv in (Kv.PENDING, Kv.HELD):
+        if t.kv in (Kv.PENDING, Kv.PARTIAL, Kv.HELD):
             out += p._input(t, leg, PI.REOPEN, now)
-            if t.kv is Kv.HELD:
-                out += p._input(t, leg, PI.KV_READY, now)
+            if t.kv is not Kv.PENDING:
+                ready = PI.KV_READY if t.kv is Kv.HELD else PI.RANGE_READY
+                out += p._input(t, leg, ready, now)
         else:
             out += p._input(t, leg, PI.SOURCE_GONE, now)
     out += p._input(t, leg, PI.REGISTER, now, reg=reg)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .events import Mode, Peer
 from .messages import FailReason
+from .ranges import Grid
 from .states import ConsumerState, ProducerInput, ProducerState, SourceState
 
 #: A transfer is one use of an id: (transfer id, incarnation).
@@ -36,6 +37,12 @@ class Leg:
     stash: Registration | None = None
     writing: int | None = None  # attempt of the write in flight
     refused: tuple[ProducerInput, FailReason, str] | None = None  # a write that may not start
+    # Rule 9 (progressive push), for the registration in ``reg``: what its
+    # writes covered, how many finished, whether the one in flight is the last.
+    written: Grid = field(default_factory=dict)
+    parts: int = 0
+    last: bool = True
+    parts_of: int = -1  # the attempt ``parts`` counts for
 
 
 @dataclass(slots=True)
@@ -48,6 +55,7 @@ class Source:
     kv: Kv = Kv.PENDING
     src_ids: tuple[int, ...] = ()
     num_tokens: int = 0
+    ready: Grid = field(default_factory=dict)  # rule 9: final ranges, while PARTIAL
     lease: float = float("inf")
     lease_armed: float = float("inf")  # when the scheduled lease timer fires
     orphan: float = float("inf")  # while KV is pending: forget after this
@@ -76,9 +84,17 @@ class Attempt:
     hard: float
     notified: set[int] = field(default_factory=set)
     fenced: set[int] = field(default_factory=set)
+    # Rule 9: per producer rank, the parts (writes) that notified, and how many
+    # there are (from the rank's last word: final Notify, CancelAck or Fail).
+    got: dict[int, set[int]] = field(default_factory=dict)
+    need: dict[int, int] = field(default_factory=dict)
 
     def all_fenced(self) -> bool:
         return self.fenced >= self.expected
+
+    def landed(self, rank: int) -> bool:
+        """Every part ``rank`` said it wrote has notified (rule 9)."""
+        return len(self.got.get(rank, ())) >= self.need.get(rank, 0)
 
 
 @dataclass(slots=True)

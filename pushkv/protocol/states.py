@@ -93,6 +93,18 @@ waits in ``CONNECTING`` with its blocks lent; the consumer emits ``Connect``
 once per engine, the handshake's completion (``CONNECTED``) sends it, and a
 failed or timed-out handshake (``handshake_timeout_s``) fails it with
 ``HANDSHAKE_FAILED``. Preempting, reissuing and aborting while waiting are rows.
+
+Rule 9 -- **partial readiness.** Before prefill finished the engine may report
+ranges (tokens x layers) of the KV as final (``SourceInput.RANGE_READY``: the
+source turns ``PARTIAL``, held for the writes). A registered leg writes what
+is ready, one write at a time (``RANGE_READY``, ``PART_OK``; ``NOTHING_READY``
+parks it in ``REGISTERED``); ``KV_READY`` on a leg means "some KV ready, no
+registration". Each write is a numbered part; the last one carries the count,
+and a CancelAck or Fail for a partly written attempt carries the parts that
+finished, sent only once no part is in flight (``ACK_PARTS``). The consumer
+counts parts (``PART``) and takes a rank's outcome -- notified or fenced --
+only when all its parts' notifications arrived. Whole-request push is the
+case with no range: one write, part 0 of 1.
 """
 
 from __future__ import annotations
@@ -139,6 +151,9 @@ class ProducerInput(enum.Enum):
     SOURCE_GONE = "SOURCE_GONE"  #: the transfer's source was released or aborted
     WRITE_REFUSED = "WRITE_REFUSED"  #: rule 5: the window, the lease or the request ended
     PLAN_FAILED = "PLAN_FAILED"  #: the registration cannot be planned against the source
+    RANGE_READY = "RANGE_READY"  #: rule 9: part of the KV became final before prefill finished
+    PART_OK = "PART_OK"  #: rule 9: a write that is not the leg's last finished
+    NOTHING_READY = "NOTHING_READY"  #: rule 9: a write would start, nothing new is ready yet
 
 
 class ProducerEffect(enum.Enum):
@@ -159,6 +174,8 @@ class ProducerEffect(enum.Enum):
     STALE = "drop stale"  #: count the message, answer nothing
     ACK_STALE = "ack stale"  #: CancelAck an older attempt (never written now) unless in flight
     FAIL_GONE = "fail: source gone"  #: Fail(SOURCE_RELEASED or PREFILL_ABORTED)
+    ACK_PARTS = "ack parts"  #: CancelAck the attempt just written, with its count of parts
+    ACK_PARTS_AND_WRITE_STASHED = "ack parts+write stashed"
 
 
 class SourceState(enum.Enum):
@@ -167,6 +184,7 @@ class SourceState(enum.Enum):
     __hash__ = object.__hash__  # members are singletons: hash by identity, fast
 
     PENDING = "pending"  #: prefill not finished (a peer's message made it: an orphan)
+    PARTIAL = "partial"  #: prefill running, some ranges final: blocks held for their writes
     HELD = "held"  #: blocks held for the transfer, under a lease
     RELEASED = "released"  #: ReleaseSource emitted (or never held and forgotten)
     ABORTED = "aborted"  #: the local request ended before prefill finished
@@ -176,6 +194,7 @@ class SourceInput(enum.Enum):
     __hash__ = object.__hash__  # members are singletons: hash by identity, fast
 
     PREFILL_DONE = "PREFILL_DONE"
+    RANGE_READY = "RANGE_READY"  #: rule 9: tokens x layers became final before prefill finished
     PREFILL_ABORTED = "PREFILL_ABORTED"
     LEASE_EXPIRED = "LEASE_EXPIRED"  #: no heartbeat renewed the lease in time
     ORPHAN_EXPIRED = "ORPHAN_EXPIRED"  #: before prefill, nobody registered within the TTL
@@ -190,6 +209,7 @@ class SourceEffect(enum.Enum):
     EXPIRE = "expire legs"  #: every leg gets LEASE_EXPIRED
     RELEASE = "release"  #: ReleaseSource, once; then every leg ends (SOURCE_GONE)
     FORGET = "forget"  #: waiting legs expire, then every leg ends (SOURCE_GONE)
+    STREAM = "stream"  #: record the range; every leg gets RANGE_READY (rule 9)
 
 
 class ConsumerState(enum.Enum):
@@ -224,6 +244,7 @@ class ConsumerInput(enum.Enum):
     HANDSHAKE_FAILED = "HANDSHAKE_FAILED"  #: the driver gave up, or the handshake timed out
     REISSUE_CONNECTING = "REISSUE_CONNECTING"  #: a reissue while the engine is not usable
     STALE = "STALE"  #: a producer message of another attempt, or a repeat: it never counts
+    PART = "PART"  #: rule 9: a write notified, but not the rank's last (or its count is owed)
 
 
 class ConsumerEffect(enum.Enum):
@@ -246,6 +267,7 @@ class ConsumerEffect(enum.Enum):
     SEND_HELD = "send held registration"  #: the engine is usable: register the attempt
     HOLD = "hold+connect"  #: a new attempt waits for the handshake (Connect once per engine)
     DROP = "drop stale"  #: count the message, change nothing
+    PART = "count part"  #: rule 9: the part is recorded; the rank is not finished yet
 
 
 class ZombieState(enum.Enum):
@@ -297,6 +319,29 @@ _stale |= {(s, PI.CANCEL_STALE): (PE.ACK_STALE, s) for s in _P_ALL}
 _reopen = {(s, PI.REOPEN): (PE.NONE, P.EMPTY) for s in _P_FINISHED}
 _gone = {(s, PI.SOURCE_GONE): (PE.NONE, P.GONE) for s in (P.KV_READY, *_P_FINISHED)}
 
+# Rule 9: partial readiness. KV_READY means "some KV is ready, no registration";
+# a registered leg writes what is ready, one write at a time; a write that is
+# not the leg's last (PART_OK) is followed by the next one, or waits in
+# REGISTERED when nothing new is ready. A part that ends an attempt the
+# consumer dropped (cancel, preempt, newer registration) is acknowledged with
+# the number of parts written, which the consumer waits for before its fence.
+_ranges = {
+    (P.EMPTY, PI.RANGE_READY): (PE.NONE, P.KV_READY),
+    (P.REGISTERED, PI.RANGE_READY): (PE.WRITE, P.WRITING),
+    (P.WRITING, PI.NOTHING_READY): (PE.NONE, P.REGISTERED),
+    (P.WRITING, PI.PART_OK): (PE.WRITE, P.WRITING),
+    (P.SUPERSEDED, PI.PART_OK): (PE.ACK_PARTS_AND_WRITE_STASHED, P.WRITING),
+    (P.CANCELLING, PI.PART_OK): (PE.ACK_PARTS, P.CANCELLED),
+    (P.PREEMPTING, PI.PART_OK): (PE.ACK_PARTS, P.KV_READY),
+    # The rest of the KV turns up at a leg already writing (the next part picks
+    # it up), parked, or finished: nothing to do now.
+    (P.KV_READY, PI.KV_READY): (PE.NONE, P.KV_READY),
+    **{(s, i): (PE.NONE, s)
+       for s in (P.KV_READY, *_P_WRITING, *_P_FINISHED)
+       for i in (PI.RANGE_READY, PI.KV_READY)
+       if (s, i) not in ((P.CANCELLED, PI.KV_READY), (P.EXPIRED, PI.KV_READY))},
+}
+
 S, SI, SE = SourceState, SourceInput, SourceEffect
 #: The source of one transfer on one producer rank (rule 4; orphans are PENDING).
 SOURCE_TABLE: dict[tuple[SourceState, SourceInput], tuple[SourceEffect, SourceState]] = {
@@ -306,6 +351,13 @@ SOURCE_TABLE: dict[tuple[SourceState, SourceInput], tuple[SourceEffect, SourceSt
     (S.HELD, SI.PREFILL_ABORTED): (SE.ABORT, S.HELD),  # released once no write is in flight
     (S.HELD, SI.LEASE_EXPIRED): (SE.EXPIRE, S.HELD),  # likewise: a lease never cuts a write
     (S.HELD, SI.SETTLED): (SE.RELEASE, S.RELEASED),
+    # Rule 9: ranges final before prefill finished are written at once; the
+    # blocks are held for those writes from the first range on, so an abort
+    # releases them only once no write is in flight (like a held source).
+    (S.PENDING, SI.RANGE_READY): (SE.STREAM, S.PARTIAL),
+    (S.PARTIAL, SI.RANGE_READY): (SE.STREAM, S.PARTIAL),
+    (S.PARTIAL, SI.PREFILL_DONE): (SE.HOLD, S.HELD),
+    (S.PARTIAL, SI.PREFILL_ABORTED): (SE.ABORT, S.HELD),
 }
 
 PRODUCER_TABLE: dict[
@@ -372,6 +424,7 @@ PRODUCER_TABLE: dict[
     **_gone,
     # A source that is gone answers every newer registration at once (rule 3).
     (P.GONE, PI.REGISTER): (PE.FAIL_GONE, P.GONE),
+    **_ranges,
 }
 
 _C_TERMINAL = (C.READY, C.CANCELLED, C.FAILED)
@@ -426,6 +479,9 @@ CONSUMER_TABLE: dict[
     # transfer whose old attempts are still fenced (zombies) outlives its end.
     **{(s, CI.STALE): (CE.DROP, s) for s in (C.REGISTERED, *_C_FENCING, C.PREEMPTED,
                                              *_C_TERMINAL)},
+    # Rule 9: a part that does not finish its rank only counts; the rank's
+    # outcome (NOTIFY, CANCEL_ACK, FAIL) is fed when all its parts are in.
+    **{(s, CI.PART): (CE.PART, s) for s in (C.REGISTERED, *_C_FENCING)},
 }
 
 
@@ -435,6 +491,7 @@ ZOMBIE_TABLE: dict[tuple[ZombieState, ConsumerInput], tuple[ConsumerEffect, Zomb
     **{(Z.FENCING, i): (CE.FENCE, Z.FENCING)
        for i in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.PEER_DIED, CI.HARD_DEADLINE)},
     (Z.FENCING, CI.STALE): (CE.DROP, Z.FENCING),
+    (Z.FENCING, CI.PART): (CE.PART, Z.FENCING),
     (Z.FENCING, CI.FENCED): (CE.RELEASE, Z.RELEASED),
 }
 

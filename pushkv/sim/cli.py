@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..protocol import FailurePolicy
+from .packing import SIM_PACKING
 from .profile import DEFAULT, Profile, ProfileError, load_profile
 from .scenario import (
     ConfigError,
@@ -105,6 +106,9 @@ def _add_deployment(p: argparse.ArgumentParser) -> None:
     g.add_argument("--post-per-descriptor-us", type=_nonneg_float, metavar="US",
                    help="descriptor posting cost in microseconds, overriding the profile "
                    f"(default {DEFAULT.network.post_per_descriptor_s * 1e6:g})")
+    g.add_argument("--pack", choices=["auto", "never", "always"], default="never",
+                   help="packed writes, chosen per write by the transports' cost model "
+                   "(default never)")
     w = p.add_argument_group("workload (like vllm bench serve --dataset-name random)")
     w.add_argument("--burstiness", type=_pos_float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier")
@@ -168,6 +172,7 @@ def _base_config(args: argparse.Namespace) -> SimConfig:
             detect_s=args.detect_s,
         ),
         profile=_profile(args),
+        packing=dataclasses.replace(SIM_PACKING, mode=args.pack),
     )
 
 
@@ -180,9 +185,11 @@ def _cmd_sim(args: argparse.Namespace) -> int:
 
     mode, default_dispatch = parse_mode(args.mode)
     base = _base_config(args)
-    dispatch = Dispatch.SEQUENTIAL if args.mode == "push-seq" else base.dispatch
+    seq = args.mode.endswith("-seq")
+    dispatch = Dispatch.SEQUENTIAL if seq else base.dispatch
+    free = mode in (TransferMode.PUSH, TransferMode.AUTO)  # the dispatch is a choice
     cfg = dataclasses.replace(
-        base, mode=mode, dispatch=dispatch if mode is TransferMode.PUSH else default_dispatch,
+        base, mode=mode, dispatch=dispatch if free else default_dispatch,
         iteration=args.iteration,
         workload=WorkloadConfig(
             request_rate=args.qps, burstiness=args.burstiness, input_len=args.input_len,

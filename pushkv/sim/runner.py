@@ -27,7 +27,7 @@ from .network import Network
 from .profile import EngineProfile, Profile
 from .request import Outcome, SimRequest
 from .router import Router
-from .scenario import SimConfig
+from .scenario import SimConfig, TransferMode
 from .transport import SimTransport
 from .workload import generate
 
@@ -84,7 +84,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
     transport = SimTransport(
         env, profile, network, cfg.protocol, cfg.faults,
         random.Random(int(fault_seed.generate_state(1)[0])),
-        skew_rng=np.random.default_rng(skew_seed),
+        skew_rng=np.random.default_rng(skew_seed), packing=cfg.packing,
     )
     specs = generate(cfg.workload, np.random.default_rng(arrival_seed))
     recorder = Recorder(env, len(specs))
@@ -100,7 +100,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
         eid = f"prefill-{i}"
         pool = BlockPool(profile.prefill.num_blocks(m, gpu), profile.prefill.fragmentation,
                          np.random.default_rng(pool_seeds[i]), profile.prefill.free_order)
-        eng = PrefillEngine(env, eid, profile, pool, transport, cfg.mode, on_done)
+        eng = PrefillEngine(env, eid, profile, pool, transport, cfg.resolved_mode, on_done)
         transport.add_producer(_ranks(eid, profile, profile.prefill), eng)
         prefills.append(eng)
     for j in range(cfg.num_decode):
@@ -108,7 +108,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
         pool = BlockPool(profile.decode.num_blocks(m, gpu), profile.decode.fragmentation,
                          np.random.default_rng(pool_seeds[cfg.num_prefill + j]),
                          profile.decode.free_order)
-        deng = DecodeEngine(env, eid, profile, pool, transport, cfg.mode, recorder)
+        deng = DecodeEngine(env, eid, profile, pool, transport, cfg.resolved_mode, recorder)
         transport.add_consumer(_ranks(eid, profile, profile.decode), deng)
         decodes.append(deng)
     transport.handshake()
@@ -207,6 +207,7 @@ def _extra(
     return {
         "mode": cfg.mode.value,
         "dispatch": cfg.effective_dispatch.value,
+        "direction": "push" if cfg.resolved_mode is TransferMode.PUSH else "pull",
         "num_prefill": cfg.num_prefill,
         "num_decode": cfg.num_decode,
         "profile": profile.name,
@@ -231,6 +232,8 @@ def _extra(
         "descriptors_mean": float(np.mean(desc)) if desc else 0.0,
         "descriptors_max": int(max(desc)) if desc else 0,
         "bytes_moved": transport.net.bytes_moved,
+        "packed_writes": transport.staging.packed_writes,
+        "prefill_post_ms": transport.post_s_by_thread.get("prefill-bg", 0.0) * 1000,
         "post_ms_by_thread": {k: v * 1000 for k, v in sorted(transport.post_s_by_thread.items())},
         "decode_stall_ms_total": sum(d.stall_s for d in decodes) * 1000,
         "decode_stalled_steps": sum(d.stalled_steps for d in decodes),

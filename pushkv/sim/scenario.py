@@ -12,8 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..direction import choose_direction
 from ..protocol import ConsumerConfig, FailurePolicy, ProducerConfig
 from ..protocol.errors import ConfigError as ProtocolConfigError
+from ..protocol.packing import PackingConfig
+from .packing import SIM_PACKING
 from .profile import DEFAULT, Profile
 from .workload import WorkloadConfig
 
@@ -28,10 +31,13 @@ class TransferMode(enum.Enum):
     PULL = "pull"  #: decode reads; descriptors posted inline in the decode engine loop
     PUSH = "push"  #: prefill writes from a background thread into registered blocks
     PULL_ASYNC = "pull-async"  #: decode reads; a decode background thread posts
+    #: chosen by the dispatch (:func:`pushkv.direction.choose_direction`), as the
+    #: vLLM connector does: pull-async when sequential, push when concurrent
+    AUTO = "auto"
 
     @property
     def is_pull(self) -> bool:
-        return self is not TransferMode.PUSH
+        return self in (TransferMode.PULL, TransferMode.PULL_ASYNC)
 
 
 class Dispatch(enum.Enum):
@@ -108,7 +114,8 @@ class SimConfig:
     """One simulated benchmark run."""
 
     mode: TransferMode = field(
-        default=TransferMode.PUSH, metadata={"help": "pull, push or pull-async"}
+        default=TransferMode.PUSH,
+        metadata={"help": "pull, push, pull-async, or auto (chosen by the dispatch)"}
     )
     dispatch: Dispatch = field(
         default=Dispatch.CONCURRENT,
@@ -124,6 +131,8 @@ class SimConfig:
     protocol: ProtocolSettings = field(default_factory=ProtocolSettings)
     faults: FaultConfig = field(default_factory=FaultConfig)
     profile: Profile = field(default=DEFAULT)
+    packing: PackingConfig = field(
+        default=SIM_PACKING, metadata={"help": "packed writes: the transports' cost model"})
     iteration: int = field(default=0, metadata={"help": "iteration number (file name, seed)"})
 
     def __post_init__(self) -> None:
@@ -154,10 +163,20 @@ class SimConfig:
         """Pull needs prefill's block ids before decode can start: always sequential."""
         return Dispatch.SEQUENTIAL if self.mode.is_pull else self.dispatch
 
+    @property
+    def resolved_mode(self) -> TransferMode:
+        """The mode the engines run: ``auto`` resolved by the dispatch, the one rule
+        the vLLM connector applies per request."""
+        if self.mode is not TransferMode.AUTO:
+            return self.mode
+        chosen = choose_direction(self.dispatch.value)
+        return TransferMode.PULL_ASYNC if chosen == "pull" else TransferMode.PUSH
+
     def label(self) -> str:
         """Mode label used in file names and legends (``push-seq`` for a sequential push)."""
-        if self.mode is TransferMode.PUSH and self.dispatch is Dispatch.SEQUENTIAL:
-            return "push-seq"
+        if self.mode in (TransferMode.PUSH, TransferMode.AUTO) and (
+                self.dispatch is Dispatch.SEQUENTIAL):
+            return f"{self.mode.value}-seq"
         return self.mode.value
 
     def file_name(self) -> str:

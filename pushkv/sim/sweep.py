@@ -22,13 +22,13 @@ from .scenario import ConfigError, Dispatch, SimConfig, TransferMode
 from .workload import WorkloadConfig
 
 #: Mode labels a sweep accepts: a transfer mode, or ``push-seq`` (push, sequential router).
-MODE_LABELS = ("pull", "push", "pull-async", "push-seq")
+MODE_LABELS = ("pull", "push", "pull-async", "push-seq", "auto", "auto-seq")
 
 
 def parse_mode(label: str) -> tuple[TransferMode, Dispatch]:
     """``push-seq`` -> (PUSH, SEQUENTIAL); ``pull`` -> (PULL, SEQUENTIAL); ..."""
-    if label == "push-seq":
-        return TransferMode.PUSH, Dispatch.SEQUENTIAL
+    if label in ("push-seq", "auto-seq"):
+        return TransferMode(label[:-4]), Dispatch.SEQUENTIAL
     try:
         mode = TransferMode(label)
     except ValueError as exc:

@@ -62,8 +62,10 @@ from ..protocol import (
     expected_writers,
 )
 from ..protocol.messages import MAX_HEARTBEAT_ITEMS
+from ..protocol.packing import PackingConfig
 from .costs import post_s
 from .network import Network
+from .packing import SIM_PACKING, StagingLedger
 from .profile import Profile
 from .scenario import FaultConfig, ProtocolSettings
 
@@ -97,8 +99,10 @@ class SimTransport:
         faults: FaultConfig,
         fault_rng: random.Random,
         skew_rng: np.random.Generator | None = None,
+        packing: PackingConfig = SIM_PACKING,
     ) -> None:
         self.env = env
+        self.staging = StagingLedger(packing, profile.network)
         self.profile = profile
         self.net = network
         self.settings = settings
@@ -448,18 +452,27 @@ class SimTransport:
         """The prefill background thread posts while the fabric moves; the consumer is told."""
         net = self.profile.network
         dst = a.peer.engine_id
+        nbytes = a.plan.nbytes
         with self._writer[eid].request() as slot:
             yield slot
             started = self.env.now
-            cost = post_s(net, a.plan.descriptor_count)
+            pack = self.staging.decide(eid, dst, a.plan.descriptor_count, nbytes)
+            if pack.packed:  # the gather runs on the device, issued by this thread
+                yield self.env.timeout(self.staging.gather_s(nbytes))
+            cost = post_s(net, pack.wire_descriptors)
             self.post_s_by_thread["prefill-bg"] += cost
             wire = self.env.process(self.net.transfer(
-                eid, dst, a.plan.nbytes, a.plan.descriptor_count, read=False,
+                eid, dst, nbytes, pack.wire_descriptors, read=False,
                 posted_at=self.env.now + cost, poster=f"{eid}/writer"))
             yield from self._post_holding_gil(eid, cost)
         if eid not in self.alive:
+            if pack.packed:
+                self.staging.give_back(eid, dst, nbytes)
             return
         yield wire
+        if pack.packed:  # the consumer scatters before the notification counts
+            yield self.env.timeout(self.staging.scatter_s(nbytes))
+            self.staging.give_back(eid, dst, nbytes)
         yield self.env.timeout(  # READY waits for the slowest rank's write
             self._slowest_rank(self.profile.prefill.tp) * (self.env.now - started))
         if eid not in self.alive:

@@ -6,7 +6,10 @@ frames (really encoded and decoded), executes writes and reads by copying
 bytes according to the plan, and delivers write notifications -- in simulated
 time, in a deterministic order, and on command out of order: tests can
 deliver any pending item next, duplicate or drop a message, fail a write, or
-kill an engine.
+kill an engine. With a :class:`~pushkv.protocol.packing.PackingConfig` a write
+the cost model packs is gathered into the producer rank's staging pool,
+copied in wire chunks into the consumer rank's and scattered into the
+destination blocks, with the same checks.
 
 It also *checks* as it goes: when a write lands it records a violation if the
 bytes would hit a destination block that the consumer does not hold lent to
@@ -47,6 +50,8 @@ from ..protocol import (
     encode,
 )
 from ..protocol.layout import KVLayout
+from ..protocol.packing import PackedPlan, PackingConfig, choose
+from .staging import StagingPool, copy_staging, gather_host, scatter_host
 
 
 def region_memory(layout: KVLayout, fill: int | None = None,
@@ -209,8 +214,12 @@ class InMemoryNetwork:
         keep_log: bool = False,
         max_transit_s: float = float("inf"),
         max_write_s: float = float("inf"),
+        packing: PackingConfig | None = None,
     ) -> None:
         self.now = 0.0
+        # Packed writes: chosen per write by the cost model; staging pools per rank.
+        self.packing = packing or PackingConfig(mode="never")
+        self.staging: dict[Peer, StagingPool] = {}
         self.latency = latency
         self.write_latency = write_latency
         self.detect_s = detect_s
@@ -389,11 +398,44 @@ class InMemoryNetwork:
             self._complete(item, ok=False)
             return
         self._check_destination(dst, a.transfer_id, a.incarnation, a.attempt, a.plan)
-        copy_plan(a.plan, src.memory, dst.memory)
+        if (a.transfer_id, a.incarnation) in src.released_at:
+            self.violations.append(
+                f"write of {a.transfer_id}#{a.attempt} reads a released source")
+        if not self._packed_write(a.plan, src, dst):
+            copy_plan(a.plan, src.memory, dst.memory)
         self.stats["writes"] += 1
         self.stats["bytes"] += a.plan.nbytes
         self.enqueue("frame", src.peer, dst.peer, encode(a.notify), self.latency)
         self._complete(item, ok=True)
+
+    def _pool(self, peer: Peer) -> StagingPool:
+        if peer not in self.staging:
+            self.staging[peer] = StagingPool(self.packing.staging_bytes)
+        return self.staging[peer]
+
+    def _packed_write(self, plan: TransferPlan, src: Node, dst: Node) -> bool:
+        """Gather into the producer's staging, copy it in wire chunks into the
+        consumer's, scatter into the destination blocks. The write lands at once
+        here, so both staging ranges are given back before its notification."""
+        if self.packing.mode == "never":
+            return False
+        pools = self._pool(src.peer), self._pool(dst.peer)
+        choice = choose(self.packing, descriptors=plan.descriptor_count, nbytes=plan.nbytes,
+                        staging_free=min(p.largest_free() for p in pools))
+        if not choice.packed:
+            return False
+        packed = PackedPlan(plan, self.packing.chunk_bytes)
+        offs = [p.lend(packed.nbytes) for p in pools]
+        try:
+            out, into = (p.view(o, packed.nbytes) for p, o in zip(pools, offs, strict=True))
+            gather_host(packed, src.memory, out)
+            copy_staging(out, into, packed.wire)
+            scatter_host(packed, into, dst.memory)
+        finally:
+            for p, o in zip(pools, offs, strict=True):
+                p.give_back(o)
+        self.stats["packed_writes"] += 1
+        return True
 
     def _land_read(self, item: Item) -> None:
         a: IssueRead = item.payload
@@ -528,11 +570,12 @@ class InMemoryCluster:
     wall-clock time at all.
     """
 
-    def __init__(self, topology: Any) -> None:
+    def __init__(self, topology: Any, packing: PackingConfig | None = None) -> None:
         self.topology = topology
         self.net = pair(
             topology.producer_ranks(), topology.consumer_ranks(), seed=topology.seed,
             producer_config=topology.producer_config, consumer_config=topology.consumer_config,
+            packing=packing,
         )
 
     # Everything an engine-level call does happens on every rank of that engine.
@@ -553,6 +596,13 @@ class InMemoryCluster:
         for n in self._producers():
             n.apply(n.endpoint.prefill_finished(transfer_id, src_block_ids, num_tokens,
                                                 self.net.now, incarnation=incarnation))
+
+    def range_ready(self, transfer_id: str, src_block_ids: Sequence[int],
+                    tokens: tuple[int, int], layers: tuple[int, int] | None = None) -> None:
+        """Progressive push: part of the prefill is final (see Producer.range_ready)."""
+        for n in self._producers():
+            n.apply(n.endpoint.range_ready(transfer_id, src_block_ids, tokens, self.net.now,
+                                           layers=layers))
 
     def preempt(self, transfer_id: str) -> None:
         for n in self._consumers():

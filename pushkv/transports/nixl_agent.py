@@ -150,6 +150,17 @@ class Agent:
             notif,
         )
 
+    def prepare_read(self, local: np.ndarray, remote: np.ndarray, peer: str,
+                     remote_kind: MemKind) -> Any:
+        """A READ request (``remote`` into ``local``) from Nx3 arrays; raises NIXL errors."""
+        agent = self._agent
+        return agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(local, self._kind),
+            agent.get_xfer_descs(remote, remote_kind),
+            peer,
+        )
+
     def post(self, handle: Any) -> str:
         """Start a prepared request: ``DONE``, ``PROC`` or ``ERR``; raises NIXL errors."""
         return str(self._agent.transfer(handle))

@@ -33,7 +33,9 @@ from typing import Any
 import numpy as np
 
 from ..protocol import (
+    Mode,
     Peer,
+    Publish,
     Rejected,
     ReleaseDestination,
     ReleaseSource,
@@ -63,6 +65,8 @@ class _RankState:
         self.src_released: Counter[str] = Counter()
         self.rejected = 0
         self.errors: list[str] = []
+        #: producer (pull): (transfer id, incarnation) -> published block ids
+        self.published: dict[tuple[str, int], list[int]] = {}
 
     def drain(self) -> int:
         events = self.runtime.poll()
@@ -80,6 +84,8 @@ class _RankState:
                 self.src_released[e.transfer_id] += 1
             elif isinstance(e, Rejected):
                 self.rejected += 1
+            elif isinstance(e, Publish):
+                self.published[e.transfer_id, e.incarnation] = list(e.block_ids)
             elif type(e).__name__ == "CallFailed":
                 self.errors.append(repr(e))
         return len(events)
@@ -141,7 +147,7 @@ class _HostServer:
         out: dict[str, Any] = {"outcomes": {}, "src_released": {}, "dst_released": {},
                                "rejected": {}, "lent": {}, "held": {}, "errors": [],
                                "stats": {}, "writes_in_flight": 0, "transfers": {},
-                               "fail_codes": {}}
+                               "fail_codes": {}, "published": {}}
         for r, st in self.ranks.items():
             view = st.runtime.inspect()
             out["rejected"][r] = st.rejected
@@ -161,6 +167,8 @@ class _HostServer:
                 for tid, n in st.src_released.items():
                     out["src_released"][r, tid] = n
                 out["held"][r] = sorted(view.held)
+                for key, ids in st.published.items():
+                    out["published"][r, *key] = ids
         return out
 
     def memory(self, rank: int) -> list[bytes]:
@@ -282,6 +290,8 @@ class HostPool:
 class NixlCluster:
     """A :class:`~pushkv.transports.testing.Cluster` whose engines are real processes."""
 
+    stages_source = False  # the source memory lives in the producer processes
+
     def __init__(self, topology: Topology, pool: HostPool, config: Any = None, *,
                  connect: str = "eager", consumer_nixl: Any = None) -> None:
         """``config``: the ranks' :class:`NixlConfig` (``consumer_nixl``: the consumer's,
@@ -325,6 +335,40 @@ class NixlCluster:
         self._producer.call("each", "prefill_finished",
                             (transfer_id, list(src_block_ids), num_tokens),
                             {"incarnation": incarnation})
+
+    def range_ready(self, transfer_id: str, src_block_ids: Sequence[int],
+                    tokens: tuple[int, int], layers: tuple[int, int] | None = None) -> None:
+        self._producer.call("each", "range_ready", (transfer_id, list(src_block_ids),
+                                                    tuple(tokens)), {"layers": layers})
+
+    def publish(self, transfer_id: str, src_block_ids: Sequence[int], num_tokens: int, *,
+                incarnation: int = 0) -> None:
+        """Pull: prefill finished; every producer rank publishes ``src_block_ids``."""
+        self._producer.call("each", "prefill_finished",
+                            (transfer_id, list(src_block_ids), num_tokens),
+                            {"incarnation": incarnation, "mode": Mode.PULL})
+
+    def start_pull(self, transfer_id: str, dst_block_ids: Sequence[int], num_tokens: int,
+                   first_token: int = 0, *, incarnation: int = 0,
+                   src_block_ids: Sequence[int] | None = None,
+                   timeout_s: float = 20.0) -> None:
+        """Pull, as a sequential router does it: wait until every producer rank
+        published the transfer, then have every consumer rank read the published
+        block ids (or ``src_block_ids``, when a test lies about them)."""
+        if src_block_ids is None:
+            ranks = [p.rank for p in self.topology.producer_ranks()]
+            end = time.monotonic() + timeout_s
+            while True:
+                published = self._parts(0.01)[0].get("published", {})
+                got = [published.get((r, transfer_id, incarnation)) for r in ranks]
+                if all(g is not None for g in got):
+                    break
+                if time.monotonic() >= end:
+                    raise TimeoutError(f"{transfer_id} was never published: {published}")
+            src_block_ids = got[0]
+        self._consumer.call("each", "start_pull",
+                            (transfer_id, PRODUCER, list(src_block_ids), list(dst_block_ids),
+                             num_tokens, first_token), {"incarnation": incarnation})
 
     def preempt(self, transfer_id: str) -> None:
         self._consumer.call("each", "preempt", (transfer_id,))

@@ -7,8 +7,9 @@ queue and wakes the runtime's **I/O thread** (:mod:`.runtime_loop`), which
 alone owns the protocol endpoint (:class:`~pushkv.protocol.Producer` or
 :class:`~pushkv.protocol.Consumer`), the side channel and the peer table. On a
 producer a third thread, the **writer** (:mod:`.nixl_writer`), prepares
-descriptors and posts the NIXL WRITEs. Outcomes come back to the engine thread
-through :meth:`NixlRuntime.poll`.
+descriptors and posts the NIXL WRITEs (push); on a consumer the **reader**
+(:mod:`.nixl_reader`) prepares and posts the READs of a pull. Outcomes come
+back to the engine thread through :meth:`NixlRuntime.poll`.
 
 ::
 
@@ -52,6 +53,7 @@ from ..protocol import (
     Consumer,
     ConsumerConfig,
     Hello,
+    Mode,
     Peer,
     Producer,
     ProducerConfig,
@@ -176,6 +178,18 @@ class NixlRuntime:
         self._submit(cmd.Register(transfer_id, producer_engine_id, block_ids, num_tokens,
                                   first_token, incarnation))
 
+    def start_pull(self, transfer_id: str, producer_engine_id: str,
+                   src_block_ids: Sequence[int] | np.ndarray,
+                   block_ids: Sequence[int] | np.ndarray, num_tokens: int,
+                   first_token: int = 0, *, incarnation: int = 0) -> None:
+        """Pull: read tokens ``[first_token, num_tokens)`` of the producer's published
+        ``src_block_ids`` into ``block_ids``. The reads are prepared and posted by this
+        rank's reader thread; ``TransferReady`` (or ``TransferFailed``) and
+        ``ReleaseDestination`` come back as for a push. Waits for the producer
+        engine's handshake if it has not completed (starting it)."""
+        self._submit(cmd.StartPull(transfer_id, producer_engine_id, src_block_ids, block_ids,
+                                   num_tokens, first_token, incarnation))
+
     def abandon(self, transfer_id: str, producer_engine_id: str, *,
                 incarnation: int = 0) -> None:
         """The request ended before :meth:`register` was called for it: tell the
@@ -199,10 +213,26 @@ class NixlRuntime:
     # ------------------------------------------------------------ producer
 
     def prefill_finished(self, transfer_id: str, block_ids: Sequence[int] | np.ndarray,
-                         num_tokens: int, *, incarnation: int = 0) -> None:
+                         num_tokens: int, *, incarnation: int = 0,
+                         mode: Mode = Mode.PUSH) -> None:
         """Prefill of ``transfer_id`` finished; its KV is in ``block_ids`` (not to be
-        reused until ``ReleaseSource``; do not mutate the sequence after the call)."""
-        self._submit(cmd.PrefillFinished(transfer_id, block_ids, num_tokens, incarnation))
+        reused until ``ReleaseSource``; do not mutate the sequence after the call).
+
+        ``mode=Mode.PULL``: publish the blocks (a ``Publish`` event) for a consumer
+        to read with :meth:`start_pull`; they are released when every reading rank
+        reported (``ReadDone``) or the lease ends."""
+        self._submit(cmd.PrefillFinished(transfer_id, block_ids, num_tokens, incarnation, mode))
+
+    def range_ready(self, transfer_id: str, block_ids: Sequence[int] | np.ndarray,
+                    tokens: tuple[int, int], *, layers: tuple[int, int] | None = None,
+                    incarnation: int = 0, ready: Any = None) -> None:
+        """Progressive push: tokens ``[a, b)`` of ``transfer_id`` are final for layers
+        ``[l0, l1)`` (None: all) in ``block_ids`` -- once ``ready.query()`` is true
+        when given (a CUDA event recorded after the layer: the I/O thread polls it,
+        the engine thread never waits). Registered legs write the range at once;
+        :meth:`prefill_finished` still ends the stream."""
+        self._submit(cmd.RangeReady(transfer_id, block_ids, tokens, layers, incarnation,
+                                    ready))
 
     def prefill_aborted(self, transfer_id: str, *, incarnation: int = 0) -> None:
         """The engine aborted ``transfer_id`` before or after its prefill."""

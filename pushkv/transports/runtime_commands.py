@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Literal, NamedTuple
 
-from ..protocol.events import Peer
+from ..protocol.events import Mode, Peer
 from .runtime_events import RuntimeView
 
 
@@ -36,6 +36,31 @@ class PrefillFinished(NamedTuple):
     block_ids: Any  #: a sequence or array of block ids, not mutated after the call
     num_tokens: int
     incarnation: int = 0
+    mode: Mode = Mode.PUSH  #: PULL: publish the blocks; the consumer reads them
+
+
+class StartPull(NamedTuple):
+    """Pull: read a producer's published ``src_block_ids`` into ``block_ids``."""
+
+    transfer_id: str
+    producer_engine_id: str
+    src_block_ids: Any
+    block_ids: Any
+    num_tokens: int
+    first_token: int = 0
+    incarnation: int = 0
+
+
+class RangeReady(NamedTuple):
+    """Progressive push: tokens x layers of a prefill are final (once ``ready``
+    says so: an object with ``query() -> bool``, e.g. a CUDA event; None: now)."""
+
+    transfer_id: str
+    block_ids: Any
+    tokens: tuple[int, int]
+    layers: tuple[int, int] | None = None
+    incarnation: int = 0
+    ready: Any = None
 
 
 class PrefillAborted(NamedTuple):
@@ -92,13 +117,15 @@ class Close(NamedTuple):
 
 
 
-Command = (Connect | PrefillFinished | PrefillAborted | Register | Abandon | Preempt | Reissue
-           | Abort | Inspect | Inject | Close)
+Command = (Connect | PrefillFinished | RangeReady | PrefillAborted | Register | StartPull
+           | Abandon | Preempt
+           | Reissue | Abort | Inspect | Inject | Close)
 
 _OPERATIONS: dict[type[Any], str] = {
     c: re.sub(r"(?<!^)(?=[A-Z])", "_", c.__name__).lower()
-    for c in (Connect, PrefillFinished, PrefillAborted, Register, Abandon, Preempt, Reissue,
-              Abort, Inspect, Inject, Close)
+    for c in (Connect, PrefillFinished, RangeReady, PrefillAborted, Register, StartPull,
+              Abandon, Preempt,
+              Reissue, Abort, Inspect, Inject, Close)
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..protocol import (
+    Publish,
     Rejected,
     ReleaseDestination,
     ReleaseSource,
@@ -40,9 +41,11 @@ Event = (
     | Rejected
     | CallFailed
     | PeerLost
+    | Publish
 )
-"""What :meth:`NixlRuntime.poll` returns. The first six are the protocol's own
-actions, passed through unchanged."""
+"""What :meth:`NixlRuntime.poll` returns. All but ``CallFailed`` and ``PeerLost``
+are the protocol's own actions, passed through unchanged (``Publish``: a pull
+producer's blocks are ready to be read)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,3 +60,4 @@ class RuntimeView:
     #: producer: the last writes, newest last (timings of preparation and posting)
     recent_writes: tuple[WriteResult, ...] = ()
     transfers: int = 0  #: transfers the endpoint tracks
+    reads_in_flight: int = 0  #: consumer (pull): reads posted and not finished

@@ -53,6 +53,7 @@ from . import runtime_commands as cmd
 from . import sidechannel as sc
 from .nixl_agent import Agent, nixl_status
 from .nixl_memory import KVMemory, bind_device
+from .nixl_reader import Reader, ReadJob, ReadResult
 from .nixl_writer import WriteJob, Writer, WriteResult
 from .peers import Link, PeerTable, card_problem
 from .runtime_events import CallFailed, Event, PeerLost, RuntimeView
@@ -83,6 +84,7 @@ class IOLoop:
         # engine thread -> I/O thread
         self._commands: deque[cmd.Command] = deque()
         self._completions: deque[WriteResult] = deque()
+        self._read_completions: deque[ReadResult] = deque()
         self._recent: deque[WriteResult] = deque(maxlen=256)
         # I/O thread -> engine thread
         self._events: deque[Event] = deque()
@@ -98,17 +100,28 @@ class IOLoop:
         self.handshakes = Handshakes(endpoint.config.handshake_timeout_s
                                      if isinstance(endpoint, Consumer) else float("inf"))
         self._writes = 0
+        self._reads = 0
+        #: pulls waiting for their producer engine's handshake, by engine
+        self._pulls: dict[str, list[cmd.StartPull]] = {}
         self._next_notif = 0.0
         self._writer: Writer | None = None
+        self._unready: list[cmd.RangeReady] = []  # ranges whose event has not completed
         if self.role == "producer":
             self._writer = Writer(agent, memory, poll_s=config.write_poll_s,
                                   timeout_s=config.write_timeout_s, on_done=self._write_done,
                                   name=f"pushkv-writer-{name}")
+        self._reader: Reader | None = None
+        if self.role == "consumer":
+            self._reader = Reader(agent, memory, poll_s=config.write_poll_s,
+                                  timeout_s=config.write_timeout_s, on_done=self._read_done,
+                                  name=f"pushkv-reader-{name}")
         self._handlers: dict[type[Any], Callable[[Any, float], None]] = {
             cmd.Connect: self._connect,
             cmd.PrefillFinished: self._prefill_finished,
+            cmd.RangeReady: self._range_ready,
             cmd.PrefillAborted: self._prefill_aborted,
             cmd.Register: self._register,
+            cmd.StartPull: self._start_pull,
             cmd.Abandon: self._abandon,
             cmd.Preempt: self._preempt,
             cmd.Reissue: self._reissue,
@@ -167,6 +180,8 @@ class IOLoop:
                 self._idle = self._woken = False
                 now = time.monotonic()
                 had_commands = bool(self._commands)
+                if self._unready:
+                    self._guard(self._ranges_due, now)
                 if self._drain_commands(now):
                     break
                 if had_commands and self._live():  # a new transfer: poll at the live rate now
@@ -180,7 +195,7 @@ class IOLoop:
                     # A producer skips the poll while writing: NIXL's lock is held by
                     # the writer for the whole of a synchronous post, and this thread
                     # must stay free for the side channel.
-                    if not (self._writer is not None and self._writes):
+                    if not self._writes and not self._reads:
                         self._guard(self._poll_notifications, now)
                     self._next_notif = now + (self.config.active_poll_s if self._live()
                                               else self.config.idle_poll_s)
@@ -207,8 +222,10 @@ class IOLoop:
             log.exception("pushkv runtime handler failed")
 
     def _timeout(self, now: float) -> float:
-        if self._completions or self._commands:
+        if self._completions or self._commands or self._read_completions:
             return 0.0
+        if self._unready:  # a range waits for its event: poll it at the live rate
+            return self.config.active_poll_s
         until = min(self._next_notif, self.handshakes.next_deadline(),
                     self._peers.next_deadline())
         d = self._endpoint.next_deadline()
@@ -217,7 +234,7 @@ class IOLoop:
         return max(0.0, until - now)
 
     def _live(self) -> bool:
-        return self._endpoint.num_transfers > 0 or self._writes > 0
+        return self._endpoint.num_transfers > 0 or self._writes > 0 or self._reads > 0
 
     def _emit(self, event: Event) -> None:
         with self._events_cv:
@@ -264,11 +281,34 @@ class IOLoop:
             raise ConfigError("this runtime is a producer")
         return self._endpoint
 
+    def _forget_ranges(self, tid: str, inc: int) -> None:
+        """Prefill finished or aborted: ranges still waiting for their event are moot."""
+        self._unready = [r for r in self._unready
+                         if (r.transfer_id, r.incarnation) != (tid, inc)]
+
     def _prefill_finished(self, c: cmd.PrefillFinished, now: float) -> None:
+        self._forget_ranges(c.transfer_id, c.incarnation)
         self._apply(self._producer().prefill_finished(
-            c.transfer_id, c.block_ids, c.num_tokens, now, incarnation=c.incarnation), now)
+            c.transfer_id, c.block_ids, c.num_tokens, now, c.mode, incarnation=c.incarnation),
+            now)
+
+    def _range_ready(self, c: cmd.RangeReady, now: float) -> None:
+        if self._unready or (c.ready is not None and not c.ready.query()):
+            self._unready.append(c)  # in order: later commands of the request wait too
+            return
+        self._apply(self._producer().range_ready(
+            c.transfer_id, c.block_ids, c.tokens, now, layers=c.layers,
+            incarnation=c.incarnation), now)
+
+    def _ranges_due(self, now: float) -> None:
+        """Feed the ranges whose event completed, in the order they were reported."""
+        waiting, self._unready = self._unready, []
+        while waiting and (waiting[0].ready is None or waiting[0].ready.query()):
+            self._range_ready(waiting.pop(0), now)
+        self._unready = waiting + self._unready
 
     def _prefill_aborted(self, c: cmd.PrefillAborted, now: float) -> None:
+        self._forget_ranges(c.transfer_id, c.incarnation)
         self._apply(self._producer().prefill_aborted(c.transfer_id, now,
                                                      incarnation=c.incarnation), now)
 
@@ -286,6 +326,38 @@ class IOLoop:
         self._apply(consumer.register(c.transfer_id, c.producer_engine_id, c.block_ids,
                                       c.num_tokens, now, c.first_token,
                                       incarnation=c.incarnation), now)
+
+    def _start_pull(self, c: cmd.StartPull, now: float) -> None:
+        """Pull: the core plans the reads at once, so it needs the engine handshaken;
+        until then the pull waits here (nothing is lent yet)."""
+        consumer = self._consumer()
+        eng = self.handshakes.engines.get(c.producer_engine_id)
+        if eng is None:  # bad input: nothing changes
+            raise ConfigError(f"no address for producer engine {c.producer_engine_id!r}: "
+                              "call connect()", transfer_id=c.transfer_id)
+        if c.producer_engine_id not in self.handshakes.ready:
+            self._pulls.setdefault(c.producer_engine_id, []).append(c)
+            self._start_handshake(eng, now)
+            return
+        self._apply(consumer.start_pull(c.transfer_id, c.producer_engine_id, c.src_block_ids,
+                                        c.block_ids, c.num_tokens, now, c.first_token,
+                                        incarnation=c.incarnation), now)
+
+    def _pulls_settled(self, engine_id: str, now: float, error: str = "") -> None:
+        """The handshake with ``engine_id`` ended: run (or refuse) the pulls that waited."""
+        for c in self._pulls.pop(engine_id, ()):
+            if error:
+                self._emit(CallFailed(operation="start_pull", transfer_id=c.transfer_id,
+                                      error=error))
+            else:
+                self._guard_call(c, now)
+
+    def _guard_call(self, c: cmd.StartPull, now: float) -> None:
+        try:
+            self._start_pull(c, now)
+        except PushKVError as exc:
+            self._emit(CallFailed(operation="start_pull", transfer_id=c.transfer_id,
+                                  error=str(exc)))
 
     def _abandon(self, c: cmd.Abandon, now: float) -> None:
         self._apply(self._consumer().abandon(c.transfer_id, c.producer_engine_id, now,
@@ -308,6 +380,7 @@ class IOLoop:
             held=ep.held_blocks() if isinstance(ep, Producer) else {},
             ready_engines=tuple(sorted(self.handshakes.ready)),
             writes_in_flight=self._writes,
+            reads_in_flight=self._reads,
             stats=dict(self._stats_view),
             recent_writes=tuple(self._recent),
             transfers=ep.num_transfers,
@@ -339,8 +412,11 @@ class IOLoop:
                 self._emit(a)
             elif isinstance(a, Connect):
                 self._handshake_needed(a.engine_id, now)
-            elif isinstance(a, IssueRead | Publish):  # pragma: no cover - pull is not wired
-                raise ConfigError("this runtime moves KV by push only")
+            elif isinstance(a, IssueRead):
+                self._issue_read(a)
+            elif isinstance(a, Publish):
+                self._stats["published"] += 1
+                self._emit(a)
             else:
                 if isinstance(a, TransferFailed):
                     self._stats["failed"] += 1
@@ -378,11 +454,33 @@ class IOLoop:
             remote_kind="VRAM" if link.kind == "VRAM" else "DRAM", remote_device=link.device,
         ))
 
+    def _issue_read(self, a: IssueRead) -> None:
+        link = self._peers.by_peer.get(a.peer)
+        reader = self._reader
+        self._reads += 1
+        if link is None or link.dead or link.bases is None or reader is None:
+            self._read_completions.append(ReadResult(
+                transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, ok=False,
+                incarnation=a.incarnation, error="peer unknown or gone"))
+            return
+        assert link.agent_name is not None
+        reader.submit(ReadJob(
+            transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, plan=a.plan,
+            incarnation=a.incarnation, remote_agent=link.agent_name, remote_bases=link.bases,
+            remote_kind="VRAM" if link.kind == "VRAM" else "DRAM", remote_device=link.device,
+        ))
+
+    def _read_done(self, result: ReadResult) -> None:  # reader thread
+        self._read_completions.append(result)
+        self._wake()
+
     def _write_done(self, result: WriteResult) -> None:  # writer thread
         self._completions.append(result)
         self._wake()
 
     def _drain_completions(self, now: float) -> None:
+        if self._read_completions:
+            self._drain_reads(now)
         producer = self._endpoint
         while self._completions:
             r = self._completions.popleft()
@@ -400,6 +498,23 @@ class IOLoop:
             self._guard(lambda r=r: self._apply(
                 producer.write_completed(r.transfer_id, r.attempt, r.peer, r.ok, now,
                                          incarnation=r.incarnation), now))
+
+    def _drain_reads(self, now: float) -> None:
+        consumer = self._endpoint
+        assert isinstance(consumer, Consumer)
+        while self._read_completions:
+            r = self._read_completions.popleft()
+            self._reads -= 1
+            if r.ok:
+                self._stats["reads_ok"] += 1
+                self._stats["bytes_read"] += r.nbytes
+            else:
+                self._stats["reads_failed"] += 1
+                log.info("read of %s#%d from %s failed: %s", r.transfer_id, r.attempt, r.peer,
+                         r.error)
+            self._guard(lambda r=r: self._apply(
+                consumer.read_completed(r.transfer_id, r.attempt, r.peer, r.ok, now,
+                                        incarnation=r.incarnation), now))
 
     # --------------------------------------------------- incoming traffic
 
@@ -511,6 +626,7 @@ class IOLoop:
             self._stats["stale_cards"] += 1
         elif effect is Effect.READY:  # each card already went to the endpoint
             self._stats["handshakes_done"] += 1
+            self._pulls_settled(eng.engine_id, now)
         elif effect is Effect.FAIL:
             self._engine_failed(eng, now)
 
@@ -551,6 +667,7 @@ class IOLoop:
         (``HANDSHAKE_FAILED``, destination released)."""
         self._stats["handshakes_failed"] += 1
         log.warning("%s", eng.error)
+        self._pulls_settled(eng.engine_id, now, eng.error or "handshake failed")
         self._apply(self._consumer().handshake_failed(eng.engine_id, eng.error, now), now)
 
     # ------------------------------------------------------------ liveness
@@ -585,6 +702,9 @@ class IOLoop:
         try:
             if self._writer is not None:
                 self._writer.stop(self.config.close_timeout_s)
+                self._drain_completions(time.monotonic())
+            if self._reader is not None:
+                self._reader.stop(self.config.close_timeout_s)
                 self._drain_completions(time.monotonic())
             side = self._side
             for link in self._peers.links.values():

@@ -39,7 +39,7 @@ from .testing import Server, ServerSpec, free_port, get_text, kv_transfer_config
 
 #: Short protocol timeouts, so that failure paths end within seconds.
 #: Handshakes take seconds on a loaded machine; the lease outlasts one.
-FAST = {"lease_s": 30.0, "heartbeat_s": 1.0, "window_s": 8.0, "fence_grace_s": 2.0,
+FAST = {"lease_s": 30.0, "heartbeat_s": 1.0, "window_s": 20.0, "fence_grace_s": 4.0,
         "handshake_timeout_s": 20.0, "peer_confirm_s": 1.0}
 #: Proxy flags for fast failover.
 PROXY_FLAGS = ("--health-interval", "0.5", "--health-timeout", "1.5", "--unhealthy-after",

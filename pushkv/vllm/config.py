@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..direction import SETTINGS
 from ..protocol.config import ConsumerConfig, ProducerConfig
 from ..protocol.errors import ConfigError
 from ..protocol.events import FailurePolicy
@@ -123,6 +124,15 @@ class PushKVSettings:
                   "vLLM's CPU backend pins it to its OpenMP cores), 'auto' (the engine "
                   "process's), or a list such as '2,3' or '0-7' (spare cores)"},
     )
+    direction: str = field(
+        default="auto",
+        metadata={"help": "producer: how the KV moves. 'auto': pull (the decode side reads "
+                  "with its background reader) when a sequential router sends vLLM's NIXL "
+                  "PD legs, push when pushkv's proxy dispatches both legs at once; 'push': "
+                  "push behind sequential routers too; 'pull': as auto (a concurrently "
+                  "dispatched leg cannot be pulled: its decode leg is sent before the "
+                  "blocks are known)"},
+    )
     backend_options: dict[str, str] = field(
         default_factory=dict,
         metadata={"help": "extra backend parameters passed to NIXL as strings"},
@@ -159,6 +169,9 @@ class PushKVSettings:
             raise ConnectorConfigError("max_pending_registrations must be >= 1")
         if not 0 <= self.progress_delay_us <= 1_000_000:
             raise ConnectorConfigError("progress_delay_us must be in [0, 1000000]")
+        if self.direction not in SETTINGS:
+            raise ConnectorConfigError(
+                f"direction must be 'auto', 'push' or 'pull', got {self.direction!r}")
         if self.transport_cpus not in ("auto", "inherit"):
             parse_cpus(self.transport_cpus)
 

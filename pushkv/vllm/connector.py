@@ -107,6 +107,7 @@ class PushKVConnector(KVConnectorBase_V1):
                 endpoint=self.endpoint, block_size=self.block_size,
                 is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer,
                 policy=self.policy.value, key=self.settings.load_key(),
+                direction=self.settings.direction,
             )
         else:
             from .worker_side import WorkerSide  # the transport is needed here only

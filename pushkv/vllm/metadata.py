@@ -38,6 +38,8 @@ class RecvOrder:
     num_tokens: int
     first_token: int
     incarnation: int = 0
+    direction: str = "push"  #: "pull": read ``src_block_ids`` instead of registering
+    src_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +51,7 @@ class SendOrder:
     block_ids: tuple[int, ...]
     num_tokens: int
     incarnation: int = 0
+    direction: str = "push"  #: "pull": publish the blocks for the consumer to read
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

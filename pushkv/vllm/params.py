@@ -22,6 +22,32 @@ uses four shapes:
 * **prefill answer** (producer -> proxy): ``{"transfer_id": ..., "pushkv_endpoint": {...},
   "num_tokens": n}``, for logs.
 
+vLLM's NIXL PD flow, as ``vllm-router --vllm-pd-disaggregation --kv-connector
+nixl`` (and other sequential routers) drive it, is spoken too:
+
+* **NIXL prefill leg** (router -> producer): ``{"do_remote_decode": true, ...}``
+  without a ``transfer_id`` (:class:`NixlPrefillLeg`). Every other field in it
+  (``remote_engine_id``, ``remote_block_ids``... all null there) is ignored.
+* **NIXL prefill answer** (producer -> router), passed by the router verbatim
+  into the decode leg: vLLM's fields (``do_remote_prefill: true``,
+  ``remote_engine_id``, ``remote_block_ids``, ``remote_request_id``,
+  ``remote_host``, ``remote_port``, ``tp_size``, ``pp_size``,
+  ``remote_num_tokens``, ``transfer_mode: "pull"`` for a pull) plus pushkv's
+  (``transfer_id`` and ``incarnation``, both minted by the producer,
+  ``pushkv_endpoint`` and ``pushkv_direction``). A push is not announced in
+  ``transfer_mode``: vllm-router rewrites the decode leg of a ``"push"`` answer
+  into vLLM's push-connector fields and drops pushkv's.
+* **NIXL decode leg** (router -> consumer): that answer. pushkv reads
+  ``transfer_id``, ``incarnation``, ``pushkv_endpoint`` (where to connect),
+  ``pushkv_direction`` (else ``transfer_mode``; ``"pull"``: read
+  ``remote_block_ids``; ``"push"``: register), ``remote_block_ids`` and
+  ``remote_engine_id`` (checked against the endpoint). It ignores
+  ``remote_host``/``remote_port`` (the endpoint lists every rank's address),
+  ``tp_size``/``pp_size`` (the handshake tells), ``remote_request_id``,
+  ``remote_num_tokens``, ``remote_blocks_expiry_time`` and ``dcp_size``. A
+  decode leg without ``transfer_id`` is another connector's (vLLM's
+  NixlConnector) and is left alone.
+
 The transfer id and its incarnation are drawn by the proxy (random) and are
 the key both sides match on; with a shared key every object also carries the
 proxy's signature (:mod:`.signing`). This module needs the standard library
@@ -43,7 +69,12 @@ MAX_ID_LEN = 256
 #: A side-channel address as the runtime advertises it.
 _ADDRESS = re.compile(r"tcp://[A-Za-z0-9.\-:\[\]]{1,253}:[0-9]{1,5}")
 
+#: Most source block ids a decode leg may name (a 16 M-token prompt in 256-token blocks).
+MAX_BLOCKS = 65536
+
 DISCOVER_KEY = "pushkv_discover"
+#: In a NIXL-style answer: "pull" or "push", how this transfer's KV moves.
+DIRECTION_KEY = "pushkv_direction"
 ENDPOINT_KEY = "pushkv_endpoint"
 #: In a consumer's discovery answer: its ``kv_load_failure_policy``.
 POLICY_KEY = "pushkv_policy"
@@ -160,12 +191,27 @@ class PrefillLeg:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NixlPrefillLeg:
+    """A producer request in vLLM's NIXL PD flow (a sequential router): compute the
+    prompt, hold its KV, answer with what the decode leg needs. The producer names
+    the transfer (and draws its incarnation)."""
+
+
+#: How a transfer's bytes move, as ``transfer_mode`` spells it.
+DIRECTIONS = ("push", "pull")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DecodeLeg:
     """A consumer request: receive the prompt's KV of ``transfer_id`` from ``producer``."""
 
     transfer_id: str
     producer: Endpoint
     incarnation: int = 0
+    #: "push": register and be written; "pull": read ``src_block_ids`` (the
+    #: producer already published them: a sequential router's decode leg).
+    direction: str = "push"
+    src_block_ids: tuple[int, ...] = ()
 
     def to_params(self) -> dict[str, Any]:
         return _with_incarnation({
@@ -183,7 +229,72 @@ class Discover:
         return {DISCOVER_KEY: True}
 
 
-Leg = PrefillLeg | DecodeLeg | Discover
+Leg = PrefillLeg | NixlPrefillLeg | DecodeLeg | Discover
+
+
+#: The keys of a NIXL-style answer a producer signs (with a shared key): every one
+#: a consumer reads. Routers and vLLM may add others; they are dropped unread.
+NIXL_SIGNED = ("do_remote_prefill", "transfer_id", "incarnation", "pushkv_direction",
+               "transfer_mode", "remote_block_ids", "remote_engine_id", ENDPOINT_KEY)
+
+
+def nixl_answer(*, endpoint: Endpoint, transfer_id: str, incarnation: int, request_id: str,
+                block_ids: list[int], num_tokens: int, direction: str) -> dict[str, Any]:
+    """A producer's answer to a :class:`NixlPrefillLeg`: vLLM NixlConnector's fields
+    (what a router passes on to the decode leg) plus pushkv's own."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": endpoint.engine_id,
+        "remote_block_ids": list(block_ids),
+        "remote_request_id": request_id,
+        "remote_host": endpoint.host,
+        "remote_port": endpoint.port,
+        "tp_size": endpoint.tp_size,
+        "pp_size": endpoint.pp_size,
+        "remote_num_tokens": num_tokens,
+        # vllm-router rewrites the decode leg of a "push" answer into vLLM's push
+        # connector's fields, dropping pushkv's: a push is announced in pushkv's key only.
+        **({"transfer_mode": "pull"} if direction == "pull" else {}),
+        DIRECTION_KEY: direction,
+        "transfer_id": transfer_id,
+        "incarnation": incarnation,
+        "num_tokens": num_tokens,
+        ENDPOINT_KEY: endpoint.to_json(),
+    }
+
+
+def _block_ids(value: object, where: str) -> tuple[int, ...]:
+    """``remote_block_ids``: a list of block ids, or vLLM's one list per KV group
+    (pushkv serves one group)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
+        value = value[0]
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_BLOCKS:
+        raise ParamsError(f"{where}: 'remote_block_ids' must be a list of 1 to {MAX_BLOCKS} "
+                          "block ids")
+    for b in value:
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < 2**31:
+            raise ParamsError(f"{where}: 'remote_block_ids' holds {b!r:.40}, not a block id")
+    return tuple(value)
+
+
+def _nixl_decode(params: Mapping[str, Any], transfer_id: str, incarnation: int) -> DecodeLeg:
+    """A decode leg carrying a pushkv producer's NIXL-style answer."""
+    where = "decode leg"
+    producer = Endpoint.from_json(params[ENDPOINT_KEY], f"{where}: {ENDPOINT_KEY!r}")
+    engine = params.get("remote_engine_id")
+    if engine is not None and engine != producer.engine_id:
+        raise ParamsError(f"{where}: 'remote_engine_id' {engine!r:.80} is not the endpoint's "
+                          f"engine {producer.engine_id!r}")
+    mode = params.get(DIRECTION_KEY, params.get("transfer_mode", "push"))
+    if mode not in DIRECTIONS:
+        raise ParamsError(f"{where}: {DIRECTION_KEY!r} must be 'push' or 'pull', got "
+                          f"{mode!r:.40}")
+    if incarnation == 0:
+        raise ParamsError(f"{where}: 'incarnation' is missing (the producer draws one)")
+    src = _block_ids(params.get("remote_block_ids"), where) if mode == "pull" else ()
+    return DecodeLeg(transfer_id=transfer_id, producer=producer, incarnation=incarnation,
+                     direction=mode, src_block_ids=src)
 
 
 def parse_params(params: object) -> Leg | None:
@@ -205,7 +316,9 @@ def parse_params(params: object) -> Leg | None:
     if decode and prefill:
         raise ParamsError("a request cannot be both the prefill and the decode leg")
     if "transfer_id" not in params:
-        return None  # another connector's parameters (e.g. vLLM's NIXL pull flow)
+        # vLLM's NIXL flow: the prefill leg is ours to answer; a decode leg without
+        # our transfer id carries another connector's answer (vLLM's NixlConnector).
+        return NixlPrefillLeg() if prefill else None
     transfer_id = _id(params, "transfer_id", "kv_transfer_params")
     incarnation = params.get("incarnation", 0)
     if not (isinstance(incarnation, int) and not isinstance(incarnation, bool)
@@ -215,6 +328,8 @@ def parse_params(params: object) -> Leg | None:
     if prefill:
         return PrefillLeg(transfer_id=transfer_id, incarnation=incarnation)
     if "producer" not in params:
+        if ENDPOINT_KEY in params:  # a pushkv producer's NIXL-style answer
+            return _nixl_decode(params, transfer_id, incarnation)
         raise ParamsError("decode leg: 'producer' (the prefill endpoint) is missing")
     producer = Endpoint.from_json(params["producer"], "decode leg: 'producer'")
     return DecodeLeg(transfer_id=transfer_id, producer=producer, incarnation=incarnation)

@@ -19,31 +19,48 @@ stopped or hit its length holds its blocks (``delay_free``) until the worker
 reports the push completed, was cancelled or its lease expired; any other end
 (abort, error, ignored...) tells the producer endpoint, which fails the
 consumer's registration so the consumer can apply its failure policy.
+
+Direction. The producer chooses, per request, from how the request was
+dispatched (:func:`leg_direction`): a leg of pushkv's proxy has its decode
+leg dispatched at the same time (concurrent dispatch), so its KV is pushed
+into the registration that is on its way; a leg of vLLM's NIXL PD flow comes
+from a router that waits for this prefill's answer before it even sends the
+decode leg (sequential dispatch), so the KV is published and the decode side
+reads it with its background reader -- no registration round trip on the
+critical path. The answer's ``transfer_mode`` tells the consumer which.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
 from .. import timeline
+from ..direction import SETTINGS, choose_direction
+from ..protocol.incarnation import new_incarnation
 from .metadata import Abandon, Abort, PushKVMetadata, RecvOrder, SendOrder
 from .params import (
     ENDPOINT_KEY,
+    MAX_ID_LEN,
+    NIXL_SIGNED,
     POLICY_KEY,
     DecodeLeg,
     Discover,
     Endpoint,
     Leg,
+    NixlPrefillLeg,
     ParamsError,
     PrefillLeg,
+    nixl_answer,
     parse_params,
 )
-from .signing import ReplayGuard, verify
+from .signing import ReplayGuard, sign, verify
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -51,6 +68,23 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+def leg_direction(leg: PrefillLeg | NixlPrefillLeg, setting: str = "auto") -> str:
+    """How a prefill's KV moves (:func:`pushkv.direction.choose_direction`): a leg of
+    pushkv's proxy was dispatched with its decode leg (concurrent); a leg of vLLM's
+    NIXL flow comes from a router that waits for its answer (sequential)."""
+    dispatch = "concurrent" if isinstance(leg, PrefillLeg) else "sequential"
+    return choose_direction(dispatch, setting)
+
+
+def producer_transfer_id(engine_id: str, request_id: str) -> str:
+    """The transfer id a producer mints for a NIXL-flow request: its engine and
+    request id (unique on the engine), hashed when too long for the wire."""
+    tid = f"nixl:{engine_id}:{request_id}"
+    if len(tid) <= MAX_ID_LEN:
+        return tid
+    return "nixl:" + hashlib.sha256(tid.encode()).hexdigest()
+
 
 #: Ends of a producer request after which its prompt KV is complete.
 _PREFILL_COMPLETE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -77,7 +111,12 @@ class SchedulerSide:
     """Scheduler-process state of one ``PushKVConnector``."""
 
     def __init__(self, *, endpoint: Endpoint, block_size: int, is_producer: bool,
-                 is_consumer: bool, policy: str = "fail", key: bytes | None = None) -> None:
+                 is_consumer: bool, policy: str = "fail", key: bytes | None = None,
+                 direction: str = "auto") -> None:
+        if direction not in SETTINGS:
+            raise ParamsError(f"direction must be one of {SETTINGS}, got {direction!r}")
+        self.direction = direction
+        self._rng = random.SystemRandom()
         self.endpoint = endpoint
         self.block_size = block_size
         self.is_producer = is_producer
@@ -100,7 +139,13 @@ class SchedulerSide:
         if self._key is not None and params:
             if not isinstance(params, dict):
                 raise ParamsError("kv_transfer_params must be an object")
-            params = verify(params, self._key)
+            try:
+                params = verify(params, self._key)
+            except ParamsError:
+                # A router's NIXL prefill leg is never signed; it names nothing to trust
+                # (the producer mints the transfer and signs its answer).
+                if not isinstance(parse_params(params), NixlPrefillLeg):
+                    raise
         leg = parse_params(params)
         if self._key is not None and isinstance(leg, PrefillLeg | DecodeLeg):
             self._replays.check(type(leg).__name__, leg.transfer_id, request.request_id)
@@ -158,7 +203,8 @@ class SchedulerSide:
         first = num_tokens - num_external_tokens  # the local prefix hit, block aligned
         order = RecvOrder(req_id=req_id, transfer_id=leg.transfer_id, producer=leg.producer,
                           block_ids=tuple(block_ids), num_tokens=num_tokens, first_token=first,
-                          incarnation=leg.incarnation)
+                          incarnation=leg.incarnation, direction=leg.direction,
+                          src_block_ids=leg.src_block_ids)
         rec = self._recv[req_id] = _Recv(leg=leg, phase=Phase.DEFERRED, order=order)
         self._try_ship(req_id, rec)
 
@@ -222,7 +268,7 @@ class SchedulerSide:
             return False, None
         if isinstance(leg, Discover):
             return False, {ENDPOINT_KEY: self.endpoint.to_json(), POLICY_KEY: self.policy}
-        if not isinstance(leg, PrefillLeg):
+        if not isinstance(leg, PrefillLeg | NixlPrefillLeg):
             return False, None
         if not self.is_producer:
             logger.error("request %s asks a consumer-only instance to push its KV", req_id)
@@ -248,9 +294,14 @@ class SchedulerSide:
             del self._recv[req_id]
         return False
 
-    def _producer_finished(self, request: Request, leg: PrefillLeg,
+    def _producer_finished(self, request: Request, leg: PrefillLeg | NixlPrefillLeg,
                            block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        req_id, tid = request.request_id, leg.transfer_id
+        req_id = request.request_id
+        if isinstance(leg, NixlPrefillLeg):
+            tid = producer_transfer_id(self.endpoint.engine_id, req_id)
+            incarnation = new_incarnation(self._rng)
+        else:
+            tid, incarnation = leg.transfer_id, leg.incarnation
         n = request.num_prompt_tokens
         complete = (
             request.status in _PREFILL_COMPLETE
@@ -260,16 +311,25 @@ class SchedulerSide:
         if not complete:
             logger.warning("request %s (transfer %s) ended %s before its KV was complete; "
                            "failing the transfer", req_id, tid, request.status.name)
-            self._meta.send_abort.append(Abort(req_id=req_id, transfer_id=tid,
-                                               incarnation=leg.incarnation))
+            if isinstance(leg, PrefillLeg):  # a NIXL leg's transfer was never announced
+                self._meta.send_abort.append(Abort(req_id=req_id, transfer_id=tid,
+                                                   incarnation=incarnation))
             return False, None
+        direction = leg_direction(leg, self.direction)
         self._sending[req_id] = tid
         timeline.mark(tid, "prefill_finished")
         self._meta.send.append(SendOrder(req_id=req_id, transfer_id=tid,
                                          block_ids=tuple(block_ids), num_tokens=n,
-                                         incarnation=leg.incarnation))
-        return True, {"transfer_id": tid, "num_tokens": n,
-                      ENDPOINT_KEY: self.endpoint.to_json()}
+                                         incarnation=incarnation, direction=direction))
+        if isinstance(leg, PrefillLeg):
+            return True, {"transfer_id": tid, "num_tokens": n,
+                          ENDPOINT_KEY: self.endpoint.to_json()}
+        answer = nixl_answer(endpoint=self.endpoint, transfer_id=tid, incarnation=incarnation,
+                             request_id=req_id, block_ids=block_ids, num_tokens=n,
+                             direction=direction)
+        if self._key is not None:
+            answer = sign(answer, self._key, fields=NIXL_SIGNED)
+        return True, answer
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         failed = output.failed_recving

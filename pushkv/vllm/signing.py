@@ -40,11 +40,17 @@ def _mac(key: bytes, t: float, params: Mapping[str, Any]) -> str:
     return hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 
-def sign(params: Mapping[str, Any], key: bytes, now: float | None = None) -> dict[str, Any]:
-    """``params`` with a signature added."""
+def sign(params: Mapping[str, Any], key: bytes, now: float | None = None,
+         fields: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """``params`` with a signature added; with ``fields``, the signature covers those
+    keys only (others may be added on the way -- vLLM adds some to a prefill's
+    answer -- and are dropped by :func:`verify`)."""
     t = round(time.time() if now is None else now, 3)
     clean = {k: v for k, v in params.items() if k != SIG_KEY}
-    return {**clean, SIG_KEY: {"t": t, "mac": _mac(key, t, clean)}}
+    if fields is None:
+        return {**clean, SIG_KEY: {"t": t, "mac": _mac(key, t, clean)}}
+    covered = {k: clean[k] for k in fields if k in clean}
+    return {**clean, SIG_KEY: {"t": t, "mac": _mac(key, t, covered), "f": sorted(covered)}}
 
 
 def verify(params: Mapping[str, Any], key: bytes, now: float | None = None,
@@ -58,6 +64,11 @@ def verify(params: Mapping[str, Any], key: bytes, now: float | None = None,
     if not isinstance(t, int | float) or isinstance(t, bool) or not isinstance(mac, str):
         raise ParamsError("kv_transfer_params: malformed signature")
     clean = {k: v for k, v in params.items() if k != SIG_KEY}
+    covered = sig.get("f")
+    if covered is not None:  # only these keys are signed: the others are dropped
+        if not (isinstance(covered, list) and all(isinstance(k, str) for k in covered)):
+            raise ParamsError("kv_transfer_params: malformed signature")
+        clean = {k: clean[k] for k in covered if k in clean}
     if not hmac.compare_digest(_mac(key, float(t), clean), mac):
         raise ParamsError("kv_transfer_params: bad signature")
     now = time.time() if now is None else now

@@ -24,13 +24,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 #: Counter name -> help. Consumer counters first, then producer ones.
 COUNTERS: dict[str, str] = {
-    "transfers_registered": "registrations sent to producers",
+    "transfers_registered": "registrations sent to producers (push)",
+    "transfers_pulled": "transfers read from producers by the background reader (pull)",
     "transfers_ready": "transfers whose KV landed",
     "transfers_failed": "transfers that failed (the failure policy applied)",
     "transfers_cancelled": "transfers cancelled by an abort, after their fence",
     "transfers_abandoned": "requests that ended before registering: producer told to release",
     "blocks_received": "KV blocks that landed in this instance",
-    "pushes_started": "prefills whose KV was handed to the transport",
+    "pushes_started": "prefills whose KV was handed to the transport to push",
+    "sources_published": "prefills whose KV was published for the consumer to read (pull)",
     "pushes_aborted": "prefills that ended before their KV was complete",
     "sources_released": "prefilled KV released after its push, a cancel or a lease expiry",
     "blocks_sent": "KV blocks released after a completed push",

@@ -30,6 +30,8 @@ from .. import timeline
 from ..protocol.errors import ConfigError
 from ..protocol.events import (
     FailurePolicy,
+    Mode,
+    Publish,
     Rejected,
     ReleaseDestination,
     ReleaseSource,
@@ -278,9 +280,11 @@ class WorkerSide:
             self._send[send.transfer_id] = send.req_id
             timeline.mark(send.transfer_id, "write_handed")
             self._send_since[send.transfer_id] = time.monotonic()
+            pull = send.direction == "pull"
             rt.prefill_finished(send.transfer_id, send.block_ids, regions.units(send.num_tokens),
-                                incarnation=send.incarnation)
-            self._stats.add("pushes_started")
+                                incarnation=send.incarnation,
+                                mode=Mode.PULL if pull else Mode.PUSH)
+            self._stats.add("sources_published" if pull else "pushes_started")
         for ab in meta.send_abort:
             rt.prefill_aborted(ab.transfer_id, incarnation=ab.incarnation)
             self._stats.add("pushes_aborted")
@@ -296,6 +300,12 @@ class WorkerSide:
             return
         self._recv[order.transfer_id] = _Recv(order.req_id, written, time.monotonic())
         timeline.mark(order.transfer_id, "registration_handed")
+        if order.direction == "pull":  # read by the runtime's reader thread
+            rt.start_pull(order.transfer_id, order.producer.engine_id, order.src_block_ids,
+                          order.block_ids, regions.units(order.num_tokens), first,
+                          incarnation=order.incarnation)
+            self._stats.add("transfers_pulled")
+            return
         rt.register(order.transfer_id, order.producer.engine_id, order.block_ids,
                     regions.units(order.num_tokens), first, incarnation=order.incarnation)
         self._stats.add("transfers_registered")
@@ -345,8 +355,8 @@ class WorkerSide:
                 self._sent.add(req_id)
                 self._stats.add("sources_released")
                 self._stats.add("blocks_sent", len(event.block_ids))
-        elif isinstance(event, ReleaseDestination):
-            pass  # always accompanied by the transfer's terminal event
+        elif isinstance(event, ReleaseDestination | Publish):
+            pass  # the transfer's terminal event follows; a pull's blocks are in the answer
         elif isinstance(event, CallFailed):
             self._on_call_failed(event)
         elif isinstance(event, PeerLost):
@@ -371,7 +381,7 @@ class WorkerSide:
 
     def _on_call_failed(self, event: Any) -> None:
         tid = event.transfer_id
-        if event.operation == "register" and tid in self._recv:
+        if event.operation in ("register", "start_pull") and tid in self._recv:
             # Nothing was lent: the request fails and its blocks go back at once.
             rec = self._recv.pop(tid)
             self._transfer_failed(tid, rec.req_id, "REGISTER_REFUSED", event.error)

@@ -26,15 +26,11 @@ FLOORS = {
     "2to1": 20_000,
     "replicated": 5_000,
     "replicated-reuse": 80_000,
-    "handshake": 2_500,
+    "handshake": 3_000,
 }
 
 #: Scopes that find a bug of today's core: scope name -> the bug.
-KNOWN: dict[str, str] = {
-    "handshake": "a transfer aborted while its registration waits for the handshake is "
-                 "never told to the producer once the handshake completes: the producer "
-                 "holds the prefill until its lease",
-}
+KNOWN: dict[str, str] = {}
 
 
 def _params():

@@ -314,3 +314,16 @@ def test_a_transfer_ended_while_waiting_for_the_handshake_is_told_once_connected
     assert (cancel.final, cancel.incarnation, cancel.attempt) == (True, 7, 0)
     assert [a.peer.rank for a in out if isinstance(a.message, Skip)] == [1]
     assert c.add_peer(pair.p[0].info, now=0.3) == []  # told once
+
+
+def test_a_rank_that_writes_nothing_and_handshakes_last_is_still_told():
+    """The transfer ended (here: aborted while waiting) before the rank that writes
+    nothing finished its handshake: it is told when it does."""
+    pair = Pair(producer={"tp": 2, "num_kv_heads": 1}, consumer={"num_kv_heads": 1})
+    c = _fresh_consumer(pair)
+    c.register("t", "P", [1, 2, 3], 40, 0.0, incarnation=7)
+    c.abort("t", 0.1)
+    assert msgs(c.add_peer(pair.p[0].info, now=0.2), Cancel)  # the writer is told
+    out = c.add_peer(pair.p[1].info, now=0.3)  # then the rank that writes nothing
+    assert [(a.peer.rank, a.message.incarnation) for a in out
+            if isinstance(a.message, Skip)] == [(1, 7)]

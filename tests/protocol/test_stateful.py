@@ -71,6 +71,9 @@ class Transfer:
         self.attempt = -1
         self.freed: set[int] = set()  # attempts whose blocks went back to the pool
         self.done = False  # the engine is finished with the request
+        self.streamed = False  # some ranges were reported before prefill finished
+        self.prefilled = False
+        self.aborted = False  # the producer engine aborted the request
 
 
 class Protocol(RuleBasedStateMachine):
@@ -183,17 +186,37 @@ class Protocol(RuleBasedStateMachine):
             c.apply(c.endpoint.register(t.tid, "P", blocks, t.n, self.net.now,
                                         first_token=t.first, incarnation=t.inc))
 
+    @rule(t=transfers, a=st.integers(0, 39), w=st.integers(1, 40), layer=st.integers(0, 1),
+          all_layers=st.booleans())
+    def range_ready(self, t, a, w, layer, all_layers):
+        """Progressive push: part of the prefill is final (any range, any order)."""
+        if t.pull or t.prefilled or t.aborted or "P" in self.dead:
+            return
+        if t.src is None:
+            k = -(-t.n // self.pinfo[0].layout.block_size)
+            blocks = self._take(self.p_free, k)
+            if blocks is None:
+                return
+            t.src, t.streamed = blocks, True
+        a %= t.n
+        b = min(t.n, a + w)
+        layers = None if all_layers else (layer, layer + 1)
+        note(f"range {t.tid} tokens [{a}, {b}) layers {layers}")
+        for p in self.producers:
+            p.apply(p.endpoint.range_ready(t.tid, t.src, (a, b), self.net.now, layers=layers,
+                                           incarnation=t.inc))
+
     @rule(t=transfers)
     def prefill(self, t):
-        if t.src is not None or "P" in self.dead:
+        if t.prefilled or (t.streamed and t.aborted) or "P" in self.dead:
             return
         k = -(-t.n // self.pinfo[0].layout.block_size)
-        blocks = self._take(self.p_free, k)
+        blocks = t.src if t.streamed else self._take(self.p_free, k)
         if blocks is None:
             return
         if t.pull and t.attempt >= 0:
             return  # a pull transfer starts from what prefill published
-        t.src = blocks
+        t.src, t.prefilled = blocks, True
         note(f"prefill {t.tid} <- {blocks}")
         mode = Mode.PULL if t.pull else Mode.PUSH
         for p in self.producers:
@@ -237,6 +260,7 @@ class Protocol(RuleBasedStateMachine):
     @rule(t=transfers)
     def producer_abort(self, t):
         note(f"producer abort {t.tid}")
+        t.aborted = True
         for p in self.producers:
             p.apply(p.endpoint.prefill_aborted(t.tid, self.net.now, incarnation=t.inc))
 
@@ -369,8 +393,8 @@ class Protocol(RuleBasedStateMachine):
         self._free_blocks()
         if not self.lossy and not self.dead and not self.net.stats["frames_expired"]:
             for key, at in self.ready_at.items():
-                if self.model[key].src is None:
-                    continue
+                if self.model[key].src is None or self.model[key].streamed:
+                    continue  # a streamed source waits for its prefill to finish
                 for p in self.producers:
                     when = p.released_at.get(key)
                     assert when is not None and when <= at + 0.5 + 1e-9, (

@@ -122,12 +122,14 @@ P_ACTIONS = {
     PE.STASH: {(), ("CancelAck",)}, PE.ACK_STASHED_AND_STASH: {("CancelAck",)},
     PE.WRITE_STASHED: {("IssueWrite",), ()},
     PE.FAIL_AND_WRITE_STASHED: {("Fail", "IssueWrite"), ("Fail",)},
+    PE.ACK_PARTS: {("CancelAck",)},
+    PE.ACK_PARTS_AND_WRITE_STASHED: {("CancelAck", "IssueWrite"), ("CancelAck",)},
 }
 #: The actions each source effect emits itself (its legs' inputs are steps of their own).
 S_ACTIONS = {
     SourceEffect.HOLD: {(), ("Publish",)}, SourceEffect.ABORT: {()},
     SourceEffect.EXPIRE: {()}, SourceEffect.RELEASE: {("ReleaseSource",)},
-    SourceEffect.FORGET: {()},
+    SourceEffect.FORGET: {()}, SourceEffect.STREAM: {()},
 }
 #: The actions each consumer effect emits (``*``: one per producer rank named).
 C_ACTIONS = {
@@ -142,7 +144,7 @@ C_ACTIONS = {
     CE.FINAL_CANCEL_RELEASED: {("Cancel", "Cancel", "TransferCancelled"), ("TransferCancelled",)},
     CE.REPORT_FAILED: {("TransferFailed",)},
     CE.SEND_HELD: {("Register", "Register")}, CE.HOLD: {(), ("Connect",)},
-    CE.DROP: {()},
+    CE.DROP: {()}, CE.PART: {()},
 }
 def _check_steps(steps, start, table, actions, where):
     """Every recorded transition is the table's, exactly, and they chain."""
@@ -189,6 +191,15 @@ def _writing(p):
     _prefill(p)
 
 
+def _part(p, tokens=(0, 16)):  # rule 9: a first range of the prefill is final
+    p.range_ready("t", [7, 8, 9], tokens, 0.0)
+
+
+def _writing_part(p):  # the leg writes a part that is not its last
+    p.receive(_reg(1), 0.0)
+    _part(p)
+
+
 def _other_writing(p):  # consumer rank 1's leg is being written
     p.receive(_reg(0, rank=1), 0.0)
     _prefill(p)
@@ -221,6 +232,25 @@ PRODUCER_RECIPES = {  # label -> (state of the leg into consumer rank 0, recipe)
                                              p.prefill_aborted("t", 0.0))),
     "WRITING, request aborted": (PS.WRITING, lambda p: (_writing(p),
                                                           p.prefill_aborted("t", 0.0))),
+    # Rule 9: the source is partly ready (prefill still running).
+    "KV_READY, partial": (PS.KV_READY, lambda p: (p.receive(_cancel(1, final=False), 0.0),
+                                                  _part(p))),
+    "WRITING a part": (PS.WRITING, _writing_part),
+    "REGISTERED, a part written": (PS.REGISTERED, lambda p: (
+        _writing_part(p), p.write_completed("t", 1, D0, True, 0.0))),
+    "SUPERSEDED, a part": (PS.SUPERSEDED, lambda p: (
+        _writing_part(p), p.receive(_reg(2, (4, 5, 6)), 0.0))),
+    "CANCELLING, a part": (PS.CANCELLING, lambda p: (
+        _writing_part(p), p.receive(_cancel(1, True), 0.0))),
+    "PREEMPTING, a part": (PS.PREEMPTING, lambda p: (
+        _writing_part(p), p.receive(_cancel(1, False), 0.0))),
+    "DONE, partial": (PS.DONE, lambda p: (
+        p.receive(_reg(1), 0.0), _part(p, (0, 40)), p.write_completed("t", 1, D0, True, 0.0))),
+    "FAILED, partial": (PS.FAILED, lambda p: (
+        _writing_part(p), p.write_completed("t", 1, D0, False, 0.0))),
+    "EXPIRED, partial": (PS.EXPIRED, lambda p: (
+        p.receive(_reg(1, window_ms=1000), 0.0), p.receive(_reg(0, rank=1), 0.0),
+        p.handle_timer(2.0))),
 }
 
 
@@ -236,6 +266,7 @@ def _producer_calls(p):
                      producer_engine_id="P", block_ids=(1, 2, 3), num_tokens=48,
                      window_ms=WINDOW_MS), 1.0),
         "prefill": lambda: p.prefill_finished("t", [7, 8, 9], 40, 1.0),
+        "range ready": lambda: p.range_ready("t", [7, 8, 9], (16, 32), 1.0),
         "prefill aborted": lambda: p.prefill_aborted("t", 1.0),
         "write ok": lambda: p.write_completed("t", writing, D0, True, 1.0),
         "write error": lambda: p.write_completed("t", writing, D0, False, 1.0),
@@ -398,6 +429,16 @@ def _consumer_calls(c, pair):
             Notify(transfer_id="t", attempt=attempt, engine_id="P", rank=0, incarnation=9), 5.0),
         "zombie notified": lambda: c.receive(_note(0, 0), 5.0),
         "zombie acked by both": lambda: (c.receive(_ack(0, 0), 5.0), c.receive(_ack(1, 0), 5.0)),
+        # Rule 9: a part that does not finish its rank; then the rank's last word.
+        "part": lambda: c.receive(Notify(transfer_id="t", attempt=attempt, engine_id="P",
+                                         rank=0, part=0, parts=0), 5.0),
+        "ack owing a part, then the part": lambda: (
+            c.receive(CancelAck(transfer_id="t", attempt=attempt, engine_id="P", rank=0,
+                                parts=1), 5.0),
+            c.receive(Notify(transfer_id="t", attempt=attempt, engine_id="P", rank=0,
+                             part=0, parts=0), 5.0)),
+        "zombie part": lambda: c.receive(Notify(transfer_id="t", attempt=0, engine_id="P",
+                                                rank=0, part=1, parts=0), 5.0),
         "zombie failed, then again": lambda: [c.receive(Fail(
             transfer_id="t", attempt=0, engine_id="P", rank=0,
             reason=FailReason.WRITE_FAILED), 5.0) for _ in range(2)],

@@ -15,6 +15,7 @@ from pushkv.vllm.params import (
     DecodeLeg,
     Discover,
     Endpoint,
+    NixlPrefillLeg,
     ParamsError,
     PrefillLeg,
     parse_params,
@@ -32,7 +33,7 @@ def test_defaults_are_valid_and_documented():
         "lease_s", "window_s",
         "fence_grace_s", "heartbeat_s", "handshake_timeout_s", "write_timeout_s",
         "peer_confirm_s", "max_pending_registrations", "notify_poll_ms", "progress_delay_us",
-        "transport_cpus",
+        "transport_cpus", "direction",
         "backend_options", "timeline_dir"}
     assert all(PushKVSettings.help().values())
 
@@ -123,7 +124,9 @@ def test_legs_round_trip():
 def test_other_connectors_params_are_not_ours():
     assert parse_params(None) is None
     assert parse_params({}) is None
-    assert parse_params({"do_remote_decode": True}) is None  # vLLM's NIXL pull flow
+    # vLLM's NIXL PD prefill leg is answered (a sequential router's); its decode leg
+    # without pushkv's transfer id is another connector's answer.
+    assert isinstance(parse_params({"do_remote_decode": True}), NixlPrefillLeg)
     assert parse_params({"do_remote_prefill": True, "remote_engine_id": "x"}) is None
 
 
@@ -161,3 +164,9 @@ def test_every_key_is_documented():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
     missing = [k for k in PushKVSettings.help() if f"| `{k}` |" not in doc]
     assert missing == []
+
+
+def test_direction_is_checked():
+    assert PushKVSettings.from_extra_config({"direction": "push"}).direction == "push"
+    with pytest.raises(ConnectorConfigError, match="direction"):
+        PushKVSettings.from_extra_config({"direction": "sideways"})

@@ -1,0 +1,59 @@
+"""bench_e2e.sh modes behind vllm-router (PD mode, sequential dispatch).
+
+Three rows for :data:`modes.MODES`, one per connector, each behind the same
+``vllm-router --vllm-pd-disaggregation --kv-connector nixl``:
+
+* ``router-pushkv``: ``PushKVConnector`` (its default ``direction: auto`` pulls
+  here, with the decode side's background reader);
+* ``router-pull``: vLLM's ``NixlConnector`` (pull, reads posted in the decode
+  engine loop);
+* ``router-vllm-push``: vLLM's ``NixlPushConnector`` behind the same router.
+
+:func:`router_verdict` adds ``router_pushkv_vs_pull`` (median latency of
+router-pushkv over router-pull; at most 1 means pushkv is no slower) to the
+run's last JSON line. Standard library only; no import of :mod:`modes`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+#: (mode name, deployment) of each vllm-router mode.
+ROUTER_ROWS = (
+    ("router-pushkv", "pushkv"),
+    ("router-pull", "nixl-pull"),
+    ("router-vllm-push", "nixl-push"),
+)
+
+
+def router_binary() -> str:
+    """vllm-router on PATH, else beside this Python (a venv's bin)."""
+    return shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+
+
+def vllm_router(a: Any) -> list[str]:
+    """The router's command line for a :class:`modes.RouterArgs`."""
+    return [router_binary(), "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+            "--prefill", a.prefill_url, "--decode", a.decode_url,
+            "--host", "127.0.0.1", "--port", str(a.port), "--policy", "round_robin",
+            "--log-level", "warning"]
+
+
+def router_verdict(lat: dict[tuple[str, str], float]) -> dict[str, Any]:
+    """From median latencies by (mode, load): pushkv over vLLM pull behind the router,
+    per load, and overall (the sequential load: one request at a time, where the
+    transfer is on every request's critical path)."""
+    out: dict[str, Any] = {}
+    for load in ("seq", "conc"):
+        ours = lat.get(("router-pushkv", load))
+        pull = lat.get(("router-pull", load))
+        push = lat.get(("router-vllm-push", load))
+        out[f"router_pushkv_vs_pull_{load}"] = (
+            round(ours / pull, 3) if ours and pull and ours == ours and pull == pull else None)
+        out[f"router_vllm_push_vs_pull_{load}"] = (
+            round(push / pull, 3) if push and pull and push == push and pull == pull else None)
+    out["router_pushkv_vs_pull"] = out["router_pushkv_vs_pull_seq"]
+    return out

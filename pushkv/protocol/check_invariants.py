@@ -1,0 +1,138 @@
+"""What must hold: in every reachable state, and once nothing can happen any more.
+
+:class:`Invariants` is the part of :class:`~.check_model.Model` that reads a
+state and raises :class:`Violation` when a promise of docs/protocol.md is
+broken. It reads the endpoints only through :meth:`info` (cached per snapshot).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from .check_world import C_IDLE, C_LIVE, C_OVER, P_HELD, P_PREFILL, P_WAIT, Frozen
+from .states import ConsumerState
+
+CS = ConsumerState
+#: A state of the whole system: (endpoint snapshot ids, frozen world).
+State = tuple[tuple[int, ...], Frozen]
+_TERMINAL = frozenset({CS.READY, CS.CANCELLED, CS.FAILED})
+#: Consumer states that only an answer of the producer (or a timer) moves on.
+_WAITING = frozenset(s for s in CS if s not in _TERMINAL and s.name != "PREEMPTED")
+
+
+class EpInfo(NamedTuple):
+    deadline: float | None
+    state: Any  # consumer: state of the transfer
+    lent: tuple[int, ...]  # consumer: blocks a write may still land in
+    held: tuple[tuple[int, ...], ...]  # producer: source blocks held
+    pending: int  # producer: registrations waiting
+    transfers: int
+    writes: int  # producer: writes it thinks are in flight
+
+
+class Violation(Exception):
+    """A promise of the protocol was broken (raised inside a step, reported with its trace)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+
+class Invariants:
+    """The checks; :class:`~.check_model.Model` provides the endpoints' views."""
+
+    np: int
+    nd: int
+
+    def info(self, i: int, sid: int) -> EpInfo:  # pragma: no cover - provided by Model
+        raise NotImplementedError
+
+    def c_state(self, c: int, sid: int) -> Any:
+        return self.info(self.np + c, sid).state
+
+    def check_state(self, state: State) -> None:
+        """What must hold in every reachable state."""
+        ids, f = state
+        dead = f[4]
+        d_owner, p_owner = f[9], f[10]
+        if dead != "D":
+            for c in range(self.nd):
+                for b in self.info(self.np + c, ids[self.np + c]).lent:
+                    if d_owner[b] is None:
+                        raise Violation("reuse", f"D{c} still lends block {b}, which its "
+                                        "engine already took back")
+        if dead != "P":
+            for r in range(self.np):
+                got = self.info(r, ids[r])
+                if got.pending > 64:
+                    raise Violation("bounds", f"P{r} holds too many registrations")
+                for blocks in got.held:
+                    if any(p_owner[b] is None for b in blocks):
+                        raise Violation("source", f"P{r} holds source blocks {list(blocks)} "
+                                        "its engine already took back")
+        if not f[5] and not f[1]:
+            self._check_prompt(ids, f)
+
+    def _check_prompt(self, ids: tuple[int, ...], f: Frozen) -> None:
+        """Nothing in flight, nothing lost: every known answer must have been given."""
+        cinc, pinc = f[7], f[8]
+        owed = False
+        for k, ci in enumerate(cinc):
+            if ci[0] == C_IDLE or pinc[k][0] in (P_WAIT, P_PREFILL):
+                owed = owed or ci[0] == C_LIVE
+                continue  # the producer still owes its prefill
+            if ci[0] == C_LIVE:
+                for c in range(self.nd):
+                    s = self.c_state(c, ids[self.np + c])
+                    if s in _WAITING:
+                        raise Violation("prompt", f"D{c} waits in {s.name} for t#{k} with "
+                                        "nothing in flight: only a timer can end the wait")
+            elif pinc[k][0] == P_HELD:
+                held = sorted(set(range(self.np)) - pinc[k][2])
+                raise Violation("prompt", f"P{held[0]} still holds the source of t#{k} after "
+                                "every consumer rank learned its outcome, with nothing in "
+                                "flight: only its lease will free it")
+        if owed:
+            return
+        for c in range(self.nd):
+            lent = self.info(self.np + c, ids[self.np + c]).lent
+            if lent:
+                raise Violation("prompt", f"D{c} still lends blocks {list(lent)} with nothing "
+                                "in flight: only a timer can free them")
+
+    def check_final(self, state: State) -> None:
+        """Nothing can happen any more: everything must have ended and been freed."""
+        ids, f = state
+        dead, cinc, pinc = f[4], f[7], f[8]
+        if dead != "D":
+            for k, ci in enumerate(cinc):
+                if ci[0] == C_LIVE:
+                    raise Violation("final", f"t#{k} never ended on the consumer: outcomes "
+                                    f"{list(ci[3])}")
+                if ci[0] == C_IDLE and (k == 0 or cinc[k - 1][0] == C_OVER) and dead != "P":
+                    raise Violation("final", f"t#{k} could never be registered: no free block")
+                if len(ci[5]) != len(ci[1]):
+                    raise Violation("final", f"blocks of t#{k} never went back to the pool")
+            for c in range(self.nd):
+                self._final_endpoint(f"D{c}", self.info(self.np + c, ids[self.np + c]))
+        if dead != "P":
+            for k, pi in enumerate(pinc):
+                if pi[0] in (P_PREFILL, P_HELD):
+                    raise Violation("final", f"the source of t#{k} was never released "
+                                    f"(status {pi[0]}, released by {sorted(pi[2])})")
+            for r in range(self.np):
+                got = self.info(r, ids[r])
+                self._final_endpoint(f"P{r}", got)
+                if got.writes:
+                    raise Violation("final", f"P{r} still thinks writes are in flight")
+
+    @staticmethod
+    def _final_endpoint(name: str, got: EpInfo) -> None:
+        if got.lent or got.held:
+            raise Violation("final", f"{name} still holds blocks {got.lent or got.held}")
+        if got.transfers:
+            raise Violation("final", f"{name} still tracks {got.transfers} transfer(s)")
+        if got.deadline is not None:
+            raise Violation("final", f"{name} still has a timer at t={got.deadline:g}")

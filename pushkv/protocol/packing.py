@@ -1,0 +1,191 @@
+"""Packed (staged) writes: the cost model that chooses them, and their byte maps.
+
+A fragmented cache turns one request into about one descriptor per block per
+region, and whoever posts pays a fixed cost per descriptor. A *packed* write
+instead gathers the source runs into a contiguous staging region, moves it in
+a handful of large descriptors (one per ``chunk_bytes``), and scatters it into
+the destination blocks on the consumer. It trades posting for two memory
+passes, so it pays off only when a plan has many descriptors, posting is
+expensive (EFA) and gather/scatter are fast (device memory); not for a
+contiguous cache or a cheap fabric (NVLink).
+
+:func:`choose` is the one decision, used by the transports and by the
+simulator with the same :class:`PackingConfig`. :class:`PackedPlan` turns a
+:class:`~pushkv.protocol.planner.TransferPlan` into the three byte maps of a
+packed write: gather (source region -> staging), wire (staging -> staging) and
+scatter (staging -> destination region). The staging image is the plan's runs
+in order, region pair after region pair, so both sides compute the same
+offsets from the same plan and nothing extra travels.
+
+Pure: no I/O, no clock; numpy only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import ConfigError
+from .planner import TransferPlan
+
+PackMode = Literal["auto", "never", "always"]
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackingConfig:
+    """When to pack a write, and the costs the choice weighs. The one definition:
+    the NIXL settings, the vLLM connector and the simulator take it from here."""
+
+    mode: PackMode = field(
+        default="auto",
+        metadata={"help": "auto: pack when the cost model says it is cheaper and the plan "
+                  "exceeds descriptor_budget; never: always direct descriptors; always: "
+                  "pack whenever staging is available"},
+    )
+    descriptor_budget: int = field(
+        default=4096,
+        metadata={"help": "plans with at most this many descriptors are always written "
+                  "directly (auto mode)"},
+    )
+    post_per_descriptor_s: float = field(
+        default=3e-6,
+        metadata={"help": "cost of preparing and posting one descriptor (EFA: 2.4-3.9 us)"},
+    )
+    gather_bytes_per_s: float = field(
+        default=10e9,
+        metadata={"help": "producer gather bandwidth into staging (host numpy: ~10 GB/s; "
+                  "GPU index_select: hundreds of GB/s)"},
+    )
+    scatter_bytes_per_s: float = field(
+        default=10e9,
+        metadata={"help": "consumer scatter bandwidth out of staging"},
+    )
+    staging_bytes: int = field(
+        default=1 << 30,
+        metadata={"help": "size of the staging pool on each side, registered once"},
+    )
+    chunk_bytes: int = field(
+        default=16 << 20,
+        metadata={"help": "bytes per wire descriptor of a packed write"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "never", "always"):
+            raise ConfigError(f"pack mode must be auto, never or always, not {self.mode!r}")
+        if self.descriptor_budget < 0 or self.staging_bytes < 0:
+            raise ConfigError("descriptor_budget and staging_bytes must be >= 0")
+        if self.chunk_bytes < 1:
+            raise ConfigError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+        for name in ("gather_bytes_per_s", "scatter_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.post_per_descriptor_s >= 0:
+            raise ConfigError("post_per_descriptor_s must be >= 0")
+
+
+class PackChoice(NamedTuple):
+    """The decision for one write and what it weighed (seconds of posting thread time)."""
+
+    packed: bool
+    reason: str
+    direct_s: float
+    packed_s: float
+    wire_descriptors: int
+
+
+def packed_descriptors(nbytes: int, chunk_bytes: int) -> int:
+    """Wire descriptors of a packed write of ``nbytes``."""
+    return -(-nbytes // chunk_bytes) if nbytes > 0 else 0
+
+
+def direct_cost_s(config: PackingConfig, descriptors: int) -> float:
+    """Posting a plan's descriptors directly."""
+    return descriptors * config.post_per_descriptor_s
+
+
+def packed_cost_s(config: PackingConfig, nbytes: int) -> float:
+    """Gather + posting the chunks + scatter, unpipelined (an upper bound)."""
+    return (nbytes / config.gather_bytes_per_s + nbytes / config.scatter_bytes_per_s
+            + packed_descriptors(nbytes, config.chunk_bytes) * config.post_per_descriptor_s)
+
+
+def choose(config: PackingConfig, *, descriptors: int, nbytes: int,
+           staging_free: int) -> PackChoice:
+    """Direct or packed, for a write of ``nbytes`` in ``descriptors`` descriptors when
+    ``staging_free`` bytes of staging can be lent on both sides."""
+    direct = direct_cost_s(config, descriptors)
+    packed = packed_cost_s(config, nbytes)
+    wire = packed_descriptors(nbytes, config.chunk_bytes)
+
+    def out(ok: bool, why: str) -> PackChoice:
+        return PackChoice(ok, why, direct, packed, wire if ok else descriptors)
+
+    if config.mode == "never" or nbytes <= 0:
+        return out(False, "never" if nbytes > 0 else "empty")
+    if nbytes > staging_free:
+        return out(False, "staging")
+    if config.mode == "always":
+        return out(True, "always")
+    if descriptors <= config.descriptor_budget:
+        return out(False, "budget")
+    if packed >= direct:
+        return out(False, "cost")
+    return out(True, "cost")
+
+
+class PackedPlan:
+    """The byte maps of one packed write of ``plan``.
+
+    ``gather[i] = (src_region, src_offset, staging_offset, length)`` and
+    ``scatter[i] = (staging_offset, dst_region, dst_offset, length)`` list every run
+    of every region pair; ``wire[j] = (staging_offset, length)`` are the wire
+    descriptors, staging relative. Staging offsets start at 0 (add the lent
+    region's base)."""
+
+    __slots__ = ("gather", "nbytes", "plan", "scatter", "wire")
+
+    def __init__(self, plan: TransferPlan, chunk_bytes: int) -> None:
+        if chunk_bytes < 1:
+            raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        runs = plan.runs
+        pairs = int(plan.src_regions.shape[0])
+        r = int(runs.shape[0])
+        lengths = runs[:, 2]
+        per_region = int(lengths.sum())
+        within = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64) if r else \
+            np.empty(0, np.int64)
+        staging = (np.arange(pairs, dtype=np.int64)[:, None] * per_region
+                   + within[None, :]).ravel()
+        gather = np.empty((pairs * r, 4), dtype=np.int64)
+        gather[:, 0] = np.repeat(plan.src_regions, r)
+        gather[:, 1] = np.tile(runs[:, 0], pairs)
+        gather[:, 2] = staging
+        gather[:, 3] = np.tile(lengths, pairs)
+        scatter = np.empty((pairs * r, 4), dtype=np.int64)
+        scatter[:, 0] = staging
+        scatter[:, 1] = np.repeat(plan.dst_regions, r)
+        scatter[:, 2] = np.tile(runs[:, 1], pairs)
+        scatter[:, 3] = gather[:, 3]
+        self.plan = plan
+        self.nbytes = per_region * pairs
+        self.gather = gather
+        self.scatter = scatter
+        starts = np.arange(0, self.nbytes, chunk_bytes, dtype=np.int64)
+        self.wire = np.stack([starts, np.minimum(chunk_bytes, self.nbytes - starts)], axis=1) \
+            if self.nbytes else np.empty((0, 2), dtype=np.int64)
+
+    @property
+    def wire_descriptors(self) -> int:
+        return int(self.wire.shape[0])
+
+    def __repr__(self) -> str:
+        return (f"PackedPlan(runs={self.gather.shape[0]}, nbytes={self.nbytes}, "
+                f"wire_descriptors={self.wire_descriptors})")
+
+
+__all__ = ["PackChoice", "PackMode", "PackedPlan", "PackingConfig", "choose",
+           "direct_cost_s", "packed_cost_s", "packed_descriptors"]

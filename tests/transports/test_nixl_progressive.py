@@ -1,0 +1,93 @@
+"""Progressive push over NIXL across two processes: ranges posted as they are
+reported, one write in flight per leg, READY only once every part notified."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip install nixl)")
+pytest.importorskip("zmq", reason="pyzmq is not installed")
+
+from pushkv.transports.nixl_testing import HostPool, NixlCluster
+from pushkv.transports.testing_progressive import PROGRESSIVE_CHECKS
+
+pytestmark = pytest.mark.nixl
+
+#: A few of the in-memory checks: the transport adds nothing rule-specific, so
+#: one of each kind (streamed writes, faults mid-stream) covers it.
+NIXL_CHECKS = ("layers_register_between", "layers_tp2-1", "cancel_between_ranges",
+               "aborted_with_a_part_in_flight")
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[HostPool]:
+    p = HostPool()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("name", NIXL_CHECKS)
+def test_progressive_conformance(pool: HostPool, name: str) -> None:
+    fn, kwargs = PROGRESSIVE_CHECKS[name]
+    fn(lambda topo: NixlCluster(topo, pool), **kwargs)
+
+
+class _Event:
+    """Stands for a CUDA event: ``query()`` is true once the layer's work is done."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done.is_set()
+
+
+def test_a_range_is_posted_only_once_its_event_completed() -> None:
+    import numpy as np
+
+    from pushkv.protocol import TransferReady, uniform_ranks
+    from pushkv.transports.inmemory import region_memory
+    from pushkv.transports.nixl import NixlRuntime
+
+    p_info, c_info = uniform_ranks("prefill-0")[0], uniform_ranks("decode-0")[0]
+    src = region_memory(p_info.layout, rng=np.random.default_rng(3))
+    dst = region_memory(c_info.layout)
+    prod = NixlRuntime(p_info, src, role="producer")
+    cons = NixlRuntime(c_info, dst, role="consumer")
+    try:
+        cons.connect("prefill-0", [prod.address])
+        cons.register("t", "prefill-0", [5, 6], 32)
+        tb = src[0].size // 64  # bytes per block (16 tokens)
+        event = _Event()
+        prod.range_ready("t", [1, 2], (0, 16), ready=event)  # a hand-off: never waits
+        deadline = time.monotonic() + 30
+        while event.queries < 3 and time.monotonic() < deadline:
+            prod.wait(0.05)
+        assert event.queries >= 3, "the I/O thread does not poll the event"
+        assert not dst[0][5 * tb:6 * tb].any(), "a range was posted before its event"
+        event.done.set()
+        while (not np.array_equal(dst[0][5 * tb:6 * tb], src[0][tb:2 * tb])
+               and time.monotonic() < deadline):
+            cons.wait(0.05)
+        assert np.array_equal(dst[0][5 * tb:6 * tb], src[0][tb:2 * tb])
+        assert not [e for e in cons.poll() if isinstance(e, TransferReady)]
+        prod.prefill_finished("t", [1, 2], 32)
+        seen: list[object] = []
+        while not any(isinstance(e, TransferReady) for e in seen) and (
+                time.monotonic() < deadline):
+            cons.wait(0.05)
+            seen += cons.poll()
+        assert any(isinstance(e, TransferReady) for e in seen)
+        for region in range(len(src)):
+            assert np.array_equal(dst[region][5 * tb:7 * tb], src[region][tb:3 * tb])
+    finally:
+        prod.close()
+        cons.close()

@@ -1,0 +1,32 @@
+"""Pull over the NIXL runtime, across two processes: the consumer's reader thread
+reads the producer's published blocks (the pull checks of the conformance suite,
+faults included)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip install nixl)")
+pytest.importorskip("zmq", reason="pyzmq is not installed")
+
+from pushkv.transports import testing
+from pushkv.transports.nixl_testing import HostPool, NixlCluster
+
+pytestmark = pytest.mark.nixl
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[HostPool]:
+    p = HostPool()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("name", list(testing.PULL_CHECKS))
+def test_pull_conformance(pool: HostPool, name: str) -> None:
+    fn, kwargs = testing.PULL_CHECKS[name]
+    fn(lambda topo: NixlCluster(topo, pool), **kwargs)

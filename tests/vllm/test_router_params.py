@@ -1,0 +1,175 @@
+"""vLLM's NIXL PD parameters, as a sequential router sends them, through the real
+v1 Scheduler with PushKVConnector: the producer answers what the decode leg
+needs and chooses the direction by the dispatch; the consumer follows it;
+untrusted values are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import VLLM_MISSING
+
+if VLLM_MISSING:
+    pytest.skip(VLLM_MISSING, allow_module_level=True)
+
+from vllm.v1.outputs import KVConnectorOutput
+
+from pushkv.vllm.params import (
+    ENDPOINT_KEY,
+    MAX_BLOCKS,
+    DecodeLeg,
+    NixlPrefillLeg,
+    ParamsError,
+    PrefillLeg,
+    parse_params,
+)
+from pushkv.vllm.scheduler_side import leg_direction
+
+from .harness import Engine, fresh_free, vllm_config
+
+pytestmark = pytest.mark.vllm
+
+#: What vllm-router 0.1.17 sends as the prefill leg in PD mode (--kv-connector nixl).
+ROUTER_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False,
+                  "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                  "remote_port": None}
+
+
+def engine(model, role: str, **extra) -> Engine:
+    eid = "prefill-0" if role == "kv_producer" else "decode-0"
+    extra.setdefault("side_channel_port", 5600)  # no worker here binds one
+    return Engine(vllm_config(model, role, engine_id=eid, extra=extra))
+
+
+def prefill_answer(model, **extra) -> tuple[Engine, dict]:
+    p = engine(model, "kv_producer", **extra)
+    req = p.request(70, params=dict(ROUTER_PREFILL), max_tokens=1)
+    p.run_until(lambda: req.request_id in p.outputs.finish)
+    answer = p.outputs.params[req.request_id]
+    assert answer is not None
+    return p, answer
+
+
+def test_the_router_prefill_leg_is_answered_with_a_pull(tiny_model):
+    p, answer = prefill_answer(tiny_model)
+    rid = next(iter(p.outputs.finish))
+    blocks = p.blocks_of(rid)
+    p.step()
+    (send,) = p.orders("send")
+    assert send.direction == "pull" and list(send.block_ids) == blocks
+    # vLLM NixlConnector's fields, which the router passes to the decode leg
+    assert answer["do_remote_prefill"] is True and answer["do_remote_decode"] is False
+    assert answer["remote_engine_id"] == "prefill-0"
+    assert answer["remote_block_ids"] == blocks
+    assert answer["transfer_mode"] == "pull" and answer["pushkv_direction"] == "pull"
+    assert answer["tp_size"] == 1
+    # pushkv's: a transfer id and incarnation the producer minted
+    assert answer["transfer_id"] == send.transfer_id and answer["transfer_id"].startswith("nixl:")
+    assert answer["incarnation"] == send.incarnation != 0
+    assert answer[ENDPOINT_KEY]["engine_id"] == "prefill-0"
+    p.step(kv=KVConnectorOutput(finished_sending={rid}))
+    p.run(2)
+    assert p.held() == set() and p.free_blocks == fresh_free(p)
+
+
+def test_direction_push_overrides_the_choice_behind_a_sequential_router(tiny_model):
+    p, answer = prefill_answer(tiny_model, direction="push")
+    p.step()
+    (send,) = p.orders("send")
+    assert send.direction == "push" and answer["pushkv_direction"] == "push"
+    # vllm-router would rewrite the decode leg of a transfer_mode "push" answer into
+    # vLLM's push fields (dropping pushkv's): a push is not announced there.
+    assert "transfer_mode" not in answer
+
+
+def test_a_concurrent_leg_always_pushes():
+    assert leg_direction(PrefillLeg(transfer_id="t"), "auto") == "push"
+    assert leg_direction(PrefillLeg(transfer_id="t"), "pull") == "push"
+    assert leg_direction(NixlPrefillLeg(), "auto") == "pull"
+    assert leg_direction(NixlPrefillLeg(), "pull") == "pull"
+    assert leg_direction(NixlPrefillLeg(), "push") == "push"
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_the_decode_leg_follows_the_answer(tiny_model, mode):
+    _, answer = prefill_answer(tiny_model, direction=mode)
+    d = engine(tiny_model, "kv_consumer")
+    req = d.request(70, params=answer, max_tokens=2)
+    d.step()
+    (order,) = d.orders("recv")
+    assert order.req_id == req.request_id and order.direction == mode
+    assert order.transfer_id == answer["transfer_id"]
+    assert order.incarnation == answer["incarnation"]
+    assert order.producer.engine_id == "prefill-0"
+    want = tuple(answer["remote_block_ids"]) if mode == "pull" else ()
+    assert order.src_block_ids == want
+    d.step(kv=KVConnectorOutput(finished_recving={req.request_id}))
+    d.run_until(lambda: req.request_id in d.outputs.finish)
+    assert d.held() == set() and d.free_blocks == fresh_free(d)
+
+
+def test_a_vllm_nixl_answer_is_left_to_its_connector():
+    vllm_answer = {"do_remote_prefill": True, "do_remote_decode": False,
+                   "remote_block_ids": [1, 2], "remote_engine_id": "e",
+                   "remote_host": "h", "remote_port": 5600, "tp_size": 1}
+    assert parse_params(vllm_answer) is None
+    assert isinstance(parse_params(ROUTER_PREFILL), NixlPrefillLeg)
+
+
+def _answer(**changes):
+    base = {"do_remote_prefill": True, "transfer_id": "nixl:p:r", "incarnation": 5,
+            "transfer_mode": "pull", "remote_block_ids": [3, 4], "remote_engine_id": "p",
+            ENDPOINT_KEY: {"engine_id": "p", "host": "127.0.0.1", "port": 5600}}
+    base.update(changes)
+    return {k: v for k, v in base.items() if v is not ...}
+
+
+def test_a_good_answer_parses():
+    leg = parse_params(_answer())
+    assert isinstance(leg, DecodeLeg)
+    assert (leg.direction, leg.src_block_ids, leg.incarnation) == ("pull", (3, 4), 5)
+    assert parse_params(_answer(remote_block_ids=[[3, 4]])).src_block_ids == (3, 4)
+
+
+@pytest.mark.parametrize("changes", [
+    {"remote_block_ids": ["3"]},
+    {"remote_block_ids": [-1]},
+    {"remote_block_ids": [True]},
+    {"remote_block_ids": [2**31]},
+    {"remote_block_ids": []},
+    {"remote_block_ids": list(range(MAX_BLOCKS + 1))},
+    {"remote_block_ids": [[1], [2]]},
+    {"remote_block_ids": ...},
+    {"remote_engine_id": "someone-else"},
+    {"transfer_mode": "teleport"},
+    {"pushkv_direction": "sideways"},
+    {"incarnation": ...},
+    {"incarnation": -1},
+    {"transfer_id": "x" * 300},
+    {ENDPOINT_KEY: {"engine_id": "p", "host": "127.0.0.1", "port": 0}},
+    {ENDPOINT_KEY: {"engine_id": "p", "host": "h", "port": 1, "ranks": ["file:///etc"]}},
+])
+def test_untrusted_answers_are_refused(changes):
+    with pytest.raises(ParamsError):
+        parse_params(_answer(**changes))
+
+
+def test_a_refused_decode_leg_fails_through_the_policy(tiny_model):
+    d = engine(tiny_model, "kv_consumer")
+    req = d.request(40, params=_answer(remote_block_ids=[-7]))
+    d.step()
+    assert d.orders("recv") == [] and d.orders("recv_fail") == [req.request_id]
+
+
+def test_with_a_key_the_producer_signs_its_answer_and_tampering_is_refused(
+        tiny_model, monkeypatch):
+    monkeypatch.setenv("PUSHKV_SIDE_CHANNEL_KEY", "k" * 32)
+    _, answer = prefill_answer(tiny_model)  # the router's leg is unsigned: still served
+    assert "pushkv_sig" in answer
+    d = engine(tiny_model, "kv_consumer")
+    ok = d.request(70, params=dict(answer), max_tokens=2)
+    bad = d.request(70, params={**answer, "remote_block_ids": [0, 1, 2]}, max_tokens=2,
+                    first=500)
+    d.step()
+    assert [o.req_id for o in d.orders("recv")] == [ok.request_id]
+    assert d.orders("recv_fail") == [bad.request_id]
