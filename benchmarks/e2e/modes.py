@@ -87,6 +87,11 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("pull", "nixl-pull", "router", router=_vllm_example_proxy("pull")),
 )}
 
+from router_modes import ROUTER_ROWS, vllm_router  # noqa: E402
+
+MODES |= {name: Mode(name, deployment, "router", router=vllm_router)
+          for name, deployment in ROUTER_ROWS}
+
 #: The modes run when none are named.
 DEFAULT_MODES = ("plain", "push-client", "push", "vllm-push-client", "vllm-push",
                  "pull-client", "pull")

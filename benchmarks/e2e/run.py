@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from client import Client, Result, Target  # noqa: E402
 from modes import DEFAULT_MODES, MODES, Mode, RouterArgs  # noqa: E402
+from router_modes import router_verdict  # noqa: E402
 
 from pushkv import timeline  # noqa: E402
 from pushkv.vllm.testing import (  # noqa: E402
@@ -227,6 +228,8 @@ def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
         out[f"median_{key}"] = {f"{m}_{ld}": round(median(run_medians(m, ld, key)), 2)
                                 for m in modes for ld in ("seq", "conc")
                                 if run_medians(m, ld, key)}
+    out |= router_verdict({(m, ld): median(run_medians(m, ld, "latency_ms"))
+                           for m in modes for ld in ("seq", "conc")})
     out["outputs_identical_to_plain"] = all(r["same_as_plain"] for r in records)
     out["rounds"] = len({(r["phase"], r["iter"]) for r in records})
     return out
