@@ -3,7 +3,8 @@
 #
 # Deployments (prefill on core 0, decode on core 1, tiny model, prefix caching
 # off): pushkv (PushKVConnector), vLLM's NixlPushConnector and NixlConnector
-# (pull), and one plain server (no disaggregation), all up at once. Every NIXL
+# (pull), and one plain server (no disaggregation), kept up while each
+# connector's pair comes up in turn (--phases all: everything at once). Every NIXL
 # progress thread sleeps --delay-us between polls and every transport thread
 # stays on its server's core (benchmarks/e2e/nixl_throttle fixes vLLM's).
 # Modes (benchmarks/e2e/modes.py): each connector with both legs sent by the

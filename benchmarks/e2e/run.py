@@ -1,7 +1,8 @@
-"""Drive bench_e2e.sh: every deployment up at once, modes alternating, latency and
-outputs checked against a plain server in the same run.
+"""Drive bench_e2e.sh: deployments phase by phase (the plain server kept up, each
+connector's pair in turn), modes alternating, latency and outputs checked against
+the plain server in the same round.
 
-For each iteration, every mode (rows of :data:`modes.MODES`, order rotated each
+In each phase, for each iteration, every mode (rows of :data:`modes.MODES`, order rotated each
 iteration) serves the same fresh prompts twice: **sequentially** (one request
 at a time) and **concurrently** (all at once). Every request is streamed; the
 client records its latency, TTFT, TPOT and output tokens, which must equal the
