@@ -6,24 +6,13 @@ descriptor arrays, posts the WRITE with the job's notification, polls the
 request until it finishes, and reports a :class:`WriteResult` through a
 callback -- the I/O thread then tells the protocol (``write_completed``).
 
-No NIXL error escapes the thread: a failure to prepare, post or complete a
-write (peer disconnected, descriptors outside the peer's registration, backend
-error) becomes ``WriteResult(ok=False)`` with the NIXL status named. A write
-still running after ``write_timeout_s`` is cancelled by releasing its request;
-only a release NIXL accepts counts as the fence, otherwise the writer keeps
-waiting (the bytes of a write that cannot be cancelled may still land).
-
-While writes are in flight the thread sleeps ``write_poll_s`` between checks
-(a queue wait, so a new job wakes it at once); with nothing in flight it
-blocks on the queue.
+Failures, time-outs, cancellation and polling are the shared
+:class:`~.nixl_poster.Poster`'s: a write that fails to prepare, post or
+complete becomes ``WriteResult(ok=False)`` with the NIXL status named.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +21,12 @@ import numpy as np
 
 from ..protocol.events import Peer
 from ..protocol.planner import TransferPlan
-from .nixl_agent import Agent, is_disconnect, nixl_status
-from .nixl_memory import KVMemory, MemKind, bind_device
+from .nixl_agent import Agent
+from .nixl_memory import KVMemory, MemKind
+from .nixl_poster import Poster, PostResult
 
-log = logging.getLogger(__name__)
+#: How one WRITE ended.
+WriteResult = PostResult
 
 
 @dataclass(slots=True, kw_only=True)
@@ -54,182 +45,22 @@ class WriteJob:
     remote_device: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WriteResult:
-    transfer_id: str
-    attempt: int
-    peer: Peer
-    ok: bool
-    incarnation: int = 0
-    error: str = ""
-    disconnected: bool = False
-    nbytes: int = 0
-    descriptors: int = 0
-    prepare_s: float = 0.0  #: descriptor preparation (arrays + NIXL request)
-    total_s: float = 0.0  #: from the start of preparation to completion
-
-
-@dataclass(slots=True)
-class _InFlight:
-    job: WriteJob
-    handle: Any
-    started: float
-    prepare_s: float
-    cancel_tried: bool = False
-
-
-_STOP = object()
-
-
-class Writer:
+class Writer(Poster):
     """Posts WRITEs for one producer rank on a thread of its own."""
+
+    kind = "write"
 
     def __init__(self, agent: Agent, memory: KVMemory, *, poll_s: float, timeout_s: float,
                  on_done: Callable[[WriteResult], None], name: str = "pushkv-writer") -> None:
-        self._agent = agent
-        self._memory = memory
-        self._bases = memory.base_array()
-        self._device = memory.device
-        self._poll_s = poll_s
-        self._timeout_s = timeout_s
-        self._on_done = on_done
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._stop_by = float("inf")
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        super().__init__(agent, memory, poll_s=poll_s, timeout_s=timeout_s, on_done=on_done,
+                         name=name)
 
-    # ------------------------------------------------------------ any thread
-
-    def submit(self, job: WriteJob) -> None:
-        self._queue.put(job)
-
-    def stop(self, timeout_s: float) -> None:
-        """Finish the writes in flight (cancel them after ``timeout_s``), then end."""
-        self._queue.put((_STOP, time.monotonic() + timeout_s))
-        self._thread.join(timeout_s + 5.0)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    # ---------------------------------------------------------- the thread
-
-    def _run(self) -> None:
-        try:
-            bind_device(self._memory)
-        except Exception:
-            log.exception("cannot make the CUDA device current on the writer thread")
-        inflight: list[_InFlight] = []
-        stopping = False
-        while True:
-            try:
-                item = self._queue.get(timeout=self._poll_s if inflight or stopping else None)
-            except queue.Empty:
-                item = None
-            while item is not None:
-                if isinstance(item, tuple) and item and item[0] is _STOP:
-                    stopping, self._stop_by = True, item[1]
-                elif stopping:  # too late: fail it without posting
-                    self._report(self._result(item, False, "writer stopped"))
-                else:
-                    started = self._start(item)
-                    if started is not None:
-                        inflight.append(started)
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    item = None
-            if inflight:
-                inflight = self._check(inflight, force=stopping and
-                                       time.monotonic() > self._stop_by)
-            if stopping and not inflight:
-                return
-
-    def _start(self, job: WriteJob) -> _InFlight | None:
-        t0 = time.perf_counter()
-        handle = None
-        try:
-            plan = job.plan
-            if plan.descriptor_count == 0:  # nothing to copy: the notification alone
-                self._agent.notify(job.remote_agent, job.notif)
-                self._report(self._result(job, True, "", t0=t0))
-                return None
-            local, remote = plan.descriptors(self._bases, job.remote_bases, self._device,
-                                             job.remote_device)
-            handle = self._agent.prepare_write(local, remote, job.remote_agent, job.notif,
-                                               job.remote_kind)
-            prepared = time.perf_counter() - t0
-            state = self._agent.post(handle)
-        except Exception as exc:
-            if handle is not None:
-                self._release(handle)
-            self._report(self._result(job, False, nixl_status(exc), t0=t0,
-                                      disconnected=is_disconnect(exc)))
+    def _prepare(self, job: WriteJob) -> Any | None:
+        plan = job.plan
+        if plan.descriptor_count == 0:  # nothing to copy: the notification alone
+            self._agent.notify(job.remote_agent, job.notif)
             return None
-        if state == "DONE":
-            self._release(handle)
-            self._report(self._result(job, True, "", t0=t0, prepare_s=prepared))
-            return None
-        if state == "PROC":
-            return _InFlight(job, handle, t0, prepared)
-        self._release(handle)
-        self._report(self._result(job, False, "ERR on post", t0=t0, prepare_s=prepared))
-        return None
-
-    def _check(self, inflight: list[_InFlight], *, force: bool) -> list[_InFlight]:
-        keep: list[_InFlight] = []
-        now = time.perf_counter()
-        for w in inflight:
-            try:
-                state = self._agent.state(w.handle)
-            except Exception as exc:
-                self._release(w.handle)
-                self._report(self._result(w.job, False, nixl_status(exc), t0=w.started,
-                                          prepare_s=w.prepare_s,
-                                          disconnected=is_disconnect(exc)))
-                continue
-            if state == "DONE":
-                self._release(w.handle)
-                self._report(self._result(w.job, True, "", t0=w.started, prepare_s=w.prepare_s))
-            elif state != "PROC":
-                self._release(w.handle)
-                self._report(self._result(w.job, False, "ERR", t0=w.started,
-                                          prepare_s=w.prepare_s))
-            elif force or now - w.started > self._timeout_s:
-                if self._release(w.handle):  # cancelled: nothing more will land
-                    why = "cancelled at shutdown" if force else "timed out"
-                    self._report(self._result(w.job, False, why, t0=w.started,
-                                              prepare_s=w.prepare_s))
-                else:
-                    if not w.cancel_tried:
-                        log.warning("write of %s#%d cannot be cancelled; still waiting",
-                                    w.job.transfer_id, w.job.attempt)
-                    w.cancel_tried = True
-                    keep.append(w)
-            else:
-                keep.append(w)
-        return keep
-
-    def _release(self, handle: Any) -> bool:
-        try:
-            self._agent.release(handle)
-        except Exception as exc:
-            log.debug("release of a NIXL request failed: %s", nixl_status(exc))
-            return False
-        return True
-
-    def _result(self, job: WriteJob, ok: bool, error: str, *, t0: float | None = None,
-                prepare_s: float = 0.0, disconnected: bool = False) -> WriteResult:
-        return WriteResult(
-            transfer_id=job.transfer_id, attempt=job.attempt, peer=job.peer, ok=ok,
-            incarnation=job.incarnation, error=error,
-            disconnected=disconnected, nbytes=job.plan.nbytes if ok else 0,
-            descriptors=job.plan.descriptor_count, prepare_s=prepare_s,
-            total_s=time.perf_counter() - t0 if t0 is not None else 0.0,
-        )
-
-    def _report(self, result: WriteResult) -> None:
-        try:
-            self._on_done(result)
-        except Exception:  # pragma: no cover - the callback only queues
-            log.exception("write completion callback failed")
+        local, remote = plan.descriptors(self._bases, job.remote_bases, self._device,
+                                         job.remote_device)
+        return self._agent.prepare_write(local, remote, job.remote_agent, job.notif,
+                                         job.remote_kind)
