@@ -300,6 +300,24 @@ def post_json(url: str, body: Mapping[str, Any], timeout: float = 60.0,
         return status, raw.decode(errors="replace")
 
 
+def stream_token_ids(url: str, body: Mapping[str, Any], timeout: float = 60.0) -> list[int]:
+    """POST a streamed ``/v1/completions`` request; the token ids of every event.
+    Asserts a 200 answer and no error event."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    got: list[int] = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        assert resp.status == 200
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            got += event["choices"][0].get("token_ids") or []
+    return got
+
+
 def get_text(url: str, timeout: float = 10.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return str(resp.read().decode(errors="replace"))

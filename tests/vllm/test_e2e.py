@@ -40,6 +40,7 @@ from pushkv.vllm.testing import (
     metric,
     post_json,
     running,
+    stream_token_ids,
 )
 
 pytestmark = [
@@ -222,20 +223,7 @@ def test_concurrent_batch_equals_a_single_server_and_the_kv_was_pushed(cluster, 
 
 
 def stream_tokens(url: str, model: str, tokens: list[int]) -> list[int]:
-    data = json.dumps(body(model, tokens, stream=True)).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=data,
-                                 headers={"Content-Type": "application/json"})
-    got: list[int] = []
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        assert resp.status == 200
-        for line in resp:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            got += event["choices"][0].get("token_ids") or []
-    return got
+    return stream_token_ids(url, body(model, tokens, stream=True), timeout=60)
 
 
 def test_streamed_outputs_equal_a_single_server(cluster, reference):

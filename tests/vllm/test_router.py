@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import http.client
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +44,7 @@ from pushkv.vllm.testing import (
     metric,
     post_json,
     running,
+    stream_token_ids,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]
@@ -86,20 +85,7 @@ def completion(url: str, model: str, tokens: list[int]) -> list[int]:
 
 
 def streamed(url: str, model: str, tokens: list[int]) -> list[int]:
-    data = json.dumps(body(model, tokens, stream=True)).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=data,
-                                 headers={"Content-Type": "application/json"})
-    got: list[int] = []
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        assert resp.status == 200
-        for line in resp:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            got += event["choices"][0].get("token_ids") or []
-    return got
+    return stream_token_ids(url, body(model, tokens, stream=True), timeout=120)
 
 
 @pytest.fixture(scope="module")
