@@ -437,14 +437,23 @@ class IOLoop:
                 self._stats["notif_send_failed"] += 1
         self._side.send(link.address, sc.CONTROL, frame)
 
-    def _issue(self, a: IssueWrite) -> None:
+    def _usable_link(self, a: IssueWrite | IssueRead, poster: bool,
+                     completions: deque[WriteResult]) -> Any:
+        """The peer's link if a request to it can be posted; otherwise its failure is
+        queued as the request's completion and None returned."""
         link = self._peers.by_peer.get(a.peer)
-        writer = self._writer
-        self._writes += 1
-        if link is None or link.dead or link.bases is None or writer is None:
-            self._completions.append(WriteResult(
+        if link is None or link.dead or link.bases is None or not poster:
+            completions.append(WriteResult(
                 transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, ok=False,
                 incarnation=a.incarnation, error="peer unknown or gone"))
+            return None
+        return link
+
+    def _issue(self, a: IssueWrite) -> None:
+        writer = self._writer
+        self._writes += 1
+        link = self._usable_link(a, writer is not None, self._completions)
+        if link is None or writer is None:
             return
         assert link.agent_name is not None
         writer.submit(WriteJob(
@@ -455,13 +464,10 @@ class IOLoop:
         ))
 
     def _issue_read(self, a: IssueRead) -> None:
-        link = self._peers.by_peer.get(a.peer)
         reader = self._reader
         self._reads += 1
-        if link is None or link.dead or link.bases is None or reader is None:
-            self._read_completions.append(ReadResult(
-                transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, ok=False,
-                incarnation=a.incarnation, error="peer unknown or gone"))
+        link = self._usable_link(a, reader is not None, self._read_completions)
+        if link is None or reader is None:
             return
         assert link.agent_name is not None
         reader.submit(ReadJob(
