@@ -300,6 +300,17 @@ def post_json(url: str, body: Mapping[str, Any], timeout: float = 60.0,
         return status, raw.decode(errors="replace")
 
 
+def poll(read: Any, done: Any, timeout_s: float, interval_s: float = 0.2) -> Any:
+    """Call ``read()`` until ``done(value)`` holds or ``timeout_s`` passes; the last
+    value either way, so the caller's assertion shows what was seen."""
+    end = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if done(value) or time.monotonic() > end:
+            return value
+        time.sleep(interval_s)
+
+
 def stream_token_ids(url: str, body: Mapping[str, Any], timeout: float = 60.0) -> list[int]:
     """POST a streamed ``/v1/completions`` request; the token ids of every event.
     Asserts a 200 answer and no error event."""

@@ -38,6 +38,7 @@ from pushkv.vllm.testing import (
     get_text,
     kv_transfer_config,
     metric,
+    poll,
     post_json,
     running,
     stream_token_ids,
@@ -255,12 +256,9 @@ def test_timeline_of_a_request_is_complete_and_ordered(cluster, reference):
     tokens = batch(SALTS["stream"])[5]
     assert stream_tokens(c.proxy_url, c.model, tokens) == reference[tuple(tokens)]
     (tid,) = set(timeline.by_request(timeline.read(tl))) - before
-    end = time.monotonic() + 30  # the prefill's last marks may follow the answer
-    while True:
-        marks = timeline.by_request(timeline.read(tl))[tid]
-        if set(timeline.EVENTS) <= set(marks) or time.monotonic() > end:
-            break
-        time.sleep(0.2)
+    # the prefill's last marks may follow the answer
+    marks = poll(lambda: timeline.by_request(timeline.read(tl))[tid],
+                 lambda m: set(timeline.EVENTS) <= set(m), 30)
     assert set(timeline.EVENTS) - set(marks) == set(), marks
     for chain in TIMELINE_ORDER:
         times = [marks[e] for e in chain]

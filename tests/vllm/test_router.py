@@ -42,6 +42,7 @@ from pushkv.vllm.testing import (
     get_text,
     kv_transfer_config,
     metric,
+    poll,
     post_json,
     running,
     stream_token_ids,
@@ -152,12 +153,7 @@ class Fleet:
 
     def wait_released(self, before: dict[str, float], n: int) -> dict[str, float]:
         """Every prefill's KV released (the reads' or writes' completions reached it)."""
-        end = time.monotonic() + 30
-        while True:
-            now = self.counters()
-            if now["released"] - before["released"] >= n or time.monotonic() > end:
-                return now
-            time.sleep(0.2)
+        return poll(self.counters, lambda now: now["released"] - before["released"] >= n, 30)
 
 
 @pytest.fixture(scope="module")
