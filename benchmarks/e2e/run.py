@@ -351,6 +351,24 @@ def serve(args: argparse.Namespace, eps: dict[str, Endpoint], model: str, out: P
                 status[name] = f"vllm bench serve failed at qps {qps}"
 
 
+def plan_phases(spec: str, kinds: list[str]) -> list[list[str]]:
+    """The deployments up at once, phase by phase (see ``--phases``)."""
+    base = [k for k in kinds if k == "plain"]
+    if spec == "all":
+        return [kinds]
+    if spec == "each":
+        return [[*base, k] for k in kinds if k != "plain"] or [base]
+    groups = [[k for k in g.split("+") if k] for g in spec.split(",")]
+    named = [k for g in groups for k in g]
+    unknown = sorted(set(named) - set(kinds) - {"plain"})
+    missing = [k for k in kinds if k != "plain" and k not in named]
+    if unknown or missing or len(named) != len(set(named)):
+        raise SystemExit(f"--phases {spec!r}: name each deployment of the chosen modes "
+                         f"({', '.join(k for k in kinds if k != 'plain')}) once"
+                         + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+    return [[*base, *(k for k in g if k != "plain")] for g in groups]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -369,9 +387,11 @@ def main() -> int:
                    help="also run `vllm bench serve` at these rates (comma separated) "
                    "against the router modes and plain; empty: skip")
     p.add_argument("--serve-prompts", type=int, default=16)
-    p.add_argument("--phases", choices=("each", "all"), default="each",
+    p.add_argument("--phases", default="each",
                    help="each: the plain server plus one connector's servers at a time "
-                   "(modes alternate within a phase); all: every deployment at once")
+                   "(modes alternate within a phase); all: every deployment at once; or "
+                   "groups of deployments, e.g. 'pushkv+nixl-pull,nixl-push' (the plain "
+                   "server is in every group): modes of one group alternate round by round")
     args = p.parse_args()
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -386,11 +406,7 @@ def main() -> int:
     kinds = list(dict.fromkeys(MODES[n].deployment for n in names))
     # "each": the plain server stays up and the connectors' deployments come up one
     # at a time (7 vLLM servers at once need about 21 GiB); "all": everything at once.
-    if args.phases == "all":
-        phases = [kinds]
-    else:
-        base = [k for k in kinds if k == "plain"]
-        phases = [[*base, k] for k in kinds if k != "plain"] or [base]
+    phases = plan_phases(args.phases, kinds)
     deps: dict[str, Deployment] = {}
     eps: dict[str, Endpoint] = {}
     status: dict[str, str] = {}
