@@ -60,10 +60,11 @@ class NixlConfig:
     progress_thread: bool | None = field(
         default=None,
         metadata={"help": "run NIXL's progress thread, sleeping progress_delay_us between "
-                  "polls. None: on for consumers (writes into them complete while their "
-                  "threads are idle), off for producers (the writer thread drives progress "
-                  "while it writes; a progress thread waking every few hundred microseconds "
-                  "halves the throughput of a large host-memory write)"},
+                  "polls. None: off for host memory (the writer thread drives progress while "
+                  "it writes, the I/O thread's notification poll while transfers are live; "
+                  "a progress thread waking every few hundred microseconds halves the "
+                  "throughput of a large host-memory write and takes time from every engine "
+                  "step on its core), on for consumers of device memory"},
     )
     progress_delay_us: int = field(
         default=1000,

@@ -121,7 +121,12 @@ class NixlRuntime:
             Producer(info, producer_config) if role == "producer"
             else Consumer(info, consumer_config)
         )
-        agent = Agent(self.agent_name, cfg, progress_thread=role == "consumer")
+        # Host memory: the I/O thread's notification poll progresses the agent while
+        # transfers are live, so nothing needs to wake while idle (a progress thread
+        # on a decode core takes time from every decode step). Device memory keeps it
+        # on consumers (not measured here). ``progress_thread`` overrides both.
+        agent = Agent(self.agent_name, cfg,
+                      progress_thread=role == "consumer" and mem.kind == "VRAM")
         side: sc.SideChannel | None = None
         try:
             agent.register(mem)

@@ -109,9 +109,9 @@ class PushKVSettings:
     )
     notify_poll_ms: float = field(
         default=1.0,
-        metadata={"help": "consumer: period of the check for write notifications, idle or "
-                  "not (a transfer's first notification waits for the next check; 1 ms "
-                  "costs about 0.04 of a core while idle)"},
+        metadata={"help": "consumer: period of the check for write notifications while a "
+                  "transfer is live (a notification waits for the next check); with none "
+                  "live the transport's idle period applies"},
     )
     progress_delay_us: int = field(
         default=_NIXL["progress_delay_us"],

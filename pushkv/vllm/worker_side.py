@@ -212,10 +212,9 @@ class WorkerSide:
             peer_confirm_s=s.peer_confirm_s,
         )
         if self.role == "consumer":
-            # Checked as often idle as busy: the runtime keeps its idle period until
-            # the next check, so a new transfer's notification could wait that long.
-            poll_s = s.notify_poll_ms / 1000
-            config = dataclasses.replace(config, active_poll_s=poll_s, idle_poll_s=poll_s)
+            # While a transfer is live; a new registration switches the runtime to this
+            # period at once, and with none live nothing wakes the decode core.
+            config = dataclasses.replace(config, active_poll_s=s.notify_poll_ms / 1000)
         try:
             with threads_on(transport_cpus(s.transport_cpus)):
                 self.runtime = NixlRuntime(

@@ -135,3 +135,26 @@ def test_bind_every_interface_and_advertise_one() -> None:
         assert rt.address == f"tcp://127.0.0.1:{rt.port}"
     finally:
         rt.close()
+
+
+def _threads_of_a_consumer(config: NixlConfig | None) -> int:
+    """OS threads a consumer runtime on host memory adds to this process."""
+    import os
+
+    info = uniform_ranks("decode-threads")[0]
+    before = len(os.listdir("/proc/self/task"))
+    rt = NixlRuntime(info, region_memory(info.layout), role="consumer", config=config)
+    try:
+        return len(os.listdir("/proc/self/task")) - before
+    finally:
+        rt.close()
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs Linux")
+def test_a_host_memory_consumer_runs_no_progress_thread() -> None:
+    """Nothing of a decode rank wakes while idle: its I/O thread progresses NIXL
+    while transfers are live, so no progress thread is started (one is, on request)."""
+    _threads_of_a_consumer(None)  # the process's one-time threads (UCX, zmq) start here
+    default = _threads_of_a_consumer(None)
+    with_thread = _threads_of_a_consumer(NixlConfig(progress_thread=True))
+    assert with_thread == default + 1, (default, with_thread)
