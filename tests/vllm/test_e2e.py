@@ -168,6 +168,15 @@ def start_proxy(prefill: str, decode: str, log: Path,
     raise AssertionError(f"proxy did not come up: {log.read_text()[-2000:]}")
 
 
+def stop_proxy(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, logs: Path, reference: object) -> Iterator[Cluster]:
     model = str(tiny_model)
@@ -186,12 +195,7 @@ def cluster(tiny_model: Path, logs: Path, reference: object) -> Iterator[Cluster
         try:
             yield c
         finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+            stop_proxy(proc)
             c.decode.stop()  # a restarted decode server is a new process
 
 
