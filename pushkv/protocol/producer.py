@@ -77,6 +77,7 @@ _REASON = {
 Kv = SourceState
 _COMPLETIONS = frozenset((PI.WRITE_OK, PI.WRITE_ERROR, PI.PART_OK))
 _PARKED = frozenset((PS.EMPTY, PS.KV_READY, PS.GONE))
+_FROM_RANGES = frozenset((PI.RANGE_READY, PI.NOTHING_READY))
 SI, SE = SourceInput, SourceEffect
 
 
@@ -192,6 +193,7 @@ class Producer(Endpoint):
         t = self._transfers.get(key)
         if t is None and key in self._tombstones:
             # Already concluded here (cancelled, expired): nobody will read it.
+            self._tombstones[key].late = ()  # released now, with every block
             self.stats["released"] += 1
             return [*out, ReleaseSource(transfer_id=transfer_id, block_ids=ids,
                                         incarnation=incarnation)]
@@ -238,7 +240,12 @@ class Producer(Endpoint):
         out = self._run_timers(now)
         t = self._transfers.get(key)
         if t is None and key in self._tombstones:
-            return out  # already concluded here: nobody will read it
+            # Already concluded here: nobody will read it, but the blocks are the
+            # source's from the first range on: released when the request ends.
+            tomb = self._tombstones[key]
+            if len(ids) > len(tomb.late):
+                tomb.late = ids
+            return out
         if t is None:
             t = self._transfers[key] = _Transfer(transfer_id, incarnation)
         elif t.kv is Kv.PENDING:
@@ -261,10 +268,16 @@ class Producer(Endpoint):
         key = (transfer_id, incarnation)
         t = self._transfers.get(key)
         if t is None:
-            if key not in self._tombstones:
+            tomb = self._tombstones.get(key)
+            if tomb is None:
                 dead = _Transfer(transfer_id, incarnation, kv=Kv.ABORTED, final=True,
                                  aborted=True, dead=True)
                 self._tombstone(dead)
+            elif tomb.late:  # ranges handed after it concluded here (see range_ready)
+                late, tomb.late = tomb.late, ()
+                self.stats["released"] += 1
+                out.append(ReleaseSource(transfer_id=transfer_id, block_ids=late,
+                                         incarnation=incarnation))
             return out
         out += self._source(t, SI.PREFILL_ABORTED, now)
         return out + self._settle(t, now)
@@ -436,6 +449,11 @@ class Producer(Endpoint):
         if leg.refused is not None:  # the write may not start (rule 5) or waits (rule 9)
             refusal, leg.refused = leg.refused, None
             out += self._input(t, leg, refusal[0], now, fail=refusal[1:])
+        elif (t.kv is Kv.PARTIAL and t.ready and inp not in _FROM_RANGES
+              and (nxt is PS.EMPTY or (nxt is PS.REGISTERED and not leg.written))):
+            # Rule 9, derived: a leg left without a registration, or given a fresh
+            # one, while ranges are ready is told so, as a new leg starts in KV_READY.
+            out += self._input(t, leg, PI.RANGE_READY, now)
         return out
 
     def _count_pending(self, before: ProducerState, after: ProducerState) -> None:
