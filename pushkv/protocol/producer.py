@@ -28,14 +28,11 @@ from .events import (
     Peer,
     Publish,
     ReleaseSource,
-    SendMessage,
 )
 from .layout import RankInfo
 from .mapping import Assignment, expected_writers, targets_of
 from .messages import (
     Cancel,
-    CancelAck,
-    Fail,
     FailReason,
     Heartbeat,
     Notify,
@@ -45,6 +42,7 @@ from .messages import (
 )
 from .planner import block_tuple, plan_transfer
 from .producer_messages import on_cancel, on_heartbeat, on_read_done, on_register, on_skip
+from .producer_view import ProducerView
 from .ranges import mark, next_rect, todo
 from .records import Key
 from .records import Leg as _Leg
@@ -81,7 +79,7 @@ _FROM_RANGES = frozenset((PI.RANGE_READY, PI.NOTHING_READY))
 SI, SE = SourceInput, SourceEffect
 
 
-class Producer(Endpoint):
+class Producer(ProducerView, Endpoint):
     """Sans-IO endpoint of one producer rank. Every method takes ``now``."""
 
     role = "producer"
@@ -153,11 +151,6 @@ class Producer(Endpoint):
         if info is None:
             raise ValidationError(f"no handshake with {engine_id!r} rank {rank}")
         return info
-
-    def _find(self, key: Key) -> _Transfer | None:
-        """The live transfer, else its tombstone (legs GONE), else None."""
-        t = self._transfers.get(key)
-        return t if t is not None else self._tombstones.get(key)
 
     # ---------------------------------------------------------- local input
 
@@ -694,73 +687,3 @@ class Producer(Endpoint):
         self._tombstones.move_to_end(key)
         while len(self._tombstones) > self.config.max_tombstones:
             self._tombstones.popitem(last=False)
-
-    # ---------------------------------------------------------------- output
-
-    def _ack(self, peer: Peer, key: Key, attempt: int, parts: int = 0) -> SendMessage:
-        self.stats["acks"] += 1
-        return SendMessage(
-            peer=peer,
-            message=CancelAck(
-                transfer_id=key[0],
-                attempt=attempt,
-                engine_id=self.peer.engine_id,
-                rank=self.peer.rank,
-                incarnation=key[1],
-                parts=parts,
-            ),
-        )
-
-    def _fail(
-        self, peer: Peer, key: Key, attempt: int, reason: FailReason, detail: str = "",
-        parts: int = 0,
-    ) -> SendMessage:
-        self.stats["fails"] += 1
-        return SendMessage(
-            peer=peer,
-            message=Fail(
-                transfer_id=key[0],
-                attempt=attempt,
-                engine_id=self.peer.engine_id,
-                rank=self.peer.rank,
-                reason=reason,
-                detail=detail[:1024],
-                incarnation=key[1],
-                parts=parts,
-            ),
-        )
-
-    # --------------------------------------------------------- introspection
-
-    @property
-    def num_transfers(self) -> int:
-        return len(self._transfers)
-
-    @property
-    def pending_registrations(self) -> int:
-        return self._pending_regs
-
-    def held_blocks(self) -> dict[str, tuple[int, ...]]:
-        """Source blocks currently held, by transfer id."""
-        return {t.transfer_id: t.src_ids for t in self._transfers.values() if t.kv is Kv.HELD}
-
-    def held(self) -> dict[Key, tuple[int, ...]]:
-        """Source blocks currently held, by (transfer id, incarnation)."""
-        return {k: t.src_ids for k, t in self._transfers.items() if t.kv is Kv.HELD}
-
-    def leg_state(
-        self, transfer_id: str, peer: Peer, *, incarnation: int = 0
-    ) -> ProducerState | None:
-        """State of a leg (GONE once its transfer is forgotten, while remembered)."""
-        t = self._find((transfer_id, incarnation))
-        leg = t.legs.get(peer) if t else None
-        return leg.state if leg else None
-
-    def writes_in_flight(self) -> list[tuple[str, int, Peer]]:
-        return [
-            (t.transfer_id, leg.writing, leg.peer)
-            for t in self._transfers.values()
-            for leg in t.legs.values()
-            if leg.writing is not None
-        ]
-
