@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="print progress every S seconds (0: never)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
     for f in fields(Scope):
-        if f.name != "name" and f.type in ("int", "float", "bool"):
+        if f.name != "name" and f.type in ("int", "float", "bool", "str"):
             ap.add_argument(f"--{f.name.replace('_', '-')}", dest=f"set_{f.name}",
                             type=(lambda s: s.lower() in ("1", "true", "yes"))
                             if f.type == "bool" else eval(str(f.type)),

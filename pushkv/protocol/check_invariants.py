@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .check_world import C_IDLE, C_LIVE, C_OVER, P_HELD, P_PREFILL, P_WAIT, Frozen
+from .check_bytes import Owed
+from .check_world import C_IDLE, C_LIVE, C_OVER, P_HELD, P_PARTIAL, P_PREFILL, P_WAIT, WRITE, Frozen
 from .states import ConsumerState
 
 CS = ConsumerState
@@ -45,6 +46,8 @@ class Invariants:
 
     np: int
     nd: int
+    owed: Owed
+    writers: list[frozenset[int]]
 
     def info(self, i: int, sid: int) -> EpInfo:  # pragma: no cover - provided by Model
         raise NotImplementedError
@@ -72,15 +75,42 @@ class Invariants:
                     if any(p_owner[b] is None for b in blocks):
                         raise Violation("source", f"P{r} holds source blocks {list(blocks)} "
                                         "its engine already took back")
+        for it in f[1]:
+            if it[0] == WRITE and it[1] in f[8][it[8]][2]:
+                raise Violation("source", f"P{it[1]} released the source of t#{it[8]} with "
+                                "its write still in flight")
         if not f[5] and not f[1]:
             self._check_prompt(ids, f)
+            if dead == "" and any(pi[0] == P_PARTIAL and pi[4] for pi in f[8]):
+                self._check_ranges(ids, f)
+
+    def _check_ranges(self, ids: tuple[int, ...], f: Frozen) -> None:
+        """Rule 9, nothing in flight, nothing lost: a range reported final while a
+        consumer rank's registration is held has been written into its blocks."""
+        content = dict(f[11])
+        for k, pi in enumerate(f[8]):
+            ci = f[7][k]
+            if pi[0] != P_PARTIAL or ci[0] != C_LIVE:
+                continue
+            cur = len(ci[1]) - 1
+            for c in range(self.nd):
+                if ci[3][c] is not None or self.c_state(c, ids[self.np + c]) is not CS.REGISTERED:
+                    continue
+                for b in ci[1][cur]:
+                    for p in sorted(self.writers[c]):
+                        for j in sorted(pi[4]):
+                            if any(content.get((c, b, p, x)) != (k, cur)
+                                   for x in self.owed.pieces[c][p][j]):
+                                raise Violation("prompt", f"P{p} never wrote range {j} of t#{k}"
+                                                f", final while D{c}'s registration of attempt "
+                                                f"{cur} is held, with nothing in flight")
 
     def _check_prompt(self, ids: tuple[int, ...], f: Frozen) -> None:
         """Nothing in flight, nothing lost: every known answer must have been given."""
         cinc, pinc = f[7], f[8]
         owed = False
         for k, ci in enumerate(cinc):
-            if ci[0] == C_IDLE or pinc[k][0] in (P_WAIT, P_PREFILL):
+            if ci[0] == C_IDLE or pinc[k][0] in (P_WAIT, P_PREFILL, P_PARTIAL):
                 owed = owed or ci[0] == C_LIVE
                 continue  # the producer still owes its prefill
             if ci[0] == C_LIVE:
@@ -119,7 +149,7 @@ class Invariants:
                 self._final_endpoint(f"D{c}", self.info(self.np + c, ids[self.np + c]))
         if dead != "P":
             for k, pi in enumerate(pinc):
-                if pi[0] in (P_PREFILL, P_HELD):
+                if pi[0] in (P_PREFILL, P_HELD, P_PARTIAL):
                     raise Violation("final", f"the source of t#{k} was never released "
                                     f"(status {pi[0]}, released by {sorted(pi[2])})")
             for r in range(self.np):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from .check_bytes import Owed, touched, written
+from .check_describe import Describe, brief
 from .check_invariants import _TERMINAL, EpInfo, Invariants, State, Violation
 from .check_scope import Scope
 from .check_snap import Snapshots
@@ -25,6 +27,7 @@ from .check_world import (
     HELLO,
     P_HELD,
     P_OVER,
+    P_PARTIAL,
     P_PREFILL,
     P_WAIT,
     TID,
@@ -53,8 +56,7 @@ from .events import (
     TransferReady,
 )
 from .mapping import expected_writers
-from .messages import Heartbeat, Message, Register, decode, encode
-from .planner import TransferPlan
+from .messages import Cancel, Heartbeat, Message, Register, decode, encode
 from .producer import Producer
 from .states import ConsumerState
 
@@ -65,39 +67,10 @@ Step = tuple[Any, ...]
 HAS_INCARNATION = "incarnation" in inspect.signature(Consumer.register).parameters
 
 
-def touched(plan: TransferPlan, stride: int, side: int) -> tuple[int, ...]:
-    """Blocks a plan touches on one side (0: source, 1: destination)."""
-    out: set[int] = set()
-    for off, n in zip(plan.runs[:, side].tolist(), plan.runs[:, 2].tolist(), strict=True):
-        out.update(range(off // stride, (off + n - 1) // stride + 1))
-    return tuple(sorted(out))
-
-
-def brief(msg: Message) -> str:
-    """A short readable form of a message."""
-    name = type(msg).__name__
-    f = msg.__struct_fields__
-    parts = []
-    if "transfer_id" in f:
-        inc = getattr(msg, "incarnation", 0)
-        parts.append(f"{msg.transfer_id}" + (f"#{inc}" if inc else ""))  # type: ignore[union-attr]
-    if "attempt" in f:
-        parts.append(f"a{msg.attempt}")  # type: ignore[union-attr]
-    if "block_ids" in f:
-        parts.append(f"blocks={list(msg.block_ids)}")  # type: ignore[union-attr]
-    if "final" in f:
-        parts.append("final" if msg.final else "preempt")  # type: ignore[union-attr]
-    if "reason" in f:
-        parts.append(msg.reason.name)  # type: ignore[union-attr]
-    if "transfers" in f:
-        parts.append(repr(list(msg.transfers)))  # type: ignore[union-attr]
-    return f"{name}({' '.join(parts)})"
-
-
 __all__ = ["HAS_INCARNATION", "Model", "State", "Step", "Violation", "brief", "touched"]
 
 
-class Model(Invariants):
+class Model(Invariants, Describe):
     """The real endpoints of one scope, and the rules of the world around them."""
 
     def __init__(self, scope: Scope, *, check_rejects: bool = True) -> None:
@@ -119,6 +92,7 @@ class Model(Invariants):
         self.writers = [expected_writers(pinfo[0].engine, dinfo[0].engine, c)
                         for c in range(self.nd)]
         self.d_stride = dinfo[0].layout.stride
+        self.owed = Owed(scope, pinfo, dinfo)
         self.p_stride = pinfo[0].layout.stride
         self._messages: dict[bytes, Message] = {}
         self.log: list[str] | None = None  # set to a list to record what happens
@@ -243,12 +217,14 @@ class Model(Invariants):
                         s is not None and s not in _TERMINAL for s in states):
                     out.append(("abort", k))
         if dead != "P":
-            for k, (status, _blocks, _rel, aborted) in enumerate(pinc):
-                if status == P_PREFILL:
+            for k, (status, _blocks, _rel, aborted, ready) in enumerate(pinc):
+                if status in (P_PREFILL, P_PARTIAL):
                     obliged = True
-                    if free_p:
+                    if free_p or status == P_PARTIAL:  # a range takes the blocks first
                         out.append(("prefill", k))
-                if sc.prefill_aborts and not aborted and status in (P_PREFILL, P_HELD):
+                        out.extend(("range", k, j) for j in range(sc.pieces) if j not in ready)
+                if sc.prefill_aborts and not aborted and status in (P_PREFILL, P_HELD,
+                                                                    P_PARTIAL):
                     out.append(("pabort", k))
         if not dead:
             out.extend(("kill", e) for e in sc.deaths)
@@ -372,21 +348,26 @@ class Model(Invariants):
                     self._run(w, ids, i, ("abort", w.now), lambda ep: ep.abort(TID, w.now))
         elif kind == "prefill":
             pi = w.pinc[k]
-            blocks = self._take(w.p_owner, k)
+            blocks = pi.blocks if pi.status == P_PARTIAL else self._take(w.p_owner, k)
             pi.status, pi.blocks = P_HELD, blocks
             for r in range(self.np):
                 w.leases[r, k] = w.now + sc.lease_s
             if self.log is not None:
                 self._say(f"P finishes the prefill of t#{k} into source blocks {list(blocks)}")
+            n = sc.tokens
             for r in range(self.np):
                 self._run(w, ids, r, ("prefill", k, blocks, w.now),
-                          lambda ep: ep.prefill_finished(TID, blocks, 1, w.now, **self._inc(k)))
+                          lambda ep: ep.prefill_finished(TID, blocks, n, w.now, **self._inc(k)))
+        elif kind == "range":
+            self._range(w, k, step[2], ids)
         elif kind == "pabort":
             pi = w.pinc[k]
             pi.aborted = True
             w.faulted = True
             if pi.status == P_PREFILL:
                 pi.status = P_OVER
+            elif pi.status == P_PARTIAL:  # its blocks wait for the source's release
+                pi.status = P_HELD
             if self.log is not None:
                 self._say(f"P aborts the request of t#{k}")
             for r in range(self.np):
@@ -394,6 +375,24 @@ class Model(Invariants):
                           lambda ep: ep.prefill_aborted(TID, w.now, **self._inc(k)))
         else:  # pragma: no cover
             raise AssertionError(step)
+
+    def _range(self, w: World, k: int, j: int, ids: list[int]) -> None:
+        """The producer engine reports range ``j`` of incarnation ``k`` final (rule 9)."""
+        pi = w.pinc[k]
+        if pi.status == P_PREFILL:  # the prefill runs in blocks it takes now
+            pi.blocks, pi.status = self._take(w.p_owner, k), P_PARTIAL
+            for r in range(self.np):
+                w.leases[r, k] = float("inf")  # no lease runs before prefill finished
+        pi.ready = pi.ready | {j}
+        blocks = pi.blocks
+        tokens, layers = self.scope.piece(j)
+        if self.log is not None:
+            self._say(f"P reports range {j} of t#{k} final: tokens {list(tokens)}, layers "
+                      f"{'all' if layers is None else list(layers)}, in blocks {list(blocks)}")
+        for r in range(self.np):
+            self._run(w, ids, r, ("range", k, j, blocks, w.now),
+                      lambda ep: ep.range_ready(TID, blocks, tokens, w.now, layers=layers,
+                                                **self._inc(k)))
 
     @staticmethod
     def _take(owner: list[Any], tag: Any) -> tuple[int, ...]:
@@ -422,7 +421,8 @@ class Model(Invariants):
                           lambda ep: ep.reissue(TID, blocks, w.now))
             else:
                 self._run(w, ids, i, ("register", k, blocks, w.now),
-                          lambda ep: ep.register(TID, "P", blocks, 1, w.now, **self._inc(k)))
+                          lambda ep: ep.register(TID, "P", blocks, self.scope.tokens, w.now,
+                                                 **self._inc(k)))
 
     def _kill(self, w: World, engine: str, ids: list[int]) -> None:
         w.dead = engine
@@ -474,7 +474,7 @@ class Model(Invariants):
         return engine == "P"  # a dead producer's writes never land nor complete
 
     def _land(self, w: World, item: Item, *, ok: bool) -> None:
-        _, p, d, attempt, inc, src, dst, notify, data, _sent = item
+        _, p, d, attempt, inc, src, dst, notify, data, cells, _sent = item
         k = data
         if self.log is not None:
             self._say(f"P{p}'s write of t#{k} a{attempt} into D{d} blocks {list(dst)} "
@@ -493,7 +493,8 @@ class Model(Invariants):
                 kind = "incarnation" if owner is not None and owner[0] != k else "reuse"
                 raise Violation(kind, f"P{p}'s write of t#{k} attempt {attempt} landed in "
                                 f"D{d} block {b}, which is {what}")
-            w.content[d, b, p] = (k, attempt) if ok else (-1, attempt)
+        for b, x in cells:
+            w.content[d, b, p, x] = (k, attempt) if ok else (-1, attempt)
         if ok:
             w.add(frame_item(("D", d), ("P", p), notify, w.now))
         w.add(done_item(p, d, attempt, inc, ok, w.now))
@@ -553,12 +554,25 @@ class Model(Invariants):
         d = a.peer.rank
         src = touched(a.plan, self.p_stride, 0)
         dst = touched(a.plan, self.d_stride, 1)
-        data = next((k for k, pi in enumerate(w.pinc)
-                     if pi.status == P_HELD and pi.blocks == src and p not in pi.released), -1)
+        data = next((k for k, pi in enumerate(w.pinc) if pi.status in (P_HELD, P_PARTIAL)
+                     and pi.blocks == src and p not in pi.released), -1)
         if data < 0:
             raise Violation("source", f"P{p} started a write of attempt {a.attempt} from "
                             f"source blocks {list(src)} it does not hold")
         inc = getattr(a, "incarnation", 0)
+        if (p, d, a.attempt, data) in w.cancelled:
+            raise Violation("cancelled", f"P{p} started a write of t#{data} attempt "
+                            f"{a.attempt} to D{d} after that attempt's Cancel reached it")
+        cells = written(a.plan, self.d_stride)
+        pi = w.pinc[data]
+        if pi.status == P_PARTIAL:  # rule 9: only what the engine reported final
+            final: set[int] = set()
+            for j in pi.ready:
+                final |= self.owed.pieces[d][p][j]
+            early = sorted(x for _, x in cells if x not in final)
+            if early:
+                raise Violation("unready", f"P{p} started a write of t#{data} with bytes "
+                                f"{early} its engine never reported final")
         if w.now >= w.leases.get((p, data), 0.0):
             raise Violation("lease", f"P{p} started a write of t#{data} attempt {a.attempt} "
                             f"at t={w.now:g}, after its source's lease ended")
@@ -568,7 +582,8 @@ class Model(Invariants):
         if w.dead == "D":
             w.add(done_item(p, d, a.attempt, inc, False, w.now))
             return
-        w.add(write_item(p, d, a.attempt, inc, src, dst, self._frame(a.notify), data, w.now))
+        w.add(write_item(p, d, a.attempt, inc, src, dst, self._frame(a.notify), data, cells,
+                         w.now))
 
     def _release_source(self, w: World, p: int, a: ReleaseSource) -> None:
         blocks = tuple(a.block_ids)
@@ -589,6 +604,9 @@ class Model(Invariants):
             key = (p, d, msg.attempt, k)
             if key not in w.windows:  # the first copy to arrive is the one adopted
                 w.windows[key] = w.now + msg.window_ms / 1000.0
+        elif isinstance(msg, Cancel):  # that attempt may never be written again
+            k = msg.incarnation - 1 if HAS_INCARNATION else self._k_of(msg, w)
+            w.cancelled = w.cancelled | {(p, d, msg.attempt, k)}
         elif isinstance(msg, Heartbeat):
             sc = self.scope
             for item in msg.transfers:
@@ -628,12 +646,13 @@ class Model(Invariants):
         if kind == "ready":
             for b in ci.allocs[cur]:
                 for p in sorted(self.writers[d]):
-                    got = w.content.get((d, b, p))
-                    if got != (k, cur):
-                        had = ("nothing" if got is None else "a failed write" if got[0] < 0
-                               else f"t#{got[0]} attempt {got[1]}")
-                        raise Violation("bytes", f"D{d} declared t#{k} attempt {cur} READY but "
-                                        f"block {b} holds {had} from P{p}")
+                    for x in sorted(self.owed.whole[d][p]):
+                        got = w.content.get((d, b, p, x))
+                        if got != (k, cur):
+                            had = ("nothing" if got is None else "a failed write" if got[0] < 0
+                                   else f"t#{got[0]} attempt {got[1]}")
+                            raise Violation("bytes", f"D{d} declared t#{k} attempt {cur} READY "
+                                            f"but byte {x} of block {b} holds {had} from P{p}")
         elif not w.faulted:
             reason = getattr(a, "reason", "")
             raise Violation("progress", f"D{d} reports t#{k} {kind} ({reason}) though nothing "
@@ -664,33 +683,3 @@ class Model(Invariants):
                     w.p_owner[b] = None
             if pi.status == P_WAIT and (k == 0 or w.pinc[k - 1].status == P_OVER):
                 pi.status = P_PREFILL
-
-    # ------------------------------------------------------------- describing
-
-    def _item(self, item: Item) -> str:
-        if item[0] == FRAME:
-            return f"{brief(self.message(item[5]))} {item[3]}{item[4]} -> {item[1]}{item[2]}"
-        if item[0] == WRITE:
-            return f"P{item[1]}'s write of t#{item[8]} a{item[3]} to D{item[2]}"
-        if item[0] == HELLO:
-            return f"the handshake of D{item[1]} with P{item[2]}"
-        return f"the completion of P{item[1]}'s write of a{item[3]} to D{item[2]}"
-
-    def _action(self, a: Action) -> str:
-        if isinstance(a, SendMessage):
-            return f"send {brief(a.message)} to {a.peer.engine_id}{a.peer.rank}"
-        if isinstance(a, IssueWrite):
-            return (f"IssueWrite(a{a.attempt} to D{a.peer.rank} blocks "
-                    f"{list(touched(a.plan, self.d_stride, 1))})")
-        return repr(a)
-
-    def describe(self, step: Step) -> str:
-        """One line for a step, before it runs."""
-        kind = step[0]
-        if kind in ("deliver", "dup", "drop", "land", "wfail", "complete", "hello", "hsfail"):
-            return f"{kind} {self._item(step[1])}"
-        if kind == "tick":
-            return f"timer of {self._name(step[1])}"
-        if kind == "kill":
-            return f"engine {step[1]} dies"
-        return f"{kind} t#{step[1]}"

@@ -44,6 +44,16 @@ class Scope:
         default=False,
         metadata={"help": "handshake on demand (Connect), each rank pair may fail"},
     )
+    pieces: int = field(
+        default=0,
+        metadata={"help": "the producer engine may report the KV final in this many ranges, "
+                  "in any order, before prefill finishes (0: whole-request readiness)"},
+    )
+    split: str = field(
+        default="tokens",
+        metadata={"help": "what the ranges split: 'tokens' (all layers of each token) or "
+                  "'layers' (all tokens of each layer)"},
+    )
     d_blocks: int = field(default=2, metadata={"help": "consumer block pool (reused at once)"})
     p_blocks: int = field(default=1, metadata={"help": "producer block pool (reused at once)"})
     window_s: float = 4.0
@@ -74,17 +84,38 @@ class Scope:
             raise ConfigError("the fence grace must exceed transit plus the longest write")
         if self.d_blocks < 1 or self.p_blocks < 1:
             raise ConfigError("block pools must hold at least one block")
+        if self.pieces < 0 or self.split not in ("tokens", "layers"):
+            raise ConfigError(f"pieces must be >= 0 and split 'tokens' or 'layers', got "
+                              f"{self.pieces!r} and {self.split!r}")
 
     @property
     def heads(self) -> int:
         return self.kv_heads or max(self.p_tp, self.d_tp)
 
+    @property
+    def tokens(self) -> int:
+        """Tokens of the request: one, or one per range when the ranges split tokens."""
+        return self.pieces if self.pieces > 1 and self.split == "tokens" else 1
+
+    @property
+    def layers(self) -> int:
+        """Layers of the model: one, or one per range when the ranges split layers."""
+        return self.pieces if self.pieces > 1 and self.split == "layers" else 1
+
+    def piece(self, j: int) -> tuple[tuple[int, int], tuple[int, int] | None]:
+        """Range ``j``: its tokens ``[a, b)`` and layers ``[l0, l1)`` (None: all)."""
+        if self.split == "tokens":
+            return (j * self.tokens // self.pieces, (j + 1) * self.tokens // self.pieces), None
+        return (0, self.tokens), (j * self.layers // self.pieces,
+                                  (j + 1) * self.layers // self.pieces)
+
     def ranks(self) -> tuple[list[RankInfo], list[RankInfo]]:
-        """Producer and consumer ranks: one layer, one token per block, one block each."""
+        """Producer and consumer ranks: one byte per token, head and plane; a request
+        fills one block (of :attr:`tokens` tokens, :attr:`layers` layers)."""
         def ranks(engine: str, tp: int, blocks: int) -> list[RankInfo]:
-            return uniform_ranks(engine, tp=tp, num_blocks=blocks, num_layers=1,
+            return uniform_ranks(engine, tp=tp, num_blocks=blocks, num_layers=self.layers,
                                  num_kv_heads=self.heads, head_dim=1, dtype_bytes=1,
-                                 block_size=1)
+                                 block_size=self.tokens)
 
         return ranks("P", self.p_tp, self.p_blocks), ranks("D", self.d_tp, self.d_blocks)
 
@@ -104,7 +135,8 @@ class Scope:
                   "write errors" if self.write_errors else "",
                   "consumer aborts" if self.aborts else "",
                   "producer aborts" if self.prefill_aborts else "",
-                  "handshakes on demand" if self.handshake else ""]
+                  "handshakes on demand" if self.handshake else "",
+                  f"KV final in {self.pieces} {self.split} range(s)" if self.pieces else ""]
         return (f"P TP{self.p_tp} -> D TP{self.d_tp}, {self.heads} KV head(s), "
                 f"{self.incarnations} incarnation(s) x {self.attempts} attempt(s); "
                 + (", ".join(f for f in faults if f) or "no faults"))
@@ -127,6 +159,14 @@ CI_SCOPES = _scopes(
     Scope(name="replicated-reuse", p_tp=2, kv_heads=1, incarnations=2, heartbeats=False,
           aborts=False),
     Scope(name="handshake", p_tp=2, kv_heads=1, handshake=True, heartbeats=False),
+    # Rule 9: the KV becomes final in two ranges, in any order, before prefill ends.
+    Scope(name="partial", pieces=2, attempts=2, aborts=False, heartbeats=False),
+    Scope(name="partial-faults", pieces=2, prefill_aborts=True, write_errors=True,
+          deaths=("P", "D"), heartbeats=False),
+    Scope(name="partial-net", pieces=2, split="layers", dups=1, drops=1, heartbeats=False),
+    Scope(name="partial-2to1", p_tp=2, pieces=2, split="layers", aborts=False,
+          heartbeats=False),
+    Scope(name="partial-reuse", pieces=1, incarnations=2, aborts=False, heartbeats=False),
 )
 
 #: Deeper scopes for the benchmark and for people with time.
@@ -139,6 +179,12 @@ DEEP_SCOPES = _scopes(
     Scope(name="replicated-reuse-deep", p_tp=2, kv_heads=1, incarnations=2, heartbeats=False),
     Scope(name="handshake-deep", p_tp=2, kv_heads=1, handshake=True, attempts=2, dups=1,
           heartbeats=False),
+    Scope(name="partial-deep", pieces=2, attempts=2, prefill_aborts=True, heartbeats=False),
+    Scope(name="partial-net-deep", pieces=2, split="layers", dups=1, drops=1,
+          prefill_aborts=True),
+    Scope(name="partial-reuse-deep", pieces=2, incarnations=2, aborts=False,
+          heartbeats=False),
+    Scope(name="partial-1to2-deep", d_tp=2, pieces=2, split="layers", heartbeats=False),
 )
 
 SCOPES = {**CI_SCOPES, **DEEP_SCOPES}

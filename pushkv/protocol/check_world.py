@@ -11,10 +11,11 @@ tuples, so that a whole world state can be hashed and stored:
 * the **engines**: one consumer engine ``D`` and one producer engine ``P``,
   each with a block pool that hands freed blocks out again at once (lowest id
   first), and the life of each *incarnation* (use) of the transfer id ``t``.
-* **memory**, abstractly: for every (consumer rank, block, writer rank), which
-  (incarnation, attempt) last wrote it. READY must find every expected slice
-  written by the current incarnation and attempt, after the blocks were
-  allocated.
+* **memory**, abstractly: for every byte of every consumer block, and the
+  producer rank that writes it, which (incarnation, attempt) last wrote it.
+  READY must find every byte each expected writer owes written by the current
+  incarnation and attempt, after the blocks were allocated -- every part of a
+  write in pieces (rule 9) included.
 * the **clock**: it only moves to the next deadline an endpoint reports,
   firing that endpoint's timers; frames older than ``max_transit_s`` are lost
   and writes land within ``max_write_s`` (the protocol's timing assumption).
@@ -34,8 +35,9 @@ TID = "t"
 
 # Consumer incarnation status
 C_IDLE, C_LIVE, C_OVER = 0, 1, 2
-# Producer incarnation status
-P_WAIT, P_PREFILL, P_HELD, P_OVER = 0, 1, 2, 3
+# Producer incarnation status (P_PARTIAL: prefilling into its blocks, some ranges
+# reported final; the prefill is still owed)
+P_WAIT, P_PREFILL, P_HELD, P_OVER, P_PARTIAL = 0, 1, 2, 3, 4
 
 # Item kinds in flight (sorted first by kind)
 FRAME, WRITE, DONE, HELLO = 0, 1, 2, 3
@@ -50,9 +52,12 @@ def frame_item(dst: tuple[str, int], src: tuple[str, int], frame: bytes, sent: f
 
 
 def write_item(p_rank: int, d_rank: int, attempt: int, inc: int, src_blocks: tuple[int, ...],
-               dst_blocks: tuple[int, ...], notify: bytes, data: int, sent: float) -> Item:
-    """A posted write: ``data`` is the incarnation whose prefill fills the source blocks."""
-    return (WRITE, p_rank, d_rank, attempt, inc, src_blocks, dst_blocks, notify, data, sent)
+               dst_blocks: tuple[int, ...], notify: bytes, data: int,
+               cells: tuple[tuple[int, int], ...], sent: float) -> Item:
+    """A posted write: ``data`` is the incarnation whose prefill fills the source blocks,
+    ``cells`` the destination bytes it copies, as (block, byte in block)."""
+    return (WRITE, p_rank, d_rank, attempt, inc, src_blocks, dst_blocks, notify, data, cells,
+            sent)
 
 
 def hello_item(d_rank: int, p_rank: int, sent: float) -> Item:
@@ -87,17 +92,18 @@ class CInc:
 class PInc:
     """The producer engine's view of one incarnation."""
 
-    __slots__ = ("aborted", "blocks", "released", "status")
+    __slots__ = ("aborted", "blocks", "ready", "released", "status")
 
     def __init__(self, status: int, blocks: tuple[int, ...], released: frozenset[int],
-                 aborted: bool) -> None:
+                 aborted: bool, ready: frozenset[int]) -> None:
         self.status = status
         self.blocks = blocks
         self.released = released  # producer ranks that released the source
         self.aborted = aborted
+        self.ready = ready  # ranges (of the scope's pieces) reported final before prefill
 
     def freeze(self) -> tuple[Any, ...]:
-        return (self.status, self.blocks, self.released, self.aborted)
+        return (self.status, self.blocks, self.released, self.aborted, self.ready)
 
 
 class World:
@@ -108,7 +114,8 @@ class World:
     """
 
     __slots__ = ("_cinc", "_content", "_d_owner", "_leases", "_p_owner", "_pinc", "_windows",
-                 "dead", "drops", "dups", "f", "faulted", "flight", "lossy", "now", "shaken")
+                 "cancelled", "dead", "drops", "dups", "f", "faulted", "flight", "lossy", "now",
+                 "shaken")
 
     def __init__(self, f: Frozen) -> None:
         self.f = f
@@ -118,11 +125,13 @@ class World:
         self._pinc: list[PInc] | None = None
         self._d_owner: list[tuple[int, int] | None] | None = None
         self._p_owner: list[int | None] | None = None
-        self._content: dict[tuple[int, int, int], tuple[int, int]] | None = None
+        self._content: dict[tuple[int, int, int, int], tuple[int, int]] | None = None
         self._leases: dict[tuple[int, int], float] | None = None
         self._windows: dict[tuple[int, int, int, int], float] | None = None
         #: (consumer rank, producer rank) pairs that completed a handshake
         self.shaken: frozenset[tuple[int, int]] = f[14]
+        #: (producer rank, consumer rank, attempt, incarnation) a Cancel reached
+        self.cancelled: frozenset[tuple[int, int, int, int]] = f[15]
 
     def add(self, item: Item) -> None:
         bisect.insort(self.flight, item)
@@ -158,8 +167,9 @@ class World:
         return self._p_owner
 
     @property
-    def content(self) -> dict[tuple[int, int, int], tuple[int, int]]:
-        """(consumer rank, block, writer rank) -> (incarnation, attempt) that wrote it."""
+    def content(self) -> dict[tuple[int, int, int, int], tuple[int, int]]:
+        """(consumer rank, block, writer rank, byte) -> (incarnation, attempt) that wrote
+        that byte of the block (``byte``: region times block stride plus the offset)."""
         if self._content is None:
             self._content = dict(self.f[11])
         return self._content
@@ -189,7 +199,7 @@ class World:
                 f[11] if self._content is None else tuple(sorted(self._content.items())),
                 f[12] if self._leases is None else tuple(sorted(self._leases.items())),
                 f[13] if self._windows is None else tuple(sorted(self._windows.items())),
-                self.shaken)
+                self.shaken, self.cancelled)
 
 
 def initial(scope: Scope) -> Frozen:
@@ -197,6 +207,8 @@ def initial(scope: Scope) -> Frozen:
     cinc: tuple[Any, ...] = tuple(
         (C_IDLE, (), frozenset(), (None,) * scope.d_tp, False, frozenset()) for _ in range(n))
     pinc: tuple[Any, ...] = tuple(
-        ((P_PREFILL if k == 0 else P_WAIT), (), frozenset(), False) for k in range(n))
+        ((P_PREFILL if k == 0 else P_WAIT), (), frozenset(), False, frozenset())
+        for k in range(n))
     return (0.0, (), scope.dups, scope.drops, "", False, False, cinc, pinc,
-            (None,) * scope.d_blocks, (None,) * scope.p_blocks, (), (), (), frozenset())
+            (None,) * scope.d_blocks, (None,) * scope.p_blocks, (), (), (), frozenset(),
+            frozenset())

@@ -28,14 +28,11 @@ from .events import (
     Peer,
     Publish,
     ReleaseSource,
-    SendMessage,
 )
 from .layout import RankInfo
 from .mapping import Assignment, expected_writers, targets_of
 from .messages import (
     Cancel,
-    CancelAck,
-    Fail,
     FailReason,
     Heartbeat,
     Notify,
@@ -45,6 +42,7 @@ from .messages import (
 )
 from .planner import block_tuple, plan_transfer
 from .producer_messages import on_cancel, on_heartbeat, on_read_done, on_register, on_skip
+from .producer_view import ProducerView
 from .ranges import mark, next_rect, todo
 from .records import Key
 from .records import Leg as _Leg
@@ -77,10 +75,11 @@ _REASON = {
 Kv = SourceState
 _COMPLETIONS = frozenset((PI.WRITE_OK, PI.WRITE_ERROR, PI.PART_OK))
 _PARKED = frozenset((PS.EMPTY, PS.KV_READY, PS.GONE))
+_FROM_RANGES = frozenset((PI.RANGE_READY, PI.NOTHING_READY))
 SI, SE = SourceInput, SourceEffect
 
 
-class Producer(Endpoint):
+class Producer(ProducerView, Endpoint):
     """Sans-IO endpoint of one producer rank. Every method takes ``now``."""
 
     role = "producer"
@@ -153,11 +152,6 @@ class Producer(Endpoint):
             raise ValidationError(f"no handshake with {engine_id!r} rank {rank}")
         return info
 
-    def _find(self, key: Key) -> _Transfer | None:
-        """The live transfer, else its tombstone (legs GONE), else None."""
-        t = self._transfers.get(key)
-        return t if t is not None else self._tombstones.get(key)
-
     # ---------------------------------------------------------- local input
 
     def prefill_finished(
@@ -192,6 +186,7 @@ class Producer(Endpoint):
         t = self._transfers.get(key)
         if t is None and key in self._tombstones:
             # Already concluded here (cancelled, expired): nobody will read it.
+            self._tombstones[key].late = ()  # released now, with every block
             self.stats["released"] += 1
             return [*out, ReleaseSource(transfer_id=transfer_id, block_ids=ids,
                                         incarnation=incarnation)]
@@ -238,7 +233,12 @@ class Producer(Endpoint):
         out = self._run_timers(now)
         t = self._transfers.get(key)
         if t is None and key in self._tombstones:
-            return out  # already concluded here: nobody will read it
+            # Already concluded here: nobody will read it, but the blocks are the
+            # source's from the first range on: released when the request ends.
+            tomb = self._tombstones[key]
+            if len(ids) > len(tomb.late):
+                tomb.late = ids
+            return out
         if t is None:
             t = self._transfers[key] = _Transfer(transfer_id, incarnation)
         elif t.kv is Kv.PENDING:
@@ -261,10 +261,16 @@ class Producer(Endpoint):
         key = (transfer_id, incarnation)
         t = self._transfers.get(key)
         if t is None:
-            if key not in self._tombstones:
+            tomb = self._tombstones.get(key)
+            if tomb is None:
                 dead = _Transfer(transfer_id, incarnation, kv=Kv.ABORTED, final=True,
                                  aborted=True, dead=True)
                 self._tombstone(dead)
+            elif tomb.late:  # ranges handed after it concluded here (see range_ready)
+                late, tomb.late = tomb.late, ()
+                self.stats["released"] += 1
+                out.append(ReleaseSource(transfer_id=transfer_id, block_ids=late,
+                                         incarnation=incarnation))
             return out
         out += self._source(t, SI.PREFILL_ABORTED, now)
         return out + self._settle(t, now)
@@ -436,6 +442,11 @@ class Producer(Endpoint):
         if leg.refused is not None:  # the write may not start (rule 5) or waits (rule 9)
             refusal, leg.refused = leg.refused, None
             out += self._input(t, leg, refusal[0], now, fail=refusal[1:])
+        elif (t.kv is Kv.PARTIAL and t.ready and inp not in _FROM_RANGES
+              and (nxt is PS.EMPTY or (nxt is PS.REGISTERED and not leg.written))):
+            # Rule 9, derived: a leg left without a registration, or given a fresh
+            # one, while ranges are ready is told so, as a new leg starts in KV_READY.
+            out += self._input(t, leg, PI.RANGE_READY, now)
         return out
 
     def _count_pending(self, before: ProducerState, after: ProducerState) -> None:
@@ -676,73 +687,3 @@ class Producer(Endpoint):
         self._tombstones.move_to_end(key)
         while len(self._tombstones) > self.config.max_tombstones:
             self._tombstones.popitem(last=False)
-
-    # ---------------------------------------------------------------- output
-
-    def _ack(self, peer: Peer, key: Key, attempt: int, parts: int = 0) -> SendMessage:
-        self.stats["acks"] += 1
-        return SendMessage(
-            peer=peer,
-            message=CancelAck(
-                transfer_id=key[0],
-                attempt=attempt,
-                engine_id=self.peer.engine_id,
-                rank=self.peer.rank,
-                incarnation=key[1],
-                parts=parts,
-            ),
-        )
-
-    def _fail(
-        self, peer: Peer, key: Key, attempt: int, reason: FailReason, detail: str = "",
-        parts: int = 0,
-    ) -> SendMessage:
-        self.stats["fails"] += 1
-        return SendMessage(
-            peer=peer,
-            message=Fail(
-                transfer_id=key[0],
-                attempt=attempt,
-                engine_id=self.peer.engine_id,
-                rank=self.peer.rank,
-                reason=reason,
-                detail=detail[:1024],
-                incarnation=key[1],
-                parts=parts,
-            ),
-        )
-
-    # --------------------------------------------------------- introspection
-
-    @property
-    def num_transfers(self) -> int:
-        return len(self._transfers)
-
-    @property
-    def pending_registrations(self) -> int:
-        return self._pending_regs
-
-    def held_blocks(self) -> dict[str, tuple[int, ...]]:
-        """Source blocks currently held, by transfer id."""
-        return {t.transfer_id: t.src_ids for t in self._transfers.values() if t.kv is Kv.HELD}
-
-    def held(self) -> dict[Key, tuple[int, ...]]:
-        """Source blocks currently held, by (transfer id, incarnation)."""
-        return {k: t.src_ids for k, t in self._transfers.items() if t.kv is Kv.HELD}
-
-    def leg_state(
-        self, transfer_id: str, peer: Peer, *, incarnation: int = 0
-    ) -> ProducerState | None:
-        """State of a leg (GONE once its transfer is forgotten, while remembered)."""
-        t = self._find((transfer_id, incarnation))
-        leg = t.legs.get(peer) if t else None
-        return leg.state if leg else None
-
-    def writes_in_flight(self) -> list[tuple[str, int, Peer]]:
-        return [
-            (t.transfer_id, leg.writing, leg.peer)
-            for t in self._transfers.values()
-            for leg in t.legs.values()
-            if leg.writing is not None
-        ]
-

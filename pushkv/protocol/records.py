@@ -65,6 +65,9 @@ class Source:
     expired: bool = False
     aborted: bool = False
     dead: bool = False  # forgotten: kept only as a tombstone answering late messages
+    # Rule 9, on a tombstone: blocks ranges handed after the transfer concluded
+    # here, released when the local request ends (finished or aborted).
+    late: tuple[int, ...] = ()
 
     key: Key = field(init=False)  #: (transfer id, incarnation), set once
 

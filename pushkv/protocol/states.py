@@ -99,7 +99,9 @@ ranges (tokens x layers) of the KV as final (``SourceInput.RANGE_READY``: the
 source turns ``PARTIAL``, held for the writes). A registered leg writes what
 is ready, one write at a time (``RANGE_READY``, ``PART_OK``; ``NOTHING_READY``
 parks it in ``REGISTERED``); ``KV_READY`` on a leg means "some KV ready, no
-registration". Each write is a numbered part; the last one carries the count,
+registration"; a leg left without a registration, or given a fresh one, while
+ranges are ready is fed ``RANGE_READY`` (derived, as a new leg starts in
+``KV_READY``). Each write is a numbered part; the last one carries the count,
 and a CancelAck or Fail for a partly written attempt carries the parts that
 finished, sent only once no part is in flight (``ACK_PARTS``). The consumer
 counts parts (``PART``) and takes a rank's outcome -- notified or fenced --
@@ -408,12 +410,14 @@ PRODUCER_TABLE: dict[
     (P.PREEMPTING, PI.PREEMPT): (PE.ACK, P.PREEMPTING),
     **_quiet_when_writing,
     # A stashed registration whose window passes, or whose source is aborted,
-    # is failed; the old write carries on.
-    (P.SUPERSEDED, PI.DEADLINE): (PE.FAIL_STASHED, P.WRITING),
-    (P.SUPERSEDED, PI.KV_ABORTED): (PE.FAIL_STASHED, P.WRITING),
+    # is failed; the old write carries on, its attempt dropped (the newer
+    # registration superseded it): its completion is its fence, and a part of
+    # it is answered with its count of parts (rule 9), as after a cancel.
+    (P.SUPERSEDED, PI.DEADLINE): (PE.FAIL_STASHED, P.CANCELLING),
+    (P.SUPERSEDED, PI.KV_ABORTED): (PE.FAIL_STASHED, P.CANCELLING),
     # Rule 5: the lease ended while an old write is in flight: the stash is
     # answered now, never written later.
-    (P.SUPERSEDED, PI.LEASE_EXPIRED): (PE.FAIL_STASHED, P.WRITING),
+    (P.SUPERSEDED, PI.LEASE_EXPIRED): (PE.FAIL_STASHED, P.CANCELLING),
     **_quiet_when_finished,
     # A leg ended before prefill finished stays ended (its cancel or deadline came first).
     (P.CANCELLED, PI.KV_READY): (PE.NONE, P.CANCELLED),

@@ -27,6 +27,11 @@ FLOORS = {
     "replicated": 5_000,
     "replicated-reuse": 80_000,
     "handshake": 3_000,
+    "partial": 85_000,
+    "partial-faults": 30_000,
+    "partial-net": 30_000,
+    "partial-2to1": 20_000,
+    "partial-reuse": 100_000,
 }
 
 #: Scopes that find a bug of today's core: scope name -> the bug.

@@ -22,7 +22,9 @@ from pushkv.protocol.states import (
     ProducerEffect,
     ProducerInput,
     ProducerState,
+    SourceEffect,
     SourceInput,
+    SourceState,
 )
 
 C, CI, CE = ConsumerState, ConsumerInput, ConsumerEffect
@@ -35,6 +37,8 @@ REUSE = Scope(name="reuse", incarnations=2, dups=1, heartbeats=False, aborts=Fal
 TWO_TO_ONE = Scope(name="2to1", p_tp=2, dups=1, heartbeats=False, aborts=False)
 TWO_TO_ONE_ABORTS = Scope(name="2to1-aborts", p_tp=2, heartbeats=False)
 REPLICATED = Scope(name="replicated", p_tp=2, kv_heads=1, heartbeats=False, aborts=False)
+#: Rule 9: the KV final in two token ranges, in any order, before prefill ends.
+PARTIAL = Scope(name="partial-1", pieces=2, heartbeats=False, prefill_aborts=True)
 
 
 def stale_incarnation_counted(mp: pytest.MonkeyPatch) -> None:
@@ -138,6 +142,63 @@ def source_released_twice(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Producer, "_settle", settle)
 
 
+def ready_after_the_first_part(mp: pytest.MonkeyPatch) -> None:
+    """The consumer takes any part's notification for the rank's last (rule 9)."""
+    orig = consumer_module._parts
+
+    def parts(a, rank, inp, msg):
+        got = orig(a, rank, inp, msg)
+        return CI.NOTIFY if isinstance(msg, consumer_module.Notify) else got
+
+    mp.setattr(consumer_module, "_parts", parts)
+
+
+def cancel_ack_with_a_part_in_flight(mp: pytest.MonkeyPatch) -> None:
+    """A cancel of a leg writing a part is acknowledged at once, with the parts so far."""
+    orig = Producer._effect
+
+    def effect(self, t, leg, effect, *args):
+        if effect is not PE.ACK or leg.writing is None:
+            return orig(self, t, leg, effect, *args)
+        writing, leg.writing = leg.writing, None
+        try:
+            return orig(self, t, leg, effect, *args)
+        finally:
+            leg.writing = writing
+
+    mp.setattr(Producer, "_effect", effect)
+
+
+def range_before_registration_dropped(mp: pytest.MonkeyPatch) -> None:
+    """A range reported before any registration is held is lost (not kept in the source)."""
+    orig = Producer.range_ready
+
+    def range_ready(self, transfer_id, block_ids, tokens, now, *, layers=None, incarnation=0):
+        key = (transfer_id, incarnation)
+        t = self._transfers.get(key)
+        before = dict(t.ready) if t is not None else {}
+        held = t is not None and any(leg.reg is not None for leg in t.legs.values())
+        out = orig(self, transfer_id, block_ids, tokens, now, layers=layers,
+                   incarnation=incarnation)
+        t = self._transfers.get(key)
+        if t is not None and not held:
+            t.ready = before
+        return out
+
+    mp.setattr(Producer, "range_ready", range_ready)
+
+
+def source_released_with_a_part_in_flight(mp: pytest.MonkeyPatch) -> None:
+    """A request aborted mid-stream releases its source at once."""
+    mp.setitem(states.SOURCE_TABLE, (SourceState.PARTIAL, SourceInput.PREFILL_ABORTED),
+               (SourceEffect.RELEASE, SourceState.RELEASED))
+
+
+def part_written_after_a_cancel(mp: pytest.MonkeyPatch) -> None:
+    """A leg cancelled during a part goes on writing the ranges ready after it."""
+    mp.setitem(states.PRODUCER_TABLE, (P.CANCELLING, PI.PART_OK), (PE.WRITE, P.WRITING))
+
+
 MUTATIONS = [
     (stale_incarnation_counted, REUSE, "bytes"),
     (silent_rank_holds_source, REPLICATED, "prompt"),
@@ -150,6 +211,11 @@ MUTATIONS = [
     (write_into_reused_blocks, TWO_ATTEMPTS, "reuse"),
     (ready_too_early, TWO_TO_ONE, "bytes"),
     (source_released_twice, ONE, "source"),
+    (ready_after_the_first_part, PARTIAL, "bytes"),
+    (cancel_ack_with_a_part_in_flight, PARTIAL, "reuse"),
+    (range_before_registration_dropped, PARTIAL, "prompt"),
+    (source_released_with_a_part_in_flight, PARTIAL, "source"),
+    (part_written_after_a_cancel, PARTIAL, "cancelled"),
 ]
 
 

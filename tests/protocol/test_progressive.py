@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from pushkv.protocol import (
@@ -11,6 +12,7 @@ from pushkv.protocol import (
     Fail,
     IssueWrite,
     Notify,
+    ProducerState,
     ReleaseDestination,
     ReleaseSource,
     TransferReady,
@@ -189,3 +191,74 @@ def test_an_unasked_cancel_ack_with_parts_is_refused_and_changes_nothing():
     out = c.receive(CancelAck(transfer_id="t", attempt=0, engine_id="P", rank=0, parts=3), 0.0)
     assert of(out, Rejected)
     assert c._transfers["t"].cur == before
+
+
+# Found by the model checker (scopes ``partial*``); each failed before its fix.
+
+
+def _cancel(attempt, final):
+    from pushkv.protocol import Cancel
+
+    return Cancel(transfer_id="t", attempt=attempt, engine_id="D", rank=0, final=final)
+
+
+@pytest.mark.parametrize("end", ["aborted", "finished"])
+def test_a_range_of_a_concluded_transfer_is_released_once_when_the_request_ends(end):
+    pair = _pair()
+    p = pair.p[0]
+    p.receive(_cancel(0, True), 0.0)  # the consumer gave up before prefill: an orphan
+    p.handle_timer(10_000.0)  # nobody came back: forgotten
+    assert p.num_transfers == 0
+    assert p.range_ready("t", [7, 8], (0, 16), 10_000.0) == []  # nobody will read it
+    out = (p.prefill_aborted("t", 10_000.0) if end == "aborted" else
+           p.prefill_finished("t", [7, 8, 9], 40, 10_000.0))
+    (rel,) = of(out, ReleaseSource)  # the blocks the range handed over come back
+    assert rel.block_ids[:2] == (7, 8)
+    assert of(p.prefill_aborted("t", 10_000.0), ReleaseSource) == []  # and only once
+
+
+def test_a_parked_leg_preempted_then_reissued_writes_the_ready_range_at_once():
+    pair = _pair()
+    _register(pair)
+    p, c = pair.p[0], pair.c[0]
+    (w0,) = of(_ready(pair, 0, 16), IssueWrite)
+    pair.complete([w0])  # part 0 written; nothing more ready: the leg waits
+    assert p.leg_state("t", w0.peer) is ProducerState.REGISTERED
+    (ack,) = msgs(pair.to_producers(c.preempt("t", 0.0)), CancelAck)
+    assert ack.parts == 1
+    c.receive(ack, 0.0)
+    (w1,) = of(pair.to_producers(c.reissue("t", [20, 21, 22], 0.0)), IssueWrite)
+    assert w1.attempt == 1 and w1.plan.nbytes == 16 * TB * L * 2
+
+
+def test_a_newer_registration_reaching_a_parked_leg_writes_the_ready_range_at_once():
+    from pushkv.protocol import Register
+
+    pair = _pair()
+    (reg0,) = msgs(pair.c[0].register("t", "P", [1, 2, 3], 40, 0.0), Register)
+    p = pair.p[0]
+    p.receive(reg0, 0.0)
+    (w0,) = of(_ready(pair, 0, 16), IssueWrite)
+    p.write_completed("t", 0, w0.peer, True, 0.0)
+    newer = msgspec.structs.replace(reg0, attempt=1, block_ids=(20, 21, 22))
+    out = p.receive(newer, 0.0)  # it overtook the preempt's Cancel
+    assert [m.attempt for m in msgs(out, CancelAck)] == [0]
+    (w1,) = of(out, IssueWrite)
+    assert w1.attempt == 1 and w1.plan.nbytes == 16 * TB * L * 2
+
+
+def test_a_stash_failed_during_a_part_answers_the_old_attempt_with_its_parts():
+    pair = _pair()
+    _register(pair)
+    p, c = pair.p[0], pair.c[0]
+    (w0,) = of(_ready(pair, 0, 16), IssueWrite)
+    assert msgs(pair.to_producers(c.preempt("t", 0.0)), CancelAck) == []  # part in flight
+    pair.to_producers(c.reissue("t", [20, 21, 22], 0.0))  # stashed behind the part
+    (fail,) = msgs(p.prefill_aborted("t", 0.0), Fail)
+    assert fail.attempt == 1
+    out = p.write_completed("t", 0, w0.peer, True, 0.0)
+    (ack,) = msgs(out, CancelAck)  # the old attempt's fence: one part was written
+    assert (ack.attempt, ack.parts) == (0, 1) and msgs(out, Fail) == []
+    assert len(of(out, ReleaseSource)) == 1
+    assert of(c.receive(ack, 0.0), ReleaseDestination) == []
+    assert of(c.receive(w0.notify, 0.0), ReleaseDestination)  # the zombie's fence

@@ -1,0 +1,97 @@
+"""What a producer rank says and shows: its answers to a consumer rank
+(CancelAck, Fail, counted) and the introspection drivers and tests read.
+
+A mixin of :class:`~.producer.Producer`: no state of its own, no transition.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+from .events import Peer, SendMessage
+from .messages import CancelAck, Fail, FailReason
+from .records import Key, Kv
+from .records import Source as _Transfer
+from .states import ProducerState
+
+
+class ProducerView:
+    """Answers and introspection of a :class:`~.producer.Producer`."""
+
+    peer: Peer
+    stats: Counter[str]
+    _transfers: Mapping[Key, _Transfer]
+    _tombstones: Mapping[Key, _Transfer]
+    _pending_regs: int
+
+    def _find(self, key: Key) -> _Transfer | None:
+        """The live transfer, else its tombstone (legs GONE), else None."""
+        t = self._transfers.get(key)
+        return t if t is not None else self._tombstones.get(key)
+
+    def _ack(self, peer: Peer, key: Key, attempt: int, parts: int = 0) -> SendMessage:
+        self.stats["acks"] += 1
+        return SendMessage(
+            peer=peer,
+            message=CancelAck(
+                transfer_id=key[0],
+                attempt=attempt,
+                engine_id=self.peer.engine_id,
+                rank=self.peer.rank,
+                incarnation=key[1],
+                parts=parts,
+            ),
+        )
+
+    def _fail(
+        self, peer: Peer, key: Key, attempt: int, reason: FailReason, detail: str = "",
+        parts: int = 0,
+    ) -> SendMessage:
+        self.stats["fails"] += 1
+        return SendMessage(
+            peer=peer,
+            message=Fail(
+                transfer_id=key[0],
+                attempt=attempt,
+                engine_id=self.peer.engine_id,
+                rank=self.peer.rank,
+                reason=reason,
+                detail=detail[:1024],
+                incarnation=key[1],
+                parts=parts,
+            ),
+        )
+
+    @property
+    def num_transfers(self) -> int:
+        return len(self._transfers)
+
+    @property
+    def pending_registrations(self) -> int:
+        return self._pending_regs
+
+    def held_blocks(self) -> dict[str, tuple[int, ...]]:
+        """Source blocks currently held, by transfer id."""
+        return {t.transfer_id: t.src_ids for t in self._transfers.values() if t.kv is Kv.HELD}
+
+    def held(self) -> dict[Key, tuple[int, ...]]:
+        """Source blocks currently held, by (transfer id, incarnation)."""
+        return {k: t.src_ids for k, t in self._transfers.items() if t.kv is Kv.HELD}
+
+    def leg_state(
+        self, transfer_id: str, peer: Peer, *, incarnation: int = 0
+    ) -> ProducerState | None:
+        """State of a leg (GONE once its transfer is forgotten, while remembered)."""
+        t = self._find((transfer_id, incarnation))
+        leg = t.legs.get(peer) if t else None
+        return leg.state if leg else None
+
+    def writes_in_flight(self) -> list[tuple[str, int, Peer]]:
+        return [
+            (t.transfer_id, leg.writing, leg.peer)
+            for t in self._transfers.values()
+            for leg in t.legs.values()
+            if leg.writing is not None
+        ]
+
