@@ -164,6 +164,14 @@ class EngineProfile:
         "the same process holds the interpreter lock",
         ASSUMED,
     )
+    step_token_s: float = _f(
+        0.0,
+        "host time per token a step computes -- each prefill token, one per decoding "
+        "sequence -- added to the step beside the roofline: on a CPU engine serving a tiny "
+        "model the step is Python and small kernels, a fixed overhead plus a cost per "
+        "token (0: none, the roofline covers a GPU's tokens)",
+        "0 on GPUs; measured on CPU by pushkv.sim.measure (profiles/cpu-tiny.toml)",
+    )
     prefix_hit_fraction: float = _f(
         0.0,
         "fraction of each prompt found in this engine's prefix cache",
@@ -399,8 +407,9 @@ class Profile:
             e: EngineProfile = getattr(self, side)
             for name in ("tp", "max_num_seqs", "max_num_batched_tokens", "block_size"):
                 _positive(f"{side}.{name}", getattr(e, name))
-            if e.step_python_s < 0:
-                raise ProfileError(f"{side}.step_python_s must be >= 0")
+            for name in ("step_python_s", "step_token_s"):
+                if getattr(e, name) < 0:
+                    raise ProfileError(f"{side}.{name} must be >= 0")
             for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency"):
                 v = getattr(e, name)
                 if not 0 < v <= 1:
