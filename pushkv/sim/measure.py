@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -80,6 +81,11 @@ class Measured:
     message_send_s: float
     message_recv_s: float
     message_latency_s: float  #: one way, between the two ends' own times
+    #: share of a core the measured processes got while runnable (:class:`CpuShare`):
+    #: the engine server's, and this process's (NIXL, side channel); the profile holds
+    #: every time scaled to a core of its own (``time x share``)
+    engine_share: float = 1.0
+    host_share: float = 1.0
     max_num_seqs: int = 128  #: vLLM's CPU default for the API server
     max_num_batched_tokens: int = 2048  #: vLLM's CPU default for the API server
     block_size: int = 32
@@ -134,9 +140,16 @@ def profile_data(m: Measured) -> dict[str, Any]:
     _check_times("wire_s", m.wire_s)
     _check_times("request overhead", [m.request_overhead_s, m.relay_s])
     _check_times("side channel", [m.message_send_s, m.message_recv_s, m.message_latency_s])
-    p_over, p_tok = fit_line(m.prefill_lengths, m.prefill_step_s, "prefill steps")
-    d_over, d_tok = fit_line(m.decode_batches, m.decode_step_s, "decode steps")
-    post_fixed, post_desc = fit_line(m.post_descriptors, m.post_s, "NIXL posting")
+    for name, share in (("engine_share", m.engine_share), ("host_share", m.host_share)):
+        if not (math.isfinite(share) and 0 < share <= 1):
+            raise MeasurementError(f"{name} must be a CPU share in (0, 1], got {share!r}")
+    es, hs = m.engine_share, m.host_share
+    p_over, p_tok = fit_line(m.prefill_lengths, [t * es for t in m.prefill_step_s],
+                             "prefill steps")
+    d_over, d_tok = fit_line(m.decode_batches, [t * es for t in m.decode_step_s],
+                             "decode steps")
+    post_fixed, post_desc = fit_line(m.post_descriptors, [t * hs for t in m.post_s],
+                                     "NIXL posting")
     if len(m.wire_bytes) != len(m.wire_s) or len(m.wire_descriptors) != len(m.wire_s):
         raise MeasurementError("wire: one descriptor count and byte count per time")
     by_bytes = [(b, t) for d, b, t in zip(m.wire_descriptors, m.wire_bytes, m.wire_s,
@@ -148,7 +161,7 @@ def profile_data(m: Measured) -> dict[str, Any]:
     _, per_desc_wire = fit_line([d for d, _ in by_desc], [t for _, t in by_desc],
                                 "NIXL descriptors", slope_only=True)
     total, matmuls = tiny_params()
-    hop = (m.request_overhead_s + m.relay_s) / 2
+    hop = (m.request_overhead_s + m.relay_s) / 2 * es
     kv_bytes = m.kv_cache_bytes
     weights = total * 4
     engine = {
@@ -189,7 +202,7 @@ def profile_data(m: Measured) -> dict[str, Any]:
             "sharing": "fair", "rank_skew": 0.0,
         },
         "control": {
-            "message_send_s": m.message_send_s, "message_recv_s": m.message_recv_s,
+            "message_send_s": m.message_send_s * hs, "message_recv_s": m.message_recv_s * hs,
             "handshake_before_run": True,
         },
     }
@@ -245,7 +258,9 @@ def header(m: Measured) -> list[str]:
             f"{n}: {t * 1e6:.1f} us" for n, t in zip(m.post_descriptors, m.post_s, strict=True))
         + ";",
         f"side channel send {m.message_send_s * 1e6:.1f} us, receive "
-        f"{m.message_recv_s * 1e6:.1f} us, one way {m.message_latency_s * 1e6:.1f} us.",
+        f"{m.message_recv_s * 1e6:.1f} us, one way {m.message_latency_s * 1e6:.1f} us;",
+        f"CPU share while runnable: engine server {m.engine_share:.3f}, this process "
+        f"{m.host_share:.3f}; the times below are scaled to a core of one's own (x share).",
     ]
 
 
@@ -258,6 +273,67 @@ def write_profile(m: Measured, path: str | Path) -> Profile:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     return load_profile(out)
+
+
+# ------------------------------------------------------------- CPU share
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux ``/proc``); [] if it is gone."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        out.append(p)
+        for t in tasks:
+            with contextlib.suppress(OSError):
+                todo += [int(c) for c in Path(f"/proc/{p}/task/{t}/children").read_text()
+                         .split()]
+    return out
+
+
+def schedstat(pids: Sequence[int]) -> tuple[int, int]:
+    """Nanoseconds the threads of ``pids`` ran, and waited on a run queue (runnable but
+    not running), from ``/proc/PID/task/TID/schedstat``."""
+    run = wait = 0
+    for p in pids:
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                fields = Path(f"/proc/{p}/task/{t}/schedstat").read_text().split()
+            except OSError:
+                continue
+            run += int(fields[0])
+            wait += int(fields[1])
+    return run, wait
+
+
+class CpuShare:
+    """The share of a core a process tree got while runnable, between :meth:`start`
+    and :meth:`share`: ``run / (run + run-queue wait)`` of all its threads (1 when it
+    never waited; 1 where ``/proc`` has no schedstat)."""
+
+    def __init__(self, *roots: int) -> None:
+        self.roots = roots
+        self._t0 = (0, 0)
+
+    def _now(self) -> tuple[int, int]:
+        return schedstat([p for r in self.roots for p in process_tree(r)])
+
+    def start(self) -> CpuShare:
+        self._t0 = self._now()
+        return self
+
+    def share(self) -> float:
+        run, wait = self._now()
+        dr, dw = run - self._t0[0], wait - self._t0[1]
+        return dr / (dr + dw) if dr > 0 and dw >= 0 else 1.0
 
 
 # ------------------------------------------------------------ engine steps
@@ -316,6 +392,8 @@ def measure_engine(work: Path, reps: int, lengths: Sequence[int], batches: Seque
                 "temperature": 0, "ignore_eos": True, "stream": stream}
 
     async def run(url: str) -> dict[str, Any]:
+        assert server.proc is not None
+        share = CpuShare(server.proc.pid).start()
         relay_url, stop_relay = await _start_relay(url)
         got: dict[str, Any] = {"overhead": [], "relay": []}
         async with aiohttp.ClientSession() as s:
@@ -348,6 +426,7 @@ def measure_engine(work: Path, reps: int, lengths: Sequence[int], batches: Seque
                     per_token[b].append(dec / (b * (output_len - 1)))
             got["decode"] = {b: statistics.median(v) for b, v in per_token.items()}
         await stop_relay()
+        got["share"] = share.share()
         return got
 
     server = Server(spec, work / "logs" / "measure-server.log")
@@ -555,15 +634,17 @@ def measure(work: Path, *, reps: int, delay_us: int) -> Measured:
     load = os.getloadavg()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lengths, batches, dec_in, out_len = (16, 64, 128, 192, 256, 384), (1, 2, 4, 8), 128, 32
+    host = CpuShare(os.getpid()).start()
     print("side channel ...", flush=True)
     side = measure_side_channel(reps)
     print(f"  {side}", flush=True)
     print("NIXL ...", flush=True)
     nixl = measure_nixl(reps, delay_us)
     print(f"  {nixl}", flush=True)
+    host_share = host.share()
     print("engine (one vLLM server) ...", flush=True)
     eng = measure_engine(work, reps, lengths, batches, dec_in, out_len)
-    print(f"  {eng['prefill']} {eng['decode']}", flush=True)
+    print(f"  {eng['prefill']} {eng['decode']}, CPU share {eng['share']:.3f}", flush=True)
     return Measured(
         machine=machine(), when=when, load=(load[0], load[1], load[2]),
         prefill_lengths=tuple(lengths),
@@ -575,6 +656,7 @@ def measure(work: Path, *, reps: int, delay_us: int) -> Measured:
         post_descriptors=tuple(nixl["post_descriptors"]), post_s=tuple(nixl["post_s"]),
         wire_descriptors=tuple(nixl["wire_descriptors"]),
         wire_bytes=tuple(nixl["wire_bytes"]), wire_s=tuple(nixl["wire_s"]), **side,
+        engine_share=eng["share"], host_share=host_share,
     )
 
 

@@ -172,6 +172,17 @@ class EngineProfile:
         "token (0: none, the roofline covers a GPU's tokens)",
         "0 on GPUs; measured on CPU by pushkv.sim.measure (profiles/cpu-tiny.toml)",
     )
+    cpu_share: float = _f(
+        1.0,
+        "fraction of a CPU core this engine's processes get while they are runnable (other "
+        "work on the same cores takes the rest): its host times -- step overheads, "
+        "step_token_s, step_python_s -- last 1 / cpu_share as long; posting, control "
+        "messages and router hops, which run on both sides' cores, by the mean of the two "
+        "sides' shares (1: a core of its own; see Profile.on_shared_cores)",
+        "1 on dedicated hosts; on a shared CPU machine measured per run from the servers' "
+        "/proc schedstat (run time / (run + run-queue wait)), see benchmarks/"
+        "bench_sim_vs_real.py",
+    )
     prefix_hit_fraction: float = _f(
         0.0,
         "fraction of each prompt found in this engine's prefix cache",
@@ -410,7 +421,8 @@ class Profile:
             for name in ("step_python_s", "step_token_s"):
                 if getattr(e, name) < 0:
                     raise ProfileError(f"{side}.{name} must be >= 0")
-            for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency"):
+            for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency",
+                         "cpu_share"):
                 v = getattr(e, name)
                 if not 0 < v <= 1:
                     raise ProfileError(f"{side}.{name} must be in (0, 1], got {v}")
@@ -476,6 +488,32 @@ class Profile:
             if getattr(n, name) < 0:
                 raise ProfileError(f"network.{name} must be >= 0")
         return self
+
+
+    def on_shared_cores(self) -> Profile:
+        """The profile its engines run under when they share CPU cores: every host time
+        divided by the share of a core its processes get (``cpu_share``), the shares
+        then 1. The same profile when both shares are 1 (the default)."""
+        sp, sd = self.prefill.cpu_share, self.decode.cpu_share
+        if sp == 1 and sd == 1:
+            return self
+
+        def side(e: EngineProfile, share: float) -> EngineProfile:
+            return dataclasses.replace(
+                e, cpu_share=1.0, prefill_step_overhead_s=e.prefill_step_overhead_s / share,
+                decode_step_overhead_s=e.decode_step_overhead_s / share,
+                step_token_s=e.step_token_s / share, step_python_s=e.step_python_s / share)
+
+        both = (sp + sd) / 2
+        n, c = self.network, self.control
+        return dataclasses.replace(
+            self, prefill=side(self.prefill, sp), decode=side(self.decode, sd),
+            network=dataclasses.replace(
+                n, post_fixed_s=n.post_fixed_s / both,
+                post_per_descriptor_s=n.post_per_descriptor_s / both,
+                router_hop_s=n.router_hop_s / both),
+            control=dataclasses.replace(c, message_send_s=c.message_send_s / both,
+                                        message_recv_s=c.message_recv_s / both))
 
 
 def _positive(name: str, value: float) -> None:

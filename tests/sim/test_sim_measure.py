@@ -132,3 +132,50 @@ def test_the_committed_cpu_tiny_profile_loads() -> None:
         assert side.step_token_s >= 0 and math.isfinite(side.step_token_s)
     text = (PROFILES / "cpu-tiny.toml").read_text()
     assert "measured" in text.splitlines()[2] and "load average" in text
+
+
+# ------------------------------------------------------------------ cpu_share
+
+
+def test_a_core_of_its_own_changes_nothing() -> None:
+    assert DEFAULT.on_shared_cores() is DEFAULT
+    prof = profile_from_dict(profile_data(GOOD))
+    assert prof.on_shared_cores() is prof
+
+
+def test_cpu_share_stretches_every_host_time_by_its_inverse() -> None:
+    prof = profile_from_dict(profile_data(GOOD))
+    half = dataclasses.replace(
+        prof, prefill=dataclasses.replace(prof.prefill, cpu_share=0.5),
+        decode=dataclasses.replace(prof.decode, cpu_share=0.25)).validate()
+    s = half.on_shared_cores()
+    assert s.prefill.cpu_share == 1 and s.decode.cpu_share == 1
+    assert s.prefill.prefill_step_overhead_s == 2 * prof.prefill.prefill_step_overhead_s
+    assert s.prefill.step_token_s == 2 * prof.prefill.step_token_s
+    assert s.decode.decode_step_overhead_s == 4 * prof.decode.decode_step_overhead_s
+    assert s.decode.step_python_s == 4 * prof.decode.step_python_s
+    both = (0.5 + 0.25) / 2  # posting, messages and hops run on both sides' cores
+    assert s.network.router_hop_s == pytest.approx(prof.network.router_hop_s / both)
+    assert s.network.post_per_descriptor_s == pytest.approx(
+        prof.network.post_per_descriptor_s / both)
+    assert s.control.message_recv_s == pytest.approx(prof.control.message_recv_s / both)
+    assert s.network.wire_latency_s == prof.network.wire_latency_s  # the wire is not host
+
+
+@pytest.mark.parametrize("share", [0.5, 0.2])
+def test_one_request_decodes_at_the_stretched_step(share: float) -> None:
+    """Limiting case: one request alone, its TPOT is exactly one decode step of batch 1,
+    (overhead + step_token_s) / cpu_share (the roofline adds nanoseconds here)."""
+    prof = profile_from_dict(profile_data(GOOD))
+    slow = dataclasses.replace(prof, decode=dataclasses.replace(prof.decode,
+                                                                cpu_share=share)).validate()
+    res = run(config("push", qps=1.0, input_len=64, output_len=9, num_prompts=1,
+                     profile=slow))
+    step = (prof.decode.decode_step_overhead_s + prof.decode.step_token_s) / share
+    assert res.result["mean_tpot_ms"] == pytest.approx(step * 1e3, rel=1e-5)
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, float("nan")])
+def test_cpu_share_must_be_a_share(value: float) -> None:
+    with pytest.raises(ProfileError, match="cpu_share"):
+        profile_from_dict({"decode": {"cpu_share": value}})

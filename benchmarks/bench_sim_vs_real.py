@@ -1,0 +1,334 @@
+"""The simulator against real vLLM CPU engines on this machine, point by point.
+
+**Real half**: pushkv push (``PushKVConnector`` behind ``pushkv proxy``, mode
+``push``) and vLLM pull (vLLM's ``NixlConnector`` behind the pull relay of
+``benchmarks/e2e/vllm_proxy.py``, mode ``pull``), each a prefill server on core 0
+and a decode server on core 1 (the deployments of ``benchmarks/e2e/run.py``:
+tiny model, prefix caching off, every NIXL progress thread sleeping
+``--delay-us`` between polls, every transport thread on its server's core).
+``vllm bench serve`` (random dataset, ``--ignore-eos``) runs every (input
+length, rate) point against each router; the deployments alternate each
+iteration (push, pull, push, ...), so slow drift of the shared machine's load
+reaches both modes. Result files: ``OUT/real/{mode}_qps{q}_in{i}_out{o}_iter{n}.json``.
+
+**Simulated half**: ``pushkv.sim`` with the measured profile
+(``pushkv/sim/profiles/cpu-tiny.toml``) at the same points -- same modes, number
+of prompts, rates, lengths, output length and iterations -- into ``OUT/sim/``.
+
+Prints one table of sim/real ratios (mean and median TTFT and TPOT, per point and
+mode, iterations averaged) and, last, one JSON object: ``ttft_ratio_min``,
+``ttft_ratio_max``, ``tpot_ratio_min``, ``tpot_ratio_max``, ``points`` (and the
+per-point ratios). Figures: ``pushkv plot --results-dir OUT/real --overlay OUT/sim
+--labels real sim --metric ttft``.
+
+    PYTHONPATH=. python benchmarks/bench_sim_vs_real.py --out /tmp/simreal
+    PYTHONPATH=. python benchmarks/bench_sim_vs_real.py --sim-only --out /tmp/simreal
+    # longer: --rates 1,2,4,8 --inputs 32,64,128,256 --num-prompts 64 --iterations 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
+
+PROFILE = ROOT / "pushkv" / "sim" / "profiles" / "cpu-tiny.toml"
+#: sim mode -> (real mode of benchmarks/e2e/modes.py, its deployment)
+MODES = {"push": ("push", "pushkv"), "pull": ("pull", "nixl-pull")}
+NAME = re.compile(r"^(?P<mode>[a-z-]+)_qps(?P<qps>[\d.]+)_in(?P<input>\d+)_out(?P<output>\d+)"
+                  r"_iter(?P<iter>\d+)\.json$")
+SHARES = "cpu_shares.json"  #: per result file: the prefill and decode servers' CPU shares
+STATS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
+
+
+def rate_name(q: float) -> str:
+    return str(int(q)) if q == int(q) else str(q)
+
+
+def file_name(mode: str, rate: float, input_len: int, output_len: int, it: int) -> str:
+    return f"{mode}_qps{rate_name(rate)}_in{input_len}_out{output_len}_iter{it}.json"
+
+
+# ------------------------------------------------------------------- real
+
+
+def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
+    """``vllm bench serve`` at every point against both deployments; failures by name."""
+    from modes import MODES as E2E_MODES  # benchmarks/e2e
+    from run import Deployment, Endpoint, bench_serve
+
+    from pushkv.sim.measure import CpuShare
+    from pushkv.vllm.testing import write_tiny_llama, write_word_tokenizer
+
+    (real / "logs").mkdir(parents=True, exist_ok=True)
+    model = real / "tiny-llama"
+    write_tiny_llama(model)
+    write_word_tokenizer(model)
+    max_len = -(-(max(args.inputs) + args.output_len + 64) // 256) * 256
+    failures: dict[str, str] = {}
+    for it in range(args.iterations):
+        for mode in args.modes:
+            name, kind = MODES[mode]
+            todo = [(i, q) for i in args.inputs for q in args.rates
+                    if not (real / file_name(mode, q, i, args.output_len, it)).exists()]
+            if not todo:
+                continue
+            dep = Deployment(kind, str(model), real, max_model_len=max_len,
+                             delay_us=args.delay_us)
+            t0 = time.monotonic()
+            ep = None
+            try:
+                dep.start()
+                print(f"[{mode} iter {it}] {kind} up in {time.monotonic() - t0:.0f} s, "
+                      f"load {os.getloadavg()[0]:.2f}", flush=True)
+                ep = Endpoint(E2E_MODES[name], dep, real)
+                for input_len, q in todo:
+                    fname = file_name(mode, q, input_len, args.output_len, it)
+                    shares = {side: CpuShare(srv.proc.pid).start()
+                              for side, srv in (("prefill", dep.prefill),
+                                                ("decode", dep.decode))
+                              if srv.proc is not None}
+                    ok = bench_serve(ep.target.url, str(model), real, fname, qps=str(q),
+                                     input_len=input_len, output_len=args.output_len,
+                                     num_prompts=args.num_prompts, seed=args.seed + it,
+                                     log=real / "logs" / f"{mode}-bench.log")
+                    got = {side: round(c.share(), 4) for side, c in shares.items()}
+                    record_shares(real, fname, got)
+                    print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
+                          f"{'ok' if ok else 'FAILED'}; CPU share {got}, "
+                          f"load {os.getloadavg()[0]:.2f}", flush=True)
+                    if not ok:
+                        failures[fname] = "vllm bench serve failed"
+                        (real / fname).unlink(missing_ok=True)
+            except Exception as exc:  # reported; the other mode still runs
+                failures[f"{mode} iter {it}"] = f"{exc!r:.300}"
+                print(f"[{mode} iter {it}] FAILED: {exc!r:.300}", flush=True)
+            finally:
+                if ep is not None:
+                    ep.stop()
+                dep.stop()
+    return failures
+
+
+def record_shares(real: Path, fname: str, shares: dict[str, float]) -> None:
+    """The servers' CPU shares during one point, in ``real/shares.json``."""
+    path = real / SHARES
+    got = json.loads(path.read_text()) if path.exists() else {}
+    got[fname] = shares
+    path.write_text(json.dumps(got, indent=1, sort_keys=True))
+
+
+# -------------------------------------------------------------------- sim
+
+
+def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, float, int]],
+            output_len: int, num_prompts: int, *, seed: int = 0,
+            shares: dict[str, dict[str, float]] | None = None) -> None:
+    """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
+    ``shares`` (by result file name), each point's engines get the CPU shares its real
+    servers got (``cpu_share``), else a core each."""
+    from pushkv.sim.profile import load_profile
+    from pushkv.sim.runner import run
+    from pushkv.sim.scenario import SimConfig, TransferMode
+    from pushkv.sim.workload import WorkloadConfig
+
+    base = load_profile(profile_path)
+    sim.mkdir(parents=True, exist_ok=True)
+    for old in sim.glob("*_iter*.json"):
+        old.unlink()
+    for mode, input_len, rate, it in points:
+        profile = base
+        got = (shares or {}).get(file_name(mode, rate, input_len, output_len, it))
+        if got:
+            profile = dataclasses.replace(
+                base, prefill=dataclasses.replace(base.prefill, cpu_share=got["prefill"]),
+                decode=dataclasses.replace(base.decode, cpu_share=got["decode"])).validate()
+        cfg = SimConfig(mode=TransferMode(mode), profile=profile, iteration=it,
+                        workload=WorkloadConfig(request_rate=rate, input_len=input_len,
+                                                output_len=output_len,
+                                                num_prompts=num_prompts, seed=seed))
+        res = run(cfg)
+        if res.result["completed"] != num_prompts or res.leaked_blocks:
+            raise RuntimeError(f"simulated {cfg.file_name()}: {res.result['completed']} of "
+                               f"{num_prompts} completed, {res.leaked_blocks} blocks leaked")
+        res.write(sim)
+
+
+def real_points(real: Path) -> tuple[list[tuple[str, int, float, int]], int, int]:
+    """The points of the result files in ``real``, their output length and prompt count."""
+    points, outs, prompts = [], set(), set()
+    for path in sorted(real.iterdir()):
+        m = NAME.match(path.name)
+        if m is None or m["mode"] not in MODES:
+            continue
+        data = json.loads(path.read_text())
+        points.append((m["mode"], int(m["input"]), float(m["qps"]), int(m["iter"])))
+        outs.add(int(m["output"]))
+        prompts.add(int(data["num_prompts"]) if "num_prompts" in data
+                    else int(data["completed"]) + int(data.get("failed", 0)))
+    if not points:
+        raise SystemExit(f"no real result files in {real}")
+    if len(outs) != 1 or len(prompts) != 1:
+        raise SystemExit(f"{real}: mixed output lengths {sorted(outs)} or prompt counts "
+                         f"{sorted(prompts)}")
+    return points, outs.pop(), prompts.pop()
+
+
+# ----------------------------------------------------------------- report
+
+
+def averages(directory: Path) -> dict[tuple[str, int, float], dict[str, float]]:
+    """Per (mode, input, rate): each statistic averaged over the iterations."""
+    acc: dict[tuple[str, int, float], dict[str, list[float]]] = defaultdict(
+        lambda: defaultdict(list))
+    for path in sorted(directory.iterdir()):
+        m = NAME.match(path.name)
+        if m is None or m["mode"] not in MODES:
+            continue
+        data = json.loads(path.read_text())
+        if data.get("failed"):
+            continue
+        for k in STATS:
+            acc[m["mode"], int(m["input"]), float(m["qps"])][k].append(float(data[k]))
+    return {p: {k: statistics.fmean(v) for k, v in d.items()} for p, d in acc.items()}
+
+
+def compare(real: Path, sim: Path) -> tuple[str, dict[str, Any]]:
+    """The ratio table (markdown) and the summary object."""
+    r, s = averages(real), averages(sim)
+    head = ["mode", "input", "QPS", "real TTFT mean / median (ms)",
+            "sim TTFT mean / median (ms)", "TTFT ratio mean / median",
+            "real TPOT mean / median (ms)", "sim TPOT mean / median (ms)",
+            "TPOT ratio mean / median"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ratios: dict[str, dict[str, float]] = {}
+    for key in sorted(set(r) & set(s), key=lambda k: (k[0] != "push", k[1], k[2])):
+        mode, input_len, q = key
+        a, b = r[key], s[key]
+        rat = {k: b[k] / a[k] for k in STATS if a[k] > 0}
+        ratios[f"{mode}_in{input_len}_qps{rate_name(q)}"] = {k: round(v, 3)
+                                                            for k, v in rat.items()}
+        lines.append(
+            f"| {mode} | {input_len} | {rate_name(q)} | "
+            f"{a['mean_ttft_ms']:.1f} / {a['median_ttft_ms']:.1f} | "
+            f"{b['mean_ttft_ms']:.1f} / {b['median_ttft_ms']:.1f} | "
+            f"{rat['mean_ttft_ms']:.2f} / {rat['median_ttft_ms']:.2f} | "
+            f"{a['mean_tpot_ms']:.2f} / {a['median_tpot_ms']:.2f} | "
+            f"{b['mean_tpot_ms']:.2f} / {b['median_tpot_ms']:.2f} | "
+            f"{rat['mean_tpot_ms']:.2f} / {rat['median_tpot_ms']:.2f} |")
+    ttft = [v[k] for v in ratios.values() for k in ("mean_ttft_ms", "median_ttft_ms")]
+    tpot = [v[k] for v in ratios.values() for k in ("mean_tpot_ms", "median_tpot_ms")]
+    summary = {
+        "ttft_ratio_min": min(ttft, default=None), "ttft_ratio_max": max(ttft, default=None),
+        "tpot_ratio_min": min(tpot, default=None), "tpot_ratio_max": max(tpot, default=None),
+        "points": len(ratios),
+        "within_0.75_1.33": all(0.75 <= x <= 1.33 for x in ttft + tpot) if ratios else False,
+        "ratios": ratios,
+    }
+    return "\n".join(lines), summary
+
+
+def figures(real: Path, sim: Path, out: Path) -> list[Path]:
+    from pushkv.sim.plot import plot
+
+    return [plot(real, metric, out / f"sim_vs_real_{metric}.png", overlay=sim,
+                 labels=("real", "sim"), title=f"Mean {metric.upper()}: real vLLM CPU "
+                 "engines (thick) vs simulated, cpu-tiny profile (thin)")
+            for metric in ("ttft", "tpot")]
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sim_vs_real")
+    p.add_argument("--rates", type=floats, default=[2.0, 8.0], help="QPS, comma separated")
+    p.add_argument("--inputs", type=ints, default=[64, 192], help="input lengths")
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--output-len", type=int, default=24)
+    p.add_argument("--iterations", type=int, default=2)
+    p.add_argument("--modes", type=lambda t: t.split(","), default=["push", "pull"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--delay-us", type=int, default=100,
+                   help="NIXL progress-thread sleep between polls, every connector alike")
+    p.add_argument("--profile", type=Path, default=PROFILE)
+    p.add_argument("--measure", action="store_true",
+                   help="first measure the profile on this machine (python -m "
+                   "pushkv.sim.measure) into OUT/cpu-tiny.toml and simulate with it, so "
+                   "the profile and the real runs see the same load")
+    p.add_argument("--sim-only", action="store_true",
+                   help="skip the real runs: simulate the points of OUT/real's files")
+    p.add_argument("--no-cpu-share", dest="cpu_share", action="store_false",
+                   help="simulate with a core per engine only (the cpu_share mechanism off)")
+    p.add_argument("--figures", type=Path, help="also draw the TTFT and TPOT overlays here")
+    args = p.parse_args()
+    for m in args.modes:
+        if m not in MODES:
+            p.error(f"unknown mode {m!r} (choose from {', '.join(MODES)})")
+    real, sim = args.out / "real", args.out / "sim"
+    failures: dict[str, str] = {}
+    t0 = time.monotonic()
+    load = os.getloadavg()
+    if args.measure:
+        from pushkv.sim.measure import measure, write_profile
+
+        args.profile = args.out / "cpu-tiny.toml"
+        write_profile(measure(args.out / "measure", reps=20, delay_us=args.delay_us),
+                      args.profile)
+        print(f"measured {args.profile}", flush=True)
+    if not args.sim_only:
+        failures = run_real(args, real)
+    real_s = time.monotonic() - t0
+    points, output_len, num_prompts = real_points(real)
+    shares = json.loads((real / SHARES).read_text()) if (real / SHARES).exists() else {}
+    own = args.out / "sim-own-cores"
+    run_sim(args.profile, own, points, output_len, num_prompts, seed=args.seed)
+    own_table, own_summary = compare(real, own)
+    print("\nSimulated with a core per engine (cpu_share 1):\n")
+    print(own_table)
+    if args.cpu_share and shares:
+        run_sim(args.profile, sim, points, output_len, num_prompts, seed=args.seed,
+                shares=shares)
+        table, summary = compare(real, sim)
+        print("\nSimulated with the CPU shares the real servers got (cpu_share):\n")
+        print(table)
+    else:
+        sim = own
+        summary = dict(own_summary)
+    print()
+    summary["own_cores"] = {k: own_summary[k] for k in ("ttft_ratio_min", "ttft_ratio_max",
+                                                         "tpot_ratio_min", "tpot_ratio_max")}
+    if args.figures:
+        for path in figures(real, sim, args.figures):
+            print(f"wrote {path}")
+    summary |= {"real_s": round(real_s, 1), "total_s": round(time.monotonic() - t0, 1),
+                "load_at_start": [round(x, 2) for x in load],
+                "load_at_end": [round(x, 2) for x in os.getloadavg()],
+                "profile": str(args.profile), "failures": failures}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
