@@ -50,7 +50,8 @@ PROFILE = ROOT / "pushkv" / "sim" / "profiles" / "cpu-tiny.toml"
 MODES = {"push": ("push", "pushkv"), "pull": ("pull", "nixl-pull")}
 NAME = re.compile(r"^(?P<mode>[a-z-]+)_qps(?P<qps>[\d.]+)_in(?P<input>\d+)_out(?P<output>\d+)"
                   r"_iter(?P<iter>\d+)\.json$")
-SHARES = "cpu_shares.json"  #: per result file: the prefill and decode servers' CPU shares
+#: per result file: what a probe on each core met meanwhile (core 0: prefill, 1: decode)
+SHARES = "cpu_probe.json"
 STATS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
 
 
@@ -70,7 +71,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
     from modes import MODES as E2E_MODES  # benchmarks/e2e
     from run import Deployment, Endpoint, bench_serve
 
-    from pushkv.sim.measure import CpuShare
+    from pushkv.sim.measure import CoreProbe
     from pushkv.vllm.testing import write_tiny_llama, write_word_tokenizer
 
     (real / "logs").mkdir(parents=True, exist_ok=True)
@@ -97,15 +98,14 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                 ep = Endpoint(E2E_MODES[name], dep, real)
                 for input_len, q in todo:
                     fname = file_name(mode, q, input_len, args.output_len, it)
-                    shares = {side: CpuShare(srv.proc.pid).start()
-                              for side, srv in (("prefill", dep.prefill),
-                                                ("decode", dep.decode))
-                              if srv.proc is not None}
-                    ok = bench_serve(ep.target.url, str(model), real, fname, qps=str(q),
-                                     input_len=input_len, output_len=args.output_len,
-                                     num_prompts=args.num_prompts, seed=args.seed + it,
-                                     log=real / "logs" / f"{mode}-bench.log")
-                    got = {side: round(c.share(), 4) for side, c in shares.items()}
+                    with CoreProbe() as probe:  # core 0: prefill, core 1: decode
+                        ok = bench_serve(ep.target.url, str(model), real, fname, qps=str(q),
+                                         input_len=input_len, output_len=args.output_len,
+                                         num_prompts=args.num_prompts, seed=args.seed + it,
+                                         log=real / "logs" / f"{mode}-bench.log")
+                    got = {side: {"cpu_share": round(probe.share(core), 4),
+                                  "wake_s": round(probe.wake_s(core), 6)}
+                           for side, core in (("prefill", 0), ("decode", 1))}
                     record_shares(real, fname, got)
                     print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
                           f"{'ok' if ok else 'FAILED'}; CPU share {got}, "
@@ -123,8 +123,8 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
     return failures
 
 
-def record_shares(real: Path, fname: str, shares: dict[str, float]) -> None:
-    """The servers' CPU shares during one point, in ``real/shares.json``."""
+def record_shares(real: Path, fname: str, shares: dict[str, dict[str, float]]) -> None:
+    """The cores' share and wake-up delay during one point, in ``real/cpu_probe.json``."""
     path = real / SHARES
     got = json.loads(path.read_text()) if path.exists() else {}
     got[fname] = shares
@@ -138,8 +138,9 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             output_len: int, num_prompts: int, *, seed: int = 0,
             shares: dict[str, dict[str, float]] | None = None) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
-    ``shares`` (by result file name), each point's engines get the CPU shares its real
-    servers got (``cpu_share``), else a core each."""
+    ``shares`` (by result file name), each point's engines get the share of a core and
+    the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
+    core each."""
     from pushkv.sim.profile import load_profile
     from pushkv.sim.runner import run
     from pushkv.sim.scenario import SimConfig, TransferMode
@@ -154,8 +155,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
         got = (shares or {}).get(file_name(mode, rate, input_len, output_len, it))
         if got:
             profile = dataclasses.replace(
-                base, prefill=dataclasses.replace(base.prefill, cpu_share=got["prefill"]),
-                decode=dataclasses.replace(base.decode, cpu_share=got["decode"])).validate()
+                base, prefill=dataclasses.replace(base.prefill, **got["prefill"]),
+                decode=dataclasses.replace(base.decode, **got["decode"])).validate()
         cfg = SimConfig(mode=TransferMode(mode), profile=profile, iteration=it,
                         workload=WorkloadConfig(request_rate=rate, input_len=input_len,
                                                 output_len=output_len,
@@ -279,7 +280,7 @@ def main() -> int:
     p.add_argument("--sim-only", action="store_true",
                    help="skip the real runs: simulate the points of OUT/real's files")
     p.add_argument("--no-cpu-share", dest="cpu_share", action="store_false",
-                   help="simulate with a core per engine only (the cpu_share mechanism off)")
+                   help="simulate with a core per engine only (cpu_share, wake_s off)")
     p.add_argument("--figures", type=Path, help="also draw the TTFT and TPOT overlays here")
     args = p.parse_args()
     for m in args.modes:
@@ -301,7 +302,7 @@ def main() -> int:
     real_s = time.monotonic() - t0
     points, output_len, num_prompts = real_points(real)
     shares = json.loads((real / SHARES).read_text()) if (real / SHARES).exists() else {}
-    own = args.out / "sim-own-cores"
+    own = args.out / "sim-own-cores"  # the mechanism off
     run_sim(args.profile, own, points, output_len, num_prompts, seed=args.seed)
     own_table, own_summary = compare(real, own)
     print("\nSimulated with a core per engine (cpu_share 1):\n")
@@ -310,7 +311,7 @@ def main() -> int:
         run_sim(args.profile, sim, points, output_len, num_prompts, seed=args.seed,
                 shares=shares)
         table, summary = compare(real, sim)
-        print("\nSimulated with the CPU shares the real servers got (cpu_share):\n")
+        print("\nSimulated on the cores the probe met (cpu_share, wake_s):\n")
         print(table)
     else:
         sim = own

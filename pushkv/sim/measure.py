@@ -81,11 +81,12 @@ class Measured:
     message_send_s: float
     message_recv_s: float
     message_latency_s: float  #: one way, between the two ends' own times
-    #: share of a core the measured processes got while runnable (:class:`CpuShare`):
-    #: the engine server's, and this process's (NIXL, side channel); the profile holds
-    #: every time scaled to a core of its own (``time x share``)
+    #: share of a core a probe's bursts got (:class:`CoreProbe`) while the engine server,
+    #: and this process (NIXL, side channel), were measured; the profile holds every
+    #: time scaled to a core of its own (``time x share``)
     engine_share: float = 1.0
     host_share: float = 1.0
+    engine_wake_s: float = 0.0  #: the probe's wake-up delay on the engine's core
     max_num_seqs: int = 128  #: vLLM's CPU default for the API server
     max_num_batched_tokens: int = 2048  #: vLLM's CPU default for the API server
     block_size: int = 32
@@ -259,8 +260,9 @@ def header(m: Measured) -> list[str]:
         + ";",
         f"side channel send {m.message_send_s * 1e6:.1f} us, receive "
         f"{m.message_recv_s * 1e6:.1f} us, one way {m.message_latency_s * 1e6:.1f} us;",
-        f"CPU share while runnable: engine server {m.engine_share:.3f}, this process "
-        f"{m.host_share:.3f}; the times below are scaled to a core of one's own (x share).",
+        f"Probe on the cores meanwhile: share {m.engine_share:.3f} (engine), "
+        f"{m.host_share:.3f} (NIXL, side channel), wake-up delay "
+        f"{m.engine_wake_s * 1e3:.2f} ms; times below scaled to a core of one's own.",
     ]
 
 
@@ -278,62 +280,71 @@ def write_profile(m: Measured, path: str | Path) -> Profile:
 # ------------------------------------------------------------- CPU share
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (Linux ``/proc``); [] if it is gone."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        out.append(p)
-        for t in tasks:
-            with contextlib.suppress(OSError):
-                todo += [int(c) for c in Path(f"/proc/{p}/task/{t}/children").read_text()
-                         .split()]
-    return out
+def _probe(core: int, period_s: float, burst_s: float, stop: Any, out: Any) -> None:
+    """On ``core``: every ``period_s`` sleep, wake, spin ``burst_s`` of CPU time; send
+    (wake delays, burst shares) when ``stop`` is set."""
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, {core})
+    wakes, shares = [], []
+    nxt = time.monotonic() + period_s
+    while not stop.is_set():
+        delay = nxt - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        woke = time.monotonic()
+        wakes.append(max(0.0, woke - nxt))
+        c0, w0 = time.thread_time(), time.perf_counter()
+        while time.thread_time() - c0 < burst_s:
+            pass
+        shares.append((time.thread_time() - c0) / (time.perf_counter() - w0))
+        nxt = max(nxt + period_s, time.monotonic())
+    out.send((wakes, shares))
 
 
-def schedstat(pids: Sequence[int]) -> tuple[int, int]:
-    """Nanoseconds the threads of ``pids`` ran, and waited on a run queue (runnable but
-    not running), from ``/proc/PID/task/TID/schedstat``."""
-    run = wait = 0
-    for p in pids:
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                fields = Path(f"/proc/{p}/task/{t}/schedstat").read_text().split()
-            except OSError:
-                continue
-            run += int(fields[0])
-            wait += int(fields[1])
-    return run, wait
+class CoreProbe:
+    """What a process woken on each core meets, while a measurement runs: a probe
+    process pinned to the core sleeps ``period_s``, then spins ``burst_s`` of CPU time
+    (about 4% of the core). ``wake_s(core)``: the median delay between its timer and its
+    running (run-queue wait of a woken process); ``share(core)``: the median share of
+    the core its bursts got (CPU time / wall time)."""
 
+    def __init__(self, cores: Sequence[int] = (0, 1), period_s: float = 0.025,
+                 burst_s: float = 0.001) -> None:
+        ctx = mp.get_context("spawn")
+        self._stop = ctx.Event()
+        self._procs = []
+        self._pipes = []
+        self.cores = tuple(cores)
+        for c in self.cores:
+            parent, child = ctx.Pipe(duplex=False)
+            self._procs.append(ctx.Process(target=_probe, args=(c, period_s, burst_s,
+                                                                self._stop, child),
+                                           daemon=True))
+            self._pipes.append(parent)
+        self.wakes: dict[int, list[float]] = {}
+        self.shares: dict[int, list[float]] = {}
 
-class CpuShare:
-    """The share of a core a process tree got while runnable, between :meth:`start`
-    and :meth:`share`: ``run / (run + run-queue wait)`` of all its threads (1 when it
-    never waited; 1 where ``/proc`` has no schedstat)."""
-
-    def __init__(self, *roots: int) -> None:
-        self.roots = roots
-        self._t0 = (0, 0)
-
-    def _now(self) -> tuple[int, int]:
-        return schedstat([p for r in self.roots for p in process_tree(r)])
-
-    def start(self) -> CpuShare:
-        self._t0 = self._now()
+    def __enter__(self) -> CoreProbe:
+        for proc in self._procs:
+            proc.start()
         return self
 
-    def share(self) -> float:
-        run, wait = self._now()
-        dr, dw = run - self._t0[0], wait - self._t0[1]
-        return dr / (dr + dw) if dr > 0 and dw >= 0 else 1.0
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for c, pipe, proc in zip(self.cores, self._pipes, self._procs, strict=True):
+            if pipe.poll(30):
+                self.wakes[c], self.shares[c] = pipe.recv()
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+    def wake_s(self, core: int) -> float:
+        got = self.wakes.get(core)
+        return statistics.median(got) if got else 0.0
+
+    def share(self, core: int) -> float:
+        got = self.shares.get(core)
+        return min(1.0, statistics.median(got)) if got else 1.0
 
 
 # ------------------------------------------------------------ engine steps
@@ -392,8 +403,6 @@ def measure_engine(work: Path, reps: int, lengths: Sequence[int], batches: Seque
                 "temperature": 0, "ignore_eos": True, "stream": stream}
 
     async def run(url: str) -> dict[str, Any]:
-        assert server.proc is not None
-        share = CpuShare(server.proc.pid).start()
         relay_url, stop_relay = await _start_relay(url)
         got: dict[str, Any] = {"overhead": [], "relay": []}
         async with aiohttp.ClientSession() as s:
@@ -426,14 +435,15 @@ def measure_engine(work: Path, reps: int, lengths: Sequence[int], batches: Seque
                     per_token[b].append(dec / (b * (output_len - 1)))
             got["decode"] = {b: statistics.median(v) for b, v in per_token.items()}
         await stop_relay()
-        got["share"] = share.share()
         return got
 
     server = Server(spec, work / "logs" / "measure-server.log")
     try:
         server.start()
         server.wait_healthy(600)
-        return asyncio.run(run(server.url))
+        with CoreProbe((0,)) as probe:
+            got = asyncio.run(run(server.url))
+        return got | {"share": probe.share(0), "wake": probe.wake_s(0)}
     finally:
         server.stop()
 
@@ -634,17 +644,20 @@ def measure(work: Path, *, reps: int, delay_us: int) -> Measured:
     load = os.getloadavg()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lengths, batches, dec_in, out_len = (16, 64, 128, 192, 256, 384), (1, 2, 4, 8), 128, 32
-    host = CpuShare(os.getpid()).start()
+    host = CoreProbe()
+    host.__enter__()
     print("side channel ...", flush=True)
     side = measure_side_channel(reps)
     print(f"  {side}", flush=True)
     print("NIXL ...", flush=True)
     nixl = measure_nixl(reps, delay_us)
     print(f"  {nixl}", flush=True)
-    host_share = host.share()
+    host.__exit__()
+    host_share = min(host.share(0), host.share(1))
     print("engine (one vLLM server) ...", flush=True)
     eng = measure_engine(work, reps, lengths, batches, dec_in, out_len)
-    print(f"  {eng['prefill']} {eng['decode']}, CPU share {eng['share']:.3f}", flush=True)
+    print(f"  {eng['prefill']} {eng['decode']}, core 0: share {eng['share']:.3f}, wake "
+          f"{eng['wake'] * 1e3:.2f} ms", flush=True)
     return Measured(
         machine=machine(), when=when, load=(load[0], load[1], load[2]),
         prefill_lengths=tuple(lengths),
@@ -656,7 +669,7 @@ def measure(work: Path, *, reps: int, delay_us: int) -> Measured:
         post_descriptors=tuple(nixl["post_descriptors"]), post_s=tuple(nixl["post_s"]),
         wire_descriptors=tuple(nixl["wire_descriptors"]),
         wire_bytes=tuple(nixl["wire_bytes"]), wire_s=tuple(nixl["wire_s"]), **side,
-        engine_share=eng["share"], host_share=host_share,
+        engine_share=eng["share"], host_share=host_share, engine_wake_s=eng["wake"],
     )
 
 

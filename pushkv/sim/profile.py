@@ -84,6 +84,11 @@ UNUSED = {
         "recomputed on decode computes its whole prompt",
     },
 }
+#: Processes woken on the way (see ``EngineProfile.wake_s``): vLLM V1 on CPU runs an
+#: API server, an engine core and a worker process per instance.
+ENGINE_WAKES = 2  #: a request or finished transfer reaching an idle engine: core, worker
+HOP_WAKES = 2  #: a router hop: the relay process and the receiving API server
+RETURN_WAKES = 3  #: a token to the client: decode's API server, the relay, the client
 FIT = "fit: chosen once so the default sweep reproduces the post (docs/sim.md)"
 ASSUMED = "assumed (no public measurement; small effect, see docs/sim.md)"
 
@@ -179,9 +184,21 @@ class EngineProfile:
         "step_token_s, step_python_s -- last 1 / cpu_share as long; posting, control "
         "messages and router hops, which run on both sides' cores, by the mean of the two "
         "sides' shares (1: a core of its own; see Profile.on_shared_cores)",
-        "1 on dedicated hosts; on a shared CPU machine measured per run from the servers' "
-        "/proc schedstat (run time / (run + run-queue wait)), see benchmarks/"
-        "bench_sim_vs_real.py",
+        "1 on dedicated hosts; on a shared CPU machine measured per run by a probe process "
+        "on each core (pushkv.sim.measure.CoreProbe: CPU time / wall time of 1 ms bursts), "
+        "see benchmarks/bench_sim_vs_real.py",
+    )
+    wake_s: float = _f(
+        0.0,
+        "run-queue delay of a woken process of this engine on an oversubscribed core: "
+        "between becoming runnable (a request, a message, a finished step's output) and "
+        "running. A request reaching an idle engine wakes ENGINE_WAKES processes (vLLM's "
+        "engine core and its worker), a router hop HOP_WAKES (the relay and the receiving "
+        "API server; the mean of both sides' delays), a token's way back to the client "
+        "RETURN_WAKES (decode's API server, the relay, the client), a control message or "
+        "notification, and a background posting thread's job, one (0: a core of its own)",
+        "0 on dedicated hosts; on a shared CPU machine measured per run by a probe process "
+        "on each core (pushkv.sim.measure.CoreProbe), see benchmarks/bench_sim_vs_real.py",
     )
     prefix_hit_fraction: float = _f(
         0.0,
@@ -418,7 +435,7 @@ class Profile:
             e: EngineProfile = getattr(self, side)
             for name in ("tp", "max_num_seqs", "max_num_batched_tokens", "block_size"):
                 _positive(f"{side}.{name}", getattr(e, name))
-            for name in ("step_python_s", "step_token_s"):
+            for name in ("step_python_s", "step_token_s", "wake_s"):
                 if getattr(e, name) < 0:
                     raise ProfileError(f"{side}.{name} must be >= 0")
             for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency",
@@ -489,6 +506,17 @@ class Profile:
                 raise ProfileError(f"network.{name} must be >= 0")
         return self
 
+
+    @property
+    def hop_wake_s(self) -> float:
+        """What wake-ups add to one router hop (0 unless ``wake_s`` is set)."""
+        w = (self.prefill.wake_s + self.decode.wake_s) / 2
+        return HOP_WAKES * w if w else 0.0
+
+    @property
+    def return_wake_s(self) -> float:
+        """What wake-ups add to a token's way from decode to the client."""
+        return RETURN_WAKES * self.decode.wake_s if self.decode.wake_s else 0.0
 
     def on_shared_cores(self) -> Profile:
         """The profile its engines run under when they share CPU cores: every host time

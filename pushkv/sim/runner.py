@@ -144,7 +144,8 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
     result = vllm_result(
         reqs, duration=end + profile.network.router_hop_s, model_id=profile.model.name,
         request_rate=cfg.workload.request_rate, burstiness=cfg.workload.burstiness,
-        label=cfg.label(), extra=extra, return_s=profile.network.router_hop_s,
+        label=cfg.label(), extra=extra,
+        return_s=profile.network.router_hop_s + profile.return_wake_s,
     )
     out = RunResult(
         config=cfg, result=result, requests=reqs, leaks=leaks,

@@ -23,7 +23,13 @@ from pushkv.sim.measure import (
     to_toml,
     write_profile,
 )
-from pushkv.sim.profile import DEFAULT, ProfileError, load_profile, profile_from_dict
+from pushkv.sim.profile import (
+    DEFAULT,
+    Profile,
+    ProfileError,
+    load_profile,
+    profile_from_dict,
+)
 from pushkv.sim.runner import run
 
 PROFILES = Path(__file__).resolve().parents[2] / "pushkv" / "sim" / "profiles"
@@ -179,3 +185,44 @@ def test_one_request_decodes_at_the_stretched_step(share: float) -> None:
 def test_cpu_share_must_be_a_share(value: float) -> None:
     with pytest.raises(ProfileError, match="cpu_share"):
         profile_from_dict({"decode": {"cpu_share": value}})
+
+
+# ---------------------------------------------------------------------- wake_s
+
+
+def _with_wake(w: float) -> Profile:
+    prof = profile_from_dict(profile_data(GOOD))
+    return dataclasses.replace(
+        prof, prefill=dataclasses.replace(prof.prefill, wake_s=w),
+        decode=dataclasses.replace(prof.decode, wake_s=w)).validate()
+
+
+@pytest.mark.parametrize(("mode", "wakes"), [
+    # push: the prefill leg's hop (2), the prefill engine (2), its writer thread (1), the
+    # notification's receiver (1), the idle decode engine (2), the way back (3)
+    ("push", 11),
+    # pull: hop to prefill (2), prefill engine (2), its answer's hop (2), hop to decode
+    # (2), decode engine (2); the read is posted inline; decode engine again when the
+    # read is done (2), the way back (3)
+    ("pull", 15),
+])
+def test_one_request_pays_each_wake_up_on_its_path(mode: str, wakes: int) -> None:
+    """Limiting case: one request alone on idle engines; every process woken on its
+    critical path adds exactly wake_s to its TTFT."""
+    w = 5e-4
+    base = run(config(mode, qps=1.0, input_len=64, output_len=4, num_prompts=1,
+                      profile=_with_wake(0.0))).result["mean_ttft_ms"]
+    slow = run(config(mode, qps=1.0, input_len=64, output_len=4, num_prompts=1,
+                      profile=_with_wake(w))).result["mean_ttft_ms"]
+    assert slow - base == pytest.approx(wakes * w * 1e3, abs=0.01)
+
+
+def test_wake_s_zero_keeps_the_default_profile_as_it_was() -> None:
+    assert DEFAULT.prefill.wake_s == 0 and DEFAULT.decode.wake_s == 0
+    assert DEFAULT.hop_wake_s == 0 and DEFAULT.return_wake_s == 0
+
+
+@pytest.mark.parametrize("value", [-1e-3, float("inf")])
+def test_wake_s_must_be_finite_and_not_negative(value: float) -> None:
+    with pytest.raises(ProfileError, match="wake_s"):
+        profile_from_dict({"decode": {"wake_s": value}})
