@@ -71,7 +71,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
     from modes import MODES as E2E_MODES  # benchmarks/e2e
     from run import Deployment, Endpoint, bench_serve
 
-    from pushkv.sim.measure import CoreProbe
+    from pushkv.sim.cores import CoreProbe
     from pushkv.vllm.testing import write_tiny_llama, write_word_tokenizer
 
     (real / "logs").mkdir(parents=True, exist_ok=True)
@@ -98,6 +98,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                 ep = Endpoint(E2E_MODES[name], dep, real)
                 for input_len, q in todo:
                     fname = file_name(mode, q, input_len, args.output_len, it)
+                    before = server_metrics(dep)
                     with CoreProbe() as probe:  # core 0: prefill, core 1: decode
                         ok = bench_serve(ep.target.url, str(model), real, fname, qps=str(q),
                                          input_len=input_len, output_len=args.output_len,
@@ -106,6 +107,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                     got = {side: {"cpu_share": round(probe.share(core), 4),
                                   "wake_s": round(probe.wake_s(core), 6)}
                            for side, core in (("prefill", 0), ("decode", 1))}
+                    got["engine"] = engine_steps(before, server_metrics(dep))
                     record_shares(real, fname, got)
                     print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
                           f"{'ok' if ok else 'FAILED'}; CPU share {got}, "
@@ -123,6 +125,31 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
     return failures
 
 
+def server_metrics(dep: Any) -> dict[str, dict[str, float]]:
+    """The vLLM metrics' sums and counts of the deployment's two servers."""
+    from pushkv.sim.measure import metric_sums
+    from pushkv.vllm.testing import get_text
+
+    return {side: metric_sums(get_text(srv.url + "/metrics"))
+            for side, srv in (("prefill", dep.prefill), ("decode", dep.decode))}
+
+
+def engine_steps(before: dict[str, dict[str, float]],
+                 after: dict[str, dict[str, float]]) -> dict[str, float]:
+    """What the real servers' own metrics say of one point: the prefill server's mean
+    prefill time per request, the decode server's mean time per output token."""
+    def delta(side: str, key: str) -> float:
+        return after[side][f"vllm:{key}"] - before[side][f"vllm:{key}"]
+
+    n = delta("prefill", "request_prefill_time_seconds_count")
+    tokens = (delta("decode", "request_generation_tokens_sum")
+              - delta("decode", "request_generation_tokens_count"))
+    return {"prefill_step_s": delta("prefill", "request_prefill_time_seconds_sum") / n
+            if n else 0.0,
+            "decode_token_s": delta("decode", "request_decode_time_seconds_sum") / tokens
+            if tokens else 0.0}
+
+
 def record_shares(real: Path, fname: str, shares: dict[str, dict[str, float]]) -> None:
     """The cores' share and wake-up delay during one point, in ``real/cpu_probe.json``."""
     path = real / SHARES
@@ -136,11 +163,14 @@ def record_shares(real: Path, fname: str, shares: dict[str, dict[str, float]]) -
 
 def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, float, int]],
             output_len: int, num_prompts: int, *, seed: int = 0,
-            shares: dict[str, dict[str, float]] | None = None) -> None:
+            shares: dict[str, dict[str, Any]] | None = None,
+            server_steps: bool = False) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
     ``shares`` (by result file name), each point's engines get the share of a core and
     the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
-    core each."""
+    core each. With ``server_steps`` the engines' step overheads are instead what the
+    real P/D servers' metrics gave at that point (wall times under the load, share 1),
+    per-token costs as profiled."""
     from pushkv.sim.profile import load_profile
     from pushkv.sim.runner import run
     from pushkv.sim.scenario import SimConfig, TransferMode
@@ -154,9 +184,17 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
         profile = base
         got = (shares or {}).get(file_name(mode, rate, input_len, output_len, it))
         if got:
+            pre, dec = dict(got["prefill"]), dict(got["decode"])
+            eng = got.get("engine", {})
+            if server_steps and eng.get("prefill_step_s") and eng.get("decode_token_s"):
+                tok_p, tok_d = base.prefill.step_token_s, base.decode.step_token_s
+                pre |= {"cpu_share": 1.0, "prefill_step_overhead_s": max(
+                    0.0, eng["prefill_step_s"] - tok_p * input_len)}
+                dec |= {"cpu_share": 1.0, "decode_step_overhead_s": max(
+                    0.0, eng["decode_token_s"] - tok_d)}
             profile = dataclasses.replace(
-                base, prefill=dataclasses.replace(base.prefill, **got["prefill"]),
-                decode=dataclasses.replace(base.decode, **got["decode"])).validate()
+                base, prefill=dataclasses.replace(base.prefill, **pre),
+                decode=dataclasses.replace(base.decode, **dec)).validate()
         cfg = SimConfig(mode=TransferMode(mode), profile=profile, iteration=it,
                         workload=WorkloadConfig(request_rate=rate, input_len=input_len,
                                                 output_len=output_len,
@@ -291,14 +329,18 @@ def main() -> int:
     t0 = time.monotonic()
     load = os.getloadavg()
     if args.measure:
-        from pushkv.sim.measure import measure, write_profile
+        from pushkv.sim.measure import MeasurementError, measure, write_profile
 
-        args.profile = args.out / "cpu-tiny.toml"
-        write_profile(measure(args.out / "measure", reps=20, delay_us=args.delay_us),
-                      args.profile)
-        print(f"measured {args.profile}", flush=True)
+        try:
+            write_profile(measure(args.out / "measure", reps=20, delay_us=args.delay_us),
+                          args.out / "cpu-tiny.toml")
+            args.profile = args.out / "cpu-tiny.toml"
+            print(f"measured {args.profile}", flush=True)
+        except MeasurementError as exc:  # the committed profile stands in
+            failures["measure"] = str(exc)
+            print(f"measuring failed ({exc}); simulating with {args.profile}", flush=True)
     if not args.sim_only:
-        failures = run_real(args, real)
+        failures |= run_real(args, real)
     real_s = time.monotonic() - t0
     points, output_len, num_prompts = real_points(real)
     shares = json.loads((real / SHARES).read_text()) if (real / SHARES).exists() else {}
@@ -316,9 +358,18 @@ def main() -> int:
     else:
         sim = own
         summary = dict(own_summary)
+    keys = ("ttft_ratio_min", "ttft_ratio_max", "tpot_ratio_min", "tpot_ratio_max")
+    if shares and any("engine" in v for v in shares.values()):
+        steps = args.out / "sim-server-steps"
+        run_sim(args.profile, steps, points, output_len, num_prompts, seed=args.seed,
+                shares=shares, server_steps=True)
+        steps_table, steps_summary = compare(real, steps)
+        print("\nDiagnosis: the same, engine steps as the real P/D servers' metrics gave "
+              "them (not a prediction of the steps):\n")
+        print(steps_table)
+        summary["server_steps"] = {k: steps_summary[k] for k in keys}
     print()
-    summary["own_cores"] = {k: own_summary[k] for k in ("ttft_ratio_min", "ttft_ratio_max",
-                                                         "tpot_ratio_min", "tpot_ratio_max")}
+    summary["own_cores"] = {k: own_summary[k] for k in keys}
     if args.figures:
         for path in figures(real, sim, args.figures):
             print(f"wrote {path}")

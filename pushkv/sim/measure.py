@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import math
@@ -52,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .cores import CoreProbe
 from .profile import Profile, ProfileError, profile_from_dict
 
 
@@ -87,6 +87,7 @@ class Measured:
     engine_share: float = 1.0
     host_share: float = 1.0
     engine_wake_s: float = 0.0  #: the probe's wake-up delay on the engine's core
+    probe_samples: int = 0  #: the fewest samples a probe took (0: no probe, shares 1)
     max_num_seqs: int = 128  #: vLLM's CPU default for the API server
     max_num_batched_tokens: int = 2048  #: vLLM's CPU default for the API server
     block_size: int = 32
@@ -102,18 +103,20 @@ def _check_times(name: str, values: Sequence[float]) -> None:
 
 def fit_line(xs: Sequence[float], ys: Sequence[float], name: str, *,
              slope_only: bool = False) -> tuple[float, float]:
-    """Least squares ``y = a + b x``; ``(a, b)``. A slope below 0 (the per-unit cost
-    is within the noise) is taken as 0 with ``a`` the mean; ``a < 0`` is refused
-    unless only the slope is wanted."""
+    """A robust straight line ``y = a + b x`` (Theil-Sen: ``b`` the median of the
+    pairwise slopes, ``a`` the median of ``y - b x``), so that one point a load spike
+    hit does not tilt it; ``(a, b)``. A slope below 0 (the per-unit cost is within the
+    noise) is taken as 0 with ``a`` the mean; ``a < 0`` is refused unless only the
+    slope is wanted."""
     if len(xs) != len(ys) or len(set(xs)) < 2:
         raise MeasurementError(f"{name}: need measurements at two different sizes or more")
     _check_times(name, ys)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    pts = list(zip(xs, ys, strict=True))
+    b = statistics.median((y1 - y0) / (x1 - x0) for i, (x0, y0) in enumerate(pts)
+                          for x1, y1 in pts[i + 1:] if x1 != x0)
     if b < 0:
-        return my, 0.0
-    a = my - b * mx
+        return statistics.fmean(ys), 0.0
+    a = statistics.median(y - b * x for x, y in pts)
     if a < 0 and not slope_only:
         raise MeasurementError(f"{name}: the fit gives a negative fixed cost ({a:.3g} s); "
                                "measure at smaller sizes")
@@ -260,9 +263,10 @@ def header(m: Measured) -> list[str]:
         + ";",
         f"side channel send {m.message_send_s * 1e6:.1f} us, receive "
         f"{m.message_recv_s * 1e6:.1f} us, one way {m.message_latency_s * 1e6:.1f} us;",
-        f"Probe on the cores meanwhile: share {m.engine_share:.3f} (engine), "
-        f"{m.host_share:.3f} (NIXL, side channel), wake-up delay "
-        f"{m.engine_wake_s * 1e3:.2f} ms; times below scaled to a core of one's own.",
+        (f"Probe on the cores meanwhile ({m.probe_samples} samples or more): share "
+         f"{m.engine_share:.3f} (engine), {m.host_share:.3f} (NIXL, side channel), wake-up "
+         f"delay {m.engine_wake_s * 1e3:.2f} ms; times below scaled to a core of one's own."
+         if m.probe_samples else "No probe samples: times below as measured (shares 1)."),
     ]
 
 
@@ -277,80 +281,11 @@ def write_profile(m: Measured, path: str | Path) -> Profile:
     return load_profile(out)
 
 
-# ------------------------------------------------------------- CPU share
-
-
-def _probe(core: int, period_s: float, burst_s: float, stop: Any, out: Any) -> None:
-    """On ``core``: every ``period_s`` sleep, wake, spin ``burst_s`` of CPU time; send
-    (wake delays, burst shares) when ``stop`` is set."""
-    with contextlib.suppress(OSError):
-        os.sched_setaffinity(0, {core})
-    wakes, shares = [], []
-    nxt = time.monotonic() + period_s
-    while not stop.is_set():
-        delay = nxt - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        woke = time.monotonic()
-        wakes.append(max(0.0, woke - nxt))
-        c0, w0 = time.thread_time(), time.perf_counter()
-        while time.thread_time() - c0 < burst_s:
-            pass
-        shares.append((time.thread_time() - c0) / (time.perf_counter() - w0))
-        nxt = max(nxt + period_s, time.monotonic())
-    out.send((wakes, shares))
-
-
-class CoreProbe:
-    """What a process woken on each core meets, while a measurement runs: a probe
-    process pinned to the core sleeps ``period_s``, then spins ``burst_s`` of CPU time
-    (about 4% of the core). ``wake_s(core)``: the median delay between its timer and its
-    running (run-queue wait of a woken process); ``share(core)``: the median share of
-    the core its bursts got (CPU time / wall time)."""
-
-    def __init__(self, cores: Sequence[int] = (0, 1), period_s: float = 0.025,
-                 burst_s: float = 0.001) -> None:
-        ctx = mp.get_context("spawn")
-        self._stop = ctx.Event()
-        self._procs = []
-        self._pipes = []
-        self.cores = tuple(cores)
-        for c in self.cores:
-            parent, child = ctx.Pipe(duplex=False)
-            self._procs.append(ctx.Process(target=_probe, args=(c, period_s, burst_s,
-                                                                self._stop, child),
-                                           daemon=True))
-            self._pipes.append(parent)
-        self.wakes: dict[int, list[float]] = {}
-        self.shares: dict[int, list[float]] = {}
-
-    def __enter__(self) -> CoreProbe:
-        for proc in self._procs:
-            proc.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for c, pipe, proc in zip(self.cores, self._pipes, self._procs, strict=True):
-            if pipe.poll(30):
-                self.wakes[c], self.shares[c] = pipe.recv()
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-
-    def wake_s(self, core: int) -> float:
-        got = self.wakes.get(core)
-        return statistics.median(got) if got else 0.0
-
-    def share(self, core: int) -> float:
-        got = self.shares.get(core)
-        return min(1.0, statistics.median(got)) if got else 1.0
-
-
 # ------------------------------------------------------------ engine steps
 
 
-def _metric_sums(text: str) -> dict[str, float]:
+def metric_sums(text: str) -> dict[str, float]:
+    """Every ``vllm:*_sum`` and ``vllm:*_count`` of a ``/metrics`` page, labels summed."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("vllm:") and ("_sum{" in line or "_count{" in line):
@@ -413,9 +348,9 @@ def measure_engine(work: Path, reps: int, lengths: Sequence[int], batches: Seque
             steps: dict[int, list[float]] = {n: [] for n in lengths}
             for _ in range(reps):
                 for n in rng.sample(list(lengths), len(lengths)):
-                    before = _metric_sums(get_text(url + "/metrics"))
+                    before = metric_sums(get_text(url + "/metrics"))
                     lat = await _stream(s, url, body(n, 1, True))
-                    after = _metric_sums(get_text(url + "/metrics"))
+                    after = metric_sums(get_text(url + "/metrics"))
                     step = _engine_delta(before, after, "request_prefill_time_seconds")
                     steps[n].append(step)
                     got["overhead"].append(lat - step)
@@ -427,10 +362,10 @@ def measure_engine(work: Path, reps: int, lengths: Sequence[int], batches: Seque
             per_token: dict[int, list[float]] = {b: [] for b in batches}
             for _ in range(max(2, reps // 2)):
                 for b in rng.sample(list(batches), len(batches)):
-                    before = _metric_sums(get_text(url + "/metrics"))
+                    before = metric_sums(get_text(url + "/metrics"))
                     await asyncio.gather(*(_stream(s, url, body(decode_input, output_len, True))
                                            for _ in range(b)))
-                    after = _metric_sums(get_text(url + "/metrics"))
+                    after = metric_sums(get_text(url + "/metrics"))
                     dec = _engine_delta(before, after, "request_decode_time_seconds")
                     per_token[b].append(dec / (b * (output_len - 1)))
             got["decode"] = {b: statistics.median(v) for b, v in per_token.items()}
@@ -443,7 +378,8 @@ def measure_engine(work: Path, reps: int, lengths: Sequence[int], batches: Seque
         server.wait_healthy(600)
         with CoreProbe((0,)) as probe:
             got = asyncio.run(run(server.url))
-        return got | {"share": probe.share(0), "wake": probe.wake_s(0)}
+        return got | {"share": probe.share(0), "wake": probe.wake_s(0),
+                      "probe_samples": len(probe.wakes.get(0, ()))}
     finally:
         server.stop()
 
@@ -670,6 +606,7 @@ def measure(work: Path, *, reps: int, delay_us: int) -> Measured:
         wire_descriptors=tuple(nixl["wire_descriptors"]),
         wire_bytes=tuple(nixl["wire_bytes"]), wire_s=tuple(nixl["wire_s"]), **side,
         engine_share=eng["share"], host_share=host_share, engine_wake_s=eng["wake"],
+        probe_samples=min([eng["probe_samples"], *(len(host.wakes.get(c, ())) for c in (0, 1))]),
     )
 
 

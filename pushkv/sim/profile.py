@@ -185,7 +185,7 @@ class EngineProfile:
         "messages and router hops, which run on both sides' cores, by the mean of the two "
         "sides' shares (1: a core of its own; see Profile.on_shared_cores)",
         "1 on dedicated hosts; on a shared CPU machine measured per run by a probe process "
-        "on each core (pushkv.sim.measure.CoreProbe: CPU time / wall time of 1 ms bursts), "
+        "on each core (pushkv.sim.cores.CoreProbe: CPU time / wall time of 1 ms bursts), "
         "see benchmarks/bench_sim_vs_real.py",
     )
     wake_s: float = _f(
@@ -198,7 +198,7 @@ class EngineProfile:
         "RETURN_WAKES (decode's API server, the relay, the client), a control message or "
         "notification, and a background posting thread's job, one (0: a core of its own)",
         "0 on dedicated hosts; on a shared CPU machine measured per run by a probe process "
-        "on each core (pushkv.sim.measure.CoreProbe), see benchmarks/bench_sim_vs_real.py",
+        "on each core (pushkv.sim.cores.CoreProbe), see benchmarks/bench_sim_vs_real.py",
     )
     prefix_hit_fraction: float = _f(
         0.0,
