@@ -9,17 +9,25 @@ tiny model, prefix caching off, every NIXL progress thread sleeping
 ``vllm bench serve`` (random dataset, ``--ignore-eos``) runs every (input
 length, rate) point against each router; the deployments alternate each
 iteration (push, pull, push, ...), so slow drift of the shared machine's load
-reaches both modes. Result files: ``OUT/real/{mode}_qps{q}_in{i}_out{o}_iter{n}.json``.
+reaches both modes. During each point a probe process on each core
+(:class:`pushkv.sim.cores.CoreProbe`) records its wake-up delay and share, and the
+two servers' vLLM metrics are read before and after (``OUT/real/cpu_probe.json``).
+Result files: ``OUT/real/{mode}_qps{q}_in{i}_out{o}_iter{n}.json``. Points already
+in ``OUT/real`` are not run again (an interrupted run resumes).
 
 **Simulated half**: ``pushkv.sim`` with the measured profile
 (``pushkv/sim/profiles/cpu-tiny.toml``) at the same points -- same modes, number
-of prompts, rates, lengths, output length and iterations -- into ``OUT/sim/``.
+of prompts, rates, lengths, output length and iterations -- three ways: a core per
+engine (``OUT/sim-own-cores``), on the cores the probe met (``cpu_share``,
+``wake_s``; ``OUT/sim``), and, as a diagnosis, with the engines' steps as the real
+servers' metrics gave them (``OUT/sim-server-steps``).
 
-Prints one table of sim/real ratios (mean and median TTFT and TPOT, per point and
-mode, iterations averaged) and, last, one JSON object: ``ttft_ratio_min``,
-``ttft_ratio_max``, ``tpot_ratio_min``, ``tpot_ratio_max``, ``points`` (and the
-per-point ratios). Figures: ``pushkv plot --results-dir OUT/real --overlay OUT/sim
---labels real sim --metric ttft``.
+Prints a table of sim/real ratios per way (mean and median TTFT and TPOT, per
+point and mode, iterations averaged) and, last, one JSON object for the probe
+way: ``ttft_ratio_min``, ``ttft_ratio_max``, ``tpot_ratio_min``,
+``tpot_ratio_max``, ``points`` (the per-point ratios, and the other two ways'
+ranges under ``own_cores`` and ``server_steps``). Figures (``--figures DIR``, or
+``pushkv plot --results-dir OUT/real --overlay OUT/sim --labels real sim --metric ttft``).
 
     PYTHONPATH=. python benchmarks/bench_sim_vs_real.py --out /tmp/simreal
     PYTHONPATH=. python benchmarks/bench_sim_vs_real.py --sim-only --out /tmp/simreal

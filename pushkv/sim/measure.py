@@ -26,6 +26,10 @@ and writes them as a profile :func:`~pushkv.sim.profile.load_profile` reads:
 * **Side channel**: a protocol frame (:func:`pushkv.protocol.encode`, msgspec)
   over pyzmq PUSH/PULL on loopback, echoed by another process: the sender's
   time, the receiver's time and the one-way latency.
+* **The cores meanwhile**: a :class:`~pushkv.sim.cores.CoreProbe` records the share
+  of a core a short burst gets; the profile holds every time scaled to a core of its
+  own (``time x share``), so that ``cpu_share`` and ``wake_s`` of a later run start
+  from it.
 
 :func:`profile_data` turns a :class:`Measured` into the profile's tables and
 validates them (:func:`~pushkv.sim.profile.profile_from_dict`); a measurement
