@@ -66,7 +66,9 @@ def step_s(
 ) -> float:
     """One engine step: ``num_decodes`` sequences with ``decode_contexts`` tokens of KV
     in total each produce one token, and each ``(new_tokens, context_start)`` chunk is
-    prefilled. A step with any prefill pays the prefill overhead, else the decode one."""
+    prefilled. A step with any prefill pays the prefill overhead, else the decode one;
+    ``engine.step_token_s`` adds a host cost per token the step computes (one per
+    decoding sequence and per prefilled token)."""
     if num_decodes == 0 and not prefill_chunks:
         return 0.0
     decode_flops = 2.0 * profile.model.non_embedding_params * num_decodes
@@ -83,8 +85,12 @@ def step_s(
             compute_s(profile, engine, flops),
             0.0 if num_decodes else decode_memory_s(profile, engine, 0),
         )
-        return engine.prefill_step_overhead_s + t_prefill + t_decode
-    return engine.decode_step_overhead_s + t_decode
+        dt = engine.prefill_step_overhead_s + t_prefill + t_decode
+    else:
+        dt = engine.decode_step_overhead_s + t_decode
+    if engine.step_token_s:  # host time per computed token (CPU engines); 0 on GPUs
+        dt += engine.step_token_s * (num_decodes + sum(n for n, _ in prefill_chunks))
+    return dt
 
 
 def post_s(network: NetworkProfile, descriptors: int) -> float:

@@ -34,7 +34,7 @@ import simpy
 from ..protocol import FailurePolicy, Mode
 from .blocks import BlockPool, blocks_for
 from .costs import step_s
-from .profile import EngineProfile, Profile
+from .profile import ENGINE_WAKES, EngineProfile, Profile
 from .request import Outcome, SimRequest
 from .scenario import TransferMode
 from .transport import SimTransport
@@ -156,6 +156,8 @@ class PrefillEngine(_Loop):
                 budget -= n
             if not chunks:
                 yield self._sleep()
+                if eng.wake_s:  # an idle engine's processes wake on a busy core
+                    yield self.env.timeout(ENGINE_WAKES * eng.wake_s)
                 continue
             dt = step_s(self.profile, eng, prefill_chunks=tuple((n, p.computed) for p, n in chunks))
             dt = yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt)
@@ -445,6 +447,8 @@ class DecodeEngine(_Loop):
                     self._account(stall, stall)
                 else:
                     yield self._sleep()
+                    if eng.wake_s:  # an idle engine's processes wake on a busy core
+                        yield self.env.timeout(ENGINE_WAKES * eng.wake_s)
                 continue
             work = step_s(
                 self.profile, eng,

@@ -84,6 +84,11 @@ UNUSED = {
         "recomputed on decode computes its whole prompt",
     },
 }
+#: Processes woken on the way (see ``EngineProfile.wake_s``): vLLM V1 on CPU runs an
+#: API server, an engine core and a worker process per instance.
+ENGINE_WAKES = 2  #: a request or finished transfer reaching an idle engine: core, worker
+HOP_WAKES = 2  #: a router hop: the relay process and the receiving API server
+RETURN_WAKES = 3  #: a token to the client: decode's API server, the relay, the client
 FIT = "fit: chosen once so the default sweep reproduces the post (docs/sim.md)"
 ASSUMED = "assumed (no public measurement; small effect, see docs/sim.md)"
 
@@ -163,6 +168,37 @@ class EngineProfile:
         "and launches, part of the step overheads): it waits while a background thread of "
         "the same process holds the interpreter lock",
         ASSUMED,
+    )
+    step_token_s: float = _f(
+        0.0,
+        "host time per token a step computes -- each prefill token, one per decoding "
+        "sequence -- added to the step beside the roofline: on a CPU engine serving a tiny "
+        "model the step is Python and small kernels, a fixed overhead plus a cost per "
+        "token (0: none, the roofline covers a GPU's tokens)",
+        "0 on GPUs; measured on CPU by pushkv.sim.measure (profiles/cpu-tiny.toml)",
+    )
+    cpu_share: float = _f(
+        1.0,
+        "fraction of a CPU core this engine's processes get while they are runnable (other "
+        "work on the same cores takes the rest): its host times -- step overheads, "
+        "step_token_s, step_python_s -- last 1 / cpu_share as long; posting, control "
+        "messages and router hops, which run on both sides' cores, by the mean of the two "
+        "sides' shares (1: a core of its own; see Profile.on_shared_cores)",
+        "1 on dedicated hosts; on a shared CPU machine measured per run by a probe process "
+        "on each core (pushkv.sim.cores.CoreProbe: CPU time / wall time of 1 ms bursts), "
+        "see benchmarks/bench_sim_vs_real.py",
+    )
+    wake_s: float = _f(
+        0.0,
+        "run-queue delay of a woken process of this engine on an oversubscribed core: "
+        "between becoming runnable (a request, a message, a finished step's output) and "
+        "running. A request reaching an idle engine wakes ENGINE_WAKES processes (vLLM's "
+        "engine core and its worker), a router hop HOP_WAKES (the relay and the receiving "
+        "API server; the mean of both sides' delays), a token's way back to the client "
+        "RETURN_WAKES (decode's API server, the relay, the client), a control message or "
+        "notification, and a background posting thread's job, one (0: a core of its own)",
+        "0 on dedicated hosts; on a shared CPU machine measured per run by a probe process "
+        "on each core (pushkv.sim.cores.CoreProbe), see benchmarks/bench_sim_vs_real.py",
     )
     prefix_hit_fraction: float = _f(
         0.0,
@@ -399,9 +435,11 @@ class Profile:
             e: EngineProfile = getattr(self, side)
             for name in ("tp", "max_num_seqs", "max_num_batched_tokens", "block_size"):
                 _positive(f"{side}.{name}", getattr(e, name))
-            if e.step_python_s < 0:
-                raise ProfileError(f"{side}.step_python_s must be >= 0")
-            for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency"):
+            for name in ("step_python_s", "step_token_s", "wake_s"):
+                if getattr(e, name) < 0:
+                    raise ProfileError(f"{side}.{name} must be >= 0")
+            for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency",
+                         "cpu_share"):
                 v = getattr(e, name)
                 if not 0 < v <= 1:
                     raise ProfileError(f"{side}.{name} must be in (0, 1], got {v}")
@@ -467,6 +505,43 @@ class Profile:
             if getattr(n, name) < 0:
                 raise ProfileError(f"network.{name} must be >= 0")
         return self
+
+
+    @property
+    def hop_wake_s(self) -> float:
+        """What wake-ups add to one router hop (0 unless ``wake_s`` is set)."""
+        w = (self.prefill.wake_s + self.decode.wake_s) / 2
+        return HOP_WAKES * w if w else 0.0
+
+    @property
+    def return_wake_s(self) -> float:
+        """What wake-ups add to a token's way from decode to the client."""
+        return RETURN_WAKES * self.decode.wake_s if self.decode.wake_s else 0.0
+
+    def on_shared_cores(self) -> Profile:
+        """The profile its engines run under when they share CPU cores: every host time
+        divided by the share of a core its processes get (``cpu_share``), the shares
+        then 1. The same profile when both shares are 1 (the default)."""
+        sp, sd = self.prefill.cpu_share, self.decode.cpu_share
+        if sp == 1 and sd == 1:
+            return self
+
+        def side(e: EngineProfile, share: float) -> EngineProfile:
+            return dataclasses.replace(
+                e, cpu_share=1.0, prefill_step_overhead_s=e.prefill_step_overhead_s / share,
+                decode_step_overhead_s=e.decode_step_overhead_s / share,
+                step_token_s=e.step_token_s / share, step_python_s=e.step_python_s / share)
+
+        both = (sp + sd) / 2
+        n, c = self.network, self.control
+        return dataclasses.replace(
+            self, prefill=side(self.prefill, sp), decode=side(self.decode, sd),
+            network=dataclasses.replace(
+                n, post_fixed_s=n.post_fixed_s / both,
+                post_per_descriptor_s=n.post_per_descriptor_s / both,
+                router_hop_s=n.router_hop_s / both),
+            control=dataclasses.replace(c, message_send_s=c.message_send_s / both,
+                                        message_recv_s=c.message_recv_s / both))
 
 
 def _positive(name: str, value: float) -> None:

@@ -53,6 +53,8 @@ class Router:
         self.recorder = recorder
         self._rng = rng or random.Random(0)  #: draws each transfer's incarnation
         self.hop = cfg.profile.network.router_hop_s
+        if cfg.profile.hop_wake_s:  # the relay and the receiving API server wake
+            self.hop += cfg.profile.hop_wake_s
         self.concurrent = cfg.effective_dispatch is Dispatch.CONCURRENT
         self._rr: dict[str, itertools.count[int]] = {"p": itertools.count(), "d": itertools.count()}
         self._awaiting: dict[str, SimRequest] = {}  # prefill legs not answered yet

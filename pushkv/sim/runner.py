@@ -9,6 +9,7 @@ the same result JSON byte for byte.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -75,6 +76,9 @@ def _ranks(engine_id: str, profile: Profile, side: EngineProfile) -> Any:
 def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
     """Simulate ``cfg`` and return its results."""
     wall0 = time.perf_counter()
+    shared = cfg.profile.on_shared_cores()  # host times stretched by the CPU share
+    if shared is not cfg.profile:
+        cfg = dataclasses.replace(cfg, profile=shared)
     profile = cfg.profile
     seeds = np.random.SeedSequence([cfg.workload.seed, cfg.iteration])
     streams = seeds.spawn(4 + cfg.num_prefill + cfg.num_decode)
@@ -140,7 +144,8 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
     result = vllm_result(
         reqs, duration=end + profile.network.router_hop_s, model_id=profile.model.name,
         request_rate=cfg.workload.request_rate, burstiness=cfg.workload.burstiness,
-        label=cfg.label(), extra=extra, return_s=profile.network.router_hop_s,
+        label=cfg.label(), extra=extra,
+        return_s=profile.network.router_hop_s + profile.return_wake_s,
     )
     out = RunResult(
         config=cfg, result=result, requests=reqs, leaks=leaks,

@@ -410,6 +410,9 @@ class SimTransport:
         a notification riding on a write), ``delay`` in flight and the receiver's time;
         both hold their process's interpreter lock."""
         ctl = self.profile.control
+        wake = self._wake_s(peer.engine_id)
+        if wake:  # the receiving thread wakes on a busy core
+            delay += wake
         send = ctl.message_send_s if src is not None else 0.0
         if send == 0 and ctl.message_recv_s == 0:
             self.inflight += 1
@@ -448,6 +451,11 @@ class SimTransport:
             yield lock
             yield self.env.timeout(seconds)
 
+    def _wake_s(self, eid: str) -> float:
+        """``wake_s`` of the side engine ``eid`` is on."""
+        side = self.profile.prefill if eid in self.producers else self.profile.decode
+        return side.wake_s
+
     def _write(self, eid: str, a: IssueWrite) -> Generator[Any, Any, None]:
         """The prefill background thread posts while the fabric moves; the consumer is told."""
         net = self.profile.network
@@ -455,6 +463,8 @@ class SimTransport:
         nbytes = a.plan.nbytes
         with self._writer[eid].request() as slot:
             yield slot
+            if self.profile.prefill.wake_s:  # the writer thread wakes on a busy core
+                yield self.env.timeout(self.profile.prefill.wake_s)
             started = self.env.now
             pack = self.staging.decide(eid, dst, a.plan.descriptor_count, nbytes)
             if pack.packed:  # the gather runs on the device, issued by this thread
@@ -505,6 +515,8 @@ class SimTransport:
         if inline is None:
             with self._reader[eid].request() as slot:
                 yield slot
+                if self.profile.decode.wake_s:  # the reader thread wakes on a busy core
+                    yield self.env.timeout(self.profile.decode.wake_s)
                 started = self.env.now
                 skew = self._slowest_rank(self.profile.decode.tp)
                 cost = post_s(net, a.plan.descriptor_count)

@@ -1,0 +1,394 @@
+"""The simulator against real vLLM CPU engines on this machine, point by point.
+
+**Real half**: pushkv push (``PushKVConnector`` behind ``pushkv proxy``, mode
+``push``) and vLLM pull (vLLM's ``NixlConnector`` behind the pull relay of
+``benchmarks/e2e/vllm_proxy.py``, mode ``pull``), each a prefill server on core 0
+and a decode server on core 1 (the deployments of ``benchmarks/e2e/run.py``:
+tiny model, prefix caching off, every NIXL progress thread sleeping
+``--delay-us`` between polls, every transport thread on its server's core).
+``vllm bench serve`` (random dataset, ``--ignore-eos``) runs every (input
+length, rate) point against each router; the deployments alternate each
+iteration (push, pull, push, ...), so slow drift of the shared machine's load
+reaches both modes. During each point a probe process on each core
+(:class:`pushkv.sim.cores.CoreProbe`) records its wake-up delay and share, and the
+two servers' vLLM metrics are read before and after (``OUT/real/cpu_probe.json``).
+Result files: ``OUT/real/{mode}_qps{q}_in{i}_out{o}_iter{n}.json``. Points already
+in ``OUT/real`` are not run again (an interrupted run resumes).
+
+**Simulated half**: ``pushkv.sim`` with the measured profile
+(``pushkv/sim/profiles/cpu-tiny.toml``) at the same points -- same modes, number
+of prompts, rates, lengths, output length and iterations -- three ways: a core per
+engine (``OUT/sim-own-cores``), on the cores the probe met (``cpu_share``,
+``wake_s``; ``OUT/sim``), and, as a diagnosis, with the engines' steps as the real
+servers' metrics gave them (``OUT/sim-server-steps``).
+
+Prints a table of sim/real ratios per way (mean and median TTFT and TPOT, per
+point and mode, iterations averaged) and, last, one JSON object for the probe
+way: ``ttft_ratio_min``, ``ttft_ratio_max``, ``tpot_ratio_min``,
+``tpot_ratio_max``, ``points`` (the per-point ratios, and the other two ways'
+ranges under ``own_cores`` and ``server_steps``). Figures (``--figures DIR``, or
+``pushkv plot --results-dir OUT/real --overlay OUT/sim --labels real sim --metric ttft``).
+
+    PYTHONPATH=. python benchmarks/bench_sim_vs_real.py --out /tmp/simreal
+    PYTHONPATH=. python benchmarks/bench_sim_vs_real.py --sim-only --out /tmp/simreal
+    # longer: --rates 1,2,4,8 --inputs 32,64,128,256 --num-prompts 64 --iterations 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
+
+PROFILE = ROOT / "pushkv" / "sim" / "profiles" / "cpu-tiny.toml"
+#: sim mode -> (real mode of benchmarks/e2e/modes.py, its deployment)
+MODES = {"push": ("push", "pushkv"), "pull": ("pull", "nixl-pull")}
+NAME = re.compile(r"^(?P<mode>[a-z-]+)_qps(?P<qps>[\d.]+)_in(?P<input>\d+)_out(?P<output>\d+)"
+                  r"_iter(?P<iter>\d+)\.json$")
+#: per result file: what a probe on each core met meanwhile (core 0: prefill, 1: decode)
+SHARES = "cpu_probe.json"
+STATS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
+
+
+def rate_name(q: float) -> str:
+    return str(int(q)) if q == int(q) else str(q)
+
+
+def file_name(mode: str, rate: float, input_len: int, output_len: int, it: int) -> str:
+    return f"{mode}_qps{rate_name(rate)}_in{input_len}_out{output_len}_iter{it}.json"
+
+
+# ------------------------------------------------------------------- real
+
+
+def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
+    """``vllm bench serve`` at every point against both deployments; failures by name."""
+    from modes import MODES as E2E_MODES  # benchmarks/e2e
+    from run import Deployment, Endpoint, bench_serve
+
+    from pushkv.sim.cores import CoreProbe
+    from pushkv.vllm.testing import write_tiny_llama, write_word_tokenizer
+
+    (real / "logs").mkdir(parents=True, exist_ok=True)
+    model = real / "tiny-llama"
+    write_tiny_llama(model)
+    write_word_tokenizer(model)
+    max_len = -(-(max(args.inputs) + args.output_len + 64) // 256) * 256
+    failures: dict[str, str] = {}
+    for it in range(args.iterations):
+        for mode in args.modes:
+            name, kind = MODES[mode]
+            todo = [(i, q) for i in args.inputs for q in args.rates
+                    if not (real / file_name(mode, q, i, args.output_len, it)).exists()]
+            if not todo:
+                continue
+            dep = Deployment(kind, str(model), real, max_model_len=max_len,
+                             delay_us=args.delay_us)
+            t0 = time.monotonic()
+            ep = None
+            try:
+                dep.start()
+                print(f"[{mode} iter {it}] {kind} up in {time.monotonic() - t0:.0f} s, "
+                      f"load {os.getloadavg()[0]:.2f}", flush=True)
+                ep = Endpoint(E2E_MODES[name], dep, real)
+                for input_len, q in todo:
+                    fname = file_name(mode, q, input_len, args.output_len, it)
+                    before = server_metrics(dep)
+                    with CoreProbe() as probe:  # core 0: prefill, core 1: decode
+                        ok = bench_serve(ep.target.url, str(model), real, fname, qps=str(q),
+                                         input_len=input_len, output_len=args.output_len,
+                                         num_prompts=args.num_prompts, seed=args.seed + it,
+                                         log=real / "logs" / f"{mode}-bench.log")
+                    got = {side: {"cpu_share": round(probe.share(core), 4),
+                                  "wake_s": round(probe.wake_s(core), 6)}
+                           for side, core in (("prefill", 0), ("decode", 1))}
+                    got["engine"] = engine_steps(before, server_metrics(dep))
+                    record_shares(real, fname, got)
+                    print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
+                          f"{'ok' if ok else 'FAILED'}; CPU share {got}, "
+                          f"load {os.getloadavg()[0]:.2f}", flush=True)
+                    if not ok:
+                        failures[fname] = "vllm bench serve failed"
+                        (real / fname).unlink(missing_ok=True)
+            except Exception as exc:  # reported; the other mode still runs
+                failures[f"{mode} iter {it}"] = f"{exc!r:.300}"
+                print(f"[{mode} iter {it}] FAILED: {exc!r:.300}", flush=True)
+            finally:
+                if ep is not None:
+                    ep.stop()
+                dep.stop()
+    return failures
+
+
+def server_metrics(dep: Any) -> dict[str, dict[str, float]]:
+    """The vLLM metrics' sums and counts of the deployment's two servers."""
+    from pushkv.sim.measure import metric_sums
+    from pushkv.vllm.testing import get_text
+
+    return {side: metric_sums(get_text(srv.url + "/metrics"))
+            for side, srv in (("prefill", dep.prefill), ("decode", dep.decode))}
+
+
+def engine_steps(before: dict[str, dict[str, float]],
+                 after: dict[str, dict[str, float]]) -> dict[str, float]:
+    """What the real servers' own metrics say of one point: the prefill server's mean
+    prefill time per request, the decode server's mean time per output token."""
+    def delta(side: str, key: str) -> float:
+        return after[side][f"vllm:{key}"] - before[side][f"vllm:{key}"]
+
+    n = delta("prefill", "request_prefill_time_seconds_count")
+    tokens = (delta("decode", "request_generation_tokens_sum")
+              - delta("decode", "request_generation_tokens_count"))
+    return {"prefill_step_s": delta("prefill", "request_prefill_time_seconds_sum") / n
+            if n else 0.0,
+            "decode_token_s": delta("decode", "request_decode_time_seconds_sum") / tokens
+            if tokens else 0.0}
+
+
+def record_shares(real: Path, fname: str, shares: dict[str, dict[str, float]]) -> None:
+    """The cores' share and wake-up delay during one point, in ``real/cpu_probe.json``."""
+    path = real / SHARES
+    got = json.loads(path.read_text()) if path.exists() else {}
+    got[fname] = shares
+    path.write_text(json.dumps(got, indent=1, sort_keys=True))
+
+
+# -------------------------------------------------------------------- sim
+
+
+def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, float, int]],
+            output_len: int, num_prompts: int, *, seed: int = 0,
+            shares: dict[str, dict[str, Any]] | None = None,
+            server_steps: bool = False) -> None:
+    """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
+    ``shares`` (by result file name), each point's engines get the share of a core and
+    the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
+    core each. With ``server_steps`` the engines' step overheads are instead what the
+    real P/D servers' metrics gave at that point (wall times under the load, share 1),
+    per-token costs as profiled."""
+    from pushkv.sim.profile import load_profile
+    from pushkv.sim.runner import run
+    from pushkv.sim.scenario import SimConfig, TransferMode
+    from pushkv.sim.workload import WorkloadConfig
+
+    base = load_profile(profile_path)
+    sim.mkdir(parents=True, exist_ok=True)
+    for old in sim.glob("*_iter*.json"):
+        old.unlink()
+    for mode, input_len, rate, it in points:
+        profile = base
+        got = (shares or {}).get(file_name(mode, rate, input_len, output_len, it))
+        if got:
+            pre, dec = dict(got["prefill"]), dict(got["decode"])
+            eng = got.get("engine", {})
+            if server_steps and eng.get("prefill_step_s") and eng.get("decode_token_s"):
+                tok_p, tok_d = base.prefill.step_token_s, base.decode.step_token_s
+                pre |= {"cpu_share": 1.0, "prefill_step_overhead_s": max(
+                    0.0, eng["prefill_step_s"] - tok_p * input_len)}
+                dec |= {"cpu_share": 1.0, "decode_step_overhead_s": max(
+                    0.0, eng["decode_token_s"] - tok_d)}
+            profile = dataclasses.replace(
+                base, prefill=dataclasses.replace(base.prefill, **pre),
+                decode=dataclasses.replace(base.decode, **dec)).validate()
+        cfg = SimConfig(mode=TransferMode(mode), profile=profile, iteration=it,
+                        workload=WorkloadConfig(request_rate=rate, input_len=input_len,
+                                                output_len=output_len,
+                                                num_prompts=num_prompts, seed=seed))
+        res = run(cfg)
+        if res.result["completed"] != num_prompts or res.leaked_blocks:
+            raise RuntimeError(f"simulated {cfg.file_name()}: {res.result['completed']} of "
+                               f"{num_prompts} completed, {res.leaked_blocks} blocks leaked")
+        res.write(sim)
+
+
+def real_points(real: Path) -> tuple[list[tuple[str, int, float, int]], int, int]:
+    """The points of the result files in ``real``, their output length and prompt count."""
+    points, outs, prompts = [], set(), set()
+    for path in sorted(real.iterdir()):
+        m = NAME.match(path.name)
+        if m is None or m["mode"] not in MODES:
+            continue
+        data = json.loads(path.read_text())
+        points.append((m["mode"], int(m["input"]), float(m["qps"]), int(m["iter"])))
+        outs.add(int(m["output"]))
+        prompts.add(int(data["num_prompts"]) if "num_prompts" in data
+                    else int(data["completed"]) + int(data.get("failed", 0)))
+    if not points:
+        raise SystemExit(f"no real result files in {real}")
+    if len(outs) != 1 or len(prompts) != 1:
+        raise SystemExit(f"{real}: mixed output lengths {sorted(outs)} or prompt counts "
+                         f"{sorted(prompts)}")
+    return points, outs.pop(), prompts.pop()
+
+
+# ----------------------------------------------------------------- report
+
+
+def averages(directory: Path) -> dict[tuple[str, int, float], dict[str, float]]:
+    """Per (mode, input, rate): each statistic averaged over the iterations."""
+    acc: dict[tuple[str, int, float], dict[str, list[float]]] = defaultdict(
+        lambda: defaultdict(list))
+    for path in sorted(directory.iterdir()):
+        m = NAME.match(path.name)
+        if m is None or m["mode"] not in MODES:
+            continue
+        data = json.loads(path.read_text())
+        if data.get("failed"):
+            continue
+        for k in STATS:
+            acc[m["mode"], int(m["input"]), float(m["qps"])][k].append(float(data[k]))
+    return {p: {k: statistics.fmean(v) for k, v in d.items()} for p, d in acc.items()}
+
+
+def compare(real: Path, sim: Path) -> tuple[str, dict[str, Any]]:
+    """The ratio table (markdown) and the summary object."""
+    r, s = averages(real), averages(sim)
+    head = ["mode", "input", "QPS", "real TTFT mean / median (ms)",
+            "sim TTFT mean / median (ms)", "TTFT ratio mean / median",
+            "real TPOT mean / median (ms)", "sim TPOT mean / median (ms)",
+            "TPOT ratio mean / median"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ratios: dict[str, dict[str, float]] = {}
+    for key in sorted(set(r) & set(s), key=lambda k: (k[0] != "push", k[1], k[2])):
+        mode, input_len, q = key
+        a, b = r[key], s[key]
+        rat = {k: b[k] / a[k] for k in STATS if a[k] > 0}
+        ratios[f"{mode}_in{input_len}_qps{rate_name(q)}"] = {k: round(v, 3)
+                                                            for k, v in rat.items()}
+        lines.append(
+            f"| {mode} | {input_len} | {rate_name(q)} | "
+            f"{a['mean_ttft_ms']:.1f} / {a['median_ttft_ms']:.1f} | "
+            f"{b['mean_ttft_ms']:.1f} / {b['median_ttft_ms']:.1f} | "
+            f"{rat['mean_ttft_ms']:.2f} / {rat['median_ttft_ms']:.2f} | "
+            f"{a['mean_tpot_ms']:.2f} / {a['median_tpot_ms']:.2f} | "
+            f"{b['mean_tpot_ms']:.2f} / {b['median_tpot_ms']:.2f} | "
+            f"{rat['mean_tpot_ms']:.2f} / {rat['median_tpot_ms']:.2f} |")
+    ttft = [v[k] for v in ratios.values() for k in ("mean_ttft_ms", "median_ttft_ms")]
+    tpot = [v[k] for v in ratios.values() for k in ("mean_tpot_ms", "median_tpot_ms")]
+    summary = {
+        "ttft_ratio_min": min(ttft, default=None), "ttft_ratio_max": max(ttft, default=None),
+        "tpot_ratio_min": min(tpot, default=None), "tpot_ratio_max": max(tpot, default=None),
+        "points": len(ratios),
+        "within_0.75_1.33": all(0.75 <= x <= 1.33 for x in ttft + tpot) if ratios else False,
+        "ratios": ratios,
+    }
+    return "\n".join(lines), summary
+
+
+def figures(real: Path, sim: Path, out: Path) -> list[Path]:
+    from pushkv.sim.plot import plot
+
+    return [plot(real, metric, out / f"sim_vs_real_{metric}.png", overlay=sim,
+                 labels=("real", "sim"), title=f"Mean {metric.upper()}: real vLLM CPU "
+                 "engines (thick) vs simulated, cpu-tiny profile (thin)")
+            for metric in ("ttft", "tpot")]
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sim_vs_real")
+    p.add_argument("--rates", type=floats, default=[2.0, 8.0], help="QPS, comma separated")
+    p.add_argument("--inputs", type=ints, default=[64, 192], help="input lengths")
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--output-len", type=int, default=24)
+    p.add_argument("--iterations", type=int, default=2)
+    p.add_argument("--modes", type=lambda t: t.split(","), default=["push", "pull"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--delay-us", type=int, default=100,
+                   help="NIXL progress-thread sleep between polls, every connector alike")
+    p.add_argument("--profile", type=Path, default=PROFILE)
+    p.add_argument("--measure", action="store_true",
+                   help="first measure the profile on this machine (python -m "
+                   "pushkv.sim.measure) into OUT/cpu-tiny.toml and simulate with it, so "
+                   "the profile and the real runs see the same load")
+    p.add_argument("--sim-only", action="store_true",
+                   help="skip the real runs: simulate the points of OUT/real's files")
+    p.add_argument("--no-cpu-share", dest="cpu_share", action="store_false",
+                   help="simulate with a core per engine only (cpu_share, wake_s off)")
+    p.add_argument("--figures", type=Path, help="also draw the TTFT and TPOT overlays here")
+    args = p.parse_args()
+    for m in args.modes:
+        if m not in MODES:
+            p.error(f"unknown mode {m!r} (choose from {', '.join(MODES)})")
+    real, sim = args.out / "real", args.out / "sim"
+    failures: dict[str, str] = {}
+    t0 = time.monotonic()
+    load = os.getloadavg()
+    if args.measure:
+        from pushkv.sim.measure import MeasurementError, measure, write_profile
+
+        try:
+            write_profile(measure(args.out / "measure", reps=20, delay_us=args.delay_us),
+                          args.out / "cpu-tiny.toml")
+            args.profile = args.out / "cpu-tiny.toml"
+            print(f"measured {args.profile}", flush=True)
+        except MeasurementError as exc:  # the committed profile stands in
+            failures["measure"] = str(exc)
+            print(f"measuring failed ({exc}); simulating with {args.profile}", flush=True)
+    if not args.sim_only:
+        failures |= run_real(args, real)
+    real_s = time.monotonic() - t0
+    points, output_len, num_prompts = real_points(real)
+    shares = json.loads((real / SHARES).read_text()) if (real / SHARES).exists() else {}
+    own = args.out / "sim-own-cores"  # the mechanism off
+    run_sim(args.profile, own, points, output_len, num_prompts, seed=args.seed)
+    own_table, own_summary = compare(real, own)
+    print("\nSimulated with a core per engine (cpu_share 1):\n")
+    print(own_table)
+    if args.cpu_share and shares:
+        run_sim(args.profile, sim, points, output_len, num_prompts, seed=args.seed,
+                shares=shares)
+        table, summary = compare(real, sim)
+        print("\nSimulated on the cores the probe met (cpu_share, wake_s):\n")
+        print(table)
+    else:
+        sim = own
+        summary = dict(own_summary)
+    keys = ("ttft_ratio_min", "ttft_ratio_max", "tpot_ratio_min", "tpot_ratio_max")
+    if shares and any("engine" in v for v in shares.values()):
+        steps = args.out / "sim-server-steps"
+        run_sim(args.profile, steps, points, output_len, num_prompts, seed=args.seed,
+                shares=shares, server_steps=True)
+        steps_table, steps_summary = compare(real, steps)
+        print("\nDiagnosis: the same, engine steps as the real P/D servers' metrics gave "
+              "them (not a prediction of the steps):\n")
+        print(steps_table)
+        summary["server_steps"] = {k: steps_summary[k] for k in keys}
+    print()
+    summary["own_cores"] = {k: own_summary[k] for k in keys}
+    if args.figures:
+        for path in figures(real, sim, args.figures):
+            print(f"wrote {path}")
+    summary |= {"real_s": round(real_s, 1), "total_s": round(time.monotonic() - t0, 1),
+                "load_at_start": [round(x, 2) for x in load],
+                "load_at_end": [round(x, 2) for x in os.getloadavg()],
+                "profile": str(args.profile), "failures": failures}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

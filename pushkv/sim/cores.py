@@ -1,0 +1,84 @@
+"""What a process meets on each CPU core of a shared machine: a probe.
+
+:class:`CoreProbe` runs one small process pinned to each core for the length of a
+measurement; :mod:`pushkv.sim.measure` and ``benchmarks/bench_sim_vs_real.py`` turn
+what it saw into the profile's ``cpu_share`` and ``wake_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+def _probe(core: int, period_s: float, burst_s: float, stop: Any, out: Any) -> None:
+    """On ``core``: every ``period_s`` sleep, wake, spin ``burst_s`` of CPU time; send
+    (wake delays, burst shares) when ``stop`` is set."""
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, {core})
+    wakes, shares = [], []
+    nxt = time.monotonic() + period_s
+    while not stop.is_set():
+        delay = nxt - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        woke = time.monotonic()
+        wakes.append(max(0.0, woke - nxt))
+        c0, w0 = time.thread_time(), time.perf_counter()
+        while time.thread_time() - c0 < burst_s:
+            pass
+        shares.append((time.thread_time() - c0) / (time.perf_counter() - w0))
+        nxt = max(nxt + period_s, time.monotonic())
+    out.send((wakes, shares))
+
+
+class CoreProbe:
+    """What a process woken on each core meets, while a measurement runs: a probe
+    process pinned to the core sleeps ``period_s``, then spins ``burst_s`` of CPU time
+    (about 4% of the core). ``wake_s(core)``: the median delay between its timer and its
+    running (run-queue wait of a woken process); ``share(core)``: the median share of
+    the core its bursts got (CPU time / wall time)."""
+
+    def __init__(self, cores: Sequence[int] = (0, 1), period_s: float = 0.025,
+                 burst_s: float = 0.001) -> None:
+        ctx = mp.get_context("spawn")
+        self._stop = ctx.Event()
+        self._procs = []
+        self._pipes = []
+        self.cores = tuple(cores)
+        for c in self.cores:
+            parent, child = ctx.Pipe(duplex=False)
+            self._procs.append(ctx.Process(target=_probe, args=(c, period_s, burst_s,
+                                                                self._stop, child),
+                                           daemon=True))
+            self._pipes.append(parent)
+        self.wakes: dict[int, list[float]] = {}
+        self.shares: dict[int, list[float]] = {}
+
+    def __enter__(self) -> CoreProbe:
+        for proc in self._procs:
+            proc.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for c, pipe, proc in zip(self.cores, self._pipes, self._procs, strict=True):
+            with contextlib.suppress(EOFError, OSError):  # a probe that died reports none
+                if pipe.poll(30):
+                    self.wakes[c], self.shares[c] = pipe.recv()
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+    def wake_s(self, core: int) -> float:
+        got = self.wakes.get(core)
+        return statistics.median(got) if got else 0.0
+
+    def share(self, core: int) -> float:
+        got = self.shares.get(core)
+        return min(1.0, statistics.median(got)) if got else 1.0
