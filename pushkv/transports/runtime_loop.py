@@ -106,6 +106,8 @@ class IOLoop:
         self._next_notif = 0.0
         self._writer: Writer | None = None
         self._unready: list[cmd.RangeReady] = []  # ranges whose event has not completed
+        #: producer: transfers given a range whose prefill_finished/aborted has not come
+        self._streaming: set[tuple[str, int]] = set()
         if self.role == "producer":
             self._writer = Writer(agent, memory, poll_s=config.write_poll_s,
                                   timeout_s=config.write_timeout_s, on_done=self._write_done,
@@ -285,6 +287,7 @@ class IOLoop:
         """Prefill finished or aborted: ranges still waiting for their event are moot."""
         self._unready = [r for r in self._unready
                          if (r.transfer_id, r.incarnation) != (tid, inc)]
+        self._streaming.discard((tid, inc))
 
     def _prefill_finished(self, c: cmd.PrefillFinished, now: float) -> None:
         self._forget_ranges(c.transfer_id, c.incarnation)
@@ -293,6 +296,7 @@ class IOLoop:
             now)
 
     def _range_ready(self, c: cmd.RangeReady, now: float) -> None:
+        self._streaming.add((c.transfer_id, c.incarnation))
         if self._unready or (c.ready is not None and not c.ready.query()):
             self._unready.append(c)  # in order: later commands of the request wait too
             return
@@ -496,6 +500,8 @@ class IOLoop:
             if r.ok:
                 self._stats["writes_ok"] += 1
                 self._stats["bytes_written"] += r.nbytes
+                if (r.transfer_id, r.incarnation) in self._streaming:  # prefill still running
+                    self._stats["bytes_written_early"] += r.nbytes
             else:
                 self._stats["writes_failed"] += 1
                 log.info("write of %s#%d to %s failed: %s", r.transfer_id, r.attempt, r.peer,

@@ -60,10 +60,12 @@ from .params import (
     nixl_answer,
     parse_params,
 )
+from .progressive import ProgressiveFeed
 from .signing import ReplayGuard, sign, verify
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -112,10 +114,13 @@ class SchedulerSide:
 
     def __init__(self, *, endpoint: Endpoint, block_size: int, is_producer: bool,
                  is_consumer: bool, policy: str = "fail", key: bytes | None = None,
-                 direction: str = "auto") -> None:
+                 direction: str = "auto", granularity: str = "request") -> None:
         if direction not in SETTINGS:
             raise ParamsError(f"direction must be one of {SETTINGS}, got {direction!r}")
         self.direction = direction
+        #: producer, push_granularity chunk or layer: the prompt KV each step makes final
+        self.feed = (ProgressiveFeed(block_size) if is_producer and granularity != "request"
+                     else None)
         self._rng = random.SystemRandom()
         self.endpoint = endpoint
         self.block_size = block_size
@@ -173,8 +178,11 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        """The registration is born here, with the blocks vLLM just allocated."""
+        """The registration is born here, with the blocks vLLM just allocated (on a
+        producer streaming its KV: the prefill's stream)."""
         req_id = request.request_id
+        if self.feed is not None and req_id not in self._recv:
+            self._stream(request)
         if not self.is_consumer or req_id in self._recv:
             rec = self._recv.get(req_id)
             if rec is not None and rec.phase is Phase.LOADED and rec.leg is not None:
@@ -207,6 +215,18 @@ class SchedulerSide:
                           src_block_ids=leg.src_block_ids)
         rec = self._recv[req_id] = _Recv(leg=leg, phase=Phase.DEFERRED, order=order)
         self._try_ship(req_id, rec)
+
+    def _stream(self, request: Request) -> None:
+        """Producer: stream a prefill leg of pushkv's proxy (its decode side registers
+        while the prefill runs); other legs, and malformed ones, push when it ends."""
+        assert self.feed is not None
+        try:
+            leg = self._leg(request)
+        except ParamsError:
+            return  # refused when the request ends
+        if isinstance(leg, PrefillLeg) and leg_direction(leg, self.direction) == "push":
+            self.feed.track(request.request_id, leg.transfer_id, leg.incarnation,
+                            request.num_prompt_tokens)
 
     def _try_ship(self, req_id: str, rec: _Recv) -> bool:
         """Ship a registration unless a block of it is still lent to another one.
@@ -242,10 +262,17 @@ class SchedulerSide:
 
     # ------------------------------------------------------------ both
 
-    def build_connector_meta(self) -> PushKVMetadata:
+    def build_connector_meta(self, out: SchedulerOutput | None = None) -> PushKVMetadata:
         for req_id, rec in self._recv.items():
             if rec.phase is Phase.DEFERRED and not rec.finished:
                 self._try_ship(req_id, rec)
+        if self.feed is not None and out is not None:
+            ranges, aborts = self.feed.step(out)
+            self._meta.send_ranges.extend(ranges)
+            self._meta.send_abort.extend(aborts)
+            for ab in aborts:
+                logger.warning("request %s (transfer %s) was preempted while its KV streamed "
+                               "out; failing the transfer", ab.req_id, ab.transfer_id)
         meta, self._meta = self._meta, PushKVMetadata()
         return meta
 
@@ -302,6 +329,8 @@ class SchedulerSide:
             incarnation = new_incarnation(self._rng)
         else:
             tid, incarnation = leg.transfer_id, leg.incarnation
+        if self.feed is not None and not self.feed.finished(req_id):
+            return False, None  # aborted when it was preempted mid-stream
         n = request.num_prompt_tokens
         complete = (
             request.status in _PREFILL_COMPLETE
