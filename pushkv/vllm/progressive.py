@@ -31,6 +31,12 @@ a write still reading those blocks) no longer describes the request: a
 request preempted after its first range is aborted (the protocol fails the
 consumer's transfer, whose destination blocks are fenced) and not pushed when
 it finishes. One preempted before any range simply starts over.
+
+Ended otherwise. A request aborted once its whole prompt was reported has
+complete KV, which may already have landed: it is pushed as if it had
+finished (its decode side may even have answered first -- ``pushkv proxy``
+then cancels the prefill leg, whose answer nobody needs). One aborted before
+is aborted, as with whole-request push.
 """
 
 from __future__ import annotations
@@ -115,13 +121,14 @@ class ProgressiveFeed:
             s.reported = end
         return ranges, aborts
 
-    def finished(self, req_id: str) -> bool:
-        """The request ended; False if it was aborted mid-stream (push nothing)."""
-        self._streams.pop(req_id, None)
+    def finished(self, req_id: str) -> int | None:
+        """The request ended: the prompt tokens its stream reported (0: not streamed),
+        None if it was aborted when preempted mid-stream (push nothing)."""
+        s = self._streams.pop(req_id, None)
         if req_id in self._cut:
             self._cut.discard(req_id)
-            return False
-        return True
+            return None
+        return s.reported if s is not None else 0
 
     def streaming(self) -> dict[str, int]:
         """Requests tracked, with the prompt tokens reported so far."""

@@ -14,11 +14,14 @@ Consumer (decode) requests live through::
       |                                is still lent to another transfer)
       +--admitted without a load (vLLM forced a local prefill)--> DONE
 
-Producer (prefill) requests are seen once, when they finish: a prefill that
-stopped or hit its length holds its blocks (``delay_free``) until the worker
-reports the push completed, was cancelled or its lease expired; any other end
-(abort, error, ignored...) tells the producer endpoint, which fails the
-consumer's registration so the consumer can apply its failure policy.
+Producer (prefill) requests are seen when they finish (and, with
+``push_granularity`` chunk or layer, at admission and at every step, whose
+newly final prompt KV goes out in the metadata: :mod:`.progressive`): a
+prefill that stopped or hit its length (or streamed its whole prompt) holds
+its blocks (``delay_free``) until the worker reports the push completed, was
+cancelled or its lease expired; any other end (abort, error, ignored...)
+tells the producer endpoint, which fails the consumer's registration so the
+consumer can apply its failure policy.
 
 Direction. The producer chooses, per request, from how the request was
 dispatched (:func:`leg_direction`): a leg of pushkv's proxy has its decode
@@ -329,12 +332,13 @@ class SchedulerSide:
             incarnation = new_incarnation(self._rng)
         else:
             tid, incarnation = leg.transfer_id, leg.incarnation
-        if self.feed is not None and not self.feed.finished(req_id):
+        streamed = self.feed.finished(req_id) if self.feed is not None else 0
+        if streamed is None:
             return False, None  # aborted when it was preempted mid-stream
         n = request.num_prompt_tokens
         complete = (
-            request.status in _PREFILL_COMPLETE
-            and request.num_computed_tokens >= n
+            ((request.status in _PREFILL_COMPLETE and request.num_computed_tokens >= n)
+             or streamed >= n)  # every token reported final: it may have landed already
             and len(block_ids) * self.block_size >= n
         )
         if not complete:

@@ -191,3 +191,19 @@ def test_ranges_partition_each_prompt_in_order_over_the_blocks_allocated(
 def test_an_unknown_granularity_is_refused_by_name(tiny_model):
     with pytest.raises(ConnectorConfigError, match="push_granularity must be one of"):
         producer(tiny_model, "token")
+
+
+def test_aborted_after_its_whole_prompt_was_reported_it_is_still_pushed(tiny_model):
+    # Its KV is complete and may have landed: the decode side can answer before the
+    # prefill leg, which pushkv's proxy then cancels.
+    e = producer(tiny_model, "layer", budget=50)
+    req = e.request(120, params=leg("t-late"), max_tokens=3)
+    e.run_until(lambda: bool(e.orders("send_ranges"))
+                and e.orders("send_ranges")[-1].end == 120)
+    e.abort(req.request_id)
+    e.step()
+    assert e.orders("send_abort") == []
+    (send,) = e.orders("send")
+    assert (send.transfer_id, send.num_tokens) == ("t-late", 120)
+    assert req.request_id in e.held()  # held for the push
+    finish_push(e, req.request_id)
