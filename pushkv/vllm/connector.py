@@ -199,10 +199,14 @@ class PushKVConnector(KVConnectorBase_V1):
             self.worker_side.layer_saved(meta.send_ranges, layer_name)
 
     def wait_for_save(self) -> None:
-        """push_granularity 'chunk': this step's prompt KV is final in every layer."""
+        """The step's forward is done: push_granularity 'chunk' reports this step's
+        prompt KV final in every layer, and prefills this step ends are finished."""
         meta = self._connector_metadata
-        if isinstance(meta, PushKVMetadata) and meta.send_ranges:
-            self.worker_side.step_saved(meta.send_ranges)
+        if isinstance(meta, PushKVMetadata):
+            if meta.send_ranges:
+                self.worker_side.step_saved(meta.send_ranges)
+            if meta.send_at_save:
+                self.worker_side.finish_saved(meta.send_at_save)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self.worker_side.results()

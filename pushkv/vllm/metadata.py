@@ -108,9 +108,12 @@ class PushKVMetadata(KVConnectorMetadata):
     send_abort: list[Abort] = field(default_factory=list)
     #: producer (progressive push): prompt KV this step computes, reported as it is saved
     send_ranges: list[RangeOrder] = field(default_factory=list)
+    #: producer: prefills this step completes and ends (a leg of one token), finished
+    #: as soon as the step saved its KV
+    send_at_save: list[SendOrder] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        """No order to apply at the step's start (``send_ranges`` are applied as the
-        step saves its KV)."""
+        """No order to apply at the step's start (``send_ranges`` and ``send_at_save``
+        are applied as the step saves its KV)."""
         return not (self.recv or self.recv_abort or self.recv_drop or self.recv_fail
                     or self.recv_abandon or self.send or self.send_abort)

@@ -1,4 +1,5 @@
-"""Progressive push on the producer: which prompt KV each engine step makes final.
+"""When the producer's prompt KV is final: every push's feed (progressive push and
+the whole-request push's end alike).
 
 With ``push_granularity`` ``"chunk"`` or ``"layer"``, the scheduler half tells
 the workers, with each step's metadata, which prompt tokens of a prefilling
@@ -32,6 +33,13 @@ request preempted after its first range is aborted (the protocol fails the
 consumer's transfer, whose destination blocks are fenced) and not pushed when
 it finishes. One preempted before any range simply starts over.
 
+Finished with the step. A prefill leg asks for one token, so it ends with the
+step that completes its prompt. For such a request the prefill is finished as
+that step's forward ends (:attr:`~.metadata.PushKVMetadata.send_at_save`), not
+one engine step later when vLLM reports it finished: whole-request push
+(``push_granularity`` ``"request"``, the default) reports nothing else, its one
+range being the whole prompt; chunk and layer close their stream there.
+
 Ended otherwise. A request aborted once its whole prompt was reported has
 complete KV, which may already have landed: it is pushed as if it had
 finished (its decode side may even have answered first -- ``pushkv proxy``
@@ -44,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .metadata import Abort, RangeOrder
+from .metadata import Abort, RangeOrder, SendOrder
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -58,25 +66,35 @@ class _Stream:
     num_prompt: int
     blocks: list[int] = field(default_factory=list)
     reported: int = 0  #: prompt tokens [0, reported) were reported final
+    ends: bool = False  #: the request ends with the step that completes its prompt
 
 
 class ProgressiveFeed:
     """The scheduler half's record of prefilling requests whose KV streams out."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, *, ranges: bool = True) -> None:
+        """``ranges``: report the KV step by step (chunk, layer); False (request):
+        only the whole prompt, as the step that completes it ends."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.ranges = ranges
         self._streams: dict[str, _Stream] = {}
         self._cut: set[str] = set()  # preempted after a range: aborted, never pushed
 
-    def track(self, req_id: str, transfer_id: str, incarnation: int, num_prompt: int) -> None:
-        """A prefill request was admitted (again, after a preemption: no change)."""
+    def track(self, req_id: str, transfer_id: str, incarnation: int, num_prompt: int, *,
+              ends: bool = False) -> None:
+        """A prefill request was admitted (again, after a preemption: no change).
+        ``ends``: it ends with the step that completes its prompt (a prefill leg asks
+        for one token), so its prefill is finished as that step ends."""
         if req_id not in self._streams and req_id not in self._cut:
-            self._streams[req_id] = _Stream(req_id, transfer_id, incarnation, num_prompt)
+            self._streams[req_id] = _Stream(req_id, transfer_id, incarnation, num_prompt,
+                                            ends=ends)
 
-    def step(self, out: SchedulerOutput) -> tuple[list[RangeOrder], list[Abort]]:
-        """This step's ranges, and the aborts of requests preempted mid-stream."""
+    def step(self, out: SchedulerOutput
+             ) -> tuple[list[RangeOrder], list[Abort], list[SendOrder]]:
+        """This step's ranges, the aborts of requests preempted mid-stream, and the
+        prefills this step finishes (of requests that end with it)."""
         aborts: list[Abort] = []
         for req_id in out.preempted_req_ids or ():
             s = self._streams.get(req_id)
@@ -107,19 +125,26 @@ class ProgressiveFeed:
                 s.blocks.extend(more[0])
             computed[req_id] = cached.num_computed_tokens[i]
         ranges: list[RangeOrder] = []
+        finishes: list[SendOrder] = []
         bs = self.block_size
         for req_id, before in computed.items():
             s = self._streams[req_id]
             end = min(before + out.num_scheduled_tokens.get(req_id, 0), s.num_prompt)
             if end < s.num_prompt:
                 end -= end % bs
-            if end <= s.reported:
+            if end <= s.reported or (not self.ranges and end < s.num_prompt):
                 continue
-            ranges.append(RangeOrder(req_id=req_id, transfer_id=s.transfer_id,
-                                     block_ids=tuple(s.blocks[:-(-end // bs)]),
-                                     start=s.reported, end=end, incarnation=s.incarnation))
+            blocks = tuple(s.blocks[:-(-end // bs)])
+            if self.ranges:
+                ranges.append(RangeOrder(req_id=req_id, transfer_id=s.transfer_id,
+                                         block_ids=blocks, start=s.reported, end=end,
+                                         incarnation=s.incarnation))
             s.reported = end
-        return ranges, aborts
+            if s.ends and end == s.num_prompt:
+                finishes.append(SendOrder(req_id=req_id, transfer_id=s.transfer_id,
+                                          block_ids=blocks, num_tokens=end,
+                                          incarnation=s.incarnation))
+        return ranges, aborts, finishes
 
     def finished(self, req_id: str) -> int | None:
         """The request ended: the prompt tokens its stream reported (0: not streamed),

@@ -122,8 +122,12 @@ class SchedulerSide:
             raise ParamsError(f"direction must be one of {SETTINGS}, got {direction!r}")
         self.direction = direction
         #: producer, push_granularity chunk or layer: the prompt KV each step makes final
-        self.feed = (ProgressiveFeed(block_size) if is_producer and granularity != "request"
-                     else None)
+        #: producer: when each prefill's KV is final (progressive ranges; the step
+        #: that ends a one-token prefill leg)
+        self.granularity = granularity
+        self.feed = (ProgressiveFeed(block_size, ranges=granularity != "request")
+                     if is_producer else None)
+        self._early: set[str] = set()  # finished as their last step saved its KV
         self._rng = random.SystemRandom()
         self.endpoint = endpoint
         self.block_size = block_size
@@ -228,8 +232,10 @@ class SchedulerSide:
         except ParamsError:
             return  # refused when the request ends
         if isinstance(leg, PrefillLeg) and leg_direction(leg, self.direction) == "push":
-            self.feed.track(request.request_id, leg.transfer_id, leg.incarnation,
-                            request.num_prompt_tokens)
+            ends = request.max_tokens == 1  # so nothing can touch its blocks after that step
+            if ends or self.granularity != "request":
+                self.feed.track(request.request_id, leg.transfer_id, leg.incarnation,
+                                request.num_prompt_tokens, ends=ends)
 
     def _try_ship(self, req_id: str, rec: _Recv) -> bool:
         """Ship a registration unless a block of it is still lent to another one.
@@ -270,9 +276,11 @@ class SchedulerSide:
             if rec.phase is Phase.DEFERRED and not rec.finished:
                 self._try_ship(req_id, rec)
         if self.feed is not None and out is not None:
-            ranges, aborts = self.feed.step(out)
+            ranges, aborts, finishes = self.feed.step(out)
             self._meta.send_ranges.extend(ranges)
             self._meta.send_abort.extend(aborts)
+            self._meta.send_at_save.extend(finishes)
+            self._early.update(f.req_id for f in finishes)
             for ab in aborts:
                 logger.warning("request %s (transfer %s) was preempted while its KV streamed "
                                "out; failing the transfer", ab.req_id, ab.transfer_id)
@@ -332,6 +340,8 @@ class SchedulerSide:
             incarnation = new_incarnation(self._rng)
         else:
             tid, incarnation = leg.transfer_id, leg.incarnation
+        early = req_id in self._early  # the worker finished it as its last step ended
+        self._early.discard(req_id)
         streamed = self.feed.finished(req_id) if self.feed is not None else 0
         if streamed is None:
             return False, None  # aborted when it was preempted mid-stream
@@ -350,10 +360,11 @@ class SchedulerSide:
             return False, None
         direction = leg_direction(leg, self.direction)
         self._sending[req_id] = tid
-        timeline.mark(tid, "prefill_finished")
-        self._meta.send.append(SendOrder(req_id=req_id, transfer_id=tid,
-                                         block_ids=tuple(block_ids), num_tokens=n,
-                                         incarnation=incarnation, direction=direction))
+        if not early:
+            timeline.mark(tid, "prefill_finished")
+            self._meta.send.append(SendOrder(req_id=req_id, transfer_id=tid,
+                                             block_ids=tuple(block_ids), num_tokens=n,
+                                             incarnation=incarnation, direction=direction))
         if isinstance(leg, PrefillLeg):
             return True, {"transfer_id": tid, "num_tokens": n,
                           ENDPOINT_KEY: self.endpoint.to_json()}

@@ -42,7 +42,7 @@ from ..protocol.events import (
 from ..protocol.layout import EngineSpec
 from .config import ConnectorConfigError, PushKVSettings, parse_cpus
 from .layout import KVRegions, describe_kv_caches, layer_index
-from .metadata import PushKVMetadata, RangeOrder, RankAddress, RecvOrder
+from .metadata import PushKVMetadata, RangeOrder, RankAddress, RecvOrder, SendOrder
 from .stats import EARLY_BYTES, FAILED_REASON, REFUSED_FRAMES, PushKVStats
 
 if TYPE_CHECKING:
@@ -281,17 +281,45 @@ class WorkerSide:
                        incarnation=gone.incarnation)
             self._stats.add("transfers_abandoned")
         for send in meta.send:
-            self._send[send.transfer_id] = send.req_id
-            timeline.mark(send.transfer_id, "write_handed")
-            self._send_since[send.transfer_id] = time.monotonic()
-            pull = send.direction == "pull"
-            rt.prefill_finished(send.transfer_id, send.block_ids, regions.units(send.num_tokens),
-                                incarnation=send.incarnation,
-                                mode=Mode.PULL if pull else Mode.PUSH)
-            self._stats.add("sources_published" if pull else "pushes_started")
+            self._finish(rt, regions, send)
         for ab in meta.send_abort:
             rt.prefill_aborted(ab.transfer_id, incarnation=ab.incarnation)
             self._stats.add("pushes_aborted")
+
+    def _finish(self, rt: NixlRuntime, regions: KVRegions, send: SendOrder) -> None:
+        """The prefill of ``send`` finished: its KV goes out (or is published)."""
+        self._send[send.transfer_id] = send.req_id
+        timeline.mark(send.transfer_id, "write_handed")
+        self._send_since[send.transfer_id] = time.monotonic()
+        pull = send.direction == "pull"
+        rt.prefill_finished(send.transfer_id, send.block_ids, regions.units(send.num_tokens),
+                            incarnation=send.incarnation, mode=Mode.PULL if pull else Mode.PUSH)
+        self._stats.add("sources_published" if pull else "pushes_started")
+
+    def finish_saved(self, sends: list[SendOrder]) -> None:
+        """After the step's forward: the prefills it completed (and that end with it) are
+        finished now, not one engine step later. On a GPU the runtime waits for an event
+        recorded here, as for a progressive range."""
+        rt, regions = self._rt()
+        ready = self._event()
+        for send in sends:
+            timeline.mark(send.transfer_id, "prefill_finished")
+            if ready is not None:  # the stream's last range carries the event
+                rt.range_ready(send.transfer_id, send.block_ids,
+                               (0, regions.units(send.num_tokens)), incarnation=send.incarnation,
+                               ready=ready)
+            self._finish(rt, regions, send)
+
+    def _event(self) -> Any:
+        """On a GPU, an event recorded on the current stream now: it completes once the
+        kernels that wrote this step's KV did. None on CPU (the forward is done)."""
+        if not self._cuda:
+            return None
+        import torch
+
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready
 
     # ------------------------------------------------- progressive push
 
@@ -316,12 +344,7 @@ class WorkerSide:
         kernels that wrote them may still run: an event recorded on the current stream
         now completes after them, and the runtime feeds each range once it did."""
         rt, regions = self._rt()
-        ready = None
-        if self._cuda:
-            import torch
-
-            ready = torch.cuda.Event()
-            ready.record()
+        ready = self._event()
         for r in ranges:
             # start begins a vLLM block; end ends one or is the prompt's end (rounded up).
             rt.range_ready(r.transfer_id, r.block_ids,

@@ -69,9 +69,12 @@ def test_each_step_reports_the_whole_blocks_it_completed(tiny_model, granularity
                     [(128, 200, blocks)]]
     assert {(r.transfer_id, r.incarnation, r.req_id) for r in e.orders("send_ranges")} == {
         ("t-1", 5, req.request_id)}
-    e.step()
-    (send,) = e.orders("send")  # prefill_finished still ends the stream
+    # The step of the last range also finishes the prefill (a leg of one token ends
+    # with it), closing the stream as it saves the KV.
+    (send,) = e.metas[-1].send_at_save
     assert (send.transfer_id, send.num_tokens, send.block_ids) == ("t-1", 200, blocks)
+    e.step()
+    assert e.orders("send") == []
     finish_push(e, req.request_id)
 
 
@@ -80,8 +83,8 @@ def test_request_granularity_reports_no_range(tiny_model):
     req = e.request(200, params=leg("t-r"), max_tokens=1)
     e.run_until(lambda: req.request_id in e.outputs.finish)
     e.step()
-    assert e.orders("send_ranges") == [] and len(e.orders("send")) == 1
-    assert e.connector.scheduler_side.feed is None
+    assert e.orders("send_ranges") == [] and len(e.finished_prefills()) == 1
+    assert not e.connector.scheduler_side.feed.ranges
     finish_push(e, req.request_id)
 
 
@@ -91,8 +94,9 @@ def test_a_prompt_of_one_step_is_one_range_then_the_push(tiny_model):
     e.step()
     (r,) = e.orders("send_ranges")
     assert (r.start, r.end, list(r.block_ids)) == (0, 70, e.blocks_of(req.request_id))
-    e.run_until(lambda: bool(e.orders("send")))
-    assert len(e.orders("send_ranges")) == 1
+    assert len(e.metas[-1].send_at_save) == 1  # and the push, as the same step ends
+    e.run_until(lambda: req.request_id in e.outputs.finish)
+    assert len(e.orders("send_ranges")) == 1 and len(e.finished_prefills()) == 1
     finish_push(e, req.request_id)
 
 
@@ -105,7 +109,7 @@ def test_a_local_prefix_hit_is_reported_with_the_first_range(tiny_model):
     assert out.num_scheduled_tokens == {req.request_id: 100 - 64}  # computed: the rest
     (r,) = e.orders("send_ranges")
     assert (r.start, r.end, list(r.block_ids)) == (0, 100, e.blocks_of(req.request_id))
-    e.run_until(lambda: bool(e.orders("send")))
+    e.run_until(lambda: bool(e.finished_prefills()))
     finish_push(e, req.request_id)
 
 
@@ -184,7 +188,7 @@ def test_ranges_partition_each_prompt_in_order_over_the_blocks_allocated(
         raise AssertionError("requests did not finish")
     assert reported == {r.request_id: r.num_prompt_tokens for r in reqs}
     e.step()
-    assert sorted(s.req_id for s in e.orders("send")) == sorted(reported)
+    assert sorted(s.req_id for s in e.finished_prefills()) == sorted(reported)
     finish_push(e, *reported)
 
 
