@@ -6,15 +6,23 @@
     input: TTFT of each mode, its ratio to whole-request push, and the share
     of push's exposed transfer each mode hides behind prefill (1: at the
     free-transfer floor).
-(b) Real vLLM CPU engines: needs the connector's ``push_granularity`` feed;
-    ``--real`` runs it when the connector has it, else the table says so and
-    the JSON fields are null.
+(b) Real vLLM CPU engines (tiny model, this machine): one decode server for
+    the run; for each granularity a prefill server (chunked prefill of
+    ``--budget`` tokens a step, prefix caching off on both) and ``pushkv proxy``
+    in front. Rounds alternate the granularities (the order rotates each
+    round; the prefill server and the proxy restart for each); in each, after
+    one warm-up request, ``--requests`` streamed requests of ``--length``
+    fresh tokens are sent one at a time and timed to their first token at the
+    client. A granularity's TTFT is the median over rounds of each round's
+    median; its ratio is that over whole-request push's. Greedy outputs must
+    agree across granularities.
 
 The last line is one JSON object: ``sim_hidden_share_16k`` (layer-wise, the
 smallest over the profiles), ``sim_ttft_ratio_layer_16k`` (the largest over
 the profiles), ``real_ttft_ratio_layer``, ``real_ttft_ratio_chunk``.
 
-    PYTHONPATH=. python benchmarks/bench_progressive.py [--real]
+    PYTHONPATH=. python benchmarks/bench_progressive.py [--sim-only | --real-only]
+        [--short] [--rounds N] [--requests K] [--length L] [--budget B]
 """
 
 from __future__ import annotations
@@ -47,35 +55,216 @@ def print_sim(results: dict[str, list[dict[str, float]]]) -> None:
                   f" {r['hidden_layer']:>9.3f} {r['writes_layer']:>6.0f}")
 
 
-def real() -> dict[str, Any]:
-    from pushkv.vllm import config
+GRANULARITIES = ("request", "chunk", "layer")
 
-    if "push_granularity" not in getattr(config.PushKVSettings, "__dataclass_fields__", {}):
-        return {"skipped": "the connector has no push_granularity setting yet"}
-    raise NotImplementedError("real-engine comparison")  # pragma: no cover
+
+def _ttft(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[float, list[int]]:
+    """(seconds to the first streamed token, every token id) of one request."""
+    import time
+    import urllib.request
+
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first = None
+    tokens: list[int] = []
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"error event: {event}")
+            got = event["choices"][0].get("token_ids") or []
+            if got and first is None:
+                first = time.perf_counter() - t0
+            tokens += got
+    if first is None:
+        raise RuntimeError("no token streamed")
+    return first, tokens
+
+
+class _Proxy:
+    """``pushkv proxy`` in front of one prefill and one decode server."""
+
+    def __init__(self, prefill: str, decode: str, log: Any) -> None:
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        from pushkv.vllm.testing import free_port
+
+        self.port = free_port()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", prefill,
+                 "--decode", decode, "--port", str(self.port), "--timeout", "120"],
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait(self, timeout_s: float = 60.0) -> None:
+        import time
+
+        from pushkv.vllm.testing import get_text
+
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                get_text(self.url + "/health", timeout=5)
+                return
+            except OSError:
+                if time.monotonic() > end or self.proc.poll() is not None:
+                    raise RuntimeError("the proxy did not come up") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        import os
+        import signal
+        import subprocess
+
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+
+def real(*, rounds: int, requests: int, length: int, budget: int, max_tokens: int,
+         logs: str) -> dict[str, Any]:
+    """Part (b): TTFT of each granularity on real vLLM CPU engines (see the module docs)."""
+    import statistics
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from pushkv.vllm.testing import (
+        Server,
+        ServerSpec,
+        free_port,
+        kv_transfer_config,
+        running,
+        write_tiny_llama,
+    )
+
+    log_dir = Path(logs or tempfile.mkdtemp(prefix="bench-progressive-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model = str(write_tiny_llama(log_dir / "tiny-llama"))
+    max_len = max(2048, length + max_tokens)
+
+    def spec(cpu: int, kv: dict[str, Any], chunked: bool) -> ServerSpec:
+        extra = ("--max-num-batched-tokens", str(budget)) if chunked else ()
+        return ServerSpec(model=model, port=free_port(), cpu=cpu, kv_config=kv,
+                          max_model_len=max_len, prefix_caching=False, extra_args=extra)
+
+    def prompt(salt: int) -> list[int]:
+        return [(salt * 131 + 7 * i) % 990 + 5 for i in range(length)]
+
+    ttft: dict[str, list[list[float]]] = {g: [] for g in GRANULARITIES}
+    outputs: dict[str, dict[int, list[int]]] = {g: {} for g in GRANULARITIES}
+    failed: list[str] = []  # runs lost to an error (on a loaded machine: timeouts)
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}
+
+    def run_one(g: str, r: int, decode: Server) -> None:
+        prefill = Server(spec(0, kv_transfer_config(
+            "kv_producer", f"prefill-{g}-{r}", push_granularity=g), True),
+            log_dir / f"prefill-{g}-{r}.log")
+        with running(prefill):
+            proxy = _Proxy(prefill.url, decode.url, log_dir / f"proxy-{g}-{r}.log")
+            try:
+                proxy.wait()
+                _ttft(proxy.url, {**body, "prompt": prompt(10**6 + r)})  # warm-up
+                times = []
+                for i in range(requests):
+                    salt = 1000 * r + i
+                    t, tokens = _ttft(proxy.url, {**body, "prompt": prompt(salt)})
+                    times.append(t)
+                    outputs[g][salt] = tokens
+                ttft[g].append(times)
+                print(f"round {r} {g:<8} TTFT ms: "
+                      + " ".join(f"{t * 1000:.1f}" for t in times), flush=True)
+            finally:
+                proxy.stop()
+
+    decode = Server(spec(1, kv_transfer_config("kv_consumer", "decode-bench"), False),
+                    log_dir / "decode.log")
+    started = time.monotonic()
+    with running(decode):
+        for r in range(rounds):
+            for g in GRANULARITIES[r % 3:] + GRANULARITIES[:r % 3]:  # rotate the order
+                try:
+                    run_one(g, r, decode)
+                except (OSError, RuntimeError) as exc:  # urllib's errors are OSErrors
+                    failed.append(f"round {r} {g}: {exc}")
+                    print(f"round {r} {g:<8} failed: {exc}", flush=True)
+                    if not decode.alive():
+                        raise
+    if not all(ttft.values()):
+        raise RuntimeError(f"no completed run of some granularity: {failed}")
+    agree = all(outputs[g][k] == outputs["request"][k] for g in GRANULARITIES
+                for k in outputs[g].keys() & outputs["request"].keys())
+    per_round = {g: [statistics.median(ts) for ts in runs] for g, runs in ttft.items()}
+    median = {g: statistics.median(v) for g, v in per_round.items()}
+    return {
+        "real_ttft_ms": {g: round(v * 1000, 2) for g, v in median.items()},
+        "real_ttft_ms_by_round": {g: [round(v * 1000, 2) for v in vs]
+                                  for g, vs in per_round.items()},
+        "real_ttft_ratio_layer": round(median["layer"] / median["request"], 4),
+        "real_ttft_ratio_chunk": round(median["chunk"] / median["request"], 4),
+        "real_outputs_agree": agree,
+        "real_runs_failed": failed,
+        "real_setup": {"length": length, "budget": budget, "rounds": rounds,
+                       "requests": requests, "max_tokens": max_tokens},
+        "real_wall_s": round(time.monotonic() - started, 1),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--real", action="store_true", help="also run real vLLM CPU engines")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--sim-only", action="store_true", help="part (a) only")
+    only.add_argument("--real-only", action="store_true", help="part (b) only")
+    ap.add_argument("--short", action="store_true",
+                    help="a quick real run: 1 round, 2 requests, 1000-token prompts")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (real)")
+    ap.add_argument("--requests", type=int, default=8, help="timed requests per round")
+    ap.add_argument("--length", type=int, default=2040,
+                    help="prompt tokens (the tiny model's positions end at 2048)")
+    ap.add_argument("--budget", type=int, default=256,
+                    help="the prefill server's --max-num-batched-tokens (chunk size)")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--logs", default="", help="directory for server logs (default: a temp)")
     args = ap.parse_args()
-    sim = simulate()
-    print_sim(sim)
-    at16 = {name: rows[-1] for name, rows in sim.items()}
+    if args.short:
+        args.rounds, args.requests, args.length = 1, 2, 1000
     out: dict[str, Any] = {
-        "sim_hidden_share_16k": round(min(r["hidden_layer"] for r in at16.values()), 4),
-        "sim_ttft_ratio_layer_16k": round(max(r["ratio_layer"] for r in at16.values()), 4),
-        "sim_hidden_share_16k_by_profile": {n: round(r["hidden_layer"], 4)
-                                            for n, r in at16.items()},
+        "sim_hidden_share_16k": None,
+        "sim_ttft_ratio_layer_16k": None,
         "real_ttft_ratio_layer": None,
         "real_ttft_ratio_chunk": None,
     }
-    if args.real:
-        got = real()
-        print(f"real engines: {got}")
-        out.update({k: v for k, v in got.items() if k.startswith("real_")})
-    else:
-        print("real engines: not run (pass --real)")
+    if not args.real_only:
+        sim = simulate()
+        print_sim(sim)
+        at16 = {name: rows[-1] for name, rows in sim.items()}
+        out |= {
+            "sim_hidden_share_16k": round(min(r["hidden_layer"] for r in at16.values()), 4),
+            "sim_ttft_ratio_layer_16k": round(max(r["ratio_layer"] for r in at16.values()), 4),
+            "sim_hidden_share_16k_by_profile": {n: round(r["hidden_layer"], 4)
+                                                for n, r in at16.items()},
+        }
+    if not args.sim_only:
+        got = real(rounds=args.rounds, requests=args.requests, length=args.length,
+                   budget=args.budget, max_tokens=args.max_tokens, logs=args.logs)
+        print("real engines: TTFT ms (median of round medians) "
+              + ", ".join(f"{g} {v}" for g, v in got["real_ttft_ms"].items()))
+        out |= got
     print(json.dumps(out))
 
 

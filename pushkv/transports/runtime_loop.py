@@ -105,7 +105,11 @@ class IOLoop:
         self._pulls: dict[str, list[cmd.StartPull]] = {}
         self._next_notif = 0.0
         self._writer: Writer | None = None
-        self._unready: list[cmd.RangeReady] = []  # ranges whose event has not completed
+        #: ranges whose event has not completed, and the prefill_finished of their
+        #: transfer (it must not post before they are final), in the engine's order
+        self._unready: list[cmd.RangeReady | cmd.PrefillFinished] = []
+        #: producer: transfers given a range whose prefill_finished/aborted has not come
+        self._streaming: set[tuple[str, int]] = set()
         if self.role == "producer":
             self._writer = Writer(agent, memory, poll_s=config.write_poll_s,
                                   timeout_s=config.write_timeout_s, on_done=self._write_done,
@@ -282,17 +286,25 @@ class IOLoop:
         return self._endpoint
 
     def _forget_ranges(self, tid: str, inc: int) -> None:
-        """Prefill finished or aborted: ranges still waiting for their event are moot."""
+        """Prefill aborted (or finished): ranges still waiting for their event are moot."""
         self._unready = [r for r in self._unready
                          if (r.transfer_id, r.incarnation) != (tid, inc)]
+        self._streaming.discard((tid, inc))
 
     def _prefill_finished(self, c: cmd.PrefillFinished, now: float) -> None:
+        key = (c.transfer_id, c.incarnation)
+        if any((r.transfer_id, r.incarnation) == key for r in self._unready):
+            # A range of it waits for its event (a GPU still computing it): the whole
+            # prompt is final only after that range is, so finish in order behind it.
+            self._unready.append(c)
+            return
         self._forget_ranges(c.transfer_id, c.incarnation)
         self._apply(self._producer().prefill_finished(
             c.transfer_id, c.block_ids, c.num_tokens, now, c.mode, incarnation=c.incarnation),
             now)
 
     def _range_ready(self, c: cmd.RangeReady, now: float) -> None:
+        self._streaming.add((c.transfer_id, c.incarnation))
         if self._unready or (c.ready is not None and not c.ready.query()):
             self._unready.append(c)  # in order: later commands of the request wait too
             return
@@ -303,8 +315,14 @@ class IOLoop:
     def _ranges_due(self, now: float) -> None:
         """Feed the ranges whose event completed, in the order they were reported."""
         waiting, self._unready = self._unready, []
-        while waiting and (waiting[0].ready is None or waiting[0].ready.query()):
-            self._range_ready(waiting.pop(0), now)
+        while waiting:
+            head = waiting[0]
+            if isinstance(head, cmd.PrefillFinished):
+                self._prefill_finished(waiting.pop(0), now)
+            elif head.ready is None or head.ready.query():
+                self._range_ready(waiting.pop(0), now)
+            else:
+                break
         self._unready = waiting + self._unready
 
     def _prefill_aborted(self, c: cmd.PrefillAborted, now: float) -> None:
@@ -496,6 +514,8 @@ class IOLoop:
             if r.ok:
                 self._stats["writes_ok"] += 1
                 self._stats["bytes_written"] += r.nbytes
+                if (r.transfer_id, r.incarnation) in self._streaming:  # prefill still running
+                    self._stats["bytes_written_early"] += r.nbytes
             else:
                 self._stats["writes_failed"] += 1
                 log.info("write of %s#%d to %s failed: %s", r.transfer_id, r.attempt, r.peer,

@@ -20,6 +20,8 @@ from ..transports.nixl_config import NixlConfig
 
 #: Transport backends pushkv knows how to ask NIXL for.
 BACKENDS = ("UCX", "LIBFABRIC")
+#: When a producer hands prefilled KV to the transport (``push_granularity``).
+GRANULARITIES = ("request", "chunk", "layer")
 
 
 def _defaults(cls: type) -> dict[str, Any]:
@@ -133,6 +135,14 @@ class PushKVSettings:
                   "dispatched leg cannot be pulled: its decode leg is sent before the "
                   "blocks are known)"},
     )
+    push_granularity: str = field(
+        default="request",
+        metadata={"help": "producer: when KV is pushed. 'request': all of it once prefill "
+                  "finished (one write per rank); 'chunk': each chunked-prefill step's "
+                  "tokens, all layers, after the step; 'layer': each layer of each step, "
+                  "as its attention returns. Applies to legs of pushkv's proxy (their "
+                  "decode side registers while prefill runs)"},
+    )
     backend_options: dict[str, str] = field(
         default_factory=dict,
         metadata={"help": "extra backend parameters passed to NIXL as strings"},
@@ -172,6 +182,10 @@ class PushKVSettings:
         if self.direction not in SETTINGS:
             raise ConnectorConfigError(
                 f"direction must be 'auto', 'push' or 'pull', got {self.direction!r}")
+        if self.push_granularity not in GRANULARITIES:
+            raise ConnectorConfigError(
+                f"push_granularity must be one of {', '.join(map(repr, GRANULARITIES))}, "
+                f"got {self.push_granularity!r}")
         if self.transport_cpus not in ("auto", "inherit"):
             parse_cpus(self.transport_cpus)
 

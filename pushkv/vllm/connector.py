@@ -108,6 +108,7 @@ class PushKVConnector(KVConnectorBase_V1):
                 is_producer=ktc.is_kv_producer, is_consumer=ktc.is_kv_consumer,
                 policy=self.policy.value, key=self.settings.load_key(),
                 direction=self.settings.direction,
+                granularity=self.settings.push_granularity,
             )
         else:
             from .worker_side import WorkerSide  # the transport is needed here only
@@ -143,7 +144,7 @@ class PushKVConnector(KVConnectorBase_V1):
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler_side.build_connector_meta()
+        return self.scheduler_side.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -192,10 +193,20 @@ class PushKVConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        return None  # the push starts when the whole prefill finished
+        """push_granularity 'layer': this step's prompt KV of the layer is final."""
+        meta = self._connector_metadata
+        if isinstance(meta, PushKVMetadata) and meta.send_ranges:
+            self.worker_side.layer_saved(meta.send_ranges, layer_name)
 
     def wait_for_save(self) -> None:
-        return None
+        """The step's forward is done: push_granularity 'chunk' reports this step's
+        prompt KV final in every layer, and prefills this step ends are finished."""
+        meta = self._connector_metadata
+        if isinstance(meta, PushKVMetadata):
+            if meta.send_ranges:
+                self.worker_side.step_saved(meta.send_ranges)
+            if meta.send_at_save:
+                self.worker_side.finish_saved(meta.send_at_save)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self.worker_side.results()

@@ -55,6 +55,21 @@ class SendOrder:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RangeOrder:
+    """Producer (progressive push): this step computes the KV of prompt tokens
+    ``[start, end)`` of ``transfer_id``, held in ``block_ids``; report it final once
+    written -- per layer, or after the step (``push_granularity``). ``start`` starts a
+    vLLM block; ``end`` ends one, or is the prompt's end."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    incarnation: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Abort:
     """Either side: the engine gave the request up."""
 
@@ -91,7 +106,14 @@ class PushKVMetadata(KVConnectorMetadata):
     send: list[SendOrder] = field(default_factory=list)
     #: producer: requests aborted (or ended early) before their KV was complete
     send_abort: list[Abort] = field(default_factory=list)
+    #: producer (progressive push): prompt KV this step computes, reported as it is saved
+    send_ranges: list[RangeOrder] = field(default_factory=list)
+    #: producer: prefills this step completes and ends (a leg of one token), finished
+    #: as soon as the step saved its KV
+    send_at_save: list[SendOrder] = field(default_factory=list)
 
     def is_empty(self) -> bool:
+        """No order to apply at the step's start (``send_ranges`` and ``send_at_save``
+        are applied as the step saves its KV)."""
         return not (self.recv or self.recv_abort or self.recv_drop or self.recv_fail
                     or self.recv_abandon or self.send or self.send_abort)

@@ -14,11 +14,14 @@ Consumer (decode) requests live through::
       |                                is still lent to another transfer)
       +--admitted without a load (vLLM forced a local prefill)--> DONE
 
-Producer (prefill) requests are seen once, when they finish: a prefill that
-stopped or hit its length holds its blocks (``delay_free``) until the worker
-reports the push completed, was cancelled or its lease expired; any other end
-(abort, error, ignored...) tells the producer endpoint, which fails the
-consumer's registration so the consumer can apply its failure policy.
+Producer (prefill) requests are seen when they finish (and, with
+``push_granularity`` chunk or layer, at admission and at every step, whose
+newly final prompt KV goes out in the metadata: :mod:`.progressive`): a
+prefill that stopped or hit its length (or streamed its whole prompt) holds
+its blocks (``delay_free``) until the worker reports the push completed, was
+cancelled or its lease expired; any other end (abort, error, ignored...)
+tells the producer endpoint, which fails the consumer's registration so the
+consumer can apply its failure policy.
 
 Direction. The producer chooses, per request, from how the request was
 dispatched (:func:`leg_direction`): a leg of pushkv's proxy has its decode
@@ -60,10 +63,12 @@ from .params import (
     nixl_answer,
     parse_params,
 )
+from .progressive import ProgressiveFeed
 from .signing import ReplayGuard, sign, verify
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -112,10 +117,17 @@ class SchedulerSide:
 
     def __init__(self, *, endpoint: Endpoint, block_size: int, is_producer: bool,
                  is_consumer: bool, policy: str = "fail", key: bytes | None = None,
-                 direction: str = "auto") -> None:
+                 direction: str = "auto", granularity: str = "request") -> None:
         if direction not in SETTINGS:
             raise ParamsError(f"direction must be one of {SETTINGS}, got {direction!r}")
         self.direction = direction
+        #: producer, push_granularity chunk or layer: the prompt KV each step makes final
+        #: producer: when each prefill's KV is final (progressive ranges; the step
+        #: that ends a one-token prefill leg)
+        self.granularity = granularity
+        self.feed = (ProgressiveFeed(block_size, ranges=granularity != "request")
+                     if is_producer else None)
+        self._early: set[str] = set()  # finished as their last step saved its KV
         self._rng = random.SystemRandom()
         self.endpoint = endpoint
         self.block_size = block_size
@@ -173,8 +185,11 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        """The registration is born here, with the blocks vLLM just allocated."""
+        """The registration is born here, with the blocks vLLM just allocated (on a
+        producer streaming its KV: the prefill's stream)."""
         req_id = request.request_id
+        if self.feed is not None and req_id not in self._recv:
+            self._stream(request)
         if not self.is_consumer or req_id in self._recv:
             rec = self._recv.get(req_id)
             if rec is not None and rec.phase is Phase.LOADED and rec.leg is not None:
@@ -207,6 +222,20 @@ class SchedulerSide:
                           src_block_ids=leg.src_block_ids)
         rec = self._recv[req_id] = _Recv(leg=leg, phase=Phase.DEFERRED, order=order)
         self._try_ship(req_id, rec)
+
+    def _stream(self, request: Request) -> None:
+        """Producer: stream a prefill leg of pushkv's proxy (its decode side registers
+        while the prefill runs); other legs, and malformed ones, push when it ends."""
+        assert self.feed is not None
+        try:
+            leg = self._leg(request)
+        except ParamsError:
+            return  # refused when the request ends
+        if isinstance(leg, PrefillLeg) and leg_direction(leg, self.direction) == "push":
+            ends = request.max_tokens == 1  # so nothing can touch its blocks after that step
+            if ends or self.granularity != "request":
+                self.feed.track(request.request_id, leg.transfer_id, leg.incarnation,
+                                request.num_prompt_tokens, ends=ends)
 
     def _try_ship(self, req_id: str, rec: _Recv) -> bool:
         """Ship a registration unless a block of it is still lent to another one.
@@ -242,10 +271,19 @@ class SchedulerSide:
 
     # ------------------------------------------------------------ both
 
-    def build_connector_meta(self) -> PushKVMetadata:
+    def build_connector_meta(self, out: SchedulerOutput | None = None) -> PushKVMetadata:
         for req_id, rec in self._recv.items():
             if rec.phase is Phase.DEFERRED and not rec.finished:
                 self._try_ship(req_id, rec)
+        if self.feed is not None and out is not None:
+            ranges, aborts, finishes = self.feed.step(out)
+            self._meta.send_ranges.extend(ranges)
+            self._meta.send_abort.extend(aborts)
+            self._meta.send_at_save.extend(finishes)
+            self._early.update(f.req_id for f in finishes)
+            for ab in aborts:
+                logger.warning("request %s (transfer %s) was preempted while its KV streamed "
+                               "out; failing the transfer", ab.req_id, ab.transfer_id)
         meta, self._meta = self._meta, PushKVMetadata()
         return meta
 
@@ -302,10 +340,15 @@ class SchedulerSide:
             incarnation = new_incarnation(self._rng)
         else:
             tid, incarnation = leg.transfer_id, leg.incarnation
+        early = req_id in self._early  # the worker finished it as its last step ended
+        self._early.discard(req_id)
+        streamed = self.feed.finished(req_id) if self.feed is not None else 0
+        if streamed is None:
+            return False, None  # aborted when it was preempted mid-stream
         n = request.num_prompt_tokens
         complete = (
-            request.status in _PREFILL_COMPLETE
-            and request.num_computed_tokens >= n
+            ((request.status in _PREFILL_COMPLETE and request.num_computed_tokens >= n)
+             or streamed >= n)  # every token reported final: it may have landed already
             and len(block_ids) * self.block_size >= n
         )
         if not complete:
@@ -317,10 +360,11 @@ class SchedulerSide:
             return False, None
         direction = leg_direction(leg, self.direction)
         self._sending[req_id] = tid
-        timeline.mark(tid, "prefill_finished")
-        self._meta.send.append(SendOrder(req_id=req_id, transfer_id=tid,
-                                         block_ids=tuple(block_ids), num_tokens=n,
-                                         incarnation=incarnation, direction=direction))
+        if not early:
+            timeline.mark(tid, "prefill_finished")
+            self._meta.send.append(SendOrder(req_id=req_id, transfer_id=tid,
+                                             block_ids=tuple(block_ids), num_tokens=n,
+                                             incarnation=incarnation, direction=direction))
         if isinstance(leg, PrefillLeg):
             return True, {"transfer_id": tid, "num_tokens": n,
                           ENDPOINT_KEY: self.endpoint.to_json()}

@@ -36,9 +36,17 @@ COUNTERS: dict[str, str] = {
     "pushes_aborted": "prefills that ended before their KV was complete",
     "sources_released": "prefilled KV released after its push, a cancel or a lease expiry",
     "blocks_sent": "KV blocks released after a completed push",
+    "ranges_reported": "progressive push: ranges of prefilled KV (tokens x layers) handed "
+                       "to the transport before the prefill finished",
+    "bytes_before_prefill_end": "progressive push: KV bytes whose write completed while "
+                                "the prefill was still running (0 with push_granularity "
+                                "'request')",
     "frames_refused": "side-channel frames dropped: failed authentication, replayed, stale "
                       "or malformed (the runtime's counts)",
 }
+#: Counter of the KV bytes written while the prefill ran (the runtime's
+#: ``bytes_written_early``).
+EARLY_BYTES = "bytes_before_prefill_end"
 #: The runtime's counters that make up ``frames_refused``.
 REFUSED_FRAMES = ("auth_failed", "auth_replayed", "auth_stale", "auth_unprotected", "rejected")
 

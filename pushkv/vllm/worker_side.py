@@ -41,9 +41,9 @@ from ..protocol.events import (
 )
 from ..protocol.layout import EngineSpec
 from .config import ConnectorConfigError, PushKVSettings, parse_cpus
-from .layout import KVRegions, describe_kv_caches
-from .metadata import PushKVMetadata, RankAddress, RecvOrder
-from .stats import FAILED_REASON, REFUSED_FRAMES, PushKVStats
+from .layout import KVRegions, describe_kv_caches, layer_index
+from .metadata import PushKVMetadata, RangeOrder, RankAddress, RecvOrder, SendOrder
+from .stats import EARLY_BYTES, FAILED_REASON, REFUSED_FRAMES, PushKVStats
 
 if TYPE_CHECKING:
     import torch
@@ -154,6 +154,9 @@ class WorkerSide:
         self._stats = PushKVStats()
         self._seen: Counter[str] = Counter()
         self._refused = 0  # the runtime's refused frames, as last counted
+        self._early = 0  # the runtime's bytes written before prefill finished, as counted
+        self._layers: dict[str, int] = {}  # layer name -> model layer index
+        self._cuda = False  # KV on a GPU: a range is final once its CUDA event completed
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, *, settings: PushKVSettings,
@@ -196,6 +199,7 @@ class WorkerSide:
                                      block_size=f.block_size, head_dim=f.head_dim)
         first = next(iter(kv_caches.values()))
         kind = "VRAM" if first.device.type == "cuda" else "DRAM"
+        self._cuda = kind == "VRAM"
         device = int(first.device.index or 0) if kind == "VRAM" else 0
         memory = KVMemory.from_addresses(regions.bases, regions.layout.region_bytes,
                                          kind=kind, device=device)
@@ -276,17 +280,78 @@ class WorkerSide:
                        incarnation=gone.incarnation)
             self._stats.add("transfers_abandoned")
         for send in meta.send:
-            self._send[send.transfer_id] = send.req_id
-            timeline.mark(send.transfer_id, "write_handed")
-            self._send_since[send.transfer_id] = time.monotonic()
-            pull = send.direction == "pull"
-            rt.prefill_finished(send.transfer_id, send.block_ids, regions.units(send.num_tokens),
-                                incarnation=send.incarnation,
-                                mode=Mode.PULL if pull else Mode.PUSH)
-            self._stats.add("sources_published" if pull else "pushes_started")
+            self._finish(rt, regions, send)
         for ab in meta.send_abort:
             rt.prefill_aborted(ab.transfer_id, incarnation=ab.incarnation)
             self._stats.add("pushes_aborted")
+
+    def _finish(self, rt: NixlRuntime, regions: KVRegions, send: SendOrder) -> None:
+        """The prefill of ``send`` finished: its KV goes out (or is published)."""
+        self._send[send.transfer_id] = send.req_id
+        timeline.mark(send.transfer_id, "write_handed")
+        self._send_since[send.transfer_id] = time.monotonic()
+        pull = send.direction == "pull"
+        rt.prefill_finished(send.transfer_id, send.block_ids, regions.units(send.num_tokens),
+                            incarnation=send.incarnation, mode=Mode.PULL if pull else Mode.PUSH)
+        self._stats.add("sources_published" if pull else "pushes_started")
+
+    def finish_saved(self, sends: list[SendOrder]) -> None:
+        """After the step's forward: the prefills it completed (and that end with it) are
+        finished now, not one engine step later. On a GPU the runtime waits for an event
+        recorded here, as for a progressive range."""
+        rt, regions = self._rt()
+        ready = self._event()
+        for send in sends:
+            timeline.mark(send.transfer_id, "prefill_finished")
+            if ready is not None:  # the stream's last range carries the event
+                rt.range_ready(send.transfer_id, send.block_ids,
+                               (0, regions.units(send.num_tokens)), incarnation=send.incarnation,
+                               ready=ready)
+            self._finish(rt, regions, send)
+
+    def _event(self) -> Any:
+        """On a GPU, an event recorded on the current stream now: it completes once the
+        kernels that wrote this step's KV did. None on CPU (the forward is done)."""
+        if not self._cuda:
+            return None
+        import torch
+
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready
+
+    # ------------------------------------------------- progressive push
+
+    def layer_saved(self, ranges: list[RangeOrder], layer_name: str) -> None:
+        """push_granularity 'layer' (inside the forward, after the layer's attention):
+        the step's ranges are final in this layer."""
+        if self.settings.push_granularity != "layer":
+            return
+        layer = self._layers.get(layer_name)
+        if layer is None:
+            layer = self._layers[layer_name] = layer_index(layer_name)
+        self._hand_ranges(ranges, (layer, layer + 1))
+
+    def step_saved(self, ranges: list[RangeOrder]) -> None:
+        """push_granularity 'chunk' (after the step's forward): the step's ranges are
+        final in every layer."""
+        if self.settings.push_granularity == "chunk":
+            self._hand_ranges(ranges, None)
+
+    def _hand_ranges(self, ranges: list[RangeOrder], layers: tuple[int, int] | None) -> None:
+        """Queue the ranges on the runtime; the engine thread never waits. On a GPU the
+        kernels that wrote them may still run: an event recorded on the current stream
+        now completes after them, and the runtime feeds each range once it did."""
+        rt, regions = self._rt()
+        ready = self._event()
+        for r in ranges:
+            # start begins a vLLM block; end ends one or is the prompt's end (rounded up).
+            rt.range_ready(r.transfer_id, r.block_ids,
+                           (regions.first_unit(r.start), regions.units(r.end)),
+                           layers=layers, incarnation=r.incarnation, ready=ready)
+        self._stats.add("ranges_reported", len(ranges))
+
+    # ------------------------------------------------------------ orders
 
     def _register(self, rt: NixlRuntime, regions: KVRegions, order: RecvOrder) -> None:
         bs = self.facts.block_size
@@ -388,6 +453,9 @@ class WorkerSide:
             logger.error("transfer %s could not be pushed: %s", tid, event.error)
             self._sent.add(self._send.pop(tid))
             self._send_since.pop(tid, None)
+        elif event.operation == "range_ready":  # the transfer still ends at prefill end
+            logger.warning("transfer %s: a progressive range was refused: %s", tid,
+                           event.error)
         else:  # e.g. an abort racing the transfer's own end: that end is reported
             logger.debug("pushkv: %s(%s) refused: %s", event.operation, tid, event.error)
 
@@ -399,6 +467,9 @@ class WorkerSide:
             refused = sum(counts.get(k, 0) for k in REFUSED_FRAMES)
             self._stats.add("frames_refused", refused - self._refused)
             self._refused = refused
+            early = counts.get("bytes_written_early", 0)
+            self._stats.add(EARLY_BYTES, early - self._early)
+            self._early = early
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, PushKVStats()

@@ -91,3 +91,45 @@ def test_a_range_is_posted_only_once_its_event_completed() -> None:
     finally:
         prod.close()
         cons.close()
+
+
+def test_prefill_finished_waits_for_a_range_still_computing() -> None:
+    """A GPU engine finishes the prefill as the step's forward is queued: the whole
+    prompt goes out only after the event of its last range completed."""
+    import numpy as np
+
+    from pushkv.protocol import TransferReady, uniform_ranks
+    from pushkv.transports.inmemory import region_memory
+    from pushkv.transports.nixl import NixlRuntime
+
+    p_info, c_info = uniform_ranks("prefill-0")[0], uniform_ranks("decode-0")[0]
+    src = region_memory(p_info.layout, rng=np.random.default_rng(4))
+    dst = region_memory(c_info.layout)
+    prod = NixlRuntime(p_info, src, role="producer")
+    cons = NixlRuntime(c_info, dst, role="consumer")
+    try:
+        cons.connect("prefill-0", [prod.address])
+        cons.register("t", "prefill-0", [5, 6], 32)
+        tb = src[0].size // 64  # bytes per block (16 tokens)
+        event = _Event()
+        prod.range_ready("t", [1, 2], (0, 32), ready=event)
+        prod.prefill_finished("t", [1, 2], 32)  # right behind: it must wait too
+        deadline = time.monotonic() + 30
+        while event.queries < 3 and time.monotonic() < deadline:
+            prod.wait(0.05)
+        assert event.queries >= 3, "the I/O thread does not poll the event"
+        assert not any(region[5 * tb:7 * tb].any() for region in dst), \
+            "the finished prefill was written before its range was final"
+        assert not [e for e in cons.poll() if isinstance(e, TransferReady)]
+        event.done.set()
+        seen: list[object] = []
+        while not any(isinstance(e, TransferReady) for e in seen) and (
+                time.monotonic() < deadline):
+            cons.wait(0.05)
+            seen += cons.poll()
+        assert any(isinstance(e, TransferReady) for e in seen)
+        for region in range(len(src)):
+            assert np.array_equal(dst[region][5 * tb:7 * tb], src[region][tb:3 * tb])
+    finally:
+        prod.close()
+        cons.close()

@@ -186,6 +186,11 @@ class Engine:
     def orders(self, kind: str) -> list[Any]:
         return [o for m in self.metas for o in getattr(m, kind)]
 
+    def finished_prefills(self) -> list[Any]:
+        """Every prefill handed over as finished: at a step's start (``send``) or as the
+        step that ends a one-token prefill leg saved its KV (``send_at_save``)."""
+        return self.orders("send") + self.orders("send_at_save")
+
 
 def fresh_free(engine: Engine) -> int:
     """Free blocks of an idle engine (all but the null block)."""

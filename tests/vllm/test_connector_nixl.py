@@ -74,8 +74,11 @@ class Side:
 
     def run_workers(self, out: SchedulerOutput) -> KVConnectorOutput:
         w = self.worker
+        # As vLLM's model runner: the forward, then start_load_kv, wait_for_save,
+        # the transfer results.
         w.bind_connector_metadata(out.kv_connector_metadata)
         w.start_load_kv(None)  # type: ignore[arg-type]
+        w.wait_for_save()
         results = w.get_transfer_results(out.finished_req_ids)
         w.clear_connector_metadata()
         return KVConnectorOutput(finished_sending=results.finished_sending,

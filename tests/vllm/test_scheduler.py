@@ -259,6 +259,8 @@ def prefill_params(tid: str) -> dict[str, object]:
 
 
 def test_prefill_holds_its_blocks_until_the_push_completed(producer):
+    """A one-token prefill leg is finished by the step that computes its prompt, as
+    that step saves its KV: not one engine step later, when vLLM reports it ended."""
     e = producer()
     req = e.request(70, params=prefill_params("t-1"), max_tokens=1)
     e.run_until(lambda: req.request_id in e.outputs.finish)
@@ -266,9 +268,10 @@ def test_prefill_holds_its_blocks_until_the_push_completed(producer):
     assert params is not None and params["transfer_id"] == "t-1"
     assert params[ENDPOINT_KEY]["engine_id"] == "prefill-0"
     blocks = e.blocks_of(req.request_id)
-    e.step()
-    (send,) = e.orders("send")
+    (send,) = e.metas[-1].send_at_save  # the step that computed the prompt
     assert (send.transfer_id, send.num_tokens, list(send.block_ids)) == ("t-1", 70, blocks)
+    e.step()
+    assert e.orders("send") == []  # vLLM's end of the request adds no second push
     e.run(3)
     assert req.request_id in e.held()  # delay_free: kept while the push runs
     e.step(kv=KVConnectorOutput(finished_sending={req.request_id}))

@@ -33,7 +33,7 @@ def test_defaults_are_valid_and_documented():
         "lease_s", "window_s",
         "fence_grace_s", "heartbeat_s", "handshake_timeout_s", "write_timeout_s",
         "peer_confirm_s", "max_pending_registrations", "notify_poll_ms", "progress_delay_us",
-        "transport_cpus", "direction",
+        "transport_cpus", "direction", "push_granularity",
         "backend_options", "timeline_dir"}
     assert all(PushKVSettings.help().values())
 
@@ -66,12 +66,21 @@ def test_values_are_coerced_from_json_and_strings():
         ({"backend_options": ["x"]}, "backend_options"),
         ({"transport_cpus": "3-1"}, "transport_cpus"),
         ({"transport_cpus": "all"}, "transport_cpus"),
+        ({"push_granularity": "token"}, "push_granularity must be one of 'request', 'chunk'"),
+        ({"push_granularity": 2}, "push_granularity must be a string"),
     ],
 )
 def test_bad_values_name_their_key(extra, match):
     with pytest.raises(ConnectorConfigError, match=match) as info:
         PushKVSettings.from_extra_config(extra)
     assert isinstance(info.value, ConfigError) and isinstance(info.value, ValueError)
+
+
+def test_push_granularity_defaults_to_whole_requests():
+    assert PushKVSettings().push_granularity == "request"
+    for value in ("request", "chunk", "layer"):
+        assert PushKVSettings.from_extra_config(
+            {"push_granularity": value}).push_granularity == value
 
 
 def test_protocol_and_transport_defaults_are_the_core_and_runtime_ones():

@@ -84,7 +84,7 @@ def test_producer_holds_nothing_for_unsigned_legs_and_discovery_needs_the_key(
     found = e.request(8, params=sign({"pushkv_discover": True}, KEY), max_tokens=1, first=60)
     e.run_until(lambda: len(e.outputs.finish) == 4)
     e.step()
-    (send,) = e.orders("send")
+    (send,) = e.finished_prefills()
     assert send.transfer_id == "t-ok"
     assert e.outputs.params[unsigned.request_id] is None
     assert e.outputs.params[spy.request_id] is None

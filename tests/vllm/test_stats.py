@@ -15,7 +15,13 @@ if VLLM_MISSING:
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pushkv.vllm.stats import FAILED_REASON, HISTOGRAMS, PushKVPromMetrics, PushKVStats
+from pushkv.vllm.stats import (
+    EARLY_BYTES,
+    FAILED_REASON,
+    HISTOGRAMS,
+    PushKVPromMetrics,
+    PushKVStats,
+)
 from pushkv.vllm.testing import metric
 
 pytestmark = pytest.mark.vllm
@@ -54,3 +60,18 @@ def test_prometheus_metrics_per_engine():
     assert metric(text, "pushkv:transfer_seconds_count", engine="0") == 0
     for name in HISTOGRAMS:
         assert f"pushkv:{name}_bucket" in text
+
+
+def test_progressive_push_counters_are_exported():
+    reg = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    prom = PushKVPromMetrics(SimpleNamespace(kv_transfer_config=None), types,
+                             ["engine"], {0: ["0"]})
+    a, b = PushKVStats(), PushKVStats()
+    a.add(EARLY_BYTES, 4096)
+    a.add("ranges_reported", 3)
+    b.add(EARLY_BYTES, 1024)
+    prom.observe(a.aggregate(b).data, 0)
+    text = generate_latest(reg).decode()
+    assert metric(text, "pushkv:bytes_before_prefill_end_total", engine="0") == 5120
+    assert metric(text, "pushkv:ranges_reported_total", engine="0") == 3
