@@ -35,7 +35,7 @@ from pushkv.vllm.testing import (
 
 from .test_e2e import FAST, Cluster, completion, prompt, start_proxy, stop_proxy
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl, pytest.mark.hetero]
 
 #: Partial block, exact block, several blocks.
 LENGTHS = (7, 32, 75, 140)
