@@ -34,11 +34,12 @@ from .nixl_agent import load_nixl, nixl_available
 from .nixl_config import NixlConfig
 from .nixl_memory import KVMemory
 from .runtime import NixlRuntime
-from .runtime_events import CallFailed, Event, PeerLost, RuntimeView
+from .runtime_events import CallFailed, Event, PeerLost, RuntimeView, WritesDone
 from .sidechannel import SideChannelBindError
 from .sidechannel_auth import load_key
 
 __all__ = [
     "CallFailed", "Event", "KVMemory", "NixlConfig", "NixlRuntime", "PeerLost",
+    "WritesDone",
     "RuntimeView", "SideChannelBindError", "load_key", "load_nixl", "nixl_available",
 ]

@@ -94,6 +94,8 @@ class Agent:
         self.config = config
         if config.progress_thread is not None:
             progress_thread = config.progress_thread
+        #: whether NIXL's progress thread runs for this agent
+        self.progress_thread = progress_thread
         conf = api.nixl_agent_config(
             enable_prog_thread=progress_thread,
             enable_listen_thread=False,

@@ -127,6 +127,8 @@ class NixlRuntime:
         # on consumers (not measured here). ``progress_thread`` overrides both.
         agent = Agent(self.agent_name, cfg,
                       progress_thread=role == "consumer" and mem.kind == "VRAM")
+        #: whether NIXL's progress thread runs for this rank's agent
+        self.progress_thread: bool = agent.progress_thread
         side: sc.SideChannel | None = None
         try:
             agent.register(mem)

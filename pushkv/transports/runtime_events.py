@@ -26,6 +26,18 @@ class CallFailed:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class WritesDone:
+    """Producer: what the writes of one transfer (this incarnation, every attempt and
+    part) cost, reported just before its ``ReleaseSource``."""
+
+    transfer_id: str
+    incarnation: int
+    writes: int  #: writes posted (parts, and attempts re-posted)
+    descriptors: int  #: NIXL descriptors of those writes
+    nbytes: int  #: bytes those writes moved (the ones that completed)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PeerLost:
     """Every rank of ``engine_id`` is confirmed dead; its transfers were fenced."""
 
@@ -42,9 +54,10 @@ Event = (
     | CallFailed
     | PeerLost
     | Publish
+    | WritesDone
 )
-"""What :meth:`NixlRuntime.poll` returns. All but ``CallFailed`` and ``PeerLost``
-are the protocol's own actions, passed through unchanged (``Publish``: a pull
+"""What :meth:`NixlRuntime.poll` returns. All but ``CallFailed``, ``PeerLost`` and
+``WritesDone`` are the protocol's own actions, passed through unchanged (``Publish``: a pull
 producer's blocks are ready to be read)."""
 
 

@@ -39,6 +39,7 @@ from ..protocol import (
     PushKVError,
     RankInfo,
     Rejected,
+    ReleaseSource,
     SendMessage,
     TransferFailed,
     TransferReady,
@@ -56,7 +57,7 @@ from .nixl_memory import KVMemory, bind_device
 from .nixl_reader import Reader, ReadJob, ReadResult
 from .nixl_writer import WriteJob, Writer, WriteResult
 from .peers import Link, PeerTable, card_problem
-from .runtime_events import CallFailed, Event, PeerLost, RuntimeView
+from .runtime_events import CallFailed, Event, PeerLost, RuntimeView, WritesDone
 from .runtime_handshake import Effect, HandshakeInput, Handshakes, RemoteEngine
 from .sidechannel_auth import identity
 
@@ -86,6 +87,8 @@ class IOLoop:
         self._completions: deque[WriteResult] = deque()
         self._read_completions: deque[ReadResult] = deque()
         self._recent: deque[WriteResult] = deque(maxlen=256)
+        #: producer: (writes, descriptors, bytes) so far of each transfer with a source
+        self._cost: dict[tuple[str, int], tuple[int, int, int]] = {}
         # I/O thread -> engine thread
         self._events: deque[Event] = deque()
         self._events_cv = threading.Condition()
@@ -440,6 +443,12 @@ class IOLoop:
                     self._stats["failed"] += 1
                 elif isinstance(a, TransferReady):
                     self._stats["ready"] += 1
+                elif isinstance(a, ReleaseSource):
+                    cost = self._cost.pop((a.transfer_id, a.incarnation), None)
+                    if cost is not None:
+                        self._emit(WritesDone(transfer_id=a.transfer_id,
+                                              incarnation=a.incarnation, writes=cost[0],
+                                              descriptors=cost[1], nbytes=cost[2]))
                 self._emit(a)
 
     def _send(self, peer: Peer, frame: bytes) -> None:
@@ -511,6 +520,9 @@ class IOLoop:
             timeline.mark(r.transfer_id, "write_completed")
             self._writes -= 1
             self._recent.append(r)
+            key = (r.transfer_id, r.incarnation)
+            w, d, b = self._cost.get(key, (0, 0, 0))
+            self._cost[key] = (w + 1, d + r.descriptors, b + (r.nbytes if r.ok else 0))
             if r.ok:
                 self._stats["writes_ok"] += 1
                 self._stats["bytes_written"] += r.nbytes

@@ -62,6 +62,10 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "transfer_bytes": (
         "consumer: KV bytes that landed in this rank for one transfer",
         tuple(float(4**i * 1024) for i in range(12))),
+    "descriptors_per_transfer": (
+        "producer: NIXL descriptors this rank posted for one transfer (every part and "
+        "attempt)",
+        tuple(float(4**i) for i in range(11))),
 }
 #: Prefix of the per-reason failure counts in the stats' data.
 FAILED_REASON = "failed_reason:"

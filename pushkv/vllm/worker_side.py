@@ -387,7 +387,7 @@ class WorkerSide:
         return sending, recving, failed
 
     def _on_event(self, event: Any) -> None:
-        from ..transports.nixl import CallFailed, PeerLost
+        from ..transports.nixl import CallFailed, PeerLost, WritesDone
 
         if isinstance(event, TransferReady):
             rec = self._recv.pop(event.transfer_id, None)
@@ -419,6 +419,9 @@ class WorkerSide:
                 self._sent.add(req_id)
                 self._stats.add("sources_released")
                 self._stats.add("blocks_sent", len(event.block_ids))
+        elif isinstance(event, WritesDone):
+            if event.transfer_id in self._send:
+                self._stats.observe("descriptors_per_transfer", float(event.descriptors))
         elif isinstance(event, ReleaseDestination | Publish):
             pass  # the transfer's terminal event follows; a pull's blocks are in the answer
         elif isinstance(event, CallFailed):

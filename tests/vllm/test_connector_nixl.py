@@ -309,3 +309,22 @@ def test_a_reused_transfer_id_with_a_new_incarnation_is_a_new_transfer(pair):
         run((p, d), lambda dr=dr: dr.request_id in d.engine.outputs.finish)
         assert d.engine.outputs.finish[dr.request_id] == "length"
         run((p, d), lambda: idle(p) and idle(d))
+
+
+def test_descriptors_per_transfer_are_reported_once_the_source_is_released(pair):
+    """Each push's NIXL descriptors reach the producer's stats as one observation,
+    equal to what its writer posted."""
+    p, d = pair()
+    reqs = [push(p, d, f"desc{i}", n, first=50 * i) for i, n in enumerate((20, 64, 130))]
+    run((p, d), lambda: all(dr.request_id in d.engine.outputs.finish for _, dr in reqs))
+    run((p, d), lambda: idle(p) and idle(d))
+    rt = p.worker.worker_side.runtime
+    assert rt is not None
+    posted: dict[str, int] = {}
+    for w in rt.inspect().recent_writes:
+        posted[w.transfer_id] = posted.get(w.transfer_id, 0) + w.descriptors
+    stats = p.worker.get_kv_connector_stats()
+    assert stats is not None
+    got = sorted(stats.data["descriptors_per_transfer"])
+    assert got == sorted(posted[f"desc{i}"] for i in range(3)), (got, posted)
+    assert all(n > 0 for n in got)
