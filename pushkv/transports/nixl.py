@@ -39,7 +39,16 @@ from .sidechannel import SideChannelBindError
 from .sidechannel_auth import load_key
 
 __all__ = [
-    "CallFailed", "Event", "KVMemory", "NixlConfig", "NixlRuntime", "PeerLost",
+    "CallFailed",
+    "Event",
+    "KVMemory",
+    "NixlConfig",
+    "NixlRuntime",
+    "PeerLost",
+    "RuntimeView",
+    "SideChannelBindError",
     "WritesDone",
-    "RuntimeView", "SideChannelBindError", "load_key", "load_nixl", "nixl_available",
+    "load_key",
+    "load_nixl",
+    "nixl_available",
 ]
