@@ -113,6 +113,7 @@ class IOLoop:
         self._unready: list[cmd.RangeReady | cmd.PrefillFinished] = []
         #: producer: transfers given a range whose prefill_finished/aborted has not come
         self._streaming: set[tuple[str, int]] = set()
+        self._early_bytes = 0  # bytes of writes completed while streaming (writer thread)
         if self.role == "producer":
             self._writer = Writer(agent, memory, poll_s=config.write_poll_s,
                                   timeout_s=config.write_timeout_s, on_done=self._write_done,
@@ -251,6 +252,7 @@ class IOLoop:
     def _publish_stats(self) -> None:
         stats = self._stats
         stats["dropped_frames"] = self._side.dropped
+        stats["bytes_written_early"] = self._early_bytes
         if self._authenticated:
             for reason, n in self._side.auth_dropped.items():  # totals, not increments
                 stats[reason] = n
@@ -508,6 +510,8 @@ class IOLoop:
         self._wake()
 
     def _write_done(self, result: WriteResult) -> None:  # writer thread
+        if result.ok and (result.transfer_id, result.incarnation) in self._streaming:
+            self._early_bytes += result.nbytes  # prefill still running; only this thread adds
         self._completions.append(result)
         self._wake()
 
@@ -526,8 +530,6 @@ class IOLoop:
             if r.ok:
                 self._stats["writes_ok"] += 1
                 self._stats["bytes_written"] += r.nbytes
-                if (r.transfer_id, r.incarnation) in self._streaming:  # prefill still running
-                    self._stats["bytes_written_early"] += r.nbytes
             else:
                 self._stats["writes_failed"] += 1
                 log.info("write of %s#%d to %s failed: %s", r.transfer_id, r.attempt, r.peer,

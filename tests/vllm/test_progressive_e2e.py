@@ -51,8 +51,8 @@ pytestmark = [
 
 GRANULARITIES = ("request", "chunk", "layer")
 MAX_MODEL_LEN = 2048
-#: The prefill server's --max-num-batched-tokens: a 2000-token prompt takes 8 steps.
-BUDGET = 256
+#: The prefill server's --max-num-batched-tokens: a 2000-token prompt takes 16 steps.
+BUDGET = 128
 LENGTHS = (40, 300, 1100, 2000)
 MAX_TOKENS = 8
 FAST = {"lease_s": 10.0, "heartbeat_s": 1.0, "window_s": 8.0, "fence_grace_s": 2.0,
