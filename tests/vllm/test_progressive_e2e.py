@@ -157,12 +157,11 @@ def deployment(request: pytest.FixtureRequest, tiny_model: Path, logs: Path,
 def check_pushed(c: Deployment, send: object, case: str,
                  reference: dict[tuple[int, ...], list[int]]) -> None:
     """Send a batch with ``send(prompts)``: outputs equal the reference, every prompt
-    token reached the decode server by the transfer, and (chunk, layer) some KV was
-    written while the prefill ran."""
+    token reached the decode server by the transfer, and (chunk, layer) the prefill
+    reported its KV in ranges."""
     ext = "vllm:prompt_tokens_by_source_total"
     ext0 = c.counter(c.decode, ext, source="external_kv_transfer")
     local0 = c.counter(c.decode, ext, source="local_compute")
-    early0 = c.counter(c.prefill, "pushkv:bytes_before_prefill_end_total")
     ranges0 = c.counter(c.prefill, "pushkv:ranges_reported_total")
     released0 = c.counter(c.prefill, "pushkv:sources_released_total")
     prompts = batch(c.granularity, case)
@@ -175,13 +174,12 @@ def check_pushed(c: Deployment, send: object, case: str,
     assert poll(lambda: c.counter(c.prefill, "pushkv:sources_released_total") - released0,
                 lambda n: n == len(LENGTHS), 30) == len(LENGTHS)
     assert c.counter(c.decode, "pushkv:transfers_failed_total") == 0
-    early = c.counter(c.prefill, "pushkv:bytes_before_prefill_end_total") - early0
-    ranges = c.counter(c.prefill, "pushkv:ranges_reported_total") - ranges0
+    ranges = poll(lambda: c.counter(c.prefill, "pushkv:ranges_reported_total") - ranges0,
+                  lambda n: c.granularity == "request" or n >= len(LENGTHS), 30)
     if c.granularity == "request":
-        assert (early, ranges) == (0, 0)
+        assert ranges == 0
     else:
         assert ranges >= len(LENGTHS)
-        assert early > 0
 
 
 def test_concurrent_batch_equals_a_plain_server_and_streamed_out_during_prefill(
@@ -203,3 +201,17 @@ def test_streamed_requests_one_at_a_time_equal_a_plain_server(deployment, refere
                 for t in prompts]
 
     check_pushed(c, send, "streamed", reference)
+
+
+def test_kv_left_while_prefill_ran_only_when_streamed(deployment):
+    # Over the deployment's requests (the tests above): whether a given request's
+    # writes complete before its prefill ends depends on when its registration
+    # arrives and on the transport threads getting the prefill's core in time.
+    # vLLM exports connector stats with its periodic stats, hence the poll.
+    c = deployment
+    early = poll(lambda: c.counter(c.prefill, "pushkv:bytes_before_prefill_end_total"),
+                 lambda n: c.granularity == "request" or n > 0, 30)
+    if c.granularity == "request":
+        assert early == 0
+    else:
+        assert early > 0
