@@ -224,6 +224,13 @@ def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
         out[f"overhead_ms_{load}"] = {m: finite(median(paired(m, "plain", load)), 2)
                                       for m in modes if m != "plain"
                                       and paired(m, "plain", load)}
+    for load in ("seq", "conc"):
+        # Where plain itself is slower than both (concurrent load: one core does a
+        # plain server's prefill and decode, two do a pair's), overheads are negative
+        # and their ratio says nothing; the latencies' ratio still does.
+        ours = median(run_medians("push-client", load, "latency_ms"))
+        theirs = median(run_medians("vllm-push-client", load, "latency_ms"))
+        out[f"latency_ratio_vs_vllm_push_{load}"] = finite(ours / theirs) if theirs else None
     out["proxy_hop_ms"] = finite(median(paired("push", "push-client", "seq")), 2)
     for key in ("latency_ms", "ttft_ms", "tpot_ms"):
         out[f"median_{key}"] = {f"{m}_{ld}": round(median(run_medians(m, ld, key)), 2)
