@@ -68,12 +68,10 @@ def _ttft(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[flo
     t0 = time.perf_counter()
     first = None
     tokens: list[int] = []
+    from pushkv.vllm.testing import sse_events
+
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        for line in resp:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in sse_events(resp):
             if "error" in event:
                 raise RuntimeError(f"error event: {event}")
             got = event["choices"][0].get("token_ids") or []

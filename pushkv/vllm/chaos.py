@@ -35,7 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .testing import Server, ServerSpec, free_port, get_text, kv_transfer_config, metric
+from .testing import (
+    Server,
+    ServerSpec,
+    free_port,
+    get_text,
+    kv_transfer_config,
+    metric,
+    sse_events,
+)
 
 #: Short protocol timeouts, so that failure paths end within seconds.
 #: Handshakes take seconds on a loaded machine; the lease outlasts one.
@@ -90,16 +98,11 @@ def request(url: str, model: str, tokens: list[int], expect: list[int], *, strea
                 got = list(answer["choices"][0]["token_ids"])
                 return done("correct" if got == expect else "wrong", resp.status,
                             "" if got == expect else f"got {got}, expected {expect}")
-            got, events = [], 0
-            for line in resp:
-                line = line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+            got = []
+            for events, event in enumerate(sse_events(resp), start=1):
                 if "error" in event:
                     return done("clear_error", 200, str(event["error"]))
                 got += event["choices"][0].get("token_ids") or []
-                events += 1
                 if leave_after is not None and events >= max(1, int(leave_after * 10)):
                     return done("left", 200)
             if leave_after is not None:

@@ -25,7 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -311,6 +311,15 @@ def poll(read: Any, done: Any, timeout_s: float, interval_s: float = 0.2) -> Any
         time.sleep(interval_s)
 
 
+def sse_events(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON events of a streamed completion's body, line by line (``data: {...}``;
+    ``[DONE]`` and other lines skipped)."""
+    for raw in lines:
+        line = raw.strip()
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[6:])
+
+
 def stream_token_ids(url: str, body: Mapping[str, Any], timeout: float = 60.0) -> list[int]:
     """POST a streamed ``/v1/completions`` request; the token ids of every event.
     Asserts a 200 answer and no error event."""
@@ -319,11 +328,7 @@ def stream_token_ids(url: str, body: Mapping[str, Any], timeout: float = 60.0) -
     got: list[int] = []
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         assert resp.status == 200
-        for line in resp:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in sse_events(resp):
             assert "error" not in event, event
             got += event["choices"][0].get("token_ids") or []
     return got

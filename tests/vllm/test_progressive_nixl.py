@@ -86,9 +86,9 @@ class Producer:
         rt = self.side.worker.worker_side.runtime
         assert rt is not None
         end = time.monotonic() + DEADLINE_S  # inspect() answers after the step's commands
-        while rt.inspect().writes_in_flight:
+        while rt.inspect().writes_in_flight:  # each inspect() waits for the I/O thread
             assert time.monotonic() < end, "writes did not complete"
-            time.sleep(0.001)
+            rt.wait(0.001)  # until an event is pending, at most a millisecond
 
     def counter(self, name: str) -> int:
         value = self.stats.data.get(name, 0)
@@ -125,7 +125,9 @@ def run(p: Producer, d: Side, done: Callable[[], bool], *, decode: bool = True) 
         if decode:
             d.step()
         p.step()
-        time.sleep(0.002)
+        rt = d.worker.worker_side.runtime
+        assert rt is not None
+        rt.wait(0.002)  # the decode side's next event, or the next step
 
 
 def idle(side: Side) -> bool:
