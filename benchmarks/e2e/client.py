@@ -54,6 +54,9 @@ class Target:
     prefill_engine_id: str = "prefill-0"
     prefill_side_port: int = 0  #: vllm-push: the prefill's VLLM_NIXL_SIDE_CHANNEL_PORT
     endpoint: Endpoint | None = None  #: pushkv: learnt by :meth:`Client.discover`
+    #: plain: the replicas a router-dispatched request goes to in turn (else ``url``)
+    replicas: tuple[str, ...] = ()
+    sent: int = 0
 
 
 def _prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -133,7 +136,11 @@ class Client:
         headers = {"X-Request-Id": rid}
         t0 = time.monotonic()
         if target.dispatch == "router":
-            return await self._stream(target.url, body, {}, t0, "")
+            url = target.url
+            if target.replicas:
+                url = target.replicas[target.sent % len(target.replicas)]
+                target.sent += 1
+            return await self._stream(url, body, {}, t0, "")
         if target.dispatch == "pushkv":
             assert target.endpoint is not None, "discover() first"
             inc = new_incarnation(_RNG)

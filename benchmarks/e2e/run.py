@@ -61,8 +61,9 @@ class Deployment:
     """The servers of one connector (or the plain server)."""
 
     def __init__(self, kind: str, model: str, out: Path, *, max_model_len: int,
-                 delay_us: int) -> None:
+                 delay_us: int, plain_cores: str = "0,1") -> None:
         self.kind, self.model, self.out = kind, model, out
+        self.plain_cores = plain_cores
         self.max_model_len, self.delay_us = max_model_len, delay_us
         self.timeline_dir = out / "timeline" / kind
         self.servers: list[Server] = []
@@ -77,7 +78,9 @@ class Deployment:
     def start(self) -> None:
         logs = self.out / "logs"
         if self.kind == "plain":
-            self.servers = [Server(self.spec(0), logs / "plain.log")]
+            # one replica per core: the same cores a pair's prefill and decode use
+            cores = [int(c) for c in self.plain_cores.split(",")]
+            self.servers = [Server(self.spec(c), logs / f"plain-{c}.log") for c in cores]
         elif self.kind == "pushkv":
             extra = {"progress_delay_us": self.delay_us, "timeline_dir": str(self.timeline_dir)}
             p = self.spec(0, kv_transfer_config("kv_producer", "prefill-0", **extra))
@@ -143,8 +146,9 @@ class Endpoint:
                                                start_new_session=True)
             url = f"http://127.0.0.1:{port}"
             wait_up(url, mode.name)
+        replicas = tuple(s.url for s in dep.servers) if dep.kind == "plain" else ()
         self.target = Target(url=url, dispatch=dispatch, prefill_url=dep.prefill.url,
-                             prefill_side_port=dep.side_port)
+                             prefill_side_port=dep.side_port, replicas=replicas)
 
     def stop(self) -> None:
         if self.router is not None and self.router.poll() is None:
@@ -198,16 +202,20 @@ def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     """The run's one JSON object: per-mode medians and pushkv's overhead ratios.
 
     A mode's overhead is paired: its median latency in a round minus the plain
-    server's in the same round (same phase, same prompts), the median over rounds."""
-    per: dict[tuple[str, str, str, int], list[float]] = {}
+    server's in the same round (same phase, same prompts), the median over rounds;
+    in an interleaved sequential round, its latency for each prompt minus plain's for
+    the same prompt a moment apart, the median over every prompt of every round."""
+    per: dict[tuple[str, str, str, int, int], list[float]] = {}
     for r in records:
-        per.setdefault((r["mode"], r["load"], r["phase"], r["iter"]), []).append(
-            r["latency_ms"])
+        per.setdefault((r["mode"], r["load"], r["phase"], r["iter"], r.get("slot", -1)),
+                       []).append(r["latency_ms"])
     runs = {k: median(v) for k, v in per.items()}
 
     def paired(mode: str, base: str, load: str) -> list[float]:
-        return [v - runs[base, ld, ph, it] for (m, ld, ph, it), v in sorted(runs.items())
-                if m == mode and ld == load and (base, ld, ph, it) in runs]
+        """Per round (slot -1), or per prompt of an interleaved round."""
+        return [v - runs[base, ld, ph, it, sl]
+                for (m, ld, ph, it, sl), v in sorted(runs.items())
+                if m == mode and ld == load and (base, ld, ph, it, sl) in runs]
 
     def run_medians(mode: str, load: str, key: str) -> list[float]:
         groups: dict[tuple[str, int], list[float]] = {}
@@ -225,9 +233,10 @@ def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
                                       for m in modes if m != "plain"
                                       and paired(m, "plain", load)}
     for load in ("seq", "conc"):
-        # Where plain itself is slower than both (concurrent load: one core does a
-        # plain server's prefill and decode, two do a pair's), overheads are negative
-        # and their ratio says nothing; the latencies' ratio still does.
+        # The plain baseline runs a replica per core (--plain-cores); with one plain
+        # server on one core, concurrent load makes plain slower than both pairs, the
+        # overheads negative and their ratio meaningless; the latencies' ratio still
+        # says which connector is faster.
         ours = median(run_medians("push-client", load, "latency_ms"))
         theirs = median(run_medians("vllm-push-client", load, "latency_ms"))
         out[f"latency_ratio_vs_vllm_push_{load}"] = finite(ours / theirs) if theirs else None
@@ -309,25 +318,54 @@ async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str
             for load, n in (("seq", args.seq_requests), ("conc", args.conc_requests)):
                 batch = prompts(n, args.input_len, rng)
                 got: dict[str, list[Result]] = {}
-                for name in order:
-                    try:
-                        got[name] = await run_mode(client, eps[name], batch, args.output_len,
-                                                   load == "conc")
-                    except Exception as exc:  # reported; the other modes still run
-                        failures.append(f"{name} {load} round {it}: {exc!r:.200}")
-                        print(f"[{phase} iter {it}] {name:18s} {load:4s} FAILED: {exc!r:.200}",
+                slots: list[int] = [-1] * n
+                if load == "seq" and args.interleave:
+                    # request by request: every mode serves prompt i (in an order rotated
+                    # per prompt) before any serves prompt i+1, so the machine's drift
+                    # reaches every mode alike and each pair of latencies is a few
+                    # hundred milliseconds apart
+                    got = {name: [] for name in order}
+                    slots = list(range(n))
+                    dead: set[str] = set()
+                    for i, p in enumerate(batch):
+                        turn = order[i % len(order):] + order[:i % len(order)]
+                        for name in turn:
+                            if name in dead:
+                                continue
+                            try:
+                                got[name] += await run_mode(client, eps[name], [p],
+                                                            args.output_len, False)
+                            except Exception as exc:
+                                failures.append(f"{name} {load} round {it}: {exc!r:.200}")
+                                print(f"[{phase} iter {it}] {name:18s} {load:4s} FAILED: "
+                                      f"{exc!r:.200}", flush=True)
+                                dead.add(name)
+                    for name in dead:
+                        got.pop(name)
+                    for name, results in got.items():
+                        lat = median([r.latency_s * 1e3 for r in results])
+                        print(f"[{phase} iter {it}] {name:18s} {load:4s} median {lat:7.1f} ms"
+                              " (interleaved)", flush=True)
+                else:
+                    for name in order:
+                        try:
+                            got[name] = await run_mode(client, eps[name], batch,
+                                                       args.output_len, load == "conc")
+                        except Exception as exc:  # reported; the other modes still run
+                            failures.append(f"{name} {load} round {it}: {exc!r:.200}")
+                            print(f"[{phase} iter {it}] {name:18s} {load:4s} FAILED: "
+                                  f"{exc!r:.200}", flush=True)
+                            continue
+                        lat = median([r.latency_s * 1e3 for r in got[name]])
+                        print(f"[{phase} iter {it}] {name:18s} {load:4s} median {lat:7.1f} ms",
                               flush=True)
-                        continue
-                    lat = median([r.latency_s * 1e3 for r in got[name]])
-                    print(f"[{phase} iter {it}] {name:18s} {load:4s} median {lat:7.1f} ms",
-                          flush=True)
                 reference = got.get("plain")
                 for name, results in got.items():
                     for i, (p, r) in enumerate(zip(batch, results, strict=True)):
                         same = reference is not None and r.tokens == reference[i].tokens
                         records.append({
                             "mode": name, "load": load, "iter": it, "phase": phase,
-                            "prompt_len": len(p),
+                            "slot": slots[i], "prompt_len": len(p),
                             "latency_ms": r.latency_s * 1e3, "ttft_ms": r.ttft_s * 1e3,
                             "tpot_ms": r.tpot_s * 1e3, "tokens": len(r.tokens),
                             "same_as_plain": same})
@@ -389,6 +427,13 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--delay-us", type=int, default=100,
                    help="sleep of every NIXL progress thread between polls, all modes alike")
+    p.add_argument("--plain-cores", default="0,1",
+                   help="the plain baseline: one plain server per core listed, requests "
+                   "spread over them in turn (default: one on each core a pair uses, so "
+                   "both run on the same two cores; '0': one server, as before)")
+    p.add_argument("--no-interleave", dest="interleave", action="store_false",
+                   help="sequential load: each mode serves its whole batch in turn (default: "
+                   "request by request, every mode serving prompt i before prompt i+1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-qps", default="",
                    help="also run `vllm bench serve` at these rates (comma separated) "
@@ -427,7 +472,7 @@ def main() -> int:
                 if kind in deps:
                     continue
                 dep = Deployment(kind, str(model), out, max_model_len=max_len,
-                                 delay_us=args.delay_us)
+                                 delay_us=args.delay_us, plain_cores=args.plain_cores)
                 t0 = time.monotonic()
                 try:
                     dep.start()
