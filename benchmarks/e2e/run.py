@@ -61,8 +61,9 @@ class Deployment:
     """The servers of one connector (or the plain server)."""
 
     def __init__(self, kind: str, model: str, out: Path, *, max_model_len: int,
-                 delay_us: int, plain_cores: str = "0,1") -> None:
+                 delay_us: int, plain_cores: str = "0,1", spin_s: str = "") -> None:
         self.kind, self.model, self.out = kind, model, out
+        self.spin_s = spin_s
         self.plain_cores = plain_cores
         self.max_model_len, self.delay_us = max_model_len, delay_us
         self.timeline_dir = out / "timeline" / kind
@@ -71,9 +72,14 @@ class Deployment:
 
     def spec(self, cpu: int, kv: dict[str, Any] | None = None,
              env: dict[str, str] | None = None) -> ServerSpec:
+        env = dict(env or {})
+        if self.spin_s:  # every server alike (benchmarks/e2e/nixl_throttle)
+            env["PUSHKV_BENCH_SPIN_S"] = self.spin_s
+            env.setdefault("PYTHONPATH", os.pathsep.join(
+                p for p in (str(THROTTLE), str(ROOT), os.environ.get("PYTHONPATH")) if p))
         return ServerSpec(model=self.model, port=free_port(), cpu=cpu, kv_config=kv,
                           tokenizer=True, prefix_caching=False,
-                          max_model_len=self.max_model_len, env=env or {})
+                          max_model_len=self.max_model_len, env=env)
 
     def start(self) -> None:
         logs = self.out / "logs"
@@ -431,6 +437,11 @@ def main() -> int:
                    help="the plain baseline: one plain server per core listed, requests "
                    "spread over them in turn (default: one on each core a pair uses, so "
                    "both run on the same two cores; '0': one server, as before)")
+    p.add_argument("--spin-s", default="0.002",
+                   help="cap how long every vLLM server's processes busy-loop on their "
+                   "shared-memory queues after a message (vLLM: 1 s) before sleeping "
+                   "(default 2 ms: on 2 cores, a second of spinning by every server that "
+                   "served lately takes the CPU from the one serving now); empty: vLLM's")
     p.add_argument("--no-interleave", dest="interleave", action="store_false",
                    help="sequential load: each mode serves its whole batch in turn (default: "
                    "request by request, every mode serving prompt i before prompt i+1)")
@@ -472,7 +483,8 @@ def main() -> int:
                 if kind in deps:
                     continue
                 dep = Deployment(kind, str(model), out, max_model_len=max_len,
-                                 delay_us=args.delay_us, plain_cores=args.plain_cores)
+                                 delay_us=args.delay_us, plain_cores=args.plain_cores,
+                                 spin_s=args.spin_s)
                 t0 = time.monotonic()
                 try:
                     dep.start()

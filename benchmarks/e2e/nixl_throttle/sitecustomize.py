@@ -10,7 +10,13 @@ bench_e2e.sh puts this directory on ``PYTHONPATH`` of the baseline servers.
    node (on 2 cores: both servers on core 1). With ``PUSHKV_BENCH_KEEP_CORE``
    set, that call keeps the worker on the cores it was bound to
    (``VLLM_CPU_OMP_THREADS_BIND``), where pushkv's transport runs too.
-3. **Timeline.** With ``PUSHKV_BENCH_TIMELINE_DIR`` set, the connector's
+3. **Spinning.** vLLM's worker and engine processes busy-loop (``sched_yield``)
+   on their shared-memory queue for ``busy_loop_s`` (1 s) after each message
+   before they sleep on a socket, so on this 2-core machine every server that
+   served a request in the last second takes CPU from the one serving now. With
+   ``PUSHKV_BENCH_SPIN_S`` set, that period is this many seconds -- in every
+   server of the run, plain ones included (bench_e2e.sh ``--spin-s``).
+4. **Timeline.** With ``PUSHKV_BENCH_TIMELINE_DIR`` set, the connector's
    scheduler marks ``prefill_seen``, ``decode_seen``, ``prefill_finished``,
    ``ready_scheduled`` and ``decode_scheduled`` (:mod:`pushkv.timeline`) under
    the request's ``X-Request-Id`` (32 hex digits, as the benchmark sends them).
@@ -25,6 +31,7 @@ import sys
 _DELAY = int(os.environ.get("PUSHKV_BENCH_NIXL_DELAY_US", "0") or 0)
 _KEEP = os.environ.get("PUSHKV_BENCH_KEEP_CORE", "")
 _TIMELINE = os.environ.get("PUSHKV_BENCH_TIMELINE_DIR", "")
+_SPIN = os.environ.get("PUSHKV_BENCH_SPIN_S", "")
 
 if _DELAY > 0:
     try:
@@ -122,13 +129,26 @@ def _instrument(module):  # type: ignore[no-untyped-def]
     timeline.configure(_TIMELINE, f"vllm-{os.getpid()}")
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Instrument vLLM's NIXL connector module right after it is imported."""
+def _short_spin(module):  # type: ignore[no-untyped-def]
+    cls = module.SpinCondition
+    init = cls.__init__
+    spin = float(_SPIN)
 
-    NAME = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"
+    def __init__(self, is_reader, context, notify_address, busy_loop_s=1):  # type: ignore[no-untyped-def]
+        init(self, is_reader, context, notify_address, min(busy_loop_s, spin))
+
+    cls.__init__ = __init__
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Patch a vLLM module right after it is imported (see the module's docstring)."""
+
+    def __init__(self, patches):  # type: ignore[no-untyped-def]
+        self.patches = patches
 
     def find_spec(self, fullname, path, target=None):  # type: ignore[no-untyped-def]
-        if fullname != self.NAME:
+        patch = self.patches.get(fullname)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -139,13 +159,18 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         def exec_and_instrument(module):  # type: ignore[no-untyped-def]
             exec_module(module)
             try:
-                _instrument(module)
-            except Exception as exc:  # the benchmark still runs, without these marks
-                print(f"pushkv bench: cannot instrument {self.NAME}: {exc!r}", file=sys.stderr)
+                patch(module)
+            except Exception as exc:  # the benchmark still runs, without this patch
+                print(f"pushkv bench: cannot patch {fullname}: {exc!r}", file=sys.stderr)
 
         loader.exec_module = exec_and_instrument  # type: ignore[method-assign]
         return spec
 
 
+_PATCHES = {}
 if _TIMELINE:
-    sys.meta_path.insert(0, _AfterImport())
+    _PATCHES["vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"] = _instrument
+if _SPIN:
+    _PATCHES["vllm.distributed.device_communicators.shm_broadcast"] = _short_spin
+if _PATCHES:
+    sys.meta_path.insert(0, _AfterImport(_PATCHES))
