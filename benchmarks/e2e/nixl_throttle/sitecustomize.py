@@ -138,6 +138,7 @@ def _short_spin(module):  # type: ignore[no-untyped-def]
         init(self, is_reader, context, notify_address, min(busy_loop_s, spin))
 
     cls.__init__ = __init__
+    module.SHM_READER_RECHECK_INTERVAL_MS = min(module.SHM_READER_RECHECK_INTERVAL_MS, 5)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
