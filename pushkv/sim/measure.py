@@ -35,8 +35,10 @@ and writes them as a profile :func:`~pushkv.sim.profile.load_profile` reads:
   real pushkv pair recorded (its router's or client's directory first, then the
   servers'; a low-load run): each leg's API-server time beyond the router hop
   (``ingest_s``), a token's way back beyond one step and the hop (``decode.return_s``),
-  and the step-boundary hand-offs of a push (``decode.order_handoff_s``,
-  ``event_handoff_s``, ``admit_lag_s``) -- see :func:`connector_keys`. With ``--base
+  the step-boundary hand-offs of a push (``decode.order_handoff_s``,
+  ``event_handoff_s``, ``admit_lag_s``) and a write's wait for its notification on
+  busy cores (``network.notify_wait_s``) -- see
+  :func:`pushkv.sim.measure_connector.connector_keys`. With ``--base
   PROFILE`` nothing else is measured: the keys are added to that profile.
 
 :func:`profile_data` turns a :class:`Measured` into the profile's tables and
@@ -647,7 +649,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="pushkv.timeline directories of a real pushkv pair at low load, the "
                    "router's or client's first, then the servers': add the connector keys "
                    "(ingest_s, decode.return_s, order_handoff_s, event_handoff_s, "
-                   "admit_lag_s) measured from them")
+                   "admit_lag_s, network.notify_wait_s) measured from them")
     c.add_argument("--timeline-share", type=float, default=1.0, metavar="F",
                    help="the share of a core the pair's processes got meanwhile (a probe's "
                    "figure): the keys are scaled to a core of one's own by it")

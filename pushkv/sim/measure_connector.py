@@ -29,6 +29,7 @@ CONNECTOR_SEGMENTS = {
     ("decode", "order_handoff_s"): ("registration shipped -> handed",),
     ("decode", "event_handoff_s"): ("notification -> ready",),
     ("decode", "admit_lag_s"): ("ready -> scheduler knows", "scheduler knows -> decode step"),
+    ("network", "notify_wait_s"): ("write posted -> notification",),
 }
 
 
@@ -48,7 +49,9 @@ def connector_keys(requests: dict[str, dict[str, float]], profile: Profile, *,
     segs = timeline.segments(requests)
     hop = profile.network.router_hop_s
     step = profile.decode.decode_step_overhead_s + profile.decode.step_token_s
-    less = {"ingest_s": hop, "return_s": step + hop}
+    net = profile.network
+    less = {"ingest_s": hop, "return_s": step + hop,
+            "notify_wait_s": net.wire_latency_s + net.control_latency_s + net.post_fixed_s}
     out: dict[str, dict[str, float]] = {}
     for (side, key), names in CONNECTOR_SEGMENTS.items():
         total = 0.0

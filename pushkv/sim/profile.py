@@ -96,6 +96,7 @@ RETURN_WAKES = 3  #: a token to the client: decode's API server, the relay, the 
 FIT = "fit: chosen once so the default sweep reproduces the post (docs/sim.md)"
 #: Engine keys measured on a real connector pair's timeline (all 0 by default).
 CONNECTOR_KEYS = ("ingest_s", "return_s", "order_handoff_s", "event_handoff_s", "admit_lag_s")
+#: ... and network.notify_wait_s, the one on the network table.
 CONNECTOR = (
     "0 (off) by default; measured on a real pushkv pair by `python -m pushkv.sim.measure "
     "--connector-timeline DIR` from its pushkv.timeline marks (docs/sim.md, 'Against real "
@@ -397,6 +398,15 @@ class NetworkProfile:
         "exactly 2x the mean)",
         ASSUMED,
     )
+    notify_wait_s: float = _f(
+        0.0,
+        "what a write and its notification take on the connector servers beyond the "
+        "modelled posting, wire and control latency: the transports' progress threads "
+        "polling on busy cores; added after the wire, before the producer learns of the "
+        "completion and the notification leaves",
+        CONNECTOR + ": median('write posted -> notification') minus wire_latency_s, "
+        "control_latency_s and post_fixed_s",
+    )
     sharing: str = _f(
         "fair",
         "concurrent transfers on a node's NICs: 'fair' -- they share them equally "
@@ -553,7 +563,7 @@ class Profile:
             if getattr(c, name) < 0:
                 raise ProfileError(f"control.{name} must be >= 0")
         for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "post_fixed_s",
-                     "post_per_descriptor_s"):
+                     "post_per_descriptor_s", "notify_wait_s"):
             if getattr(n, name) < 0:
                 raise ProfileError(f"network.{name} must be >= 0")
         return self
@@ -592,7 +602,7 @@ class Profile:
             network=dataclasses.replace(
                 n, post_fixed_s=n.post_fixed_s / both,
                 post_per_descriptor_s=n.post_per_descriptor_s / both,
-                router_hop_s=n.router_hop_s / both),
+                router_hop_s=n.router_hop_s / both, notify_wait_s=n.notify_wait_s / both),
             control=dataclasses.replace(c, message_send_s=c.message_send_s / both,
                                         message_recv_s=c.message_recv_s / both))
 

@@ -507,6 +507,8 @@ class SimTransport:
             self.staging.give_back(eid, dst, nbytes)
         yield self.env.timeout(  # READY waits for the slowest rank's write
             self._slowest_rank(self.profile.prefill.tp) * (self.env.now - started))
+        if net.notify_wait_s:  # the progress threads' polls on busy cores
+            yield self.env.timeout(net.notify_wait_s)
         if eid not in self.alive:
             self.stats["writes_lost"] += 1  # the producer died with its write
             return

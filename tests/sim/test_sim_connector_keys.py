@@ -47,6 +47,7 @@ def _run(profile, mode: str = "push", qps: float = 0.5, **kw):  # type: ignore[n
 
 
 def test_the_keys_are_off_by_default() -> None:
+    assert TINY.network.notify_wait_s == 0.0
     for key in CONNECTOR_KEYS:
         assert getattr(EngineProfile(), key) == 0.0
         assert getattr(TINY.prefill, key) == 0.0 and getattr(TINY.decode, key) == 0.0
@@ -57,6 +58,8 @@ def test_the_keys_are_off_by_default() -> None:
     ({"decode": {"return_s": math.inf}}, "decode.return_s must be a finite number"),
     ({"prefill": {"ingest_s": -0.001}}, "prefill.ingest_s must be >= 0"),
     ({"decode": {"admit_lag_s": -1.0}}, "decode.admit_lag_s must be >= 0"),
+    ({"network": {"notify_wait_s": -1.0}}, "network.notify_wait_s must be >= 0"),
+    ({"network": {"notify_wait_s": math.nan}}, "network.notify_wait_s must be a finite"),
     ({"decode": {"ingest_ms": 1.0}}, "unknown key decode.ingest_ms"),
     ({"prefill": {"order_handoff_s": 0.001}}, "prefill.order_handoff_s is not used"),
     ({"prefill": {"event_handoff_s": 0.001}}, "prefill.event_handoff_s is not used"),
@@ -122,6 +125,10 @@ def test_readiness_hand_offs_add_to_a_push_ttft() -> None:
     base = _run(TINY)["median_ttft_ms"]
     late = _run(_with(decode={"event_handoff_s": 0.002, "admit_lag_s": 0.003}))
     assert late["median_ttft_ms"] - base == pytest.approx(5.0, rel=0.15)
+    wait = _run(_with(network={"notify_wait_s": 0.003}))
+    assert wait["median_ttft_ms"] - base == pytest.approx(3.0, rel=0.15)
+    assert _run(_with(network={"notify_wait_s": 0.003}), "pull")["median_ttft_ms"] == \
+        _run(TINY, "pull")["median_ttft_ms"]  # pull reads: no write notification
     # a registration late by less than the prefill takes is off the critical path
     order = _run(_with(decode={"order_handoff_s": 0.0005}))["median_ttft_ms"]
     assert base <= order < base + 0.5
@@ -133,7 +140,8 @@ def test_readiness_hand_offs_add_to_a_push_ttft() -> None:
 def _requests(n: int = 5) -> dict[str, dict[str, float]]:
     """Per request: marks 10 ms apart per segment in a fixed pattern (ms offsets)."""
     offsets = {"legs_sent": 0, "prefill_seen": 6, "decode_seen": 9,
-               "registration_shipped": 9.5, "registration_handed": 11, "notify_received": 20,
+               "registration_shipped": 9.5, "registration_handed": 11, "write_posted": 16,
+               "notify_received": 20,
                "ready": 21.5, "ready_scheduled": 22, "decode_scheduled": 23.2,
                "first_token": 31}
     return {f"r{i}": {e: 100.0 * i + ms / 1e3 for e, ms in offsets.items()}
@@ -150,6 +158,9 @@ def test_the_keys_are_segment_medians_less_what_the_profile_has() -> None:
     assert keys["decode"]["order_handoff_s"] == pytest.approx(0.0015)
     assert keys["decode"]["event_handoff_s"] == pytest.approx(0.0015)
     assert keys["decode"]["admit_lag_s"] == pytest.approx(0.0017)
+    net = TINY.network
+    assert keys["network"]["notify_wait_s"] == pytest.approx(
+        0.004 - net.wire_latency_s - net.control_latency_s - net.post_fixed_s)
     half = connector_keys(_requests(), TINY, share=0.5)
     assert half["decode"]["ingest_s"] == pytest.approx(keys["decode"]["ingest_s"] / 2)
     data = with_connector_keys(tomllib.loads(TINY_PATH.read_text()), keys)

@@ -39,7 +39,8 @@ PULL_CHAINS = (
 )
 CONNECTOR = {"prefill": {"ingest_s": 0.003},
              "decode": {"ingest_s": 0.005, "return_s": 0.004, "order_handoff_s": 0.0015,
-                        "event_handoff_s": 0.0017, "admit_lag_s": 0.0012}}
+                        "event_handoff_s": 0.0017, "admit_lag_s": 0.0012},
+             "network": {"notify_wait_s": 0.002}}
 
 
 def _with(profile, keys):  # type: ignore[no-untyped-def]
