@@ -33,8 +33,9 @@ and writes them as a profile :func:`~pushkv.sim.profile.load_profile` reads:
 * **On the connector servers** (``--connector-timeline DIR [DIR ...]``, off by
   default): what a plain server cannot show, from the :mod:`pushkv.timeline` marks a
   real pushkv pair recorded (its router's or client's directory first, then the
-  servers'; a low-load run): each leg's API-server time beyond the router hop
-  (``ingest_s``), a token's way back beyond one step and the hop (``decode.return_s``),
+  servers'; the requests that ran alone, unless ``--all-requests``): each leg's
+  API-server time beyond the router hop (``ingest_s``), a token's way back beyond
+  one step and the hop (``decode.return_s``),
   the step-boundary hand-offs of a push (``decode.order_handoff_s``,
   ``event_handoff_s``, ``admit_lag_s``) and a write's wait for its notification on
   busy cores (``network.notify_wait_s``) -- see
@@ -650,6 +651,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "router's or client's first, then the servers': add the connector keys "
                    "(ingest_s, decode.return_s, order_handoff_s, event_handoff_s, "
                    "admit_lag_s, network.notify_wait_s) measured from them")
+    c.add_argument("--connector-window", nargs=2, type=float, metavar=("T0", "T1"),
+                   help="only the requests whose legs left between T0 and T1 "
+                   "(time.monotonic; e.g. one point of bench_sim_vs_real, its cpu_probe.json "
+                   "'window')")
+    c.add_argument("--all-requests", action="store_true",
+                   help="take every request of the timeline, not only those that ran alone "
+                   "(nothing else in flight: the low-load sample the keys are defined on)")
     c.add_argument("--timeline-share", type=float, default=1.0, metavar="F",
                    help="the share of a core the pair's processes got meanwhile (a probe's "
                    "figure): the keys are scaled to a core of one's own by it")
@@ -676,9 +684,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             data, head = profile_data(m), header(m)
         if args.connector_timeline:
             from .measure_connector import connector_header, connector_keys, with_connector_keys
-            from .segments import load
+            from .segments import alone, load
 
-            reqs = load(args.connector_timeline)
+            win = args.connector_window
+            reqs = load(args.connector_timeline, (win[0], win[1]) if win else None)
+            if not args.all_requests:
+                reqs = alone(reqs)
             keys = connector_keys(reqs, profile_from_dict(data), share=args.timeline_share)
             data = with_connector_keys(data, keys)
             head = [*head, *connector_header(args.connector_timeline, len(reqs),

@@ -88,7 +88,7 @@ def connector_header(dirs: Sequence[str | Path], n: int, share: float,
         "pair in", "  " + " ".join(str(d) for d in dirs) + f" (CPU share {share:g}):",
         "  " + ", ".join(f"{side}.{k} {v * 1e3:.3f} ms" for side, t in keys.items()
                          for k, v in t.items()) + ";",
-        "  see pushkv.sim.measure.connector_keys for what each subtracts.",
+        "  see pushkv.sim.measure_connector.connector_keys for what each subtracts.",
     ]
 
 

@@ -12,7 +12,8 @@ median / p90, simulated median / p90 and their ratios (sim / real)::
 A real run's first directory is the router's or client's (it names the requests of
 the run); marks of later directories -- the servers', shared by every mode and run
 against them -- count only for those requests. ``--window T0 T1`` (``time.monotonic``
-seconds) keeps the requests whose legs left in that interval (one point of a run).
+seconds) keeps the requests whose legs left in that interval (one point of a run);
+``--alone`` the requests that had the deployment to themselves (:func:`alone`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,20 @@ def load(dirs: Sequence[str | os.PathLike[str]],
         reqs = {k: r for k, r in reqs.items()
                 if (s := start(r)) is not None and t0 <= s <= t1}
     return reqs
+
+
+def alone(requests: Mapping[str, Mapping[str, float]]) -> Requests:
+    """The requests that ran alone: nothing else between their legs leaving and their
+    last mark (a low-load sample from any run)."""
+    spans = sorted((min(r.values()), max(r.values()), k) for k, r in requests.items() if r)
+    out: Requests = {}
+    ended = -math.inf  # the latest end of the requests that started before
+    for i, (t0, t1, k) in enumerate(spans):
+        after = spans[i + 1][0] if i + 1 < len(spans) else math.inf
+        if ended < t0 and t1 < after:
+            out[k] = dict(requests[k])
+        ended = max(ended, t1)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +130,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the simulated run's timeline directory")
     p.add_argument("--window", nargs=2, type=float, metavar=("T0", "T1"),
                    help="only real requests whose legs left between T0 and T1")
+    p.add_argument("--alone", action="store_true",
+                   help="only the requests that ran alone, on both sides (low load)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = p.parse_args(argv)
     window = (args.window[0], args.window[1]) if args.window else None
     real, sim = load(args.real, window), load(args.sim)
+    if args.alone:
+        real, sim = alone(real), alone(sim)
     for side, reqs in (("--real", real), ("--sim", sim)):
         if not reqs:
             p.error(f"{side}: no timeline marks found")

@@ -125,3 +125,12 @@ def test_bench_compares_each_points_timelines(tmp_path: Path) -> None:
     for real_ms, sim_ms in got["push_qps2_in64_out24_iter0"].values():
         assert real_ms == sim_ms
     assert bench.segment_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
+
+
+def test_alone_keeps_the_requests_nothing_overlapped() -> None:
+    reqs = {"a": {"legs_sent": 0.0, "last_token": 1.0},
+            "b": {"legs_sent": 2.0, "last_token": 5.0},  # c starts inside it
+            "c": {"legs_sent": 3.0, "last_token": 4.0},
+            "d": {"legs_sent": 6.0, "last_token": 7.0},
+            "e": {"legs_sent": 8.0, "last_token": 9.0}, "f": {}}
+    assert set(segments.alone(reqs)) == {"a", "d", "e"}
