@@ -658,6 +658,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--all-requests", action="store_true",
                    help="take every request of the timeline, not only those that ran alone "
                    "(nothing else in flight: the low-load sample the keys are defined on)")
+    c.add_argument("--connector-steps", nargs=2, type=int, metavar=("IN", "OUT"),
+                   help="also replace the engines' step overheads by those the connector "
+                   "servers ran (the timeline's requests had IN prompt and OUT output "
+                   "tokens); the other keys are then taken against them")
     c.add_argument("--timeline-share", type=float, default=1.0, metavar="F",
                    help="the share of a core the pair's processes got meanwhile (a probe's "
                    "figure): the keys are scaled to a core of one's own by it")
@@ -683,17 +687,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.json.write_text(json.dumps(dataclasses.asdict(m), indent=1))
             data, head = profile_data(m), header(m)
         if args.connector_timeline:
-            from .measure_connector import connector_header, connector_keys, with_connector_keys
-            from .segments import alone, load
+            from .measure_connector import extend
 
             win = args.connector_window
-            reqs = load(args.connector_timeline, (win[0], win[1]) if win else None)
-            if not args.all_requests:
-                reqs = alone(reqs)
-            keys = connector_keys(reqs, profile_from_dict(data), share=args.timeline_share)
-            data = with_connector_keys(data, keys)
-            head = [*head, *connector_header(args.connector_timeline, len(reqs),
-                                             args.timeline_share, keys)]
+            data, head = extend(data, head, args.connector_timeline,
+                                window=(win[0], win[1]) if win else None,
+                                alone_only=not args.all_requests, steps=args.connector_steps,
+                                share=args.timeline_share)
         prof = write_data(data, head, args.out)
     except (MeasurementError, ProfileError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

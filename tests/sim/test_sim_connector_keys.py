@@ -18,7 +18,7 @@ from sim_helpers import config
 
 from pushkv.sim.measure import MeasurementError
 from pushkv.sim.measure import main as measure_main
-from pushkv.sim.measure_connector import connector_keys, with_connector_keys
+from pushkv.sim.measure_connector import connector_keys, connector_steps, with_connector_keys
 from pushkv.sim.profile import (
     CONNECTOR_KEYS,
     EngineProfile,
@@ -143,7 +143,7 @@ def _requests(n: int = 5) -> dict[str, dict[str, float]]:
                "registration_shipped": 9.5, "registration_handed": 11, "write_posted": 16,
                "notify_received": 20,
                "ready": 21.5, "ready_scheduled": 22, "decode_scheduled": 23.2,
-               "first_token": 31}
+               "first_token": 31, "last_token": 52}
     return {f"r{i}": {e: 100.0 * i + ms / 1e3 for e, ms in offsets.items()}
             for i in range(n)}
 
@@ -196,3 +196,19 @@ def test_measure_adds_them_to_a_base_profile(tmp_path: Path) -> None:
                          "--connector-timeline", str(tmp_path / "none")]) == 2
     with pytest.raises(SystemExit):
         measure_main(["--out", str(out), "--base", str(TINY_PATH)])
+
+
+def test_step_overheads_as_the_connector_servers_ran_them() -> None:
+    with pytest.raises(MeasurementError, match="prefill sees -> prefill finished"):
+        connector_steps(_requests(), TINY, input_len=100, output_len=8)
+    reqs = _requests()
+    for r in reqs.values():
+        r["prefill_finished"] = r["prefill_seen"] + 0.004
+    steps = connector_steps(reqs, TINY, input_len=100, output_len=8)
+    assert steps["prefill"]["prefill_step_overhead_s"] == pytest.approx(
+        0.004 - 100 * TINY.prefill.step_token_s)
+    assert steps["decode"]["decode_step_overhead_s"] == pytest.approx(
+        0.021 / 7 - TINY.decode.step_token_s)
+    assert steps["decode"]["step_python_s"] == steps["decode"]["decode_step_overhead_s"]
+    with pytest.raises(MeasurementError, match="2 output"):
+        connector_steps(reqs, TINY, input_len=100, output_len=1)
