@@ -204,6 +204,9 @@ def profile_data(m: Measured) -> dict[str, Any]:
         "prefill": engine | {
             "prefill_step_overhead_s": p_over, "step_token_s": p_tok,
             "step_python_s": p_over,
+            # the servers run with prefix caching off (the default profile's prefill
+            # has 0.9 of each prompt cached)
+            "prefix_hit_fraction": 0.0,
         },
         "decode": engine | {
             "decode_step_overhead_s": d_over, "step_token_s": d_tok,
