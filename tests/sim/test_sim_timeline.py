@@ -16,11 +16,13 @@ from hypothesis import strategies as st
 from sim_helpers import config
 
 from pushkv import timeline
+from pushkv.protocol import FailurePolicy
 from pushkv.sim.cli import main as sim_main
 from pushkv.sim.marks import Timeline
 from pushkv.sim.profile import load_profile
+from pushkv.sim.request import Outcome
 from pushkv.sim.runner import run
-from pushkv.sim.scenario import Dispatch, FaultConfig
+from pushkv.sim.scenario import Dispatch, FaultConfig, ProtocolSettings
 
 TINY = load_profile(Path(__file__).resolve().parents[2] / "pushkv/sim/profiles/cpu-tiny.toml")
 
@@ -121,3 +123,29 @@ def test_the_file_is_pushkv_timelines_and_the_cli_writes_it(tmp_path: Path) -> N
 def test_an_unknown_mark_is_refused() -> None:
     with pytest.raises(ValueError, match="not a simulated timeline mark"):
         Timeline().mark("req-0", "answer_sent", 0.0)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(mode=st.sampled_from(["push", "pull", "pull-async"]), seed=st.integers(0, 1000),
+       scale=st.sampled_from([1.0, 30.0]), kill_p=st.one_of(st.none(), st.floats(0.0, 3.0)),
+       kill_d=st.one_of(st.none(), st.floats(0.0, 3.0)),
+       drop=st.sampled_from([0.0, 0.3]), preemption=st.sampled_from(["recompute", "reissue"]),
+       policy=st.sampled_from(list(FailurePolicy)))
+def test_the_connector_keys_keep_every_request_ending_once_without_leaks(
+        mode: str, seed: int, scale: float, kill_p: float | None, kill_d: float | None,
+        drop: float, preemption: str, policy: FailurePolicy) -> None:
+    """Hand-offs and ingestion long enough (x30) for deaths and drops to land inside."""
+    keys = {side: {k: v * scale for k, v in fields.items()}
+            for side, fields in CONNECTOR.items()}
+    keys["decode"] = keys["decode"] | {"preemption": preemption}
+    cfg = config(mode, qps=16.0, input_len=1024, output_len=4, num_prompts=10, seed=seed,
+                 faults=FaultConfig(kill_prefill_at=kill_p, kill_decode_at=kill_d,
+                                    drop_register=drop, drop_notify=drop, detect_s=0.2),
+                 protocol=ProtocolSettings(policy=policy, window_s=0.5, fence_grace_s=0.5))
+    cfg = dataclasses.replace(cfg, profile=_with(cfg.profile, keys))
+    tl = Timeline()
+    r = run(cfg, timeline=tl)
+    assert all(q.outcome is not Outcome.PENDING for q in r.requests)
+    assert r.result["completed"] + r.result["failed"] == 10
+    assert r.leaked_blocks == 0, r.leaks
+    assert r.rejected == 0
