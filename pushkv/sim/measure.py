@@ -681,9 +681,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             import tomllib
 
             text = args.base.read_text()
-            data, head = tomllib.loads(text), [
-                line[2:] if line.startswith("# ") else line.lstrip("#")
-                for line in text.splitlines() if line.startswith("#")]
+            lines = text.splitlines()
+            lead = next((i for i, line in enumerate(lines) if not line.startswith("#")),
+                        len(lines))
+            data, head = tomllib.loads(text), [  # the base's header comment, kept
+                line[2:] if line.startswith("# ") else line.lstrip("#") for line in lines[:lead]]
         else:
             m = measure(args.work, reps=args.reps, delay_us=args.delay_us)
             if args.json:

@@ -212,3 +212,11 @@ def test_step_overheads_as_the_connector_servers_ran_them() -> None:
     assert steps["decode"]["step_python_s"] == steps["decode"]["decode_step_overhead_s"]
     with pytest.raises(MeasurementError, match="2 output"):
         connector_steps(reqs, TINY, input_len=100, output_len=1)
+
+
+def test_the_committed_connector_profile_loads_and_extends_cpu_tiny() -> None:
+    conn = load_profile(ROOT / "pushkv" / "sim" / "profiles" / "cpu-tiny-connector.toml")
+    assert conn.decode.ingest_s > 0 and conn.prefill.ingest_s > 0
+    assert conn.network.notify_wait_s > 0
+    assert conn.network.router_hop_s == TINY.network.router_hop_s
+    assert conn.prefill.prefix_hit_fraction == 0.0
