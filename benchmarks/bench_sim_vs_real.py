@@ -22,11 +22,19 @@ engine (``OUT/sim-own-cores``), on the cores the probe met (``cpu_share``,
 ``wake_s``; ``OUT/sim``), and, as a diagnosis, with the engines' steps as the real
 servers' metrics gave them (``OUT/sim-server-steps``).
 
+**Segment by segment**: the real half's router, client and servers record
+:mod:`pushkv.timeline` marks (``OUT/real/timeline/<mode>/``, ``<deployment>/``;
+each point's interval in ``time.monotonic()`` is kept in ``cpu_probe.json``), the
+simulated half records the same marks per point (``OUT/sim-timeline/<way>/<point>/``,
+:mod:`pushkv.sim.marks`); for every point both recorded, a table of each segment's
+real and simulated median / p90 (:mod:`pushkv.sim.segments`).
+
 Prints a table of sim/real ratios per way (mean and median TTFT and TPOT, per
-point and mode, iterations averaged) and, last, one JSON object for the probe
-way: ``ttft_ratio_min``, ``ttft_ratio_max``, ``tpot_ratio_min``,
-``tpot_ratio_max``, ``points`` (the per-point ratios, and the other two ways'
-ranges under ``own_cores`` and ``server_steps``). Figures (``--figures DIR``, or
+point and mode, iterations averaged), the segment tables, and, last, one JSON
+object for the probe way: ``ttft_ratio_min``, ``ttft_ratio_max``,
+``tpot_ratio_min``, ``tpot_ratio_max``, ``points`` (the per-point ratios, and the
+other two ways' ranges under ``own_cores`` and ``server_steps``), ``segments``
+(per way and point, each segment's real and simulated median in ms). Figures (``--figures DIR``, or
 ``pushkv plot --results-dir OUT/real --overlay OUT/sim --labels real sim --metric ttft``).
 
     PYTHONPATH=. python benchmarks/bench_sim_vs_real.py --out /tmp/simreal
@@ -104,9 +112,11 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                 print(f"[{mode} iter {it}] {kind} up in {time.monotonic() - t0:.0f} s, "
                       f"load {os.getloadavg()[0]:.2f}", flush=True)
                 ep = Endpoint(E2E_MODES[name], dep, real)
+                warm_up(ep.target.url, str(model), args.warmup, max(args.inputs))
                 for input_len, q in todo:
                     fname = file_name(mode, q, input_len, args.output_len, it)
                     before = server_metrics(dep)
+                    t_start = time.monotonic()  # the point's interval, for its timeline
                     with CoreProbe() as probe:  # core 0: prefill, core 1: decode
                         ok = bench_serve(ep.target.url, str(model), real, fname, qps=str(q),
                                          input_len=input_len, output_len=args.output_len,
@@ -116,6 +126,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                                   "wake_s": round(probe.wake_s(core), 6)}
                            for side, core in (("prefill", 0), ("decode", 1))}
                     got["engine"] = engine_steps(before, server_metrics(dep))
+                    got["window"] = [t_start, time.monotonic()]
                     record_shares(real, fname, got)
                     print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
                           f"{'ok' if ok else 'FAILED'}; CPU share {got}, "
@@ -131,6 +142,21 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                     ep.stop()
                 dep.stop()
     return failures
+
+
+def warm_up(url: str, model: str, n: int, input_len: int) -> None:
+    """``n`` requests one at a time through the router before any point: the pair's
+    first transfer pays one-off costs (on this machine the decode worker's first
+    registration once took 26 s, and every request of the point queued behind it) that
+    the profile's ``handshake_before_run`` keeps out of the simulated runs."""
+    from pushkv.vllm.testing import post_json
+
+    for i in range(n):
+        status, body = post_json(url + "/v1/completions", {
+            "model": model, "prompt": [5 + (i + j) % 900 for j in range(input_len)],
+            "max_tokens": 2, "temperature": 0, "ignore_eos": True}, timeout=600)
+        if status != 200:
+            raise RuntimeError(f"warm-up request {i}: HTTP {status}: {body!r:.200}")
 
 
 def server_metrics(dep: Any) -> dict[str, dict[str, float]]:
@@ -158,7 +184,7 @@ def engine_steps(before: dict[str, dict[str, float]],
             if tokens else 0.0}
 
 
-def record_shares(real: Path, fname: str, shares: dict[str, dict[str, float]]) -> None:
+def record_shares(real: Path, fname: str, shares: dict[str, Any]) -> None:
     """The cores' share and wake-up delay during one point, in ``real/cpu_probe.json``."""
     path = real / SHARES
     got = json.loads(path.read_text()) if path.exists() else {}
@@ -172,13 +198,15 @@ def record_shares(real: Path, fname: str, shares: dict[str, dict[str, float]]) -
 def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, float, int]],
             output_len: int, num_prompts: int, *, seed: int = 0,
             shares: dict[str, dict[str, Any]] | None = None,
-            server_steps: bool = False) -> None:
+            server_steps: bool = False, timelines: Path | None = None) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
     ``shares`` (by result file name), each point's engines get the share of a core and
     the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
     core each. With ``server_steps`` the engines' step overheads are instead what the
     real P/D servers' metrics gave at that point (wall times under the load, share 1),
-    per-token costs as profiled."""
+    per-token costs as profiled. With ``timelines``, each point's timeline marks go into
+    ``timelines/<point>/`` (:mod:`pushkv.sim.marks`)."""
+    from pushkv.sim.marks import Timeline
     from pushkv.sim.profile import load_profile
     from pushkv.sim.runner import run
     from pushkv.sim.scenario import SimConfig, TransferMode
@@ -192,7 +220,7 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
         profile = base
         got = (shares or {}).get(file_name(mode, rate, input_len, output_len, it))
         if got:
-            pre, dec = dict(got["prefill"]), dict(got["decode"])
+            pre, dec = dict(got["prefill"]), dict(got["decode"])  # cpu_share, wake_s
             eng = got.get("engine", {})
             if server_steps and eng.get("prefill_step_s") and eng.get("decode_token_s"):
                 tok_p, tok_d = base.prefill.step_token_s, base.decode.step_token_s
@@ -207,7 +235,10 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
                         workload=WorkloadConfig(request_rate=rate, input_len=input_len,
                                                 output_len=output_len,
                                                 num_prompts=num_prompts, seed=seed))
-        res = run(cfg)
+        tl = Timeline() if timelines is not None else None
+        res = run(cfg, timeline=tl)
+        if tl is not None and timelines is not None:
+            tl.write(timelines / Path(cfg.file_name()).stem)
         if res.result["completed"] != num_prompts or res.leaked_blocks:
             raise RuntimeError(f"simulated {cfg.file_name()}: {res.result['completed']} of "
                                f"{num_prompts} completed, {res.leaked_blocks} blocks leaked")
@@ -288,6 +319,31 @@ def compare(real: Path, sim: Path) -> tuple[str, dict[str, Any]]:
     return "\n".join(lines), summary
 
 
+def segment_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]]
+                   ) -> tuple[str, dict[str, dict[str, list[float]]]]:
+    """Per point both halves recorded: the segment table (real median / p90 against the
+    simulated), and ``{point: {segment: [real median, sim median]}}`` (ms)."""
+    from pushkv.sim import segments
+
+    texts, out = [], {}
+    for fname, got in sorted(shares.items()):
+        m, window = NAME.match(fname), got.get("window")
+        sim_dir = timelines / Path(fname).stem
+        if m is None or m["mode"] not in MODES or not window or not sim_dir.is_dir():
+            continue
+        name, deployment = MODES[m["mode"]]
+        real_dirs = [real / "timeline" / name, real / "timeline" / deployment]
+        if not all(d.is_dir() for d in real_dirs):
+            continue
+        rows = segments.compare(segments.load(real_dirs, (window[0], window[1])),
+                                segments.load([sim_dir]))
+        if not rows:
+            continue
+        texts.append(f"{Path(fname).stem}:\n\n{segments.table(rows)}")
+        out[Path(fname).stem] = {r.segment: [r.real_median, r.sim_median] for r in rows}
+    return "\n\n".join(texts), out
+
+
 def figures(real: Path, sim: Path, out: Path) -> list[Path]:
     from pushkv.sim.plot import plot
 
@@ -316,6 +372,8 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=2)
     p.add_argument("--modes", type=lambda t: t.split(","), default=["push", "pull"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=3,
+                   help="requests sent one at a time through each router before its points")
     p.add_argument("--delay-us", type=int, default=100,
                    help="NIXL progress-thread sleep between polls, every connector alike")
     p.add_argument("--profile", type=Path, default=PROFILE)
@@ -353,16 +411,28 @@ def main() -> int:
     points, output_len, num_prompts = real_points(real)
     shares = json.loads((real / SHARES).read_text()) if (real / SHARES).exists() else {}
     own = args.out / "sim-own-cores"  # the mechanism off
-    run_sim(args.profile, own, points, output_len, num_prompts, seed=args.seed)
+    timelines = args.out / "sim-timeline"
+    run_sim(args.profile, own, points, output_len, num_prompts, seed=args.seed,
+            timelines=timelines / "own-cores")
     own_table, own_summary = compare(real, own)
     print("\nSimulated with a core per engine (cpu_share 1):\n")
     print(own_table)
+    segs: dict[str, Any] = {}
+    text, segs["own_cores"] = segment_tables(real, timelines / "own-cores", shares)
+    if text:
+        print("\nSegment by segment, a core per engine (real / simulated, ms):\n")
+        print(text)
     if args.cpu_share and shares:
         run_sim(args.profile, sim, points, output_len, num_prompts, seed=args.seed,
-                shares=shares)
+                shares=shares, timelines=timelines / "probe")
         table, summary = compare(real, sim)
         print("\nSimulated on the cores the probe met (cpu_share, wake_s):\n")
         print(table)
+        text, segs["probe"] = segment_tables(real, timelines / "probe", shares)
+        if text:
+            print("\nSegment by segment, on the cores the probe met (real / simulated, "
+                  "ms):\n")
+            print(text)
     else:
         sim = own
         summary = dict(own_summary)
@@ -378,6 +448,7 @@ def main() -> int:
         summary["server_steps"] = {k: steps_summary[k] for k in keys}
     print()
     summary["own_cores"] = {k: own_summary[k] for k in keys}
+    summary["segments"] = segs
     if args.figures:
         for path in figures(real, sim, args.figures):
             print(f"wrote {path}")

@@ -196,12 +196,19 @@ def _cmd_sim(args: argparse.Namespace) -> int:
             output_len=args.output_len, num_prompts=args.num_prompts, seed=args.seed,
         ),
     )
-    result = run(cfg)
+    tl = None
+    if args.timeline_dir:
+        from .marks import Timeline
+
+        tl = Timeline()
+    result = run(cfg, timeline=tl)
     w = cfg.workload
     print(summary_table(result.result, f"{cfg.label()} {w.request_rate:g} QPS "
                         f"in={w.input_len} out={w.output_len}"))
     if args.result_dir:
         print(f"wrote {result.write(args.result_dir)}")
+    if tl is not None:
+        print(f"wrote {tl.write(args.timeline_dir)}")
     return 0
 
 
@@ -264,6 +271,9 @@ def register(subparsers: Any) -> None:
                    help="iteration number (file name and random streams)")
     p.add_argument("--result-dir", metavar="DIR",
                    help="also write the vLLM-style result JSON into DIR")
+    p.add_argument("--timeline-dir", metavar="DIR",
+                   help="also write every request's timeline marks into DIR "
+                   "(pushkv.timeline's JSON lines; python -m pushkv.timeline sim=DIR)")
     _add_deployment(p)
     p.set_defaults(func=dispatch, _run=_cmd_sim, _parser=p)
 

@@ -60,15 +60,34 @@ class Recorder:
 
 
 class _Loop:
-    """A wakeable engine loop."""
+    """A wakeable engine loop, behind its instance's API server."""
 
-    def __init__(self, env: simpy.Environment, engine_id: str) -> None:
+    def __init__(self, env: simpy.Environment, engine_id: str, ingest_s: float = 0.0) -> None:
         self.env = env
         self.engine_id = engine_id
         self.alive = True
         self.busy_s = 0.0
         self.steps = 0
         self._wake: simpy.Event | None = None
+        self.ingest_s = ingest_s
+        #: the API server takes legs one at a time (only with ``ingest_s``)
+        self._api = simpy.Resource(env, capacity=1) if ingest_s else None
+
+    def ingest(self, then: Callable[[SimRequest], None], req: SimRequest) -> None:
+        """A leg reaches this instance's API server: ``then(req)`` (submit) once it has
+        spent ``ingest_s`` there, after the legs ahead of it; at once without it."""
+        if self._api is None:
+            then(req)
+            return
+        api = self._api
+
+        def serve() -> Generator[Any, Any, None]:
+            with api.request() as slot:
+                yield slot
+                yield self.env.timeout(self.ingest_s)
+            then(req)
+
+        self.env.process(serve())
 
     def poke(self) -> None:
         if self._wake is not None and not self._wake.triggered:
@@ -99,7 +118,7 @@ class PrefillEngine(_Loop):
         mode: TransferMode,
         on_done: Callable[[SimRequest, tuple[int, ...] | None], None],
     ) -> None:
-        super().__init__(env, engine_id)
+        super().__init__(env, engine_id, profile.prefill.ingest_s)
         self.profile = profile
         self.eng: EngineProfile = profile.prefill
         self.pool = pool
@@ -143,6 +162,7 @@ class PrefillEngine(_Loop):
                 budget -= n
             while self.waiting and len(self.running) < eng.max_num_seqs and budget > 0:
                 req = self.waiting[0]
+                self.transport.mark(req.transfer_id, "prefill_seen")
                 need = blocks_for(req.input_len, eng.block_size)
                 if not self.pool.can_allocate(need):
                     break
@@ -175,6 +195,7 @@ class PrefillEngine(_Loop):
     def _finished(self, p: _Prefill) -> None:
         req = p.req
         tid = req.transfer_id
+        self.transport.mark(tid, "prefill_finished")
         self.held[tid] = p.blocks
         self._by_tid[tid] = req
         mode = Mode.PUSH if self.mode is TransferMode.PUSH else Mode.PULL
@@ -219,7 +240,7 @@ class DecodeEngine(_Loop):
         mode: TransferMode,
         recorder: Recorder,
     ) -> None:
-        super().__init__(env, engine_id)
+        super().__init__(env, engine_id, profile.decode.ingest_s)
         self.profile = profile
         self.eng: EngineProfile = profile.decode
         self.pool = pool
@@ -306,14 +327,36 @@ class DecodeEngine(_Loop):
             return 0.0
         req.awaiting_handshake = False
         if self.mode is TransferMode.PUSH:
-            self.transport.register(self.engine_id, tid, producer, req.dst_blocks, req.input_len,
-                                    incarnation=req.incarnation)
+            self.transport.mark(tid, "registration_shipped")
+            if self.eng.order_handoff_s:  # the worker takes the order with the step
+                req.handing_off = True
+                self.env.timeout(self.eng.order_handoff_s).callbacks.append(
+                    lambda _: self._register(req))
+            else:
+                self._register(req)
             return 0.0
         inline = stall if self.mode is TransferMode.PULL else None
         return self.transport.start_pull(
             self.engine_id, tid, producer, req.src_blocks, req.dst_blocks, req.input_len,
             inline_after=inline, incarnation=req.incarnation,
         )
+
+    def _register(self, req: SimRequest) -> None:
+        """Push: the registration order reaches the transport."""
+        req.handing_off = False
+        if not self.alive or req.outcome is not Outcome.PENDING or req not in self.holding:
+            return
+        producer = req.prefill
+        assert producer is not None
+        if producer in self.transport.known_dead:  # it died while the order waited
+            self.holding.remove(req)
+            self.pool.free(req.dst_blocks)
+            req.dst_blocks = []
+            self._transfer_failed_now(req, f"prefill instance {producer} is down")
+            return
+        self.transport.mark(req.transfer_id, "registration_handed")
+        self.transport.register(self.engine_id, req.transfer_id, producer, req.dst_blocks,
+                                req.input_len, incarnation=req.incarnation)
 
     def connected(self, producer: str) -> None:
         """A handshake finished: held pulls to ``producer`` start at the next step."""
@@ -326,13 +369,17 @@ class DecodeEngine(_Loop):
             if req.awaiting_handshake and self.transport.knows(self.engine_id, req.prefill or ""):
                 stall += self._start_transfer(req, stall)
         for req in list(self.holding):  # KV-holding requests first, as vLLM does
+            if req.kv_ready:
+                self.transport.mark(req.transfer_id, "ready_scheduled")
             if len(self.running) >= eng.max_num_seqs:
                 break
             if req.kv_ready and self._grow(req):
                 self.holding.remove(req)
                 self.running.append(req)
+                self.transport.mark(req.transfer_id, "decode_scheduled")
         while admit_waiting and self.waiting and len(self.running) < eng.max_num_seqs:
             req = self.waiting[0]
+            self.transport.mark(req.transfer_id, "decode_seen")
             off = eng.preemption == "off"  # reserve every output block up front
             if req.local_prefill:
                 upto = req.input_len + req.output_len if off else req.prefill_target + 1
@@ -403,7 +450,8 @@ class DecodeEngine(_Loop):
         """Free memory for ``needy``; False when nothing can be freed now."""
         if self.eng.preemption == "reissue" and self.mode is TransferMode.PUSH:
             for v in reversed(self.holding):
-                if not v.kv_ready and not v.awaiting_handshake and not v.reissue:
+                if (not v.kv_ready and not v.awaiting_handshake and not v.reissue
+                        and not v.handing_off):
                     v.reissue = True  # blocks come back after the fence (release_destination)
                     v.preempted += 1
                     self.preempted += 1
@@ -491,7 +539,25 @@ class DecodeEngine(_Loop):
     # ---------------------------------------------------------- endpoint outputs
 
     def transfer_ready(self, transfer_id: str) -> None:
+        """The consumer endpoint's TransferReady: the worker takes it ``event_handoff_s``
+        later, the scheduler can admit the request ``admit_lag_s`` after that."""
         req = self._by_tid[transfer_id]
+        handoff, lag = self.eng.event_handoff_s, self.eng.admit_lag_s
+        if not handoff and not lag:
+            self.transport.mark(transfer_id, "ready")
+            self._ready(req)
+            return
+
+        def worker_has_it(_: Any) -> None:
+            if self.alive and self._by_tid.get(transfer_id) is req:
+                self.transport.mark(transfer_id, "ready")
+                self.env.timeout(lag).callbacks.append(lambda _: self._ready(req))
+
+        self.env.timeout(handoff).callbacks.append(worker_has_it)
+
+    def _ready(self, req: SimRequest) -> None:
+        if not self.alive or self._by_tid.get(req.transfer_id) is not req:
+            return
         req.kv_ready = True
         req.kv_ready_at = self.env.now
         self.poke()

@@ -30,6 +30,17 @@ and writes them as a profile :func:`~pushkv.sim.profile.load_profile` reads:
   of a core a short burst gets; the profile holds every time scaled to a core of its
   own (``time x share``), so that ``cpu_share`` and ``wake_s`` of a later run start
   from it.
+* **On the connector servers** (``--connector-timeline DIR [DIR ...]``, off by
+  default): what a plain server cannot show, from the :mod:`pushkv.timeline` marks a
+  real pushkv pair recorded (its router's or client's directory first, then the
+  servers'; the requests that ran alone, unless ``--all-requests``): each leg's
+  API-server time beyond the router hop (``ingest_s``), a token's way back beyond
+  one step and the hop (``decode.return_s``),
+  the step-boundary hand-offs of a push (``decode.order_handoff_s``,
+  ``event_handoff_s``, ``admit_lag_s``) and a write's wait for its notification on
+  busy cores (``network.notify_wait_s``) -- see
+  :func:`pushkv.sim.measure_connector.connector_keys`. With ``--base
+  PROFILE`` nothing else is measured: the keys are added to that profile.
 
 :func:`profile_data` turns a :class:`Measured` into the profile's tables and
 validates them (:func:`~pushkv.sim.profile.profile_from_dict`); a measurement
@@ -193,6 +204,9 @@ def profile_data(m: Measured) -> dict[str, Any]:
         "prefill": engine | {
             "prefill_step_overhead_s": p_over, "step_token_s": p_tok,
             "step_python_s": p_over,
+            # the servers run with prefix caching off (the default profile's prefill
+            # has 0.9 of each prompt cached)
+            "prefix_hit_fraction": 0.0,
         },
         "decode": engine | {
             "decode_step_overhead_s": d_over, "step_token_s": d_tok,
@@ -272,6 +286,16 @@ def header(m: Measured) -> list[str]:
          f"delay {m.engine_wake_s * 1e3:.2f} ms; times below scaled to a core of one's own."
          if m.probe_samples else "No probe samples: times below as measured (shares 1)."),
     ]
+
+
+def write_data(data: dict[str, Any], head: Sequence[str], path: str | Path) -> Profile:
+    """Write a profile's tables to ``path``; return the profile as the simulator loads it."""
+    from .profile import load_profile
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_toml(data, head))
+    return load_profile(out)
 
 
 def write_profile(m: Measured, path: str | Path) -> Profile:
@@ -624,15 +648,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--delay-us", type=int, default=100,
                    help="NIXL progress-thread sleep between polls (as benchmarks/e2e)")
     p.add_argument("--json", type=Path, help="also write the raw measurements here")
+    c = p.add_argument_group("on the connector servers (off by default)")
+    c.add_argument("--connector-timeline", nargs="+", type=Path, metavar="DIR",
+                   help="pushkv.timeline directories of a real pushkv pair at low load, the "
+                   "router's or client's first, then the servers': add the connector keys "
+                   "(ingest_s, decode.return_s, order_handoff_s, event_handoff_s, "
+                   "admit_lag_s, network.notify_wait_s) measured from them")
+    c.add_argument("--connector-window", nargs=2, type=float, metavar=("T0", "T1"),
+                   help="only the requests whose legs left between T0 and T1 "
+                   "(time.monotonic; e.g. one point of bench_sim_vs_real, its cpu_probe.json "
+                   "'window')")
+    c.add_argument("--all-requests", action="store_true",
+                   help="take every request of the timeline, not only those that ran alone "
+                   "(nothing else in flight: the low-load sample the keys are defined on)")
+    c.add_argument("--connector-steps", nargs=2, type=int, metavar=("IN", "OUT"),
+                   help="also replace the engines' step overheads by those the connector "
+                   "servers ran (the timeline's requests had IN prompt and OUT output "
+                   "tokens); the other keys are then taken against them")
+    c.add_argument("--timeline-share", type=float, default=1.0, metavar="F",
+                   help="the share of a core the pair's processes got meanwhile (a probe's "
+                   "figure): the keys are scaled to a core of one's own by it")
+    c.add_argument("--base", type=Path, metavar="PROFILE",
+                   help="with --connector-timeline: measure nothing else, add the keys to "
+                   "this profile (e.g. pushkv/sim/profiles/cpu-tiny.toml)")
     args = p.parse_args(argv)
     if args.reps < 2:
         p.error("--reps must be at least 2")
-    m = measure(args.work, reps=args.reps, delay_us=args.delay_us)
-    if args.json:
-        args.json.write_text(json.dumps(dataclasses.asdict(m), indent=1))
+    if args.base and not args.connector_timeline:
+        p.error("--base needs --connector-timeline")
     try:
-        prof = write_profile(m, args.out)
-    except MeasurementError as exc:
+        if args.base:
+            import tomllib
+
+            text = args.base.read_text()
+            lines = text.splitlines()
+            lead = next((i for i, line in enumerate(lines) if not line.startswith("#")),
+                        len(lines))
+            data, head = tomllib.loads(text), [  # the base's header comment, kept
+                line[2:] if line.startswith("# ") else line.lstrip("#") for line in lines[:lead]]
+        else:
+            m = measure(args.work, reps=args.reps, delay_us=args.delay_us)
+            if args.json:
+                args.json.write_text(json.dumps(dataclasses.asdict(m), indent=1))
+            data, head = profile_data(m), header(m)
+        if args.connector_timeline:
+            from .measure_connector import extend
+
+            win = args.connector_window
+            data, head = extend(data, head, args.connector_timeline,
+                                window=(win[0], win[1]) if win else None,
+                                alone_only=not args.all_requests, steps=args.connector_steps,
+                                share=args.timeline_share)
+        prof = write_data(data, head, args.out)
+    except (MeasurementError, ProfileError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.out} (profile {prof.name})")

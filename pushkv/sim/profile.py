@@ -78,6 +78,10 @@ UNUSED = {
         "kv_read_efficiency": "prefill steps read no decode KV",
         "heartbeat_queued": "only decode renews leases",
         "preemption": "prefill waits for free blocks instead",
+        "order_handoff_s": "prefill's worker marks the finished prompt itself (no order "
+        "waits for a step)",
+        "event_handoff_s": "only decode waits for a transfer's readiness",
+        "admit_lag_s": "only decode waits for a transfer's readiness",
     },
     "decode": {
         "prefix_hit_fraction": "decode runs with --no-enable-prefix-caching; a request "
@@ -90,6 +94,14 @@ ENGINE_WAKES = 2  #: a request or finished transfer reaching an idle engine: cor
 HOP_WAKES = 2  #: a router hop: the relay process and the receiving API server
 RETURN_WAKES = 3  #: a token to the client: decode's API server, the relay, the client
 FIT = "fit: chosen once so the default sweep reproduces the post (docs/sim.md)"
+#: Engine keys measured on a real connector pair's timeline (all 0 by default).
+CONNECTOR_KEYS = ("ingest_s", "return_s", "order_handoff_s", "event_handoff_s", "admit_lag_s")
+#: ... and network.notify_wait_s, the one on the network table.
+CONNECTOR = (
+    "0 (off) by default; measured on a real pushkv pair by `python -m pushkv.sim.measure "
+    "--connector-timeline DIR` from its pushkv.timeline marks (docs/sim.md, 'Against real "
+    "engines, segment by segment')"
+)
 ASSUMED = "assumed (no public measurement; small effect, see docs/sim.md)"
 
 
@@ -181,9 +193,9 @@ class EngineProfile:
         1.0,
         "fraction of a CPU core this engine's processes get while they are runnable (other "
         "work on the same cores takes the rest): its host times -- step overheads, "
-        "step_token_s, step_python_s -- last 1 / cpu_share as long; posting, control "
-        "messages and router hops, which run on both sides' cores, by the mean of the two "
-        "sides' shares (1: a core of its own; see Profile.on_shared_cores)",
+        "step_token_s, step_python_s, the CONNECTOR_KEYS -- last 1 / cpu_share as long; "
+        "posting, control messages and router hops, which run on both sides' cores, by "
+        "the mean of the two sides' shares (1: a core of its own; see Profile.on_shared_cores)",
         "1 on dedicated hosts; on a shared CPU machine measured per run by a probe process "
         "on each core (pushkv.sim.cores.CoreProbe: CPU time / wall time of 1 ms bursts), "
         "see benchmarks/bench_sim_vs_real.py",
@@ -199,6 +211,47 @@ class EngineProfile:
         "notification, and a background posting thread's job, one (0: a core of its own)",
         "0 on dedicated hosts; on a shared CPU machine measured per run by a probe process "
         "on each core (pushkv.sim.cores.CoreProbe), see benchmarks/bench_sim_vs_real.py",
+    )
+    ingest_s: float = _f(
+        0.0,
+        "API-server time of one leg beyond the router hop: what a request spends between "
+        "reaching this instance and its engine's scheduler being able to see it (HTTP "
+        "parsing, input processing, the hand-off to the engine core) that the plain "
+        "server's request overhead (router_hop_s) does not show. One API server per "
+        "instance handles legs one at a time: legs arriving together queue for it",
+        CONNECTOR + ": median('legs out -> prefill sees' / 'decode sees') minus "
+        "network.router_hop_s",
+    )
+    return_s: float = _f(
+        0.0,
+        "what an output of this instance takes beyond the router hop to reach the client: "
+        "the engine core's output processing, the hand-off to the API server, "
+        "detokenising and streaming (decode: every token; prefill: the prefill leg's "
+        "answer a sequential router waits for)",
+        CONNECTOR + ": decode: median('decode step -> first token') minus one decode step "
+        "minus network.router_hop_s; prefill: not measured (0)",
+    )
+    order_handoff_s: float = _f(
+        0.0,
+        "a step's orders reaching the worker: a push registration the scheduler ships in "
+        "a step's connector metadata is handed to the transport this much later (the "
+        "worker takes it when it runs the step)",
+        CONNECTOR + ": median('registration shipped -> handed')",
+    )
+    event_handoff_s: float = _f(
+        0.0,
+        "a transfer's readiness reaching the worker: between the consumer endpoint's "
+        "TransferReady (the notification arrived on the transport's thread) and the "
+        "worker taking it (at its next step)",
+        CONNECTOR + ": median('notification -> ready')",
+    )
+    admit_lag_s: float = _f(
+        0.0,
+        "between the worker having a transfer's readiness and the scheduler being able to "
+        "admit the request: the worker reports it with a step's output, the scheduler "
+        "admits it in the schedule after",
+        CONNECTOR + ": median('ready -> scheduler knows') + median('scheduler knows -> "
+        "decode step')",
     )
     prefix_hit_fraction: float = _f(
         0.0,
@@ -345,6 +398,15 @@ class NetworkProfile:
         "exactly 2x the mean)",
         ASSUMED,
     )
+    notify_wait_s: float = _f(
+        0.0,
+        "what a write and its notification take on the connector servers beyond the "
+        "modelled posting, wire and control latency: the transports' progress threads "
+        "polling on busy cores; added after the wire, before the producer learns of the "
+        "completion and the notification leaves",
+        CONNECTOR + ": median('write posted -> notification') minus wire_latency_s, "
+        "control_latency_s and post_fixed_s",
+    )
     sharing: str = _f(
         "fair",
         "concurrent transfers on a node's NICs: 'fair' -- they share them equally "
@@ -435,7 +497,7 @@ class Profile:
             e: EngineProfile = getattr(self, side)
             for name in ("tp", "max_num_seqs", "max_num_batched_tokens", "block_size"):
                 _positive(f"{side}.{name}", getattr(e, name))
-            for name in ("step_python_s", "step_token_s", "wake_s"):
+            for name in ("step_python_s", "step_token_s", "wake_s", *CONNECTOR_KEYS):
                 if getattr(e, name) < 0:
                     raise ProfileError(f"{side}.{name} must be >= 0")
             for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency",
@@ -501,7 +563,7 @@ class Profile:
             if getattr(c, name) < 0:
                 raise ProfileError(f"control.{name} must be >= 0")
         for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "post_fixed_s",
-                     "post_per_descriptor_s"):
+                     "post_per_descriptor_s", "notify_wait_s"):
             if getattr(n, name) < 0:
                 raise ProfileError(f"network.{name} must be >= 0")
         return self
@@ -530,7 +592,8 @@ class Profile:
             return dataclasses.replace(
                 e, cpu_share=1.0, prefill_step_overhead_s=e.prefill_step_overhead_s / share,
                 decode_step_overhead_s=e.decode_step_overhead_s / share,
-                step_token_s=e.step_token_s / share, step_python_s=e.step_python_s / share)
+                step_token_s=e.step_token_s / share, step_python_s=e.step_python_s / share,
+                **{k: getattr(e, k) / share for k in CONNECTOR_KEYS})
 
         both = (sp + sd) / 2
         n, c = self.network, self.control
@@ -539,7 +602,7 @@ class Profile:
             network=dataclasses.replace(
                 n, post_fixed_s=n.post_fixed_s / both,
                 post_per_descriptor_s=n.post_per_descriptor_s / both,
-                router_hop_s=n.router_hop_s / both),
+                router_hop_s=n.router_hop_s / both, notify_wait_s=n.notify_wait_s / both),
             control=dataclasses.replace(c, message_send_s=c.message_send_s / both,
                                         message_recv_s=c.message_recv_s / both))
 

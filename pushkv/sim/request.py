@@ -33,6 +33,7 @@ class SimRequest:
     prefilled: int = 0  #: prompt tokens computed on decode so far
     recompute_len: int = 0  #: tokens a preempted request computes again (0: the prompt)
     reissue: bool = False  #: its transfer was preempted: register again, a new attempt
+    handing_off: bool = False  #: push: its registration order is on its way to the worker
     preempted: int = 0  #: times this request was preempted on decode
     # timeline
     prefill_done_at: float | None = None

@@ -7,7 +7,9 @@
 * concurrent ``push``: both legs leave at arrival with one transfer id; the
   decode instance registers its blocks while prefill computes.
 
-Every leg costs one proxy hop (``network.router_hop_s``). The router learns
+Every leg costs one proxy hop (``network.router_hop_s``), then its instance's
+API-server time (``ingest_s``, one leg at a time); a prefill answer costs a hop and
+the prefill instance's ``return_s``. The router learns
 of an instance's death when the transport reports it; prefill legs that were
 lost with an instance and whose decode leg was not sent yet are re-sent to a
 live prefill instance under a new transfer id, or -- with none left -- sent
@@ -65,8 +67,14 @@ class Router:
 
     # ---------------------------------------------------------------- helpers
 
-    def _later(self, fn: Callable[..., None], *args: Any) -> None:
-        self.env.timeout(self.hop).callbacks.append(lambda _: fn(*args))
+    def _later(self, fn: Callable[..., None], *args: Any, extra: float = 0.0) -> None:
+        self.env.timeout(self.hop + extra if extra else self.hop).callbacks.append(
+            lambda _: fn(*args))
+
+    def _send(self, engine: PrefillEngine | DecodeEngine,
+              submit: Callable[[SimRequest], None], req: SimRequest) -> None:
+        """A leg to ``engine``: the hop, then its API server (``ingest_s``)."""
+        self._later(engine.ingest, submit, req)
 
     def _pick(self, engines: list[E], key: str) -> E | None:
         live = [e for e in engines if e.engine_id not in self.transport.known_dead]
@@ -91,18 +99,20 @@ class Router:
         req.prefill = p.engine_id
         req.incarnation = new_incarnation(self._rng)  # one per use of the id, both legs
         self._awaiting[req.transfer_id] = req
-        self._later(p.submit, req)
+        self.transport.mark(req.transfer_id, "received")
+        self.transport.mark(req.transfer_id, "legs_sent")
+        self._send(p, p.submit, req)
         if self.concurrent:
             d = self._pick(self.decodes, "d")
             if d is None:
                 self._fail(req, "no decode instance")
                 return
             req.decode = d.engine_id
-            self._later(d.submit, req)
+            self._send(d, d.submit, req)
 
     def prefill_done(self, req: SimRequest, block_ids: tuple[int, ...] | None) -> None:
         """A prefill instance answers (after its hop back to the proxy)."""
-        self._later(self._answered, req, block_ids)
+        self._later(self._answered, req, block_ids, extra=self.cfg.profile.prefill.return_s)
 
     def _answered(self, req: SimRequest, block_ids: tuple[int, ...] | None) -> None:
         if req.prefill not in self.transport.alive or req.outcome is not Outcome.PENDING:
@@ -116,7 +126,7 @@ class Router:
             self._fail(req, "no decode instance")
             return
         req.src_blocks = block_ids or ()
-        self._later(d.submit, req)
+        self._send(d, d.submit, req)
 
     def _no_prefill(self, req: SimRequest) -> None:
         d = self._pick(self.decodes, "d")
@@ -124,7 +134,7 @@ class Router:
             self._fail(req, "no instance left")
         elif self.cfg.protocol.policy is FailurePolicy.RECOMPUTE:
             self.sent_local += 1
-            self._later(d.submit_local, req)
+            self._send(d, d.submit_local, req)
         else:
             self._fail(req, "no prefill instance")
 

@@ -23,6 +23,7 @@ import simpy
 from ..protocol import uniform_ranks
 from .blocks import BlockPool
 from .engine import DecodeEngine, PrefillEngine, Recorder
+from .marks import Timeline
 from .metrics import vllm_result
 from .network import Network
 from .profile import EngineProfile, Profile
@@ -73,8 +74,10 @@ def _ranks(engine_id: str, profile: Profile, side: EngineProfile) -> Any:
     )[0]  # rank 0 stands for the whole TP group
 
 
-def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
-    """Simulate ``cfg`` and return its results."""
+def run(cfg: SimConfig, *, keep_objects: bool = False,
+        timeline: Timeline | None = None) -> RunResult:
+    """Simulate ``cfg`` and return its results; with ``timeline``, record every
+    request's marks into it (:mod:`pushkv.sim.marks`; the results do not change)."""
     wall0 = time.perf_counter()
     shared = cfg.profile.on_shared_cores()  # host times stretched by the CPU share
     if shared is not cfg.profile:
@@ -90,6 +93,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
         random.Random(int(fault_seed.generate_state(1)[0])),
         skew_rng=np.random.default_rng(skew_seed), packing=cfg.packing,
     )
+    transport.timeline = timeline
     specs = generate(cfg.workload, np.random.default_rng(arrival_seed))
     recorder = Recorder(env, len(specs))
     router_ref: list[Router] = []
@@ -141,12 +145,17 @@ def run(cfg: SimConfig, *, keep_objects: bool = False) -> RunResult:
     leaks = _leaks(transport, prefills, decodes)
 
     extra = _extra(cfg, transport, prefills, decodes, router, reqs, leaks)
+    return_s = profile.network.router_hop_s + profile.return_wake_s + profile.decode.return_s
     result = vllm_result(
         reqs, duration=end + profile.network.router_hop_s, model_id=profile.model.name,
         request_rate=cfg.workload.request_rate, burstiness=cfg.workload.burstiness,
-        label=cfg.label(), extra=extra,
-        return_s=profile.network.router_hop_s + profile.return_wake_s,
+        label=cfg.label(), extra=extra, return_s=return_s,
     )
+    if timeline is not None:  # the client's marks: tokens as the result file counts them
+        for r in reqs:
+            if r.outcome is Outcome.OK and r.token_times:
+                timeline.mark(r.transfer_id, "first_token", r.token_times[0] + return_s)
+                timeline.mark(r.transfer_id, "last_token", r.token_times[-1] + return_s)
     out = RunResult(
         config=cfg, result=result, requests=reqs, leaks=leaks,
         transport_stats=dict(transport.stats), rejected=len(transport.rejected),

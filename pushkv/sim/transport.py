@@ -64,6 +64,7 @@ from ..protocol import (
 from ..protocol.messages import MAX_HEARTBEAT_ITEMS
 from ..protocol.packing import PackingConfig
 from .costs import post_s
+from .marks import Timeline
 from .network import Network
 from .packing import SIM_PACKING, StagingLedger
 from .profile import Profile
@@ -134,6 +135,12 @@ class SimTransport:
         self.descriptors: list[int] = []  #: descriptor count of every transfer issued
         #: posting seconds by thread: "decode-loop", "decode-bg", "prefill-bg"
         self.post_s_by_thread: defaultdict[str, float] = defaultdict(float)
+        self.timeline: Timeline | None = None  #: per-request marks, when recording
+
+    def mark(self, transfer_id: str, event: str) -> None:
+        """A timeline mark of ``transfer_id`` now (nothing unless recording)."""
+        if self.timeline is not None:
+            self.timeline.mark(transfer_id, event, self.env.now)
 
     # ------------------------------------------------------------------ set-up
 
@@ -245,6 +252,8 @@ class SimTransport:
         mode: Mode, *, incarnation: int = 0,
     ) -> None:
         p = self.producers[prefill]
+        if mode is Mode.PUSH:
+            self.mark(transfer_id, "write_handed")
         self._apply(prefill, p.prefill_finished(transfer_id, block_ids, num_tokens,
                                                 self.env.now, mode=mode,
                                                 incarnation=incarnation))
@@ -343,6 +352,7 @@ class SimTransport:
             elif isinstance(a, Connect):
                 self._connect(eid, a.engine_id)
             elif isinstance(a, IssueWrite):
+                self.mark(a.transfer_id, "write_posted")
                 self.descriptors.append(a.plan.descriptor_count)
                 self._spawn(self._write(eid, a))
             elif isinstance(a, IssueRead):
@@ -398,17 +408,25 @@ class SimTransport:
         if isinstance(msg, Register) and self._lose(self.faults.drop_register):
             self.stats["lost_Register"] += 1
             return
-        self._deliver_later(peer, encode(msg), self.profile.network.control_latency_s, src=src)
+        arrival = None
+        if isinstance(msg, Register) and self.timeline is not None:
+            self.mark(msg.transfer_id, "registration_sent")
+            tid = msg.transfer_id
+            arrival = lambda: self.mark(tid, "registration_received")  # noqa: E731
+        self._deliver_later(peer, encode(msg), self.profile.network.control_latency_s, src=src,
+                            on_arrival=arrival)
 
     def _lose(self, p: float) -> bool:
         return p > 0 and self._rng.random() < p
 
     def _deliver_later(
-        self, peer: Peer, frame: bytes, delay: float, *, src: str | None = None
+        self, peer: Peer, frame: bytes, delay: float, *, src: str | None = None,
+        on_arrival: Callable[[], None] | None = None,
     ) -> None:
         """``frame`` reaches ``peer``'s endpoint after the sender's time (``src``; none for
         a notification riding on a write), ``delay`` in flight and the receiver's time;
-        both hold their process's interpreter lock."""
+        both hold their process's interpreter lock. ``on_arrival`` (a timeline mark) is
+        called as it reaches a live endpoint."""
         ctl = self.profile.control
         wake = self._wake_s(peer.engine_id)
         if wake:  # the receiving thread wakes on a busy core
@@ -419,6 +437,8 @@ class SimTransport:
 
             def deliver(_: Any) -> None:
                 self.inflight -= 1
+                if on_arrival is not None and peer.engine_id in self.alive:
+                    on_arrival()
                 self._receive(peer.engine_id, frame)
 
             self.env.timeout(delay).callbacks.append(deliver)
@@ -430,6 +450,8 @@ class SimTransport:
             yield self.env.timeout(delay)
             if ctl.message_recv_s > 0 and peer.engine_id in self.alive:
                 yield from self._hold_gil(peer.engine_id, ctl.message_recv_s)
+            if on_arrival is not None and peer.engine_id in self.alive:
+                on_arrival()
             self._receive(peer.engine_id, frame)
 
         self._spawn(carry())
@@ -485,6 +507,8 @@ class SimTransport:
             self.staging.give_back(eid, dst, nbytes)
         yield self.env.timeout(  # READY waits for the slowest rank's write
             self._slowest_rank(self.profile.prefill.tp) * (self.env.now - started))
+        if net.notify_wait_s:  # the progress threads' polls on busy cores
+            yield self.env.timeout(net.notify_wait_s)
         if eid not in self.alive:
             self.stats["writes_lost"] += 1  # the producer died with its write
             return
@@ -493,7 +517,12 @@ class SimTransport:
             if self._lose(self.faults.drop_notify):
                 self.stats["lost_Notify"] += 1
             else:
-                self._deliver_later(a.peer, encode(a.notify), net.control_latency_s)
+                tid = a.transfer_id
+                arrival = (None if self.timeline is None else
+                           lambda: self.mark(tid, "notify_received"))
+                self._deliver_later(a.peer, encode(a.notify), net.control_latency_s,
+                                    on_arrival=arrival)
+        self.mark(a.transfer_id, "write_completed")
         p = self.producers[eid]
         self._apply(eid, p.write_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now,
                                            incarnation=a.incarnation))

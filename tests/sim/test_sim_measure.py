@@ -226,3 +226,12 @@ def test_wake_s_zero_keeps_the_default_profile_as_it_was() -> None:
 def test_wake_s_must_be_finite_and_not_negative(value: float) -> None:
     with pytest.raises(ProfileError, match="wake_s"):
         profile_from_dict({"decode": {"wake_s": value}})
+
+
+def test_the_cpu_profile_has_no_prefix_hits() -> None:
+    """The real servers run with prefix caching off: the committed profile and a
+    measured one must not inherit the default profile's 0.9 hits on prefill."""
+    root = Path(__file__).resolve().parents[2]
+    assert load_profile(root / "pushkv/sim/profiles/cpu-tiny.toml").prefill \
+        .prefix_hit_fraction == 0.0
+    assert profile_from_dict(profile_data(GOOD)).prefill.prefix_hit_fraction == 0.0

@@ -1,0 +1,152 @@
+"""The simulator profile's connector keys, from a real pushkv pair's timeline.
+
+A plain vLLM server (what :mod:`pushkv.sim.measure` times otherwise) cannot show
+what a disaggregated request pays on the connector servers: each leg's way through
+its instance's API server while two servers and the client share the cores, a
+token's way back, the hand-offs between a step's scheduler and its worker. The
+:mod:`pushkv.timeline` marks of a real pushkv pair show them segment by segment;
+:func:`connector_keys` turns their medians into the engine keys of
+:data:`pushkv.sim.profile.CONNECTOR_KEYS` (``python -m pushkv.sim.measure
+--connector-timeline DIR ... [--base PROFILE]``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .measure import MeasurementError
+from .profile import Profile, ProfileError, profile_from_dict
+
+#: (profile key, segments whose medians it takes) -- see :func:`connector_keys`.
+CONNECTOR_SEGMENTS = {
+    ("prefill", "ingest_s"): ("legs out -> prefill sees",),
+    ("decode", "ingest_s"): ("legs out -> decode sees",),
+    ("decode", "return_s"): ("decode step -> first token",),
+    ("decode", "order_handoff_s"): ("registration shipped -> handed",),
+    ("decode", "event_handoff_s"): ("notification -> ready",),
+    ("decode", "admit_lag_s"): ("ready -> scheduler knows", "scheduler knows -> decode step"),
+    ("network", "notify_wait_s"): ("write posted -> notification",),
+}
+
+
+def _median_s(segs: dict[str, list[float]], name: str, needed: str) -> float:
+    values = segs.get(name)
+    if not values:
+        raise MeasurementError(f"the timeline has no request with both marks of {name!r} "
+                               f"(needed for {needed})")
+    med = statistics.median(values) / 1000
+    if not math.isfinite(med):
+        raise MeasurementError(f"{name!r}: the median is not finite ({med!r})")
+    return med
+
+
+def _check_share(share: float) -> None:
+    if not (math.isfinite(share) and 0 < share <= 1):
+        raise MeasurementError(f"the timeline's CPU share must be in (0, 1], got {share!r}")
+
+
+def connector_steps(requests: dict[str, dict[str, float]], profile: Profile, *,
+                    input_len: int, output_len: int, share: float = 1.0
+                    ) -> dict[str, dict[str, float]]:
+    """The engines' step overheads as the connector servers ran them (requests of
+    ``input_len`` prompt tokens and ``output_len`` output tokens, as the run sent them):
+    prefill -- median('prefill sees -> prefill finished'), one step, less the profile's
+    ``step_token_s`` per prompt token; decode -- median('first token -> last token') /
+    (output_len - 1), less its ``step_token_s``; ``step_python_s`` the same (as
+    :func:`pushkv.sim.measure.profile_data` sets it); ``x share``."""
+    from .. import timeline
+
+    _check_share(share)
+    if input_len < 1 or output_len < 2:
+        raise MeasurementError("step times need prompts of 1 token or more and 2 output "
+                               f"tokens or more, got {input_len} and {output_len}")
+    segs = timeline.segments(requests)
+    pre = _median_s(segs, "prefill sees -> prefill finished", "the prefill step")
+    dec = _median_s(segs, "first token -> last token", "the decode step") / (output_len - 1)
+    p_over = max(0.0, pre - profile.prefill.step_token_s * input_len) * share
+    d_over = max(0.0, dec - profile.decode.step_token_s) * share
+    return {"prefill": {"prefill_step_overhead_s": p_over, "step_python_s": p_over},
+            "decode": {"decode_step_overhead_s": d_over, "step_python_s": d_over}}
+
+
+def connector_keys(requests: dict[str, dict[str, float]], profile: Profile, *,
+                   share: float = 1.0) -> dict[str, dict[str, float]]:
+    """The connector keys from a real pair's timeline (``requests``: per request id, each
+    mark's time, :func:`pushkv.sim.segments.load`), against ``profile``, the plain-server
+    profile they extend: a key is the median of its segments (summed), less what the
+    profile already puts there -- ``network.router_hop_s`` for ``ingest_s``; one decode
+    step of one sequence and the hop for ``return_s`` -- taken as 0 if that leaves less,
+    then scaled to a core of one's own (``x share``, the share a probe met during the
+    run; 1: as measured). MeasurementError when a segment is missing or not finite."""
+    from .. import timeline
+
+    _check_share(share)
+    segs = timeline.segments(requests)
+    hop = profile.network.router_hop_s
+    step = profile.decode.decode_step_overhead_s + profile.decode.step_token_s
+    net = profile.network
+    less = {"ingest_s": hop, "return_s": step + hop,
+            "notify_wait_s": net.wire_latency_s + net.control_latency_s + net.post_fixed_s}
+    out: dict[str, dict[str, float]] = {}
+    for (side, key), names in CONNECTOR_SEGMENTS.items():
+        total = sum(_median_s(segs, name, f"{side}.{key}") for name in names)
+        out.setdefault(side, {})[key] = max(0.0, total - less.get(key, 0.0)) * share
+    return out
+
+
+def with_connector_keys(data: dict[str, Any], keys: dict[str, dict[str, float]]
+                        ) -> dict[str, Any]:
+    """``data`` (a profile's tables) with ``keys`` merged in (a key there is replaced),
+    validated."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for side, table in keys.items():
+        out.setdefault(side, {}).update(table)
+    try:
+        profile_from_dict(out)
+    except ProfileError as exc:
+        raise MeasurementError(f"the connector keys make no valid profile: {exc}") from exc
+    return out
+
+
+def connector_header(dirs: Sequence[str | Path], n: int, share: float,
+                     keys: dict[str, dict[str, float]]) -> list[str]:
+    return [
+        f"Connector keys from the pushkv.timeline marks of {n} requests of a real pushkv "
+        "pair in", "  " + " ".join(str(d) for d in dirs) + f" (CPU share {share:g}):",
+        "  " + ", ".join(f"{side}.{k} {v * 1e3:.3f} ms" for side, t in keys.items()
+                         for k, v in t.items()) + ";",
+        "  see pushkv.sim.measure_connector.connector_keys for what each subtracts.",
+    ]
+
+
+
+
+def extend(data: dict[str, Any], head: Sequence[str], dirs: Sequence[str | Path], *,
+           window: tuple[float, float] | None = None, alone_only: bool = True,
+           steps: Sequence[int] | None = None, share: float = 1.0
+           ) -> tuple[dict[str, Any], list[str]]:
+    """A profile's tables and header lines, extended from the timeline in ``dirs`` (the
+    router's or client's first): its requests (in ``window``; only those that ran alone
+    unless not ``alone_only``), with ``steps`` = (input, output length) first the step
+    overheads (:func:`connector_steps`), then the connector keys."""
+    from .segments import alone, load
+
+    reqs = load(dirs, window)
+    if alone_only:
+        reqs = alone(reqs)
+    head = list(head)
+    if steps:
+        got = connector_steps(reqs, profile_from_dict(data), input_len=steps[0],
+                              output_len=steps[1], share=share)
+        data = with_connector_keys(data, got)
+        head.append("Engine step overheads replaced by the connector servers' "
+                    "(pushkv.sim.measure_connector.connector_steps): " + ", ".join(
+                        f"{side}.{k} {v * 1e3:.3f} ms" for side, t in got.items()
+                        for k, v in t.items() if k != "step_python_s") + ".")
+    keys = connector_keys(reqs, profile_from_dict(data), share=share)
+    return with_connector_keys(data, keys), [*head, *connector_header(dirs, len(reqs), share,
+                                                                      keys)]

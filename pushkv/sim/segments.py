@@ -1,0 +1,150 @@
+"""A simulated run against a real one, segment by segment of their timelines.
+
+Both sides record :mod:`pushkv.timeline` marks: the real connector, proxy and
+benchmark client into directories of ``timeline-<pid>.jsonl`` files, the simulator
+into ``timeline-sim.jsonl`` (:mod:`pushkv.sim.marks`). :func:`compare` takes each
+segment of :data:`pushkv.timeline.SEGMENTS` that both sides recorded and gives real
+median / p90, simulated median / p90 and their ratios (sim / real)::
+
+    python -m pushkv.sim.segments --real /tmp/run/timeline/push /tmp/run/timeline/pushkv \\
+        --sim /tmp/sim-timeline [--json]
+
+A real run's first directory is the router's or client's (it names the requests of
+the run); marks of later directories -- the servers', shared by every mode and run
+against them -- count only for those requests. ``--window T0 T1`` (``time.monotonic``
+seconds) keeps the requests whose legs left in that interval (one point of a run);
+``--alone`` the requests that had the deployment to themselves (:func:`alone`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+from .. import timeline
+
+Requests = dict[str, dict[str, float]]
+
+
+def load(dirs: Sequence[str | os.PathLike[str]],
+         window: tuple[float, float] | None = None) -> Requests:
+    """Per request id, each event's first time: the requests of ``dirs[0]``, joined with
+    the marks later directories hold for them; with ``window``, only the requests whose
+    ``legs_sent`` (else ``received``) lies in it."""
+    if not dirs:
+        raise ValueError("no timeline directory given")
+    own = timeline.read(dirs[0])
+    ids = {m.transfer_id for m in own}
+    others = [m for d in dirs[1:] for m in timeline.read(d) if m.transfer_id in ids]
+    reqs = timeline.by_request(own + others)
+    if window is not None:
+        t0, t1 = window
+
+        def start(r: Mapping[str, float]) -> float | None:
+            return r.get("legs_sent", r.get("received"))
+
+        reqs = {k: r for k, r in reqs.items()
+                if (s := start(r)) is not None and t0 <= s <= t1}
+    return reqs
+
+
+def alone(requests: Mapping[str, Mapping[str, float]]) -> Requests:
+    """The requests that ran alone: nothing else between their legs leaving and their
+    last mark (a low-load sample from any run)."""
+    spans = sorted((min(r.values()), max(r.values()), k) for k, r in requests.items() if r)
+    out: Requests = {}
+    ended = -math.inf  # the latest end of the requests that started before
+    for i, (t0, t1, k) in enumerate(spans):
+        after = spans[i + 1][0] if i + 1 < len(spans) else math.inf
+        if ended < t0 and t1 < after:
+            out[k] = dict(requests[k])
+        ended = max(ended, t1)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One segment, both sides (ms); a ratio is None where the real figure is 0."""
+
+    segment: str
+    real_median: float
+    real_p90: float
+    real_n: int
+    sim_median: float
+    sim_p90: float
+    sim_n: int
+    ratio_median: float | None
+    ratio_p90: float | None
+
+
+def _ratio(sim: float, real: float) -> float | None:
+    return round(sim / real, 3) if real > 0 and math.isfinite(sim / real) else None
+
+
+def compare(real: Mapping[str, Mapping[str, float]],
+            sim: Mapping[str, Mapping[str, float]]) -> list[Row]:
+    """A row per segment of :data:`pushkv.timeline.SEGMENTS` both sides recorded, in its
+    order."""
+    r, s = timeline.segments(real), timeline.segments(sim)
+    rows = []
+    for name, _, _ in timeline.SEGMENTS:
+        if name not in r or name not in s:
+            continue
+        rm, rp = statistics.median(r[name]), timeline.percentile(r[name], 0.9)
+        sm, sp = statistics.median(s[name]), timeline.percentile(s[name], 0.9)
+        rows.append(Row(name, round(rm, 3), round(rp, 3), len(r[name]), round(sm, 3),
+                        round(sp, 3), len(s[name]), _ratio(sm, rm), _ratio(sp, rp)))
+    return rows
+
+
+def table(rows: Sequence[Row]) -> str:
+    """Markdown: segment, real median / p90, sim median / p90, ratio median / p90."""
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = ["| segment | real median / p90 (ms) | sim median / p90 (ms) | "
+             "sim/real median / p90 |", "|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row.segment} | {row.real_median:.1f} / {row.real_p90:.1f} | "
+                     f"{row.sim_median:.1f} / {row.sim_p90:.1f} | "
+                     f"{ratio(row.ratio_median)} / {ratio(row.ratio_p90)} |")
+    return "\n".join(lines)
+
+
+def as_json(rows: Sequence[Row]) -> dict[str, dict[str, float | int | None]]:
+    return {row.segment: {k: v for k, v in asdict(row).items() if k != "segment"}
+            for row in rows}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pushkv.sim.segments", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--real", nargs="+", required=True, metavar="DIR",
+                   help="the real run's timeline directories, the router's or client's first")
+    p.add_argument("--sim", nargs="+", required=True, metavar="DIR",
+                   help="the simulated run's timeline directory")
+    p.add_argument("--window", nargs=2, type=float, metavar=("T0", "T1"),
+                   help="only real requests whose legs left between T0 and T1")
+    p.add_argument("--alone", action="store_true",
+                   help="only the requests that ran alone, on both sides (low load)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    args = p.parse_args(argv)
+    window = (args.window[0], args.window[1]) if args.window else None
+    real, sim = load(args.real, window), load(args.sim)
+    if args.alone:
+        real, sim = alone(real), alone(sim)
+    for side, reqs in (("--real", real), ("--sim", sim)):
+        if not reqs:
+            p.error(f"{side}: no timeline marks found")
+    rows = compare(real, sim)
+    print(json.dumps(as_json(rows)) if args.json else table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
