@@ -104,7 +104,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
             if not todo:
                 continue
             dep = Deployment(kind, str(model), real, max_model_len=max_len,
-                             delay_us=args.delay_us)
+                             delay_us=args.delay_us, spin_s=args.spin_s)
             t0 = time.monotonic()
             ep = None
             try:
@@ -376,6 +376,9 @@ def main() -> int:
                    help="requests sent one at a time through each router before its points")
     p.add_argument("--delay-us", type=int, default=100,
                    help="NIXL progress-thread sleep between polls, every connector alike")
+    p.add_argument("--spin-s", default="0.002",
+                   help="cap of vLLM's busy loop after each queue message in every server "
+                   "(as bench_e2e.sh --spin-s; empty: vLLM's 1 s)")
     p.add_argument("--profile", type=Path, default=PROFILE)
     p.add_argument("--measure", action="store_true",
                    help="first measure the profile on this machine (python -m "
