@@ -145,6 +145,45 @@ class PackedSender:
         self.poll_s = poll_s
         self.timeout_s = timeout_s
         self.inbox = Notifications(agent)
+        # one prepared request per staged (offset, length), posted again for every chunk
+        # staged there: a ring's slots, or an image's chunks of a repeated size
+        self._handles: dict[tuple[int, int], Any] = {}
+        self._live: dict[tuple[int, int], Any] = {}
+
+    def close(self) -> None:
+        """Release the prepared requests (after the last write completed)."""
+        for h in self._handles.values():
+            self.agent.release(h)
+        self._handles.clear()
+        self._live.clear()
+
+    def _handle(self, off: int, n: int) -> Any:
+        key = (off, n)
+        h = self._handles.get(key)
+        if h is None:
+            if len(self._handles) >= 4096:  # many sizes: drop the idle ones
+                self._reap_all()
+                self.close()
+            local = np.array([[self.local_base + off, n, 0]], np.int64)
+            remote = np.array([[self.remote_base + off, n, 0]], np.int64)
+            h = self._handles[key] = self.agent.prepare_write(
+                local, remote, self.peer, b"", self.remote_kind)
+        return h
+
+    def _reap_all(self, end: float | None = None) -> None:
+        while self._live:
+            self._reap()
+            if end is not None:
+                self._check(end, "the last writes' completion")
+
+    def _reap(self) -> None:
+        for key, h in list(self._live.items()):
+            state = self.agent.state(h)
+            if state == "PROC":
+                continue
+            del self._live[key]
+            if state != "DONE":
+                raise RuntimeError(f"packed chunk write at staging {key} ended {state}")
 
     def send(self, pipe: PipelinePlan, src: Sequence[np.ndarray], tag: bytes) -> StageTimes:
         if pipe.staging_bytes > self.staging.size:
@@ -153,61 +192,43 @@ class PackedSender:
         times = StageTimes(chunks=pipe.chunks)
         t_start, cpu0 = time.perf_counter(), time.process_time()
         end = time.monotonic() + self.timeout_s
-        live: list[Any] = []
         acked: set[int] = set()
         for k in range(pipe.chunks):
+            a, b = pipe.span(k)
+            off = pipe.offset(k)
+            t0 = time.perf_counter()
             if pipe.slots is not None and k >= pipe.slots:
-                t0 = time.perf_counter()
                 while k - pipe.slots not in acked:  # the slot's previous chunk is scattered
-                    live = self._reap(live)
+                    self._reap()
                     acked.update(self.inbox.take(tag, ack=True))
                     self._check(end, f"ack of chunk {k - pipe.slots}")
                     if self.poll_s:
                         time.sleep(self.poll_s)
-                times.wait_s += time.perf_counter() - t0
-            a, b = pipe.span(k)
-            off = pipe.offset(k)
-            t0 = time.perf_counter()
-            gather_host(pipe.packed, src, self.staging[off:off + b - a], a, b)
+            while (off, b - a) in self._live:  # its request is posted again below
+                self._reap()
+                self._check(end, f"completion of the write before chunk {k}")
             t1 = time.perf_counter()
-            row = np.array([[self.local_base + off, b - a, 0]], np.int64)
-            remote = row.copy()
-            remote[0, 0] = self.remote_base + off
-            handle = self.agent.prepare_write(row, remote, self.peer, _tag_k(tag, k),
-                                              self.remote_kind)
-            state = self.agent.post(handle)
+            gather_host(pipe.packed, src, self.staging[off:off + b - a], a, b)
             t2 = time.perf_counter()
-            times.gather_s += t1 - t0
-            times.post_s += t2 - t1
+            handle = self._handle(off, b - a)
+            state = self.agent.post(handle, _tag_k(tag, k))
+            t3 = time.perf_counter()
+            times.wait_s += t1 - t0
+            times.gather_s += t2 - t1
+            times.post_s += t3 - t2
             if state == "DONE":
                 times.done_at_post += 1
-                self.agent.release(handle)
             elif state == "PROC":
-                live.append(handle)
+                self._live[(off, b - a)] = handle
             else:
-                self.agent.release(handle)
                 raise RuntimeError(f"packed chunk {k} of {tag!r} ended {state}")
-            live = self._reap(live)
+            self._reap()
         t0 = time.perf_counter()
-        while live:
-            live = self._reap(live)
-            self._check(end, "the last writes' completion")
+        self._reap_all(end)
         times.wait_s += time.perf_counter() - t0
         times.total_s = time.perf_counter() - t_start
         times.cpu_s = time.process_time() - cpu0
         return times
-
-    def _reap(self, live: list[Any]) -> list[Any]:
-        keep = []
-        for h in live:
-            state = self.agent.state(h)
-            if state == "PROC":
-                keep.append(h)
-                continue
-            self.agent.release(h)
-            if state != "DONE":
-                raise RuntimeError(f"packed chunk write ended {state}")
-        return keep
 
     def _check(self, end: float, what: str) -> None:
         if time.monotonic() > end:
