@@ -30,7 +30,10 @@ Measured in one run, on host memory with UCX:
     chunk k+1 after posting chunk k, the consumer scatters each chunk on its
     notification;
   - **ring** (pipelined): chunks of ``--ring-chunk-mib`` in ``--ring-slots``
-    slots reused on the consumer's acks, small enough to stay in the CPU cache.
+    slots reused on the consumer's acks, small enough to stay in the CPU cache;
+  - **split**: the ring, with ``--read-share`` of its chunks read by the consumer
+    instead of written by the producer (UCX copies on the initiator's core on host
+    memory, so this moves wire copies to the consumer's core).
 
   ``fragmented_packed_vs_copy`` is the ``--packed`` way (default: ring). Per
   stage: the producer's gather and post (prepare + ``transfer()``, where UCX
@@ -43,7 +46,7 @@ The last line is one JSON object: ``contiguous_vs_copy``, ``fragmented_vs_copy``
 ``packed_{serial,image,ring}_vs_copy``, per-stage milliseconds,
 ``handoff_us_median``, ``inline_us_median`` (and a few raw figures).
 
-    PYTHONPATH=. python benchmarks/bench_nixl.py [--reps 5] [--packed ring|image|serial]
+    PYTHONPATH=. python benchmarks/bench_nixl.py [--reps 5] [--packed serial|image|ring|split]
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-PACKED_WAYS = ("serial", "image", "ring")
+PACKED_WAYS = ("serial", "image", "ring", "split")
 LAYERS, HEAD_DIM, DTYPE, BLOCK = 64, 128, 2, 16
 #: the request's tokens; ``--tokens`` (a smoke run) passes it to the spawned sides
 TOKENS = int(os.environ.get("PUSHKV_BENCH_NIXL_TOKENS", "16384"))
@@ -106,7 +109,7 @@ def producer_main(conn: Any) -> None:
     rt = NixlRuntime(info, memory, role="producer")
     conn.send(rt.address)
     stager = Stager("pack-prefill", progress_thread=False)
-    conn.send(stager.agent.metadata())
+    conn.send((stager.agent.metadata(), stager.base))
     handoffs: list[float] = []
     while True:
         cmd = conn.recv()
@@ -117,9 +120,9 @@ def producer_main(conn: Any) -> None:
             _, tid, src, dst, remote_base = cmd
             conn.send(stager.push(memory, _packed(src, dst), peer, remote_base, tid))
         elif cmd[0] == "pipelined":
-            _, tid, src, dst, remote_base, chunk, slots = cmd
+            _, tid, src, dst, remote_base, chunk, slots, share = cmd
             conn.send(stager.send(memory, _packed(src, dst), peer, remote_base, tid, chunk,
-                                  slots))
+                                  slots, share))
         elif cmd[0] == "prefill":
             _, tid, ids = cmd
             t0 = time.perf_counter()
@@ -167,8 +170,9 @@ def consumer_main(conn: Any, producer_address: str) -> None:
             _, tid, src, dst = cmd
             conn.send(stager.land(memory, _packed(src, dst), tid))
         elif cmd[0] == "pipelined":
-            _, tid, src, dst, chunk, slots = cmd
-            conn.send(stager.receive(memory, _packed(src, dst), peer, tid, chunk, slots))
+            _, tid, src, dst, remote_base, chunk, slots, share = cmd
+            conn.send(stager.receive(memory, _packed(src, dst), peer, remote_base, tid, chunk,
+                                     slots, share))
         elif cmd[0] == "push":
             _, tid, ids = cmd
             t0 = time.perf_counter()
@@ -220,6 +224,7 @@ class Stager:
         self.agent.register(self.memory)
         self.base = self.memory.bases[0]
         self.sender: Any = None
+        self.receiver: Any = None
 
     def push(self, memory: list[np.ndarray], packed: Any, peer: str, remote_base: int,
              tid: str) -> dict[str, float]:
@@ -262,31 +267,35 @@ class Stager:
         return {"scatter": time.perf_counter() - t0, "wait_cpu": wait_cpu}
 
     def send(self, memory: list[np.ndarray], packed: Any, peer: str, remote_base: int,
-             tid: str, chunk: int, slots: int | None) -> dict[str, float]:
+             tid: str, chunk: int, slots: int | None, share: float) -> dict[str, float]:
         """Pipelined (image or ring): seconds per stage of the producer."""
         from pushkv.transports.packed_pipeline import PackedSender, PipelinePlan
 
         if self.sender is None:  # one per peer: its prepared requests are reused
             self.sender = PackedSender(self.agent, self.buffer, self.base, remote_base, peer)
         c0 = time.thread_time()
-        t = self.sender.send(PipelinePlan(packed, chunk, slots), memory, tid.encode())
+        t = self.sender.send(PipelinePlan(packed, chunk, slots, share), memory, tid.encode())
         return {"gather": t.gather_s, "post": t.post_s, "wait": t.wait_s, "total": t.total_s,
                 "thread_cpu": time.thread_time() - c0, "chunks": t.chunks,
-                "done_at_post": t.done_at_post / max(t.chunks, 1)}
+                "done_at_post": t.done_at_post / max(t.chunks - t.posted_by_peer, 1)}
 
-    def receive(self, memory: list[np.ndarray], packed: Any, peer: str, tid: str, chunk: int,
-                slots: int | None) -> dict[str, float]:
+    def receive(self, memory: list[np.ndarray], packed: Any, peer: str, remote_base: int,
+                tid: str, chunk: int, slots: int | None, share: float) -> dict[str, float]:
         """Pipelined: seconds per stage of the consumer (CPU: the whole process)."""
         from pushkv.transports.packed_pipeline import PackedReceiver, PipelinePlan
 
-        receiver = PackedReceiver(self.agent, self.buffer, peer)
-        t = receiver.receive(PipelinePlan(packed, chunk, slots), memory, tid.encode())
-        return {"scatter": t.scatter_s, "wait": t.wait_s, "total": t.total_s,
-                "cpu": t.cpu_s}
+        if self.receiver is None:  # one per peer: its prepared reads are reused
+            self.receiver = PackedReceiver(self.agent, self.buffer, peer, local_base=self.base,
+                                           remote_base=remote_base)
+        t = self.receiver.receive(PipelinePlan(packed, chunk, slots, share), memory,
+                                  tid.encode())
+        return {"scatter": t.scatter_s, "read": t.post_s, "wait": t.wait_s,
+                "total": t.total_s, "cpu": t.cpu_s, "reads": t.posted_by_peer}
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
+        for side in (self.sender, self.receiver):
+            if side is not None:
+                side.close()
         self.agent.close()
 
 
@@ -327,21 +336,24 @@ def main() -> None:
     ap.add_argument("--ring-chunk-mib", type=float, default=1.0,
                     help="chunk of the ring way (default 1)")
     ap.add_argument("--ring-slots", type=int, default=4, help="slots of the ring (default 4)")
+    ap.add_argument("--read-share", type=float, default=0.5,
+                    help="split way: share of the ring's chunks the consumer reads (default 0.5)")
     ap.add_argument("--tokens", type=int, default=TOKENS,
                     help="request length (default 16384; smaller for a smoke run)")
     args = ap.parse_args()
     if args.tokens != TOKENS:
         os.environ["PUSHKV_BENCH_NIXL_TOKENS"] = str(args.tokens)
         os.execv(sys.executable, [sys.executable, *sys.argv])  # re-read the shape
-    pipelined = {"image": (int(args.chunk_mib * 2**20), None),
-                 "ring": (int(args.ring_chunk_mib * 2**20), args.ring_slots)}
+    ring = int(args.ring_chunk_mib * 2**20), args.ring_slots
+    pipelined = {"image": (int(args.chunk_mib * 2**20), None, 0.0), "ring": (*ring, 0.0),
+                 "split": (*ring, args.read_share)}
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
     c_conn, c_child = ctx.Pipe()
     prod = ctx.Process(target=producer_main, args=(p_child,), daemon=True)
     prod.start()
     address = p_conn.recv()
-    p_meta = p_conn.recv()
+    p_meta, p_staging = p_conn.recv()
     cons = ctx.Process(target=consumer_main, args=(c_child, address), daemon=True)
     cons.start()
     c_meta, c_staging = c_conn.recv()
@@ -394,9 +406,9 @@ def main() -> None:
                 c_conn.send(("packed", tid, src, dst))
                 p_conn.send(("packed", tid, src, dst, c_staging))
             else:
-                chunk, slots = pipelined[way]
-                c_conn.send(("pipelined", tid, src, dst, chunk, slots))
-                p_conn.send(("pipelined", tid, src, dst, c_staging, chunk, slots))
+                chunk, slots, share = pipelined[way]
+                c_conn.send(("pipelined", tid, src, dst, p_staging, chunk, slots, share))
+                p_conn.send(("pipelined", tid, src, dst, c_staging, chunk, slots, share))
             prod_parts = p_conn.recv()
             cons_parts = c_conn.recv()
             took = time.perf_counter() - t0
@@ -441,15 +453,18 @@ def main() -> None:
         (f"packed serial ({wire_descriptors} desc.)", "serial"),
         (f"packed image, {args.chunk_mib:g} MiB chunks", "image"),
         (f"packed ring, {args.ring_slots} x {args.ring_chunk_mib:g} MiB", "ring"),
+        (f"packed ring, {args.read_share:g} of chunks read by consumer", "split"),
     ]
     for label, key in rows:
         print(f"{label:44s} {med[key] * 1e3:9.1f} ms {gbps[key]:8.2f} "
               f"{gbps[key] / copy_gbps:8.2f} {best[key] * 1e3:7.1f} ms "
               f"{best['copy'] / best[key]:8.2f}")
-    stage_ms = {w: {k: round(statistics.median(v) * (1 if k.endswith(("chunks", "at_post",
-                                                                         "descriptors"))
-                                                        else 1e3), 2)
-                    for k, v in ps.items()} for w, ps in parts.items()}
+    counts = ("chunks", "at_post", "descriptors", "reads")  # not seconds
+
+    def _ms(k: str, v: list[float]) -> float:
+        return round(statistics.median(v) * (1 if k.endswith(counts) else 1e3), 2)
+
+    stage_ms = {w: {k: _ms(k, v) for k, v in ps.items()} for w, ps in parts.items()}
     for w, ps in stage_ms.items():
         print(f"  packed {w}: " + ", ".join(f"{k} {v}" for k, v in ps.items()))
     print(f"{'engine-thread hand-off per pushed request':44s} {handoff_us:9.1f} us")

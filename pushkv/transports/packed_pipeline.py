@@ -21,11 +21,23 @@ Where chunk ``k`` is staged (the same offset on both sides):
   from there, and the consumer's scatter reads its own ring from there, so the
   write costs about one pass over memory instead of three.
 
-Notifications carry ``tag + b"/" + k`` (data) and ``tag + b"/ack/" + k`` (acks).
-On host memory UCX moves the bytes inside the producer's ``transfer()`` (CMA:
-the initiator's core copies), so there the producer's core pays gather + wire
-and only the scatter runs beside it; on RDMA or device memory the NIC or the
-copy engine moves them and all three stages overlap.
+On host memory UCX moves the bytes inside the initiator's ``transfer()`` (CMA,
+``process_vm_writev``: the initiator's core copies), so a write leaves the
+producer's core paying gather + wire while only the scatter runs beside it. With
+``read_share`` a share of the chunks is instead *read* by the consumer (the
+producer gathers the chunk and says so; the consumer posts a READ of it, which
+its own core copies, then scatters it): on host memory that moves wire copies to
+the consumer's core and balances the two. On RDMA or device memory the NIC or
+the copy engine moves the bytes, all three stages overlap, and ``read_share``
+should stay 0.
+
+Both sides sleep ``poll_s`` between polls while they wait (an ack, a chunk, a
+completion): on a machine with few cores a side that spins takes the core the
+other side needs.
+
+Notifications carry ``tag + b"/" + k`` (chunk ``k`` written), ``tag + b"/r/" + k``
+(chunk ``k`` gathered, to be read) and ``tag + b"/ack/" + k`` (chunk ``k``
+scattered: its slots are free).
 """
 
 from __future__ import annotations
@@ -50,12 +62,16 @@ class PipelineTimeout(Exception):
 class PipelinePlan:
     """The chunk schedule of one pipelined packed write (both sides build the same)."""
 
-    __slots__ = ("bounds", "packed", "slot_bytes", "slots")
+    __slots__ = ("bounds", "packed", "read_share", "slot_bytes", "slots")
 
-    def __init__(self, packed: PackedPlan, chunk_bytes: int, slots: int | None = None) -> None:
+    def __init__(self, packed: PackedPlan, chunk_bytes: int, slots: int | None = None,
+                 read_share: float = 0.0) -> None:
         if slots is not None and slots < 1:
             raise ConfigError(f"a ring needs at least one slot, got {slots}")
+        if not 0.0 <= read_share <= 1.0:
+            raise ConfigError(f"read_share must be in [0, 1], got {read_share}")
         self.packed = packed
+        self.read_share = read_share
         self.bounds = chunk_bounds(packed, chunk_bytes)
         self.slots = slots
         self.slot_bytes = max((b - a for a, b in itertools.pairwise(self.bounds)), default=0)
@@ -79,17 +95,26 @@ class PipelinePlan:
         """Where chunk ``k`` is staged, relative to the staging range, on both sides."""
         return self.bounds[k] if self.slots is None else (k % self.slots) * self.slot_bytes
 
+    def read(self, k: int) -> bool:
+        """Whether the consumer reads chunk ``k`` (else the producer writes it): an even
+        spread of ``read_share`` of the chunks."""
+        return int((k + 1) * self.read_share) > int(k * self.read_share)
 
-def _tag_k(tag: bytes, k: int) -> bytes:
-    return tag + b"/" + str(k).encode()
+    def acked(self, k: int) -> bool:
+        """Whether the consumer acks chunk ``k``: every chunk of a ring (its slot is
+        reused), and every chunk it reads (the producer's staging must outlive the read)."""
+        return self.slots is not None or self.read(k)
 
 
-def _ack_k(tag: bytes, k: int) -> bytes:
-    return tag + b"/ack/" + str(k).encode()
+WRITTEN, READY, ACK = b"/", b"/r/", b"/ack/"
 
 
-def _parse(tag: bytes, message: bytes, ack: bool) -> int | None:
-    prefix = tag + (b"/ack/" if ack else b"/")
+def _msg(tag: bytes, kind: bytes, k: int) -> bytes:
+    return tag + kind + str(k).encode()
+
+
+def _parse(tag: bytes, message: bytes, kind: bytes) -> int | None:
+    prefix = tag + kind
     if not message.startswith(prefix):
         return None
     rest = message[len(prefix):]
@@ -107,6 +132,7 @@ class StageTimes:
     total_s: float = 0.0
     chunks: int = 0
     done_at_post: int = 0  # writes transfer() returned DONE for (copied synchronously)
+    posted_by_peer: int = 0  # chunks the other side moved (reads by the consumer)
     cpu_s: float = 0.0  # the process's CPU time over the write, all threads
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -119,22 +145,30 @@ class Notifications:
         self.agent = agent
         self.pending: list[bytes] = []
 
-    def take(self, tag: bytes, *, ack: bool) -> list[int]:
+    def take(self, tag: bytes, *kinds: bytes) -> list[tuple[bytes, int]]:
+        """``(kind, chunk)`` of the new and buffered messages of ``tag`` of those kinds;
+        other messages stay buffered for their reader."""
         self.pending.extend(m for _, m in self.agent.notifications())
         got, keep = [], []
         for m in self.pending:
-            k = _parse(tag, m, ack)
-            (keep if k is None else got).append(m if k is None else k)
+            for kind in kinds:
+                k = _parse(tag, m, kind)
+                if k is not None:
+                    got.append((kind, k))
+                    break
+            else:
+                keep.append(m)
         self.pending = keep
         return got
 
 
 class PackedSender:
     """The producer side: gathers chunks into its staging, writes each into the
-    consumer's staging with a notification, reuses ring slots on acks."""
+    consumer's staging with a notification (or tells the consumer to read it),
+    reuses ring slots on acks."""
 
     def __init__(self, agent: Any, staging: np.ndarray, local_base: int, remote_base: int,
-                 peer: str, *, remote_kind: str = "DRAM", poll_s: float = 0.0,
+                 peer: str, *, remote_kind: str = "DRAM", poll_s: float = 5e-5,
                  timeout_s: float = 60.0) -> None:
         self.agent = agent
         self.staging = staging.reshape(-1)
@@ -200,7 +234,7 @@ class PackedSender:
             if pipe.slots is not None and k >= pipe.slots:
                 while k - pipe.slots not in acked:  # the slot's previous chunk is scattered
                     self._reap()
-                    acked.update(self.inbox.take(tag, ack=True))
+                    acked.update(c for _, c in self.inbox.take(tag, ACK))
                     self._check(end, f"ack of chunk {k - pipe.slots}")
                     if self.poll_s:
                         time.sleep(self.poll_s)
@@ -210,8 +244,14 @@ class PackedSender:
             t1 = time.perf_counter()
             gather_host(pipe.packed, src, self.staging[off:off + b - a], a, b)
             t2 = time.perf_counter()
+            if pipe.read(k):  # the consumer copies it
+                self.agent.notify(self.peer, _msg(tag, READY, k))
+                times.gather_s += t2 - t1
+                times.wait_s += t1 - t0
+                times.posted_by_peer += 1
+                continue
             handle = self._handle(off, b - a)
-            state = self.agent.post(handle, _tag_k(tag, k))
+            state = self.agent.post(handle, _msg(tag, WRITTEN, k))
             t3 = time.perf_counter()
             times.wait_s += t1 - t0
             times.gather_s += t2 - t1
@@ -225,6 +265,12 @@ class PackedSender:
             self._reap()
         t0 = time.perf_counter()
         self._reap_all(end)
+        reads = {k for k in range(pipe.chunks) if pipe.read(k)}
+        while not reads <= acked:  # the consumer's reads of this staging are done
+            acked.update(c for _, c in self.inbox.take(tag, ACK))
+            self._check(end, "acks of the chunks the consumer reads")
+            if self.poll_s:
+                time.sleep(self.poll_s)
         times.wait_s += time.perf_counter() - t0
         times.total_s = time.perf_counter() - t_start
         times.cpu_s = time.process_time() - cpu0
@@ -237,20 +283,55 @@ class PackedSender:
 
 class PackedReceiver:
     """The consumer side: scatters each chunk out of its staging as its notification
-    arrives (in any order), and acks it to the producer when the write uses a ring."""
+    arrives (in any order), reading it first when the producer leaves that to it, and
+    acks it when the producer waits for that (ring slots, reads)."""
 
     def __init__(self, agent: Any, staging: np.ndarray, peer: str | None = None, *,
-                 poll_s: float = 0.0002, timeout_s: float = 60.0) -> None:
+                 local_base: int | None = None, remote_base: int | None = None,
+                 remote_kind: str = "DRAM", poll_s: float = 5e-5,
+                 timeout_s: float = 60.0) -> None:
         self.agent = agent
         self.staging = staging.reshape(-1)
         self.peer = peer
+        self.local_base = local_base
+        self.remote_base = remote_base
+        self.remote_kind = remote_kind
         self.poll_s = poll_s
         self.timeout_s = timeout_s
         self.inbox = Notifications(agent)
+        self._handles: dict[tuple[int, int], Any] = {}
+
+    def close(self) -> None:
+        """Release the prepared read requests."""
+        for h in self._handles.values():
+            self.agent.release(h)
+        self._handles.clear()
+
+    def _read(self, off: int, n: int, end: float) -> None:
+        """Read the producer's staging ``[off, off + n)`` into ours, to completion."""
+        assert self.peer is not None and self.local_base is not None
+        assert self.remote_base is not None
+        h = self._handles.get((off, n))
+        if h is None:
+            local = np.array([[self.local_base + off, n, 0]], np.int64)
+            remote = np.array([[self.remote_base + off, n, 0]], np.int64)
+            h = self._handles[(off, n)] = self.agent.prepare_read(
+                local, remote, self.peer, self.remote_kind)
+        state = self.agent.post(h)
+        while state == "PROC":
+            if time.monotonic() > end:
+                raise PipelineTimeout(f"a read of {n} staging bytes took over "
+                                      f"{self.timeout_s} s")
+            state = self.agent.state(h)
+        if state != "DONE":
+            raise RuntimeError(f"packed chunk read ended {state}")
 
     def receive(self, pipe: PipelinePlan, dst: Sequence[np.ndarray], tag: bytes) -> StageTimes:
-        if pipe.slots is not None and self.peer is None:
-            raise ConfigError("a ring write needs the producer's agent name to ack to")
+        if (pipe.slots is not None or pipe.read_share) and self.peer is None:
+            raise ConfigError("a ring write, or one the consumer reads, needs the producer's "
+                              "agent name")
+        if pipe.read_share and (self.local_base is None or self.remote_base is None):
+            raise ConfigError("reading chunks needs both staging bases")
         if pipe.staging_bytes > self.staging.size:
             raise ConfigError(f"the write needs {pipe.staging_bytes} staging bytes, "
                               f"{self.staging.size} registered")
@@ -261,7 +342,8 @@ class PackedReceiver:
         left = set(range(pipe.chunks))
         while left:
             t0 = time.perf_counter()
-            ready = [k for k in self.inbox.take(tag, ack=False) if k in left]
+            ready = [(kind, k) for kind, k in self.inbox.take(tag, WRITTEN, READY)
+                     if k in left]
             if not ready:
                 if time.monotonic() > end:
                     raise PipelineTimeout(f"chunks {sorted(left)[:4]}... of {tag!r} did not "
@@ -273,15 +355,20 @@ class PackedReceiver:
                 continue
             if t_start is None:
                 t_start = t0
-            for k in sorted(ready):
+            for kind, k in sorted(ready, key=lambda r: r[1]):
                 a, b = pipe.span(k)
                 off = pipe.offset(k)
+                if kind == READY:
+                    t1 = time.perf_counter()
+                    self._read(off, b - a, end)
+                    times.post_s += time.perf_counter() - t1
+                    times.posted_by_peer += 1
                 t1 = time.perf_counter()
                 scatter_host(pipe.packed, self.staging[off:off + b - a], dst, a, b)
                 times.scatter_s += time.perf_counter() - t1
                 left.discard(k)
-                if pipe.slots is not None and self.peer is not None:
-                    self.agent.notify(self.peer, _ack_k(tag, k))
+                if pipe.acked(k) and self.peer is not None:
+                    self.agent.notify(self.peer, _msg(tag, ACK, k))
         times.total_s = time.perf_counter() - (t_start or time.perf_counter())
         times.cpu_s = time.process_time() - cpu0
         return times

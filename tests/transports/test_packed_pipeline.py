@@ -1,5 +1,6 @@
 """Pipelined packed writes over real NIXL agents (UCX, host memory), two processes:
-every byte of a fragmented plan lands, in image and ring mode, chunks of any size."""
+every byte of a fragmented plan lands, in image and ring mode, chunks of any size,
+chunks written by the producer, read by the consumer, or both."""
 
 from __future__ import annotations
 
@@ -49,14 +50,18 @@ def consumer(conn: Any) -> None:
     mem = KVMemory.from_regions([staging])
     agent.register(mem)
     conn.send((agent.metadata(), mem.bases[0]))
-    peer = agent.add_peer(conn.recv())
-    receiver = PackedReceiver(agent, staging, peer, timeout_s=60)
+    meta, remote_base = conn.recv()
+    peer = agent.add_peer(meta)
+    receiver = PackedReceiver(agent, staging, peer, local_base=mem.bases[0],
+                              remote_base=remote_base, timeout_s=60)
     while (cmd := conn.recv()) is not None:
-        seed, chunk, slots, tag = cmd
+        seed, chunk, slots, share, tag = cmd
         lo, plan = _plan(seed)
         dst = [np.zeros(lo.region_bytes, np.uint8) for _ in range(4)]
-        times = receiver.receive(PipelinePlan(PackedPlan(plan, 1 << 20), chunk, slots), dst, tag)
-        conn.send((dst, times.chunks))
+        pipe = PipelinePlan(PackedPlan(plan, 1 << 20), chunk, slots, share)
+        times = receiver.receive(pipe, dst, tag)
+        conn.send((dst, times.chunks, times.posted_by_peer))
+    receiver.close()
     agent.close()
 
 
@@ -72,32 +77,38 @@ def pair() -> Any:
     mem = KVMemory.from_regions([staging])
     agent.register(mem)
     peer = agent.add_peer(meta)
-    conn.send(agent.metadata())
+    conn.send((agent.metadata(), mem.bases[0]))
     sender = PackedSender(agent, staging, mem.bases[0], remote_base, peer, timeout_s=60)
     try:
         yield conn, sender
     finally:
         conn.send(None)
         proc.join(30)
+        sender.close()
         agent.close()
 
 
-@pytest.mark.parametrize(("chunk", "slots"), [
-    (1 << 20, None), (20_000, None), (8192, 2), (20_000, 3), (4096, 1), (50_000, 16)])
-def test_pipelined_write_lands_every_byte(pair: Any, chunk: int, slots: int | None) -> None:
+@pytest.mark.parametrize(("chunk", "slots", "share"), [
+    (1 << 20, None, 0.0), (20_000, None, 0.0), (8192, 2, 0.0), (20_000, 3, 0.0),
+    (4096, 1, 0.0), (50_000, 16, 0.0), (20_000, None, 0.5), (8192, 2, 0.5),
+    (20_000, 3, 1.0), (4096, 1, 0.3)])
+def test_pipelined_write_lands_every_byte(pair: Any, chunk: int, slots: int | None,
+                                          share: float) -> None:
     conn, sender = pair
-    seed = chunk + (slots or 0)
+    seed = chunk + (slots or 0) + int(share * 10)
     lo, plan = _plan(seed)
     src = _source(lo)
     want = [np.zeros(lo.region_bytes, np.uint8) for _ in range(4)]
     copy_plan(plan, src, want)
-    pipe = PipelinePlan(PackedPlan(plan, 1 << 20), chunk, slots)
+    pipe = PipelinePlan(PackedPlan(plan, 1 << 20), chunk, slots, share)
     assert len(set(plan.runs[:, 2].tolist())) > 1  # mixed run lengths
-    tag = f"w{chunk}-{slots}".encode()
-    conn.send((seed, chunk, slots, tag))
+    tag = f"w{chunk}-{slots}-{share}".encode()
+    conn.send((seed, chunk, slots, share, tag))
     times = sender.send(pipe, src, tag)
-    got, chunks = conn.recv()
+    got, chunks, read = conn.recv()
     assert chunks == times.chunks == pipe.chunks >= (1 if chunk >= pipe.packed.nbytes else 2)
+    assert read == times.posted_by_peer == sum(pipe.read(k) for k in range(pipe.chunks))
+    assert (read > 0) == (share > 0)
     assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
     if slots is not None:
         assert pipe.staging_bytes <= slots * chunk
@@ -113,3 +124,5 @@ def test_a_write_larger_than_the_registered_staging_is_refused(pair: Any) -> Non
         small.send(pipe, _source(lo), b"never")
     with pytest.raises(ConfigError, match="slot"):
         PipelinePlan(PackedPlan(plan, 1 << 20), 4096, 0)
+    with pytest.raises(ConfigError, match="read_share"):
+        PipelinePlan(PackedPlan(plan, 1 << 20), 4096, None, 1.5)
