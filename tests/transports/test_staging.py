@@ -226,3 +226,34 @@ def test_torch_gather_and_scatter_match_numpy(case, path, chunk):
             gather_torch(packed, t_src, part, start=lo, stop=hi)
             scatter_torch(packed, part, t_dst, start=lo, stop=hi)
         assert all(np.array_equal(g.numpy(), w) for g, w in zip(t_dst, want, strict=True))
+
+
+@settings(max_examples=60)
+@given(cases(), st.sampled_from(PATHS), st.integers(1, 400),
+       st.one_of(st.none(), st.integers(1, 6)), st.floats(0, 1))
+def test_pipeline_schedule_partitions_the_image_and_never_shares_a_live_slot(
+        case, path, chunk, slots, share):
+    """Chunks cover the staging image in order; in a ring, the chunks that can be in
+    flight at once (``slots`` consecutive ones) sit in disjoint slots inside the ring;
+    ``read_share`` of the chunks, evenly spread, are read by the consumer."""
+    from pushkv.transports.packed_pipeline import PipelinePlan
+
+    src, dst, a, s_ids, d_ids, n, first = case
+    plan = plan_transfer(src, dst, a, s_ids, d_ids, n, first)
+    with copy_path(path):
+        pipe = PipelinePlan(PackedPlan(plan, 64), chunk, slots, share)
+    spans = [pipe.span(k) for k in range(pipe.chunks)]
+    assert [lo for lo, _ in spans[1:]] == [hi for _, hi in spans[:-1]]
+    assert (spans[0][0], spans[-1][1]) == (0, pipe.packed.nbytes) if spans else \
+        pipe.packed.nbytes == 0
+    for k, (lo, hi) in enumerate(spans):
+        assert pipe.offset(k) >= 0 and pipe.offset(k) + hi - lo <= pipe.staging_bytes
+    if slots is not None:
+        for k in range(pipe.chunks):
+            live = [(pipe.offset(j), pipe.offset(j) + spans[j][1] - spans[j][0])
+                    for j in range(k, min(k + slots, pipe.chunks))]
+            live.sort()
+            assert all(x[1] <= y[0] for x, y in itertools.pairwise(live))
+    reads = sum(pipe.read(k) for k in range(pipe.chunks))
+    assert reads == int(pipe.chunks * share)
+    assert all(pipe.acked(k) for k in range(pipe.chunks) if pipe.read(k) or slots)
