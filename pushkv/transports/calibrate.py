@@ -152,9 +152,9 @@ def request(mib: float, seed: int = 0) -> tuple[Any, list[np.ndarray]]:
     per_block = 64 * 2 * 4096
     blocks = max(2, int(mib * 2**20 // per_block))
     num_blocks = blocks + max(2, blocks // 10)
-    kw = {"num_layers": 64, "num_kv_heads": 1, "head_dim": 128, "dtype_bytes": 2,
-          "num_blocks": num_blocks, "block_size": 16}
-    p, d = uniform_ranks("calibrate-p", **kw)[0], uniform_ranks("calibrate-d", **kw)[0]
+    p, d = (uniform_ranks(name, num_layers=64, num_kv_heads=1, head_dim=128, dtype_bytes=2,
+                          num_blocks=num_blocks, block_size=16)[0]
+            for name in ("calibrate-p", "calibrate-d"))
     rng = np.random.default_rng(seed)
     src_ids = rng.permutation(num_blocks)[:blocks].tolist()
     dst_ids = rng.permutation(num_blocks)[:blocks].tolist()
@@ -208,12 +208,13 @@ def measure_device(mib: float, reps: int, device: str) -> dict[str, float]:
     dst = [torch.zeros_like(s) for s in src]
     staging = torch.empty(packed.nbytes, dtype=torch.uint8, device=dev)
     cuda = dev.type == "cuda"
-    stream = torch.cuda.Stream(device=dev) if cuda else None
+    stream = torch.cuda.Stream(device=dev) if cuda else None  # type: ignore[no-untyped-call]
 
     def timed(fn: Callable[[], None]) -> float:
         if cuda:
             torch.cuda.synchronize(dev)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record(stream)
             fn()
             end.record(stream)
