@@ -199,7 +199,14 @@ def _items_of(buf: np.ndarray, unit: int) -> np.ndarray:
 
 def _check_rows(view: np.ndarray, rows: np.ndarray, what: str) -> None:
     if rows.size and int(rows.max()) >= view.shape[0]:
-        raise ConfigError(f"{what} region of {view.size} bytes is too small for the plan")
+        raise ConfigError(f"{what} region of {view.nbytes} bytes is too small for the plan")
+
+
+def _writable(buf: np.ndarray, what: str) -> None:
+    """What is copied into must be contiguous (a reshape of anything else is a copy,
+    and the bytes would land in it)."""
+    if not buf.flags.c_contiguous:
+        raise ConfigError(f"the {what} copied into must be a contiguous array")
 
 
 def _contiguous(buf: np.ndarray) -> bool:
@@ -225,9 +232,10 @@ def gather_host(packed: PackedPlan, src: Sequence[np.ndarray], staging: np.ndarr
     With ``start``/``stop`` (cut points of :func:`chunk_bounds`), only staging image
     bytes ``[start, stop)`` are gathered, into ``staging[0:stop - start]``."""
     a, b = _range(packed, start, stop)
+    _writable(staging, "staging")
     out = staging.reshape(-1)
     rm = row_map(packed)
-    if rm is not None and a % rm.unit == 0 and b % rm.unit == 0 and _contiguous(out) \
+    if rm is not None and a % rm.unit == 0 and b % rm.unit == 0 \
             and all(_contiguous(src[i]) for i in set(rm.src_regions)):
         rows = _rows_of(out[:b - a], rm.unit)
         for k, j0, j1, t in rm.spans(a, b):
@@ -246,10 +254,11 @@ def scatter_host(packed: PackedPlan, staging: np.ndarray, dst: Sequence[np.ndarr
     ``start``/``stop``, only image bytes ``[start, stop)``, read from
     ``staging[0:stop - start]``."""
     a, b = _range(packed, start, stop)
+    for i in set(packed.plan.dst_regions.tolist()):
+        _writable(dst[i], "destination region")
     flat = staging.reshape(-1)
     rm = row_map(packed)
-    if rm is not None and a % rm.unit == 0 and b % rm.unit == 0 and _contiguous(flat) \
-            and all(_contiguous(dst[i]) for i in set(rm.dst_regions)):
+    if rm is not None and a % rm.unit == 0 and b % rm.unit == 0 and _contiguous(flat):
         items = _items_of(flat[:b - a], rm.unit)
         for k, j0, j1, t in rm.spans(a, b):
             region = _items_of(dst[rm.dst_regions[k]], rm.unit)

@@ -169,6 +169,12 @@ def test_ranges_off_the_cut_points_and_short_regions_are_refused():
     short = [np.ones(lo.block_bytes * 10, np.uint8) for _ in range(4)]
     with pytest.raises(ConfigError, match="too small"):
         gather_host(packed, short, out)
+    strided = np.zeros(2 * packed.nbytes, np.uint8)[::2]  # a reshape would copy it
+    with pytest.raises(ConfigError, match="contiguous"):
+        gather_host(packed, s_mem, strided)
+    with pytest.raises(ConfigError, match="contiguous"):
+        scatter_host(packed, out, [np.zeros(2 * lo.region_bytes, np.uint8)[::2]] * 4)
+    assert not strided.any()
 
 
 def test_opaque_blocks_through_the_packed_path():
