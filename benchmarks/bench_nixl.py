@@ -35,7 +35,7 @@ Measured in one run, on host memory with UCX:
     instead of written by the producer (UCX copies on the initiator's core on host
     memory, so this moves wire copies to the consumer's core).
 
-  ``fragmented_packed_vs_copy`` is the ``--packed`` way (default: ring). Per
+  ``fragmented_packed_vs_copy`` is the ``--packed`` way (default: image). Per
   stage: the producer's gather and post (prepare + ``transfer()``, where UCX
   copies on host memory) and the thread CPU time of the post, the consumer's
   scatter and its process CPU time over the write. This drives the staging path
@@ -231,7 +231,7 @@ class Stager:
         """Serial: gather, write, wait for completion (seconds per stage)."""
         from pushkv.transports.staging import gather_host
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         gather_host(packed, memory, self.buffer)
         t1, c1 = time.perf_counter(), time.thread_time()
         n = packed.wire.shape[0]
@@ -247,7 +247,7 @@ class Stager:
         self.agent.release(handle)
         if state != "DONE":
             raise RuntimeError(f"packed write ended {state}")
-        return {"gather": t1 - t0, "post": time.perf_counter() - t1,
+        return {"gather": t1 - t0, "gather_cpu": c1 - c0, "post": time.perf_counter() - t1,
                 "post_cpu": time.thread_time() - c1, "descriptors": n,
                 "done_at_post": float(at_post == "DONE")}
 
@@ -262,9 +262,10 @@ class Stager:
                 raise TimeoutError(f"no packed write for {tid}")
             time.sleep(0.0002)
         wait_cpu = time.process_time() - c0
-        t0 = time.perf_counter()
+        t0, c1 = time.perf_counter(), time.thread_time()
         scatter_host(packed, self.buffer, memory)
-        return {"scatter": time.perf_counter() - t0, "wait_cpu": wait_cpu}
+        return {"scatter": time.perf_counter() - t0, "scatter_cpu": time.thread_time() - c1,
+                "wait_cpu": wait_cpu}
 
     def send(self, memory: list[np.ndarray], packed: Any, peer: str, remote_base: int,
              tid: str, chunk: int, slots: int | None, share: float) -> dict[str, float]:
@@ -275,7 +276,8 @@ class Stager:
             self.sender = PackedSender(self.agent, self.buffer, self.base, remote_base, peer)
         c0 = time.thread_time()
         t = self.sender.send(PipelinePlan(packed, chunk, slots, share), memory, tid.encode())
-        return {"gather": t.gather_s, "post": t.post_s, "wait": t.wait_s, "total": t.total_s,
+        return {"gather": t.gather_s, "gather_cpu": t.gather_cpu_s, "post": t.post_s,
+                "post_cpu": t.post_cpu_s, "wait": t.wait_s, "total": t.total_s,
                 "thread_cpu": time.thread_time() - c0, "chunks": t.chunks,
                 "done_at_post": t.done_at_post / max(t.chunks - t.posted_by_peer, 1)}
 
@@ -289,8 +291,9 @@ class Stager:
                                            remote_base=remote_base)
         t = self.receiver.receive(PipelinePlan(packed, chunk, slots, share), memory,
                                   tid.encode())
-        return {"scatter": t.scatter_s, "read": t.post_s, "wait": t.wait_s,
-                "total": t.total_s, "cpu": t.cpu_s, "reads": t.posted_by_peer}
+        return {"scatter": t.scatter_s, "scatter_cpu": t.scatter_cpu_s, "read": t.post_s,
+                "read_cpu": t.post_cpu_s, "wait": t.wait_s, "total": t.total_s, "cpu": t.cpu_s,
+                "reads": t.posted_by_peer}
 
     def close(self) -> None:
         for side in (self.sender, self.receiver):
@@ -329,8 +332,11 @@ class NumpyCopy:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--packed", choices=PACKED_WAYS, default="ring",
-                    help="the packed way fragmented_packed_vs_copy reports (default ring)")
+    ap.add_argument("--packed", choices=PACKED_WAYS, default="image",
+                    help="the packed way fragmented_packed_vs_copy reports (default image)")
+    ap.add_argument("--ways", default="serial,image,ring",
+                    help="packed ways to run, comma-separated, of " + ",".join(PACKED_WAYS)
+                    + " (default serial,image,ring: split is slow here, see the docs)")
     ap.add_argument("--chunk-mib", type=float, default=4.0,
                     help="chunk of the pipelined image way (default 4)")
     ap.add_argument("--ring-chunk-mib", type=float, default=1.0,
@@ -341,6 +347,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=TOKENS,
                     help="request length (default 16384; smaller for a smoke run)")
     args = ap.parse_args()
+    ways = tuple(w for w in PACKED_WAYS if w in args.ways.split(","))
+    if args.packed not in ways:
+        ap.error(f"--packed {args.packed} is not among --ways {args.ways}")
     if args.tokens != TOKENS:
         os.environ["PUSHKV_BENCH_NIXL_TOKENS"] = str(args.tokens)
         os.execv(sys.executable, [sys.executable, *sys.argv])  # re-read the shape
@@ -369,9 +378,9 @@ def main() -> None:
                        rng.permutation(BLOCKS)[:nblocks].tolist()),
     }
     nbytes = LAYERS * 2 * TOKENS * HEAD_DIM * DTYPE
-    times: dict[str, list[float]] = {k: [] for k in (*layouts, *PACKED_WAYS, "copy",
+    times: dict[str, list[float]] = {k: [] for k in (*layouts, *ways, "copy",
                                                       "copy_scattered")}
-    parts: dict[str, dict[str, list[float]]] = {w: {} for w in PACKED_WAYS}
+    parts: dict[str, dict[str, list[float]]] = {w: {} for w in ways}
     wire_descriptors = 0
     verified = {}
     ref = NumpyCopy(*layouts["fragmented"])
@@ -398,7 +407,7 @@ def main() -> None:
                 verified[name] = c_conn.recv()
         # the packed ways on the same fragmented request, in the same round
         src, dst = layouts["fragmented"]
-        for way in PACKED_WAYS:
+        for way in ways:
             tid = f"packed-{way}-{i}"
             i += 1
             t0 = time.perf_counter()
@@ -456,6 +465,8 @@ def main() -> None:
         (f"packed ring, {args.read_share:g} of chunks read by consumer", "split"),
     ]
     for label, key in rows:
+        if key not in med:
+            continue
         print(f"{label:44s} {med[key] * 1e3:9.1f} ms {gbps[key]:8.2f} "
               f"{gbps[key] / copy_gbps:8.2f} {best[key] * 1e3:7.1f} ms "
               f"{best['copy'] / best[key]:8.2f}")
@@ -478,7 +489,9 @@ def main() -> None:
         "packed_way": args.packed,
         "packed_descriptors": wire_descriptors if args.packed == "serial" else
         int(stage_ms[args.packed]["p_chunks"]),
-        **{f"packed_{w}_vs_copy": round(gbps[w] / copy_gbps, 3) for w in PACKED_WAYS},
+        **{f"packed_{w}_vs_copy": round(gbps[w] / copy_gbps, 3) for w in ways},
+        "packed_vs_fragmented_best": round(best["fragmented"] / best[args.packed], 3),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "packed_stage_ms": stage_ms,
         "handoff_us_median": round(handoff_us, 2),
         "inline_us_median": round(inline * 1e6, 1),

@@ -45,7 +45,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -134,7 +134,11 @@ class StageTimes:
     done_at_post: int = 0  # writes transfer() returned DONE for (copied synchronously)
     posted_by_peer: int = 0  # chunks the other side moved (reads by the consumer)
     cpu_s: float = 0.0  # the process's CPU time over the write, all threads
-    extra: dict[str, float] = field(default_factory=dict)
+    #: the calling thread's CPU time in gather, post (or read) and scatter: the work,
+    #: whatever the machine's load did to the wall-clock figures above
+    gather_cpu_s: float = 0.0
+    post_cpu_s: float = 0.0
+    scatter_cpu_s: float = 0.0
 
 
 class Notifications:
@@ -241,9 +245,10 @@ class PackedSender:
             while (off, b - a) in self._live:  # its request is posted again below
                 self._reap()
                 self._check(end, f"completion of the write before chunk {k}")
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             gather_host(pipe.packed, src, self.staging[off:off + b - a], a, b)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.thread_time()
+            times.gather_cpu_s += c2 - c1
             if pipe.read(k):  # the consumer copies it
                 self.agent.notify(self.peer, _msg(tag, READY, k))
                 times.gather_s += t2 - t1
@@ -253,6 +258,7 @@ class PackedSender:
             handle = self._handle(off, b - a)
             state = self.agent.post(handle, _msg(tag, WRITTEN, k))
             t3 = time.perf_counter()
+            times.post_cpu_s += time.thread_time() - c2
             times.wait_s += t1 - t0
             times.gather_s += t2 - t1
             times.post_s += t3 - t2
@@ -359,13 +365,15 @@ class PackedReceiver:
                 a, b = pipe.span(k)
                 off = pipe.offset(k)
                 if kind == READY:
-                    t1 = time.perf_counter()
+                    t1, c1 = time.perf_counter(), time.thread_time()
                     self._read(off, b - a, end)
                     times.post_s += time.perf_counter() - t1
+                    times.post_cpu_s += time.thread_time() - c1
                     times.posted_by_peer += 1
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.thread_time()
                 scatter_host(pipe.packed, self.staging[off:off + b - a], dst, a, b)
                 times.scatter_s += time.perf_counter() - t1
+                times.scatter_cpu_s += time.thread_time() - c1
                 left.discard(k)
                 if pipe.acked(k) and self.peer is not None:
                     self.agent.notify(self.peer, _msg(tag, ACK, k))
