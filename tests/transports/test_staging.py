@@ -205,11 +205,22 @@ def test_pool_lends_disjoint_ranges_and_coalesces_on_return():
         pool.give_back(a)  # a range is given back once
 
 
-@settings(max_examples=30)
-@given(cases(), st.sampled_from(PATHS), st.integers(1, 300))
-def test_torch_gather_and_scatter_match_numpy(case, path, chunk):
-    """The device path (here on CPU tensors) lands the same bytes as the direct copy,
-    whole and in chunks."""
+@contextlib.contextmanager
+def torch_kernels(on):
+    """CPU tensors through torch's own kernels (the device path) or numpy views."""
+    saved = staging_mod.TORCH_CPU_VIA_NUMPY
+    staging_mod.TORCH_CPU_VIA_NUMPY = not on
+    try:
+        yield
+    finally:
+        staging_mod.TORCH_CPU_VIA_NUMPY = saved
+
+
+@settings(max_examples=40)
+@given(cases(), st.sampled_from(PATHS), st.integers(1, 300), st.booleans())
+def test_torch_gather_and_scatter_match_numpy(case, path, chunk, kernels):
+    """The device path (torch kernels, here on CPU tensors) and CPU tensors through
+    numpy land the same bytes as the direct copy, whole and in chunks."""
     torch = pytest.importorskip("torch")
     src, dst, a, s_ids, d_ids, n, first = case
     plan = plan_transfer(src, dst, a, s_ids, d_ids, n, first)
@@ -219,7 +230,7 @@ def test_torch_gather_and_scatter_match_numpy(case, path, chunk):
     want = [np.zeros(dst.region_bytes, np.uint8) for _ in range(4)]
     copy_plan(plan, s_mem, want)
     t_src = [torch.from_numpy(m.copy()) for m in s_mem]
-    with copy_path(path):
+    with copy_path(path), torch_kernels(kernels):
         t_dst = [torch.zeros(dst.region_bytes, dtype=torch.uint8) for _ in range(4)]
         staging = torch.zeros(max(packed.nbytes, 1), dtype=torch.uint8)
         gather_torch(packed, t_src, staging)
