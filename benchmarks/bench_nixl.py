@@ -29,6 +29,9 @@ Measured in one run, on host memory with UCX:
     ``--chunk-mib`` at their offsets of the staging image; the producer gathers
     chunk k+1 after posting chunk k, the consumer scatters each chunk on its
     notification;
+  - **ahead**: the image, with the gather of chunk k+1 on a worker thread while
+    the producer's thread posts chunk k (numpy's copies release the interpreter
+    lock, NIXL's post holds it);
   - **ring** (pipelined): chunks of ``--ring-chunk-mib`` in ``--ring-slots``
     slots reused on the consumer's acks, small enough to stay in the CPU cache;
   - **split**: the ring, with ``--read-share`` of its chunks read by the consumer
@@ -62,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-PACKED_WAYS = ("serial", "image", "ring", "split")
+PACKED_WAYS = ("serial", "image", "ahead", "ring", "split")
 LAYERS, HEAD_DIM, DTYPE, BLOCK = 64, 128, 2, 16
 #: the request's tokens; ``--tokens`` (a smoke run) passes it to the spawned sides
 TOKENS = int(os.environ.get("PUSHKV_BENCH_NIXL_TOKENS", "16384"))
@@ -120,9 +123,9 @@ def producer_main(conn: Any) -> None:
             _, tid, src, dst, remote_base = cmd
             conn.send(stager.push(memory, _packed(src, dst), peer, remote_base, tid))
         elif cmd[0] == "pipelined":
-            _, tid, src, dst, remote_base, chunk, slots, share = cmd
+            _, tid, src, dst, remote_base, chunk, slots, share, ahead = cmd
             conn.send(stager.send(memory, _packed(src, dst), peer, remote_base, tid, chunk,
-                                  slots, share))
+                                  slots, share, ahead))
         elif cmd[0] == "prefill":
             _, tid, ids = cmd
             t0 = time.perf_counter()
@@ -268,12 +271,14 @@ class Stager:
                 "wait_cpu": wait_cpu}
 
     def send(self, memory: list[np.ndarray], packed: Any, peer: str, remote_base: int,
-             tid: str, chunk: int, slots: int | None, share: float) -> dict[str, float]:
+             tid: str, chunk: int, slots: int | None, share: float,
+             ahead: bool) -> dict[str, float]:
         """Pipelined (image or ring): seconds per stage of the producer."""
         from pushkv.transports.packed_pipeline import PackedSender, PipelinePlan
 
         if self.sender is None:  # one per peer: its prepared requests are reused
             self.sender = PackedSender(self.agent, self.buffer, self.base, remote_base, peer)
+        self.sender.gather_ahead = ahead
         c0 = time.thread_time()
         t = self.sender.send(PipelinePlan(packed, chunk, slots, share), memory, tid.encode())
         return {"gather": t.gather_s, "gather_cpu": t.gather_cpu_s, "post": t.post_s,
@@ -334,9 +339,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--packed", choices=PACKED_WAYS, default="image",
                     help="the packed way fragmented_packed_vs_copy reports (default image)")
-    ap.add_argument("--ways", default="serial,image,ring",
+    ap.add_argument("--ways", default="serial,image,ahead,ring",
                     help="packed ways to run, comma-separated, of " + ",".join(PACKED_WAYS)
-                    + " (default serial,image,ring: split is slow here, see the docs)")
+                    + " (default serial,image,ahead,ring: split is slow here, see the docs)")
     ap.add_argument("--chunk-mib", type=float, default=4.0,
                     help="chunk of the pipelined image way (default 4)")
     ap.add_argument("--ring-chunk-mib", type=float, default=1.0,
@@ -354,7 +359,8 @@ def main() -> None:
         os.environ["PUSHKV_BENCH_NIXL_TOKENS"] = str(args.tokens)
         os.execv(sys.executable, [sys.executable, *sys.argv])  # re-read the shape
     ring = int(args.ring_chunk_mib * 2**20), args.ring_slots
-    pipelined = {"image": (int(args.chunk_mib * 2**20), None, 0.0), "ring": (*ring, 0.0),
+    image = int(args.chunk_mib * 2**20), None, 0.0
+    pipelined = {"image": image, "ahead": image, "ring": (*ring, 0.0),
                  "split": (*ring, args.read_share)}
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
@@ -417,7 +423,8 @@ def main() -> None:
             else:
                 chunk, slots, share = pipelined[way]
                 c_conn.send(("pipelined", tid, src, dst, p_staging, chunk, slots, share))
-                p_conn.send(("pipelined", tid, src, dst, c_staging, chunk, slots, share))
+                p_conn.send(("pipelined", tid, src, dst, c_staging, chunk, slots, share,
+                             way == "ahead"))
             prod_parts = p_conn.recv()
             cons_parts = c_conn.recv()
             took = time.perf_counter() - t0
@@ -461,6 +468,7 @@ def main() -> None:
         (f"NIXL push, fragmented ({descs} descriptors)", "fragmented"),
         (f"packed serial ({wire_descriptors} desc.)", "serial"),
         (f"packed image, {args.chunk_mib:g} MiB chunks", "image"),
+        ("packed image, gather one chunk ahead (thread)", "ahead"),
         (f"packed ring, {args.ring_slots} x {args.ring_chunk_mib:g} MiB", "ring"),
         (f"packed ring, {args.read_share:g} of chunks read by consumer", "split"),
     ]

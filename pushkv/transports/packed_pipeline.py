@@ -173,8 +173,12 @@ class PackedSender:
 
     def __init__(self, agent: Any, staging: np.ndarray, local_base: int, remote_base: int,
                  peer: str, *, remote_kind: str = "DRAM", poll_s: float = 5e-5,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, gather_ahead: bool = False) -> None:
         self.agent = agent
+        #: image writes: gather chunk k + 1 on a worker thread while this one posts
+        #: chunk k (numpy's copies release the interpreter lock; NIXL's post holds it)
+        self.gather_ahead = gather_ahead
+        self._pool: Any = None
         self.staging = staging.reshape(-1)
         self.local_base = local_base
         self.remote_base = remote_base
@@ -194,6 +198,9 @@ class PackedSender:
             self.agent.release(h)
         self._handles.clear()
         self._live.clear()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def _handle(self, off: int, n: int) -> Any:
         key = (off, n)
@@ -214,6 +221,54 @@ class PackedSender:
             if end is not None:
                 self._check(end, "the last writes' completion")
 
+    def _send_ahead(self, pipe: PipelinePlan, src: Sequence[np.ndarray],
+                    tag: bytes) -> StageTimes:
+        """An image write with the gather one chunk ahead, on a worker thread."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pushkv-gather")
+        times = StageTimes(chunks=pipe.chunks)
+        t_start, cpu0 = time.perf_counter(), time.process_time()
+        end = time.monotonic() + self.timeout_s
+
+        def gather(k: int) -> tuple[float, float]:
+            a, b = pipe.span(k)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            gather_host(pipe.packed, src, self.staging[a:b], a, b)
+            return time.perf_counter() - t0, time.thread_time() - c0
+
+        ahead = self._pool.submit(gather, 0) if pipe.chunks else None
+        for k in range(pipe.chunks):
+            t0 = time.perf_counter()
+            assert ahead is not None
+            took, cpu = ahead.result(timeout=self.timeout_s)
+            times.wait_s += time.perf_counter() - t0
+            times.gather_s += took
+            times.gather_cpu_s += cpu
+            ahead = self._pool.submit(gather, k + 1) if k + 1 < pipe.chunks else None
+            a, b = pipe.span(k)
+            t1, c1 = time.perf_counter(), time.thread_time()
+            handle = self._handle(a, b - a)
+            state = self.agent.post(handle, _msg(tag, WRITTEN, k))
+            times.post_s += time.perf_counter() - t1
+            times.post_cpu_s += time.thread_time() - c1
+            if state == "DONE":
+                times.done_at_post += 1
+            elif state == "PROC":
+                self._live[(a, b - a)] = handle
+            else:
+                if ahead is not None:
+                    ahead.result(timeout=self.timeout_s)
+                raise RuntimeError(f"packed chunk {k} of {tag!r} ended {state}")
+            self._reap()
+        t0 = time.perf_counter()
+        self._reap_all(end)
+        times.wait_s += time.perf_counter() - t0
+        times.total_s = time.perf_counter() - t_start
+        times.cpu_s = time.process_time() - cpu0
+        return times
+
     def _reap(self) -> None:
         for key, h in list(self._live.items()):
             state = self.agent.state(h)
@@ -227,6 +282,8 @@ class PackedSender:
         if pipe.staging_bytes > self.staging.size:
             raise ConfigError(f"the write needs {pipe.staging_bytes} staging bytes, "
                               f"{self.staging.size} registered")
+        if self.gather_ahead and pipe.slots is None and not pipe.read_share:
+            return self._send_ahead(pipe, src, tag)
         times = StageTimes(chunks=pipe.chunks)
         t_start, cpu0 = time.perf_counter(), time.process_time()
         end = time.monotonic() + self.timeout_s

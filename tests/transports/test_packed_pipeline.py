@@ -91,10 +91,12 @@ def pair() -> Any:
 @pytest.mark.parametrize(("chunk", "slots", "share"), [
     (1 << 20, None, 0.0), (20_000, None, 0.0), (8192, 2, 0.0), (20_000, 3, 0.0),
     (4096, 1, 0.0), (50_000, 16, 0.0), (20_000, None, 0.5), (8192, 2, 0.5),
-    (20_000, 3, 1.0), (4096, 1, 0.3)])
+    (20_000, 3, 1.0), (4096, 1, 0.3), (20_000, None, -1.0), (4096, None, -1.0)])
 def test_pipelined_write_lands_every_byte(pair: Any, chunk: int, slots: int | None,
                                           share: float) -> None:
+    """share -1: an image write gathered one chunk ahead on a worker thread."""
     conn, sender = pair
+    ahead, share = share < 0, max(share, 0.0)
     seed = chunk + (slots or 0) + int(share * 10)
     lo, plan = _plan(seed)
     src = _source(lo)
@@ -102,9 +104,13 @@ def test_pipelined_write_lands_every_byte(pair: Any, chunk: int, slots: int | No
     copy_plan(plan, src, want)
     pipe = PipelinePlan(PackedPlan(plan, 1 << 20), chunk, slots, share)
     assert len(set(plan.runs[:, 2].tolist())) > 1  # mixed run lengths
-    tag = f"w{chunk}-{slots}-{share}".encode()
+    tag = f"w{chunk}-{slots}-{share}-{ahead}".encode()
     conn.send((seed, chunk, slots, share, tag))
-    times = sender.send(pipe, src, tag)
+    sender.gather_ahead = ahead
+    try:
+        times = sender.send(pipe, src, tag)
+    finally:
+        sender.gather_ahead = False
     got, chunks, read = conn.recv()
     assert chunks == times.chunks == pipe.chunks >= (1 if chunk >= pipe.packed.nbytes else 2)
     assert read == times.posted_by_peer == sum(pipe.read(k) for k in range(pipe.chunks))
