@@ -15,10 +15,12 @@ order, and row ``j`` of it comes from source row ``src_rows[j]`` and goes to
 destination row ``dst_rows[j]`` -- two index arrays of ``R`` entries for the
 whole plan, computed once per :class:`~pushkv.protocol.PackedPlan` and cached.
 A gather is one ``np.take(..., out=)`` per region pair straight into the
-staging rows, a scatter one row assignment per region pair straight out of
-them: no temporaries, no Python loop per run, about a memory copy's speed.
-Plans whose unit is tiny (odd head slices) take the grouped path: one
-fancy-indexed copy per region and distinct run length.
+staging rows, a scatter one ``np.put`` of unit-sized items per region pair
+straight out of them: one ``memmove`` per row, no temporaries, no Python loop
+per run (on a 2-core host: about 1.4x a contiguous copy's CPU time for random
+4 KiB rows; twice as fast as one fancy-indexed copy per run length). Plans whose
+unit is tiny (odd head slices) take the grouped path: one fancy-indexed copy per
+region and distinct run length. CPU torch tensors are copied through numpy views.
 
 Every function also copies a *range* of the staging image (``start``/``stop``,
 see :func:`chunk_bounds`), so a write can be gathered, sent and scattered in
