@@ -21,7 +21,8 @@ Measured in one run, on host memory with UCX:
   (:mod:`pushkv.transports.staging`, numpy on host memory), writes it into the
   consumer's staging buffer, and the consumer scatters it into its blocks when
   the write's notification arrives; timed from the parent's command to both
-  sides' end. Three ways, in the same round:
+  sides' end. Up to five ways (``--ways``; default serial, image, ahead, ring),
+  in the same round:
 
   - **serial**: gather everything, write it in 16 MiB descriptors, scatter
     everything (one stage after the other);
@@ -40,16 +41,19 @@ Measured in one run, on host memory with UCX:
 
   ``fragmented_packed_vs_copy`` is the ``--packed`` way (default: image). Per
   stage: the producer's gather and post (prepare + ``transfer()``, where UCX
-  copies on host memory) and the thread CPU time of the post, the consumer's
-  scatter and its process CPU time over the write. This drives the staging path
+  copies on host memory), the consumer's scatter (and reads), each as wall time
+  and as the thread's CPU time (what the stage costs whatever the load), and
+  each process's CPU time over the write. This drives the staging path
   with its own NIXL agents, beside the runtime, which does not pack writes yet.
 
 The last line is one JSON object: ``contiguous_vs_copy``, ``fragmented_vs_copy``,
-``fragmented_packed_vs_copy``, ``packed_vs_fragmented``, ``packed_descriptors``,
-``packed_{serial,image,ring}_vs_copy``, per-stage milliseconds,
-``handoff_us_median``, ``inline_us_median`` (and a few raw figures).
+``fragmented_packed_vs_copy``, ``packed_vs_fragmented`` (and ``_best``: best
+rounds), ``packed_descriptors``, ``packed_<way>_vs_copy``, ``packed_stage_ms``,
+``load_average``, ``handoff_us_median``, ``inline_us_median`` (and a few raw
+figures).
 
-    PYTHONPATH=. python benchmarks/bench_nixl.py [--reps 5] [--packed serial|image|ring|split]
+    PYTHONPATH=. python benchmarks/bench_nixl.py [--reps 5] [--packed image] [--ways ...]
+    PYTHONPATH=. python benchmarks/bench_nixl.py --tokens 512 --reps 1   # a smoke run
 """
 
 from __future__ import annotations
