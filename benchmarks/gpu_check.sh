@@ -7,7 +7,9 @@
 #   verifies every byte on the GPU, and the throughput is printed; then packing:
 #   the same fragmented request gathered into a staging tensor and scattered
 #   into destination blocks on the GPU (torch index_select / index_copy_ on a
-#   side stream), bytes verified against the direct copy, throughput printed.
+#   side stream), whole and pipelined in chunks, bytes verified against the
+#   direct copy, throughput printed; last, python -m pushkv.transports.calibrate
+#   --device cuda prints the packing settings measured there.
 # Fails fast (exit 2) with a clear message when no GPU or no nixl is present.
 #
 #   PYTHONPATH=. benchmarks/gpu_check.sh            # GPU 0
@@ -213,12 +215,17 @@ timeout "${TIMEOUT_S:-600}" "$PY" "$script"
 
 # Packing on CUDA: gather the fragmented request's runs into a staging tensor and
 # scatter them into destination blocks with pushkv.transports.staging's torch path
-# (index_select / index_copy_ on a side stream), every byte verified on the GPU
-# against the direct per-block copy, and the kernels' throughput printed.
+# (one index_select(out=) / index_copy_ per region pair on a side stream), whole and
+# pipelined in 16 MiB chunks (gather of chunk k+1 on one stream while chunk k is
+# scattered on another, ordered by events), every byte verified on the GPU against
+# the direct per-block copy, and the kernels' throughput printed; then the
+# calibration command measures the packing settings with --device cuda.
+# PACK_DEVICE=cpu PACK_TOKENS=1024 runs this section's logic on the CPU (a dry run).
 cat >"$script" <<'PYEOF'
 import os
 import statistics
 import sys
+import time
 
 import numpy as np
 import torch
@@ -226,12 +233,16 @@ import torch
 from pushkv.protocol import plan_transfer, uniform_ranks
 from pushkv.protocol.mapping import assignment
 from pushkv.protocol.packing import PackedPlan, PackingConfig
-from pushkv.transports.staging import gather_torch, scatter_torch
+from pushkv.transports.staging import chunk_bounds, gather_torch, row_map, scatter_torch
 
-LAYERS, HEAD_DIM, BLOCK, TOKENS, BLOCKS = 64, 128, 16, 16_384, 1_100
+LAYERS, HEAD_DIM, BLOCK = 64, 128, 16
+TOKENS = int(os.environ.get("PACK_TOKENS", "16384"))
+BLOCKS = TOKENS // BLOCK + max(8, TOKENS // BLOCK * 76 // 1024)
 GPU = int(os.environ.get("GPU", "0"))
 REPS = int(os.environ.get("REPS", "3"))
-dev = torch.device("cuda", GPU)
+CHUNK = int(os.environ.get("PACK_CHUNK_MIB", "16")) << 20
+dev = torch.device(os.environ.get("PACK_DEVICE", f"cuda:{GPU}"))
+cuda = dev.type == "cuda"
 p, d = (uniform_ranks(e, num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM, dtype_bytes=2,
                       num_blocks=BLOCKS, block_size=BLOCK)[0] for e in ("prefill", "decode"))
 rng = np.random.default_rng(0)
@@ -241,38 +252,72 @@ dst_ids = rng.permutation(BLOCKS)[:n].tolist()
 plan = plan_transfer(p.layout, d.layout, assignment(p.engine, d.engine, 0, 0), src_ids,
                      dst_ids, TOKENS)
 packed = PackedPlan(plan, PackingConfig().chunk_bytes)
+rm = row_map(packed)
+print(f"packing: {packed.gather.shape[0]} runs, row unit {rm.unit if rm else None} B",
+      flush=True)
 size, bb = p.layout.region_bytes, p.layout.block_bytes
 g = torch.Generator(device=dev).manual_seed(0)
 src = [torch.randint(0, 256, (size,), dtype=torch.uint8, device=dev, generator=g)
        for _ in range(p.layout.num_regions)]
 dst = [torch.zeros(size, dtype=torch.uint8, device=dev) for _ in range(d.layout.num_regions)]
 staging = torch.empty(packed.nbytes, dtype=torch.uint8, device=dev)
-stream = torch.cuda.Stream(device=dev)
+streams = [torch.cuda.Stream(device=dev) for _ in range(2)] if cuda else [None, None]
+bounds = chunk_bounds(packed, CHUNK)
 s_idx = torch.tensor(src_ids, device=dev)
 d_idx = torch.tensor(dst_ids, device=dev)
-times = {"gather": [], "scatter": []}
+
+
+def sync():
+    if cuda:
+        torch.cuda.synchronize(dev)
+
+
+def pipelined():
+    """Gather chunk k on stream 0, scatter it on stream 1 once its gather is done."""
+    g_s, s_s = streams
+    for a, b in zip(bounds, bounds[1:]):
+        part = staging[a:b]
+        gather_torch(packed, src, part, g_s, start=a, stop=b)
+        if cuda:
+            ev = torch.cuda.Event()
+            ev.record(g_s)
+            s_s.wait_event(ev)
+        scatter_torch(packed, part, dst, s_s, start=a, stop=b)
+
+
+def timed(fn):
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+times = {"gather": [], "scatter": [], "pipelined": []}
+steps = (("gather", lambda: gather_torch(packed, src, staging, streams[0])),
+         ("scatter", lambda: scatter_torch(packed, staging, dst, streams[0])),
+         ("pipelined", pipelined))
 ok = True
 for rep in range(REPS + 1):
-    for t in dst:
-        t.zero_()
-    torch.cuda.synchronize(dev)
-    for name, fn in (("gather", lambda: gather_torch(packed, src, staging, stream)),
-                     ("scatter", lambda: scatter_torch(packed, staging, dst, stream))):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        fn()
-        end.record(stream)
-        end.synchronize()
+    for name, fn in steps:
+        if name != "scatter":
+            for t in dst:
+                t.zero_()
+            staging.zero_()
+        took = timed(fn)
         if rep:
-            times[name].append(start.elapsed_time(end) / 1e3)
-    bad = 0
-    for s, t in zip(src, dst, strict=True):  # direct reference: whole blocks, id to id
-        bad += int((t.view(-1, bb)[d_idx] != s.view(-1, bb)[s_idx]).sum())
-    ok &= bad == 0
-    print(f"packing rep {rep}: {bad} bad bytes", flush=True)
+            times[name].append(took)
+        if name == "gather":
+            continue
+        bad = 0
+        for s, t in zip(src, dst, strict=True):  # direct reference: whole blocks, id to id
+            bad += int((t.view(-1, bb)[d_idx] != s.view(-1, bb)[s_idx]).sum())
+        ok &= bad == 0
+        print(f"packing rep {rep} {name}: {bad} bad bytes", flush=True)
 for name, v in times.items():
     med = statistics.median(v)
-    print(f"packing {name:8s} median {med * 1e3:8.2f} ms = "
+    what = "gather + scatter, " + f"{len(bounds) - 1} chunks" if name == "pipelined" else name
+    print(f"packing {what:28s} median {med * 1e3:8.2f} ms = "
           f"{packed.nbytes / med / 1e9:7.1f} GB/s ({packed.nbytes / 2**20:.0f} MiB, "
           f"{packed.gather.shape[0]} runs -> {packed.wire_descriptors} wire descriptors)",
           flush=True)
@@ -281,3 +326,7 @@ print("GPU PACKING CHECK PASSED" if ok else "GPU PACKING CHECK FAILED: bytes dif
 sys.exit(0 if ok else 1)
 PYEOF
 timeout "${TIMEOUT_S:-600}" "$PY" "$script"
+
+# The packing settings of this machine, gather/scatter measured on the GPU.
+timeout "${TIMEOUT_S:-600}" "$PY" -m pushkv.transports.calibrate \
+    --device "${PACK_DEVICE:-cuda:${GPU:-0}}" --mib "${PACK_MIB:-512}" --reps "${REPS:-3}"

@@ -163,9 +163,12 @@ class Agent:
             peer,
         )
 
-    def post(self, handle: Any) -> str:
-        """Start a prepared request: ``DONE``, ``PROC`` or ``ERR``; raises NIXL errors."""
-        return str(self._agent.transfer(handle))
+    def post(self, handle: Any, notif: bytes | None = None) -> str:
+        """Start a prepared request: ``DONE``, ``PROC`` or ``ERR``; raises NIXL errors.
+        A request that is done may be posted again; ``notif`` replaces its notification."""
+        if notif is None:
+            return str(self._agent.transfer(handle))
+        return str(self._agent.transfer(handle, notif))
 
     def state(self, handle: Any) -> str:
         return str(self._agent.check_xfer_state(handle))
