@@ -209,3 +209,38 @@ def test_frames_dropped_by_authentication_are_counted_each_and_logged_once(
     finally:
         tx.close(0)
         rx.close(0)
+
+
+@pytest.mark.nixl
+def test_malformed_frames_are_refused_counted_each_and_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Frames of no known shape reaching a runtime: each is counted (``rejected``) and
+    reported as an event; the first is logged."""
+    pytest.importorskip("nixl._api", reason="the nixl package is not installed")
+    import zmq
+
+    from pushkv.protocol import Rejected
+    from pushkv.transports.inmemory import region_memory
+    from pushkv.transports.nixl import NixlRuntime
+
+    caplog.set_level(logging.WARNING, logger="pushkv.transports.runtime_loop")
+    info = uniform_ranks("prefill-junk")[0]
+    rt = NixlRuntime(info, region_memory(info.layout), role="producer")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    try:
+        push.connect(rt.address)
+        for junk in (b"junk", b"more junk"):
+            push.send(junk)  # one part: no kind
+        events = _events_until(rt, lambda ev: sum(isinstance(e, Rejected) for e in ev) >= 2)
+        assert sum(isinstance(e, Rejected) for e in events) == 2
+        end = time.monotonic() + 10
+        while rt.stats().get("rejected", 0) < 2 and time.monotonic() < end:
+            rt.wait(0.05)
+        assert rt.stats()["rejected"] == 2
+        logged = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(logged) == 1 and "malformed" in logged[0], logged
+    finally:
+        push.close(0)
+        ctx.term()
+        rt.close()
