@@ -32,6 +32,11 @@ asked for an engine this rank is connected to). What a transfer waiting for
 the engine becomes is the protocol core's business: the loop tells the
 endpoint (``add_peer``, ``handshake_failed``), it does not decide.
 
+A ``STALE`` card is counted by the loop (``stale_cards``); the first of each
+kind (an engine not asked, a rank answering from an address other than the one
+advertised for it, a card outside a handshake) is also logged, with both
+addresses where they differ.
+
 Used by one thread only (the I/O thread); :attr:`Handshakes.ready` may be read
 from any (membership tests only).
 """
@@ -39,6 +44,7 @@ from any (membership tests only).
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -74,6 +80,8 @@ class Effect(enum.Enum):
     STALE = "stale"  #: a card outside a handshake: counted and ignored
     LOST = "lost"  #: the engine died
 
+
+log = logging.getLogger(__name__)
 
 S, In, E = HandshakeState, HandshakeInput, Effect
 
@@ -116,6 +124,7 @@ class Handshakes:
         self.engines: dict[str, RemoteEngine] = {}
         #: Engines whose handshake completed (read by the engine thread).
         self.ready: set[str] = set()
+        self._noted: set[str] = set()  # kinds of stale card already logged
 
     def connect(self, engine_id: str, addresses: Mapping[int, str]) -> RemoteEngine:
         """The engine at ``addresses``; ConfigError if it is live at other addresses.
@@ -150,16 +159,33 @@ class Handshakes:
     def answer(self, info: RankInfo, address: str, ok: bool, now: float,
                why: str = "") -> tuple[RemoteEngine | None, Effect]:
         """A card came back from ``info``'s rank at ``address`` (``ok``: accepted)."""
+        who = f"rank {info.rank} of {info.engine_id!r} ({address})"
         eng = self.engines.get(info.engine_id)
-        if eng is None or eng.addresses.get(info.rank) != address:
-            return None, E.STALE
+        if eng is None:
+            return self._stale("unknown", f"{who}: no handshake with that engine")
+        if eng.addresses.get(info.rank) != address:
+            return self._stale("address", f"{who}: that rank's advertised address is "
+                               f"{eng.addresses.get(info.rank)}")
         if not ok:
-            return eng, self.fire(eng, In.REFUSED, now, why)
-        if eng.state is S.HANDSHAKING:
-            eng.answered.add(info.rank)
-            eng.infos[info.rank] = info
-        last = eng.answered >= set(eng.addresses)
-        return eng, self.fire(eng, In.LAST_ANSWER if last else In.ANSWER, now)
+            effect = self.fire(eng, In.REFUSED, now, why)
+        else:
+            if eng.state is S.HANDSHAKING:
+                eng.answered.add(info.rank)
+                eng.infos[info.rank] = info
+            last = eng.answered >= set(eng.addresses)
+            effect = self.fire(eng, In.LAST_ANSWER if last else In.ANSWER, now)
+        if effect is E.STALE:
+            self._stale("late", f"{who}: it came while the handshake is {eng.state.value} "
+                        "(an answer after the deadline, or a duplicate)")
+        return eng, effect
+
+    def _stale(self, kind: str, detail: str) -> tuple[None, Effect]:
+        """A card no handshake waits for: log the first of each kind (all are counted)."""
+        if kind not in self._noted:
+            self._noted.add(kind)
+            log.warning("pushkv: stale handshake card from %s; ignored and counted as "
+                        "stale_cards (further ones of this kind are not logged)", detail)
+        return None, E.STALE
 
     def expired(self, now: float) -> list[RemoteEngine]:
         """Engines whose handshake deadline passed (still HANDSHAKING)."""

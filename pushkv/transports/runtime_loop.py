@@ -97,6 +97,7 @@ class IOLoop:
         self.closed = threading.Event()
         # I/O thread state
         self._stats: Counter[str] = Counter()
+        self._noted: set[type[RemoteProtocolError]] = set()  # refusal kinds already logged
         self._stats_view: dict[str, int] = {}
         self._peers = PeerTable(side, agent, config.peer_confirm_s)
         # The card exchange gives up when the endpoint's own handshake timer would.
@@ -573,6 +574,11 @@ class IOLoop:
     def _reject(self, peer: Peer | None, why: str, cls: type[RemoteProtocolError] = DecodeError
                 ) -> None:
         self._stats["rejected"] += 1
+        if cls not in self._noted:  # every one is counted and an event; the first is logged
+            self._noted.add(cls)
+            log.warning("pushkv %s: refused a side-channel frame from %s: %s (counted as "
+                        "rejected; further %s refusals are not logged)", self.role,
+                        peer or "an unknown sender", why, cls.__name__)
         self._emit(Rejected(peer=peer, error=cls(why)))
 
     def _poll_notifications(self, now: float) -> None:

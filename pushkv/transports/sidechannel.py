@@ -17,8 +17,9 @@ Everything received is untrusted: a frame with the wrong shape or an unknown
 kind comes back as :data:`GARBAGE` for the caller to count and drop. With a
 shared key (:class:`~.sidechannel_auth.SideKey`), every frame carries a third
 part, an HMAC tag bound to the destination rank, a per-connection stream and
-counter, and a timestamp; frames that fail are dropped here and only counted
-(:attr:`SideChannel.auth_dropped`), so they reach no handler.
+counter, and a timestamp; frames that fail are dropped here, so they reach no
+handler: each is counted (:attr:`SideChannel.auth_dropped`), and the first drop
+of each reason is logged (a warning naming the reason and the rank).
 
 Ports: the ``PULL`` socket binds the configured port, or a free (ephemeral)
 one when it is 0; :attr:`SideChannel.address` is the address peers must use.
@@ -38,6 +39,7 @@ thread-safe); only :meth:`SideChannel.wake` may be called from others.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Final
@@ -47,7 +49,9 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..protocol.errors import ConfigError, DecodeError
-from .sidechannel_auth import FAILED, SideKey, Signer, Verifier
+from .sidechannel_auth import FAILED, REASONS, SideKey, Signer, Verifier
+
+log = logging.getLogger(__name__)
 
 HELLO: Final = b"H"
 CONTROL: Final = b"C"
@@ -156,6 +160,8 @@ class SideChannel:
         self._out: dict[str, _Out] = {}
         self._by_monitor: dict[zmq.Socket[bytes], str] = {}
         self.dropped = 0  #: frames not sent (peer queue full or unknown)
+        self._me = me
+        self._noted: set[str] = set()  # drop reasons already logged
 
     # ------------------------------------------------------------ any thread
 
@@ -197,16 +203,27 @@ class SideChannel:
         out = self._out.get(address)
         if out is None:
             self.dropped += 1
+            self._note("unsent", f"no connection to {address}")
             return False
         parts: tuple[bytes, ...] = (kind, body)
         if out.signer is not None:
             parts = (kind, body, out.signer.sign(kind, body))
         try:
             out.socket.send_multipart(parts, flags=zmq.NOBLOCK, copy=len(body) < 65536)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             self.dropped += 1
+            self._note("unsent", f"cannot queue a frame for {address}: {exc.strerror or exc}")
             return False
         return True
+
+    def _note(self, reason: str, detail: str) -> None:
+        """Log the first dropped frame of each reason (every one is counted)."""
+        if reason in self._noted:
+            return
+        self._noted.add(reason)
+        log.warning("pushkv side channel %s of %s: dropped a frame (%s): %s; counted, and "
+                    "further drops of this kind are not logged", self.address,
+                    self._me or "this rank", reason, detail)
 
     def forget(self, address: str) -> None:
         """Close the connection to a peer."""
@@ -246,13 +263,14 @@ class SideChannel:
                     break
                 verifier = self._verifier
                 if verifier is not None:  # authenticated: drop (and count) what fails
-                    if len(parts) != 3:
-                        verifier.dropped[FAILED] += 1
-                    elif verifier.check(parts[0], parts[1], parts[2]):
-                        if parts[0] in KINDS:
-                            frames.append((parts[0], parts[1]))
-                        else:  # authentic but unknown: the peer's bug, not an attack
-                            frames.append((GARBAGE, parts[1][:1024]))
+                    ok = (verifier.check(parts[0], parts[1], parts[2]) if len(parts) == 3
+                          else verifier.drop(FAILED))
+                    if not ok:
+                        self._note(verifier.last_drop, REASONS[verifier.last_drop])
+                    elif parts[0] in KINDS:
+                        frames.append((parts[0], parts[1]))
+                    else:  # authentic but unknown: the peer's bug, not an attack
+                        frames.append((GARBAGE, parts[1][:1024]))
                 elif len(parts) == 2 and parts[0] in KINDS:
                     frames.append((parts[0], parts[1]))
                 else:

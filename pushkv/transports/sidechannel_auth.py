@@ -55,6 +55,13 @@ MIN_KEY_BYTES: Final = 16
 
 #: Reasons a frame is dropped, as stats keys.
 FAILED, STALE, REPLAYED = "auth_failed", "auth_stale", "auth_replayed"
+#: What each reason means, for the log line of its first drop.
+REASONS: Final = {
+    FAILED: "its tag is missing or malformed, or its MAC does not verify for this rank "
+            "(another key, or a frame meant for another rank)",
+    STALE: "its timestamp is outside the replay window (clock skew, or a replay)",
+    REPLAYED: "its counter is not above the last one accepted in its stream (a replay)",
+}
 
 
 def load_key(key_file: str = "", key_env: str = "") -> bytes | None:
@@ -129,37 +136,39 @@ class Verifier:
     window_s: float
     max_streams: int = 65536
     dropped: Counter[str] = field(default_factory=Counter)
+    last_drop: str = ""  #: the reason of the latest drop ("" before any)
     _streams: dict[bytes, _Stream] = field(default_factory=dict)
     _next_prune: float = 0.0
 
     def check(self, kind: bytes, body: bytes, tag: bytes) -> bool:
         """True if the frame is authentic and fresh; else count why and return False."""
         if len(tag) != TAG_LEN:
-            self.dropped[FAILED] += 1
-            return False
+            return self.drop(FAILED)
         header, mac = tag[:_HEADER.size], tag[_HEADER.size:]
         version, stream, counter, stamp = _HEADER.unpack(header)
         want = _mac(self.key, self.me.encode(), kind, header, body)
         if version != VERSION or not hmac.compare_digest(mac, want):
-            self.dropped[FAILED] += 1
-            return False
+            return self.drop(FAILED)
         if not abs(time.time() - stamp) <= self.window_s:  # also rejects NaN
-            self.dropped[STALE] += 1
-            return False
+            return self.drop(STALE)
         now = time.monotonic()
         self._prune(now)
         s = self._streams.get(stream)
         if s is None:
             if len(self._streams) >= self.max_streams:
-                self.dropped[FAILED] += 1
-                return False
+                return self.drop(FAILED)
             self._streams[stream] = _Stream(counter, now)
             return True
         if counter <= s.counter:
-            self.dropped[REPLAYED] += 1
-            return False
+            return self.drop(REPLAYED)
         s.counter, s.seen = counter, now
         return True
+
+    def drop(self, reason: str) -> bool:
+        """Count one dropped frame; always False (what :meth:`check` returns for it)."""
+        self.dropped[reason] += 1
+        self.last_drop = reason
+        return False
 
     def _prune(self, now: float) -> None:
         if now < self._next_prune:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import socket
+import time
+
 import pytest
 
 from pushkv.protocol import ConfigError, uniform_ranks
@@ -111,3 +115,132 @@ def test_an_engine_comes_back_at_new_addresses_only_when_not_live() -> None:
     hs.fire(eng, In.DIED, 0.5)
     again = hs.connect("p", {0: "tcp://b:1"})
     assert again is not eng and again.state is S.NEW
+
+
+# ------------------------------------------------------------- real runtimes
+
+
+def _events_until(rt: object, done: object, timeout_s: float = 20.0) -> list[object]:
+    """Poll ``rt`` until ``done(events so far)`` holds or the deadline passes."""
+    seen: list[object] = []
+    end = time.monotonic() + timeout_s
+    while not done(seen) and time.monotonic() < end:  # type: ignore[operator]
+        rt.wait(0.05)  # type: ignore[attr-defined]
+        seen += rt.poll()  # type: ignore[attr-defined]
+    return seen
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.nixl
+def test_an_answer_after_the_deadline_is_counted_logged_and_the_next_attempt_connects(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A producer rank that answers only after the consumer's handshake deadline (as a
+    vLLM TP worker does whose process is starved: its first forward compiles on a core
+    another engine spins on). Its late card must not vanish silently: it is counted
+    (``stale_cards``) and logged once, naming the rank and why; the registration that
+    waited failed (HANDSHAKE_FAILED), and the next one handshakes again and lands."""
+    pytest.importorskip("nixl._api", reason="the nixl package is not installed")
+    from pushkv.protocol import ConsumerConfig, FailReason, TransferFailed, TransferReady
+    from pushkv.transports.inmemory import region_memory
+    from pushkv.transports.nixl import NixlConfig, NixlRuntime
+
+    port = _free_port()  # the producer binds it only after the deadline
+    c_info, p_info = uniform_ranks("decode-late")[0], uniform_ranks("prefill-late")[0]
+    cons = NixlRuntime(c_info, region_memory(c_info.layout), role="consumer",
+                       consumer_config=ConsumerConfig(handshake_timeout_s=0.5))
+    prod = None
+    caplog.set_level(logging.WARNING, logger="pushkv.transports.runtime_handshake")
+    try:
+        cons.connect("prefill-late", {0: f"tcp://127.0.0.1:{port}"})
+        cons.register("t1", "prefill-late", [5], 16, incarnation=1)
+        events = _events_until(cons, lambda ev: any(isinstance(e, TransferFailed) for e in ev))
+        failed = [e for e in events if isinstance(e, TransferFailed)]
+        assert [e.code for e in failed] == [FailReason.HANDSHAKE_FAILED], events
+
+        # The card queued for the producer reaches it now; its answer comes late.
+        prod = NixlRuntime(p_info, region_memory(p_info.layout, fill=7), role="producer",
+                           config=NixlConfig(port=port))
+        end = time.monotonic() + 20
+        while cons.stats().get("stale_cards", 0) < 1 and time.monotonic() < end:
+            cons.wait(0.05)
+        assert cons.stats().get("stale_cards") == 1
+        stale = [r.getMessage() for r in caplog.records if "stale" in r.getMessage()]
+        assert len(stale) == 1, caplog.text
+        assert "rank 0 of 'prefill-late'" in stale[0] and "failed" in stale[0]
+
+        cons.register("t2", "prefill-late", [6], 16, incarnation=2)
+        prod.prefill_finished("t2", [1], 16, incarnation=2)
+        events = _events_until(cons, lambda ev: any(isinstance(e, TransferReady) for e in ev))
+        assert TransferReady(transfer_id="t2", attempt=0, incarnation=2) in events, events
+    finally:
+        cons.close()
+        if prod is not None:
+            prod.close()
+
+
+def test_frames_dropped_by_authentication_are_counted_each_and_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A side channel drops frames that fail authentication (here: signed with another
+    key); each is counted by reason, the first of each reason is logged, and none
+    reaches the caller."""
+    pytest.importorskip("zmq", reason="pyzmq is not installed")
+    from pushkv.transports.sidechannel import HELLO, SideChannel
+    from pushkv.transports.sidechannel_auth import FAILED, SideKey
+
+    caplog.set_level(logging.WARNING, logger="pushkv.transports.sidechannel")
+    rx = SideChannel("127.0.0.1", key=SideKey(b"k" * 32), me="e/0")
+    tx = SideChannel("127.0.0.1", key=SideKey(b"x" * 32), me="e/1")
+    try:
+        tx.open(rx.address, "e/0")
+        for i in range(3):
+            assert tx.send(rx.address, HELLO, b"card %d" % i)
+        frames: list[object] = []
+        end = time.monotonic() + 10
+        while rx.auth_dropped.get(FAILED, 0) < 3 and time.monotonic() < end:
+            frames += rx.poll(0.05)[0]
+        assert rx.auth_dropped == {FAILED: 3} and frames == []
+        logged = [r.getMessage() for r in caplog.records]
+        assert len(logged) == 1 and FAILED in logged[0] and "e/0" in logged[0], logged
+    finally:
+        tx.close(0)
+        rx.close(0)
+
+
+@pytest.mark.nixl
+def test_malformed_frames_are_refused_counted_each_and_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Frames of no known shape reaching a runtime: each is counted (``rejected``) and
+    reported as an event; the first is logged."""
+    pytest.importorskip("nixl._api", reason="the nixl package is not installed")
+    import zmq
+
+    from pushkv.protocol import Rejected
+    from pushkv.transports.inmemory import region_memory
+    from pushkv.transports.nixl import NixlRuntime
+
+    caplog.set_level(logging.WARNING, logger="pushkv.transports.runtime_loop")
+    info = uniform_ranks("prefill-junk")[0]
+    rt = NixlRuntime(info, region_memory(info.layout), role="producer")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    try:
+        push.connect(rt.address)
+        for junk in (b"junk", b"more junk"):
+            push.send(junk)  # one part: no kind
+        events = _events_until(rt, lambda ev: sum(isinstance(e, Rejected) for e in ev) >= 2)
+        assert sum(isinstance(e, Rejected) for e in events) == 2
+        end = time.monotonic() + 10
+        while rt.stats().get("rejected", 0) < 2 and time.monotonic() < end:
+            rt.wait(0.05)
+        assert rt.stats()["rejected"] == 2
+        logged = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(logged) == 1 and "malformed" in logged[0], logged
+    finally:
+        push.close(0)
+        ctx.term()
+        rt.close()
