@@ -175,6 +175,9 @@ class _Watch:
                 w.cancel()
             if not task.done():
                 task.cancel()
+            # It may end (or have ended, when this race was cancelled) with an error of
+            # its own, a write to a client that left: take it, nobody else will.
+            task.add_done_callback(_retrieve)
 
 
 class PushProxy:
@@ -646,6 +649,11 @@ class PushProxy:
 
 class _ClientGone(Exception):
     """Writing to the client failed (raised from the ConnectionError)."""
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _raise_if_failed(task: asyncio.Future[Any]) -> None:

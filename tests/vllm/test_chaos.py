@@ -134,6 +134,7 @@ def run_phase(f: Fleet, url: str, refs: Refs, fault: Callable[[], None], what: s
     wait_for(lambda: load.done >= CLIENTS, 240, f"{what}: first answers")
     fault()
     outcomes = load.join(PATIENCE_S * PHASE_JOBS)
+    print(f"{what}: {dict(Load.summary(outcomes))}")  # shown with -s or on failure
     check(outcomes, what)
     return outcomes
 
@@ -162,7 +163,9 @@ def kill_restart_freeze(f: Fleet, refs: Refs, prefill: list[str], decode: list[s
     assert metric(get_text(url + "/metrics"), "pushkv_proxy_retries_total") >= 1
     blocks = f.wait_idle()  # raises unless every live instance holds/lends nothing
     assert set(blocks) == set(NAMES) and not any(blocks.values()), blocks
-    f.wait_threads(idle)
+    threads = f.wait_threads(idle)
+    print(f"retries {metric(get_text(url + '/metrics'), 'pushkv_proxy_retries_total')}, "
+          f"blocks {blocks}, threads idle {idle}, after {threads}")
     check_failure_lines(f)
     f.close_proxy(url)
 
@@ -198,6 +201,7 @@ def test_short_soak_with_clients_leaving_leaves_nothing_behind(fleet):
     jobs = soak_jobs(refs.pairs(SOAK_JOBS), random.Random(7))
     report = soak(f, url, f.model, jobs, clients=CLIENTS, timeout_s=PATIENCE_S, windows=2)
     kinds = Load.summary(report.outcomes)
+    print(report.figures())
     assert len(report.outcomes) == SOAK_JOBS and not report.bad, (kinds, report.bad[:3])
     assert kinds["left"] >= 1, kinds  # the streamed leavers leave before [DONE]
     assert report.leaked_blocks == 0, report.blocks_end
