@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pushkv.vllm.chaos import (  # noqa: E402
+    STARTUP_S,
     Fleet,
     Job,
     Load,
@@ -177,7 +178,7 @@ class Bench:
         started = time.monotonic()
         try:
             plain.start()
-            plain.wait_healthy(300)
+            plain.wait_healthy(STARTUP_S)
             prompts = [prompt(self.rng.choice(LENGTHS), 10_000 + i) for i in range(need)]
             log(f"references: {need} prompts on a plain server")
             outs = references(plain.url, f.model, prompts, MAX_OUT, workers=8)

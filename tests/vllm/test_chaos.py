@@ -45,6 +45,7 @@ if VLLM_MISSING:
 
 from pushkv.vllm.chaos import (
     FAILED_KEYS,
+    STARTUP_S,
     Fleet,
     Job,
     Load,
@@ -96,7 +97,7 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
     plain = f.plain(cpu=0)
     try:
         plain.start()
-        plain.wait_healthy(300)
+        plain.wait_healthy(STARTUP_S)
         prompts = [prompt(LENGTHS[i % len(LENGTHS)], next(_salts)) for i in range(240)]
         outs = references(plain.url, f.model, prompts, MAX_TOKENS)
         plain.stop()  # before the fleet starts: at most four servers at once
