@@ -1,83 +1,70 @@
 """Chaos and soak of pushkv on real vLLM CPU servers, with a plain server's greedy outputs
-as the reference for every request.
+as the reference for every request (:mod:`pushkv.vllm.chaos`, the code the test suite
+runs in short: ``tests/vllm/test_chaos.py``).
 
 1. **Chaos.** Two prefill and two decode servers (PushKVConnector, default side-channel
    settings). Through a proxy over 2 prefill + 1 decode, then one over 1 prefill +
    2 decode, concurrent clients run while an instance is killed (SIGKILL) and
-   restarted, and while another is frozen (SIGSTOP) and thawed.
+   restarted, and while another is frozen (SIGSTOP) until the proxy takes it out of
+   rotation, then thawed. After each deployment every live server must hold no KV
+   block and run no more threads than it did idle.
 2. **Soak.** A proxy over all four; ``--requests`` requests of mixed prompt and output
    lengths, streamed or not, ``--leave`` of them from clients that disconnect at a
-   random point. Resident memory of every server and the proxy is sampled after the
-   warm-up (the first tenth) and at the end; p99 latency of the first and last halves
-   is compared.
+   random point (:func:`~pushkv.vllm.chaos.soak`). Resident memory of every server and
+   the proxy right after the warm-up (the first tenth) and at the end; p99 latency of
+   the requests served in full, per tenth of the run after the warm-up; threads of
+   each server idle before and after; KV blocks each still references at the end.
 
-Every request is classified (:mod:`pushkv.vllm.chaos`): correct, clear error, wrong,
-hung, unclear, or left on purpose. At the end every live server must hold no KV
-block. Prints a table, then one JSON line: ``requests``, ``correct``,
-``clear_errors``, ``hung``, ``wrong_outputs``, ``leaked_blocks``, ``failover_p99_ms``
-(p99 latency of the requests in flight when a fault hit), ``soak_rss_growth_pct``,
-and more.
+Every request is classified: correct, clear error, wrong, hung, unclear, or left on
+purpose. Prints progress, a table, then one JSON line: ``requests``, ``outcomes``,
+``chaos`` (its outcomes, retries, p99 of the requests in flight when a fault hit,
+blocks and threads after each deployment), ``soak`` (its figures), ``checks`` and
+``wall_s``. The exit status is 0 when every check holds.
 
-    PYTHONPATH=. python benchmarks/bench_chaos.py --requests 2000
+    PYTHONPATH=. python benchmarks/bench_chaos.py --requests 2000 > /tmp/chaos.out 2>&1 &
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pushkv.vllm.chaos import (  # noqa: E402
+    STARTUP_S,
     Fleet,
     Job,
     Load,
     Outcome,
+    p99,
     prompt,
     references,
+    soak,
+    soak_jobs,
     wait_for,
     warm,
 )
 from pushkv.vllm.testing import get_text, metric, write_tiny_llama  # noqa: E402
 
 NAMES = ("prefill-1", "prefill-2", "decode-1", "decode-2")
+LENGTHS = (5, 17, 31, 33, 64, 97, 150, 200)
 MAX_OUT = 32
 BOUND_S = 30.0
 PATIENCE_S = BOUND_S + 20
 
 
-def p99(values: list[float]) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
-def rss_kib(pgids: list[int]) -> int:
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) not in pgids:
-                continue
-            with open(f"/proc/{entry}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-        except (OSError, ValueError):
-            continue
-    return total
+def log(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
 class Bench:
@@ -91,128 +78,137 @@ class Bench:
             self.fleet.add(name, name.split("-")[0], cpu)
         self.refs: list[tuple[list[int], list[int]]] = []
         self.failover: list[float] = []
-        self.outcomes: list[Outcome] = []
+        self.chaos_outcomes: list[Outcome] = []
+        self.after: dict[str, Any] = {}
 
-    def jobs(self, n: int, leave: float = 0.0) -> list[Job]:
-        out = []
-        for _ in range(n):
-            tokens, ref = self.refs.pop()
-            k = self.rng.randint(4, MAX_OUT)
-            stream = self.rng.random() < 0.4
-            left = self.rng.uniform(0.05, 1.5) if self.rng.random() < leave else None
-            out.append(Job(tokens, ref[:k], stream=stream, leave_after=left))
+    def pairs(self, n: int) -> list[tuple[list[int], list[int]]]:
+        out, self.refs = self.refs[:n], self.refs[n:]
         return out
 
-    def phase(self, url: str, fault: Callable[[], None], n: int) -> None:
-        load = Load(url, self.fleet.model, self.jobs(n), clients=self.args.clients,
+    def jobs(self, n: int) -> list[Job]:
+        return soak_jobs(self.pairs(n), self.rng, leave=0.0)
+
+    def warm_round(self, url: str) -> dict[str, int]:
+        f = self.fleet
+        warm(url, f.model, self.jobs(4))
+        self.chaos_outcomes += Load(url, f.model, self.jobs(2 * self.args.clients),
+                                    clients=self.args.clients,
+                                    timeout_s=PATIENCE_S).start().join(PATIENCE_S * 8)
+        f.wait_idle(120)
+        return f.all_threads()
+
+    def phase(self, url: str, fault: Callable[[], None], what: str) -> None:
+        n, clients = self.args.chaos_jobs, self.args.clients
+        load = Load(url, self.fleet.model, self.jobs(n), clients=clients,
                     timeout_s=PATIENCE_S).start()
-        wait_for(lambda: load.done >= self.args.clients, 300, "first answers")
+        wait_for(lambda: load.done >= clients, 300, "first answers")
         t_fault = time.monotonic()
         fault()
         outcomes = load.join(PATIENCE_S * n)
         # Requests in flight when the fault hit: they began before it, ended after.
         self.failover += [o.latency_s for o in outcomes
                           if o.started < t_fault < o.started + o.latency_s]
-        self.outcomes += outcomes
-        print(f"  phase: {dict(Load.summary(outcomes))}", flush=True)
+        self.chaos_outcomes += outcomes
+        log(f"  {what}: {dict(Load.summary(outcomes))}")
 
-    def chaos(self) -> None:
+    def chaos(self) -> dict[str, Any]:
         f = self.fleet
+        retries = 0.0
         for prefill, decode, victim, frozen in (
                 (["prefill-1", "prefill-2"], ["decode-1"], "prefill-2", "prefill-1"),
                 (["prefill-1"], ["decode-1", "decode-2"], "decode-2", "decode-1")):
             url = f.proxy(prefill, decode, timeout_s=BOUND_S)
-            warm(url, f.model, self.jobs(4))
-            print(f"chaos: {prefill} x {decode}: kill {victim}, freeze {frozen}", flush=True)
-            self.phase(url, lambda v=victim: f.kill(v), self.args.chaos_jobs)
+            idle = self.warm_round(url)
+            log(f"chaos: {prefill} x {decode}: kill {victim}, freeze {frozen}; "
+                f"threads idle {idle}")
+            self.phase(url, lambda v=victim: f.kill(v), f"{victim} killed")
             f.restart(victim)
-            wait_for(lambda u=url, v=victim: metric(
-                get_text(u + "/metrics"), "pushkv_proxy_instance_up",
-                url=f.instances[v].url) == 1, 120, f"{victim} back")
+            wait_for(lambda u=url, v=victim: f.in_rotation(u, v), 120, f"{victim} back")
+            idle[victim] = self.warm_round(url)[victim]
 
             def freeze(u: str = url, name: str = frozen) -> None:
                 f.freeze(name)
-                wait_for(lambda: metric(get_text(u + "/metrics"), "pushkv_proxy_instance_up",
-                                        url=f.instances[name].url) == 0, 60, "out")
-                f.thaw(name)
+                try:
+                    wait_for(lambda: not f.in_rotation(u, name), 60, f"{name} out")
+                finally:
+                    f.thaw(name)
 
-            self.phase(url, freeze, self.args.chaos_jobs)
+            self.phase(url, freeze, f"{frozen} frozen")
+            retries += metric(get_text(url + "/metrics"), "pushkv_proxy_retries_total")
+            blocks: dict[str, int] = {}
+            try:
+                blocks = f.wait_idle(120)
+            except AssertionError as exc:
+                log(f"  {exc}")
+                blocks = f.all_blocks()
+            threads: dict[str, int] = {}
+            try:
+                threads = f.wait_threads(idle, 60)
+            except AssertionError as exc:
+                log(f"  {exc}")
+                threads = f.all_threads()
+            key = f"{len(prefill)}p{len(decode)}d"
+            self.after[key] = {"blocks": blocks, "threads_idle": idle, "threads_end": threads}
+            log(f"  after {key}: blocks {blocks}, threads {threads}")
+            f.close_proxy(url)
+        return {"requests": len(self.chaos_outcomes),
+                "outcomes": dict(Load.summary(self.chaos_outcomes)),
+                "retries": retries, "failover_p99_ms": round(1000 * p99(self.failover), 1),
+                "failover_requests": len(self.failover), **self.after}
 
-    def soak(self) -> dict[str, float]:
-        f = self.fleet
+    def soak(self) -> dict[str, Any]:
+        f, a = self.fleet, self.args
         url = f.proxy(["prefill-1", "prefill-2"], ["decode-1", "decode-2"], timeout_s=BOUND_S)
         warm(url, f.model, self.jobs(8))
-        pgids = [i.server.proc.pid for i in f.instances.values() if i.server.proc]
-        pgids += [p.pid for p in f.proxies[-1:]]
-        n = self.args.requests
-        warmed = max(1, n // 10)
-        load = Load(url, f.model, self.jobs(n, self.args.leave), clients=self.args.clients,
-                    timeout_s=PATIENCE_S).start()
-        print(f"soak: {n} requests, {self.args.clients} clients", flush=True)
-        wait_for(lambda: load.done >= warmed, PATIENCE_S * n, "warm-up")
-        rss_warm = rss_kib(pgids)
-        last = 0
-        while load.done < n:
-            time.sleep(5)
-            if load.done - last >= n // 10:
-                last = load.done
-                print(f"  {last}/{n} done, rss {rss_kib(pgids) / 1024:.0f} MiB", flush=True)
-        outcomes = load.join(PATIENCE_S * 4)
-        rss_end = rss_kib(pgids)
-        self.outcomes += outcomes
-        lat = [o.latency_s for o in outcomes if o.kind == "correct"]
-        half = len(lat) // 2
-        print(f"  soak: {dict(Load.summary(outcomes))}", flush=True)
-        return {"soak_rss_warm_mib": rss_warm / 1024, "soak_rss_end_mib": rss_end / 1024,
-                "soak_rss_growth_pct": 100.0 * (rss_end - rss_warm) / rss_warm,
-                "soak_p99_first_ms": 1000 * p99(lat[:half]),
-                "soak_p99_last_ms": 1000 * p99(lat[half:])}
+        f.wait_idle(120)
+        jobs = soak_jobs(self.pairs(a.requests), self.rng, leave=a.leave)
+        log(f"soak: {len(jobs)} requests, {a.clients} clients, "
+            f"{sum(j.leave_after is not None for j in jobs)} leaving")
+        report = soak(f, url, f.model, jobs, clients=a.clients, timeout_s=PATIENCE_S,
+                      progress=lambda text: log("  " + text))
+        f.close_proxy(url)
+        out = report.figures()
+        out["bad_first"] = [o.__dict__ for o in report.bad[:3]]
+        return out
 
-    def leaked(self) -> int:
-        f = self.fleet
-        try:
-            f.wait_idle(90)
-        except AssertionError as exc:
-            print(f"  {exc}", flush=True)
-        total = 0
-        for inst in f.live():
-            text = get_text(inst.url + "/metrics")
-            usage = metric(text, "vllm:kv_cache_usage_perc")
-            blocks = 0
-            for line in text.splitlines():
-                if line.startswith("vllm:cache_config_info") and "num_gpu_blocks=" in line:
-                    blocks = int(line.split('num_gpu_blocks="')[1].split('"')[0])
-            total += round(usage * blocks)
-        return total
-
-    def run(self) -> dict[str, float]:
+    def run(self) -> dict[str, Any]:
         a, f = self.args, self.fleet
-        need = a.requests + 4 * a.chaos_jobs + 32
+        need = a.requests + 4 * (a.chaos_jobs + 2 * a.clients + 4) + 64
         plain = f.plain(cpu=0)
         started = time.monotonic()
         try:
             plain.start()
+            plain.wait_healthy(STARTUP_S)
+            prompts = [prompt(self.rng.choice(LENGTHS), 10_000 + i) for i in range(need)]
+            log(f"references: {need} prompts on a plain server")
+            outs = references(plain.url, f.model, prompts, MAX_OUT, workers=8)
+            plain.stop()  # before the fleet starts: at most four servers at once
+            log("starting the fleet")
             f.start(*NAMES)
-            plain.wait_healthy()
-            prompts = [prompt(self.rng.choice((5, 17, 31, 33, 64, 97, 150, 200)), 10_000 + i)
-                       for i in range(need)]
-            print(f"references: {need} prompts on a plain server", flush=True)
-            outs = references(plain.url, f.model, prompts, MAX_OUT)
-            plain.stop()
             self.refs = list(zip(prompts, outs, strict=True))
-            self.chaos()
-            soak = self.soak()
-            leaked = self.leaked()
+            chaos = self.chaos() if not a.soak_only else {"requests": 0, "outcomes": {}}
+            soaked = self.soak()
         finally:
             plain.stop()
             f.stop()
-        kinds = Load.summary(self.outcomes)
-        return {"requests": len(self.outcomes), "correct": kinds["correct"],
-                "clear_errors": kinds["clear_error"], "left": kinds["left"],
-                "hung": kinds["hung"], "unclear": kinds["unclear"],
-                "wrong_outputs": kinds["wrong"], "leaked_blocks": leaked,
-                "failover_p99_ms": round(1000 * p99(self.failover), 1),
-                **{k: round(v, 2) for k, v in soak.items()},
+        kinds = Counter(chaos["outcomes"]) + Counter(soaked["outcomes"])
+        leaked = soaked["leaked_blocks"] + sum(
+            sum(v["blocks"].values()) for k, v in chaos.items() if isinstance(v, dict)
+            and "blocks" in v)
+        first, last = soaked["p99_ms_first"], soaked["p99_ms_last"]
+        threads_back = all(soaked["threads_end"].get(k, 0) <= v
+                           for k, v in soaked["threads_idle"].items()) and all(
+            v["threads_end"].get(k, 0) <= n for v in self.after.values()
+            for k, n in v["threads_idle"].items())
+        checks = {
+            "no_wrong_hung_or_unclear": kinds["wrong"] + kinds["hung"] + kinds["unclear"] == 0,
+            "no_leaked_blocks": leaked == 0,
+            "rss_within_10pct": soaked["rss_ratio"] <= 1.10,
+            "p99_not_rising": last <= 1.2 * first if first else False,
+            "threads_back_to_idle": threads_back,
+        }
+        return {"requests": chaos["requests"] + soaked["requests"], "outcomes": dict(kinds),
+                "leaked_blocks": leaked, "chaos": chaos, "soak": soaked, "checks": checks,
                 "wall_s": round(time.monotonic() - started, 1)}
 
 
@@ -223,6 +219,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=8, help="concurrent clients")
     p.add_argument("--leave", type=float, default=0.1,
                    help="fraction of soak clients that disconnect at a random point")
+    p.add_argument("--soak-only", action="store_true", help="skip the chaos phases")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", default=None, help="directory for server logs")
     args = p.parse_args()
@@ -230,10 +227,13 @@ def main() -> int:
     print()
     print("| metric | value |")
     print("|---|---|")
-    for k, v in result.items():
-        print(f"| {k} | {v} |")
+    for k in ("requests", "outcomes", "leaked_blocks", "checks", "wall_s"):
+        print(f"| {k} | {result[k]} |")
+    for k in ("rss_ratio", "p99_ms_first", "p99_ms_last", "p99_ms_windows", "threads_idle",
+              "threads_end", "blocks_end"):
+        print(f"| soak {k} | {result['soak'][k]} |")
     print(json.dumps(result))
-    return 0 if result["hung"] == result["wrong_outputs"] == result["unclear"] == 0 else 1
+    return 0 if all(result["checks"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -175,6 +175,9 @@ class _Watch:
                 w.cancel()
             if not task.done():
                 task.cancel()
+            # It may end (or have ended, when this race was cancelled) with an error of
+            # its own, a write to a client that left: take it, nobody else will.
+            task.add_done_callback(_retrieve)
 
 
 class PushProxy:
@@ -436,7 +439,23 @@ class PushProxy:
                 "unavailable" if exc.status == 503 else "upstream_error")
             self.metrics.requests.labels(outcome).inc()
             logger.warning("%s: %.300s", exc, exc.body)
+            if req.out is not None:  # the answer began: end it with an error event
+                await write_sse_error(req.out, f"{exc}: {exc.body!s:.300}", exc.status)
+                return req.out
             return exc.response()
+        except ConnectionError:  # the client left while its answer was written
+            self.metrics.requests.labels("cancelled").inc()
+            return req.out or web.Response(status=499)
+        except Exception as exc:
+            # Anything unforeseen still ends with a clear error, never a bare 500 page
+            # or a stream cut without one.
+            self.metrics.requests.labels("upstream_error").inc()
+            logger.exception("request failed in the proxy")
+            message = f"the proxy failed to route the request: {exc!r:.300}"
+            if req.out is not None:
+                await write_sse_error(req.out, message, 500)
+                return req.out
+            return web.json_response(_error_body(message, 500), status=500)
         self.metrics.requests.labels("ok").inc()
         end = time.monotonic()
         self.metrics.ttft.observe((req.first_byte or end) - started)
@@ -587,9 +606,9 @@ class PushProxy:
         head = await watch.race(anext(events, b""))
         error = sse_error(head)
         if error is not None:  # the decode leg failed before its first token
-            status = int(error.get("code") or 500)
-            raise self._leg_error(watch.decode, status if status >= 400 else 500,
-                                  {"error": error})
+            code = error.get("code")
+            status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            raise self._leg_error(watch.decode, status, {"error": error})
         out = web.StreamResponse(status=200, headers={
             "Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache"})
@@ -632,6 +651,11 @@ class _ClientGone(Exception):
     """Writing to the client failed (raised from the ConnectionError)."""
 
 
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def _raise_if_failed(task: asyncio.Future[Any]) -> None:
     if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
         raise exc
@@ -651,77 +675,7 @@ def _prefill_body(body: dict[str, Any], path: str, params: dict[str, Any]) -> di
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``pushkv proxy`` to the ``pushkv`` command line."""
-    d, h = ProxySettings(), HealthSettings()
-    p = subparsers.add_parser(
-        "proxy", help="OpenAI-compatible push-mode router for vLLM prefill/decode instances",
-        description="Route each request to a prefill and a decode vLLM instance running "
-        "PushKVConnector, sending both legs at once with a shared transfer id; check "
-        "instances' health and fail over.",
-    )
-    p.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
-                   help="base URL of a prefill (kv_producer) instance; repeatable")
-    p.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL",
-                   help="base URL of a decode (kv_consumer) instance; repeatable")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--request-timeout", "--timeout", dest="timeout", type=float,
-                   default=d.request_timeout_s,
-                   help="longest a client waits for its answer or a clear error (s)")
-    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s,
-                   help="opening a connection to an instance (s)")
-    p.add_argument("--retries", type=int, default=d.retries,
-                   help="times a request is sent again, as a new transfer, after a leg "
-                   "failed before any output")
-    p.add_argument("--health-interval", type=float, default=h.interval_s,
-                   help="seconds between health probes of an instance in rotation; also "
-                   "the first back-off of one out of rotation")
-    p.add_argument("--health-timeout", type=float, default=h.timeout_s,
-                   help="a health probe not answered within this has failed (s)")
-    p.add_argument("--unhealthy-after", type=int, default=h.unhealthy_after,
-                   help="failed probes in a row that take an instance out of rotation")
-    p.add_argument("--backoff-max", type=float, default=h.backoff_max_s,
-                   help="longest wait between probes of an instance out of rotation (s)")
-    p.add_argument("--probe-generate", type=float, default=h.generate_timeout_s,
-                   metavar="SECONDS", help="also probe with a one-token completion that must "
-                   "answer within this (0: /health only); catches an engine loop that is stuck "
-                   "while its HTTP server still answers")
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                   help="larger request bodies are refused with 413")
-    p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit,
-                   help="refuse max_tokens above this (0: only the model's length bounds it)")
-    p.add_argument("--key-file", default=None,
-                   help="file holding the shared key (the connectors' key_file) that signs "
-                   f"every kv_transfer_params sent; default: ${KEY_ENV}, else none")
-    p.add_argument("--log-level", default="INFO", help="logging level")
-    p.add_argument("--timeline-dir", default="",
-                   help="record each request's timeline (pushkv.timeline) into this directory")
-    p.set_defaults(func=_main)
+    """Add ``pushkv proxy`` to the ``pushkv`` command line (:mod:`.proxy_cli`)."""
+    from .proxy_cli import register as add
 
-
-def settings_from_args(args: argparse.Namespace) -> ProxySettings:
-    from ..transports.sidechannel_auth import load_key
-
-    key = load_key(key_file=args.key_file or "", key_env=KEY_ENV)
-    return ProxySettings(
-        request_timeout_s=args.timeout, connect_timeout_s=args.connect_timeout,
-        retries=args.retries, max_body_bytes=args.max_body_bytes,
-        max_tokens_limit=args.max_tokens_limit, key=key,
-        health=HealthSettings(interval_s=args.health_interval, timeout_s=args.health_timeout,
-                              unhealthy_after=args.unhealthy_after,
-                              backoff_max_s=args.backoff_max,
-                              generate_timeout_s=args.probe_generate))
-
-
-def _main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = settings_from_args(args)
-    timeline.configure(args.timeline_dir, "proxy")
-    proxy = PushProxy(args.prefill, args.decode, settings=settings)
-    logger.info("push proxy on %s:%d: prefill %s, decode %s, %s", args.host, args.port,
-                args.prefill, args.decode,
-                "kv_transfer_params signed" if settings.key else "no shared key")
-    web.run_app(proxy.app(), host=args.host, port=args.port, handler_cancellation=True,
-                print=None, access_log=None)
-    return 0
+    add(subparsers)

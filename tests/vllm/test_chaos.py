@@ -1,24 +1,39 @@
-"""Chaos on real vLLM CPU servers: instances killed (SIGKILL), frozen (SIGSTOP) and
-restarted under concurrent load, behind ``pushkv proxy``.
+"""Serving under faults on real vLLM CPU servers, behind ``pushkv proxy``.
 
-Four servers with PushKVConnector run for the module (two prefill, two decode;
-default side-channel settings, so each binds free ports) and one plain server
-gives the reference greedy outputs. Two deployments are driven through their
-own proxy: 2 prefill + 1 decode, then 1 prefill + 2 decode. In each, a
-phase of concurrent clients runs while an instance is killed (then restarted),
-and another while an instance is frozen (then thawed). Every request must
-either equal the plain server's output or end with a clear HTTP error (a JSON
-error body, or an SSE error event), none may wait past the proxy's bound,
-and afterwards every live instance holds no KV block and runs no more threads
-than it did idle before the faults. How many requests are served exactly (and
-not answered with an error) depends on the machine's load; each phase must
-serve some.
+A plain server gives the reference greedy outputs and stops; then four servers
+with PushKVConnector run for the module (two prefill, two decode; default
+side-channel settings, so each binds free ports of its own on this one host).
+Two deployments are driven through a proxy of their own: 2 prefill +
+1 decode, then 1 prefill + 2 decode. In each, concurrent clients (streamed and
+not) run while
+
+* an instance is killed (``SIGKILL`` of all its processes), then restarted and
+  put back in rotation, and
+* an instance is frozen (``SIGSTOP``: a hang, its sockets still open) until the
+  proxy takes it out of rotation, then thawed.
+
+Every request must equal the plain server's output or end with a clear HTTP
+error (an OpenAI-style JSON error body, or an SSE error event); none may go
+unanswered past the proxy's bound (plus a margin for a loaded machine); some
+request must have been sent again as a new transfer. Afterwards every live
+instance references no KV block (nothing held for a push, nothing lent to a
+registration) and runs no more threads than it did idle after its warm-up, and
+each failed transfer was logged as one line of JSON (as many lines as the
+instance's ``pushkv:transfers_failed_total``).
+
+A short soak follows: the code of ``benchmarks/bench_chaos.py``'s soak, with a few
+dozen requests of mixed lengths, a tenth of them from clients that leave at a
+random point; nothing may be left behind.
+
+All waits poll state with generous deadlines. How many requests are served rather
+than answered with an error depends on the machine's load; that some are does not.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,12 +44,16 @@ if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)
 
 from pushkv.vllm.chaos import (
+    FAILED_KEYS,
+    STARTUP_S,
     Fleet,
     Job,
     Load,
     Outcome,
     prompt,
     references,
+    soak,
+    soak_jobs,
     wait_for,
     warm,
 )
@@ -48,36 +67,42 @@ PATIENCE_S = BOUND_S + 20  #: a client still waiting after this counts as hung
 LENGTHS = (5, 31, 33, 64, 97, 150, 200, 17)
 PHASE_JOBS = 24
 CLIENTS = 6
+SOAK_JOBS = 48
 NAMES = ("prefill-1", "prefill-2", "decode-1", "decode-2")
 _salts = itertools.count(1000)
 
 
-def make_jobs(refs: dict[tuple[int, ...], list[int]], n: int) -> list[Job]:
-    jobs = []
-    for i, tokens in enumerate(list(refs)[:n]):
-        jobs.append(Job(list(tokens), refs[tokens], stream=i % 3 == 0))
-    for tokens in list(refs)[:n]:
-        del refs[tokens]
-    return jobs
+class Refs:
+    """Fresh prompts (no prefix cache hit) with the plain server's greedy outputs."""
+
+    def __init__(self, pairs: list[tuple[list[int], list[int]]]) -> None:
+        self._pairs = pairs
+
+    def pairs(self, n: int) -> list[tuple[list[int], list[int]]]:
+        assert len(self._pairs) >= n, "the module needs more reference prompts"
+        out, self._pairs = self._pairs[:n], self._pairs[n:]
+        return out
+
+    def jobs(self, n: int) -> list[Job]:
+        return [Job(tokens, ref, stream=i % 3 == 0)
+                for i, (tokens, ref) in enumerate(self.pairs(n))]
 
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-          ) -> Iterator[tuple[Fleet, dict[tuple[int, ...], list[int]]]]:
-    logs = tmp_path_factory.mktemp("chaos-logs")
-    f = Fleet(str(tiny_model), logs)
+          ) -> Iterator[tuple[Fleet, Refs]]:
+    f = Fleet(str(tiny_model), tmp_path_factory.mktemp("chaos-logs"))
     for name, cpu in zip(NAMES, (0, 1, 1, 0), strict=True):
         f.add(name, name.split("-")[0], cpu)
     plain = f.plain(cpu=0)
     try:
         plain.start()
-        f.start(*NAMES)
-        plain.wait_healthy()
-        prompts = [prompt(LENGTHS[i % len(LENGTHS)], next(_salts))
-                   for i in range(PHASE_JOBS * 4 + 24)]
+        plain.wait_healthy(STARTUP_S)
+        prompts = [prompt(LENGTHS[i % len(LENGTHS)], next(_salts)) for i in range(240)]
         outs = references(plain.url, f.model, prompts, MAX_TOKENS)
-        plain.stop()
-        yield f, {tuple(p): o for p, o in zip(prompts, outs, strict=True)}
+        plain.stop()  # before the fleet starts: at most four servers at once
+        f.start(*NAMES)
+        yield f, Refs(list(zip(prompts, outs, strict=True)))
     finally:
         plain.stop()
         f.stop()
@@ -88,84 +113,99 @@ def check(outcomes: list[Outcome], what: str) -> None:
     bad = [o for o in outcomes if o.kind not in ("correct", "clear_error")]
     assert not bad, f"{what}: {kinds}; first: {bad[:3]}"
     assert max(o.latency_s for o in outcomes) < PATIENCE_S
-    # How many are served depends on the machine's load (on 2 shared cores, handshakes
-    # and writes can outlast the short windows used here); that some are, does not.
+    # How many are served depends on the machine's load; that some are, does not.
     assert kinds["correct"] >= 1, f"{what}: nothing served: {kinds}"
 
 
-def run_phase(f: Fleet, url: str, refs: dict[tuple[int, ...], list[int]], fault, what: str
+def warm_round(f: Fleet, url: str, refs: Refs) -> dict[str, int]:
+    """Handshake every pair (one request at a time: ties go in turn), serve a round
+    of concurrent requests, wait until idle; each live instance's threads then."""
+    warm(url, f.model, refs.jobs(4))
+    check(Load(url, f.model, refs.jobs(CLIENTS * 2), clients=CLIENTS,
+               timeout_s=PATIENCE_S).start().join(PATIENCE_S * 4), "warm-up")
+    f.wait_idle()
+    return f.all_threads()
+
+
+def run_phase(f: Fleet, url: str, refs: Refs, fault: Callable[[], None], what: str
               ) -> list[Outcome]:
-    load = Load(url, f.model, make_jobs(refs, PHASE_JOBS), clients=CLIENTS,
+    """Concurrent clients; ``fault`` once the first answers are back."""
+    load = Load(url, f.model, refs.jobs(PHASE_JOBS), clients=CLIENTS,
                 timeout_s=PATIENCE_S).start()
-    wait_for(lambda: load.done >= CLIENTS, 120, f"{what}: first answers")
+    wait_for(lambda: load.done >= CLIENTS, 240, f"{what}: first answers")
     fault()
     outcomes = load.join(PATIENCE_S * PHASE_JOBS)
+    print(f"{what}: {dict(Load.summary(outcomes))}")  # shown with -s or on failure
     check(outcomes, what)
     return outcomes
 
 
-def warm_and_count_threads(f: Fleet, url: str, refs: dict[tuple[int, ...], list[int]],
-                           names: tuple[str, ...]) -> dict[str, int]:
-    """Handshake every pair, serve a round of concurrent requests, wait idle, return
-    each instance's threads."""
-    try:
-        warm(url, f.model, make_jobs(refs, 4))
-    except AssertionError as exc:  # nothing served at all, before any fault
-        pytest.skip(f"the fleet could not serve before any fault (machine too loaded?): {exc}")
-    outcomes = Load(url, f.model, make_jobs(refs, CLIENTS), clients=CLIENTS,
-                    timeout_s=PATIENCE_S).start().join(PATIENCE_S * 2)
-    check(outcomes, "warm-up")
-    f.wait_idle()
-    return {n: f.threads(n) for n in names}
+def freezer(f: Fleet, url: str, name: str) -> Callable[[], None]:
+    """SIGSTOP ``name``; thaw it once the proxy has taken it out of rotation."""
+    def fault() -> None:
+        f.freeze(name)
+        try:
+            wait_for(lambda: not f.in_rotation(url, name), 60, f"{name} out of rotation")
+        finally:
+            f.thaw(name)
+    return fault
 
 
-def up_in_proxy(url: str, name_url: str) -> bool:
-    return metric(get_text(url + "/metrics"), "pushkv_proxy_instance_up", url=name_url) == 1
+def kill_restart_freeze(f: Fleet, refs: Refs, prefill: list[str], decode: list[str],
+                        victim: str, frozen: str) -> None:
+    url = f.proxy(prefill, decode, timeout_s=BOUND_S)
+    idle = warm_round(f, url, refs)
+    run_phase(f, url, refs, lambda: f.kill(victim), f"{victim} killed")
+    f.restart(victim)
+    wait_for(lambda: f.in_rotation(url, victim), 120, f"{victim} back in rotation")
+    idle[victim] = warm_round(f, url, refs)[victim]  # the new process's own idle value
+    run_phase(f, url, refs, freezer(f, url, frozen), f"{frozen} frozen")
+    # Some request was sent again as a new transfer: the faults hit requests in flight.
+    assert metric(get_text(url + "/metrics"), "pushkv_proxy_retries_total") >= 1
+    blocks = f.wait_idle()  # raises unless every live instance holds/lends nothing
+    assert set(blocks) == set(NAMES) and not any(blocks.values()), blocks
+    threads = f.wait_threads(idle)
+    print(f"retries {metric(get_text(url + '/metrics'), 'pushkv_proxy_retries_total')}, "
+          f"blocks {blocks}, threads idle {idle}, after {threads}")
+    check_failure_lines(f)
+    f.close_proxy(url)
 
 
-def settle(f: Fleet, idle_threads: dict[str, int]) -> None:
-    f.wait_idle()
-    for name, before in idle_threads.items():
-        wait_for(lambda n=name, b=before: f.threads(n) <= b, 30,
-                 f"{name} threads back to {before} (now {f.threads(name)})")
+def check_failure_lines(f: Fleet) -> None:
+    """Each failed transfer logged one line of JSON with every key, on its instance."""
+    for name in [i.name for i in f.live()]:
+        def logged(n: str = name) -> bool:
+            return len(f.failure_lines(n)) == f.counter(n, "pushkv:transfers_failed_total")
+        wait_for(logged, 60, lambda n=name: f"{n}: {len(f.failure_lines(n))} lines, "
+                 f"{f.counter(n, 'pushkv:transfers_failed_total')} failed transfers")
+        for record in f.failure_lines(name):
+            assert record.keys() >= FAILED_KEYS, record
 
 
 def test_two_prefill_one_decode_survive_kill_restart_and_freeze(fleet):
     f, refs = fleet
-    url = f.proxy(["prefill-1", "prefill-2"], ["decode-1"], timeout_s=BOUND_S)
-    threads = warm_and_count_threads(f, url, refs, ("prefill-1", "decode-1"))
-    run_phase(f, url, refs, lambda: f.kill("prefill-2"), "prefill-2 killed")
-    f.restart("prefill-2")
-    wait_for(lambda: up_in_proxy(url, f.instances["prefill-2"].url), 60,
-             "prefill-2 back in rotation")
-
-    def freeze() -> None:
-        f.freeze("prefill-1")
-        wait_for(lambda: not up_in_proxy(url, f.instances["prefill-1"].url), 30,
-                 "prefill-1 out of rotation")
-        f.thaw("prefill-1")
-
-    run_phase(f, url, refs, freeze, "prefill-1 frozen")
-    retries = metric(get_text(url + "/metrics"), "pushkv_proxy_retries_total")
-    assert retries >= 1  # some request really failed over
-    settle(f, threads)
-    wait_for(lambda: f.usage("prefill-2") == 0, 60, "restarted prefill-2 idle")
+    kill_restart_freeze(f, refs, ["prefill-1", "prefill-2"], ["decode-1"],
+                        victim="prefill-2", frozen="prefill-1")
 
 
 def test_one_prefill_two_decode_survive_kill_restart_and_freeze(fleet):
     f, refs = fleet
-    url = f.proxy(["prefill-1"], ["decode-1", "decode-2"], timeout_s=BOUND_S)
-    threads = warm_and_count_threads(f, url, refs, ("prefill-1", "decode-1"))
-    run_phase(f, url, refs, lambda: f.kill("decode-2"), "decode-2 killed")
-    f.restart("decode-2")
-    wait_for(lambda: up_in_proxy(url, f.instances["decode-2"].url), 60,
-             "decode-2 back in rotation")
+    kill_restart_freeze(f, refs, ["prefill-1"], ["decode-1", "decode-2"],
+                        victim="decode-2", frozen="decode-1")
 
-    def freeze() -> None:
-        f.freeze("decode-1")
-        wait_for(lambda: not up_in_proxy(url, f.instances["decode-1"].url), 30,
-                 "decode-1 out of rotation")
-        f.thaw("decode-1")
 
-    run_phase(f, url, refs, freeze, "decode-1 frozen")
-    settle(f, threads)
+def test_short_soak_with_clients_leaving_leaves_nothing_behind(fleet):
+    f, refs = fleet
+    url = f.proxy(["prefill-1", "prefill-2"], ["decode-1", "decode-2"], timeout_s=BOUND_S)
+    warm(url, f.model, refs.jobs(4))
+    f.wait_idle()
+    jobs = soak_jobs(refs.pairs(SOAK_JOBS), random.Random(7))
+    report = soak(f, url, f.model, jobs, clients=CLIENTS, timeout_s=PATIENCE_S, windows=2)
+    kinds = Load.summary(report.outcomes)
+    print(report.figures())
+    assert len(report.outcomes) == SOAK_JOBS and not report.bad, (kinds, report.bad[:3])
+    assert kinds["left"] >= 1, kinds  # the streamed leavers leave before [DONE]
+    assert report.leaked_blocks == 0, report.blocks_end
+    assert all(report.threads_end[k] <= v for k, v in report.threads_idle.items()), (
+        report.threads_idle, report.threads_end)
+    f.close_proxy(url)

@@ -49,6 +49,7 @@ class FakeVllm:
     delay_s: float = 0.0
     status: int = 200
     stream_error: bool = False
+    stream_error_code: Any = 500  #: the "code" of the error event (vLLM's is an int)
     legs: list[Leg] = field(default_factory=list)
     discoveries: int = 0
     healthy: bool = True  #: False: /health answers 503
@@ -106,8 +107,9 @@ class FakeVllm:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         if self.stream_error:
-            await out.write(b'data: {"error": {"message": "Internal server error", '
-                            b'"type": "InternalServerError", "code": 500}}\n\n')
+            error = {"message": "Internal server error", "type": "InternalServerError",
+                     "code": self.stream_error_code}
+            await out.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\n")
         else:
             for tok in (5, 6, 7):
                 await out.write(f'data: {{"choices": [{{"token_ids": [{tok}]}}]}}\n\n'.encode())
@@ -211,6 +213,17 @@ def test_decode_stream_failing_before_its_first_token_is_an_http_error():
         assert body["error"]["message"] == "Internal server error"
 
     run(FakeVllm("prefill"), FakeVllm("decode", stream_error=True), scenario)
+
+
+def test_a_stream_error_event_with_an_odd_code_is_still_a_clear_http_error():
+    # Was a bare "500 Internal Server Error" page: int("overloaded") raised in the proxy.
+    async def scenario(url: str, p: FakeVllm, d: FakeVllm) -> None:
+        status, body, headers = await post(url, dict(REQUEST, stream=True))
+        assert status == 500 and headers["X-PushKV-Leg"] == "decode"
+        assert body["error"]["message"] == "Internal server error"
+
+    run(FakeVllm("prefill"),
+        FakeVllm("decode", stream_error=True, stream_error_code="overloaded"), scenario)
 
 
 def test_client_leaving_cancels_both_legs():
