@@ -12,6 +12,8 @@ page for page, and that no block is left held on either side.
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -224,12 +226,22 @@ def test_decode_abort_while_waiting_is_fenced_and_releases_both_sides(pair):
     run((p, d), lambda: pr.request_id in p.engine.outputs.finish and idle(p))  # released at once
 
 
-def test_prefill_abort_fails_the_decode_request(pair):
+def test_prefill_abort_fails_the_decode_request(pair, caplog):
     p, d = pair(policy="fail")
     pr, dr = push(p, d, "cut", 200)
-    p.engine.abort(pr.request_id)
-    run((p, d), lambda: dr.request_id in d.engine.outputs.finish)
+    with caplog.at_level(logging.WARNING, logger="pushkv.vllm.worker_side"):
+        p.engine.abort(pr.request_id)
+        run((p, d), lambda: dr.request_id in d.engine.outputs.finish)
     assert d.engine.outputs.finish[dr.request_id] == "error"
+    # one structured line for the failed transfer: its id, attempt and reason
+    lines = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("pushkv transfer failed ")]
+    assert len(lines) == 1, lines
+    fields = json.loads(lines[0].removeprefix("pushkv transfer failed "))
+    assert fields["transfer_id"] == "cut"
+    assert fields["request_id"] == dr.request_id
+    assert fields["reason"] == "PREFILL_ABORTED" and fields["attempt"] == 0
+    assert fields["engine_id"] == "decode-0" and fields["policy"] == "fail"
     run((p, d), lambda: idle(p) and idle(d))
 
 
