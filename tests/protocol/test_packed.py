@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pushkv.protocol import (
     CancelAck,
@@ -280,3 +282,27 @@ def test_the_ledger_lends_first_fit_and_merges():
     with pytest.raises(LocalProtocolError):
         book.give_back(64)
     assert share(0, 256, frozenset({3, 1}), 3) == (128, 128)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 300)), max_size=60))
+def test_the_ledger_never_lends_a_byte_twice_and_gives_everything_back(ops):
+    book = StagingLedger(1024)
+    held: dict[int, int] = {}  # offset -> size
+    for lend, n in ops:
+        if lend or not held:
+            at = book.lend(n, n)
+            if at is None:
+                assert book.largest_free() < -(-n // 64) * 64
+                continue
+            size = book.size_of(at)
+            assert size >= n and at % 64 == 0 and at + size <= 1024
+            assert all(at + size <= o or o + s <= at for o, s in held.items())
+            held[at] = size
+        else:
+            at = sorted(held)[n % len(held)]
+            book.give_back(at)
+            del held[at]
+        assert book.lent_bytes == sum(held.values())
+    for at in list(held):
+        book.give_back(at)
+    assert book.lent_bytes == 0 and book.largest_free() == 1024
