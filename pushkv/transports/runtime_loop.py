@@ -263,6 +263,7 @@ class IOLoop:
         stats = self._stats
         stats["dropped_frames"] = self._side.dropped
         stats["bytes_written_early"] = self._early_bytes
+        stats["staging_lent_bytes"] = self._endpoint.staging_lent  # a level, not a count
         if self._authenticated:
             for reason, n in self._side.auth_dropped.items():  # totals, not increments
                 stats[reason] = n
@@ -453,6 +454,7 @@ class IOLoop:
                 self._emit(a)
             elif isinstance(a, Scatter):  # rule 10: off this thread; scatter_done on return
                 self._scatters += 1
+                self._stats["scatter_runs"] += a.packed.plan.runs_per_region
                 if self._scatterer is None:
                     self._scattered.append(ScatterResult(a, False, "no staging memory"))
                 else:
