@@ -390,10 +390,13 @@ class Consumer(ConsumerView, Endpoint):
             t.why(msg.reason, f"{msg.reason.name} from rank {msg.rank}: {msg.detail}")
         a = t.cur if msg.attempt == t.cur.attempt else t.zombies.get(msg.attempt)
         packed = None
-        if isinstance(msg, Notify) and msg.staged and a is not None and (
+        staged = isinstance(msg, Notify) and msg.staged
+        if isinstance(msg, Notify) and staged and a is t.cur and t.state is CS.REGISTERED and (
                 msg.rank in a.expected and msg.rank not in a.fenced
                 and msg.rank not in a.scattering):
-            packed = staging.staged_plan(self, t, a, msg)  # checked before any change
+            # Rule 10: only a staged write of the registered attempt is scattered; its
+            # plan is checked before any change. Elsewhere its landing only fences.
+            packed = staging.staged_plan(self, t, a, msg)
         if a is not None and msg.rank in a.expected and msg.rank not in a.fenced and (
             a is not t.cur or t.state in _LISTENING
         ) and not (inp is CI.CANCEL_ACK and a is t.cur and t.state is CS.REGISTERED):
@@ -404,7 +407,7 @@ class Consumer(ConsumerView, Endpoint):
             inp = _parts(a, msg.rank, inp, msg)
             if inp is CI.PART:
                 self.stats["parts"] += 1
-            elif inp is CI.NOTIFY and packed is not None:
+            elif inp is CI.NOTIFY and staged:
                 inp = CI.STAGED
         return self._report(t, msg.attempt, msg.rank, inp, now, packed)
 
