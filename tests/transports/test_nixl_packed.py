@@ -9,6 +9,7 @@ compared with the source); afterwards no staging may stay lent on any rank.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,3 +97,48 @@ def test_a_fragmented_transfer_is_packed_and_lands_exactly(pool: HostPool) -> No
     (seen,) = PackedCluster.seen
     assert seen["packed"] == 2 and seen["scattered"] == 2, seen
     assert not any(seen["lent"].values()), seen
+
+
+@pytest.mark.parametrize(("producer_staging", "consumer_staging"),
+                         [(True, True), (True, False), (False, True)])
+def test_one_side_without_staging_writes_directly(producer_staging: bool,
+                                                  consumer_staging: bool) -> None:
+    """In one process: a packed write needs staging on both ranks; with staging on one
+    side only the write is direct, and the bytes and the fence are the same."""
+    from pushkv.protocol import ConsumerConfig, ProducerConfig, TransferReady, uniform_ranks
+    from pushkv.transports.inmemory import region_memory
+    from pushkv.transports.nixl import NixlRuntime
+
+    p_info, c_info = uniform_ranks("prefill-0")[0], uniform_ranks("decode-0")[0]
+    src = region_memory(p_info.layout, rng=np.random.default_rng(5))
+    dst = region_memory(c_info.layout)
+    prod = NixlRuntime(p_info, src, role="producer", producer_config=ProducerConfig(
+        packing=ALWAYS if producer_staging else None))
+    cons = NixlRuntime(c_info, dst, role="consumer", consumer_config=ConsumerConfig(
+        packing=ALWAYS if consumer_staging else None))
+    try:
+        cons.connect("prefill-0", [prod.address])
+        s_ids, d_ids = [9, 3, 40, 22], [30, 2, 61, 11]
+        cons.register("t", "prefill-0", d_ids, 60)
+        prod.prefill_finished("t", s_ids, 60)
+        seen: list[object] = []
+        while not any(isinstance(e, TransferReady) for e in seen):
+            assert cons.wait(10.0), f"no TransferReady: {seen}"
+            seen += cons.poll()
+        want = testing.reference_destination([p_info], [src], c_info, [(s_ids, d_ids, 60, 0)])
+        assert all(np.array_equal(w, g) for w, g in zip(want, dst, strict=True))
+        packed = producer_staging and consumer_staging
+        view = cons.inspect()
+        assert view.stats.get("scatters_ok", 0) == (1 if packed else 0)
+        assert view.staging_lent == 0
+        pview = prod.inspect()
+        end = time.monotonic() + 10.0
+        while pview.writes_in_flight:  # the completion reaches the producer's I/O thread
+            assert time.monotonic() < end, "the write never completed on the producer"
+            prod.wait(0.05)
+            pview = prod.inspect()
+        assert pview.stats.get("writes_packed", 0) == (1 if packed else 0)
+        assert pview.staging_lent == 0
+    finally:
+        prod.close()
+        cons.close()
