@@ -699,7 +699,9 @@ class Consumer(ConsumerView, Endpoint):
                 self.stats["forced_release"] += 1
                 out += self._zombie(t, z, CI.HARD_DEADLINE, now, z.expected)
         if t.state is CS.REGISTERED and t.cur.deadline <= now:
-            out += self._input(t, CI.DEADLINE, now)
+            cur = t.cur  # rule 10: every write landed, a scatter still runs
+            landed = cur.scattering and cur.notified | cur.scattering >= cur.expected
+            out += self._input(t, CI.DEADLINE_SCATTERING if landed else CI.DEADLINE, now)
         if t.state in CONSUMER_FENCING and t.cur.hard <= now:
             # Rule 10: a scatter still writing the blocks is its own fence.
             out += self._input(t, CI.HARD_DEADLINE_SCATTERING if t.cur.scattering

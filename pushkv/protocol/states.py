@@ -120,7 +120,9 @@ scatter fails the transfer like a failed write). An attempt with a scatter
 still running is not fenced, whatever the producers say -- a cancel, a
 preemption, a failure, an abort, a reissue (the zombie keeps it) or the hard
 deadline (``HARD_DEADLINE_SCATTERING`` only fences the producers) all wait
-for the scatter before its blocks or its staging go back. Staging is lent
+for the scatter before its blocks or its staging go back; the window passing
+once every write landed (``DEADLINE_SCATTERING``) fails nothing: the window
+bounds the producers' writes, not the consumer's scatters. Staging is lent
 and fenced like destination blocks: released with them (or at READY), never
 while a write into it may still land. A staged write that lands once the
 attempt is being fenced, or in a zombie, is not scattered: it is its fence.
@@ -269,6 +271,8 @@ class ConsumerInput(enum.Enum):
     SCATTER_FAILED = "SCATTER_FAILED"  #: rule 10: its scatter failed
     #: Rule 10: the hard deadline passed while a scatter still writes the blocks.
     HARD_DEADLINE_SCATTERING = "HARD_DEADLINE_SCATTERING"
+    #: Rule 10: the window passed, but every write landed: only scatters remain.
+    DEADLINE_SCATTERING = "DEADLINE_SCATTERING"
 
 
 class ConsumerEffect(enum.Enum):
@@ -516,6 +520,8 @@ CONSUMER_TABLE: dict[
     (C.REGISTERED, CI.STAGED): (CE.SCATTER, C.REGISTERED),
     (C.REGISTERED, CI.SCATTER_DONE): (CE.COUNT, C.REGISTERED),
     (C.REGISTERED, CI.SCATTER_FAILED): (CE.FAIL_REST, C.FAILING),
+    # The window bounds the producers' writes, not our own scatters.
+    (C.REGISTERED, CI.DEADLINE_SCATTERING): (CE.NONE, C.REGISTERED),
     **{(s, i): (CE.FENCE, s) for s in _C_FENCING
        for i in (CI.STAGED, CI.SCATTER_DONE, CI.SCATTER_FAILED)},
     **{(s, CI.HARD_DEADLINE_SCATTERING): (CE.FENCE_REMOTE, s) for s in _C_FENCING},

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pushkv.protocol import (
+    Cancel,
     CancelAck,
     ConsumerConfig,
     ConsumerState,
@@ -306,3 +307,25 @@ def test_the_ledger_never_lends_a_byte_twice_and_gives_everything_back(ops):
     for at in list(held):
         book.give_back(at)
     assert book.lent_bytes == 0 and book.largest_free() == 1024
+
+
+def test_the_window_passing_during_the_last_scatter_fails_nothing():
+    pair = _pair()
+    c = pair.c[0]
+    _staged(pair)
+    out = c.handle_timer(11.0)  # window 10 s: every write landed, one scatter runs
+    assert not msgs(out, Cancel) and c.state_of("t") is CS.REGISTERED
+    assert of(c.scatter_done("t", 0, P0, True, 11.0), TransferReady)
+
+
+def test_the_window_passing_with_a_write_missing_fails_even_during_a_scatter():
+    pair = _pair(producer={"tp": 2})
+    c = pair.c[0]
+    pair.to_producers(c.register("t", "P", [3, 9, 1], 10, pair.now))
+    (w,) = of(pair.p[0].prefill_finished("t", [7, 2, 5], 10, pair.now), IssueWrite)
+    _, notes = pair.complete([w])  # rank 0 landed and scatters; rank 1 never wrote
+    assert of(notes, Scatter)
+    c.handle_timer(11.0)
+    assert c.state_of("t") is CS.FAILING and c.lent_blocks()
+    out = c.scatter_done("t", 0, P0, True, 11.0)
+    assert not of(out, ReleaseDestination)  # rank 1 is not fenced yet

@@ -499,6 +499,10 @@ def _consumer_calls(c, pair):
             c, lambda: c.receive(_staged(0, attempt), 5.0), lambda: c.preempt("t", 5.0),
             lambda: c.reissue("t", [30, 31, 32], 5.0), _scattered(c, 0, attempt, ok=False)),
         "zombie staged": lambda: c.receive(_staged(0, 0), 5.0),
+        "staged both, window passes, scattered": lambda: _then(
+            c, lambda: c.receive(_staged(0, attempt), 5.0),
+            lambda: c.receive(_staged(1, attempt), 5.0), lambda: c.handle_timer(10.0),
+            _scattered(c, 0, attempt), _scattered(c, 1, attempt)),
         **{f"staged, {how}, {then}": (
             lambda move=move, end=end: _then(
                 c, lambda: c.receive(_staged(0, attempt), 5.0), move, *end))
