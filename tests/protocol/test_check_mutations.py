@@ -112,11 +112,11 @@ def double_count(mp: pytest.MonkeyPatch) -> None:
     """A repeated notification is counted for a rank that has not notified yet."""
     orig = Consumer._report
 
-    def report(self, t, attempt, rank, inp, now):
+    def report(self, t, attempt, rank, inp, now, *rest):
         a = t.cur
         if inp is CI.NOTIFY and attempt == a.attempt and rank in a.notified:
             rank = next((r for r in sorted(a.expected) if r not in a.notified), rank)
-        return orig(self, t, attempt, rank, inp, now)
+        return orig(self, t, attempt, rank, inp, now, *rest)
 
     mp.setattr(Consumer, "_report", report)
 
