@@ -22,11 +22,14 @@ from .events import (
     IssueRead,
     IssueWrite,
     Mode,
+    PackedWrite,
     Peer,
     Publish,
     Rejected,
     ReleaseDestination,
     ReleaseSource,
+    ReleaseStaging,
+    Scatter,
     SendMessage,
     TransferCancelled,
     TransferFailed,
@@ -50,6 +53,7 @@ from .messages import (
     decode,
     encode,
 )
+from .packing import PackedPlan, PackingConfig
 from .planner import TransferPlan, coalesce, plan_transfer
 from .producer import Producer
 from .states import ConsumerState, ProducerState
@@ -79,6 +83,9 @@ __all__ = [
     "Message",
     "Mode",
     "Notify",
+    "PackedPlan",
+    "PackedWrite",
+    "PackingConfig",
     "Peer",
     "PlanError",
     "Producer",
@@ -92,7 +99,9 @@ __all__ = [
     "Rejected",
     "ReleaseDestination",
     "ReleaseSource",
+    "ReleaseStaging",
     "RemoteProtocolError",
+    "Scatter",
     "SendMessage",
     "Skip",
     "TransferCancelled",

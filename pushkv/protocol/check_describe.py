@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .check_bytes import touched
-from .check_world import FRAME, HELLO, WRITE, Item
+from .check_world import FRAME, HELLO, SCATTER, SWRITE, WRITE, Item
 from .events import Action, IssueWrite, SendMessage
 from .messages import Message
 
@@ -53,6 +53,10 @@ class Describe:
             return f"P{item[1]}'s write of t#{item[8]} a{item[3]} to D{item[2]}"
         if item[0] == HELLO:
             return f"the handshake of D{item[1]} with P{item[2]}"
+        if item[0] == SWRITE:
+            return f"P{item[1]}'s packed write of t#{item[8]} a{item[3]} to D{item[2]}"
+        if item[0] == SCATTER:
+            return f"D{item[1]}'s scatter of P{item[2]}'s a{item[3]} write"
         return f"the completion of P{item[1]}'s write of a{item[3]} to D{item[2]}"
 
     def _action(self, a: Action) -> str:
@@ -66,7 +70,8 @@ class Describe:
     def describe(self, step: tuple[Any, ...]) -> str:
         """One line for a step, before it runs."""
         kind = step[0]
-        if kind in ("deliver", "dup", "drop", "land", "wfail", "complete", "hello", "hsfail"):
+        if kind in ("deliver", "dup", "drop", "land", "wfail", "complete", "hello", "hsfail",
+                    "scatter", "sfail"):
             return f"{kind} {self._item(step[1])}"
         if kind == "tick":
             return f"timer of {self._name(step[1])}"

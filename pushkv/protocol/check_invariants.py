@@ -10,7 +10,18 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .check_bytes import Owed
-from .check_world import C_IDLE, C_LIVE, C_OVER, P_HELD, P_PARTIAL, P_PREFILL, P_WAIT, WRITE, Frozen
+from .check_world import (
+    C_IDLE,
+    C_LIVE,
+    C_OVER,
+    P_HELD,
+    P_PARTIAL,
+    P_PREFILL,
+    P_WAIT,
+    SWRITE,
+    WRITE,
+    Frozen,
+)
 from .states import ConsumerState
 
 CS = ConsumerState
@@ -29,6 +40,7 @@ class EpInfo(NamedTuple):
     pending: int  # producer: registrations waiting
     transfers: int
     writes: int  # producer: writes it thinks are in flight
+    staging: int = 0  # bytes of staging lent (rule 10)
 
 
 class Violation(Exception):
@@ -76,7 +88,7 @@ class Invariants:
                         raise Violation("source", f"P{r} holds source blocks {list(blocks)} "
                                         "its engine already took back")
         for it in f[1]:
-            if it[0] == WRITE and it[1] in f[8][it[8]][2]:
+            if it[0] in (WRITE, SWRITE) and it[1] in f[8][it[8]][2]:
                 raise Violation("source", f"P{it[1]} released the source of t#{it[8]} with "
                                 "its write still in flight")
         if not f[5] and not f[1]:
@@ -127,10 +139,11 @@ class Invariants:
         if owed:
             return
         for c in range(self.nd):
-            lent = self.info(self.np + c, ids[self.np + c]).lent
-            if lent:
-                raise Violation("prompt", f"D{c} still lends blocks {list(lent)} with nothing "
-                                "in flight: only a timer can free them")
+            got = self.info(self.np + c, ids[self.np + c])
+            if got.lent or got.staging:
+                raise Violation("prompt", f"D{c} still lends blocks {list(got.lent)} and "
+                                f"{got.staging} B of staging with nothing in flight: only a "
+                                "timer can free them")
 
     def check_final(self, state: State) -> None:
         """Nothing can happen any more: everything must have ended and been freed."""
@@ -162,6 +175,8 @@ class Invariants:
     def _final_endpoint(name: str, got: EpInfo) -> None:
         if got.lent or got.held:
             raise Violation("final", f"{name} still holds blocks {got.lent or got.held}")
+        if got.staging:
+            raise Violation("final", f"{name} still lends {got.staging} B of staging")
         if got.transfers:
             raise Violation("final", f"{name} still tracks {got.transfers} transfer(s)")
         if got.deadline is not None:

@@ -19,6 +19,7 @@ from .check_describe import Describe, brief
 from .check_invariants import _TERMINAL, EpInfo, Invariants, State, Violation
 from .check_scope import Scope
 from .check_snap import Snapshots
+from .check_staging import Staging
 from .check_world import (
     C_IDLE,
     C_LIVE,
@@ -30,6 +31,8 @@ from .check_world import (
     P_PARTIAL,
     P_PREFILL,
     P_WAIT,
+    SCATTER,
+    SWRITE,
     TID,
     WRITE,
     Item,
@@ -50,6 +53,8 @@ from .events import (
     Rejected,
     ReleaseDestination,
     ReleaseSource,
+    ReleaseStaging,
+    Scatter,
     SendMessage,
     TransferCancelled,
     TransferFailed,
@@ -70,7 +75,7 @@ HAS_INCARNATION = "incarnation" in inspect.signature(Consumer.register).paramete
 __all__ = ["HAS_INCARNATION", "Model", "State", "Step", "Violation", "brief", "touched"]
 
 
-class Model(Invariants, Describe):
+class Model(Invariants, Describe, Staging):
     """The real endpoints of one scope, and the rules of the world around them."""
 
     def __init__(self, scope: Scope, *, check_rejects: bool = True) -> None:
@@ -135,12 +140,12 @@ class Model(Invariants, Describe):
             ep = self.endpoints[i]
             if isinstance(ep, Consumer):
                 got = EpInfo(ep.next_deadline(), ep.state_of(TID), tuple(sorted(ep.lent_blocks())),
-                              (), 0, ep.num_transfers, 0)
+                              (), 0, ep.num_transfers, 0, ep.staging_lent)
             else:
                 assert isinstance(ep, Producer)
                 got = EpInfo(ep.next_deadline(), None, (), tuple(ep.held_blocks().values()),
                              ep.pending_registrations, ep.num_transfers,
-                             len(ep.writes_in_flight()))
+                             len(ep.writes_in_flight()), ep.staging_lent)
             self._info[i, sid] = got
         return got
 
@@ -182,10 +187,14 @@ class Model(Invariants, Describe):
                     out.append(("dup", item))
                 if drops:
                     out.append(("drop", item))
-            elif kind == WRITE:
+            elif kind in (WRITE, SWRITE):
                 out.append(("land", item))
                 if sc.write_errors:
                     out.append(("wfail", item))
+            elif kind == SCATTER:  # rule 10: the consumer's own copy (within max_write_s)
+                out.append(("scatter", item))
+                if sc.write_errors:
+                    out.append(("sfail", item))
             elif kind == HELLO:
                 out.append(("hello", item))
                 out.append(("hsfail", item))
@@ -244,7 +253,8 @@ class Model(Invariants, Describe):
         if best is not None:
             at = max(now, best)
             if not (obliged and at > sc.horizon_s) and all(
-                    it[-1] + sc.max_write_s >= at for it in flight if it[0] != FRAME):
+                    it[-1] + (sc.max_scatter_s if it[0] == SCATTER else sc.max_write_s) >= at
+                    for it in flight if it[0] != FRAME):
                 out.extend(("tick", i) for i in due)
         return out
 
@@ -264,6 +274,9 @@ class Model(Invariants, Describe):
         sc = self.scope
         if kind in ("hello", "hsfail"):
             self._handshake(w, ids, step[1], ok=kind == "hello")
+            return
+        if kind in ("scatter", "sfail"):
+            self._scatter(w, ids, step[1], ok=kind == "scatter")
             return
         if kind in ("deliver", "dup", "drop", "land", "wfail", "complete"):
             item = step[1]
@@ -432,7 +445,7 @@ class Model(Invariants, Describe):
             self._say(f"engine {engine} dies; the transport tells the survivors")
         if engine == "D":  # the transport fails the writes still in flight to it
             w.flight = sorted(done_item(it[1], it[2], it[3], it[4], False, it[-1])
-                              if it[0] == WRITE else it for it in w.flight)
+                              if it[0] in (WRITE, SWRITE) else it for it in w.flight)
         w.flight = [it for it in w.flight if not self._touches(it, engine)]
         survivors = range(self.np, self.np + self.nd) if engine == "P" else range(self.np)
         for i in survivors:
@@ -471,11 +484,20 @@ class Model(Invariants, Describe):
             return engine in (item[1], item[3])
         if item[0] == HELLO:
             return True
+        if item[0] == SCATTER:  # the consumer's own copy dies with it
+            return engine == "D"
         return engine == "P"  # a dead producer's writes never land nor complete
 
     def _land(self, w: World, item: Item, *, ok: bool) -> None:
         _, p, d, attempt, inc, src, dst, notify, data, cells, _sent = item
         k = data
+        if item[0] == SWRITE:
+            pi = w.pinc[k]
+            if p in pi.released or any(w.p_owner[b] != k for b in src):
+                raise Violation("source", f"P{p} wrote t#{k} from source blocks {list(src)} "
+                                "after releasing them")
+            self._land_staged(w, item, ok=ok)
+            return
         if self.log is not None:
             self._say(f"P{p}'s write of t#{k} a{attempt} into D{d} blocks {list(dst)} "
                       + ("lands" if ok else "fails (some bytes may land)"))
@@ -531,6 +553,8 @@ class Model(Invariants, Describe):
             if self.log is not None:
                 self._say(f"  -> {self._name(i)}: {self._action(a)}")
             if isinstance(a, SendMessage):
+                if i >= self.np:
+                    self._lent_by_register(w, i - self.np, a)
                 if a.peer.engine_id != w.dead:
                     w.add(frame_item(a.peer, src, self._frame(a.message), w.now))
             elif isinstance(a, IssueWrite):
@@ -539,6 +563,10 @@ class Model(Invariants, Describe):
                 self._release_source(w, i, a)
             elif isinstance(a, ReleaseDestination):
                 self._release_destination(w, i - self.np, a)
+            elif isinstance(a, ReleaseStaging):
+                self._release_staging(w, i - self.np, a)
+            elif isinstance(a, Scatter):
+                self._start_scatter(w, i - self.np, a)
             elif isinstance(a, TransferReady | TransferFailed | TransferCancelled):
                 self._outcome(w, i - self.np, a)
             elif isinstance(a, Rejected):
@@ -581,6 +609,9 @@ class Model(Invariants, Describe):
                             f"at t={w.now:g}, after the registration's window")
         if w.dead == "D":
             w.add(done_item(p, d, a.attempt, inc, False, w.now))
+            return
+        if a.packed is not None:
+            self._issue_packed(w, p, a, src, data, inc)
             return
         w.add(write_item(p, d, a.attempt, inc, src, dst, self._frame(a.notify), data, cells,
                          w.now))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from .config import ConsumerConfig, ProducerConfig
 from .errors import ConfigError
 from .layout import RankInfo, uniform_ranks
+from .packing import PackingConfig
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +55,11 @@ class Scope:
         metadata={"help": "what the ranges split: 'tokens' (all layers of each token) or "
                   "'layers' (all tokens of each layer)"},
     )
+    staging_bytes: int = field(
+        default=0,
+        metadata={"help": "staging memory of every rank, in bytes (rule 10: packed writes, "
+                  "always packed when it is free; 0: none, every write is direct)"},
+    )
     d_blocks: int = field(default=2, metadata={"help": "consumer block pool (reused at once)"})
     p_blocks: int = field(default=1, metadata={"help": "producer block pool (reused at once)"})
     window_s: float = 4.0
@@ -66,6 +72,11 @@ class Scope:
     )
     max_write_s: float = field(
         default=1.0, metadata={"help": "a write lands and completes within this"}
+    )
+    max_scatter_s: float = field(
+        default=1.0,
+        metadata={"help": "a consumer's scatter out of staging ends within this (rule 10: "
+                  "the protocol waits for it however long it takes)"},
     )
     horizon_s: float = field(
         default=16.0,
@@ -119,14 +130,20 @@ class Scope:
 
         return ranks("P", self.p_tp, self.p_blocks), ranks("D", self.d_tp, self.d_blocks)
 
+    def packing(self) -> PackingConfig | None:
+        if not self.staging_bytes:
+            return None
+        return PackingConfig(mode="always", staging_bytes=self.staging_bytes, chunk_bytes=2)
+
     def producer_config(self) -> ProducerConfig:
         return ProducerConfig(lease_s=self.lease_s, orphan_ttl_s=self.orphan_ttl_s,
-                              max_pending_registrations=64, max_tombstones=64)
+                              max_pending_registrations=64, max_tombstones=64,
+                              packing=self.packing())
 
     def consumer_config(self) -> ConsumerConfig:
         hb = self.heartbeat_s if self.heartbeats else self.horizon_s  # once, after the rest
         return ConsumerConfig(window_s=self.window_s, fence_grace_s=self.grace_s,
-                              heartbeat_s=hb)
+                              heartbeat_s=hb, packing=self.packing())
 
     def describe(self) -> str:
         faults = [f"{self.drops} drop(s)" if self.drops else "",
@@ -136,7 +153,9 @@ class Scope:
                   "consumer aborts" if self.aborts else "",
                   "producer aborts" if self.prefill_aborts else "",
                   "handshakes on demand" if self.handshake else "",
-                  f"KV final in {self.pieces} {self.split} range(s)" if self.pieces else ""]
+                  f"KV final in {self.pieces} {self.split} range(s)" if self.pieces else "",
+                  f"packed writes ({self.staging_bytes} B staging)" if self.staging_bytes
+                  else ""]
         return (f"P TP{self.p_tp} -> D TP{self.d_tp}, {self.heads} KV head(s), "
                 f"{self.incarnations} incarnation(s) x {self.attempts} attempt(s); "
                 + (", ".join(f for f in faults if f) or "no faults"))
@@ -167,6 +186,16 @@ CI_SCOPES = _scopes(
     Scope(name="partial-2to1", p_tp=2, pieces=2, split="layers", aborts=False,
           heartbeats=False),
     Scope(name="partial-reuse", pieces=1, incarnations=2, aborts=False, heartbeats=False),
+    # Rule 10: every write packed into staging and scattered by the consumer, which may
+    # take long enough for the hard deadline to pass during a scatter.
+    Scope(name="packed", attempts=2, dups=1, staging_bytes=128, max_scatter_s=4.0,
+          heartbeats=False),
+    Scope(name="packed-net", dups=1, drops=1, prefill_aborts=True, staging_bytes=128,
+          max_scatter_s=4.0, heartbeats=False),
+    Scope(name="packed-faults", attempts=2, deaths=("P", "D"), write_errors=True,
+          staging_bytes=64, max_scatter_s=4.0, heartbeats=False),
+    Scope(name="packed-2to1", p_tp=2, dups=1, staging_bytes=128, max_scatter_s=4.0,
+          heartbeats=False),
 )
 
 #: Deeper scopes for the benchmark and for people with time.
@@ -185,6 +214,10 @@ DEEP_SCOPES = _scopes(
     Scope(name="partial-reuse-deep", pieces=2, incarnations=2, aborts=False,
           heartbeats=False),
     Scope(name="partial-1to2-deep", d_tp=2, pieces=2, split="layers", heartbeats=False),
+    Scope(name="packed-deep", attempts=2, dups=1, drops=1, prefill_aborts=True,
+          write_errors=True, deaths=("P", "D"), staging_bytes=128, max_scatter_s=4.0),
+    Scope(name="packed-1to2-deep", d_tp=2, attempts=2, dups=1, staging_bytes=128,
+          max_scatter_s=4.0, heartbeats=False),
 )
 
 SCOPES = {**CI_SCOPES, **DEEP_SCOPES}

@@ -16,6 +16,13 @@ tuples, so that a whole world state can be hashed and stored:
   READY must find every byte each expected writer owes written by the current
   incarnation and attempt, after the blocks were allocated -- every part of a
   write in pieces (rule 9) included.
+* **staging memory** (rule 10), per share of a consumer rank's staging range:
+  which (incarnation, attempt) it is lent to, and which packed write last
+  landed in it (with the gather map it was packed by). A packed write lands in
+  the staging share it was lent, never in one released or lent to another
+  attempt; the consumer's scatter (an item of its own, which may take any time)
+  copies it into the blocks, and staging is never released while a scatter
+  still reads it.
 * the **clock**: it only moves to the next deadline an endpoint reports,
   firing that endpoint's timers; frames older than ``max_transit_s`` are lost
   and writes land within ``max_write_s`` (the protocol's timing assumption).
@@ -39,8 +46,9 @@ C_IDLE, C_LIVE, C_OVER = 0, 1, 2
 # reported final; the prefill is still owed)
 P_WAIT, P_PREFILL, P_HELD, P_OVER, P_PARTIAL = 0, 1, 2, 3, 4
 
-# Item kinds in flight (sorted first by kind)
-FRAME, WRITE, DONE, HELLO = 0, 1, 2, 3
+# Item kinds in flight (sorted first by kind); SWRITE: a packed write into staging,
+# SCATTER: a consumer's scatter out of staging into its blocks (rule 10)
+FRAME, WRITE, DONE, HELLO, SWRITE, SCATTER = 0, 1, 2, 3, 4, 5
 
 #: (kind, ...) -- see :func:`frame_item`, :func:`write_item`, :func:`done_item`.
 Item = tuple[Any, ...]
@@ -58,6 +66,21 @@ def write_item(p_rank: int, d_rank: int, attempt: int, inc: int, src_blocks: tup
     ``cells`` the destination bytes it copies, as (block, byte in block)."""
     return (WRITE, p_rank, d_rank, attempt, inc, src_blocks, dst_blocks, notify, data, cells,
             sent)
+
+
+def swrite_item(p_rank: int, d_rank: int, attempt: int, inc: int, src_blocks: tuple[int, ...],
+                where: tuple[int, int, int], notify: bytes, data: int, gmap: int,
+                sent: float) -> Item:
+    """A posted packed write: ``where`` is (consumer staging offset, producer staging
+    offset, bytes); ``gmap`` names the gather map it was packed by."""
+    return (SWRITE, p_rank, d_rank, attempt, inc, src_blocks, where, notify, data, gmap, sent)
+
+
+def scatter_item(d_rank: int, p_rank: int, attempt: int, inc: int, offset: int,
+                 dst_blocks: tuple[int, ...], cells: tuple[tuple[int, int], ...], gmap: int,
+                 sent: float) -> Item:
+    """A scatter in progress: staging share ``offset`` into ``cells`` of ``dst_blocks``."""
+    return (SCATTER, d_rank, p_rank, attempt, inc, offset, dst_blocks, cells, gmap, sent)
 
 
 def hello_item(d_rank: int, p_rank: int, sent: float) -> Item:
@@ -113,9 +136,9 @@ class World:
     changes it, and freezing reuses every part left untouched.
     """
 
-    __slots__ = ("_cinc", "_content", "_d_owner", "_leases", "_p_owner", "_pinc", "_windows",
-                 "cancelled", "dead", "drops", "dups", "f", "faulted", "flight", "lossy", "now",
-                 "shaken")
+    __slots__ = ("_cinc", "_content", "_d_owner", "_leases", "_p_owner", "_pinc", "_s_content",
+                 "_s_owner", "_windows", "cancelled", "dead", "drops", "dups", "f", "faulted",
+                 "flight", "lossy", "now", "shaken")
 
     def __init__(self, f: Frozen) -> None:
         self.f = f
@@ -128,6 +151,8 @@ class World:
         self._content: dict[tuple[int, int, int, int], tuple[int, int]] | None = None
         self._leases: dict[tuple[int, int], float] | None = None
         self._windows: dict[tuple[int, int, int, int], float] | None = None
+        self._s_owner: dict[tuple[int, int], tuple[int, int]] | None = None
+        self._s_content: dict[tuple[int, int], tuple[int, int, int]] | None = None
         #: (consumer rank, producer rank) pairs that completed a handshake
         self.shaken: frozenset[tuple[int, int]] = f[14]
         #: (producer rank, consumer rank, attempt, incarnation) a Cancel reached
@@ -188,6 +213,21 @@ class World:
             self._windows = dict(self.f[13])
         return self._windows
 
+    @property
+    def s_owner(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(consumer rank, staging share offset) -> the (incarnation, attempt) it is lent to."""
+        if self._s_owner is None:
+            self._s_owner = dict(self.f[16])
+        return self._s_owner
+
+    @property
+    def s_content(self) -> dict[tuple[int, int], tuple[int, int, int]]:
+        """(consumer rank, staging share offset) -> (incarnation, attempt, gather map) of
+        the packed write that last landed there (incarnation -1: it failed)."""
+        if self._s_content is None:
+            self._s_content = dict(self.f[17])
+        return self._s_content
+
     def freeze(self) -> Frozen:
         f = self.f
         return (self.now, tuple(self.flight), self.dups, self.drops, self.dead,
@@ -199,7 +239,9 @@ class World:
                 f[11] if self._content is None else tuple(sorted(self._content.items())),
                 f[12] if self._leases is None else tuple(sorted(self._leases.items())),
                 f[13] if self._windows is None else tuple(sorted(self._windows.items())),
-                self.shaken, self.cancelled)
+                self.shaken, self.cancelled,
+                f[16] if self._s_owner is None else tuple(sorted(self._s_owner.items())),
+                f[17] if self._s_content is None else tuple(sorted(self._s_content.items())))
 
 
 def initial(scope: Scope) -> Frozen:
@@ -211,4 +253,4 @@ def initial(scope: Scope) -> Frozen:
         for k in range(n))
     return (0.0, (), scope.dups, scope.drops, "", False, False, cinc, pinc,
             (None,) * scope.d_blocks, (None,) * scope.p_blocks, (), (), (), frozenset(),
-            frozenset())
+            frozenset(), (), ())

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .events import FailurePolicy
+from .packing import PackingConfig
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,6 +35,11 @@ class ProducerConfig:
     max_tombstones: int = field(
         default=8192,
         metadata={"help": "finished transfers remembered to answer late messages"},
+    )
+    packing: PackingConfig | None = field(
+        default=None,
+        metadata={"help": "packed writes: the rank's staging memory and when to use it "
+                  "(None: no staging memory, every write is direct)"},
     )
 
     def __post_init__(self) -> None:
@@ -78,6 +84,11 @@ class ConsumerConfig:
     policy: FailurePolicy = field(
         default=FailurePolicy.FAIL,
         metadata={"help": "what a failed transfer means for the request"},
+    )
+    packing: PackingConfig | None = field(
+        default=None,
+        metadata={"help": "packed writes: the rank's staging memory, lent to registrations "
+                  "(None: no staging memory, producers write directly)"},
     )
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy.typing as npt
 
+from . import consumer_staging as staging
 from .config import ConsumerConfig
 from .consumer_handshake import connect, fail_handshake, learn_rank
 from .consumer_messages import (
@@ -22,6 +23,9 @@ from .consumer_messages import (
     registers,
     skips,
 )
+from .consumer_parts import count_parts as _parts
+from .consumer_parts import written_blocks as _written
+from .consumer_view import ConsumerView
 from .endpoint import Endpoint, Step
 from .errors import (
     ConfigError,
@@ -39,6 +43,7 @@ from .events import (
     TransferReady,
 )
 from .layout import EngineSpec, RankInfo
+from .lending import StagingLedger
 from .mapping import expected_writers
 from .messages import (
     CancelAck,
@@ -47,6 +52,7 @@ from .messages import (
     Notify,
     ReadDone,
 )
+from .packing import PackedPlan
 from .planner import block_tuple
 from .records import Attempt as _Attempt
 from .records import Key
@@ -68,7 +74,7 @@ CS, CI, CE = ConsumerState, ConsumerInput, ConsumerEffect
 _LISTENING = frozenset({CS.REGISTERED, *CONSUMER_FENCING})
 
 
-class Consumer(Endpoint):
+class Consumer(ConsumerView, Endpoint):
     """Sans-IO endpoint of one consumer rank. Every method takes ``now``."""
 
     role = "consumer"
@@ -100,6 +106,9 @@ class Consumer(Endpoint):
         # Transfers whose Skip could not reach a rank that writes nothing (no
         # handshake yet), by engine, oldest first; bounded by ``max_untold``.
         self._untold: dict[str, dict[Key, None]] = {}
+        # Rule 10: who holds which range of this rank's staging memory.
+        pk = self.config.packing
+        self._staging = StagingLedger(pk.staging_bytes if pk is not None else 0)
 
     # ------------------------------------------------------------------ peers
 
@@ -380,16 +389,40 @@ class Consumer(Endpoint):
         if isinstance(msg, Fail):
             t.why(msg.reason, f"{msg.reason.name} from rank {msg.rank}: {msg.detail}")
         a = t.cur if msg.attempt == t.cur.attempt else t.zombies.get(msg.attempt)
+        packed = None
+        staged = isinstance(msg, Notify) and msg.staged
+        if isinstance(msg, Notify) and staged and a is t.cur and t.state is CS.REGISTERED and (
+                msg.rank in a.expected and msg.rank not in a.fenced
+                and msg.rank not in a.scattering):
+            # Rule 10: only a staged write of the registered attempt is scattered; its
+            # plan is checked before any change. Elsewhere its landing only fences.
+            packed = staging.staged_plan(self, t, a, msg)
         if a is not None and msg.rank in a.expected and msg.rank not in a.fenced and (
             a is not t.cur or t.state in _LISTENING
         ) and not (inp is CI.CANCEL_ACK and a is t.cur and t.state is CS.REGISTERED):
+            if msg.rank in a.scattering:  # rule 10: its staged write already landed
+                self.stats["duplicate"] += 1
+                return self._input(t, CI.STALE, now) if a is t.cur else self._zombie(
+                    t, a, CI.STALE, now)
             inp = _parts(a, msg.rank, inp, msg)
             if inp is CI.PART:
                 self.stats["parts"] += 1
-        return self._report(t, msg.attempt, msg.rank, inp, now)
+            elif inp is CI.NOTIFY and staged:
+                inp = CI.STAGED
+        return self._report(t, msg.attempt, msg.rank, inp, now, packed)
+
+    def scatter_done(
+        self, transfer_id: str, attempt: int, peer: Peer, ok: bool, now: float, *,
+        incarnation: int | None = None,
+    ) -> list[Action]:
+        """Rule 10: the driver finished (``ok``) or failed a :class:`Scatter`.
+
+        ``incarnation`` is the Scatter's; None means the live use of the id."""
+        return staging.scatter_done(self, transfer_id, attempt, peer, ok, now, incarnation)
 
     def _report(
-        self, t: _Transfer, attempt: int, rank: int, inp: ConsumerInput, now: float
+        self, t: _Transfer, attempt: int, rank: int, inp: ConsumerInput, now: float,
+        packed: PackedPlan | None = None,
     ) -> list[Action]:
         """Route one producer rank's outcome to the current attempt or a zombie."""
         z = t.zombies.get(attempt)
@@ -410,7 +443,7 @@ class Consumer(Endpoint):
         if inp is CI.CANCEL_ACK and t.state is CS.REGISTERED:
             raise _invalid("CancelAck for an attempt that was not cancelled", t.transfer_id,
                            attempt, inp)
-        return self._input(t, inp, now, ranks=frozenset((rank,)))
+        return self._input(t, inp, now, ranks=frozenset((rank,)), packed=packed)
 
     # ---------------------------------------------------------- transitions
 
@@ -422,6 +455,7 @@ class Consumer(Endpoint):
         *,
         ranks: frozenset[int] = frozenset(),
         block_ids: tuple[int, ...] = (),
+        packed: PackedPlan | None = None,
     ) -> list[Action]:
         try:
             effect, nxt = CONSUMER_TABLE[t.state, inp]
@@ -431,7 +465,7 @@ class Consumer(Endpoint):
         before, t.state = t.state, nxt
         if nxt in CONSUMER_FENCING and before not in CONSUMER_FENCING:
             self._schedule(t.cur.hard, t.key)
-        out = self._effect(t, effect, inp, now, ranks, block_ids)
+        out = self._effect(t, effect, inp, now, ranks, block_ids, packed)
         if self.trace is not None:
             self.trace.append(Step(t.key, None, before, inp, effect, nxt, tuple(out)))
         # Derived inputs (rules 6 and 7), fed whichever input completed them.
@@ -450,9 +484,18 @@ class Consumer(Endpoint):
         now: float,
         ranks: frozenset[int],
         block_ids: tuple[int, ...],
+        packed: PackedPlan | None = None,
     ) -> list[Action]:
         cur, tid, inc = t.cur, t.transfer_id, t.inc
         if effect in (CE.NONE, CE.DROP):
+            return []
+        if effect is CE.SCATTER:  # rule 10: the rank counts once its scatter is done
+            assert packed is not None
+            self.stats["scatters"] += 1
+            return [staging.scatter(t, cur, next(iter(ranks)), packed)]
+        if effect is CE.FENCE_REMOTE:  # rule 10: the producers are fenced; the scatter is not
+            self.stats["forced_release"] += 1
+            cur.fenced |= cur.expected
             return []
         if effect is CE.COUNT:
             cur.notified |= ranks
@@ -461,10 +504,9 @@ class Consumer(Endpoint):
         if effect is CE.PART:  # rule 9: counted in the attempt's parts already
             return []
         if effect is CE.READY:
-            self._unlend(t, cur)
+            out: list[Action] = self._unlend(t, cur)
             self.stats["ready"] += 1
-            out: list[Action] = [TransferReady(transfer_id=tid, attempt=cur.attempt,
-                                               incarnation=inc)]
+            out.append(TransferReady(transfer_id=tid, attempt=cur.attempt, incarnation=inc))
             if t.mode is Mode.PULL:
                 out += [
                     SendMessage(peer=Peer(t.producer, r), message=ReadDone(
@@ -492,7 +534,7 @@ class Consumer(Endpoint):
                 t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
             if inp is CI.HARD_DEADLINE:
                 self.stats["forced_release"] += 1
-            out = [self._release(t, cur)]
+            out = self._release(t, cur)
             if effect is not CE.RELEASE and t.mode is Mode.PULL:
                 out += final_cancels(self, t)
             if effect is CE.RELEASE_CANCELLED:
@@ -509,6 +551,7 @@ class Consumer(Endpoint):
             return out
         if effect is CE.SEND_HELD:  # rule 8: the engine is usable now
             t.cur = self._attempt(cur.attempt, cur.block_ids, t.producer, now)
+            t.cur.staging = cur.staging
             out = self._start_attempt(t, now)
             if t.skipped:
                 return out
@@ -564,11 +607,12 @@ class Consumer(Endpoint):
         return list(reads(self, t.transfer_id, t.producer, t.src_ids, cur.block_ids,
                           t.num_tokens, t.first_token, cur.attempt, t.inc))
 
-    def _release(self, t: _Transfer, a: _Attempt) -> ReleaseDestination:
-        self._unlend(t, a)
+    def _release(self, t: _Transfer, a: _Attempt) -> list[Action]:
+        out = self._unlend(t, a)
         self.stats["released"] += 1
-        return ReleaseDestination(transfer_id=t.transfer_id, attempt=a.attempt,
-                                  block_ids=a.block_ids, incarnation=t.inc)
+        out.append(ReleaseDestination(transfer_id=t.transfer_id, attempt=a.attempt,
+                                      block_ids=a.block_ids, incarnation=t.inc))
+        return out
 
     def _zombie(
         self, t: _Transfer, z: _Attempt, inp: ConsumerInput, now: float,
@@ -584,11 +628,11 @@ class Consumer(Endpoint):
         if effect is CE.FENCE:
             # A rank's own word fences only once its parts landed (rule 9); a dead
             # peer or the hard deadline fences regardless.
-            word = inp in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL)
+            word = inp in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.STAGED)
             z.fenced |= {r for r in ranks if not word or z.landed(r)}
         elif effect is CE.RELEASE:
             del t.zombies[z.attempt]
-            out.append(self._release(t, z))
+            out += self._release(t, z)
         if self.trace is not None:
             self.trace.append(Step(t.key, None, ZombieState.FENCING, inp, effect, nxt,
                                    tuple(out)))
@@ -600,15 +644,18 @@ class Consumer(Endpoint):
 
     def _lend(self, t: _Transfer, a: _Attempt) -> None:
         key = t.key
-        for b in _written(a.block_ids, self.info.layout.block_size, t.first_token,
-                          t.num_tokens):
+        written = _written(a.block_ids, self.info.layout.block_size, t.first_token,
+                           t.num_tokens)
+        for b in written:
             self._lent[b] = key
+        staging.lend(self, t, a, len(written))  # rule 10: lent and fenced with them
 
-    def _unlend(self, t: _Transfer, a: _Attempt) -> None:
+    def _unlend(self, t: _Transfer, a: _Attempt) -> list[Action]:
         key, lent = t.key, self._lent
         for b in a.block_ids:
             if lent.get(b) == key:  # only what this transfer lent
                 del lent[b]
+        return staging.unlend(self, t, a)
 
     def _maybe_forget(self, t: _Transfer) -> None:
         if t.state in CONSUMER_TERMINAL and not t.zombies:
@@ -652,83 +699,16 @@ class Consumer(Endpoint):
                 self.stats["forced_release"] += 1
                 out += self._zombie(t, z, CI.HARD_DEADLINE, now, z.expected)
         if t.state is CS.REGISTERED and t.cur.deadline <= now:
-            out += self._input(t, CI.DEADLINE, now)
+            cur = t.cur  # rule 10: every write landed, a scatter still runs
+            landed = cur.scattering and cur.notified | cur.scattering >= cur.expected
+            out += self._input(t, CI.DEADLINE_SCATTERING if landed else CI.DEADLINE, now)
         if t.state in CONSUMER_FENCING and t.cur.hard <= now:
-            out += self._input(t, CI.HARD_DEADLINE, now)
+            # Rule 10: a scatter still writing the blocks is its own fence.
+            out += self._input(t, CI.HARD_DEADLINE_SCATTERING if t.cur.scattering
+                               else CI.HARD_DEADLINE, now)
         self._maybe_forget(t)
         return out
-
-    # --------------------------------------------------------- introspection
-
-    @property
-    def num_transfers(self) -> int:
-        return len(self._transfers) + len(self._retired)
-
-    def state_of(self, transfer_id: str) -> ConsumerState | None:
-        t = self._transfers.get(transfer_id)
-        return t.state if t else None
-
-    def attempt_of(self, transfer_id: str) -> int | None:
-        t = self._transfers.get(transfer_id)
-        return t.cur.attempt if t else None
-
-    def blocks_of(
-        self, transfer_id: str, attempt: int, *, incarnation: int | None = None
-    ) -> tuple[int, ...]:
-        """Destination blocks of a live attempt (current or zombie), else ().
-        ``incarnation`` None: the live use of the id."""
-        t = self._transfers.get(transfer_id)
-        if t is not None and incarnation is not None and t.inc != incarnation:
-            t = self._retired.get((transfer_id, incarnation))
-        if t is None:
-            return ()
-        if t.cur.attempt == attempt:
-            return t.cur.block_ids
-        z = t.zombies.get(attempt)
-        return z.block_ids if z else ()
-
-    def knows(self, engine_id: str) -> bool:
-        """Whether a producer engine is handshaken (and not declared dead)."""
-        return engine_id in self._engines
-
-    def lent_to(self, block: int) -> str | None:
-        """The transfer id a write into ``block`` may still come from, if any."""
-        key = self._lent.get(block)
-        return key[0] if key is not None else None
-
-    def lender(self, block: int) -> Key | None:
-        """The (transfer id, incarnation) a write into ``block`` may still come from."""
-        return self._lent.get(block)
-
-    def lent_blocks(self) -> dict[int, str]:
-        """Blocks a write may still land in, with their transfer id."""
-        return {b: k[0] for b, k in self._lent.items()}
-
-
-
-def _written(ids: tuple[int, ...], block_size: int, first: int, n: int) -> tuple[int, ...]:
-    """The blocks a transfer of tokens ``[first, n)`` writes into: a cached prefix
-    below ``first`` is shared and never written, so it is never lent."""
-    return ids[first // block_size:-(-n // block_size)]
 
 
 def _invalid(why: str, transfer_id: str, attempt: int, inp: ConsumerInput) -> ValidationError:
     return ValidationError(why, transfer_id=transfer_id, attempt=attempt, input=inp.value)
-
-
-def _parts(a: _Attempt, rank: int, inp: ConsumerInput, msg: Notify | CancelAck | Fail) -> (
-        ConsumerInput):
-    """Rule 9: count a producer rank's parts. A Notify that does not complete the
-    rank (more parts to come, or its count not known yet) is the input PART; the
-    rank's last word (final Notify, CancelAck, Fail) says how many parts to wait
-    for, and the part that completes them is fed as NOTIFY (its fence)."""
-    owed = a.need.get(rank)
-    if isinstance(msg, Notify):
-        a.got.setdefault(rank, set()).add(msg.part)
-        if msg.parts:
-            a.need[rank] = max(msg.parts, owed or 0)
-        elif owed is None:
-            return CI.PART
-        return CI.NOTIFY if a.landed(rank) else CI.PART
-    a.need[rank] = max(msg.parts, owed or 0)
-    return inp

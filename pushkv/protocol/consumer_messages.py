@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .consumer_staging import rank_share
 from .errors import LocalProtocolError
 from .events import Action, IssueRead, Mode, Peer, SendMessage
 from .mapping import assignment
@@ -20,17 +21,19 @@ CS = ConsumerState
 
 
 def registers(c: Consumer, t: Transfer) -> list[Action]:
-    """Register the current attempt with every producer rank that writes into us."""
+    """Register the current attempt with every producer rank that writes into us,
+    each lent its share of the attempt's staging (rule 10)."""
     cur = t.cur
     window_ms = max(1, int(c.config.window_s * 1000))
-    return [
-        SendMessage(peer=Peer(t.producer, r), message=Register(
+    out: list[Action] = []
+    for r in sorted(cur.expected):
+        at, n = rank_share(cur, r)
+        out.append(SendMessage(peer=Peer(t.producer, r), message=Register(
             transfer_id=t.transfer_id, attempt=cur.attempt, engine_id=c.peer.engine_id,
             rank=c.peer.rank, producer_engine_id=t.producer, block_ids=cur.block_ids,
             num_tokens=t.num_tokens, first_token=t.first_token, window_ms=window_ms,
-            incarnation=t.inc))
-        for r in sorted(cur.expected)
-    ]
+            incarnation=t.inc, staging_offset=at if n else 0, staging_nbytes=n)))
+    return out
 
 
 def abandons(c: Consumer, key: Key, producer: str, writers: frozenset[int]) -> list[Action]:

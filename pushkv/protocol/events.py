@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from .errors import RemoteProtocolError
 from .messages import FailReason, Hello, Message, Notify
+from .packing import PackedPlan
 from .planner import TransferPlan
 
 
@@ -59,15 +60,56 @@ class SendMessage:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PackedWrite:
+    """How a write is packed: gather ``packed`` from the source blocks into the
+    local staging range at ``src_offset``, write its ``wire`` chunks to the
+    consumer's staging at ``dst_offset``; the consumer scatters (:class:`Scatter`)."""
+
+    packed: PackedPlan
+    src_offset: int  #: producer staging, lent until the write completes
+    dst_offset: int  #: consumer staging, lent by the registration
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class IssueWrite:
     """Producer: copy ``plan`` from local source blocks into ``peer``'s blocks,
-    then deliver ``notify`` to it. Report back with ``write_completed``."""
+    then deliver ``notify`` to it. Report back with ``write_completed``.
+
+    ``packed`` set: move the bytes as a packed write instead (``notify.staged``)."""
 
     transfer_id: str
     attempt: int
     peer: Peer
     plan: TransferPlan
     notify: Notify
+    incarnation: int = 0  #: which use of the transfer id
+    packed: PackedWrite | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scatter:
+    """Consumer: producer rank ``peer``'s staged write landed in local staging at
+    ``offset``; copy ``packed.scatter`` out of it into the destination blocks, then
+    report with ``scatter_done``. Until then the attempt is not fenced: neither its
+    blocks nor its staging go back."""
+
+    transfer_id: str
+    attempt: int
+    peer: Peer
+    packed: PackedPlan
+    offset: int
+    incarnation: int = 0  #: which use of the transfer id
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReleaseStaging:
+    """Consumer: the staging range an attempt was lent is free again (nothing can
+    land in it nor be scattered from it any more)."""
+
+    transfer_id: str
+    attempt: int
+    offset: int
+    nbytes: int
     incarnation: int = 0  #: which use of the transfer id
 
 
@@ -166,6 +208,8 @@ Action = (
     | Publish
     | ReleaseSource
     | ReleaseDestination
+    | ReleaseStaging
+    | Scatter
     | TransferReady
     | TransferFailed
     | TransferCancelled

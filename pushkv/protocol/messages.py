@@ -43,6 +43,7 @@ Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
 Detail = Annotated[str, msgspec.Meta(max_length=1024)]
 #: Writes of one attempt of one leg (progressive push numbers them).
 Parts = Annotated[int, msgspec.Meta(ge=0, lt=1 << 24)]
+StagingBytes = Annotated[int, msgspec.Meta(ge=0, lt=1 << 48)]
 
 
 class FailReason(enum.IntEnum):
@@ -83,6 +84,10 @@ class Register(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=2
     #: The producer must not *start* the write later than this after receipt.
     window_ms: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)] = 480_000
     incarnation: Incarnation = 0
+    #: Packed writes: the range of the consumer's staging memory lent to this rank
+    #: for this attempt (``staging_nbytes`` 0: none; write directly).
+    staging_offset: StagingBytes = 0
+    staging_nbytes: StagingBytes = 0
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=3):
@@ -147,7 +152,12 @@ class Notify(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=7):
     A leg written in several writes (progressive push) numbers them: ``part`` is
     this write's index, and the last write says how many there are (``parts``;
     0 on the others). The rank has finished once ``parts`` distinct parts
-    arrived, in any order. A whole-request write is part 0 of 1."""
+    arrived, in any order. A whole-request write is part 0 of 1.
+
+    ``staged``: the write went into the staging range the registration lent, as
+    the staging image of :class:`~.packing.PackedPlan` of the plan from the
+    producer's ``src_block_ids`` (sent so that the consumer plans the same
+    scatter); only a whole-request write (part 0 of 1) is staged."""
 
     transfer_id: TransferId
     attempt: Attempt
@@ -156,6 +166,8 @@ class Notify(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=7):
     incarnation: Incarnation = 0
     part: Parts = 0
     parts: Parts = 1
+    staged: bool = False
+    src_block_ids: Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCK_IDS)] = ()
 
 
 class ReadDone(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=8):

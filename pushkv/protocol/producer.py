@@ -30,6 +30,7 @@ from .events import (
     ReleaseSource,
 )
 from .layout import RankInfo
+from .lending import StagingLedger
 from .mapping import Assignment, expected_writers, targets_of
 from .messages import (
     Cancel,
@@ -42,6 +43,7 @@ from .messages import (
 )
 from .planner import block_tuple, plan_transfer
 from .producer_messages import on_cancel, on_heartbeat, on_read_done, on_register, on_skip
+from .producer_staging import pack
 from .producer_view import ProducerView
 from .ranges import mark, next_rect, todo
 from .records import Key
@@ -104,6 +106,9 @@ class Producer(ProducerView, Endpoint):
         self._tombstones: OrderedDict[Key, _Transfer] = OrderedDict()
         self._pending_regs = 0  # legs in REGISTERED
         self._orphans = 0  # transfers created by a peer, prefill not finished
+        # Rule 10: who holds which range of this rank's staging memory.
+        pk = self.config.packing
+        self._staging = StagingLedger(pk.staging_bytes if pk is not None else 0)
 
     # ------------------------------------------------------------------ peers
 
@@ -293,6 +298,9 @@ class Producer(ProducerView, Endpoint):
             )
         out = self._run_timers(now)
         self.stats["writes_ok" if ok else "writes_failed"] += 1
+        if leg.staging_at is not None:  # rule 10: the gathered bytes are sent (or lost)
+            self._staging.give_back(leg.staging_at)
+            leg.staging_at = None
         # Rule 9: a part that is not the leg's last is PART_OK.
         done = PI.WRITE_OK if leg.last else PI.PART_OK
         out += self._input(t, leg, done if ok else PI.WRITE_ERROR, now)
@@ -597,6 +605,7 @@ class Producer(ProducerView, Endpoint):
             leg.last = True
             mark(leg.written, (reg.first_token, reg.num_tokens, assigned.layers.start,
                                assigned.layers.stop))
+        packed = pack(self, leg, reg, plan) if rect is None and leg.parts == 0 else None
         notify = Notify(
             transfer_id=t.transfer_id,
             attempt=reg.attempt,
@@ -605,11 +614,13 @@ class Producer(ProducerView, Endpoint):
             incarnation=t.inc,
             part=leg.parts,
             parts=leg.parts + 1 if leg.last else 0,
+            staged=packed is not None,
+            src_block_ids=t.src_ids if packed is not None else (),
         )
         return [
             IssueWrite(
                 transfer_id=t.transfer_id, attempt=reg.attempt, peer=leg.peer, plan=plan,
-                notify=notify, incarnation=t.inc,
+                notify=notify, incarnation=t.inc, packed=packed,
             )
         ]
 

@@ -64,6 +64,7 @@ def on_register(p: Producer, msg: Register, now: float) -> list[Action]:
         num_tokens=msg.num_tokens,
         first_token=msg.first_token,
         deadline=now + msg.window_ms / 1000.0,
+        staging=(msg.staging_offset, msg.staging_nbytes) if msg.staging_nbytes else None,
     )
     out: list[Action] = []
     if leg.state in PRODUCER_FINISHED:  # rule 3: reopen as a new leg would start

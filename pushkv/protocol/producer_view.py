@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 from .events import Peer, SendMessage
+from .lending import StagingLedger
 from .messages import CancelAck, Fail, FailReason
 from .records import Key, Kv
 from .records import Source as _Transfer
@@ -24,6 +25,7 @@ class ProducerView:
     _transfers: Mapping[Key, _Transfer]
     _tombstones: Mapping[Key, _Transfer]
     _pending_regs: int
+    _staging: StagingLedger
 
     def _find(self, key: Key) -> _Transfer | None:
         """The live transfer, else its tombstone (legs GONE), else None."""
@@ -95,3 +97,7 @@ class ProducerView:
             if leg.writing is not None
         ]
 
+    @property
+    def staging_lent(self) -> int:
+        """Bytes of this rank's staging held by packed writes in flight (rule 10)."""
+        return self._staging.lent_bytes

@@ -26,6 +26,7 @@ class Registration:
     num_tokens: int
     first_token: int
     deadline: float
+    staging: tuple[int, int] | None = None  #: consumer staging lent to us (offset, bytes)
 
 
 @dataclass(slots=True)
@@ -43,6 +44,7 @@ class Leg:
     parts: int = 0
     last: bool = True
     parts_of: int = -1  # the attempt ``parts`` counts for
+    staging_at: int | None = None  # own staging lent to the write in flight (packed)
 
 
 @dataclass(slots=True)
@@ -91,9 +93,14 @@ class Attempt:
     # there are (from the rank's last word: final Notify, CancelAck or Fail).
     got: dict[int, set[int]] = field(default_factory=dict)
     need: dict[int, int] = field(default_factory=dict)
+    # Packed writes: local staging lent to the attempt (offset, bytes), and the
+    # producer ranks whose staged write is being scattered out of it now.
+    staging: tuple[int, int] | None = None
+    scattering: set[int] = field(default_factory=set)
 
     def all_fenced(self) -> bool:
-        return self.fenced >= self.expected
+        """No write of the attempt can land, and no scatter of it still writes."""
+        return self.fenced >= self.expected and not self.scattering
 
     def landed(self, rank: int) -> bool:
         """Every part ``rank`` said it wrote has notified (rule 9)."""

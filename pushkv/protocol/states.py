@@ -107,6 +107,25 @@ finished, sent only once no part is in flight (``ACK_PARTS``). The consumer
 counts parts (``PART``) and takes a rank's outcome -- notified or fenced --
 only when all its parts' notifications arrived. Whole-request push is the
 case with no range: one write, part 0 of 1.
+
+Rule 10 -- **packed writes.** A consumer rank with staging memory lends a
+range of it to each attempt (``Register`` names each producer rank's share);
+a producer rank with staging of its own may pack a whole-request write (part
+0 of 1) into it (:func:`~.packing.choose`) and marks the notification
+``staged``, with its source block ids, so the consumer plans the same
+:class:`~.packing.PackedPlan`. A staged notification of the current,
+registered attempt is ``STAGED``: the consumer scatters it (``Scatter``) and
+counts the rank only when the scatter is done (``SCATTER_DONE``; a failed
+scatter fails the transfer like a failed write). An attempt with a scatter
+still running is not fenced, whatever the producers say -- a cancel, a
+preemption, a failure, an abort, a reissue (the zombie keeps it) or the hard
+deadline (``HARD_DEADLINE_SCATTERING`` only fences the producers) all wait
+for the scatter before its blocks or its staging go back; the window passing
+once every write landed (``DEADLINE_SCATTERING``) fails nothing: the window
+bounds the producers' writes, not the consumer's scatters. Staging is lent
+and fenced like destination blocks: released with them (or at READY), never
+while a write into it may still land. A staged write that lands once the
+attempt is being fenced, or in a zombie, is not scattered: it is its fence.
 """
 
 from __future__ import annotations
@@ -247,6 +266,13 @@ class ConsumerInput(enum.Enum):
     REISSUE_CONNECTING = "REISSUE_CONNECTING"  #: a reissue while the engine is not usable
     STALE = "STALE"  #: a producer message of another attempt, or a repeat: it never counts
     PART = "PART"  #: rule 9: a write notified, but not the rank's last (or its count is owed)
+    STAGED = "STAGED"  #: rule 10: a rank's staged write landed in our staging
+    SCATTER_DONE = "SCATTER_DONE"  #: rule 10: its scatter into the blocks finished
+    SCATTER_FAILED = "SCATTER_FAILED"  #: rule 10: its scatter failed
+    #: Rule 10: the hard deadline passed while a scatter still writes the blocks.
+    HARD_DEADLINE_SCATTERING = "HARD_DEADLINE_SCATTERING"
+    #: Rule 10: the window passed, but every write landed: only scatters remain.
+    DEADLINE_SCATTERING = "DEADLINE_SCATTERING"
 
 
 class ConsumerEffect(enum.Enum):
@@ -270,6 +296,8 @@ class ConsumerEffect(enum.Enum):
     HOLD = "hold+connect"  #: a new attempt waits for the handshake (Connect once per engine)
     DROP = "drop stale"  #: count the message, change nothing
     PART = "count part"  #: rule 9: the part is recorded; the rank is not finished yet
+    SCATTER = "scatter"  #: rule 10: scatter the staged write; the rank counts once it is done
+    FENCE_REMOTE = "fence producers"  #: rule 10: no producer write lands; the scatter fences
 
 
 class ZombieState(enum.Enum):
@@ -481,11 +509,22 @@ CONSUMER_TABLE: dict[
     (C.FAILING, CI.PREEMPT): (CE.NONE, C.FAILING),
     # Rule 6: a message of another attempt or use, or a repeat, never counts. A
     # transfer whose old attempts are still fenced (zombies) outlives its end.
-    **{(s, CI.STALE): (CE.DROP, s) for s in (C.REGISTERED, *_C_FENCING, C.PREEMPTED,
-                                             *_C_TERMINAL)},
+    **{(s, CI.STALE): (CE.DROP, s) for s in (C.CONNECTING, C.REGISTERED, *_C_FENCING,
+                                             C.PREEMPTED, *_C_TERMINAL)},
     # Rule 9: a part that does not finish its rank only counts; the rank's
     # outcome (NOTIFY, CANCEL_ACK, FAIL) is fed when all its parts are in.
     **{(s, CI.PART): (CE.PART, s) for s in (C.REGISTERED, *_C_FENCING)},
+    # Rule 10: a staged write of the registered attempt is scattered before it
+    # counts; one that lands while the attempt is being fenced is only a fence.
+    # The fence (FENCED) also waits for every scatter still running.
+    (C.REGISTERED, CI.STAGED): (CE.SCATTER, C.REGISTERED),
+    (C.REGISTERED, CI.SCATTER_DONE): (CE.COUNT, C.REGISTERED),
+    (C.REGISTERED, CI.SCATTER_FAILED): (CE.FAIL_REST, C.FAILING),
+    # The window bounds the producers' writes, not our own scatters.
+    (C.REGISTERED, CI.DEADLINE_SCATTERING): (CE.NONE, C.REGISTERED),
+    **{(s, i): (CE.FENCE, s) for s in _C_FENCING
+       for i in (CI.STAGED, CI.SCATTER_DONE, CI.SCATTER_FAILED)},
+    **{(s, CI.HARD_DEADLINE_SCATTERING): (CE.FENCE_REMOTE, s) for s in _C_FENCING},
 }
 
 
@@ -493,7 +532,8 @@ Z = ZombieState
 #: A zombie attempt: every outcome of a rank fences it; the last fence releases.
 ZOMBIE_TABLE: dict[tuple[ZombieState, ConsumerInput], tuple[ConsumerEffect, ZombieState]] = {
     **{(Z.FENCING, i): (CE.FENCE, Z.FENCING)
-       for i in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.PEER_DIED, CI.HARD_DEADLINE)},
+       for i in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.PEER_DIED, CI.HARD_DEADLINE,
+                 CI.STAGED, CI.SCATTER_DONE, CI.SCATTER_FAILED)},
     (Z.FENCING, CI.STALE): (CE.DROP, Z.FENCING),
     (Z.FENCING, CI.PART): (CE.PART, Z.FENCING),
     (Z.FENCING, CI.FENCED): (CE.RELEASE, Z.RELEASED),

@@ -6,10 +6,12 @@ frames (really encoded and decoded), executes writes and reads by copying
 bytes according to the plan, and delivers write notifications -- in simulated
 time, in a deterministic order, and on command out of order: tests can
 deliver any pending item next, duplicate or drop a message, fail a write, or
-kill an engine. With a :class:`~pushkv.protocol.packing.PackingConfig` a write
-the cost model packs is gathered into the producer rank's staging pool,
-copied in wire chunks into the consumer rank's and scattered into the
-destination blocks, with the same checks.
+kill an engine. With a :class:`~pushkv.protocol.packing.PackingConfig` every
+rank has staging memory and the endpoints pack writes (rule 10): a packed
+write is gathered into the producer rank's staging when issued, copied in
+wire chunks into the staging range its registration lent when it lands, and
+scattered into the destination blocks by the consumer's ``Scatter`` -- an
+item of its own, which tests may deliver late, fail or reorder like a write.
 
 It also *checks* as it goes: when a write lands it records a violation if the
 bytes would hit a destination block that the consumer does not hold lent to
@@ -22,6 +24,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -42,6 +45,8 @@ from ..protocol import (
     Rejected,
     ReleaseDestination,
     ReleaseSource,
+    ReleaseStaging,
+    Scatter,
     SendMessage,
     TransferCancelled,
     TransferFailed,
@@ -50,8 +55,8 @@ from ..protocol import (
     encode,
 )
 from ..protocol.layout import KVLayout
-from ..protocol.packing import PackedPlan, PackingConfig, choose
-from .staging import StagingPool, copy_staging, gather_host, scatter_host
+from ..protocol.packing import PackingConfig
+from .staging import copy_staging, gather_host, scatter_host
 
 
 def region_memory(layout: KVLayout, fill: int | None = None,
@@ -92,7 +97,7 @@ class Item(NamedTuple):
 
     at: float
     seq: int
-    kind: str  # "frame" | "write" | "read" | "done" | "death"
+    kind: str  # "frame" | "write" | "read" | "scatter" | "done" | "death"
     sent: float
     src: Peer | None
     dst: Peer | str
@@ -107,6 +112,8 @@ class Node:
         self.info = info
         self.peer = Peer(info.engine_id, info.rank)
         self.memory = memory
+        #: Staging memory (packed writes): ranges of it are lent by the endpoint.
+        self.staging = np.zeros(net.packing.staging_bytes if net.packing else 0, np.uint8)
         self.alive = True
         self.rejected: list[Rejected] = []
         self.log: list[tuple[float, Action]] = []
@@ -140,6 +147,10 @@ class ProducerNode(Node):
 
     def handle(self, a: Action) -> None:
         if isinstance(a, IssueWrite):
+            if a.packed is not None:  # rule 10: gathered now, into the staging lent to it
+                pw = a.packed
+                gather_host(pw.packed, self.memory,
+                            self.staging[pw.src_offset:pw.src_offset + pw.packed.nbytes])
             self.net.enqueue("write", self.peer, a.peer, a, self.net.write_latency)
         elif isinstance(a, ReleaseSource):
             key = (a.transfer_id, a.incarnation)
@@ -164,6 +175,7 @@ class ConsumerNode(Node):
         self.outcomes: dict[str, list[tuple[str, int]]] = {}  # by id (every incarnation)
         self.outcomes_by_key: dict[tuple[str, int], list[tuple[str, int]]] = {}
         self.released: list[ReleaseDestination] = []
+        self.staging_released: list[ReleaseStaging] = []
         self.connects: list[str] = []
 
     def _outcome(self, kind: str, a: TransferReady | TransferFailed | TransferCancelled) -> None:
@@ -180,6 +192,10 @@ class ConsumerNode(Node):
             self._outcome("cancelled", a)
         elif isinstance(a, ReleaseDestination):
             self.released.append(a)
+        elif isinstance(a, ReleaseStaging):
+            self.staging_released.append(a)
+        elif isinstance(a, Scatter):
+            self.net.enqueue("scatter", self.peer, self.peer, a, self.net.write_latency)
         elif isinstance(a, IssueRead):
             self.net.enqueue("read", self.peer, a.peer, a, self.net.write_latency)
         elif isinstance(a, Connect):
@@ -217,9 +233,9 @@ class InMemoryNetwork:
         packing: PackingConfig | None = None,
     ) -> None:
         self.now = 0.0
-        # Packed writes: chosen per write by the cost model; staging pools per rank.
-        self.packing = packing or PackingConfig(mode="never")
-        self.staging: dict[Peer, StagingPool] = {}
+        # Packed writes: every rank's endpoint gets this (its staging memory, the cost
+        # model), unless its own config names one.
+        self.packing = packing if packing is not None and packing.mode != "never" else None
         self.latency = latency
         self.write_latency = write_latency
         self.detect_s = detect_s
@@ -230,7 +246,7 @@ class InMemoryNetwork:
         # protocol's bounded deadlines rest on (transit + write < fence grace).
         # Completions are local: reported within the same bound as the copy itself.
         self.bounds = {"frame": max_transit_s, "write": max_write_s, "read": max_write_s,
-                       "done": max_write_s}
+                       "scatter": max_write_s, "done": max_write_s}
         self._bounded = any(b != float("inf") for b in self.bounds.values())
         self._nodes: list[Node] = []
         self.producers: dict[Peer, ProducerNode] = {}
@@ -244,6 +260,8 @@ class InMemoryNetwork:
 
     def add_producer(self, info: RankInfo, config: ProducerConfig | None = None,
                      memory: list[np.ndarray] | None = None) -> ProducerNode:
+        if self.packing is not None and (config is None or config.packing is None):
+            config = replace(config or ProducerConfig(), packing=self.packing)
         node = ProducerNode(self, Producer(info, config),
                             memory if memory is not None else region_memory(info.layout))
         self.producers[node.peer] = node
@@ -252,6 +270,8 @@ class InMemoryNetwork:
 
     def add_consumer(self, info: RankInfo, config: ConsumerConfig | None = None,
                      memory: list[np.ndarray] | None = None) -> ConsumerNode:
+        if self.packing is not None and (config is None or config.packing is None):
+            config = replace(config or ConsumerConfig(), packing=self.packing)
         node = ConsumerNode(self, Consumer(info, config),
                             memory if memory is not None else region_memory(info.layout))
         self.consumers[node.peer] = node
@@ -335,17 +355,19 @@ class InMemoryNetwork:
             self.enqueue("frame", item.src, item.dst, item.payload, 0.0)
 
     def drop(self, index: int) -> Item | None:
-        """Lose a pending frame. A write or read dropped here *fails* instead (its
-        bytes never land). Local events (completions, death notices) are never
+        """Lose a pending frame. A write, read or scatter dropped here *fails* instead
+        (its bytes never land). Local events (completions, death notices) are never
         lost: nothing is dropped for them and None is returned."""
         item = self.pending[index]
-        if item.kind not in ("frame", "write", "read"):
+        if item.kind not in ("frame", "write", "read", "scatter"):
             return None
         self.pending.pop(index)
         if not self.hold:
             heapq.heapify(self.pending)
         if item.kind in ("write", "read"):
             self._complete(item, ok=False)
+        elif item.kind == "scatter":
+            self._scattered(item.src, item.payload, ok=False)
         return item
 
     def _execute(self, item: Item) -> None:
@@ -359,6 +381,8 @@ class InMemoryNetwork:
             self._land_write(item)
         elif item.kind == "read":
             self._land_read(item)
+        elif item.kind == "scatter":
+            self._scatter(item)
         elif item.kind == "done":
             node = self.node(item.dst)  # type: ignore[arg-type]
             if node is not None and node.alive:
@@ -401,41 +425,50 @@ class InMemoryNetwork:
         if (a.transfer_id, a.incarnation) in src.released_at:
             self.violations.append(
                 f"write of {a.transfer_id}#{a.attempt} reads a released source")
-        if not self._packed_write(a.plan, src, dst):
+        if a.packed is not None:
+            self._land_packed(a, src, dst)
+        else:
             copy_plan(a.plan, src.memory, dst.memory)
+        if a.notify.part != 0 or a.notify.parts != 1:
+            self.stats["part_writes"] += 1
         self.stats["writes"] += 1
         self.stats["bytes"] += a.plan.nbytes
         self.enqueue("frame", src.peer, dst.peer, encode(a.notify), self.latency)
         self._complete(item, ok=True)
 
-    def _pool(self, peer: Peer) -> StagingPool:
-        if peer not in self.staging:
-            self.staging[peer] = StagingPool(self.packing.staging_bytes)
-        return self.staging[peer]
-
-    def _packed_write(self, plan: TransferPlan, src: Node, dst: Node) -> bool:
-        """Gather into the producer's staging, copy it in wire chunks into the
-        consumer's, scatter into the destination blocks. The write lands at once
-        here, so both staging ranges are given back before its notification."""
-        if self.packing.mode == "never":
-            return False
-        pools = self._pool(src.peer), self._pool(dst.peer)
-        choice = choose(self.packing, descriptors=plan.descriptor_count, nbytes=plan.nbytes,
-                        staging_free=min(p.largest_free() for p in pools))
-        if not choice.packed:
-            return False
-        packed = PackedPlan(plan, self.packing.chunk_bytes)
-        offs = [p.lend(packed.nbytes) for p in pools]
-        try:
-            out, into = (p.view(o, packed.nbytes) for p, o in zip(pools, offs, strict=True))
-            gather_host(packed, src.memory, out)
-            copy_staging(out, into, packed.wire)
-            scatter_host(packed, into, dst.memory)
-        finally:
-            for p, o in zip(pools, offs, strict=True):
-                p.give_back(o)
+    def _land_packed(self, a: IssueWrite, src: ProducerNode, dst: ConsumerNode) -> None:
+        """Rule 10: the wire chunks of a packed write land in the consumer's staging,
+        in the range its registration lent to this attempt."""
+        pw = a.packed
+        assert pw is not None
+        n = pw.packed.nbytes
+        if dst.endpoint.staging_holder(pw.dst_offset) != ((a.transfer_id, a.incarnation),
+                                                          a.attempt):
+            self.violations.append(f"packed write of {a.transfer_id}#{a.attempt} lands in "
+                                   f"staging at {pw.dst_offset} not lent to it")
+        copy_staging(src.staging[pw.src_offset:pw.src_offset + n],
+                     dst.staging[pw.dst_offset:pw.dst_offset + n], pw.packed.wire)
         self.stats["packed_writes"] += 1
-        return True
+
+    def _scatter(self, item: Item) -> None:
+        a: Scatter = item.payload
+        node = self.consumers.get(item.src)  # type: ignore[arg-type]
+        if node is None or not node.alive:
+            return  # the engine died with its scatter
+        self._check_destination(node, a.transfer_id, a.incarnation, a.attempt, a.packed.plan)
+        if node.endpoint.staging_holder(a.offset) != ((a.transfer_id, a.incarnation),
+                                                      a.attempt):
+            self.violations.append(f"scatter of {a.transfer_id}#{a.attempt} reads staging at "
+                                   f"{a.offset} not lent to it")
+        scatter_host(a.packed, node.staging[a.offset:a.offset + a.packed.nbytes], node.memory)
+        self.stats["scatters"] += 1
+        self._scattered(node.peer, a, ok=True)
+
+    def _scattered(self, consumer: Peer | None, a: Scatter, ok: bool) -> None:
+        node = self.consumers.get(consumer) if consumer is not None else None
+        if node is not None and node.alive:
+            node.apply(node.endpoint.scatter_done(a.transfer_id, a.attempt, a.peer, ok,
+                                                  self.now, incarnation=a.incarnation))
 
     def _land_read(self, item: Item) -> None:
         a: IssueRead = item.payload

@@ -99,11 +99,16 @@ class _HostServer:
         self.ranks: dict[int, _RankState] = {}
 
     def setup(self, topo: Topology, peer_addresses: dict[int, str] | None,
-              config: Any = None) -> dict[int, str]:
+              config: Any = None, packing: Any = None) -> dict[int, str]:
+        from dataclasses import replace
+
         from .inmemory import region_memory
         from .runtime import NixlRuntime
 
         self.close()
+        if packing is not None:  # staging memory on every rank, this PackingConfig
+            topo = replace(topo, producer_config=replace(topo.producer_config, packing=packing),
+                           consumer_config=replace(topo.consumer_config, packing=packing))
         if self.role == "producer":
             infos = topo.producer_ranks()
             rng = np.random.default_rng(topo.seed)  # the same bytes as the in-memory pair()
@@ -147,13 +152,14 @@ class _HostServer:
         out: dict[str, Any] = {"outcomes": {}, "src_released": {}, "dst_released": {},
                                "rejected": {}, "lent": {}, "held": {}, "errors": [],
                                "stats": {}, "writes_in_flight": 0, "transfers": {},
-                               "fail_codes": {}, "published": {}}
+                               "fail_codes": {}, "published": {}, "staging_lent": {}}
         for r, st in self.ranks.items():
             view = st.runtime.inspect()
             out["rejected"][r] = st.rejected
             out["errors"] += st.errors
             out["stats"][r] = view.stats
             out["transfers"][r] = view.transfers
+            out["staging_lent"][r] = view.staging_lent
             for tid, codes in st.fail_codes.items():
                 out["fail_codes"][r, tid] = list(codes)
             out["writes_in_flight"] += view.writes_in_flight
@@ -293,11 +299,13 @@ class NixlCluster:
     stages_source = False  # the source memory lives in the producer processes
 
     def __init__(self, topology: Topology, pool: HostPool, config: Any = None, *,
-                 connect: str = "eager", consumer_nixl: Any = None) -> None:
+                 connect: str = "eager", consumer_nixl: Any = None,
+                 packing: Any = None) -> None:
         """``config``: the ranks' :class:`NixlConfig` (``consumer_nixl``: the consumer's,
         if it differs). ``connect``: ``"eager"`` (handshake before returning),
         ``"lazy"`` (addresses given, handshake on first register) or ``"none"`` (see
-        :meth:`connect`)."""
+        :meth:`connect`). ``packing``: a :class:`~pushkv.protocol.PackingConfig` for
+        every rank's endpoint (staging memory, packed writes)."""
         self.topology = topology
         self._producer = pool.get("producer")
         self._consumer = pool.get("consumer")
@@ -307,10 +315,11 @@ class NixlCluster:
         self._zmq: Any = None
         self._pushes: dict[str, Any] = {}
         self.producer_addresses: dict[int, str] = self._producer.call(
-            "setup", topology, None, config, timeout_s=_SETUP_TIMEOUT)
+            "setup", topology, None, config, packing, timeout_s=_SETUP_TIMEOUT)
         self.consumer_addresses: dict[int, str] = self._consumer.call(
             "setup", topology, self.producer_addresses if connect == "eager" else None,
-            consumer_nixl if consumer_nixl is not None else config, timeout_s=_SETUP_TIMEOUT)
+            consumer_nixl if consumer_nixl is not None else config, packing,
+            timeout_s=_SETUP_TIMEOUT)
         if connect == "lazy":
             self.connect(self.producer_addresses)
 

@@ -36,6 +36,7 @@ class Link:
     bases: np.ndarray | None = None
     kind: str = "DRAM"
     device: int = 0
+    staging_base: int = 0  #: the peer's staging buffer (packed writes; 0: none)
     up: bool = False
     lost_since: float | None = None
     dead: bool = False
@@ -93,6 +94,7 @@ class PeerTable:
         link.peer, link.agent_name = peer, card.agent_name
         link.bases = np.asarray(card.bases, dtype=np.int64)
         link.kind, link.device = card.kind, card.device
+        link.staging_base = card.staging_base if card.staging_size > 0 else 0
         link.dead, link.lost_since, link.said_goodbye = False, None, False
         self.by_peer[peer] = link
         self.by_agent[card.agent_name] = link

@@ -69,6 +69,7 @@ from .nixl_memory import KVMemory
 from .peers import parse_addresses
 from .runtime_events import Event, RuntimeView
 from .runtime_loop import IOLoop
+from .runtime_staging import StagingMemory
 from .sidechannel_auth import SideKey, identity, load_key
 
 Role = Literal["producer", "consumer"]
@@ -125,13 +126,20 @@ class NixlRuntime:
         # transfers are live, so nothing needs to wake while idle (a progress thread
         # on a decode core takes time from every decode step). Device memory keeps it
         # on consumers (not measured here). ``progress_thread`` overrides both.
+        # Packed writes (rule 10): staging memory of the size the endpoint lends from,
+        # registered with NIXL once, with the KV regions.
+        pk = endpoint.config.packing
+        staging = (StagingMemory(pk.staging_bytes, mem) if pk is not None
+                   and pk.mode != "never" and pk.staging_bytes > 0 else None)
+        #: this rank's staging memory (None: every write is direct)
+        self.staging = staging
         agent = Agent(self.agent_name, cfg,
                       progress_thread=role == "consumer" and mem.kind == "VRAM")
         #: whether NIXL's progress thread runs for this rank's agent
         self.progress_thread: bool = agent.progress_thread
         side: sc.SideChannel | None = None
         try:
-            agent.register(mem)
+            agent.register(staging.with_kv(mem) if staging is not None else mem)
             side = sc.SideChannel(
                 cfg.host, cfg.port, advertise_host=cfg.advertise_host,
                 key=SideKey(key, cfg.key_window_s) if key is not None else None,
@@ -144,9 +152,12 @@ class NixlRuntime:
                 hello=encode(Hello(info=info)), address=self.address,
                 agent_name=self.agent_name, agent_metadata=agent.metadata(),
                 bases=mem.bases, sizes=mem.sizes, kind=mem.kind, device=mem.device,
+                staging_base=staging.base if staging is not None else 0,
+                staging_size=staging.nbytes if staging is not None else 0,
             )
             self._loop = IOLoop(endpoint, agent, side, mem, card, cfg,
-                                authenticated=key is not None, name=str(info.rank))
+                                authenticated=key is not None, name=str(info.rank),
+                                staging=staging)
         except BaseException:
             if side is not None:
                 side.close(0)

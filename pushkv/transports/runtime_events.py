@@ -74,3 +74,4 @@ class RuntimeView:
     recent_writes: tuple[WriteResult, ...] = ()
     transfers: int = 0  #: transfers the endpoint tracks
     reads_in_flight: int = 0  #: consumer (pull): reads posted and not finished
+    staging_lent: int = 0  #: bytes of staging the endpoint lends (packed writes; 0: none)

@@ -40,6 +40,8 @@ from ..protocol import (
     RankInfo,
     Rejected,
     ReleaseSource,
+    ReleaseStaging,
+    Scatter,
     SendMessage,
     TransferFailed,
     TransferReady,
@@ -59,6 +61,7 @@ from .nixl_writer import WriteJob, Writer, WriteResult
 from .peers import Link, PeerTable, card_problem
 from .runtime_events import CallFailed, Event, PeerLost, RuntimeView, WritesDone
 from .runtime_handshake import Effect, HandshakeInput, Handshakes, RemoteEngine
+from .runtime_staging import Scatterer, ScatterResult, StagingMemory
 from .sidechannel_auth import identity
 
 if TYPE_CHECKING:
@@ -73,7 +76,7 @@ class IOLoop:
 
     def __init__(self, endpoint: Producer | Consumer, agent: Agent, side: sc.SideChannel,
                  memory: KVMemory, card: sc.PeerCard, config: NixlConfig, *,
-                 authenticated: bool, name: str) -> None:
+                 authenticated: bool, name: str, staging: StagingMemory | None = None) -> None:
         self.config = config
         self._endpoint = endpoint
         self._agent = agent
@@ -86,6 +89,8 @@ class IOLoop:
         self._commands: deque[cmd.Command] = deque()
         self._completions: deque[WriteResult] = deque()
         self._read_completions: deque[ReadResult] = deque()
+        self._scattered: deque[ScatterResult] = deque()  # rule 10: scatter thread -> here
+        self._scatters = 0
         self._recent: deque[WriteResult] = deque(maxlen=256)
         #: producer: (writes, descriptors, bytes) so far of each transfer with a source
         self._cost: dict[tuple[str, int], tuple[int, int, int]] = {}
@@ -118,12 +123,16 @@ class IOLoop:
         if self.role == "producer":
             self._writer = Writer(agent, memory, poll_s=config.write_poll_s,
                                   timeout_s=config.write_timeout_s, on_done=self._write_done,
-                                  name=f"pushkv-writer-{name}")
+                                  name=f"pushkv-writer-{name}", staging=staging)
         self._reader: Reader | None = None
         if self.role == "consumer":
             self._reader = Reader(agent, memory, poll_s=config.write_poll_s,
                                   timeout_s=config.write_timeout_s, on_done=self._read_done,
                                   name=f"pushkv-reader-{name}")
+        self._scatterer: Scatterer | None = None
+        if self.role == "consumer" and staging is not None:
+            self._scatterer = Scatterer(staging, memory, self._scatter_done,
+                                        name=f"pushkv-scatter-{name}")
         self._handlers: dict[type[Any], Callable[[Any, float], None]] = {
             cmd.Connect: self._connect,
             cmd.PrefillFinished: self._prefill_finished,
@@ -231,7 +240,7 @@ class IOLoop:
             log.exception("pushkv runtime handler failed")
 
     def _timeout(self, now: float) -> float:
-        if self._completions or self._commands or self._read_completions:
+        if self._completions or self._commands or self._read_completions or self._scattered:
             return 0.0
         if self._unready:  # a range waits for its event: poll it at the live rate
             return self.config.active_poll_s
@@ -243,7 +252,8 @@ class IOLoop:
         return max(0.0, until - now)
 
     def _live(self) -> bool:
-        return self._endpoint.num_transfers > 0 or self._writes > 0 or self._reads > 0
+        return (self._endpoint.num_transfers > 0 or self._writes > 0 or self._reads > 0
+                or self._scatters > 0)
 
     def _emit(self, event: Event) -> None:
         with self._events_cv:
@@ -254,6 +264,7 @@ class IOLoop:
         stats = self._stats
         stats["dropped_frames"] = self._side.dropped
         stats["bytes_written_early"] = self._early_bytes
+        stats["staging_lent_bytes"] = self._endpoint.staging_lent  # a level, not a count
         if self._authenticated:
             for reason, n in self._side.auth_dropped.items():  # totals, not increments
                 stats[reason] = n
@@ -408,6 +419,7 @@ class IOLoop:
             stats=dict(self._stats_view),
             recent_writes=tuple(self._recent),
             transfers=ep.num_transfers,
+            staging_lent=ep.staging_lent,
         ))
 
     def _inject(self, c: cmd.Inject, now: float) -> None:
@@ -441,6 +453,15 @@ class IOLoop:
             elif isinstance(a, Publish):
                 self._stats["published"] += 1
                 self._emit(a)
+            elif isinstance(a, Scatter):  # rule 10: off this thread; scatter_done on return
+                self._scatters += 1
+                self._stats["scatter_runs"] += a.packed.plan.runs_per_region
+                if self._scatterer is None:
+                    self._scattered.append(ScatterResult(a, False, "no staging memory"))
+                else:
+                    self._scatterer.submit(a)
+            elif isinstance(a, ReleaseStaging):
+                self._stats["staging_released"] += 1
             else:
                 if isinstance(a, TransferFailed):
                     self._stats["failed"] += 1
@@ -486,11 +507,14 @@ class IOLoop:
         if link is None or writer is None:
             return
         assert link.agent_name is not None
+        if a.packed is not None:
+            self._stats["writes_packed"] += 1
         writer.submit(WriteJob(
             transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, plan=a.plan,
             incarnation=a.incarnation, notif=encode(a.notify), remote_agent=link.agent_name,
             remote_bases=link.bases,
             remote_kind="VRAM" if link.kind == "VRAM" else "DRAM", remote_device=link.device,
+            packed=a.packed, remote_staging=link.staging_base,
         ))
 
     def _issue_read(self, a: IssueRead) -> None:
@@ -506,6 +530,20 @@ class IOLoop:
             remote_kind="VRAM" if link.kind == "VRAM" else "DRAM", remote_device=link.device,
         ))
 
+    def _scatter_done(self, result: ScatterResult) -> None:  # scatter thread
+        self._scattered.append(result)
+        self._wake()
+
+    def _drain_scatters(self, now: float) -> None:
+        consumer = self._consumer()
+        while self._scattered:
+            r = self._scattered.popleft()
+            a = r.scatter
+            self._scatters -= 1
+            self._stats["scatters_ok" if r.ok else "scatters_failed"] += 1
+            self._guard(lambda a=a, ok=r.ok: self._apply(consumer.scatter_done(
+                a.transfer_id, a.attempt, a.peer, ok, now, incarnation=a.incarnation), now))
+
     def _read_done(self, result: ReadResult) -> None:  # reader thread
         self._read_completions.append(result)
         self._wake()
@@ -519,6 +557,8 @@ class IOLoop:
     def _drain_completions(self, now: float) -> None:
         if self._read_completions:
             self._drain_reads(now)
+        if self._scattered:
+            self._drain_scatters(now)
         producer = self._endpoint
         while self._completions:
             r = self._completions.popleft()
@@ -751,6 +791,9 @@ class IOLoop:
                 self._drain_completions(time.monotonic())
             if self._reader is not None:
                 self._reader.stop(self.config.close_timeout_s)
+                self._drain_completions(time.monotonic())
+            if self._scatterer is not None:
+                self._scatterer.stop(self.config.close_timeout_s)
                 self._drain_completions(time.monotonic())
             side = self._side
             for link in self._peers.links.values():

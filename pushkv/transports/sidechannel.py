@@ -76,6 +76,9 @@ class PeerCard(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     device: int = 0
     reply: bool = False  #: True when answering a card
     error: str = ""  #: non-empty: the sender refused the handshake
+    #: Packed writes: the sender's staging buffer (0: none), same memory kind and device.
+    staging_base: int = 0
+    staging_size: int = 0
 
 
 _card_encoder = msgspec.msgpack.Encoder()

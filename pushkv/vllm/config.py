@@ -16,6 +16,7 @@ from ..direction import SETTINGS
 from ..protocol.config import ConsumerConfig, ProducerConfig
 from ..protocol.errors import ConfigError
 from ..protocol.events import FailurePolicy
+from ..protocol.packing import PackingConfig
 from ..transports.nixl_config import NixlConfig
 
 #: Transport backends pushkv knows how to ask NIXL for.
@@ -34,6 +35,8 @@ def _defaults(cls: type) -> dict[str, Any]:
 _PRODUCER = _defaults(ProducerConfig)
 _CONSUMER = _defaults(ConsumerConfig)
 _NIXL = _defaults(NixlConfig)
+_PACKING = _defaults(PackingConfig)
+_PACKING_HELP = {f.name: f.metadata["help"] for f in fields(PackingConfig)}
 
 
 class ConnectorConfigError(ConfigError):
@@ -143,6 +146,17 @@ class PushKVSettings:
                   "as its attention returns. Applies to legs of pushkv's proxy (their "
                   "decode side registers while prefill runs)"},
     )
+    pack: str = field(
+        default=_PACKING["mode"],
+        metadata={"help": "packed writes (a producer gathers a fragmented request into "
+                  "staging memory and writes it in a few large descriptors; the consumer "
+                  "scatters it): " + _PACKING_HELP["mode"]},
+    )
+    staging_bytes: int = field(
+        default=_PACKING["staging_bytes"],
+        metadata={"help": "packed writes: " + _PACKING_HELP["staging_bytes"]
+                  + " (unused with pack 'never')"},
+    )
     backend_options: dict[str, str] = field(
         default_factory=dict,
         metadata={"help": "extra backend parameters passed to NIXL as strings"},
@@ -188,6 +202,13 @@ class PushKVSettings:
                 f"got {self.push_granularity!r}")
         if self.transport_cpus not in ("auto", "inherit"):
             parse_cpus(self.transport_cpus)
+        try:
+            self.packing()
+        except ConfigError as exc:
+            raise ConnectorConfigError(
+                f"pack / staging_bytes: {exc.message} (pack is one of 'auto', 'never', "
+                f"'always'; got pack={self.pack!r}, staging_bytes={self.staging_bytes!r})"
+            ) from None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PushKVSettings:
@@ -205,14 +226,22 @@ class PushKVSettings:
             kwargs[name] = _coerce(name, known[name].default, value)
         return cls(**kwargs)
 
+    def packing(self) -> PackingConfig | None:
+        """The endpoints' packed-write settings (None: no staging memory at all)."""
+        if self.pack == "never":
+            return None
+        return PackingConfig(mode=self.pack, staging_bytes=self.staging_bytes)  # type: ignore[arg-type]
+
     def producer_config(self) -> ProducerConfig:
         return ProducerConfig(lease_s=self.lease_s,
-                              max_pending_registrations=self.max_pending_registrations)
+                              max_pending_registrations=self.max_pending_registrations,
+                              packing=self.packing())
 
     def consumer_config(self, policy: FailurePolicy) -> ConsumerConfig:
         return ConsumerConfig(window_s=self.window_s, fence_grace_s=self.fence_grace_s,
                               heartbeat_s=self.heartbeat_s,
-                              handshake_timeout_s=self.handshake_timeout_s, policy=policy)
+                              handshake_timeout_s=self.handshake_timeout_s, policy=policy,
+                              packing=self.packing())
 
     def load_key(self) -> bytes | None:
         """The shared key (key_file, else the key_env variable), or None; never logged."""

@@ -8,7 +8,8 @@ histograms (lists of values). vLLM merges the workers' records, logs them
 
 * ``pushkv:<counter>_total`` for each of :data:`COUNTERS`;
 * ``pushkv:transfers_failed_by_reason_total{reason}``;
-* histograms ``pushkv:<name>`` for each of :data:`HISTOGRAMS`.
+* histograms ``pushkv:<name>`` for each of :data:`HISTOGRAMS`;
+* gauges ``pushkv:<name>`` for each of :data:`GAUGES` (workers report changes).
 """
 
 from __future__ import annotations
@@ -43,7 +44,21 @@ COUNTERS: dict[str, str] = {
                                 "'request')",
     "frames_refused": "side-channel frames dropped: failed authentication, replayed, stale "
                       "or malformed (the runtime's counts)",
+    "writes_packed": "producer: writes gathered into staging memory and posted as a few "
+                     "large descriptors (pack)",
+    "writes_scattered": "consumer: packed writes scattered from staging memory into their "
+                        "blocks",
+    "runs_scattered": "consumer: contiguous destination runs (per layer and plane) those "
+                      "scatters wrote; above writes_scattered when the cache is fragmented",
 }
+#: Gauge name -> help. Workers report each as the change since their last report.
+GAUGES: dict[str, str] = {
+    "staging_bytes_lent": "staging memory lent to transfers whose writes may still land or "
+                          "be scattered (0 when idle)",
+}
+#: The runtime's counters behind each counter or gauge kept in step with them.
+FROM_RUNTIME = {"writes_packed": "writes_packed", "writes_scattered": "scatters_ok",
+                "runs_scattered": "scatter_runs", "staging_bytes_lent": "staging_lent_bytes"}
 #: Counter of the KV bytes written while the prefill ran (the runtime's
 #: ``bytes_written_early``).
 EARLY_BYTES = "bytes_before_prefill_end"
@@ -129,6 +144,13 @@ class PushKVPromMetrics(KVConnectorPromMetrics):
             name="pushkv:transfers_failed_by_reason",
             documentation="transfers that failed, by reason (the protocol's FailReason)",
             labelnames=[*labelnames, "reason"])
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for name, doc in GAUGES.items():
+            gauge = self._gauge_cls(name=f"pushkv:{name}", documentation=doc,
+                                    labelnames=labelnames, multiprocess_mode="livesum")
+            self._gauges[name] = {
+                idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
         self._histograms: dict[str, dict[int, Any]] = {}
         for name, (doc, buckets) in HISTOGRAMS.items():
             hist = self._histogram_cls(name=f"pushkv:{name}", documentation=doc,
@@ -147,6 +169,10 @@ class PushKVPromMetrics(KVConnectorPromMetrics):
                 if hist is not None:
                     for v in value:
                         hist.observe(v)
+            elif name in self._gauges:
+                gauge = self._gauges[name].get(engine_idx)
+                if gauge is not None and value:
+                    gauge.inc(value)  # a change, of either sign
             else:
                 per_engine = self._counters.get(name)
                 if per_engine is not None and engine_idx in per_engine and value:

@@ -43,7 +43,7 @@ from ..protocol.layout import EngineSpec
 from .config import ConnectorConfigError, PushKVSettings, parse_cpus
 from .layout import KVRegions, describe_kv_caches, layer_index
 from .metadata import PushKVMetadata, RangeOrder, RankAddress, RecvOrder, SendOrder
-from .stats import EARLY_BYTES, FAILED_REASON, REFUSED_FRAMES, PushKVStats
+from .stats import EARLY_BYTES, FAILED_REASON, FROM_RUNTIME, REFUSED_FRAMES, PushKVStats
 
 if TYPE_CHECKING:
     import torch
@@ -155,6 +155,7 @@ class WorkerSide:
         self._seen: Counter[str] = Counter()
         self._refused = 0  # the runtime's refused frames, as last counted
         self._early = 0  # the runtime's bytes written before prefill finished, as counted
+        self._counted: Counter[str] = Counter()  # packed writes: the runtime's, as reported
         self._layers: dict[str, int] = {}  # layer name -> model layer index
         self._cuda = False  # KV on a GPU: a range is final once its CUDA event completed
 
@@ -203,6 +204,8 @@ class WorkerSide:
         device = int(first.device.index or 0) if kind == "VRAM" else 0
         memory = KVMemory.from_addresses(regions.bases, regions.layout.region_bytes,
                                          kind=kind, device=device)
+        # The tensors the regions lie in: packed writes gather and scatter through them.
+        memory = dataclasses.replace(memory, owners=tuple(kv_caches.values()))
         s = self.settings
         config = NixlConfig(
             backend=s.backend,  # type: ignore[arg-type]  # checked by PushKVSettings
@@ -473,6 +476,10 @@ class WorkerSide:
             early = counts.get("bytes_written_early", 0)
             self._stats.add(EARLY_BYTES, early - self._early)
             self._early = early
+            for name, key in FROM_RUNTIME.items():  # reported as changes
+                now = counts.get(key, 0)
+                self._stats.add(name, now - self._counted[name])
+                self._counted[name] = now
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, PushKVStats()

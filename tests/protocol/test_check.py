@@ -32,6 +32,10 @@ FLOORS = {
     "partial-net": 30_000,
     "partial-2to1": 20_000,
     "partial-reuse": 100_000,
+    "packed": 130_000,
+    "packed-net": 6_000,
+    "packed-faults": 120_000,
+    "packed-2to1": 50_000,
 }
 
 #: Scopes that find a bug of today's core: scope name -> the bug.

@@ -112,11 +112,11 @@ def double_count(mp: pytest.MonkeyPatch) -> None:
     """A repeated notification is counted for a rank that has not notified yet."""
     orig = Consumer._report
 
-    def report(self, t, attempt, rank, inp, now):
+    def report(self, t, attempt, rank, inp, now, *rest):
         a = t.cur
         if inp is CI.NOTIFY and attempt == a.attempt and rank in a.notified:
             rank = next((r for r in sorted(a.expected) if r not in a.notified), rank)
-        return orig(self, t, attempt, rank, inp, now)
+        return orig(self, t, attempt, rank, inp, now, *rest)
 
     mp.setattr(Consumer, "_report", report)
 
@@ -199,6 +199,41 @@ def part_written_after_a_cancel(mp: pytest.MonkeyPatch) -> None:
     mp.setitem(states.PRODUCER_TABLE, (P.CANCELLING, PI.PART_OK), (PE.WRITE, P.WRITING))
 
 
+#: Rule 10: every write packed; a scatter may outlast the hard deadline.
+PACKED = Scope(name="packed-1", attempts=2, staging_bytes=128, max_scatter_s=4.0,
+               heartbeats=False)
+
+
+def release_during_scatter(mp: pytest.MonkeyPatch) -> None:
+    """An attempt counts as fenced while a scatter still writes its blocks."""
+    mp.setattr(records.Attempt, "all_fenced", lambda self: self.fenced >= self.expected)
+
+
+def ready_before_the_scatter(mp: pytest.MonkeyPatch) -> None:
+    """A staged write counts as landed when it reaches staging, not the blocks."""
+    mp.setitem(states.CONSUMER_TABLE, (C.REGISTERED, CI.STAGED), (CE.COUNT, C.REGISTERED))
+
+
+def hard_deadline_cuts_a_scatter(mp: pytest.MonkeyPatch) -> None:
+    """The hard deadline releases the blocks of an aborted transfer mid-scatter."""
+    mp.setitem(states.CONSUMER_TABLE, (C.CANCELLING, CI.HARD_DEADLINE_SCATTERING),
+               (CE.RELEASE_CANCELLED, C.CANCELLED))
+
+
+def staging_given_back_at_the_notification(mp: pytest.MonkeyPatch) -> None:
+    """The consumer frees an attempt's staging as soon as a staged write notified."""
+    orig = Consumer._from_producer
+
+    def mutated(self, msg, inp, now):
+        out = orig(self, msg, inp, now)
+        t = self._transfers.get(msg.transfer_id)
+        if t is not None and getattr(msg, "staged", False) and t.cur.staging is not None:
+            out += consumer_module.staging.unlend(self, t, t.cur)
+        return out
+
+    mp.setattr(Consumer, "_from_producer", mutated)
+
+
 MUTATIONS = [
     (stale_incarnation_counted, REUSE, "bytes"),
     (silent_rank_holds_source, REPLICATED, "prompt"),
@@ -216,6 +251,10 @@ MUTATIONS = [
     (range_before_registration_dropped, PARTIAL, "prompt"),
     (source_released_with_a_part_in_flight, PARTIAL, "source"),
     (part_written_after_a_cancel, PARTIAL, "cancelled"),
+    (release_during_scatter, PACKED, "staging"),
+    (ready_before_the_scatter, PACKED, "bytes"),
+    (hard_deadline_cuts_a_scatter, PACKED, "staging"),
+    (staging_given_back_at_the_notification, PACKED, "staging"),
 ]
 
 

@@ -10,7 +10,10 @@ Transfer ids come back (a new incarnation of an ended transfer, while the old
 one's messages may still be in flight), and some topologies have producer
 ranks that write nothing (replicated heads): when nothing was lost, every
 rank must have released a finished transfer's source without waiting for its
-lease.
+lease. A second machine runs the same rules with staging memory on every rank and
+every whole-request write packed (rule 10): the consumer's scatters are items
+in flight too, delivered late, reordered or failed like writes, and no staging
+may stay lent at the end.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pushkv.protocol import (
     ConsumerConfig,
     ConsumerState,
     Mode,
+    PackingConfig,
     ProducerConfig,
     new_incarnation,
     uniform_ranks,
@@ -78,6 +82,8 @@ class Transfer:
 
 class Protocol(RuleBasedStateMachine):
     transfers = Bundle("transfers")
+    #: Staging memory of every rank (None: every write is direct).
+    PACKING: PackingConfig | None = None
 
     @initialize(target=transfers, topo=st.sampled_from(TOPOLOGIES), seed=st.integers(0, 2**16),
                 sizes=st.lists(st.tuples(st.integers(1, 40), st.booleans()), min_size=1,
@@ -89,7 +95,7 @@ class Protocol(RuleBasedStateMachine):
         self.cinfo = uniform_ranks("D", **(base | ckw))
         self.net = pair(
             self.pinfo, self.cinfo, seed=seed, hold=True, detect_s=0.5,
-            max_transit_s=0.5, max_write_s=0.5,
+            max_transit_s=0.5, max_write_s=0.5, packing=self.PACKING,
             producer_config=ProducerConfig(lease_s=LEASE, max_pending_registrations=64),
             consumer_config=ConsumerConfig(window_s=WINDOW, fence_grace_s=GRACE,
                                            heartbeat_s=1.0),
@@ -420,7 +426,26 @@ class Protocol(RuleBasedStateMachine):
             assert p.endpoint.writes_in_flight() == []
         for p in self.net.producers.values():
             assert all(v == 1 for v in p.released_by_key.values())
+        for n in (*self.consumers, *self.producers):  # rule 10: no staging leaked
+            assert n.endpoint.staging_lent == 0, (n.peer, n.endpoint.staging_lent)
+
+
+class PackedProtocol(Protocol):
+    """The same machine with every write packed while staging lasts: a few
+    transfers' worth, so that some registrations find none free and go direct."""
+
+    PACKING = PackingConfig(mode="always", staging_bytes=8192, chunk_bytes=512)
+
+    @rule(t=Protocol.transfers)
+    def push(self, t):
+        """Register and finish the prefill in one step, then let things move: more
+        transfers reach their write (and their scatter) within the steps."""
+        self.register(t)
+        self.prefill(t)
+        self.flow()
 
 
 TestProtocol = Protocol.TestCase
 TestProtocol.settings = settings(settings.default, stateful_step_count=50)
+TestPackedProtocol = PackedProtocol.TestCase
+TestPackedProtocol.settings = settings(settings.default, stateful_step_count=60)

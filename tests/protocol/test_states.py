@@ -24,6 +24,7 @@ from pushkv.protocol import (
     LocalProtocolError,
     Mode,
     Notify,
+    PackingConfig,
     Peer,
     ProducerConfig,
     ReadDone,
@@ -134,17 +135,21 @@ S_ACTIONS = {
 #: The actions each consumer effect emits (``*``: one per producer rank named).
 C_ACTIONS = {
     CE.NONE: {()}, CE.COUNT: {()}, CE.FENCE: {()},
-    CE.READY: {("TransferReady",)},
+    CE.READY: {("TransferReady",), ("ReleaseStaging", "TransferReady")},
     CE.FAIL_REST: {(), ("Cancel",)}, CE.CANCEL_ALL: {(), ("Cancel",), ("Cancel", "Cancel")},
     CE.PREEMPT_ALL: {(), ("Cancel",), ("Cancel", "Cancel")},
-    CE.RELEASE: {("ReleaseDestination",)},
-    CE.RELEASE_CANCELLED: {("ReleaseDestination", "TransferCancelled")},
-    CE.RELEASE_FAILED: {("ReleaseDestination", "TransferFailed")},
+    # Rule 10: an attempt lent staging gives it back with its blocks.
+    CE.RELEASE: {("ReleaseDestination",), ("ReleaseStaging", "ReleaseDestination")},
+    CE.RELEASE_CANCELLED: {("ReleaseDestination", "TransferCancelled"),
+                           ("ReleaseStaging", "ReleaseDestination", "TransferCancelled")},
+    CE.RELEASE_FAILED: {("ReleaseDestination", "TransferFailed"),
+                        ("ReleaseStaging", "ReleaseDestination", "TransferFailed")},
     CE.REGISTER: {("Register", "Register")}, CE.ZOMBIFY_AND_REGISTER: {("Register", "Register")},
     CE.FINAL_CANCEL_RELEASED: {("Cancel", "Cancel", "TransferCancelled"), ("TransferCancelled",)},
     CE.REPORT_FAILED: {("TransferFailed",)},
     CE.SEND_HELD: {("Register", "Register")}, CE.HOLD: {(), ("Connect",)},
     CE.DROP: {()}, CE.PART: {()},
+    CE.SCATTER: {("Scatter",)}, CE.FENCE_REMOTE: {()},
 }
 def _check_steps(steps, start, table, actions, where):
     """Every recorded transition is the table's, exactly, and they chain."""
@@ -334,8 +339,31 @@ def test_every_producer_row_is_exercised_through_the_endpoint():
 
 
 def _cpair():
+    # Staging memory on the consumer (rule 10): every attempt is lent a range.
     return Pair(producer={"tp": 2, "num_kv_heads": 2}, consumer={"num_kv_heads": 2},
-                ccfg=ConsumerConfig(window_s=10, fence_grace_s=5, handshake_timeout_s=20))
+                ccfg=ConsumerConfig(window_s=10, fence_grace_s=5, handshake_timeout_s=20,
+                                    packing=PackingConfig(mode="always",
+                                                          staging_bytes=1 << 20)))
+
+
+def _staged(rank, attempt=0):
+    return Notify(transfer_id="t", attempt=attempt, engine_id="P", rank=rank, staged=True,
+                  src_block_ids=(4, 5, 6))
+
+
+def _then(c, *calls):
+    """Run ``calls`` in order; one the endpoint refuses must change nothing, and
+    the sequence goes on (a composite call exercises rows from any state)."""
+    for call in calls:
+        before = _dump(c)
+        try:
+            call()
+        except LocalProtocolError:
+            assert _dump(c) == before, "a refused call changed the endpoint"
+
+
+def _scattered(c, rank, attempt, ok=True):
+    return lambda: c.scatter_done("t", attempt, Peer("P", rank), ok, 5.0)
 
 
 def _note(rank, attempt=0):
@@ -442,6 +470,48 @@ def _consumer_calls(c, pair):
         "zombie failed, then again": lambda: [c.receive(Fail(
             transfer_id="t", attempt=0, engine_id="P", rank=0,
             reason=FailReason.WRITE_FAILED), 5.0) for _ in range(2)],
+        # Rule 10: staged writes and their scatters.
+        "staged": lambda: c.receive(_staged(0, attempt), 5.0),
+        "staged twice": lambda: (c.receive(_staged(0, attempt), 5.0),
+                                 c.receive(_staged(0, attempt), 5.0)),
+        "staged both, scattered": lambda: _then(
+            c, lambda: c.receive(_staged(0, attempt), 5.0),
+            lambda: c.receive(_staged(1, attempt), 5.0),
+            _scattered(c, 0, attempt), _scattered(c, 1, attempt)),
+        "staged, scatter failed": lambda: _then(
+            c, lambda: c.receive(_staged(0, attempt), 5.0),
+            _scattered(c, 0, attempt, ok=False)),
+        "staged, abort, acks, scattered": lambda: _then(
+            c, lambda: c.receive(_staged(0, attempt), 5.0), lambda: c.abort("t", 5.0),
+            lambda: c.receive(_ack(0, attempt), 5.0), lambda: c.receive(_ack(1, attempt), 5.0),
+            _scattered(c, 0, attempt)),
+        "staged, abort, scatter failed": lambda: _then(
+            c, lambda: c.receive(_staged(0, attempt), 5.0), lambda: c.abort("t", 5.0),
+            _scattered(c, 0, attempt, ok=False)),
+        "staged, abort, grace passes, scattered": lambda: _then(
+            c, lambda: c.receive(_staged(0, attempt), 5.0), lambda: c.abort("t", 5.0),
+            lambda: c.handle_timer(16.0), _scattered(c, 0, attempt)),
+        "staged, preempt, reissue, scattered": lambda: _then(
+            c, lambda: c.receive(_staged(0, attempt), 5.0), lambda: c.preempt("t", 5.0),
+            lambda: c.reissue("t", [30, 31, 32], 5.0),
+            lambda: c.receive(_ack(1, attempt), 5.0), _scattered(c, 0, attempt)),
+        "staged, preempt, reissue, scatter failed": lambda: _then(
+            c, lambda: c.receive(_staged(0, attempt), 5.0), lambda: c.preempt("t", 5.0),
+            lambda: c.reissue("t", [30, 31, 32], 5.0), _scattered(c, 0, attempt, ok=False)),
+        "zombie staged": lambda: c.receive(_staged(0, 0), 5.0),
+        "staged both, window passes, scattered": lambda: _then(
+            c, lambda: c.receive(_staged(0, attempt), 5.0),
+            lambda: c.receive(_staged(1, attempt), 5.0), lambda: c.handle_timer(10.0),
+            _scattered(c, 0, attempt), _scattered(c, 1, attempt)),
+        **{f"staged, {how}, {then}": (
+            lambda move=move, end=end: _then(
+                c, lambda: c.receive(_staged(0, attempt), 5.0), move, *end))
+           for how, move in (("preempt", lambda: c.preempt("t", 5.0)),
+                             ("window passes", lambda: c.handle_timer(10.0)))
+           for then, end in (("scattered", (_scattered(c, 0, attempt),)),
+                             ("scatter failed", (_scattered(c, 0, attempt, ok=False),)),
+                             ("grace passes, scattered", (lambda: c.handle_timer(16.0),
+                                                          _scattered(c, 0, attempt))))},
     }
 
 

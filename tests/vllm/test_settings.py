@@ -33,7 +33,7 @@ def test_defaults_are_valid_and_documented():
         "lease_s", "window_s",
         "fence_grace_s", "heartbeat_s", "handshake_timeout_s", "write_timeout_s",
         "peer_confirm_s", "max_pending_registrations", "notify_poll_ms", "progress_delay_us",
-        "transport_cpus", "direction", "push_granularity",
+        "transport_cpus", "direction", "push_granularity", "pack", "staging_bytes",
         "backend_options", "timeline_dir"}
     assert all(PushKVSettings.help().values())
 
@@ -84,12 +84,14 @@ def test_push_granularity_defaults_to_whole_requests():
 
 
 def test_protocol_and_transport_defaults_are_the_core_and_runtime_ones():
-    from pushkv.protocol import ConsumerConfig, ProducerConfig
+    from pushkv.protocol import ConsumerConfig, PackingConfig, ProducerConfig
     from pushkv.transports.nixl_config import NixlConfig
 
     s = PushKVSettings()
-    assert s.producer_config() == ProducerConfig()
-    assert s.consumer_config(FailurePolicy.FAIL) == ConsumerConfig()
+    # The connector registers staging memory (PackingConfig's defaults); the core's
+    # endpoints have none unless their driver gives them some.
+    assert s.producer_config() == ProducerConfig(packing=PackingConfig())
+    assert s.consumer_config(FailurePolicy.FAIL) == ConsumerConfig(packing=PackingConfig())
     n = NixlConfig()
     assert (s.side_channel_host, s.side_channel_port, s.key_env, s.write_timeout_s,
             s.peer_confirm_s, s.progress_delay_us) == (
@@ -179,3 +181,19 @@ def test_direction_is_checked():
     assert PushKVSettings.from_extra_config({"direction": "push"}).direction == "push"
     with pytest.raises(ConnectorConfigError, match="direction"):
         PushKVSettings.from_extra_config({"direction": "sideways"})
+
+
+def test_pack_is_the_packing_configs_setting():
+    from pushkv.protocol import PackingConfig
+
+    default = PushKVSettings.from_extra_config(None)
+    assert (default.pack, default.staging_bytes) == (PackingConfig().mode,
+                                                     PackingConfig().staging_bytes)
+    s = PushKVSettings.from_extra_config({"pack": "always", "staging_bytes": "1048576"})
+    assert s.producer_config().packing == s.consumer_config(FailurePolicy.FAIL).packing == (
+        PackingConfig(mode="always", staging_bytes=1 << 20))
+    never = PushKVSettings.from_extra_config({"pack": "never"})
+    assert never.producer_config().packing is None and never.packing() is None
+    for bad in ({"pack": "sometimes"}, {"staging_bytes": -1}):
+        with pytest.raises(ConnectorConfigError, match="pack"):
+            PushKVSettings.from_extra_config(bad)

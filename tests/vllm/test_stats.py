@@ -75,3 +75,25 @@ def test_progressive_push_counters_are_exported():
     text = generate_latest(reg).decode()
     assert metric(text, "pushkv:bytes_before_prefill_end_total", engine="0") == 5120
     assert metric(text, "pushkv:ranges_reported_total", engine="0") == 3
+
+
+def test_packed_write_counters_and_the_staging_gauge():
+    """Workers report the staging they lend as changes; the gauge sums them back."""
+    reg = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    prom = PushKVPromMetrics(SimpleNamespace(kv_transfer_config=None), types,
+                             ["engine"], {0: ["0"]})
+    lend, back = PushKVStats(), PushKVStats()
+    lend.add("staging_bytes_lent", 4096)
+    lend.add("writes_scattered", 2)
+    prom.observe(lend.data, 0)
+    text = generate_latest(reg).decode()
+    assert metric(text, "pushkv:staging_bytes_lent", engine="0") == 4096
+    back.add("staging_bytes_lent", -4096)
+    back.add("writes_packed", 3)
+    prom.observe(back.data, 0)
+    text = generate_latest(reg).decode()
+    assert metric(text, "pushkv:staging_bytes_lent", engine="0") == 0
+    assert metric(text, "pushkv:writes_packed_total", engine="0") == 3
+    assert metric(text, "pushkv:writes_scattered_total", engine="0") == 2
+    assert back.reduce() == {"staging_bytes_lent": -4096, "writes_packed": 3}

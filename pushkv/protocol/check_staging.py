@@ -1,0 +1,158 @@
+"""The checker's staging memory (rule 10): packed writes, scatters, releases.
+
+:class:`Staging` is the part of :class:`~.check_model.Model` that moves packed
+writes: the producer's :class:`~.events.PackedWrite` lands in the consumer's
+staging share (never in one released, or lent to another attempt), the
+consumer's :class:`~.events.Scatter` copies what landed there into its blocks
+(never into blocks released, never from staging released), and a
+:class:`~.events.ReleaseStaging` never frees a share a scatter still reads.
+The bytes a scatter writes are whatever last landed in the share: a staged
+write of another attempt or a failed one shows up at READY as wrong bytes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+from .check_bytes import touched, written
+from .check_invariants import Violation
+from .check_world import (
+    SCATTER,
+    SWRITE,
+    Item,
+    World,
+    done_item,
+    frame_item,
+    scatter_item,
+    swrite_item,
+)
+from .events import IssueWrite, Peer, ReleaseStaging, Scatter, SendMessage
+from .messages import Register
+
+TID = "t"
+
+
+def gather_map(scatter: Any) -> int:
+    """A short name for a packed write's byte map (both sides must plan the same)."""
+    return zlib.crc32(scatter.tobytes())
+
+
+class Staging:
+    """Packed writes and scatters; :class:`~.check_model.Model` provides the rest."""
+
+    np: int
+    d_stride: int
+    log: list[str] | None
+
+    def _say(self, text: str) -> None:  # pragma: no cover - provided by Model
+        raise NotImplementedError
+
+    def _run(self, w: World, ids: list[int], i: int, key: tuple[Any, ...],
+             call: Any) -> None:  # pragma: no cover - provided by Model
+        raise NotImplementedError
+
+    def _frame(self, msg: Any) -> bytes:  # pragma: no cover - provided by Model
+        raise NotImplementedError
+
+    def _k_of(self, action: Any, w: World) -> int:  # pragma: no cover - provided by Model
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- lending
+
+    def _lent_by_register(self, w: World, d: int, m: SendMessage) -> None:
+        """A Register naming a staging share: the share is this attempt's from now on."""
+        msg = m.message
+        if not isinstance(msg, Register) or not msg.staging_nbytes:
+            return
+        k = self._k_of(msg, w)
+        key = (d, msg.staging_offset)
+        owner = w.s_owner.get(key)
+        if owner is None:
+            w.s_owner[key] = (k, msg.attempt)
+            w.s_content.pop(key, None)  # a fresh share holds nothing of ours
+        elif owner != (k, msg.attempt):
+            raise Violation("staging", f"D{d} lent staging at {msg.staging_offset} to t#{k} "
+                            f"attempt {msg.attempt}; t#{owner[0]} attempt {owner[1]} holds it")
+
+    def _release_staging(self, w: World, d: int, a: ReleaseStaging) -> None:
+        lo, hi = a.offset, a.offset + a.nbytes
+        for it in w.flight:
+            if it[0] == SCATTER and it[1] == d and lo <= it[5] < hi:
+                raise Violation("staging", f"D{d} released staging [{lo}, {hi}) of attempt "
+                                f"{a.attempt} while its scatter of P{it[2]}'s write still "
+                                "reads it")
+        for key in [key for key in w.s_owner if key[0] == d and lo <= key[1] < hi]:
+            del w.s_owner[key]
+
+    # -------------------------------------------------------------- writes
+
+    def _issue_packed(self, w: World, p: int, a: IssueWrite, src: tuple[int, ...],
+                      data: int, inc: int) -> None:
+        pw = a.packed
+        assert pw is not None
+        n = pw.packed.nbytes
+        for it in w.flight:
+            if it[0] == SWRITE and it[1] == p:
+                s0 = it[6][1]
+                if s0 < pw.src_offset + n and pw.src_offset < s0 + it[6][2]:
+                    raise Violation("staging", f"P{p} gathered into staging at {pw.src_offset}"
+                                    f" while its write from {s0} is still in flight")
+        if not a.notify.staged or tuple(a.notify.src_block_ids) != src:
+            raise Violation("staging", f"P{p}'s packed write is not notified as staged "
+                            "with its source blocks")
+        w.add(swrite_item(p, a.peer.rank, a.attempt, inc, src, (pw.dst_offset, pw.src_offset, n),
+                          self._frame(a.notify), data, gather_map(pw.packed.scatter), w.now))
+
+    def _land_staged(self, w: World, item: Item, *, ok: bool) -> None:
+        _, p, d, attempt, inc, _src, where, notify, k, gmap, _sent = item
+        key = (d, where[0])
+        owner = w.s_owner.get(key)
+        if self.log is not None:
+            self._say(f"P{p}'s packed write of t#{k} a{attempt} into D{d} staging {where[0]} "
+                      + ("lands" if ok else "fails (some bytes may land)"))
+        if owner != (k, attempt):
+            what = "free" if owner is None else f"lent to t#{owner[0]} attempt {owner[1]}"
+            raise Violation("staging", f"P{p}'s packed write of t#{k} attempt {attempt} "
+                            f"landed in D{d}'s staging at {where[0]}, which is {what}")
+        w.s_content[key] = (k if ok else -1, attempt, gmap)
+        if ok:
+            w.add(frame_item(("D", d), ("P", p), notify, w.now))
+        w.add(done_item(p, d, attempt, inc, ok, w.now))
+
+    # ------------------------------------------------------------- scatters
+
+    def _start_scatter(self, w: World, d: int, a: Scatter) -> None:
+        plan = a.packed.plan
+        w.add(scatter_item(d, a.peer.rank, a.attempt, a.incarnation, a.offset,
+                           touched(plan, self.d_stride, 1), written(plan, self.d_stride),
+                           gather_map(a.packed.scatter), w.now))
+
+    def _scatter(self, w: World, ids: list[int], item: Item, *, ok: bool) -> None:
+        _, d, p, attempt, inc, offset, dst, cells, gmap, _sent = item
+        w.flight.remove(item)
+        if ok is False:
+            w.faulted = True
+        got = w.s_content.get((d, offset))
+        owner = w.s_owner.get((d, offset))
+        k = inc - 1  # the checker's incarnations are numbered from 1
+        if self.log is not None:
+            self._say(f"D{d}'s scatter of P{p}'s a{attempt} write from staging {offset} "
+                      + ("finishes" if ok else "fails (some bytes may be written)"))
+        if owner != (k, attempt):
+            raise Violation("staging", f"D{d} scattered attempt {attempt} out of staging at "
+                            f"{offset}, which it already released")
+        ci = w.cinc[k]
+        for b in dst:
+            if w.d_owner[b] != (k, attempt) or (d, attempt) in ci.released:
+                raise Violation("reuse", f"D{d}'s scatter of t#{k} attempt {attempt} wrote "
+                                f"block {b}, which it already released")
+        if got is not None and got[2] != gmap:
+            raise Violation("bytes", f"D{d} scattered P{p}'s write by another byte map than "
+                            "the one it was packed by")
+        mark = (got[0], got[1]) if ok and got is not None else (-1, attempt)
+        for b, x in cells:
+            w.content[d, b, p, x] = mark
+        kw = {"incarnation": inc}
+        self._run(w, ids, self.np + d, ("s", attempt, inc, p, ok, w.now),
+                  lambda ep: ep.scatter_done(TID, attempt, Peer("P", p), ok, w.now, **kw))

@@ -1,0 +1,33 @@
+"""Rule 9 on a consumer rank: which blocks a transfer writes, and counting parts."""
+
+from __future__ import annotations
+
+from .messages import CancelAck, Fail, Notify
+from .records import Attempt
+from .states import ConsumerInput
+
+CI = ConsumerInput
+
+
+def written_blocks(ids: tuple[int, ...], block_size: int, first: int, n: int) -> tuple[int, ...]:
+    """The blocks a transfer of tokens ``[first, n)`` writes into: a cached prefix
+    below ``first`` is shared and never written, so it is never lent."""
+    return ids[first // block_size:-(-n // block_size)]
+
+
+def count_parts(a: Attempt, rank: int, inp: ConsumerInput, msg: Notify | CancelAck | Fail) -> (
+        ConsumerInput):
+    """Rule 9: count a producer rank's parts. A Notify that does not complete the
+    rank (more parts to come, or its count not known yet) is the input PART; the
+    rank's last word (final Notify, CancelAck, Fail) says how many parts to wait
+    for, and the part that completes them is fed as NOTIFY (its fence)."""
+    owed = a.need.get(rank)
+    if isinstance(msg, Notify):
+        a.got.setdefault(rank, set()).add(msg.part)
+        if msg.parts:
+            a.need[rank] = max(msg.parts, owed or 0)
+        elif owed is None:
+            return CI.PART
+        return CI.NOTIFY if a.landed(rank) else CI.PART
+    a.need[rank] = max(msg.parts, owed or 0)
+    return inp
