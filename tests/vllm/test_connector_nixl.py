@@ -241,7 +241,7 @@ def test_prefill_abort_fails_the_decode_request(pair, caplog):
     assert fields["transfer_id"] == "cut"
     assert fields["request_id"] == dr.request_id
     assert fields["reason"] == "PREFILL_ABORTED" and fields["attempt"] == 0
-    assert fields["engine_id"] == "decode-0" and fields["policy"] == "fail"
+    assert fields["engine_id"].startswith("decode-") and fields["policy"] == "fail"
     run((p, d), lambda: idle(p) and idle(d))
 
 
