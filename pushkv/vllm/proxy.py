@@ -64,7 +64,7 @@ from .pool import HealthSettings, Instance, Pool
 from .proxy_input import CHAT, COMPLETIONS, Checked, ClientError, ModelInfo, check_request
 from .proxy_input import error_body as _error_body
 from .proxy_metrics import CONTENT_TYPE, ProxyMetrics
-from .proxy_sse import read_json, sse_error, sse_events, write_sse_error
+from .proxy_sse import carries_tokens, read_json, sse_error, sse_head_then_chunks, write_sse_error
 from .signing import sign
 
 logger = logging.getLogger("pushkv.proxy")
@@ -602,7 +602,7 @@ class PushProxy:
 
     async def _relay_stream(self, req: _Request, d_resp: aiohttp.ClientResponse,
                             watch: _Watch) -> web.StreamResponse:
-        events = sse_events(d_resp)
+        events = sse_head_then_chunks(d_resp)
         head = await watch.race(anext(events, b""))
         error = sse_error(head)
         if error is not None:  # the decode leg failed before its first token
@@ -624,11 +624,11 @@ class PushProxy:
             # One race for the whole stream, not one per event: racing each token
             # cost a task and a wait per event on the proxy's critical path.
             nonlocal last
-            async for event in events:
-                if b"[DONE]" not in event:
+            async for piece in events:
+                if carries_tokens(piece):
                     last = time.monotonic()
                 try:
-                    await out.write(event)
+                    await out.write(piece)
                 except ConnectionError as exc:  # the client left: not the decode's fault
                     raise _ClientGone from exc
 

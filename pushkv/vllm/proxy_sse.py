@@ -21,16 +21,33 @@ async def read_json(resp: aiohttp.ClientResponse) -> Any:
         return raw.decode(errors="replace")
 
 
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The upstream stream cut into whole SSE events (each ending in a blank line)."""
+async def sse_head_then_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The upstream stream's first whole SSE event, then the rest as it arrives.
+
+    Only the first event is looked at (an error before the first token); the
+    rest is relayed in the pieces it came in, so a relay writes once per piece,
+    not once per event, when the upstream sends several events at a time."""
     buf = b""
-    async for chunk in resp.content.iter_any():
+    content = resp.content
+    async for chunk in content.iter_any():
         buf += chunk
-        while (cut := buf.find(b"\n\n")) >= 0:
+        if (cut := buf.find(b"\n\n")) >= 0:
             yield buf[: cut + 2]
             buf = buf[cut + 2:]
+            break
+    else:
+        if buf:
+            yield buf
+        return
     if buf:
         yield buf
+    async for chunk in content.iter_any():
+        yield chunk
+
+
+def carries_tokens(piece: bytes) -> bool:
+    """Whether a relayed piece of a stream holds more than its ``[DONE]`` marker."""
+    return bool(piece.replace(b"data: [DONE]", b"").strip())
 
 
 def sse_error(event: bytes) -> dict[str, Any] | None:

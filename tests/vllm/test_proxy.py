@@ -296,3 +296,38 @@ def test_importing_the_proxy_does_not_import_vllm_or_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+class _Pieces:
+    """An upstream body arriving in the given pieces (aiohttp's ``content.iter_any``)."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.content = self
+        self._pieces = pieces
+
+    async def iter_any(self):  # type: ignore[no-untyped-def]
+        while self._pieces:
+            yield self._pieces.pop(0)
+
+
+@pytest.mark.parametrize("pieces", [
+    [b"data: {\"a\": 1}\n\ndata: {\"b\": 2}\n\ndata: [DONE]\n\n"],  # all in one piece
+    [b"data: {\"a\"", b": 1}\n", b"\ndata: {\"b\": 2}\n\n", b"data: [DONE]\n\n"],  # split
+    [b"data: {\"a\": 1}\n\n", b"data: {\"b\": 2}\n\ndata: [DONE]\n\n"],
+    [b"data: {\"a\": 1}"],  # a stream cut before its first event ended
+])
+def test_the_relay_reads_one_whole_first_event_then_passes_the_rest_on_unchanged(pieces):
+    from pushkv.vllm.proxy_sse import carries_tokens, sse_head_then_chunks
+
+    body = b"".join(pieces)
+
+    async def relay() -> list[bytes]:
+        return [p async for p in sse_head_then_chunks(_Pieces(list(pieces)))]  # type: ignore[arg-type]
+
+    out = asyncio.run(relay())
+    assert b"".join(out) == body  # nothing lost, nothing reordered
+    head = out[0]
+    assert head == body[: body.find(b"\n\n") + 2] if b"\n\n" in body else head == body
+    assert carries_tokens(head)
+    assert not carries_tokens(b"data: [DONE]\n\n")
+    assert carries_tokens(b"data: {\"b\": 2}\n\ndata: [DONE]\n\n")
