@@ -12,7 +12,7 @@ each of the others.
 Where chunk ``k`` is staged (the same offset on both sides):
 
 * **image** (``slots=None``): at its own offset of the staging image, as an
-  unpipelined packed write stages it (a :class:`StagingPool` range of
+  unpipelined packed write stages it (the staging range the protocol lent, of
   ``packed.nbytes`` on each side); no flow control.
 * **ring** (``slots=S``): in slot ``k % S`` of ``S`` chunk-sized slots. The
   consumer tells the producer when it has scattered a chunk (an ``ack``

@@ -1,10 +1,9 @@
-"""Staging memory of packed writes: a pool lent like destination blocks, and
-vectorised gather/scatter on host memory (numpy) and on any torch device.
+"""Vectorised gather/scatter of packed writes on host memory (numpy) and on any
+torch device.
 
-A :class:`StagingPool` is one buffer, registered once with the transport. A
-write borrows a contiguous range with :meth:`StagingPool.lend` and gives it
-back with :meth:`StagingPool.give_back` only once nothing can still land in it
-(its write completed or was fenced); ``lent_bytes`` is 0 when nothing leaked.
+Which bytes of a rank's staging memory a write may use is not decided here: the
+protocol endpoints lend and fence staging ranges like destination blocks (rule
+10, :mod:`pushkv.protocol.lending`); these functions only copy.
 
 **Rows.** A plan's runs are the same in every region pair, and in the common
 case (whole blocks, head slices of whole blocks) every run offset and length is
@@ -40,64 +39,6 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ..protocol.errors import ConfigError
 from ..protocol.packing import PackedPlan
-
-
-class StagingExhausted(Exception):
-    """No contiguous free range of the requested size."""
-
-
-class StagingPool:
-    """First-fit allocator over one buffer; thread safe."""
-
-    def __init__(self, nbytes: int, buffer: Any | None = None) -> None:
-        if nbytes < 0:
-            raise ConfigError(f"staging pool size must be >= 0, got {nbytes}")
-        self.buffer = np.zeros(nbytes, np.uint8) if buffer is None else buffer
-        self.nbytes = nbytes
-        self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []  # (start, len)
-        self._lent: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def lent_bytes(self) -> int:
-        with self._lock:
-            return sum(self._lent.values())
-
-    def largest_free(self) -> int:
-        with self._lock:
-            return max((n for _, n in self._free), default=0)
-
-    def lend(self, nbytes: int) -> int:
-        """Offset of a fresh range of ``nbytes``; StagingExhausted if none."""
-        if nbytes <= 0:
-            raise ConfigError(f"staging lend size must be > 0, got {nbytes}")
-        with self._lock:
-            for i, (start, n) in enumerate(self._free):
-                if n >= nbytes:
-                    if n == nbytes:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (start + nbytes, n - nbytes)
-                    self._lent[start] = nbytes
-                    return start
-        raise StagingExhausted(f"no free staging range of {nbytes} bytes")
-
-    def give_back(self, offset: int) -> None:
-        """Return a lent range (only once no write can land in it)."""
-        with self._lock:
-            n = self._lent.pop(offset)
-            free = sorted([*self._free, (offset, n)])
-            merged: list[tuple[int, int]] = []
-            for s, ln in free:
-                if merged and merged[-1][0] + merged[-1][1] == s:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + ln)
-                else:
-                    merged.append((s, ln))
-            self._free = merged
-
-    def view(self, offset: int, nbytes: int) -> Any:
-        return self.buffer[offset:offset + nbytes]
-
 
 # ------------------------------------------------------------------ rows
 
@@ -414,6 +355,6 @@ def copy_staging(src: np.ndarray, dst: np.ndarray, wire: np.ndarray) -> None:
         dst[off:off + n] = src[off:off + n]
 
 
-__all__ = ["MIN_ROW_UNIT", "RowMap", "StagingExhausted", "StagingPool", "chunk_bounds",
+__all__ = ["MIN_ROW_UNIT", "RowMap", "chunk_bounds",
            "copy_staging", "gather_host", "gather_torch", "row_map", "scatter_host",
            "scatter_torch"]

@@ -20,8 +20,6 @@ from pushkv.protocol.packing import PackedPlan
 from pushkv.transports import staging as staging_mod
 from pushkv.transports.inmemory import copy_plan
 from pushkv.transports.staging import (
-    StagingExhausted,
-    StagingPool,
     chunk_bounds,
     copy_staging,
     gather_host,
@@ -47,18 +45,16 @@ def copy_path(path):
 
 
 def packed_copy(plan, src, dst, chunk=64):
+    """Gather into one staging buffer, wire-copy into another, scatter; each staging
+    image at an odd offset of its buffer, the bytes around it must stay untouched."""
     packed = PackedPlan(plan, chunk)
-    pools = StagingPool(packed.nbytes + 100), StagingPool(packed.nbytes + 50)
-    if not packed.nbytes:
-        return pools
-    offs = [p.lend(packed.nbytes) for p in pools]
-    views = [p.view(o, packed.nbytes) for p, o in zip(pools, offs, strict=True)]
+    n = packed.nbytes
+    bufs = np.full(n + 100, 7, np.uint8), np.full(n + 50, 9, np.uint8)
+    views = bufs[0][37:37 + n], bufs[1][13:13 + n]
     gather_host(packed, src, views[0])
     copy_staging(views[0], views[1], packed.wire)
     scatter_host(packed, views[1], dst)
-    for p, o in zip(pools, offs, strict=True):
-        p.give_back(o)
-    return pools
+    return bufs, n
 
 
 @given(cases(), st.sampled_from(PATHS))
@@ -73,9 +69,10 @@ def test_packed_path_moves_exactly_the_direct_bytes(case, path):
     got = [np.zeros(dst.region_bytes, np.uint8) for _ in range(4)]
     copy_plan(plan, s_mem, want)
     with copy_path(path):
-        pools = packed_copy(plan, s_mem, got)
+        (out, into), n = packed_copy(plan, s_mem, got)
     assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
-    assert [p.lent_bytes for p in pools] == [0, 0]
+    assert not np.any(out[:37] != 7) and not np.any(out[37 + n:] != 7)
+    assert not np.any(into[:13] != 9) and not np.any(into[13 + n:] != 9)
 
 
 def chunked_copy(plan, s_mem, d_mem, gather_chunk, scatter_chunk):
@@ -188,21 +185,6 @@ def test_opaque_blocks_through_the_packed_path():
     copy_plan(plan, s_mem, want)
     packed_copy(plan, s_mem, got, chunk=100)
     assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
-
-
-def test_pool_lends_disjoint_ranges_and_coalesces_on_return():
-    pool = StagingPool(100)
-    a, b, c = pool.lend(30), pool.lend(30), pool.lend(40)
-    assert sorted([a, b, c]) == [0, 30, 60]
-    with pytest.raises(StagingExhausted):
-        pool.lend(1)
-    pool.give_back(b)
-    assert pool.largest_free() == 30
-    pool.give_back(a)
-    pool.give_back(c)
-    assert pool.lent_bytes == 0 and pool.largest_free() == 100
-    with pytest.raises(KeyError):
-        pool.give_back(a)  # a range is given back once
 
 
 @contextlib.contextmanager
