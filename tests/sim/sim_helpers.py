@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,3 +33,15 @@ def with_profile(**sections: dict[str, Any]) -> Profile:
     changes = {name: dataclasses.replace(getattr(DEFAULT, name), **fields)
                for name, fields in sections.items()}
     return dataclasses.replace(DEFAULT, **changes).validate()
+
+
+def bench_sim_vs_real() -> Any:
+    """``benchmarks/bench_sim_vs_real.py`` as a module (it is a script, not a package)."""
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "bench_sim_vs_real", root / "benchmarks" / "bench_sim_vs_real.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_sim_vs_real", mod)
+    spec.loader.exec_module(mod)
+    return mod

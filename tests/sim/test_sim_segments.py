@@ -3,14 +3,14 @@ synthetic directories, and bench_sim_vs_real's use of it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("simpy")
+
+from sim_helpers import bench_sim_vs_real
 
 from pushkv.sim import segments
 
@@ -89,21 +89,11 @@ def test_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         segments.main(["--real", str(tmp_path / "empty"), "--sim", str(sim)])
 
 
-def _bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(
-        "bench_sim_vs_real", ROOT / "benchmarks" / "bench_sim_vs_real.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_sim_vs_real", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_compares_each_points_timelines(tmp_path: Path) -> None:
     """The simulated timeline of the committed push point stands in for a real one (its
     router's marks in the mode's directory, the rest in the deployment's): every
     segment's ratio is 1."""
-    bench = _bench()
+    bench = bench_sim_vs_real()
     points, output_len, num_prompts = bench.real_points(DATA)
     push = [p for p in points if p[0] == "push"]
     bench.run_sim(bench.PROFILE, tmp_path / "sim", push, output_len, num_prompts,

@@ -7,32 +7,22 @@ the points, simulate them with the committed profile, three ways, and compare.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("simpy")
 
+from sim_helpers import bench_sim_vs_real
+
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data" / "sim_vs_real" / "real"
 
 
-def _bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(
-        "bench_sim_vs_real", ROOT / "benchmarks" / "bench_sim_vs_real.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_sim_vs_real", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_the_simulator_half_runs_on_real_results(tmp_path: Path) -> None:
-    bench = _bench()
+    bench = bench_sim_vs_real()
     points, output_len, num_prompts = bench.real_points(DATA)
     assert sorted(p[0] for p in points) == ["pull", "push"]
     assert (output_len, num_prompts) == (24, 24)
