@@ -376,7 +376,9 @@ def main() -> int:
                    help="requests sent one at a time through each router before its points")
     p.add_argument("--delay-us", type=int, default=100,
                    help="NIXL progress-thread sleep between polls, every connector alike")
-    p.add_argument("--spin-s", default="0.002",
+    from modes import SPIN_S  # benchmarks/e2e
+
+    p.add_argument("--spin-s", default=SPIN_S,
                    help="cap of vLLM's busy loop after each queue message in every server "
                    "(as bench_e2e.sh --spin-s; empty: vLLM's 1 s)")
     p.add_argument("--profile", type=Path, default=PROFILE)

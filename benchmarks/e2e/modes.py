@@ -92,6 +92,11 @@ from router_modes import ROUTER_ROWS, vllm_router  # noqa: E402
 MODES |= {name: Mode(name, deployment, "router", router=vllm_router)
           for name, deployment in ROUTER_ROWS}
 
+#: How long every vLLM server of a run may busy-loop on its shared-memory queues after
+#: a message (seconds, as a string for the environment; vLLM's own: 1 s). See
+#: nixl_throttle/sitecustomize.py.
+SPIN_S = "0.002"
+
 #: The modes run when none are named.
 DEFAULT_MODES = ("plain", "push-client", "push", "vllm-push-client", "vllm-push",
                  "pull-client", "pull")

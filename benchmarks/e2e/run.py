@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from client import Client, Result, Target  # noqa: E402
-from modes import DEFAULT_MODES, MODES, Mode, RouterArgs  # noqa: E402
+from modes import DEFAULT_MODES, MODES, SPIN_S, Mode, RouterArgs  # noqa: E402
 from router_modes import router_verdict  # noqa: E402
 
 from pushkv import timeline  # noqa: E402
@@ -61,7 +61,7 @@ class Deployment:
     """The servers of one connector (or the plain server)."""
 
     def __init__(self, kind: str, model: str, out: Path, *, max_model_len: int,
-                 delay_us: int, plain_cores: str = "0,1", spin_s: str = "") -> None:
+                 delay_us: int, plain_cores: str = "0,1", spin_s: str = SPIN_S) -> None:
         self.kind, self.model, self.out = kind, model, out
         self.spin_s = spin_s
         self.plain_cores = plain_cores
@@ -437,7 +437,7 @@ def main() -> int:
                    help="the plain baseline: one plain server per core listed, requests "
                    "spread over them in turn (default: one on each core a pair uses, so "
                    "both run on the same two cores; '0': one server, as before)")
-    p.add_argument("--spin-s", default="0.002",
+    p.add_argument("--spin-s", default=SPIN_S,
                    help="cap how long every vLLM server's processes busy-loop on their "
                    "shared-memory queues after a message (vLLM: 1 s) before sleeping "
                    "(default 2 ms: on 2 cores, a second of spinning by every server that "
