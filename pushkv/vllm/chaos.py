@@ -51,6 +51,7 @@ from .testing import (
     metric,
     sse_events,
 )
+from .trend import trend
 
 #: Short protocol timeouts, so that failure paths end within seconds.
 #: Handshakes take seconds on a loaded machine; the lease outlasts one.
@@ -588,6 +589,8 @@ class SoakReport:
                                      for k, v in self.rss_warm_kib.items() if v},
             "p99_ms_first": round(1000 * first, 1), "p99_ms_last": round(1000 * last, 1),
             "p99_ms_windows": [round(1000 * v, 1) for v in self.p99_s],
+            # rising = a Mann-Kendall trend over every window (pushkv.vllm.trend)
+            "p99_trend": trend([1000 * v for v in self.p99_s]).figures(),
             "threads_idle": self.threads_idle, "threads_end": self.threads_end,
         }
 
