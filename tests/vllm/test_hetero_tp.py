@@ -18,15 +18,16 @@ handshake waited. The consumer's card was not lost: its TCP connection to the
 producer rank's side channel was accepted, but the producer's ZeroMQ I/O thread
 (pinned, as every thread of a vLLM CPU worker, to the worker's core) did not
 answer the ZeroMQ handshake within its 30 s, over and over, so the card reached
-the rank after the consumer's 150 s handshake timeout (or never); loading the
-consumer's NIXL metadata then took 30-70 s instead of 9 ms. Every server here
+the rank after the consumer's 150 s handshake timeout (or never); accepting it
+(loading the consumer's NIXL metadata: 9 ms between idle processes) took 33-67 s. Every server here
 runs with ``ServerSpec(spin_s=SPIN_S)`` (2 ms, ``pushkv/vllm/cpu_tuning``, as
 in the benchmarks), and the handshake takes a fraction of a second. A TP > 1
 worker also compiles (torch.compile) its vocabulary-parallel embedding's input
 mask on its first forward, so every server serves one plain request before the
 proxy starts; the protocol timeouts are the defaults with a handshake timeout of
-minutes, not the e2e test's seconds, so a slow machine is not taken for a
-broken one.
+minutes, not the e2e test's seconds, and the proxy gives a health probe 30 s
+(its default, 2 s, once took a busy prefill server out of rotation), so a slow
+machine is not taken for a broken one.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ TIMEOUTS = {"handshake_timeout_s": 150.0, "lease_s": 150.0}
 START_S = 300.0
 #: The client's and the proxy's bound on one request.
 REQUEST_S = 240.0
+#: The proxy's bound on one health probe: a server answering late is busy, not dead.
+PROBE_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +124,7 @@ def cluster(request: pytest.FixtureRequest, model: Path, logs: Path,
         for server in (prefill, decode):  # first forwards (and their compiles) happen here
             completion(server.url, str(model), prompt(9, 999))
         proc, url = start_proxy(prefill.url, decode.url, logs / f"{name}-proxy.log",
-                                "--timeout", str(REQUEST_S))
+                                "--timeout", str(REQUEST_S), "--health-timeout", str(PROBE_S))
         try:
             yield Cluster(str(model), prefill, decode, url, d_spec, logs)
         finally:
