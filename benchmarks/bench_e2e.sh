@@ -6,7 +6,7 @@
 # (pull), and one plain server (no disaggregation), kept up while each
 # connector's pair comes up in turn (--phases all: everything at once). Every NIXL
 # progress thread sleeps --delay-us between polls and every transport thread
-# stays on its server's core (benchmarks/e2e/nixl_throttle fixes vLLM's).
+# stays on its server's core (pushkv/vllm/cpu_tuning fixes vLLM's).
 # Modes (benchmarks/e2e/modes.py): each connector with both legs sent by the
 # benchmark client itself (push-client, vllm-push-client, pull-client) and
 # behind its router (push: `pushkv proxy`; vllm-push, pull: vLLM's example

@@ -5,7 +5,7 @@ server, no disaggregation), ``pushkv`` (``PushKVConnector``), ``nixl-push``
 (vLLM's ``NixlPushConnector``), ``nixl-pull`` (vLLM's ``NixlConnector``). Prefill
 on core 0, decode on core 1, prefix caching off, and the same transport
 settings for every connector: NIXL's progress thread sleeps ``delay_us``
-between polls (vLLM's agents through ``nixl_throttle/sitecustomize.py``, pushkv
+between polls (vLLM's agents through ``pushkv/vllm/cpu_tuning/sitecustomize.py``, pushkv
 through ``progress_delay_us``), and every transport thread stays on its
 server's own core (vLLM's NIXL worker would pin itself to the machine's last
 core in both servers; the same sitecustomize keeps it on the server's core).
@@ -93,9 +93,10 @@ MODES |= {name: Mode(name, deployment, "router", router=vllm_router)
           for name, deployment in ROUTER_ROWS}
 
 #: How long every vLLM server of a run may busy-loop on its shared-memory queues after
-#: a message (seconds, as a string for the environment; vLLM's own: 1 s). See
-#: nixl_throttle/sitecustomize.py.
-SPIN_S = "0.002"
+#: a message: the tests' value (one definition, pushkv.vllm.testing.SPIN_S).
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from pushkv.vllm.testing import SPIN_S  # noqa: E402,F401
 
 #: The modes run when none are named.
 DEFAULT_MODES = ("plain", "push-client", "push", "vllm-push-client", "vllm-push",

@@ -40,6 +40,7 @@ from router_modes import router_verdict  # noqa: E402
 
 from pushkv import timeline  # noqa: E402
 from pushkv.vllm.testing import (  # noqa: E402
+    CPU_TUNING,
     Server,
     ServerSpec,
     free_port,
@@ -49,7 +50,7 @@ from pushkv.vllm.testing import (  # noqa: E402
     write_word_tokenizer,
 )
 
-THROTTLE = ROOT / "benchmarks" / "e2e" / "nixl_throttle"
+THROTTLE = CPU_TUNING  # its sitecustomize: vLLM's NIXL agents, core, busy loop, timeline
 
 
 def nixl_config(connector: str, role: str, engine_id: str) -> dict[str, Any]:
@@ -73,13 +74,10 @@ class Deployment:
     def spec(self, cpu: int, kv: dict[str, Any] | None = None,
              env: dict[str, str] | None = None) -> ServerSpec:
         env = dict(env or {})
-        if self.spin_s:  # every server alike (benchmarks/e2e/nixl_throttle)
-            env["PUSHKV_BENCH_SPIN_S"] = self.spin_s
-            env.setdefault("PYTHONPATH", os.pathsep.join(
-                p for p in (str(THROTTLE), str(ROOT), os.environ.get("PYTHONPATH")) if p))
         return ServerSpec(model=self.model, port=free_port(), cpu=cpu, kv_config=kv,
                           tokenizer=True, prefix_caching=False,
-                          max_model_len=self.max_model_len, env=env)
+                          max_model_len=self.max_model_len, env=env,
+                          spin_s=self.spin_s or None)  # every server alike
 
     def start(self) -> None:
         logs = self.out / "logs"

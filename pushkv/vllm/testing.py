@@ -7,6 +7,9 @@
   life of one ``vllm.entrypoints.openai.api_server`` process (CPU recipe:
   ``--enforce-eager``, block size 32, token-id prompts without a tokenizer).
 * :func:`post_json`, :func:`get_text`, :func:`metric` -- tiny stdlib HTTP helpers.
+* :data:`CPU_TUNING`, :data:`SPIN_S` -- the directory whose ``sitecustomize`` caps
+  vLLM's busy loops (``ServerSpec(spin_s=...)`` puts it on the server's path; see
+  ``cpu_tuning/sitecustomize.py``), and the cap every server of a run gets.
 
 Servers run in their own process group and are always stopped (SIGINT, then
 SIGKILL) by :meth:`Server.stop` or the context manager.
@@ -49,6 +52,16 @@ TINY_LLAMA = {
     "torch_dtype": "float32",
     "rope_theta": 10000.0,
 }
+
+
+#: First on ``PYTHONPATH`` of a vLLM server: its ``sitecustomize`` tunes vLLM for a small
+#: CPU machine, each fix switched on by an environment variable (see the file).
+CPU_TUNING = Path(__file__).with_name("cpu_tuning")
+#: The variable that caps vLLM's shared-memory busy loop (seconds), read by CPU_TUNING.
+SPIN_ENV = "PUSHKV_BENCH_SPIN_S"
+#: How long every vLLM server of a run may busy-loop on its shared-memory queues after a
+#: message (seconds, a string for the environment; vLLM's own: 1 s).
+SPIN_S = "0.002"
 
 
 #: A variant with 2 KV heads, so that tensor parallelism 2 splits them (TP 1 <-> TP 2).
@@ -154,6 +167,8 @@ class ServerSpec:
     prefix_caching: bool = True
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    #: Cap vLLM's busy loop at this many seconds (e.g. :data:`SPIN_S`; None: vLLM's 1 s).
+    spin_s: str | None = None
 
     def argv(self) -> list[str]:
         args = [
@@ -179,7 +194,11 @@ class ServerSpec:
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
         root = str(Path(__file__).resolve().parents[2])  # so every vLLM process finds pushkv
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        paths = [root, env.get("PYTHONPATH")]
+        if self.spin_s is not None:
+            env[SPIN_ENV] = self.spin_s
+            paths.insert(0, str(CPU_TUNING))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         return env | dict(self.env)
 
     @property

@@ -1,6 +1,8 @@
-"""Benchmark-only fixes for vLLM's own NIXL connectors, so the comparison is fair.
+"""CPU tuning of vLLM servers on a small machine, for tests and benchmarks.
 
-bench_e2e.sh puts this directory on ``PYTHONPATH`` of the baseline servers.
+This directory goes first on ``PYTHONPATH`` of a vLLM server
+(:class:`pushkv.vllm.testing.ServerSpec` with ``spin_s`` set does it; so do the
+benchmarks). Each fix is off unless its environment variable is set:
 
 1. **Progress thread.** NIXL's Python wrapper creates every agent with
    ``pthrDelay = 0``: each agent's UCX progress thread busy-spins a core, even
@@ -13,9 +15,16 @@ bench_e2e.sh puts this directory on ``PYTHONPATH`` of the baseline servers.
 3. **Spinning.** vLLM's worker and engine processes busy-loop (``sched_yield``)
    on their shared-memory queue for ``busy_loop_s`` (1 s) after each message
    before they sleep on a socket, so on this 2-core machine every server that
-   served a request in the last second takes CPU from the one serving now. With
-   ``PUSHKV_BENCH_SPIN_S`` set, that period is this many seconds -- in every
-   server of the run, plain ones included (bench_e2e.sh ``--spin-s``).
+   served a request in the last second takes CPU from the one serving now. An
+   engine that waits for KV (a decode request waiting for its transfer, a
+   prefill holding blocks until they are pushed) steps all the time, so its
+   processes spin for as long as it waits: two such servers with three workers
+   on two cores starved a rank's side channel for minutes (the heterogeneous-TP
+   test, see ``docs/vllm.md``). With ``PUSHKV_BENCH_SPIN_S`` set, that period is
+   this many seconds (``pushkv.vllm.testing.SPIN_S``: 2 ms), and a reader that
+   sleeps rechecks its queue every 5 ms (vLLM's default is longer, and a lost
+   wake-up then stalls a request for that long) -- in every server of a run,
+   plain ones included (bench_e2e.sh ``--spin-s``).
 4. **Timeline.** With ``PUSHKV_BENCH_TIMELINE_DIR`` set, the connector's
    scheduler marks ``prefill_seen``, ``decode_seen``, ``prefill_finished``,
    ``ready_scheduled`` and ``decode_scheduled`` (:mod:`pushkv.timeline`) under
