@@ -86,6 +86,17 @@ class NixlConfig:
         default=0.0002,
         metadata={"help": "writer thread: sleep between completion checks of a posted write"},
     )
+    nudge_poll_s: float = field(
+        default=0.0001,
+        metadata={"help": "notification poll period after a producer's nudge (a side-channel "
+                  "frame sent as it starts a write to this consumer), for nudge_window_s "
+                  "or until that write's notification came"},
+    )
+    nudge_window_s: float = field(
+        default=0.01,
+        metadata={"help": "how long a nudge keeps the fast notification poll (0: a producer "
+                  "sends no nudge and a consumer ignores them)"},
+    )
     write_timeout_s: float = field(
         default=60.0,
         metadata={"help": "a posted write still running after this is cancelled and failed"},
@@ -116,7 +127,9 @@ class NixlConfig:
                               "to the address peers use")
         if self.progress_delay_us < 0 or self.num_threads < 0 or not 0 <= self.port < 65536:
             raise ConfigError("progress_delay_us, num_threads and port must be >= 0")
-        for name in ("active_poll_s", "idle_poll_s", "write_poll_s",
+        if self.nudge_window_s < 0:
+            raise ConfigError(f"nudge_window_s must be >= 0, got {self.nudge_window_s}")
+        for name in ("active_poll_s", "idle_poll_s", "write_poll_s", "nudge_poll_s",
                      "write_timeout_s", "peer_confirm_s", "close_timeout_s", "key_window_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -98,6 +98,10 @@ class IOLoop:
         self._events: deque[Event] = deque()
         self._events_cv = threading.Condition()
         self._idle = False  # the I/O thread is (about to be) waiting
+        # Nudges (sc.NUDGE): writes started towards us whose notification has not
+        # come yet, and until when notifications are polled every nudge_poll_s.
+        self._nudged = 0
+        self._fast_until = 0.0
         self._woken = False  # a wake-up byte is on its way
         self.closed = threading.Event()
         # I/O thread state
@@ -215,8 +219,7 @@ class IOLoop:
                     # must stay free for the side channel.
                     if not self._writes and not self._reads:
                         self._guard(self._poll_notifications, now)
-                    self._next_notif = now + (self.config.active_poll_s if self._live()
-                                              else self.config.idle_poll_s)
+                    self._next_notif = now + self._notif_period(now)
                 deadline = self._endpoint.next_deadline()
                 if deadline is not None and deadline <= now:
                     self._guard(self._timers, now)
@@ -227,6 +230,20 @@ class IOLoop:
             self._stats["crashed"] += 1
         finally:
             self._shutdown()
+
+    def _notif_period(self, now: float) -> float:
+        if self._nudged and now < self._fast_until:
+            return self.config.nudge_poll_s
+        self._nudged = 0
+        return self.config.active_poll_s if self._live() else self.config.idle_poll_s
+
+    def _nudge(self, now: float) -> None:
+        """A producer starts a write to us: poll its notification fast (sc.NUDGE)."""
+        self._stats["nudges"] += 1
+        if self.config.nudge_window_s > 0:
+            self._nudged += 1
+            self._fast_until = now + self.config.nudge_window_s
+            self._next_notif = min(self._next_notif, now + self.config.nudge_poll_s)
 
     def _timers(self, now: float) -> None:
         self._apply(self._endpoint.handle_timer(now), now)
@@ -507,6 +524,8 @@ class IOLoop:
         if link is None or writer is None:
             return
         assert link.agent_name is not None
+        if self.config.nudge_window_s > 0:  # before the post: the consumer wakes meanwhile
+            self._side.send(link.address, sc.NUDGE, b"")
         if a.packed is not None:
             self._stats["writes_packed"] += 1
         writer.submit(WriteJob(
@@ -605,6 +624,8 @@ class IOLoop:
             self._receive(body, None, now)
         elif kind == sc.HELLO:
             self._on_card(body, now)
+        elif kind == sc.NUDGE:
+            self._nudge(now)
         elif kind == sc.BYE:
             if not self._peers.goodbye(body.decode("utf-8", "replace"), now):
                 self._reject(None, "goodbye from an unknown address")
@@ -624,6 +645,7 @@ class IOLoop:
     def _poll_notifications(self, now: float) -> None:
         for sender, frame in self._agent.notifications():
             self._stats["notifications"] += 1
+            self._nudged = max(0, self._nudged - 1)
             self._receive(frame, sender, now)
 
     def _receive(self, frame: bytes, agent: str | None, now: float) -> None:

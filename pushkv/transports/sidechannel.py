@@ -12,6 +12,11 @@ message ``[kind, body]``:
   decoded by the protocol's codec on arrival.
 * ``B`` -- goodbye: the sender closed; nothing more will come from it (no
   write either: a runtime says goodbye after its writer stopped).
+* ``N`` -- nudge (empty body): the sender starts a write to the receiver, whose
+  notification will come through NIXL. NIXL cannot wake a waiting thread, and
+  its notification needs several polls of the receiver's agent to arrive, so
+  the receiver polls fast for a short while. Nothing depends on a nudge: a
+  forged or lost one changes how often the receiver polls, never what it does.
 
 Everything received is untrusted: a frame with the wrong shape or an unknown
 kind comes back as :data:`GARBAGE` for the caller to count and drop. With a
@@ -41,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Final
 
@@ -56,8 +62,11 @@ log = logging.getLogger(__name__)
 HELLO: Final = b"H"
 CONTROL: Final = b"C"
 BYE: Final = b"B"
+#: A producer starts a write to the receiver: poll notifications fast for a while.
+#: No state depends on it (READY still comes only from the write's notification).
+NUDGE: Final = b"N"
 GARBAGE: Final = b"?"
-KINDS: Final = (HELLO, CONTROL, BYE)
+KINDS: Final = (HELLO, CONTROL, BYE, NUDGE)
 
 #: Largest side-channel message accepted; larger ones drop the connection.
 MAX_MESSAGE: Final = 16 << 20
@@ -251,7 +260,13 @@ class SideChannel:
         """
         frames: list[tuple[bytes, bytes]] = []
         links: list[tuple[str, str]] = []
-        ready = dict(self._poller.poll(max(0, int(timeout_s * 1000 + 0.999))))
+        if 0 < timeout_s < 0.001:  # zmq waits whole milliseconds: look, nap, look again
+            ready = dict(self._poller.poll(0))
+            if not ready:
+                time.sleep(timeout_s)
+                ready = dict(self._poller.poll(0))
+        else:
+            ready = dict(self._poller.poll(max(0, int(timeout_s * 1000 + 0.999))))
         if self._wake_r in ready:
             try:
                 while os.read(self._wake_r, 4096):
