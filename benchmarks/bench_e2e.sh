@@ -3,8 +3,9 @@
 #
 # Deployments (prefill on core 0, decode on core 1, tiny model, prefix caching
 # off): pushkv (PushKVConnector), vLLM's NixlPushConnector and NixlConnector
-# (pull), and one plain server (no disaggregation), kept up while each
-# connector's pair comes up in turn (--phases all: everything at once). Every NIXL
+# (pull), and plain servers (no disaggregation), kept up while pushkv's and
+# vLLM push's pairs are up together, then pull's (--phases: each, all, groups).
+# Every NIXL
 # progress thread sleeps --delay-us between polls and every transport thread
 # stays on its server's core (pushkv/vllm/cpu_tuning fixes vLLM's).
 # Modes (benchmarks/e2e/modes.py): each connector with both legs sent by the

@@ -400,11 +400,20 @@ def serve(args: argparse.Namespace, eps: dict[str, Endpoint], model: str, out: P
                 status[name] = f"vllm bench serve failed at qps {qps}"
 
 
+#: Deployments ``--phases auto`` puts up at once: the ratio the benchmark is about
+#: (pushkv against vLLM's push connector) then pairs both with the same plain rounds.
+PAIRED = ("pushkv", "nixl-push")
+
+
 def plan_phases(spec: str, kinds: list[str]) -> list[list[str]]:
     """The deployments up at once, phase by phase (see ``--phases``)."""
     base = [k for k in kinds if k == "plain"]
     if spec == "all":
         return [kinds]
+    if spec == "auto":  # the two push connectors side by side, anything else alone
+        together = [k for k in kinds if k in PAIRED]
+        alone = [[k] for k in kinds if k != "plain" and k not in PAIRED]
+        return [[*base, *g] for g in ([together] if together else []) + alone] or [base]
     if spec == "each":
         return [[*base, k] for k in kinds if k != "plain"] or [base]
     groups = [[k for k in g.split("+") if k] for g in spec.split(",")]
@@ -448,9 +457,11 @@ def main() -> int:
                    help="also run `vllm bench serve` at these rates (comma separated) "
                    "against the router modes and plain; empty: skip")
     p.add_argument("--serve-prompts", type=int, default=16)
-    p.add_argument("--phases", default="each",
-                   help="each: the plain server plus one connector's servers at a time "
-                   "(modes alternate within a phase); all: every deployment at once; or "
+    p.add_argument("--phases", default="auto",
+                   help="auto (default): the plain server with pushkv's and vLLM push's pairs "
+                   "at once, then with each other connector's; each: the plain server plus "
+                   "one connector's servers at a time (modes alternate within a phase); "
+                   "all: every deployment at once; or "
                    "groups of deployments, e.g. 'pushkv+nixl-pull,nixl-push' (the plain "
                    "server is in every group): modes of one group alternate round by round")
     args = p.parse_args()
