@@ -5,9 +5,8 @@
 # off): pushkv (PushKVConnector), vLLM's NixlPushConnector and NixlConnector
 # (pull), and plain servers (no disaggregation), kept up while pushkv's and
 # vLLM push's pairs are up together, then pull's (--phases: each, all, groups).
-# Every NIXL
-# progress thread sleeps --delay-us between polls and every transport thread
-# stays on its server's core (pushkv/vllm/cpu_tuning fixes vLLM's).
+# Every NIXL progress thread sleeps --delay-us between polls and every
+# transport thread stays on its server's core (pushkv/vllm/cpu_tuning fixes vLLM's).
 # Modes (benchmarks/e2e/modes.py): each connector with both legs sent by the
 # benchmark client itself (push-client, vllm-push-client, pull-client) and
 # behind its router (push: `pushkv proxy`; vllm-push, pull: vLLM's example
