@@ -104,7 +104,13 @@ class IssueWrite:
     def chunk_notify(self, k: int) -> Notify:
         """The notification of chunk ``k`` of a pipelined packed write (``notify`` is
         chunk 0's); a write of one chunk has only ``notify``."""
-        return self.notify if k == 0 else msgspec.structs.replace(self.notify, chunk=k)
+        return notify_chunk(self.notify, k)
+
+
+def notify_chunk(notify: Notify, k: int) -> Notify:
+    """Chunk ``k``'s notification of a pipelined packed write whose chunk 0 notifies
+    ``notify`` (rule 10)."""
+    return notify if k == 0 else msgspec.structs.replace(notify, chunk=k)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
