@@ -207,6 +207,8 @@ class PackedPlan:
 
 #: Below this run unit (bytes) a pipelined write is cut at run starts only.
 MIN_ROW_UNIT = 64
+#: A pipelined write has at most about this many chunks (smaller chunks are widened).
+MAX_CHUNKS = 1 << 16
 
 
 def run_unit(packed: PackedPlan) -> int:
@@ -220,7 +222,8 @@ def chunk_bounds(packed: PackedPlan, chunk_bytes: int,
     """Cut points ``0 = b0 < b1 < ... = nbytes`` of the staging image into the chunks of
     a pipelined write of at most about ``chunk_bytes`` (0: one chunk): multiples of the
     plan's run unit when it is at least ``min_unit`` bytes, else run starts (a single
-    run longer than a chunk stays whole). Producer and consumer cut the same image at
+    run longer than a chunk stays whole; chunks are widened to keep at most about
+    :data:`MAX_CHUNKS`). Producer and consumer cut the same image at
     the same points from the same plan and ``chunk_bytes`` (rule 10)."""
     if chunk_bytes < 0:
         raise ConfigError(f"chunk_bytes must be >= 0, got {chunk_bytes}")
@@ -229,6 +232,7 @@ def chunk_bounds(packed: PackedPlan, chunk_bytes: int,
         return (0,)
     if chunk_bytes == 0 or chunk_bytes >= n:
         return (0, n)
+    chunk_bytes = max(chunk_bytes, -(-n // MAX_CHUNKS))  # bounded work for any input
     unit = run_unit(packed)
     if unit >= min_unit and unit:
         step = max(unit, chunk_bytes // unit * unit)
@@ -238,5 +242,6 @@ def chunk_bounds(packed: PackedPlan, chunk_bytes: int,
     return (*(int(c) for c in np.unique(cuts)), n)
 
 
-__all__ = ["MIN_ROW_UNIT", "PackChoice", "PackMode", "PackedPlan", "PackingConfig", "choose",
-           "chunk_bounds", "direct_cost_s", "packed_cost_s", "packed_descriptors", "run_unit"]
+__all__ = ["MAX_CHUNKS", "MIN_ROW_UNIT", "PackChoice", "PackMode", "PackedPlan",
+           "PackingConfig", "choose", "chunk_bounds", "direct_cost_s", "packed_cost_s",
+           "packed_descriptors", "run_unit"]
