@@ -44,7 +44,8 @@ Measured in one run, on host memory with UCX:
   copies on host memory), the consumer's scatter (and reads), each as wall time
   and as the thread's CPU time (what the stage costs whatever the load), and
   each process's CPU time over the write. This drives the staging path
-  with its own NIXL agents, beside the runtime, which does not pack writes yet.
+  with its own NIXL agents, beside the runtime (``bench_packed_runtime.py``
+  measures the runtime's own packed writes, serial and pipelined).
 
 The last line is one JSON object: ``contiguous_vs_copy``, ``fragmented_vs_copy``,
 ``fragmented_packed_vs_copy``, ``packed_vs_fragmented`` (and ``_best``: best

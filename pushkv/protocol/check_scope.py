@@ -60,6 +60,11 @@ class Scope:
         metadata={"help": "staging memory of every rank, in bytes (rule 10: packed writes, "
                   "always packed when it is free; 0: none, every write is direct)"},
     )
+    pipeline_bytes: int = field(
+        default=0,
+        metadata={"help": "rule 10: packed writes are pipelined in chunks of this many "
+                  "bytes, each notified and scattered on its own (0: one chunk)"},
+    )
     d_blocks: int = field(default=2, metadata={"help": "consumer block pool (reused at once)"})
     p_blocks: int = field(default=1, metadata={"help": "producer block pool (reused at once)"})
     window_s: float = 4.0
@@ -133,7 +138,8 @@ class Scope:
     def packing(self) -> PackingConfig | None:
         if not self.staging_bytes:
             return None
-        return PackingConfig(mode="always", staging_bytes=self.staging_bytes, chunk_bytes=2)
+        return PackingConfig(mode="always", staging_bytes=self.staging_bytes, chunk_bytes=2,
+                             pipeline_bytes=self.pipeline_bytes)
 
     def producer_config(self) -> ProducerConfig:
         return ProducerConfig(lease_s=self.lease_s, orphan_ttl_s=self.orphan_ttl_s,
@@ -155,6 +161,8 @@ class Scope:
                   "handshakes on demand" if self.handshake else "",
                   f"KV final in {self.pieces} {self.split} range(s)" if self.pieces else "",
                   f"packed writes ({self.staging_bytes} B staging)" if self.staging_bytes
+                  else "",
+                  f"pipelined in {self.pipeline_bytes} B chunks" if self.pipeline_bytes
                   else ""]
         return (f"P TP{self.p_tp} -> D TP{self.d_tp}, {self.heads} KV head(s), "
                 f"{self.incarnations} incarnation(s) x {self.attempts} attempt(s); "
@@ -196,6 +204,12 @@ CI_SCOPES = _scopes(
           staging_bytes=64, max_scatter_s=4.0, heartbeats=False),
     Scope(name="packed-2to1", p_tp=2, dups=1, staging_bytes=128, max_scatter_s=4.0,
           heartbeats=False),
+    # Rule 10, pipelined: each write in chunks of one byte, each chunk notified and
+    # scattered on its own while later chunks are still on their way.
+    Scope(name="packed-chunked", attempts=2, dups=1, staging_bytes=128, pipeline_bytes=1,
+          max_scatter_s=4.0, heartbeats=False),
+    Scope(name="packed-chunked-faults", attempts=2, deaths=("P", "D"), write_errors=True,
+          staging_bytes=64, pipeline_bytes=1, max_scatter_s=4.0, heartbeats=False),
 )
 
 #: Deeper scopes for the benchmark and for people with time.

@@ -8,6 +8,11 @@ consumer's :class:`~.events.Scatter` copies what landed there into its blocks
 :class:`~.events.ReleaseStaging` never frees a share a scatter still reads.
 The bytes a scatter writes are whatever last landed in the share: a staged
 write of another attempt or a failed one shows up at READY as wrong bytes.
+
+A pipelined write (``PackedWrite.bounds`` of several chunks) lands chunk by
+chunk, in order, each chunk with its own notification frame (delivered in any
+order); a failure stops it at any chunk. The content is kept per chunk (by its
+staging position) and each chunk's scatter writes only the cells of its runs.
 """
 
 from __future__ import annotations
@@ -70,7 +75,9 @@ class Staging:
         owner = w.s_owner.get(key)
         if owner is None:
             w.s_owner[key] = (k, msg.attempt)
-            w.s_content.pop(key, None)  # a fresh share holds nothing of ours
+            hi = msg.staging_offset + msg.staging_nbytes
+            for pos in [p for p in w.s_content if p[0] == d and key[1] <= p[1] < hi]:
+                del w.s_content[pos]  # a fresh share holds nothing of ours
         elif owner != (k, msg.attempt):
             raise Violation("staging", f"D{d} lent staging at {msg.staging_offset} to t#{k} "
                             f"attempt {msg.attempt}; t#{owner[0]} attempt {owner[1]} holds it")
@@ -101,32 +108,50 @@ class Staging:
         if not a.notify.staged or tuple(a.notify.src_block_ids) != src:
             raise Violation("staging", f"P{p}'s packed write is not notified as staged "
                             "with its source blocks")
-        w.add(swrite_item(p, a.peer.rank, a.attempt, inc, src, (pw.dst_offset, pw.src_offset, n),
-                          self._frame(a.notify), data, gather_map(pw.packed.scatter), w.now))
+        bounds = pw.bounds if len(pw.bounds) > 1 else (0, n)
+        frames = tuple(self._frame(a.chunk_notify(j)) for j in range(len(bounds) - 1))
+        w.add(swrite_item(p, a.peer.rank, a.attempt, inc, src,
+                          (pw.dst_offset, pw.src_offset, n, 0, bounds), frames, data,
+                          gather_map(pw.packed.scatter), w.now))
 
     def _land_staged(self, w: World, item: Item, *, ok: bool) -> None:
-        _, p, d, attempt, inc, _src, where, notify, k, gmap, _sent = item
-        key = (d, where[0])
-        owner = w.s_owner.get(key)
+        _, p, d, attempt, inc, _src, where, frames, k, gmap, sent = item
+        j, bounds = where[3], where[4]
+        pos = where[0] + bounds[j]
+        owner = w.s_owner.get((d, where[0]))
         if self.log is not None:
-            self._say(f"P{p}'s packed write of t#{k} a{attempt} into D{d} staging {where[0]} "
-                      + ("lands" if ok else "fails (some bytes may land)"))
+            what = f" chunk {j}/{len(frames)}" if len(frames) > 1 else ""
+            self._say(f"P{p}'s packed write{what} of t#{k} a{attempt} into D{d} staging "
+                      f"{pos} " + ("lands" if ok else "fails (some bytes may land)"))
         if owner != (k, attempt):
             what = "free" if owner is None else f"lent to t#{owner[0]} attempt {owner[1]}"
             raise Violation("staging", f"P{p}'s packed write of t#{k} attempt {attempt} "
-                            f"landed in D{d}'s staging at {where[0]}, which is {what}")
-        w.s_content[key] = (k if ok else -1, attempt, gmap)
+                            f"landed in D{d}'s staging at {pos}, which is {what}")
+        w.s_content[d, pos] = (k if ok else -1, attempt, gmap)
         if ok:
-            w.add(frame_item(("D", d), ("P", p), notify, w.now))
+            w.add(frame_item(("D", d), ("P", p), frames[j], w.now))
+        if ok and j + 1 < len(frames):  # the next chunk is on its way
+            w.add((*item[:6], (*where[:3], j + 1, bounds), *item[7:10], sent))
+            return
         w.add(done_item(p, d, attempt, inc, ok, w.now))
 
     # ------------------------------------------------------------- scatters
 
     def _start_scatter(self, w: World, d: int, a: Scatter) -> None:
         plan = a.packed.plan
-        w.add(scatter_item(d, a.peer.rank, a.attempt, a.incarnation, a.offset,
-                           touched(plan, self.d_stride, 1), written(plan, self.d_stride),
-                           gather_map(a.packed.scatter), w.now))
+        start, stop = a.span
+        if (start, stop) == (0, a.packed.nbytes):
+            dst, cells = touched(plan, self.d_stride, 1), written(plan, self.d_stride)
+        else:  # one chunk: the cells of the runs staged in [start, stop)
+            got: set[tuple[int, int]] = set()
+            for s0, region, off, n in a.packed.scatter.tolist():
+                if start <= s0 < stop:
+                    got.update((x // self.d_stride, region * self.d_stride + x % self.d_stride)
+                               for x in range(off, off + n))
+            cells = tuple(sorted(got))
+            dst = tuple(sorted({b for b, _ in cells}))
+        w.add(scatter_item(d, a.peer.rank, a.attempt, a.incarnation, a.offset + start,
+                           dst, cells, gather_map(a.packed.scatter), w.now))
 
     def _scatter(self, w: World, ids: list[int], item: Item, *, ok: bool) -> None:
         _, d, p, attempt, inc, offset, dst, cells, gmap, _sent = item
@@ -134,7 +159,8 @@ class Staging:
         if ok is False:
             w.faulted = True
         got = w.s_content.get((d, offset))
-        owner = w.s_owner.get((d, offset))
+        owner = max(((key[1], o) for key, o in w.s_owner.items()
+                     if key[0] == d and key[1] <= offset), default=(0, None))[1]
         k = inc - 1  # the checker's incarnations are numbered from 1
         if self.log is not None:
             self._say(f"D{d}'s scatter of P{p}'s a{attempt} write from staging {offset} "

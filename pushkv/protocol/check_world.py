@@ -69,10 +69,11 @@ def write_item(p_rank: int, d_rank: int, attempt: int, inc: int, src_blocks: tup
 
 
 def swrite_item(p_rank: int, d_rank: int, attempt: int, inc: int, src_blocks: tuple[int, ...],
-                where: tuple[int, int, int], notify: bytes, data: int, gmap: int,
-                sent: float) -> Item:
+                where: tuple[int, int, int, int, tuple[int, ...]], notify: tuple[bytes, ...],
+                data: int, gmap: int, sent: float) -> Item:
     """A posted packed write: ``where`` is (consumer staging offset, producer staging
-    offset, bytes); ``gmap`` names the gather map it was packed by."""
+    offset, bytes, next chunk to land, chunk cut points), ``notify`` the frame of each
+    chunk; ``gmap`` names the gather map it was packed by."""
     return (SWRITE, p_rank, d_rank, attempt, inc, src_blocks, where, notify, data, gmap, sent)
 
 

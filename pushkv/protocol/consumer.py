@@ -52,7 +52,6 @@ from .messages import (
     Notify,
     ReadDone,
 )
-from .packing import PackedPlan
 from .planner import block_tuple
 from .records import Attempt as _Attempt
 from .records import Key
@@ -393,22 +392,22 @@ class Consumer(ConsumerView, Endpoint):
         staged = isinstance(msg, Notify) and msg.staged
         if isinstance(msg, Notify) and staged and a is t.cur and t.state is CS.REGISTERED and (
                 msg.rank in a.expected and msg.rank not in a.fenced
-                and msg.rank not in a.scattering):
-            # Rule 10: only a staged write of the registered attempt is scattered; its
+                and not staging.repeated(a, msg)):
+            # Rule 10: only a staged chunk of the registered attempt is scattered; its
             # plan is checked before any change. Elsewhere its landing only fences.
             packed = staging.staged_plan(self, t, a, msg)
         if a is not None and msg.rank in a.expected and msg.rank not in a.fenced and (
             a is not t.cur or t.state in _LISTENING
         ) and not (inp is CI.CANCEL_ACK and a is t.cur and t.state is CS.REGISTERED):
-            if msg.rank in a.scattering:  # rule 10: its staged write already landed
-                self.stats["duplicate"] += 1
+            if isinstance(msg, Notify) and staged and not staging.count_chunk(a, msg):
+                self.stats["duplicate"] += 1  # rule 10: its staged chunk already landed
                 return self._input(t, CI.STALE, now) if a is t.cur else self._zombie(
                     t, a, CI.STALE, now)
             inp = _parts(a, msg.rank, inp, msg)
-            if inp is CI.PART:
+            if staged and inp in (CI.NOTIFY, CI.PART):
+                inp = CI.STAGED  # rule 10: a chunk of a staged write landed
+            elif inp is CI.PART:
                 self.stats["parts"] += 1
-            elif inp is CI.NOTIFY and staged:
-                inp = CI.STAGED
         return self._report(t, msg.attempt, msg.rank, inp, now, packed)
 
     def scatter_done(
@@ -422,7 +421,7 @@ class Consumer(ConsumerView, Endpoint):
 
     def _report(
         self, t: _Transfer, attempt: int, rank: int, inp: ConsumerInput, now: float,
-        packed: PackedPlan | None = None,
+        packed: staging.StagedChunk | None = None,
     ) -> list[Action]:
         """Route one producer rank's outcome to the current attempt or a zombie."""
         z = t.zombies.get(attempt)
@@ -455,7 +454,7 @@ class Consumer(ConsumerView, Endpoint):
         *,
         ranks: frozenset[int] = frozenset(),
         block_ids: tuple[int, ...] = (),
-        packed: PackedPlan | None = None,
+        packed: staging.StagedChunk | None = None,
     ) -> list[Action]:
         try:
             effect, nxt = CONSUMER_TABLE[t.state, inp]
@@ -484,7 +483,7 @@ class Consumer(ConsumerView, Endpoint):
         now: float,
         ranks: frozenset[int],
         block_ids: tuple[int, ...],
-        packed: PackedPlan | None = None,
+        packed: staging.StagedChunk | None = None,
     ) -> list[Action]:
         cur, tid, inc = t.cur, t.transfer_id, t.inc
         if effect in (CE.NONE, CE.DROP):
@@ -516,10 +515,10 @@ class Consumer(ConsumerView, Endpoint):
                 ]
             return out
         if effect is CE.FENCE:
-            cur.fenced |= {r for r in ranks if cur.landed(r)}
+            cur.fenced |= {r for r in ranks if cur.settled(r)}
             return []
         if effect is CE.FAIL_REST:
-            cur.fenced |= {r for r in ranks if cur.landed(r) or inp is CI.PEER_DIED}
+            cur.fenced |= {r for r in ranks if cur.settled(r) or inp is CI.PEER_DIED}
             if inp is CI.PEER_DIED:
                 t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
             return cancels(self, t, final=True)
@@ -628,8 +627,8 @@ class Consumer(ConsumerView, Endpoint):
         if effect is CE.FENCE:
             # A rank's own word fences only once its parts landed (rule 9); a dead
             # peer or the hard deadline fences regardless.
-            word = inp in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.STAGED)
-            z.fenced |= {r for r in ranks if not word or z.landed(r)}
+            word = inp not in (CI.PEER_DIED, CI.HARD_DEADLINE)
+            z.fenced |= {r for r in ranks if not word or z.settled(r)}
         elif effect is CE.RELEASE:
             del t.zombies[z.attempt]
             out += self._release(t, z)
@@ -700,7 +699,8 @@ class Consumer(ConsumerView, Endpoint):
                 out += self._zombie(t, z, CI.HARD_DEADLINE, now, z.expected)
         if t.state is CS.REGISTERED and t.cur.deadline <= now:
             cur = t.cur  # rule 10: every write landed, a scatter still runs
-            landed = cur.scattering and cur.notified | cur.scattering >= cur.expected
+            landed = cur.scattering and cur.notified | {
+                r for r in cur.scattering if cur.landed(r)} >= cur.expected
             out += self._input(t, CI.DEADLINE_SCATTERING if landed else CI.DEADLINE, now)
         if t.state in CONSUMER_FENCING and t.cur.hard <= now:
             # Rule 10: a scatter still writing the blocks is its own fence.

@@ -23,11 +23,14 @@ def count_parts(a: Attempt, rank: int, inp: ConsumerInput, msg: Notify | CancelA
     for, and the part that completes them is fed as NOTIFY (its fence)."""
     owed = a.need.get(rank)
     if isinstance(msg, Notify):
+        ch = a.chunks.get(rank) if msg.staged else None
+        if ch is not None and len(ch.got) < ch.need:
+            return CI.PART  # rule 10: a chunk, not the last in: the write is not yet
         a.got.setdefault(rank, set()).add(msg.part)
         if msg.parts:
             a.need[rank] = max(msg.parts, owed or 0)
         elif owed is None:
             return CI.PART
-        return CI.NOTIFY if a.landed(rank) else CI.PART
+        return CI.NOTIFY if a.parts_in(rank) else CI.PART
     a.need[rank] = max(msg.parts, owed or 0)
     return inp

@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import msgspec
+
 from .errors import RemoteProtocolError
 from .messages import FailReason, Hello, Message, Notify
 from .packing import PackedPlan
@@ -68,6 +70,20 @@ class PackedWrite:
     packed: PackedPlan
     src_offset: int  #: producer staging, lent until the write completes
     dst_offset: int  #: consumer staging, lent by the registration
+    #: Pipelined (rule 10): the image's chunk cut points (:func:`~.packing.chunk_bounds`);
+    #: chunk ``k`` is gathered and written on its own, notified by ``IssueWrite.chunk_notify``.
+    bounds: tuple[int, ...] = ()
+    chunk_bytes: int = 0  #: the chunk size it was cut at (0: one chunk)
+
+    @property
+    def chunks(self) -> int:
+        return max(1, len(self.bounds) - 1)
+
+    def span(self, k: int) -> tuple[int, int]:
+        """Staging image bytes ``[start, stop)`` of chunk ``k``."""
+        if len(self.bounds) < 2:
+            return 0, self.packed.nbytes
+        return self.bounds[k], self.bounds[k + 1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,13 +101,25 @@ class IssueWrite:
     incarnation: int = 0  #: which use of the transfer id
     packed: PackedWrite | None = None
 
+    def chunk_notify(self, k: int) -> Notify:
+        """The notification of chunk ``k`` of a pipelined packed write (``notify`` is
+        chunk 0's); a write of one chunk has only ``notify``."""
+        return notify_chunk(self.notify, k)
+
+
+def notify_chunk(notify: Notify, k: int) -> Notify:
+    """Chunk ``k``'s notification of a pipelined packed write whose chunk 0 notifies
+    ``notify`` (rule 10)."""
+    return notify if k == 0 else msgspec.structs.replace(notify, chunk=k)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Scatter:
     """Consumer: producer rank ``peer``'s staged write landed in local staging at
     ``offset``; copy ``packed.scatter`` out of it into the destination blocks, then
     report with ``scatter_done``. Until then the attempt is not fenced: neither its
-    blocks nor its staging go back."""
+    blocks nor its staging go back. Pipelined: only image bytes ``[start, stop)``
+    (chunk ``chunk``), staged at ``offset + start``."""
 
     transfer_id: str
     attempt: int
@@ -99,6 +127,13 @@ class Scatter:
     packed: PackedPlan
     offset: int
     incarnation: int = 0  #: which use of the transfer id
+    chunk: int = 0
+    start: int = 0
+    stop: int = -1  #: -1: the whole image
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.start, self.packed.nbytes if self.stop < 0 else self.stop
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

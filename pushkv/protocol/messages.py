@@ -157,7 +157,10 @@ class Notify(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=7):
     ``staged``: the write went into the staging range the registration lent, as
     the staging image of :class:`~.packing.PackedPlan` of the plan from the
     producer's ``src_block_ids`` (sent so that the consumer plans the same
-    scatter); only a whole-request write (part 0 of 1) is staged."""
+    scatter); only a whole-request write (part 0 of 1) is staged. A pipelined
+    staged write (``chunk_bytes`` > 0) notifies once per chunk: this is chunk
+    ``chunk`` of ``chunks``, the image cut by :func:`~.packing.chunk_bounds` at
+    ``chunk_bytes``; the consumer scatters each chunk as it lands."""
 
     transfer_id: TransferId
     attempt: Attempt
@@ -168,6 +171,9 @@ class Notify(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=7):
     parts: Parts = 1
     staged: bool = False
     src_block_ids: Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCK_IDS)] = ()
+    chunk: Parts = 0
+    chunks: Parts = 1
+    chunk_bytes: StagingBytes = 0
 
 
 class ReadDone(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=8):

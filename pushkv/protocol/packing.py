@@ -22,6 +22,7 @@ Pure: no I/O, no clock; numpy only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -72,6 +73,12 @@ class PackingConfig:
         default=16 << 20,
         metadata={"help": "bytes per wire descriptor of a packed write"},
     )
+    pipeline_bytes: int = field(
+        default=4 << 20,
+        metadata={"help": "bytes per chunk of a pipelined packed write: each chunk is "
+                  "gathered, written with a notification of its own and scattered as soon "
+                  "as it lands, so the three overlap (0: the whole write as one chunk)"},
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "never", "always"):
@@ -80,6 +87,8 @@ class PackingConfig:
             raise ConfigError("descriptor_budget and staging_bytes must be >= 0")
         if self.chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+        if self.pipeline_bytes < 0:
+            raise ConfigError(f"pipeline_bytes must be >= 0, got {self.pipeline_bytes}")
         for name in ("gather_bytes_per_s", "scatter_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -182,10 +191,57 @@ class PackedPlan:
     def wire_descriptors(self) -> int:
         return int(self.wire.shape[0])
 
+    def wire_between(self, start: int, stop: int) -> IntArray:
+        """The wire descriptors of staging image bytes ``[start, stop)`` (one chunk of a
+        pipelined write), cut at ``start`` and ``stop``."""
+        w = self.wire
+        lo = np.maximum(w[:, 0], start)
+        hi = np.minimum(w[:, 0] + w[:, 1], stop)
+        keep = hi > lo
+        return np.stack([lo[keep], (hi - lo)[keep]], axis=1).astype(np.int64)
+
     def __repr__(self) -> str:
         return (f"PackedPlan(runs={self.gather.shape[0]}, nbytes={self.nbytes}, "
                 f"wire_descriptors={self.wire_descriptors})")
 
 
-__all__ = ["PackChoice", "PackMode", "PackedPlan", "PackingConfig", "choose",
-           "direct_cost_s", "packed_cost_s", "packed_descriptors"]
+#: Below this run unit (bytes) a pipelined write is cut at run starts only.
+MIN_ROW_UNIT = 64
+#: A pipelined write has at most about this many chunks (smaller chunks are widened).
+MAX_CHUNKS = 1 << 16
+
+
+def run_unit(packed: PackedPlan) -> int:
+    """The greatest common divisor of every run offset and length (0: no runs)."""
+    runs = packed.plan.runs
+    return math.gcd(*(int(g) for g in np.gcd.reduce(runs, axis=0))) if runs.size else 0
+
+
+def chunk_bounds(packed: PackedPlan, chunk_bytes: int,
+                 min_unit: int = MIN_ROW_UNIT) -> tuple[int, ...]:
+    """Cut points ``0 = b0 < b1 < ... = nbytes`` of the staging image into the chunks of
+    a pipelined write of at most about ``chunk_bytes`` (0: one chunk): multiples of the
+    plan's run unit when it is at least ``min_unit`` bytes, else run starts (a single
+    run longer than a chunk stays whole; chunks are widened to keep at most about
+    :data:`MAX_CHUNKS`). Producer and consumer cut the same image at
+    the same points from the same plan and ``chunk_bytes`` (rule 10)."""
+    if chunk_bytes < 0:
+        raise ConfigError(f"chunk_bytes must be >= 0, got {chunk_bytes}")
+    n = packed.nbytes
+    if n == 0:
+        return (0,)
+    if chunk_bytes == 0 or chunk_bytes >= n:
+        return (0, n)
+    chunk_bytes = max(chunk_bytes, -(-n // MAX_CHUNKS))  # bounded work for any input
+    unit = run_unit(packed)
+    if unit >= min_unit and unit:
+        step = max(unit, chunk_bytes // unit * unit)
+        return (*range(0, n, step), n)
+    starts = packed.gather[:, 2]
+    cuts = starts[np.searchsorted(starts, np.arange(0, n, chunk_bytes), side="right") - 1]
+    return (*(int(c) for c in np.unique(cuts)), n)
+
+
+__all__ = ["MAX_CHUNKS", "MIN_ROW_UNIT", "PackChoice", "PackMode", "PackedPlan",
+           "PackingConfig", "choose", "chunk_bounds", "direct_cost_s", "packed_cost_s",
+           "packed_descriptors", "run_unit"]

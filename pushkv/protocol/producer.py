@@ -43,7 +43,7 @@ from .messages import (
 )
 from .planner import block_tuple, plan_transfer
 from .producer_messages import on_cancel, on_heartbeat, on_read_done, on_register, on_skip
-from .producer_staging import pack
+from .producer_staging import pack, staged_fields
 from .producer_view import ProducerView
 from .ranges import mark, next_rect, todo
 from .records import Key
@@ -614,8 +614,7 @@ class Producer(ProducerView, Endpoint):
             incarnation=t.inc,
             part=leg.parts,
             parts=leg.parts + 1 if leg.last else 0,
-            staged=packed is not None,
-            src_block_ids=t.src_ids if packed is not None else (),
+            **staged_fields(packed, t.src_ids),
         )
         return [
             IssueWrite(

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .events import PackedWrite
-from .packing import PackedPlan, choose
+from .packing import PackedPlan, choose, chunk_bounds
 from .planner import TransferPlan
 from .records import Leg, Registration
 
@@ -34,8 +34,21 @@ def pack(p: Producer, leg: Leg, reg: Registration, plan: TransferPlan) -> Packed
         return None
     leg.staging_at = at
     p.stats["writes_packed"] += 1
-    return PackedWrite(packed=PackedPlan(plan, pk.chunk_bytes), src_offset=at,
-                       dst_offset=reg.staging[0])
+    packed = PackedPlan(plan, pk.chunk_bytes)
+    bounds = chunk_bounds(packed, pk.pipeline_bytes)
+    if len(bounds) > 2:
+        p.stats["writes_pipelined"] += 1
+    return PackedWrite(packed=packed, src_offset=at, dst_offset=reg.staging[0],
+                       bounds=bounds, chunk_bytes=pk.pipeline_bytes if len(bounds) > 2 else 0)
 
 
-__all__ = ["pack"]
+def staged_fields(pw: PackedWrite | None, src: tuple[int, ...]) -> dict[str, Any]:
+    """The :class:`~.messages.Notify` fields of a packed write (chunk 0 of its chunks;
+    the driver sends ``IssueWrite.chunk_notify(k)`` for the others)."""
+    if pw is None:
+        return {}
+    return {"staged": True, "src_block_ids": src, "chunks": pw.chunks,
+            "chunk_bytes": pw.chunk_bytes}
+
+
+__all__ = ["pack", "staged_fields"]

@@ -93,18 +93,45 @@ class Attempt:
     # there are (from the rank's last word: final Notify, CancelAck or Fail).
     got: dict[int, set[int]] = field(default_factory=dict)
     need: dict[int, int] = field(default_factory=dict)
-    # Packed writes: local staging lent to the attempt (offset, bytes), and the
-    # producer ranks whose staged write is being scattered out of it now.
+    # Packed writes: local staging lent to the attempt (offset, bytes), per producer
+    # rank the chunk scatters running out of it now (no entry: none), and per rank
+    # the chunks of its staged write (a write of one chunk has one).
     staging: tuple[int, int] | None = None
-    scattering: set[int] = field(default_factory=set)
+    scattering: dict[int, int] = field(default_factory=dict)
+    chunks: dict[int, Chunks] = field(default_factory=dict)
 
     def all_fenced(self) -> bool:
         """No write of the attempt can land, and no scatter of it still writes."""
         return self.fenced >= self.expected and not self.scattering
 
-    def landed(self, rank: int) -> bool:
+    def parts_in(self, rank: int) -> bool:
         """Every part ``rank`` said it wrote has notified (rule 9)."""
         return len(self.got.get(rank, ())) >= self.need.get(rank, 0)
+
+    def landed(self, rank: int) -> bool:
+        """Every part ``rank`` said it wrote has notified (rule 9), and every chunk of its
+        staged write unless its producer said the write did not finish (rule 10):
+        nothing of it lands any more."""
+        if not self.parts_in(rank):
+            return False
+        c = self.chunks.get(rank)
+        return c is None or self.need.get(rank) == 0 or len(c.got) >= c.need
+
+    def settled(self, rank: int) -> bool:
+        """``rank`` may be fenced: its writes landed and no scatter of it still runs
+        (a rank fenced mid-scatter would be skipped by a later final Cancel)."""
+        return self.landed(rank) and rank not in self.scattering
+
+
+@dataclass(slots=True)
+class Chunks:
+    """Rule 10: one producer rank's staged write into an attempt, chunk by chunk."""
+
+    need: int  #: chunks the write was cut into (its notifications say)
+    got: set[int] = field(default_factory=set)  #: chunks whose notification arrived
+    done: int = 0  #: chunks scattered into the blocks
+    #: once a chunk of it was scattered: (plan, cut points, source ids, chunk bytes)
+    plan: tuple[object, tuple[int, ...], tuple[int, ...], int] | None = None
 
 
 @dataclass(slots=True)

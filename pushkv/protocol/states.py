@@ -126,6 +126,17 @@ bounds the producers' writes, not the consumer's scatters. Staging is lent
 and fenced like destination blocks: released with them (or at READY), never
 while a write into it may still land. A staged write that lands once the
 attempt is being fenced, or in a zombie, is not scattered: it is its fence.
+A staged write may be *pipelined*: cut into chunks (:func:`~.packing.chunk_bounds`
+at the producer's ``pipeline_bytes``), each gathered, written and notified on its
+own (``Notify.chunk`` of ``chunks``). Each chunk notification of the registered
+attempt is ``STAGED`` and scatters that chunk alone (checked against the lent
+share and the rank's earlier chunks); a chunk scattered that is not the rank's
+last is ``CHUNK_SCATTERED`` and changes nothing, the last is ``SCATTER_DONE``
+and counts the rank. A rank's staged write is landed (its fence) only once every
+chunk notified -- or its producer said the write did not finish -- so a chunk
+that lands while the attempt is being fenced, or in a zombie, is recorded and
+never scattered, and the attempt is fenced only when no chunk scatter runs and no
+chunk of a finished write is still owed.
 """
 
 from __future__ import annotations
@@ -273,6 +284,8 @@ class ConsumerInput(enum.Enum):
     HARD_DEADLINE_SCATTERING = "HARD_DEADLINE_SCATTERING"
     #: Rule 10: the window passed, but every write landed: only scatters remain.
     DEADLINE_SCATTERING = "DEADLINE_SCATTERING"
+    #: Rule 10: one chunk of a pipelined staged write scattered, not the rank's last.
+    CHUNK_SCATTERED = "CHUNK_SCATTERED"
 
 
 class ConsumerEffect(enum.Enum):
@@ -523,8 +536,11 @@ CONSUMER_TABLE: dict[
     # The window bounds the producers' writes, not our own scatters.
     (C.REGISTERED, CI.DEADLINE_SCATTERING): (CE.NONE, C.REGISTERED),
     **{(s, i): (CE.FENCE, s) for s in _C_FENCING
-       for i in (CI.STAGED, CI.SCATTER_DONE, CI.SCATTER_FAILED)},
+       for i in (CI.STAGED, CI.SCATTER_DONE, CI.SCATTER_FAILED, CI.CHUNK_SCATTERED)},
     **{(s, CI.HARD_DEADLINE_SCATTERING): (CE.FENCE_REMOTE, s) for s in _C_FENCING},
+    # A pipelined staged write scatters chunk by chunk (STAGED per chunk); the rank
+    # counts only when its last chunk is scattered (SCATTER_DONE).
+    (C.REGISTERED, CI.CHUNK_SCATTERED): (CE.NONE, C.REGISTERED),
 }
 
 
@@ -533,7 +549,7 @@ Z = ZombieState
 ZOMBIE_TABLE: dict[tuple[ZombieState, ConsumerInput], tuple[ConsumerEffect, ZombieState]] = {
     **{(Z.FENCING, i): (CE.FENCE, Z.FENCING)
        for i in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.PEER_DIED, CI.HARD_DEADLINE,
-                 CI.STAGED, CI.SCATTER_DONE, CI.SCATTER_FAILED)},
+                 CI.STAGED, CI.SCATTER_DONE, CI.SCATTER_FAILED, CI.CHUNK_SCATTERED)},
     (Z.FENCING, CI.STALE): (CE.DROP, Z.FENCING),
     (Z.FENCING, CI.PART): (CE.PART, Z.FENCING),
     (Z.FENCING, CI.FENCED): (CE.RELEASE, Z.RELEASED),

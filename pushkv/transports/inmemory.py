@@ -433,7 +433,8 @@ class InMemoryNetwork:
             self.stats["part_writes"] += 1
         self.stats["writes"] += 1
         self.stats["bytes"] += a.plan.nbytes
-        self.enqueue("frame", src.peer, dst.peer, encode(a.notify), self.latency)
+        for k in range(a.packed.chunks if a.packed is not None else 1):  # rule 10: per chunk
+            self.enqueue("frame", src.peer, dst.peer, encode(a.chunk_notify(k)), self.latency)
         self._complete(item, ok=True)
 
     def _land_packed(self, a: IssueWrite, src: ProducerNode, dst: ConsumerNode) -> None:
@@ -460,7 +461,8 @@ class InMemoryNetwork:
                                                       a.attempt):
             self.violations.append(f"scatter of {a.transfer_id}#{a.attempt} reads staging at "
                                    f"{a.offset} not lent to it")
-        scatter_host(a.packed, node.staging[a.offset:a.offset + a.packed.nbytes], node.memory)
+        lo, hi = a.span  # one chunk of a pipelined write, or the whole image
+        scatter_host(a.packed, node.staging[a.offset + lo:a.offset + hi], node.memory, lo, hi)
         self.stats["scatters"] += 1
         self._scattered(node.peer, a, ok=True)
 

@@ -472,7 +472,7 @@ class IOLoop:
                 self._emit(a)
             elif isinstance(a, Scatter):  # rule 10: off this thread; scatter_done on return
                 self._scatters += 1
-                self._stats["scatter_runs"] += a.packed.plan.runs_per_region
+                self._stats["scatter_runs"] += a.packed.plan.runs_per_region * (a.chunk == 0)
                 if self._scatterer is None:
                     self._scattered.append(ScatterResult(a, False, "no staging memory"))
                 else:

@@ -86,32 +86,43 @@ class StagingMemory:
                               f"{self.nbytes} bytes registered")
         return self.buffer[offset:offset + n]
 
-    def gather(self, packed: PackedPlan, offset: int) -> None:
-        """Copy a packed write's source runs into staging at ``offset``."""
-        out = self._range(offset, packed.nbytes)
+    def gather(self, packed: PackedPlan, offset: int, start: int = 0,
+               stop: int | None = None) -> None:
+        """Copy a packed write's source runs into staging at ``offset`` (only image
+        bytes ``[start, stop)``, one chunk of a pipelined write, when given)."""
+        stop = packed.nbytes if stop is None else stop
+        out = self._range(offset + start, stop - start)
         if self.kind == "DRAM":
-            gather_host(packed, self._regions, out)
+            gather_host(packed, self._regions, out, start, stop)
         else:
             import torch
 
-            gather_torch(packed, self._regions, out)
+            gather_torch(packed, self._regions, out, start=start, stop=stop)
             torch.cuda.synchronize(self.device)  # the bytes are in place before the post
 
-    def scatter(self, packed: PackedPlan, offset: int) -> None:
-        """Copy a landed packed write out of staging at ``offset`` into its blocks."""
-        src = self._range(offset, packed.nbytes)
+    def scatter(self, packed: PackedPlan, offset: int, start: int = 0,
+                stop: int | None = None) -> None:
+        """Copy a landed packed write out of staging at ``offset`` into its blocks (only
+        image bytes ``[start, stop)``, one chunk of a pipelined write, when given)."""
+        stop = packed.nbytes if stop is None else stop
+        src = self._range(offset + start, stop - start)
         if self.kind == "DRAM":
-            scatter_host(packed, src, self._regions)
+            scatter_host(packed, src, self._regions, start, stop)
         else:
             import torch
 
-            scatter_torch(packed, src, self._regions)
+            scatter_torch(packed, src, self._regions, start=start, stop=stop)
             torch.cuda.synchronize(self.device)
 
     def descriptors(self, pw: PackedWrite, remote_base: int, remote_device: int
                     ) -> tuple[np.ndarray, np.ndarray]:
         """Nx3 ``(addr, len, dev)`` rows of the wire chunks, local and remote."""
-        wire = pw.packed.wire
+        return self.chunk_descriptors(pw, pw.packed.wire, remote_base, remote_device)
+
+    def chunk_descriptors(self, pw: PackedWrite, wire: np.ndarray, remote_base: int,
+                          remote_device: int) -> tuple[np.ndarray, np.ndarray]:
+        """The same for some of the wire rows (``(staging offset, bytes)``, image
+        relative): one chunk of a pipelined write."""
         n = int(wire.shape[0])
         local = np.empty((n, 3), dtype=np.uint64)
         remote = np.empty((n, 3), dtype=np.uint64)
@@ -168,7 +179,7 @@ class Scatterer:
             if item is _STOP:
                 return
             try:
-                self._staging.scatter(item.packed, item.offset)
+                self._staging.scatter(item.packed, item.offset, *item.span)
                 result = ScatterResult(item, True)
             except Exception as exc:
                 log.warning("scatter of %s#%d failed: %r", item.transfer_id, item.attempt, exc)

@@ -38,12 +38,14 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..protocol.errors import ConfigError
+from ..protocol.packing import MIN_ROW_UNIT as _MIN_ROW_UNIT
 from ..protocol.packing import PackedPlan
+from ..protocol.packing import chunk_bounds as _chunk_bounds
 
 # ------------------------------------------------------------------ rows
 
 #: Below this unit (bytes) the per-row cost beats the copy: the grouped path is used.
-MIN_ROW_UNIT = 64
+MIN_ROW_UNIT = _MIN_ROW_UNIT
 #: CPU tensors are gathered and scattered through numpy views of them (False: with
 #: torch's own kernels, the device path, e.g. to test it without a GPU).
 TORCH_CPU_VIA_NUMPY = True
@@ -116,19 +118,11 @@ def row_map(packed: PackedPlan) -> RowMap | None:
 def chunk_bounds(packed: PackedPlan, chunk_bytes: int) -> list[int]:
     """Cut points ``0 = b0 < b1 < ... = nbytes`` of the staging image into chunks of
     at most about ``chunk_bytes`` that the range functions accept: unit multiples
-    (row map), else run starts (a single run longer than a chunk stays whole)."""
+    (row map), else run starts -- :func:`pushkv.protocol.packing.chunk_bounds`, the
+    one definition, with this module's :data:`MIN_ROW_UNIT`."""
     if chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    n = packed.nbytes
-    if n == 0:
-        return [0]
-    rm = row_map(packed)
-    if rm is not None:
-        step = max(rm.unit, chunk_bytes // rm.unit * rm.unit)
-        return [*range(0, n, step), n]
-    starts = packed.gather[:, 2]
-    cuts = starts[np.searchsorted(starts, np.arange(0, n, chunk_bytes), side="right") - 1]
-    return [*np.unique(cuts).tolist(), n]
+    return list(_chunk_bounds(packed, chunk_bytes, MIN_ROW_UNIT))
 
 
 def _rows_of(buf: np.ndarray, unit: int) -> np.ndarray:

@@ -234,6 +234,23 @@ def staging_given_back_at_the_notification(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Consumer, "_from_producer", mutated)
 
 
+#: Rule 10, pipelined: every write packed in chunks of one byte.
+PACKED_CHUNKED = Scope(name="packed-chunked-1", attempts=2, staging_bytes=128,
+                       pipeline_bytes=1, max_scatter_s=4.0, heartbeats=False)
+
+
+def ready_at_the_first_chunk(mp: pytest.MonkeyPatch) -> None:
+    """A rank of a pipelined write counts once any chunk is scattered, not its last."""
+    mp.setitem(states.CONSUMER_TABLE, (C.REGISTERED, CI.CHUNK_SCATTERED),
+               (CE.COUNT, C.REGISTERED))
+
+
+def fenced_at_the_first_chunk(mp: pytest.MonkeyPatch) -> None:
+    """A rank's staged write counts as landed (its fence) once its parts notified, while
+    later chunks of it are still on their way."""
+    mp.setattr(records.Attempt, "landed", records.Attempt.parts_in)
+
+
 MUTATIONS = [
     (stale_incarnation_counted, REUSE, "bytes"),
     (silent_rank_holds_source, REPLICATED, "prompt"),
@@ -255,6 +272,8 @@ MUTATIONS = [
     (ready_before_the_scatter, PACKED, "bytes"),
     (hard_deadline_cuts_a_scatter, PACKED, "staging"),
     (staging_given_back_at_the_notification, PACKED, "staging"),
+    (ready_at_the_first_chunk, PACKED_CHUNKED, "bytes"),
+    (fenced_at_the_first_chunk, PACKED_CHUNKED, "staging"),
 ]
 
 

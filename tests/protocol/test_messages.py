@@ -70,7 +70,7 @@ def test_hello_round_trip():
 
 def test_notification_is_compact():
     frame = encode(Notify(transfer_id="req-0123456789", attempt=3, engine_id="prefill-0", rank=7))
-    assert len(frame) < 40
+    assert len(frame) < 44  # 37 before the three chunk fields of pipelined packed writes
 
 
 @given(st.binary(max_size=512))

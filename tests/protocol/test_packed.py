@@ -329,3 +329,103 @@ def test_the_window_passing_with_a_write_missing_fails_even_during_a_scatter():
     assert c.state_of("t") is CS.FAILING and c.lent_blocks()
     out = c.scatter_done("t", 0, P0, True, 11.0)
     assert not of(out, ReleaseDestination)  # rank 1 is not fenced yet
+
+
+# ------------------------------------------------------------- pipelined (chunks)
+
+CHUNKED = PackingConfig(mode="always", staging_bytes=1 << 20, chunk_bytes=4096,
+                        pipeline_bytes=64)
+
+
+def _chunked(pair, dst=(3, 9, 1), src=(7, 2, 5), n=10):
+    """Register and finish the prefill: the pipelined IssueWrite, not landed yet."""
+    c, p = pair.c[0], pair.p[0]
+    pair.to_producers(c.register("t", "P", list(dst), n, pair.now))
+    (w,) = of(p.prefill_finished("t", list(src), n, pair.now), IssueWrite)
+    assert w.packed is not None and w.packed.chunks >= 3, w.packed
+    return w
+
+
+def test_a_pipelined_write_scatters_chunk_by_chunk_and_is_ready_at_the_last():
+    pair = _pair(pk=CHUNKED, ck=CHUNKED)
+    c = pair.c[0]
+    w = _chunked(pair)
+    k = w.packed.chunks
+    assert w.notify.chunks == k and w.notify.chunk_bytes == 64
+    spans = []
+    for j in reversed(range(k)):  # notifications in any order
+        (sc,) = of(c.receive(w.chunk_notify(j), pair.now), Scatter)
+        assert sc.chunk == j and sc.offset == w.packed.dst_offset
+        spans.append(sc.span)
+        assert np.array_equal(sc.packed.scatter, w.packed.packed.scatter)
+    assert sorted(spans) == [w.packed.span(j) for j in range(k)]  # they tile the image
+    for _ in range(k - 1):
+        assert c.scatter_done("t", 0, P0, True, pair.now) == []
+        assert c.state_of("t") is CS.REGISTERED
+    out = c.scatter_done("t", 0, P0, True, pair.now)
+    assert [type(a) for a in out] == [ReleaseStaging, TransferReady]
+    assert c.staging_lent == 0 and c.lent_blocks() == {}
+
+
+def test_a_repeated_chunk_scatters_once():
+    pair = _pair(pk=CHUNKED, ck=CHUNKED)
+    c = pair.c[0]
+    w = _chunked(pair)
+    assert of(c.receive(w.chunk_notify(1), pair.now), Scatter)
+    assert c.receive(w.chunk_notify(1), pair.now) == []
+    assert c.stats["duplicate"] == 1 and c.stats["scatters"] == 1
+
+
+@pytest.mark.parametrize("bad", [
+    {"chunk": 9, "chunks": 9},  # beyond the count
+    {"chunk": 1, "chunks": 2},  # the chunk size cuts it into more
+    {"chunk": 1, "chunk_bytes": 0},  # one chunk, but chunk 1
+    {"chunk": 1, "src_block_ids": (7, 2, 6)},  # another write than chunk 0's
+])
+def test_a_chunk_that_cannot_be_one_is_rejected_and_changes_nothing(bad):
+    import msgspec
+
+    pair = _pair(pk=CHUNKED, ck=CHUNKED)
+    c = pair.c[0]
+    w = _chunked(pair)
+    assert of(c.receive(w.chunk_notify(0), pair.now), Scatter)
+    lent, scatters = c.staging_lent, c.stats["scatters"]
+    out = c.receive(msgspec.structs.replace(w.notify, **bad), pair.now)
+    assert [type(a) for a in out] == [Rejected] and c.state_of("t") is CS.REGISTERED
+    assert c.staging_lent == lent and c.stats["scatters"] == scatters
+
+
+def test_abort_between_chunks_waits_for_every_chunk_and_scatter():
+    """Chunk 0 scattering, the transfer aborted while the write still runs: the later
+    chunks are not scattered, and blocks and staging go back only once every chunk
+    of the write landed (its notifications are its fence) and the scatter ended."""
+    pair = _pair(pk=CHUNKED, ck=CHUNKED)
+    c, p = pair.c[0], pair.p[0]
+    w = _chunked(pair)
+    k = w.packed.chunks
+    assert of(c.receive(w.chunk_notify(0), pair.now), Scatter)
+    assert not msgs(pair.to_producers(c.abort("t", pair.now)), CancelAck)  # still writing
+    out = []
+    for j in range(1, k - 1):
+        out += c.receive(w.chunk_notify(j), pair.now)
+    out += c.scatter_done("t", 0, P0, True, pair.now)
+    out += pair.to_consumers(p.write_completed("t", 0, w.peer, True, pair.now))
+    assert not of(out, Scatter) and not of(out, ReleaseStaging) and c.staging_lent
+    assert c.state_of("t") is CS.CANCELLING
+    out = c.receive(w.chunk_notify(k - 1), pair.now)  # the last chunk lands: the fence
+    assert [type(a) for a in out] == [ReleaseStaging, ReleaseDestination, TransferCancelled]
+    assert c.staging_lent == 0 and c.lent_blocks() == {}
+
+
+def test_a_write_failing_between_chunks_is_its_fence():
+    """The producer says the write did not finish (Fail, no part): the chunks that
+    never came are not waited for, once the scatter in flight ended."""
+    pair = _pair(pk=CHUNKED, ck=CHUNKED)
+    c, p = pair.c[0], pair.p[0]
+    w = _chunked(pair)
+    assert of(c.receive(w.chunk_notify(0), pair.now), Scatter)
+    fail = pair.to_consumers(p.write_completed("t", 0, w.peer, False, pair.now))
+    assert not of(fail, ReleaseStaging) and c.staging_lent
+    out = c.scatter_done("t", 0, P0, True, pair.now)
+    assert [type(a) for a in out] == [ReleaseStaging, ReleaseDestination, TransferFailed]
+    assert c.staging_lent == 0 and p.staging_lent == 0

@@ -1,5 +1,7 @@
 """The packing cost model and the byte maps of a packed write."""
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -70,3 +72,36 @@ def test_packed_plan_maps_are_consistent(chunk, s_ids, d_ids, n):
     assert starts[0] == 0 and np.array_equal(starts[1:], np.cumsum(lengths)[:-1])
     assert np.array_equal(p.gather[:, 2:], p.scatter[:, [0, 3]])
     assert int(p.wire[:, 1].sum()) == p.nbytes and p.wire_descriptors == -(-p.nbytes // (chunk * 7))
+
+
+@given(st.integers(0, 300), st.integers(1, 5), st.permutations(range(12)),
+       st.permutations(range(12)), st.integers(1, 40))
+def test_chunk_bounds_cut_the_image_at_runs_and_wire_follows(size, chunk, s_ids, d_ids, n):
+    """Rule 10, pipelined: the cut points tile the image in order, cut no run (or fall on
+    the plan's unit), hold at most ``size`` bytes plus one run each (a run stays whole),
+    and each chunk's wire descriptors cover exactly its bytes."""
+    from pushkv.protocol.packing import MAX_CHUNKS, chunk_bounds, run_unit
+
+    lo = layout(num_blocks=12, block_size=4)
+    a = Assignment(src_rank=0, dst_rank=0, layers=range(2), heads=((0, 0, 2),))
+    p = PackedPlan(plan_transfer(lo, lo, a, list(s_ids), list(d_ids), n), chunk * 7)
+    b = chunk_bounds(p, size)
+    assert b[0] == 0 and b[-1] == p.nbytes and list(b) == sorted(set(b))
+    assert len(b) - 1 <= MAX_CHUNKS
+    if size == 0:
+        assert b == (0, p.nbytes)
+    starts = set(p.gather[:, 2].tolist()) | {p.nbytes}
+    unit = run_unit(p)
+    longest = int(p.gather[:, 3].max())
+    for x, y in itertools.pairwise(b):
+        assert x in starts or (unit >= 64 and x % unit == 0)
+        assert size == 0 or y - x <= size + longest
+        w = p.wire_between(x, y)
+        assert int(w[:, 1].sum()) == y - x and (w[:, 0] >= x).all()
+        assert (w[:, 0] + w[:, 1] <= y).all()
+
+
+def test_pipeline_bytes_is_a_checked_setting():
+    assert PackingConfig().pipeline_bytes == 4 << 20
+    with pytest.raises(ConfigError):
+        PackingConfig(pipeline_bytes=-1)

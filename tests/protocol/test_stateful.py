@@ -12,7 +12,8 @@ ranks that write nothing (replicated heads): when nothing was lost, every
 rank must have released a finished transfer's source without waiting for its
 lease. A second machine runs the same rules with staging memory on every rank and
 every whole-request write packed (rule 10): the consumer's scatters are items
-in flight too, delivered late, reordered or failed like writes, and no staging
+in flight too, delivered late, reordered or failed like writes (a third pipelines
+every packed write in chunks, each notified and scattered on its own), and no staging
 may stay lent at the end.
 """
 
@@ -445,7 +446,19 @@ class PackedProtocol(Protocol):
         self.flow()
 
 
+class ChunkedProtocol(PackedProtocol):
+    """The packed machine with every packed write pipelined in chunks of 128 bytes:
+    each chunk's notification is a frame of its own, delivered in any order, each
+    chunk's scatter an item in flight; cancels, preemptions, reissues, failures and
+    deaths land between them."""
+
+    PACKING = PackingConfig(mode="always", staging_bytes=8192, chunk_bytes=512,
+                            pipeline_bytes=128)
+
+
 TestProtocol = Protocol.TestCase
 TestProtocol.settings = settings(settings.default, stateful_step_count=50)
 TestPackedProtocol = PackedProtocol.TestCase
 TestPackedProtocol.settings = settings(settings.default, stateful_step_count=60)
+TestChunkedProtocol = ChunkedProtocol.TestCase
+TestChunkedProtocol.settings = settings(settings.default, stateful_step_count=60)

@@ -30,8 +30,10 @@ from pushkv.protocol import (
     ReadDone,
     Register,
     SendMessage,
+    consumer_staging,
 )
 from pushkv.protocol.diagram import page
+from pushkv.protocol.packing import chunk_bounds
 from pushkv.protocol.states import (
     CONSUMER_TABLE,
     CONSUMER_TERMINAL,
@@ -351,6 +353,26 @@ def _staged(rank, attempt=0):
                   src_block_ids=(4, 5, 6))
 
 
+def _chunk(c, rank, attempt, k):
+    """Chunk ``k`` of rank ``rank``'s staged write pipelined in chunks of half its
+    bytes (the chunk count is the one the consumer's own plan gives)."""
+    t = c._transfers.get("t")
+    a = None if t is None else (t.cur if t.cur.attempt == attempt else
+                                t.zombies.get(attempt))
+    size, n = 64, 2
+    known = None if a is None else a.chunks.get(rank)
+    if known is not None and known.plan is not None:
+        size, n = known.plan[3], len(known.plan[1]) - 1
+    elif known is not None:
+        size, n = 1, known.need
+    elif a is not None and a.staging is not None and rank in a.expected:
+        got = consumer_staging.staged_plan(c, t, a, _staged(rank, attempt))
+        size = max(1, got.packed.nbytes // 2)
+        n = len(chunk_bounds(got.packed, size)) - 1
+    return Notify(transfer_id="t", attempt=attempt, engine_id="P", rank=rank, staged=True,
+                  src_block_ids=(4, 5, 6), chunk=min(k, n - 1), chunks=n, chunk_bytes=size)
+
+
 def _then(c, *calls):
     """Run ``calls`` in order; one the endpoint refuses must change nothing, and
     the sequence goes on (a composite call exercises rows from any state)."""
@@ -499,6 +521,25 @@ def _consumer_calls(c, pair):
             c, lambda: c.receive(_staged(0, attempt), 5.0), lambda: c.preempt("t", 5.0),
             lambda: c.reissue("t", [30, 31, 32], 5.0), _scattered(c, 0, attempt, ok=False)),
         "zombie staged": lambda: c.receive(_staged(0, 0), 5.0),
+        # Rule 10, pipelined: chunk by chunk, the rank counts at its last chunk's scatter.
+        "chunked, scattered": lambda: _then(
+            c, lambda: c.receive(_chunk(c, 0, attempt, 0), 5.0), _scattered(c, 0, attempt),
+            lambda: c.receive(_chunk(c, 0, attempt, 1), 5.0), _scattered(c, 0, attempt)),
+        "chunked, chunk twice": lambda: _then(
+            c, lambda: c.receive(_chunk(c, 0, attempt, 0), 5.0),
+            lambda: c.receive(_chunk(c, 0, attempt, 0), 5.0)),
+        **{f"chunked, {how}, scattered, last lands": (
+            lambda move=move: _then(
+                c, lambda: c.receive(_chunk(c, 0, attempt, 0), 5.0), *move,
+                _scattered(c, 0, attempt), lambda: c.receive(_chunk(c, 0, attempt, 1), 5.0),
+                lambda: c.receive(_ack(0, attempt), 5.0),
+                lambda: c.receive(_ack(1, attempt), 5.0)))
+           for how, move in (("abort", (lambda: c.abort("t", 5.0),)),
+                             ("preempt", (lambda: c.preempt("t", 5.0),)),
+                             ("window passes", (lambda: c.handle_timer(10.0),)),
+                             ("preempt, reissue", (lambda: c.preempt("t", 5.0),
+                                                   lambda: c.reissue("t", [30, 31, 32],
+                                                                     5.0))))},
         "staged both, window passes, scattered": lambda: _then(
             c, lambda: c.receive(_staged(0, attempt), 5.0),
             lambda: c.receive(_staged(1, attempt), 5.0), lambda: c.handle_timer(10.0),
