@@ -157,6 +157,10 @@ class PushKVSettings:
         metadata={"help": "packed writes: " + _PACKING_HELP["staging_bytes"]
                   + " (unused with pack 'never')"},
     )
+    pipeline_bytes: int = field(
+        default=_PACKING["pipeline_bytes"],
+        metadata={"help": "packed writes: " + _PACKING_HELP["pipeline_bytes"]},
+    )
     backend_options: dict[str, str] = field(
         default_factory=dict,
         metadata={"help": "extra backend parameters passed to NIXL as strings"},
@@ -206,8 +210,9 @@ class PushKVSettings:
             self.packing()
         except ConfigError as exc:
             raise ConnectorConfigError(
-                f"pack / staging_bytes: {exc.message} (pack is one of 'auto', 'never', "
-                f"'always'; got pack={self.pack!r}, staging_bytes={self.staging_bytes!r})"
+                f"pack / staging_bytes / pipeline_bytes: {exc.message} (pack is one of "
+                f"'auto', 'never', 'always'; got pack={self.pack!r}, "
+                f"staging_bytes={self.staging_bytes!r}, pipeline_bytes={self.pipeline_bytes!r})"
             ) from None
 
     @classmethod
@@ -230,7 +235,8 @@ class PushKVSettings:
         """The endpoints' packed-write settings (None: no staging memory at all)."""
         if self.pack == "never":
             return None
-        return PackingConfig(mode=self.pack, staging_bytes=self.staging_bytes)  # type: ignore[arg-type]
+        return PackingConfig(mode=self.pack, staging_bytes=self.staging_bytes,  # type: ignore[arg-type]
+                             pipeline_bytes=self.pipeline_bytes)
 
     def producer_config(self) -> ProducerConfig:
         return ProducerConfig(lease_s=self.lease_s,

@@ -34,8 +34,16 @@ def test_defaults_are_valid_and_documented():
         "fence_grace_s", "heartbeat_s", "handshake_timeout_s", "write_timeout_s",
         "peer_confirm_s", "max_pending_registrations", "notify_poll_ms", "progress_delay_us",
         "transport_cpus", "direction", "push_granularity", "pack", "staging_bytes",
-        "backend_options", "timeline_dir"}
+        "pipeline_bytes", "backend_options", "timeline_dir"}
     assert all(PushKVSettings.help().values())
+    assert s.packing() is not None and s.packing().pipeline_bytes == 4 << 20
+
+
+def test_pipeline_bytes_reach_the_endpoints_and_bad_values_are_refused():
+    s = PushKVSettings.from_extra_config({"pipeline_bytes": "0"})
+    assert s.producer_config().packing.pipeline_bytes == 0  # one chunk
+    with pytest.raises(ConnectorConfigError, match="pipeline_bytes"):
+        PushKVSettings.from_extra_config({"pipeline_bytes": -1})
 
 
 def test_values_are_coerced_from_json_and_strings():
