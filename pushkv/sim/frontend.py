@@ -27,6 +27,17 @@ import simpy
 
 from .request import SimRequest
 
+#: cores a P/D pair of the measured deployment pins an engine to (one each)
+PAIR_ENGINE_CORES = 2
+
+
+def frontend_cores(cpu_count: int) -> int:
+    """The cores the frontends (API servers, router, client) share on a machine of
+    ``cpu_count`` cores with a P/D pair's engines pinned to one core each: the cores no
+    engine holds, and at least one -- with every core pinned they float and get one
+    core's worth, the core whose engine is not stepping (``control.frontend_cores``)."""
+    return max(1, cpu_count - PAIR_ENGINE_CORES)
+
 
 class Frontend:
     """One FIFO queue of ``cores`` servers for the frontends' work."""

@@ -126,3 +126,17 @@ def test_default_arrivals_are_the_simulators_own() -> None:
 def test_unknown_arrivals_refused() -> None:
     with pytest.raises(WorkloadError, match="arrivals"):
         WorkloadConfig(arrivals="uniform")
+
+
+def test_measure_writes_the_frontends_cores() -> None:
+    """The measure step records the machine's cores; the frontends get those no engine of
+    the pair is pinned to, and one at least."""
+    from test_sim_measure import GOOD
+
+    from pushkv.sim.frontend import frontend_cores
+    from pushkv.sim.measure import profile_data
+
+    assert [frontend_cores(n) for n in (1, 2, 3, 16)] == [1, 1, 1, 14]
+    assert "frontend_cores" not in profile_data(GOOD)["control"]  # not recorded: off
+    got = profile_data(dataclasses.replace(GOOD, cpu_count=2))
+    assert got["control"]["frontend_cores"] == 1
