@@ -17,10 +17,15 @@ in ``OUT/real`` are not run again (an interrupted run resumes).
 
 **Simulated half**: ``pushkv.sim`` with the measured profile
 (``pushkv/sim/profiles/cpu-tiny.toml``) at the same points -- same modes, number
-of prompts, rates, lengths, output length and iterations -- three ways: a core per
+of prompts, rates, lengths, output length and iterations, and the very send times
+``vllm bench serve`` used (``--arrivals vllm``, the default: its seed, its
+generator) -- three ways: a core per
 engine (``OUT/sim-own-cores``), on the cores the probe met (``cpu_share``,
 ``wake_s``; ``OUT/sim``), and, as a diagnosis, with the engines' steps as the real
-servers' metrics gave them (``OUT/sim-server-steps``).
+servers' metrics gave them (``OUT/sim-server-steps``). ``--frontend-cores N``
+replaces the profile's ``control.frontend_cores`` (the API servers', router's and
+client's times as one queue, :mod:`pushkv.sim.frontend`; a profile ``--measure``
+writes has it from the machine's cores).
 
 **Segment by segment**: the real half's router, client and servers record
 :mod:`pushkv.timeline` marks (``OUT/real/timeline/<mode>/``, ``<deployment>/``;

@@ -140,3 +140,19 @@ def test_measure_writes_the_frontends_cores() -> None:
     assert "frontend_cores" not in profile_data(GOOD)["control"]  # not recorded: off
     got = profile_data(dataclasses.replace(GOOD, cpu_count=2))
     assert got["control"]["frontend_cores"] == 1
+
+
+def test_the_cli_takes_vllms_send_times(tmp_path: Path) -> None:
+    from pushkv.sim.cli import main
+
+    outs = []
+    for arrivals in ("vllm", "pushkv"):
+        out = tmp_path / arrivals
+        assert main(["sim", "--mode", "push", "--qps", "2", "--input-len", "64",
+                     "--output-len", "4", "--num-prompts", "24", "--arrivals", arrivals,
+                     "--result-dir", str(out)]) == 0
+        (path,) = out.glob("*.json")
+        outs.append(json.loads(path.read_text())["start_times"])
+    points = json.loads(DATA.read_text())["points"]["push_qps2_in64_out24_iter0.json"]
+    assert [t - outs[0][0] for t in outs[0]] == pytest.approx(points, abs=0.02)
+    assert outs[0] != outs[1]
