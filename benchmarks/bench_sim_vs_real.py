@@ -131,6 +131,10 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                                   "wake_s": round(probe.wake_s(core), 6)}
                            for side, core in (("prefill", 0), ("decode", 1))}
                     got["engine"] = engine_steps(before, server_metrics(dep))
+                    # the wake-ups' tail, kept for diagnosis (the simulation takes medians)
+                    got["wake_tail"] = {side: {k: round(v, 6) for k, v in
+                                               probe.wake_tail(core).items()}
+                                        for side, core in (("prefill", 0), ("decode", 1))}
                     got["window"] = [t_start, time.monotonic()]
                     record_shares(real, fname, got)
                     print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "

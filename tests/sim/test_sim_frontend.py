@@ -156,3 +156,16 @@ def test_the_cli_takes_vllms_send_times(tmp_path: Path) -> None:
     points = json.loads(DATA.read_text())["points"]["push_qps2_in64_out24_iter0.json"]
     assert [t - outs[0][0] for t in outs[0]] == pytest.approx(points, abs=0.02)
     assert outs[0] != outs[1]
+
+
+def test_the_probes_wake_up_tail() -> None:
+    """What the probe keeps of its wake-ups besides the median: p90, p99, the largest and
+    the share of stalls over 10 ms."""
+    from pushkv.sim.cores import CoreProbe
+
+    probe = CoreProbe(cores=())
+    probe.wakes[0] = [0.0001] * 95 + [0.02] * 4 + [0.3]
+    assert probe.wake_tail(0) == {"p90_s": 0.0001, "p99_s": 0.3, "max_s": 0.3,
+                                  "over_10ms": 0.05}
+    assert probe.wake_tail(1) == {"p90_s": 0.0, "p99_s": 0.0, "max_s": 0.0, "over_10ms": 0.0}
+    assert probe.wake_s(0) == 0.0001
