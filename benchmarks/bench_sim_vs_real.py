@@ -17,10 +17,15 @@ in ``OUT/real`` are not run again (an interrupted run resumes).
 
 **Simulated half**: ``pushkv.sim`` with the measured profile
 (``pushkv/sim/profiles/cpu-tiny.toml``) at the same points -- same modes, number
-of prompts, rates, lengths, output length and iterations -- three ways: a core per
+of prompts, rates, lengths, output length and iterations, and the very send times
+``vllm bench serve`` used (``--arrivals vllm``, the default: its seed, its
+generator) -- three ways: a core per
 engine (``OUT/sim-own-cores``), on the cores the probe met (``cpu_share``,
 ``wake_s``; ``OUT/sim``), and, as a diagnosis, with the engines' steps as the real
-servers' metrics gave them (``OUT/sim-server-steps``).
+servers' metrics gave them (``OUT/sim-server-steps``). ``--frontend-cores N``
+replaces the profile's ``control.frontend_cores`` (the API servers', router's and
+client's times as one queue, :mod:`pushkv.sim.frontend`; a profile ``--measure``
+writes has it from the machine's cores).
 
 **Segment by segment**: the real half's router, client and servers record
 :mod:`pushkv.timeline` marks (``OUT/real/timeline/<mode>/``, ``<deployment>/``;
@@ -126,6 +131,10 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                                   "wake_s": round(probe.wake_s(core), 6)}
                            for side, core in (("prefill", 0), ("decode", 1))}
                     got["engine"] = engine_steps(before, server_metrics(dep))
+                    # the wake-ups' tail, kept for diagnosis (the simulation takes medians)
+                    got["wake_tail"] = {side: {k: round(v, 6) for k, v in
+                                               probe.wake_tail(core).items()}
+                                        for side, core in (("prefill", 0), ("decode", 1))}
                     got["window"] = [t_start, time.monotonic()]
                     record_shares(real, fname, got)
                     print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
@@ -198,14 +207,18 @@ def record_shares(real: Path, fname: str, shares: dict[str, Any]) -> None:
 def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, float, int]],
             output_len: int, num_prompts: int, *, seed: int = 0,
             shares: dict[str, dict[str, Any]] | None = None,
-            server_steps: bool = False, timelines: Path | None = None) -> None:
+            server_steps: bool = False, timelines: Path | None = None,
+            arrivals: str = "vllm", frontend_cores: int | None = None) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
     ``shares`` (by result file name), each point's engines get the share of a core and
     the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
     core each. With ``server_steps`` the engines' step overheads are instead what the
     real P/D servers' metrics gave at that point (wall times under the load, share 1),
     per-token costs as profiled. With ``timelines``, each point's timeline marks go into
-    ``timelines/<point>/`` (:mod:`pushkv.sim.marks`)."""
+    ``timelines/<point>/`` (:mod:`pushkv.sim.marks`). ``arrivals``: the send times'
+    generator (``"vllm"``: the very ones ``vllm bench serve --seed seed+iteration`` used
+    in the real half); ``frontend_cores`` replaces the profile's
+    ``control.frontend_cores`` (the frontends as a queue; 0 off)."""
     from pushkv.sim.marks import Timeline
     from pushkv.sim.profile import load_profile
     from pushkv.sim.runner import run
@@ -213,6 +226,9 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     from pushkv.sim.workload import WorkloadConfig
 
     base = load_profile(profile_path)
+    if frontend_cores is not None:
+        base = dataclasses.replace(base, control=dataclasses.replace(
+            base.control, frontend_cores=frontend_cores)).validate()
     sim.mkdir(parents=True, exist_ok=True)
     for old in sim.glob("*_iter*.json"):
         old.unlink()
@@ -234,7 +250,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
         cfg = SimConfig(mode=TransferMode(mode), profile=profile, iteration=it,
                         workload=WorkloadConfig(request_rate=rate, input_len=input_len,
                                                 output_len=output_len,
-                                                num_prompts=num_prompts, seed=seed))
+                                                num_prompts=num_prompts, seed=seed,
+                                                arrivals=arrivals))
         tl = Timeline() if timelines is not None else None
         res = run(cfg, timeline=tl)
         if tl is not None and timelines is not None:
@@ -391,6 +408,14 @@ def main() -> int:
     p.add_argument("--no-cpu-share", dest="cpu_share", action="store_false",
                    help="simulate with a core per engine only (cpu_share, wake_s off)")
     p.add_argument("--figures", type=Path, help="also draw the TTFT and TPOT overlays here")
+    p.add_argument("--arrivals", choices=("vllm", "pushkv"), default="vllm",
+                   help="the simulated send times: 'vllm' (default), the very ones vllm "
+                   "bench serve sent in the real half (its seed, its generator); "
+                   "'pushkv', the simulator's own stream (same rate, other draws)")
+    p.add_argument("--frontend-cores", type=int, default=None,
+                   help="replace the profile's control.frontend_cores: the API servers', "
+                   "router's and client's times as one queue on this many cores "
+                   "(pushkv.sim.frontend); 0: as delays")
     args = p.parse_args()
     for m in args.modes:
         if m not in MODES:
@@ -415,9 +440,11 @@ def main() -> int:
     real_s = time.monotonic() - t0
     points, output_len, num_prompts = real_points(real)
     shares = json.loads((real / SHARES).read_text()) if (real / SHARES).exists() else {}
+    knobs: dict[str, Any] = {"arrivals": args.arrivals,
+                             "frontend_cores": args.frontend_cores}
     own = args.out / "sim-own-cores"  # the mechanism off
     timelines = args.out / "sim-timeline"
-    run_sim(args.profile, own, points, output_len, num_prompts, seed=args.seed,
+    run_sim(args.profile, own, points, output_len, num_prompts, seed=args.seed, **knobs,
             timelines=timelines / "own-cores")
     own_table, own_summary = compare(real, own)
     print("\nSimulated with a core per engine (cpu_share 1):\n")
@@ -428,7 +455,7 @@ def main() -> int:
         print("\nSegment by segment, a core per engine (real / simulated, ms):\n")
         print(text)
     if args.cpu_share and shares:
-        run_sim(args.profile, sim, points, output_len, num_prompts, seed=args.seed,
+        run_sim(args.profile, sim, points, output_len, num_prompts, seed=args.seed, **knobs,
                 shares=shares, timelines=timelines / "probe")
         table, summary = compare(real, sim)
         print("\nSimulated on the cores the probe met (cpu_share, wake_s):\n")
@@ -444,7 +471,7 @@ def main() -> int:
     keys = ("ttft_ratio_min", "ttft_ratio_max", "tpot_ratio_min", "tpot_ratio_max")
     if shares and any("engine" in v for v in shares.values()):
         steps = args.out / "sim-server-steps"
-        run_sim(args.profile, steps, points, output_len, num_prompts, seed=args.seed,
+        run_sim(args.profile, steps, points, output_len, num_prompts, seed=args.seed, **knobs,
                 shares=shares, server_steps=True)
         steps_table, steps_summary = compare(real, steps)
         print("\nDiagnosis: the same, engine steps as the real P/D servers' metrics gave "
@@ -460,7 +487,8 @@ def main() -> int:
     summary |= {"real_s": round(real_s, 1), "total_s": round(time.monotonic() - t0, 1),
                 "load_at_start": [round(x, 2) for x in load],
                 "load_at_end": [round(x, 2) for x in os.getloadavg()],
-                "profile": str(args.profile), "failures": failures}
+                "profile": str(args.profile), "arrivals": args.arrivals,
+                "frontend_cores": args.frontend_cores, "failures": failures}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
     return 1 if failures else 0

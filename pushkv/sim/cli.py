@@ -30,7 +30,7 @@ from .scenario import (
     TransferMode,
 )
 from .sweep import MODE_LABELS, SweepSpec, default_jobs, parse_mode
-from .workload import WorkloadConfig, WorkloadError
+from .workload import ARRIVALS, WorkloadConfig, WorkloadError
 
 _ERRORS = (ConfigError, ProfileError, WorkloadError)
 
@@ -113,6 +113,9 @@ def _add_deployment(p: argparse.ArgumentParser) -> None:
     w.add_argument("--burstiness", type=_pos_float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier")
     w.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
+    w.add_argument("--arrivals", choices=ARRIVALS, default="pushkv",
+                   help="gap generator: 'pushkv' (the run's own stream) or 'vllm' (the very "
+                   "send times of vllm bench serve --seed SEED+ITERATION)")
     pr = p.add_argument_group("protocol timeouts and failure policy (vLLM defaults)")
     pr.add_argument("--policy", choices=[f.value for f in FailurePolicy],
                     default=ProtocolSettings().policy.value,
@@ -194,6 +197,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         workload=WorkloadConfig(
             request_rate=args.qps, burstiness=args.burstiness, input_len=args.input_len,
             output_len=args.output_len, num_prompts=args.num_prompts, seed=args.seed,
+            arrivals=args.arrivals,
         ),
     )
     tl = None
@@ -219,6 +223,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         modes=tuple(args.modes), input_lens=tuple(args.input_lens), rates=tuple(args.rates),
         output_len=args.output_len, num_prompts=args.num_prompts,
         iterations=args.iterations, seed=args.seed, burstiness=args.burstiness,
+        arrivals=args.arrivals,
     )
     cfgs = configs(spec, _base_config(args))
     paths, wall = run_sweep(cfgs, args.out, jobs=args.jobs, progress=not args.no_progress)

@@ -79,6 +79,20 @@ class CoreProbe:
         got = self.wakes.get(core)
         return statistics.median(got) if got else 0.0
 
+    def wake_tail(self, core: int) -> dict[str, float]:
+        """The wake-up delays' tail on ``core``: p90, p99 and the largest (s), and the
+        fraction of wake-ups later than 10 ms (a stall, not a run-queue wait); zeros
+        without samples."""
+        got = sorted(self.wakes.get(core) or ())
+        if not got:
+            return {"p90_s": 0.0, "p99_s": 0.0, "max_s": 0.0, "over_10ms": 0.0}
+
+        def q(p: float) -> float:
+            return got[min(len(got) - 1, int(p * len(got)))]
+
+        return {"p90_s": q(0.9), "p99_s": q(0.99), "max_s": got[-1],
+                "over_10ms": sum(w > 0.01 for w in got) / len(got)}
+
     def share(self, core: int) -> float:
         got = self.shares.get(core)
         return min(1.0, statistics.median(got)) if got else 1.0

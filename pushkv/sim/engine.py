@@ -34,6 +34,7 @@ import simpy
 from ..protocol import FailurePolicy, Mode
 from .blocks import BlockPool, blocks_for
 from .costs import step_s
+from .frontend import Frontend
 from .profile import ENGINE_WAKES, EngineProfile, Profile
 from .request import Outcome, SimRequest
 from .scenario import TransferMode
@@ -72,10 +73,16 @@ class _Loop:
         self.ingest_s = ingest_s
         #: the API server takes legs one at a time (only with ``ingest_s``)
         self._api = simpy.Resource(env, capacity=1) if ingest_s else None
+        #: the frontends' shared CPU queue (``control.frontend_cores``), set by the runner
+        self.frontend: Frontend | None = None
 
     def ingest(self, then: Callable[[SimRequest], None], req: SimRequest) -> None:
         """A leg reaches this instance's API server: ``then(req)`` (submit) once it has
-        spent ``ingest_s`` there, after the legs ahead of it; at once without it."""
+        spent ``ingest_s`` there, after the legs ahead of it (with a frontend queue, after
+        all the frontends' work ahead of it); at once without it."""
+        if self.frontend is not None and self.ingest_s:
+            self.frontend.serve(self.ingest_s, lambda: then(req))
+            return
         if self._api is None:
             then(req)
             return
@@ -517,6 +524,8 @@ class DecodeEngine(_Loop):
                     decodes.append(r)  # the prompt's last chunk yields the next token
             for r in decodes:
                 r.token_times.append(now)
+                if self.frontend is not None:
+                    self.frontend.token(r)
                 if len(r.token_times) >= r.output_len:
                     self._complete(r)
 

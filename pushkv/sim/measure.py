@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from .cores import CoreProbe
+from .frontend import frontend_cores
 from .profile import Profile, ProfileError, profile_from_dict
 
 
@@ -107,6 +108,8 @@ class Measured:
     max_num_batched_tokens: int = 2048  #: vLLM's CPU default for the API server
     block_size: int = 32
     kv_cache_bytes: float = float(1 << 30)  #: VLLM_CPU_KVCACHE_SPACE=1
+    cpu_count: int = 0  #: os.cpu_count() (0: unknown, control.frontend_cores left at 0)
+
 
 
 def _check_times(name: str, values: Sequence[float]) -> None:
@@ -228,6 +231,8 @@ def profile_data(m: Measured) -> dict[str, Any]:
             "handshake_before_run": True,
         },
     }
+    if m.cpu_count > 0:
+        data["control"]["frontend_cores"] = frontend_cores(m.cpu_count)  # sim/frontend.py
     try:
         profile_from_dict(data)
     except ProfileError as exc:
@@ -635,6 +640,7 @@ def measure(work: Path, *, reps: int, delay_us: int) -> Measured:
         wire_bytes=tuple(nixl["wire_bytes"]), wire_s=tuple(nixl["wire_s"]), **side,
         engine_share=eng["share"], host_share=host_share, engine_wake_s=eng["wake"],
         probe_samples=min([eng["probe_samples"], *(len(host.wakes.get(c, ())) for c in (0, 1))]),
+        cpu_count=os.cpu_count() or 0,
     )
 
 

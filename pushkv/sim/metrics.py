@@ -45,10 +45,19 @@ class RequestMetrics:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
+def client_times(req: SimRequest, return_s: float = 0.0) -> list[float]:
+    """When the client got each token: as the frontend queue delivered them, else
+    ``return_s`` after decode emitted them."""
+    if req.client_times:
+        return list(req.client_times)
+    return [t + return_s for t in req.token_times]
+
+
 def measure(req: SimRequest, return_s: float = 0.0) -> RequestMetrics:
-    """The client's view: tokens reach it ``return_s`` after decode emits them."""
+    """The client's view: tokens reach it ``return_s`` after decode emits them (with a
+    frontend queue, when it delivered them)."""
     ok = req.outcome is Outcome.OK
-    times = [t + return_s for t in req.token_times] if ok else []
+    times = client_times(req, return_s) if ok else []
     ttft = times[0] - req.arrival if times else 0.0
     return RequestMetrics(
         success=ok,

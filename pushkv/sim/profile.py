@@ -450,6 +450,18 @@ class ControlProfile:
         "handshake_s",
         "vLLM vllm/benchmarks/serve.py ('Starting initial single prompt test run')",
     )
+    frontend_cores: int = _f(
+        0,
+        "cores the frontend processes (each instance's API server, the router, the "
+        "client) share: with n >= 1 a leg's ingest_s and every output token's "
+        "decode.return_s are service times of one FIFO queue of n servers, so legs wait "
+        "behind the tokens still streaming and tokens pile up when they come faster than "
+        "the frontends pass them on (pushkv.sim.frontend); 0: those times are delays, the "
+        "frontends never busy",
+        "deployment: on this 2-core machine both cores are pinned to an engine and the "
+        "frontends float; 1 is the one core's worth they get while decode steps "
+        "(docs/sim.md, 'The frontends as a queue')",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -562,6 +574,9 @@ class Profile:
         for name in ("message_send_s", "message_recv_s", "handshake_s"):
             if getattr(c, name) < 0:
                 raise ProfileError(f"control.{name} must be >= 0")
+        if not isinstance(c.frontend_cores, int) or c.frontend_cores < 0:
+            raise ProfileError(f"control.frontend_cores must be an integer >= 0, "
+                               f"got {c.frontend_cores!r}")
         for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "post_fixed_s",
                      "post_per_descriptor_s", "notify_wait_s"):
             if getattr(n, name) < 0:

@@ -39,6 +39,9 @@ class SimRequest:
     prefill_done_at: float | None = None
     kv_ready_at: float | None = None
     token_times: list[float] = field(default_factory=list)
+    #: when each token reached the client (only with a frontend queue; else token_times
+    #: plus the way's fixed latency)
+    client_times: list[float] = field(default_factory=list)
     outcome: Outcome = Outcome.PENDING
     error: str = ""
     recomputed: bool = False

@@ -23,8 +23,9 @@ import simpy
 from ..protocol import uniform_ranks
 from .blocks import BlockPool
 from .engine import DecodeEngine, PrefillEngine, Recorder
+from .frontend import Frontend
 from .marks import Timeline
-from .metrics import vllm_result
+from .metrics import client_times, vllm_result
 from .network import Network
 from .profile import EngineProfile, Profile
 from .request import Outcome, SimRequest
@@ -74,6 +75,16 @@ def _ranks(engine_id: str, profile: Profile, side: EngineProfile) -> Any:
     )[0]  # rank 0 stands for the whole TP group
 
 
+def arrival_rng(cfg: SimConfig, seed: np.random.SeedSequence) -> Any:
+    """The generator of the run's arrival gaps: the run's own stream, or with
+    ``workload.arrivals = "vllm"`` the one ``vllm bench serve --seed S`` draws them from
+    (``np.random.seed(S)``, then ``np.random.gamma`` per request; S = seed + iteration,
+    as ``benchmarks/bench_sim_vs_real.py`` seeds each iteration)."""
+    if cfg.workload.arrivals == "vllm":
+        return np.random.RandomState(cfg.workload.seed + cfg.iteration)
+    return np.random.default_rng(seed)
+
+
 def run(cfg: SimConfig, *, keep_objects: bool = False,
         timeline: Timeline | None = None) -> RunResult:
     """Simulate ``cfg`` and return its results; with ``timeline``, record every
@@ -94,7 +105,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         skew_rng=np.random.default_rng(skew_seed), packing=cfg.packing,
     )
     transport.timeline = timeline
-    specs = generate(cfg.workload, np.random.default_rng(arrival_seed))
+    specs = generate(cfg.workload, arrival_rng(cfg, arrival_seed))
     recorder = Recorder(env, len(specs))
     router_ref: list[Router] = []
 
@@ -120,6 +131,13 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         transport.add_consumer(_ranks(eid, profile, profile.decode), deng)
         decodes.append(deng)
     transport.handshake()
+    return_s = profile.network.router_hop_s + profile.return_wake_s + profile.decode.return_s
+    frontend = None
+    if profile.control.frontend_cores:  # the frontends' times queue on their cores
+        frontend = Frontend(env, profile.control.frontend_cores, profile.decode.return_s,
+                            return_s - profile.decode.return_s)
+        for e in (*prefills, *decodes):
+            e.frontend = frontend
     router = Router(env, cfg, transport, prefills, decodes, recorder,
                     random.Random(int(incarnation_seed.generate_state(1)[0])))
     router_ref.append(router)
@@ -134,6 +152,8 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
 
     try:
         env.run(until=recorder.done)
+        if frontend is not None:  # the last tokens still on their way to the client
+            env.run(until=frontend.drained())
     except RuntimeError as exc:
         pending = [r.transfer_id for r in reqs if r.outcome is Outcome.PENDING]
         raise SimulationError(
@@ -145,7 +165,6 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
     leaks = _leaks(transport, prefills, decodes)
 
     extra = _extra(cfg, transport, prefills, decodes, router, reqs, leaks)
-    return_s = profile.network.router_hop_s + profile.return_wake_s + profile.decode.return_s
     result = vllm_result(
         reqs, duration=end + profile.network.router_hop_s, model_id=profile.model.name,
         request_rate=cfg.workload.request_rate, burstiness=cfg.workload.burstiness,
@@ -153,9 +172,10 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
     )
     if timeline is not None:  # the client's marks: tokens as the result file counts them
         for r in reqs:
-            if r.outcome is Outcome.OK and r.token_times:
-                timeline.mark(r.transfer_id, "first_token", r.token_times[0] + return_s)
-                timeline.mark(r.transfer_id, "last_token", r.token_times[-1] + return_s)
+            times = client_times(r, return_s)
+            if r.outcome is Outcome.OK and times:
+                timeline.mark(r.transfer_id, "first_token", times[0])
+                timeline.mark(r.transfer_id, "last_token", times[-1])
     out = RunResult(
         config=cfg, result=result, requests=reqs, leaks=leaks,
         transport_stats=dict(transport.stats), rejected=len(transport.rejected),

@@ -54,6 +54,8 @@ class SweepSpec:
         "figures are means over them"})
     seed: int = field(default=0, metadata={"help": "workload seed (each iteration its own stream)"})
     burstiness: float = field(default=1.0, metadata={"help": "gamma shape of the gaps"})
+    arrivals: str = field(default="pushkv", metadata={
+        "help": "gap generator (WorkloadConfig.arrivals)"})
 
     def __post_init__(self) -> None:
         for label in self.modes:
@@ -77,6 +79,7 @@ def configs(spec: SweepSpec, base: SimConfig | None = None) -> list[SimConfig]:
                         request_rate=float(rate), burstiness=spec.burstiness,
                         input_len=input_len, output_len=spec.output_len,
                         num_prompts=spec.num_prompts, seed=spec.seed,
+                        arrivals=spec.arrivals,
                     )
                     out.append(dataclasses.replace(
                         base, mode=mode, dispatch=dispatch, workload=workload, iteration=n,

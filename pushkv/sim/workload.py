@@ -4,6 +4,10 @@ Fixed input and output lengths (``--random-range-ratio 0``), gaps drawn from a
 gamma distribution of shape ``burstiness`` and mean ``1 / request_rate``
 (``burstiness = 1`` is a Poisson process), then rescaled -- as vLLM does -- so
 that the last request leaves at exactly ``num_prompts / request_rate``.
+With ``arrivals = "vllm"`` the gaps come from the generator ``vllm bench serve``
+draws them from (``np.random.seed(seed)`` in its main, then one
+``np.random.gamma`` per request in ``get_request``), so a simulated run gets the
+very send times of the real run it is compared with.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..protocol.errors import ConfigError
+
+#: the arrival generators (see WorkloadConfig.arrivals)
+ARRIVALS = ("pushkv", "vllm")
 
 
 class WorkloadError(ConfigError):
@@ -34,6 +41,10 @@ class WorkloadConfig:
     output_len: int = field(default=128, metadata={"help": "generated tokens per request"})
     num_prompts: int = field(default=100, metadata={"help": "requests in the run"})
     seed: int = field(default=0, metadata={"help": "seed of the arrival process"})
+    arrivals: str = field(default="pushkv", metadata={
+        "help": "generator of the gaps: 'pushkv' (the run's own stream of (seed, "
+                "iteration)) or 'vllm' (the very gaps vllm bench serve --seed "
+                "seed+iteration sends: numpy's legacy np.random.seed, then np.random.gamma)"})
 
     def __post_init__(self) -> None:
         if not (self.request_rate > 0):  # also rejects NaN
@@ -46,6 +57,9 @@ class WorkloadConfig:
             raise WorkloadError(f"output length must be >= 1, got {self.output_len}")
         if self.num_prompts < 1:
             raise WorkloadError(f"number of prompts must be >= 1, got {self.num_prompts}")
+        if self.arrivals not in ARRIVALS:
+            raise WorkloadError(f"arrivals must be one of {', '.join(ARRIVALS)}, "
+                                f"got {self.arrivals!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,7 +72,8 @@ class Request:
     output_len: int
 
 
-def arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
+def arrivals(cfg: WorkloadConfig, rng: np.random.Generator | np.random.RandomState
+             ) -> np.ndarray:
     """Send times (seconds from the start) of ``cfg.num_prompts`` requests."""
     n = cfg.num_prompts
     if math.isinf(cfg.request_rate):
@@ -71,7 +86,8 @@ def arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
     return times
 
 
-def generate(cfg: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
+def generate(cfg: WorkloadConfig, rng: np.random.Generator | np.random.RandomState
+             ) -> list[Request]:
     """The requests of one run, in send order."""
     return [
         Request(index=i, arrival=float(t), input_len=cfg.input_len, output_len=cfg.output_len)
