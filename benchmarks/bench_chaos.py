@@ -17,7 +17,10 @@ runs in short: ``tests/vllm/test_chaos.py``).
    each server idle before and after; KV blocks each still references at the end.
 
 Every request is classified: correct, clear error, wrong, hung, unclear, or left on
-purpose. Prints progress, a table, then one JSON line: ``requests``, ``outcomes``,
+purpose. Prints progress, a table, then one JSON line: ``requests``, ``correct``,
+``clear_errors``, ``hung``, ``wrong_outputs``, ``unclear``, ``left``, ``leaked_blocks``,
+``failover_p99_ms`` (p99 latency of the requests in flight when a fault hit),
+``soak_rss_growth_pct`` (resident memory at the end over after the warm-up), ``outcomes``,
 ``chaos`` (its outcomes, retries, p99 of the requests in flight when a fault hit,
 blocks and threads after each deployment), ``soak`` (its figures), ``checks`` and
 ``wall_s``. The exit status is 0 when every check holds.
@@ -209,8 +212,14 @@ class Bench:
             and not soaked["p99_trend"]["rising"],
             "threads_back_to_idle": threads_back,
         }
-        return {"requests": chaos["requests"] + soaked["requests"], "outcomes": dict(kinds),
-                "leaked_blocks": leaked, "chaos": chaos, "soak": soaked, "checks": checks,
+        return {"requests": chaos["requests"] + soaked["requests"],
+                "correct": kinds["correct"], "clear_errors": kinds["clear_error"],
+                "hung": kinds["hung"], "wrong_outputs": kinds["wrong"],
+                "unclear": kinds["unclear"], "left": kinds["left"],
+                "leaked_blocks": leaked,
+                "failover_p99_ms": chaos.get("failover_p99_ms", 0.0),
+                "soak_rss_growth_pct": round(100 * (soaked["rss_ratio"] - 1), 2),
+                "outcomes": dict(kinds), "chaos": chaos, "soak": soaked, "checks": checks,
                 "wall_s": round(time.monotonic() - started, 1)}
 
 
