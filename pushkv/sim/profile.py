@@ -236,8 +236,10 @@ class EngineProfile:
     order_handoff_s: float = _f(
         0.0,
         "a step's orders reaching the worker: a push registration the scheduler ships in "
-        "a step's connector metadata is handed to the transport this much later (the "
-        "worker takes it when it runs the step)",
+        "a step's connector metadata is handed to the transport this much later, and a "
+        "pull's read is posted this much later, by the worker instead of inline in the "
+        "scheduler's step (the worker takes the orders when it runs the step; vLLM's "
+        "NixlConnector reads in the worker's start_load_kv)",
         CONNECTOR + ": median('registration shipped -> handed')",
     )
     event_handoff_s: float = _f(

@@ -141,6 +141,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
             e.frontend = frontend
     router = Router(env, cfg, transport, prefills, decodes, recorder,
                     random.Random(int(incarnation_seed.generate_state(1)[0])))
+    router.frontend = frontend
     router_ref.append(router)
 
     reqs = [SimRequest(spec=s, transfer_id=f"req-{s.index}") for s in specs]
