@@ -194,3 +194,41 @@ def extend(data: dict[str, Any], head: Sequence[str], dirs: Sequence[str | Path]
     keys = connector_keys(reqs, profile_from_dict(data), share=share)
     return with_connector_keys(data, keys), [*head, *connector_header(dirs, len(reqs), share,
                                                                       keys)]
+
+
+def extend_router(data: dict[str, Any], head: Sequence[str], *,
+                  pull_dirs: Sequence[str | Path] = (),
+                  client: tuple[str | Path, str | Path] | None = None, share: float = 1.0,
+                  client_window: Sequence[float] | None = None
+                  ) -> tuple[dict[str, Any], list[str]]:
+    """A profile's tables and header lines with the router's keys: ``prefill.return_s``
+    from a pull pair's timeline in ``pull_dirs`` (the router's or client's first; the
+    requests that ran alone; :func:`pull_keys`, against ``data``'s hops and ingestion),
+    ``network.client_hop_s`` from ``client`` = (the router's timeline directory, the
+    ``vllm bench serve`` result file of the run it holds -- or of the run in
+    ``client_window``; :func:`client_hop`)."""
+    import json
+
+    from .segments import alone, load
+
+    head = list(head)
+    if pull_dirs:
+        reqs = alone(load(pull_dirs))
+        keys = pull_keys(reqs, profile_from_dict(data), share=share)
+        data = with_connector_keys(data, keys)
+        head.append(f"prefill.return_s {keys['prefill']['return_s'] * 1e3:.3f} ms from the "
+                    f"pushkv.timeline marks of {len(reqs)} requests of a real pull pair in "
+                    + " ".join(str(d) for d in pull_dirs) + " (pull_keys).")
+    if client is not None:
+        router, result = client
+        try:
+            latencies = json.loads(Path(result).read_text())["latencies"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MeasurementError(f"{result}: no 'latencies' list of a vllm bench serve "
+                                   f"result ({exc!r})") from exc
+        win = (client_window[0], client_window[1]) if client_window else None
+        hop = client_hop([(load([router], win), latencies, share)])
+        data = with_connector_keys(data, {"network": {"client_hop_s": hop}})
+        head.append(f"network.client_hop_s {hop * 1e3:.3f} ms from {result} against the "
+                    f"router's marks in {router} (client_hop).")
+    return data, head

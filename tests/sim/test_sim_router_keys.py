@@ -218,3 +218,36 @@ def test_the_benchmark_measures_both_from_its_real_half(tmp_path: Path) -> None:
     assert keys["network"]["client_hop_s"] == pytest.approx(0.0017)
     less = 2 * TINY.network.router_hop_s + TINY.decode.ingest_s
     assert keys["prefill"]["return_s"] == pytest.approx(max(0.0, 0.011 - less))
+
+
+def test_measure_adds_the_router_keys_to_a_base_profile(tmp_path: Path) -> None:
+    from pushkv.sim.measure import main as measure_main
+
+    router, pull = tmp_path / "router", tmp_path / "pull"
+    for d in (router, pull):
+        d.mkdir()
+    with (router / "timeline-1.jsonl").open("w") as f:
+        for rid, marks in _router(3).items():
+            for ev, t in marks.items():
+                f.write(json.dumps({"id": rid, "ev": ev, "t": t, "p": "router"}) + "\n")
+    with (pull / "timeline-2.jsonl").open("w") as f:
+        for i in range(3):
+            for ev, t in (("legs_sent", i), ("prefill_finished", i + 0.005),
+                          ("decode_seen", i + 0.016)):
+                f.write(json.dumps({"id": f"p{i}", "ev": ev, "t": t, "p": "x"}) + "\n")
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"latencies": [0.0217] * 3}))
+    out = tmp_path / "p.toml"
+    assert measure_main(["--out", str(out), "--base", str(TINY_PATH), "--pull-timeline",
+                         str(pull), "--client-hop", str(router), str(result)]) == 0
+    prof = load_profile(out)
+    assert prof.network.client_hop_s == pytest.approx(0.0017)
+    less = 2 * TINY.network.router_hop_s + TINY.decode.ingest_s
+    assert prof.prefill.return_s == pytest.approx(max(0.0, 0.011 - less))
+    assert "network.client_hop_s 1.700 ms" in out.read_text()
+    result.write_text(json.dumps({"ttfts": []}))  # not a result with latencies
+    assert measure_main(["--out", str(out), "--base", str(TINY_PATH), "--client-hop",
+                         str(router), str(result)]) == 2
+    result.write_text(json.dumps({"latencies": [0.0217] * 3}))  # a window of no request
+    assert measure_main(["--out", str(out), "--base", str(TINY_PATH), "--client-hop",
+                         str(router), str(result), "--client-window", "50", "60"]) == 2
