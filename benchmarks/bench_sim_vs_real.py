@@ -208,7 +208,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             output_len: int, num_prompts: int, *, seed: int = 0,
             shares: dict[str, dict[str, Any]] | None = None,
             server_steps: bool = False, timelines: Path | None = None,
-            arrivals: str = "vllm", frontend_cores: int | None = None) -> None:
+            arrivals: str = "vllm", frontend_cores: int | None = None,
+            keys: dict[str, dict[str, float]] | None = None) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
     ``shares`` (by result file name), each point's engines get the share of a core and
     the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
@@ -218,7 +219,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     ``timelines/<point>/`` (:mod:`pushkv.sim.marks`). ``arrivals``: the send times'
     generator (``"vllm"``: the very ones ``vllm bench serve --seed seed+iteration`` used
     in the real half); ``frontend_cores`` replaces the profile's
-    ``control.frontend_cores`` (the frontends as a queue; 0 off)."""
+    ``control.frontend_cores`` (the frontends as a queue; 0 off); ``keys`` (per table,
+    key: value) replace the profile's (:func:`real_keys`)."""
     from pushkv.sim.marks import Timeline
     from pushkv.sim.profile import load_profile
     from pushkv.sim.runner import run
@@ -229,6 +231,9 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     if frontend_cores is not None:
         base = dataclasses.replace(base, control=dataclasses.replace(
             base.control, frontend_cores=frontend_cores)).validate()
+    for table, values in (keys or {}).items():
+        base = dataclasses.replace(base, **{table: dataclasses.replace(
+            getattr(base, table), **values)}).validate()
     sim.mkdir(parents=True, exist_ok=True)
     for old in sim.glob("*_iter*.json"):
         old.unlink()
@@ -361,6 +366,43 @@ def segment_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
     return "\n\n".join(texts), out
 
 
+def real_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
+              ) -> dict[str, dict[str, float]]:
+    """The keys the real half's own marks measure (requests that ran alone, each point's
+    figures scaled by the share of a core its probe met): ``network.client_hop_s`` from
+    every point (the client's latencies against the router's marks,
+    :func:`pushkv.sim.measure_connector.client_hop`) and ``prefill.return_s`` from the
+    pull points (:func:`pushkv.sim.measure_connector.pull_keys`, against the profile's
+    hops and ``decode.ingest_s``). A key whose marks the run lacks is left out."""
+    from pushkv.sim import segments
+    from pushkv.sim.measure_connector import client_hop, pull_keys
+    from pushkv.sim.profile import load_profile
+
+    points, pull, pull_shares = [], {}, []
+    for fname, got in sorted(shares.items()):
+        m, window = NAME.match(fname), got.get("window")
+        if m is None or m["mode"] not in MODES or not window or not (real / fname).exists():
+            continue
+        name, deployment = MODES[m["mode"]]
+        share = (got["prefill"]["cpu_share"] + got["decode"]["cpu_share"]) / 2
+        router = segments.load([real / "timeline" / name], (window[0], window[1]))
+        latencies = json.loads((real / fname).read_text()).get("latencies") or []
+        if router and latencies:
+            points.append((router, latencies, share))
+        if m["mode"] == "pull":
+            both = segments.load([real / "timeline" / name, real / "timeline" / deployment],
+                                 (window[0], window[1]))
+            pull |= segments.alone(both)
+            pull_shares.append(share)
+    out: dict[str, dict[str, float]] = {}
+    if points:
+        out["network"] = {"client_hop_s": client_hop(points)}
+    if pull:
+        out |= pull_keys(pull, load_profile(profile_path),
+                         share=statistics.mean(pull_shares))
+    return out
+
+
 def figures(real: Path, sim: Path, out: Path) -> list[Path]:
     from pushkv.sim.plot import plot
 
@@ -416,6 +458,9 @@ def main() -> int:
                    help="replace the profile's control.frontend_cores: the API servers', "
                    "router's and client's times as one queue on this many cores "
                    "(pushkv.sim.frontend); 0: as delays")
+    p.add_argument("--real-keys", action="store_true",
+                   help="measure network.client_hop_s and prefill.return_s from the real "
+                   "half's own marks (requests that ran alone) and simulate with them")
     args = p.parse_args()
     for m in args.modes:
         if m not in MODES:
@@ -441,7 +486,20 @@ def main() -> int:
     points, output_len, num_prompts = real_points(real)
     shares = json.loads((real / SHARES).read_text()) if (real / SHARES).exists() else {}
     knobs: dict[str, Any] = {"arrivals": args.arrivals,
-                             "frontend_cores": args.frontend_cores}
+                             "frontend_cores": args.frontend_cores, "keys": None}
+    if args.real_keys:
+        from pushkv.sim.measure import MeasurementError
+
+        try:
+            knobs["keys"] = real_keys(real, shares, args.profile)
+        except MeasurementError as exc:  # the profile's own keys stand in
+            failures["real_keys"] = str(exc)
+            print(f"measuring the real half's keys failed ({exc}); simulating with "
+                  f"{args.profile}'s", flush=True)
+    if knobs["keys"]:
+        print("keys from the real half's marks: " + ", ".join(
+            f"{t}.{k} {v * 1e3:.3f} ms" for t, kv in knobs["keys"].items()
+            for k, v in kv.items()), flush=True)
     own = args.out / "sim-own-cores"  # the mechanism off
     timelines = args.out / "sim-timeline"
     run_sim(args.profile, own, points, output_len, num_prompts, seed=args.seed, **knobs,
@@ -488,7 +546,8 @@ def main() -> int:
                 "load_at_start": [round(x, 2) for x in load],
                 "load_at_end": [round(x, 2) for x in os.getloadavg()],
                 "profile": str(args.profile), "arrivals": args.arrivals,
-                "frontend_cores": args.frontend_cores, "failures": failures}
+                "frontend_cores": args.frontend_cores, "real_keys": knobs["keys"],
+                "failures": failures}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
     return 1 if failures else 0

@@ -342,11 +342,36 @@ class DecodeEngine(_Loop):
             else:
                 self._register(req)
             return 0.0
+        if self.eng.order_handoff_s:  # the worker reads when it takes the step's orders
+            req.handing_off = True
+            self.env.timeout(self.eng.order_handoff_s).callbacks.append(
+                lambda _: self._read(req))
+            return 0.0
         inline = stall if self.mode is TransferMode.PULL else None
         return self.transport.start_pull(
             self.engine_id, tid, producer, req.src_blocks, req.dst_blocks, req.input_len,
             inline_after=inline, incarnation=req.incarnation,
         )
+
+    def _read(self, req: SimRequest) -> None:
+        """Pull with ``order_handoff_s``: the read order reaches the worker, which posts it
+        (vLLM's NixlConnector reads in the worker's ``start_load_kv``, at the step whose
+        connector metadata carries the request; the posting is the worker's, not the
+        scheduler's step)."""
+        req.handing_off = False
+        if not self.alive or req.outcome is not Outcome.PENDING or req not in self.holding:
+            return
+        producer = req.prefill
+        assert producer is not None
+        if producer in self.transport.known_dead:  # it died while the order waited
+            self.holding.remove(req)
+            self.pool.free(req.dst_blocks)
+            req.dst_blocks = []
+            self._transfer_failed_now(req, f"prefill instance {producer} is down")
+            return
+        self.transport.start_pull(self.engine_id, req.transfer_id, producer, req.src_blocks,
+                                  req.dst_blocks, req.input_len, inline_after=None,
+                                  incarnation=req.incarnation)
 
     def _register(self, req: SimRequest) -> None:
         """Push: the registration order reaches the transport."""

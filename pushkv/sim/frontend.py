@@ -9,7 +9,8 @@ delays: a leg waits ``ingest_s`` behind its own instance's legs only, a token
 reaches the client ``decode.return_s`` after decode emitted it, whatever else is
 going on. With ``frontend_cores = n`` they are *service times* of one FIFO queue of
 ``n`` servers shared by everything the frontends do: a leg's ``ingest_s`` at its
-API server and each output token's ``decode.return_s`` on its way out. A new leg
+API server, a prefill leg's answer (``prefill.return_s``, :mod:`pushkv.sim.router`) and
+each output token's ``decode.return_s`` on its way out. A new leg
 then waits behind the tokens of the requests still streaming, and tokens emitted
 faster than the frontends can pass them on reach the client late and together.
 

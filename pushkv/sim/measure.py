@@ -39,8 +39,12 @@ and writes them as a profile :func:`~pushkv.sim.profile.load_profile` reads:
   the step-boundary hand-offs of a push (``decode.order_handoff_s``,
   ``event_handoff_s``, ``admit_lag_s``) and a write's wait for its notification on
   busy cores (``network.notify_wait_s``) -- see
-  :func:`pushkv.sim.measure_connector.connector_keys`. With ``--base
-  PROFILE`` nothing else is measured: the keys are added to that profile.
+  :func:`pushkv.sim.measure_connector.connector_keys`. ``--pull-timeline DIR ...``
+  (a pull pair's marks) adds the prefill answer's way out (``prefill.return_s``),
+  ``--client-hop ROUTER_DIR RESULT`` (a router's marks and that run's ``vllm bench
+  serve`` result) the client's way to and from the router (``network.client_hop_s``;
+  :func:`~pushkv.sim.measure_connector.extend_router`). With ``--base PROFILE``
+  nothing else is measured: the keys are added to that profile.
 
 :func:`profile_data` turns a :class:`Measured` into the profile's tables and
 validates them (:func:`~pushkv.sim.profile.profile_from_dict`); a measurement
@@ -674,14 +678,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--timeline-share", type=float, default=1.0, metavar="F",
                    help="the share of a core the pair's processes got meanwhile (a probe's "
                    "figure): the keys are scaled to a core of one's own by it")
+    c.add_argument("--pull-timeline", nargs="+", type=Path, metavar="DIR", default=[],
+                   help="a real pull pair's timeline (the router's or client's first): add "
+                   "prefill.return_s (pushkv.sim.measure_connector.pull_keys)")
+    c.add_argument("--client-hop", nargs=2, type=Path, metavar=("ROUTER_DIR", "RESULT"),
+                   help="a router's timeline of one run and that run's vllm bench serve "
+                   "result file: add network.client_hop_s (measure_connector.client_hop)")
+    c.add_argument("--client-window", nargs=2, type=float, metavar=("T0", "T1"),
+                   help="with --client-hop: only the router's requests of that interval "
+                   "(the run's; time.monotonic, e.g. bench_sim_vs_real's 'window')")
     c.add_argument("--base", type=Path, metavar="PROFILE",
                    help="with --connector-timeline: measure nothing else, add the keys to "
                    "this profile (e.g. pushkv/sim/profiles/cpu-tiny.toml)")
     args = p.parse_args(argv)
     if args.reps < 2:
         p.error("--reps must be at least 2")
-    if args.base and not args.connector_timeline:
-        p.error("--base needs --connector-timeline")
+    if args.base and not (args.connector_timeline or args.pull_timeline or args.client_hop):
+        p.error("--base needs --connector-timeline, --pull-timeline or --client-hop")
     try:
         if args.base:
             import tomllib
@@ -705,6 +718,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 window=(win[0], win[1]) if win else None,
                                 alone_only=not args.all_requests, steps=args.connector_steps,
                                 share=args.timeline_share)
+        if args.pull_timeline or args.client_hop:
+            from .measure_connector import extend_router
+
+            data, head = extend_router(data, head, pull_dirs=args.pull_timeline,
+                                       client=args.client_hop, share=args.timeline_share,
+                                       client_window=args.client_window)
         prof = write_data(data, head, args.out)
     except (MeasurementError, ProfileError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

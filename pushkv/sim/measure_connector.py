@@ -98,6 +98,50 @@ def connector_keys(requests: dict[str, dict[str, float]], profile: Profile, *,
     return out
 
 
+def pull_keys(requests: dict[str, dict[str, float]], profile: Profile, *,
+              share: float = 1.0) -> dict[str, dict[str, float]]:
+    """The key only a pull pair's timeline shows (vLLM's NixlConnector behind a sequential
+    router): ``prefill.return_s``, the prefill leg's answer on its way out of the prefill
+    instance -- median('prefill finished -> decode sees') less what the model puts there,
+    the answer's hop back to the router, the decode leg's hop out and the decode API
+    server's ``decode.ingest_s`` (so ``profile`` must hold the connector keys already);
+    0 if that leaves less; ``x share``. MeasurementError without such requests."""
+    _check_share(share)
+    gaps = [(r["decode_seen"] - r["prefill_finished"]) * 1e3 for r in requests.values()
+            if "decode_seen" in r and "prefill_finished" in r]
+    med = _median_s({"prefill finished -> decode sees": gaps},
+                    "prefill finished -> decode sees", "prefill.return_s")
+    less = 2 * profile.network.router_hop_s + profile.decode.ingest_s
+    return {"prefill": {"return_s": max(0.0, med - less) * share}}
+
+
+def client_hop(points: Sequence[tuple[dict[str, dict[str, float]], Sequence[float], float]]
+               ) -> float:
+    """``network.client_hop_s`` from runs through a router: per point, the router's
+    requests (per request id its marks, :func:`pushkv.sim.segments.load` of the router's
+    directory for that point), the client's end-to-end latencies in the order it sent
+    them (a ``vllm bench serve`` result file's ``latencies``) and the share of a core the
+    point met. The router's requests, in the order they were ``received``, are the
+    client's; for each that ran alone, the client's latency less the router's
+    'legs out -> answer sent', ``x share``; the median of them all (s).
+    MeasurementError when a point's counts differ or no request ran alone."""
+    from .segments import alone
+
+    gaps: list[float] = []
+    for requests, latencies, share in points:
+        _check_share(share)
+        order = sorted(requests, key=lambda k: requests[k].get("received", math.inf))
+        if len(order) != len(latencies):
+            raise MeasurementError(f"the router saw {len(order)} requests, the client "
+                                   f"sent {len(latencies)}: cannot pair them")
+        lone = alone(requests)
+        for rid, lat in zip(order, latencies, strict=True):
+            r = lone.get(rid)
+            if r is not None and "legs_sent" in r and "answer_sent" in r:
+                gaps.append((lat - (r["answer_sent"] - r["legs_sent"])) * 1e3 * share)
+    return _median_s({"client": gaps}, "client", "network.client_hop_s")
+
+
 def with_connector_keys(data: dict[str, Any], keys: dict[str, dict[str, float]]
                         ) -> dict[str, Any]:
     """``data`` (a profile's tables) with ``keys`` merged in (a key there is replaced),
@@ -150,3 +194,41 @@ def extend(data: dict[str, Any], head: Sequence[str], dirs: Sequence[str | Path]
     keys = connector_keys(reqs, profile_from_dict(data), share=share)
     return with_connector_keys(data, keys), [*head, *connector_header(dirs, len(reqs), share,
                                                                       keys)]
+
+
+def extend_router(data: dict[str, Any], head: Sequence[str], *,
+                  pull_dirs: Sequence[str | Path] = (),
+                  client: tuple[str | Path, str | Path] | None = None, share: float = 1.0,
+                  client_window: Sequence[float] | None = None
+                  ) -> tuple[dict[str, Any], list[str]]:
+    """A profile's tables and header lines with the router's keys: ``prefill.return_s``
+    from a pull pair's timeline in ``pull_dirs`` (the router's or client's first; the
+    requests that ran alone; :func:`pull_keys`, against ``data``'s hops and ingestion),
+    ``network.client_hop_s`` from ``client`` = (the router's timeline directory, the
+    ``vllm bench serve`` result file of the run it holds -- or of the run in
+    ``client_window``; :func:`client_hop`)."""
+    import json
+
+    from .segments import alone, load
+
+    head = list(head)
+    if pull_dirs:
+        reqs = alone(load(pull_dirs))
+        keys = pull_keys(reqs, profile_from_dict(data), share=share)
+        data = with_connector_keys(data, keys)
+        head.append(f"prefill.return_s {keys['prefill']['return_s'] * 1e3:.3f} ms from the "
+                    f"pushkv.timeline marks of {len(reqs)} requests of a real pull pair in "
+                    + " ".join(str(d) for d in pull_dirs) + " (pull_keys).")
+    if client is not None:
+        router, result = client
+        try:
+            latencies = json.loads(Path(result).read_text())["latencies"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MeasurementError(f"{result}: no 'latencies' list of a vllm bench serve "
+                                   f"result ({exc!r})") from exc
+        win = (client_window[0], client_window[1]) if client_window else None
+        hop = client_hop([(load([router], win), latencies, share)])
+        data = with_connector_keys(data, {"network": {"client_hop_s": hop}})
+        head.append(f"network.client_hop_s {hop * 1e3:.3f} ms from {result} against the "
+                    f"router's marks in {router} (client_hop).")
+    return data, head

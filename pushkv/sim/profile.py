@@ -229,13 +229,17 @@ class EngineProfile:
         "detokenising and streaming (decode: every token; prefill: the prefill leg's "
         "answer a sequential router waits for)",
         CONNECTOR + ": decode: median('decode step -> first token') minus one decode step "
-        "minus network.router_hop_s; prefill: not measured (0)",
+        "minus network.router_hop_s; prefill: from a pull pair's timeline, "
+        "median('prefill finished -> decode sees') minus two router hops and "
+        "decode.ingest_s (pushkv.sim.measure_connector.pull_keys)",
     )
     order_handoff_s: float = _f(
         0.0,
         "a step's orders reaching the worker: a push registration the scheduler ships in "
-        "a step's connector metadata is handed to the transport this much later (the "
-        "worker takes it when it runs the step)",
+        "a step's connector metadata is handed to the transport this much later, and a "
+        "pull's read is posted this much later, by the worker instead of inline in the "
+        "scheduler's step (the worker takes the orders when it runs the step; vLLM's "
+        "NixlConnector reads in the worker's start_load_kv)",
         CONNECTOR + ": median('registration shipped -> handed')",
     )
     event_handoff_s: float = _f(
@@ -397,6 +401,18 @@ class NetworkProfile:
         "late) or 'fixed' (rank r is 2 * rank_skew * r / (n - 1) late: the slowest "
         "exactly 2x the mean)",
         ASSUMED,
+    )
+    client_hop_s: float = _f(
+        0.0,
+        "the client's way to and from a router beyond the router's own marks: the "
+        "request's way from the client to the router, the router's time before its legs "
+        "leave, and each output's way from the router on to the client (0: the client "
+        "dispatches the legs itself, as the connector keys' timeline did; only the sum "
+        "is measured, so all of it is added to each token's way back)",
+        "measured per real run through a router: median over the requests that ran "
+        "alone of the client's end-to-end latency (its result file) minus the router's "
+        "'legs out -> answer sent' (pushkv.sim.measure_connector.client_hop; "
+        "benchmarks/bench_sim_vs_real.py --client-hop)",
     )
     notify_wait_s: float = _f(
         0.0,
@@ -577,8 +593,8 @@ class Profile:
         if not isinstance(c.frontend_cores, int) or c.frontend_cores < 0:
             raise ProfileError(f"control.frontend_cores must be an integer >= 0, "
                                f"got {c.frontend_cores!r}")
-        for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "post_fixed_s",
-                     "post_per_descriptor_s", "notify_wait_s"):
+        for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "client_hop_s",
+                     "post_fixed_s", "post_per_descriptor_s", "notify_wait_s"):
             if getattr(n, name) < 0:
                 raise ProfileError(f"network.{name} must be >= 0")
         return self
@@ -617,7 +633,8 @@ class Profile:
             network=dataclasses.replace(
                 n, post_fixed_s=n.post_fixed_s / both,
                 post_per_descriptor_s=n.post_per_descriptor_s / both,
-                router_hop_s=n.router_hop_s / both, notify_wait_s=n.notify_wait_s / both),
+                router_hop_s=n.router_hop_s / both, client_hop_s=n.client_hop_s / both,
+                notify_wait_s=n.notify_wait_s / both),
             control=dataclasses.replace(c, message_send_s=c.message_send_s / both,
                                         message_recv_s=c.message_recv_s / both))
 

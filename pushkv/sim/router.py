@@ -8,8 +8,9 @@
   decode instance registers its blocks while prefill computes.
 
 Every leg costs one proxy hop (``network.router_hop_s``), then its instance's
-API-server time (``ingest_s``, one leg at a time); a prefill answer costs a hop and
-the prefill instance's ``return_s``. The router learns
+API-server time (``ingest_s``, one leg at a time); a prefill answer costs the
+prefill instance's ``return_s`` (a frontend job with ``control.frontend_cores``) and
+a hop. The router learns
 of an instance's death when the transport reports it; prefill legs that were
 lost with an instance and whose decode leg was not sent yet are re-sent to a
 live prefill instance under a new transfer id, or -- with none left -- sent
@@ -27,6 +28,7 @@ import simpy
 
 from ..protocol import FailurePolicy, new_incarnation
 from .engine import DecodeEngine, PrefillEngine, Recorder
+from .frontend import Frontend
 from .request import Outcome, SimRequest
 from .scenario import Dispatch, RouterPolicy, SimConfig
 from .transport import SimTransport
@@ -62,6 +64,8 @@ class Router:
         self._awaiting: dict[str, SimRequest] = {}  # prefill legs not answered yet
         self._retries: dict[str, int] = {}
         self.rerouted = 0
+        #: the frontends' queue (``control.frontend_cores``), None: their times are delays
+        self.frontend: Frontend | None = None
         self.sent_local = 0
         transport.death_listeners.append(self._engine_died)
 
@@ -111,8 +115,14 @@ class Router:
             self._send(d, d.submit, req)
 
     def prefill_done(self, req: SimRequest, block_ids: tuple[int, ...] | None) -> None:
-        """A prefill instance answers (after its hop back to the proxy)."""
-        self._later(self._answered, req, block_ids, extra=self.cfg.profile.prefill.return_s)
+        """A prefill instance answers: its API server passes the answer out
+        (``prefill.return_s``; with a frontend queue, a job there behind the other
+        frontend work), then the hop back to the proxy."""
+        ret = self.cfg.profile.prefill.return_s
+        if self.frontend is not None and ret:
+            self.frontend.serve(ret, lambda: self._later(self._answered, req, block_ids))
+        else:
+            self._later(self._answered, req, block_ids, extra=ret)
 
     def _answered(self, req: SimRequest, block_ids: tuple[int, ...] | None) -> None:
         if req.prefill not in self.transport.alive or req.outcome is not Outcome.PENDING:

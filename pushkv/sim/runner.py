@@ -131,7 +131,8 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         transport.add_consumer(_ranks(eid, profile, profile.decode), deng)
         decodes.append(deng)
     transport.handshake()
-    return_s = profile.network.router_hop_s + profile.return_wake_s + profile.decode.return_s
+    net = profile.network  # a token's way: the hop, the wake-ups, the API server, the client's
+    return_s = net.router_hop_s + net.client_hop_s + profile.return_wake_s + profile.decode.return_s
     frontend = None
     if profile.control.frontend_cores:  # the frontends' times queue on their cores
         frontend = Frontend(env, profile.control.frontend_cores, profile.decode.return_s,
@@ -140,6 +141,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
             e.frontend = frontend
     router = Router(env, cfg, transport, prefills, decodes, recorder,
                     random.Random(int(incarnation_seed.generate_state(1)[0])))
+    router.frontend = frontend
     router_ref.append(router)
 
     reqs = [SimRequest(spec=s, transfer_id=f"req-{s.index}") for s in specs]
