@@ -95,22 +95,13 @@ def _memory(info: Any, fill: bool) -> list[np.ndarray]:
             for r in range(info.layout.num_regions)]
 
 
-def _wait_for(rt: Any, kind: str, tid: str, timeout_s: float = 60.0) -> Any:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        for e in rt.poll():
-            if type(e).__name__ == kind and getattr(e, "transfer_id", None) == tid:
-                return e
-            if type(e).__name__ in ("TransferFailed", "CallFailed"):
-                raise RuntimeError(repr(e))
-        rt.wait(0.01)
-    raise TimeoutError(f"no {kind} for {tid}")
 
 
 def producer_main(conn: Any) -> None:
     from pushkv.protocol import plan_transfer
     from pushkv.protocol.mapping import assignment
     from pushkv.transports.nixl import NixlRuntime
+    from pushkv.transports.nixl_testing import wait_for_event
 
     info = _ranks("prefill-0")
     memory = _memory(info, fill=True)
@@ -138,7 +129,7 @@ def producer_main(conn: Any) -> None:
             handoffs.append(time.perf_counter() - t0)
             conn.send(None)
         elif cmd[0] == "released":
-            _wait_for(rt, "ReleaseSource", cmd[1])
+            wait_for_event(rt, "ReleaseSource", cmd[1])
             conn.send(None)
         elif cmd[0] == "report":
             _, src, dst = cmd
@@ -160,6 +151,7 @@ def producer_main(conn: Any) -> None:
 
 def consumer_main(conn: Any, producer_address: str) -> None:
     from pushkv.transports.nixl import NixlRuntime
+    from pushkv.transports.nixl_testing import wait_for_event
 
     info = _ranks("decode-0")
     memory = _memory(info, fill=False)
@@ -185,7 +177,7 @@ def consumer_main(conn: Any, producer_address: str) -> None:
             _, tid, ids = cmd
             t0 = time.perf_counter()
             rt.register(tid, "prefill-0", ids, TOKENS)
-            _wait_for(rt, "TransferReady", tid)
+            wait_for_event(rt, "TransferReady", tid)
             conn.send(time.perf_counter() - t0)
         elif cmd[0] == "verify":
             _, src, dst = cmd

@@ -67,21 +67,12 @@ def _packing(way: str, tokens: int, chunk: int) -> Any:
                          pipeline_bytes=chunk if way == "pipelined" else 0)
 
 
-def _wait_for(rt: Any, kind: str, tid: str, timeout_s: float = 120.0) -> Any:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        for e in rt.poll():
-            if type(e).__name__ == kind and getattr(e, "transfer_id", None) == tid:
-                return e
-            if type(e).__name__ in ("TransferFailed", "CallFailed"):
-                raise RuntimeError(repr(e))
-        rt.wait(0.01)
-    raise TimeoutError(f"no {kind} for {tid}")
 
 
 def producer_main(conn: Any, tokens: int, chunk: int) -> None:
     from pushkv.protocol import ProducerConfig
     from pushkv.transports.nixl import NixlRuntime
+    from pushkv.transports.nixl_testing import wait_for_event
 
     info = _ranks("prefill-x", tokens)
     memory = [_pattern(r, info.layout.region_bytes) for r in range(info.layout.num_regions)]
@@ -96,7 +87,7 @@ def producer_main(conn: Any, tokens: int, chunk: int) -> None:
             rts[way].prefill_finished(tid, ids, tokens)
             conn.send(None)
         elif cmd[0] == "released":
-            _wait_for(rts[cmd[1]], "ReleaseSource", cmd[2])
+            wait_for_event(rts[cmd[1]], "ReleaseSource", cmd[2], 120.0)
             conn.send(None)
         elif cmd[0] == "close":
             for rt in rts.values():
@@ -108,6 +99,7 @@ def producer_main(conn: Any, tokens: int, chunk: int) -> None:
 def consumer_main(conn: Any, tokens: int, chunk: int, addresses: dict[str, str]) -> None:
     from pushkv.protocol import ConsumerConfig
     from pushkv.transports.nixl import NixlRuntime
+    from pushkv.transports.nixl_testing import wait_for_event
 
     info = _ranks("decode-x", tokens)
     memory = [np.zeros(info.layout.region_bytes, np.uint8)
@@ -126,7 +118,7 @@ def consumer_main(conn: Any, tokens: int, chunk: int, addresses: dict[str, str])
             _, way, tid, ids = cmd
             t0 = time.perf_counter()
             rts[way].register(tid, f"prefill-{way}", ids, tokens)
-            _wait_for(rts[way], "TransferReady", tid)
+            wait_for_event(rts[way], "TransferReady", tid, 120.0)
             took = time.perf_counter() - t0
             stats = rts[way].inspect().stats
             conn.send((took, stats.get("scatters_ok", 0)))

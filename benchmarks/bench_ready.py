@@ -50,16 +50,6 @@ def _config(way: str) -> Any:
     return NixlConfig() if way == "nudge" else NixlConfig(nudge_window_s=0)
 
 
-def _wait_for(rt: Any, kind: str, tid: str, timeout_s: float = 30.0) -> float:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        for e in rt.poll():
-            if type(e).__name__ == kind and getattr(e, "transfer_id", None) == tid:
-                return time.monotonic()
-            if type(e).__name__ in ("TransferFailed", "CallFailed"):
-                raise RuntimeError(repr(e))
-        rt.wait(0.05)
-    raise TimeoutError(f"no {kind} for {tid}")
 
 
 def producer_main(conn: Any, marks: str | None) -> None:
@@ -68,6 +58,7 @@ def producer_main(conn: Any, marks: str | None) -> None:
     from pushkv import timeline
     from pushkv.transports.inmemory import region_memory
     from pushkv.transports.nixl import NixlRuntime
+    from pushkv.transports.nixl_testing import wait_for_event
 
     timeline.configure(marks, "producer")
     rts = {}
@@ -94,13 +85,14 @@ def producer_main(conn: Any, marks: str | None) -> None:
         timeline.mark(tid, "prefill_finished", t0)
         rt.prefill_finished(tid, list(range(TOKENS // BLOCK)), TOKENS)
         conn.send(t0)
-        _wait_for(rt, "ReleaseSource", tid)
+        wait_for_event(rt, "ReleaseSource", tid, 30.0)
 
 
 def consumer_main(conn: Any, addresses: dict[str, str], marks: str | None) -> None:
     from pushkv import timeline
     from pushkv.transports.inmemory import region_memory
     from pushkv.transports.nixl import NixlRuntime
+    from pushkv.transports.nixl_testing import wait_for_event
 
     timeline.configure(marks, "consumer")
     rts = {}
@@ -123,7 +115,8 @@ def consumer_main(conn: Any, addresses: dict[str, str], marks: str | None) -> No
         _, way, tid = cmd
         rt = rts[way]
         rt.register(tid, f"prefill-{way}", list(range(100, 100 + TOKENS // BLOCK)), TOKENS)
-        t1 = _wait_for(rt, "TransferReady", tid)
+        wait_for_event(rt, "TransferReady", tid, 30.0)
+        t1 = time.monotonic()
         timeline.mark(tid, "ready", t1)
         conn.send(t1)
 

@@ -358,26 +358,20 @@ class DecodeEngine(_Loop):
         (vLLM's NixlConnector reads in the worker's ``start_load_kv``, at the step whose
         connector metadata carries the request; the posting is the worker's, not the
         scheduler's step)."""
-        req.handing_off = False
-        if not self.alive or req.outcome is not Outcome.PENDING or req not in self.holding:
-            return
-        producer = req.prefill
-        assert producer is not None
-        if producer in self.transport.known_dead:  # it died while the order waited
-            self.holding.remove(req)
-            self.pool.free(req.dst_blocks)
-            req.dst_blocks = []
-            self._transfer_failed_now(req, f"prefill instance {producer} is down")
+        producer = self._handed_off(req)
+        if producer is None:
             return
         self.transport.start_pull(self.engine_id, req.transfer_id, producer, req.src_blocks,
                                   req.dst_blocks, req.input_len, inline_after=None,
                                   incarnation=req.incarnation)
 
-    def _register(self, req: SimRequest) -> None:
-        """Push: the registration order reaches the transport."""
+    def _handed_off(self, req: SimRequest) -> str | None:
+        """An order (register or read) reached the transport after its hand-off: the
+        producer to send it to, or None when the request is gone or its producer died
+        meanwhile (then its blocks are freed and the transfer failed)."""
         req.handing_off = False
         if not self.alive or req.outcome is not Outcome.PENDING or req not in self.holding:
-            return
+            return None
         producer = req.prefill
         assert producer is not None
         if producer in self.transport.known_dead:  # it died while the order waited
@@ -385,6 +379,13 @@ class DecodeEngine(_Loop):
             self.pool.free(req.dst_blocks)
             req.dst_blocks = []
             self._transfer_failed_now(req, f"prefill instance {producer} is down")
+            return None
+        return producer
+
+    def _register(self, req: SimRequest) -> None:
+        """Push: the registration order reaches the transport."""
+        producer = self._handed_off(req)
+        if producer is None:
             return
         self.transport.mark(req.transfer_id, "registration_handed")
         self.transport.register(self.engine_id, req.transfer_id, producer, req.dst_blocks,

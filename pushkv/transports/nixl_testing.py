@@ -50,6 +50,21 @@ _SETUP_TIMEOUT = 60.0
 _CALL_TIMEOUT = 60.0
 
 
+def wait_for_event(rt: Any, kind: str, transfer_id: str, timeout_s: float = 60.0) -> Any:
+    """Poll a :class:`~.runtime.NixlRuntime` until an event of type ``kind`` (its class
+    name) for ``transfer_id`` comes, and return it. A ``TransferFailed`` or
+    ``CallFailed`` raises RuntimeError; nothing within ``timeout_s``, TimeoutError."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for e in rt.poll():
+            if type(e).__name__ == kind and getattr(e, "transfer_id", None) == transfer_id:
+                return e
+            if type(e).__name__ in ("TransferFailed", "CallFailed"):
+                raise RuntimeError(repr(e))
+        rt.wait(0.01)
+    raise TimeoutError(f"no {kind} for {transfer_id} within {timeout_s:g} s")
+
+
 # ===================================================================== child
 
 
@@ -443,6 +458,22 @@ class NixlCluster:
     def raw_snapshot(self, wait_s: float = 0.0) -> tuple[dict[str, Any], dict[str, Any]]:
         """The hosts' reports as dicts (stats, writes in flight, errors)."""
         return self._parts(wait_s)
+
+    def staging_report(self, wait_s: float = 0.2) -> dict[str, Any]:
+        """Packed writes so far: staging each rank still lends (``lent``, bytes by
+        ``(role, rank)``; a dead producer's excused in ``leaked``), writes packed and
+        scatters done, summed over ranks."""
+        p, c = self.raw_snapshot(wait_s)
+        lent = {("producer", r): n for r, n in p.get("staging_lent", {}).items()}
+        lent |= {("consumer", r): n for r, n in c["staging_lent"].items()}
+        stats = [*p.get("stats", {}).values(), *c["stats"].values()]
+        return {
+            "lent": lent,
+            "leaked": {k: n for k, n in lent.items()
+                       if n and not (self._producer_dead and k[0] == "producer")},
+            "packed": sum(s.get("writes_packed", 0) for s in stats),
+            "scattered": sum(s.get("scatters_ok", 0) for s in stats),
+        }
 
     def _snapshot(self, wait_s: float) -> Snapshot:
         p, c = self._parts(wait_s)

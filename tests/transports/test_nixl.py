@@ -7,8 +7,6 @@ is one test; bytes that land are compared with the source.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip install nixl)")
@@ -18,15 +16,6 @@ from pushkv.transports import testing
 from pushkv.transports.nixl_testing import HostPool, NixlCluster
 
 pytestmark = pytest.mark.nixl
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[HostPool]:
-    p = HostPool()
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 @pytest.mark.parametrize("name", list(testing.CHECKS))

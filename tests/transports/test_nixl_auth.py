@@ -9,7 +9,6 @@ notifications (not authenticated) are dropped when a key is configured.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +29,6 @@ pytestmark = pytest.mark.nixl
 
 KEY = b"0123456789abcdef-pushkv-test-key"
 AUTH = ("auth_failed", "auth_stale", "auth_replayed", "auth_unprotected")
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[HostPool]:
-    p = HostPool()
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -23,15 +22,6 @@ from pushkv.transports.sidechannel import PeerCard, encode_card
 from pushkv.transports.testing import Topology, assert_clean, assert_destination
 
 pytestmark = pytest.mark.nixl
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[HostPool]:
-    p = HostPool()
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def _all(snap: testing.Snapshot, ranks: list[int], tid: str, want: str) -> bool:

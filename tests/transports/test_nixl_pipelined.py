@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -37,15 +36,6 @@ CHUNKED = PackingConfig(mode="always", staging_bytes=8 << 20, chunk_bytes=4096,
                         pipeline_bytes=4096)
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[HostPool]:
-    p = HostPool()
-    try:
-        yield p
-    finally:
-        p.close()
-
-
 class ChunkedCluster(NixlCluster):
     """A NIXL cluster whose packed writes are pipelined; what its ranks counted and
     the staging they still lent are kept (``seen``) when it closes."""
@@ -56,16 +46,7 @@ class ChunkedCluster(NixlCluster):
         super().__init__(topology, pool, packing=CHUNKED)
 
     def close(self) -> None:
-        p, c = self.raw_snapshot(0.2)
-        lent = {("producer", r): n for r, n in p.get("staging_lent", {}).items()}
-        lent |= {("consumer", r): n for r, n in c["staging_lent"].items()}
-        stats = [*p.get("stats", {}).values(), *c["stats"].values()]
-        ChunkedCluster.seen.append({
-            "lent": lent,
-            "packed": sum(s.get("writes_packed", 0) for s in stats),
-            "scattered": sum(s.get("scatters_ok", 0) for s in stats),
-            "producer_dead": self._producer_dead,
-        })
+        ChunkedCluster.seen.append(self.staging_report())
         super().close()
 
 
@@ -75,9 +56,7 @@ def test_conformance_pipelined(pool: HostPool, name: str) -> None:
     ChunkedCluster.seen = []
     fn(lambda topo: ChunkedCluster(topo, pool), **kwargs)
     for seen in ChunkedCluster.seen:
-        leaked = {k: n for k, n in seen["lent"].items()
-                  if n and not (seen["producer_dead"] and k[0] == "producer")}
-        assert not leaked, f"staging still lent: {leaked}"
+        assert not seen["leaked"], f"staging still lent: {seen['leaked']}"
         if name.startswith("transfer"):  # every write of a plain transfer is packed, in chunks
             assert seen["packed"] >= 1 and seen["scattered"] > seen["packed"], seen
 

@@ -24,15 +24,6 @@ NIXL_CHECKS = ("layers_register_between", "layers_tp2-1", "cancel_between_ranges
                "aborted_with_a_part_in_flight")
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[HostPool]:
-    p = HostPool()
-    try:
-        yield p
-    finally:
-        p.close()
-
-
 @pytest.mark.parametrize("name", NIXL_CHECKS)
 def test_progressive_conformance(pool: HostPool, name: str) -> None:
     fn, kwargs = PROGRESSIVE_CHECKS[name]
