@@ -85,8 +85,9 @@ def _ranks(engine: str) -> Any:
 
 
 def _pattern(region: int, size: int) -> np.ndarray:
-    """Deterministic source bytes of one region (cheap to recompute anywhere)."""
-    return ((np.arange(size, dtype=np.uint32) * 7 + region * 13) % 251).astype(np.uint8)
+    from pushkv.transports.nixl_testing import pattern
+
+    return pattern(region, size)
 
 
 def _memory(info: Any, fill: bool) -> list[np.ndarray]:
@@ -151,7 +152,7 @@ def producer_main(conn: Any) -> None:
 
 def consumer_main(conn: Any, producer_address: str) -> None:
     from pushkv.transports.nixl import NixlRuntime
-    from pushkv.transports.nixl_testing import wait_for_event
+    from pushkv.transports.nixl_testing import blocks_match, wait_for_event
 
     info = _ranks("decode-0")
     memory = _memory(info, fill=False)
@@ -181,13 +182,7 @@ def consumer_main(conn: Any, producer_address: str) -> None:
             conn.send(time.perf_counter() - t0)
         elif cmd[0] == "verify":
             _, src, dst = cmd
-            ok = True
-            bb = info.layout.block_bytes
-            for r, region in enumerate(memory):
-                want = _pattern(r, info.layout.region_bytes).reshape(-1, bb)[src]
-                ok &= bool(np.array_equal(region.reshape(-1, bb)[dst], want))
-                region.fill(0)
-            conn.send(ok)
+            conn.send(blocks_match(memory, info.layout.block_bytes, src, dst))
         elif cmd[0] == "close":
             stager.close()
             rt.close()

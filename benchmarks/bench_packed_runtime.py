@@ -56,7 +56,9 @@ def _ranks(engine: str, tokens: int) -> Any:
 
 
 def _pattern(region: int, size: int) -> np.ndarray:
-    return ((np.arange(size, dtype=np.uint32) * 7 + region * 13) % 251).astype(np.uint8)
+    from pushkv.transports.nixl_testing import pattern
+
+    return pattern(region, size)
 
 
 def _packing(way: str, tokens: int, chunk: int) -> Any:
@@ -99,7 +101,7 @@ def producer_main(conn: Any, tokens: int, chunk: int) -> None:
 def consumer_main(conn: Any, tokens: int, chunk: int, addresses: dict[str, str]) -> None:
     from pushkv.protocol import ConsumerConfig
     from pushkv.transports.nixl import NixlRuntime
-    from pushkv.transports.nixl_testing import wait_for_event
+    from pushkv.transports.nixl_testing import blocks_match, wait_for_event
 
     info = _ranks("decode-x", tokens)
     memory = [np.zeros(info.layout.region_bytes, np.uint8)
@@ -124,13 +126,7 @@ def consumer_main(conn: Any, tokens: int, chunk: int, addresses: dict[str, str])
             conn.send((took, stats.get("scatters_ok", 0)))
         elif cmd[0] == "verify":
             _, src, dst = cmd
-            ok = True
-            bb = info.layout.block_bytes
-            for r, region in enumerate(memory):
-                want = _pattern(r, info.layout.region_bytes).reshape(-1, bb)[src]
-                ok &= bool(np.array_equal(region.reshape(-1, bb)[dst], want))
-                region.fill(0)
-            conn.send(ok)
+            conn.send(blocks_match(memory, info.layout.block_bytes, src, dst))
         elif cmd[0] == "close":
             for rt in rts.values():
                 rt.close()

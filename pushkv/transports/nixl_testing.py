@@ -50,6 +50,23 @@ _SETUP_TIMEOUT = 60.0
 _CALL_TIMEOUT = 60.0
 
 
+def pattern(region: int, size: int) -> np.ndarray:
+    """Deterministic source bytes of one KV region (cheap to recompute in any process)."""
+    return ((np.arange(size, dtype=np.uint32) * 7 + region * 13) % 251).astype(np.uint8)
+
+
+def blocks_match(memory: Sequence[np.ndarray], block_bytes: int, src: Sequence[int],
+                 dst: Sequence[int]) -> bool:
+    """Whether destination blocks ``dst`` of every region hold what :func:`pattern`
+    put in source blocks ``src``; every region is zeroed after (for the next round)."""
+    ok = True
+    for r, region in enumerate(memory):
+        want = pattern(r, region.size).reshape(-1, block_bytes)[list(src)]
+        ok &= bool(np.array_equal(region.reshape(-1, block_bytes)[list(dst)], want))
+        region.fill(0)
+    return ok
+
+
 def wait_for_event(rt: Any, kind: str, transfer_id: str, timeout_s: float = 60.0) -> Any:
     """Poll a :class:`~.runtime.NixlRuntime` until an event of type ``kind`` (its class
     name) for ``transfer_id`` comes, and return it. A ``TransferFailed`` or
