@@ -3,7 +3,6 @@ notifications fast for a while (``sc.NUDGE``). Nothing may depend on a nudge."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,7 +14,9 @@ zmq = pytest.importorskip("zmq", reason="pyzmq is not installed")
 from pushkv.protocol import ConfigError, TransferReady, uniform_ranks  # noqa: E402
 from pushkv.transports.inmemory import region_memory  # noqa: E402
 from pushkv.transports.nixl import NixlConfig, NixlRuntime  # noqa: E402
+from pushkv.transports.nixl_testing import wait_for_event  # noqa: E402
 from pushkv.transports.sidechannel import NUDGE  # noqa: E402
+from pushkv.vllm.testing import poll  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 
@@ -38,22 +39,17 @@ def runtimes() -> Iterator[list[NixlRuntime]]:
         rt.close()
 
 
-def _wait(cond, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, "condition not met in time"
-        time.sleep(0.01)
-
 
 def _transfer(prod: NixlRuntime, cons: NixlRuntime, tid: str) -> None:
     cons.register(tid, "prefill-0", [5, 6], 20)
     prod.prefill_finished(tid, [1, 2], 20)
-    seen: list[object] = []
-    end = time.monotonic() + 20
-    while TransferReady(transfer_id=tid, attempt=0) not in seen:
-        assert time.monotonic() < end, f"{tid} not ready: {seen}"
-        cons.wait(0.05)
-        seen += cons.poll()
+    assert wait_for_event(cons, "TransferReady", tid, 20.0) == TransferReady(
+        transfer_id=tid, attempt=0)
+
+
+def _stat(rt: NixlRuntime, key: str, done, timeout_s: float = 20.0) -> int:  # type: ignore[no-untyped-def]
+    """The runtime's counter ``key`` once ``done(value)`` holds (or at the deadline)."""
+    return int(poll(lambda: rt.stats().get(key, 0), done, timeout_s, interval_s=0.01))
 
 
 def test_every_write_nudges_its_consumer(runtimes: list[NixlRuntime]) -> None:
@@ -62,7 +58,7 @@ def test_every_write_nudges_its_consumer(runtimes: list[NixlRuntime]) -> None:
     cons.connect("prefill-0", [prod.address])
     for i in range(3):
         _transfer(prod, cons, f"t{i}")
-    _wait(lambda: cons.stats().get("nudges", 0) == 3)
+    assert _stat(cons, "nudges", lambda n: n == 3) == 3
     tb = src[0].size // 64
     assert np.array_equal(dst[0][5 * tb:6 * tb], src[0][1 * tb:2 * tb])  # the full block
 
@@ -75,9 +71,9 @@ def test_no_nudge_window_means_no_nudge_sent(runtimes: list[NixlRuntime]) -> Non
     _transfer(prod, cons, "t")
     # a control frame sent after the write arrives after anything the write sent
     cons.register("u", "prefill-0", [9], 4)
-    _wait(lambda: prod.stats().get("control_frames", 0) >= 2)
+    assert _stat(prod, "control_frames", lambda n: n >= 2) >= 2
     prod.prefill_finished("u", [3], 4)
-    _wait(lambda: cons.stats().get("notifications", 0) >= 2)
+    assert _stat(cons, "notifications", lambda n: n >= 2) >= 2
     assert cons.stats().get("nudges", 0) == 0
 
 
@@ -91,7 +87,7 @@ def test_forged_nudges_change_nothing_but_the_poll_rate(runtimes: list[NixlRunti
         for _ in range(50):
             sock.send_multipart([NUDGE, b""])
         sock.send_multipart([NUDGE, b"with a body"])
-        _wait(lambda: cons.stats().get("nudges", 0) == 51)
+        assert _stat(cons, "nudges", lambda n: n == 51) == 51
         assert cons.poll() == []  # no event
         view = cons.inspect()
         assert view.transfers == 0 and view.lent == {} and view.stats.get("rejected", 0) == 0
