@@ -52,6 +52,15 @@ def _config(way: str) -> Any:
 
 
 
+def _commands(conn: Any, rts: dict[str, Any]) -> Any:
+    """The parent's commands, until ``close``: then every runtime is closed and acked."""
+    while (cmd := conn.recv())[0] != "close":
+        yield cmd
+    for rt in rts.values():
+        rt.close()
+    conn.send(None)
+
+
 def producer_main(conn: Any, marks: str | None) -> None:
     import numpy as np
 
@@ -59,6 +68,7 @@ def producer_main(conn: Any, marks: str | None) -> None:
     from pushkv.transports.inmemory import region_memory
     from pushkv.transports.nixl import NixlRuntime
     from pushkv.transports.nixl_testing import wait_for_event
+    from pushkv.vllm.testing import poll
 
     timeline.configure(marks, "producer")
     rts = {}
@@ -67,20 +77,12 @@ def producer_main(conn: Any, marks: str | None) -> None:
         rts[way] = NixlRuntime(info, region_memory(info.layout, rng=np.random.default_rng(1)),
                                role="producer", config=_config(way))
     conn.send({w: rt.address for w, rt in rts.items()})
-    while True:
-        cmd = conn.recv()
-        if cmd[0] == "close":
-            for rt in rts.values():
-                rt.close()
-            conn.send(None)
-            return
-        _, way, tid, frames = cmd
+    for _, way, tid, frames in _commands(conn, rts):
         rt = rts[way]
-        end = time.monotonic() + 30
-        while rt.stats().get("control_frames", 0) < frames:  # the registration arrived
-            if time.monotonic() > end:
-                raise TimeoutError(f"no registration for {tid}")
-            time.sleep(0.0005)
+        seen = poll(lambda rt=rt: rt.stats().get("control_frames", 0),  # the registration
+                    lambda n, frames=frames: n >= frames, 30.0, interval_s=0.0005)
+        if seen < frames:
+            raise TimeoutError(f"no registration for {tid}")
         t0 = time.monotonic()
         timeline.mark(tid, "prefill_finished", t0)
         rt.prefill_finished(tid, list(range(TOKENS // BLOCK)), TOKENS)
@@ -105,14 +107,7 @@ def consumer_main(conn: Any, addresses: dict[str, str], marks: str | None) -> No
         while not rt.connected(f"prefill-{way}"):
             rt.wait(0.01)
     conn.send(None)
-    while True:
-        cmd = conn.recv()
-        if cmd[0] == "close":
-            for rt in rts.values():
-                rt.close()
-            conn.send(None)
-            return
-        _, way, tid = cmd
+    for _, way, tid in _commands(conn, rts):
         rt = rts[way]
         rt.register(tid, f"prefill-{way}", list(range(100, 100 + TOKENS // BLOCK)), TOKENS)
         wait_for_event(rt, "TransferReady", tid, 30.0)
