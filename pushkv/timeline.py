@@ -13,8 +13,8 @@ Recording is off unless :func:`configure` was called with a directory (the
 connector's ``timeline_dir`` setting, ``pushkv proxy --timeline-dir``); when off,
 :func:`mark` is one global lookup and a return.
 
-:data:`EVENTS` names every mark in the order a request normally meets them and
-:data:`SEGMENTS` the intervals the report (``python -m pushkv.timeline``) prints:
+:data:`EVENTS` names every mark in the order a request normally meets them,
+:data:`ENDINGS` the marks of a request that ends early, and :data:`SEGMENTS` the intervals the report (``python -m pushkv.timeline``) prints:
 median and p90 of each segment, side by side per mode::
 
     python -m pushkv.timeline push=/tmp/tl/push vllm-push=/tmp/tl/vllm-push [--json]
@@ -55,6 +55,13 @@ EVENTS: tuple[str, ...] = (
     "first_token",           # router or client: the first token arrived
     "last_token",            # router or client: the last token arrived
     "answer_sent",           # router: the answer finished
+)
+
+#: Marks of a request that ends early; a request that completes meets none of them.
+ENDINGS: tuple[str, ...] = (
+    "client_left",     # router: the client went away before its answer was complete
+    "abandoned",       # decode scheduler: vLLM ended the request before it registered
+    "decode_aborted",  # decode scheduler: vLLM ended the request while its KV was in flight
 )
 
 #: (name, from, to): the intervals of the report. A segment is counted for a

@@ -67,3 +67,8 @@ def test_every_segment_names_known_events():
     for _, start, end in timeline.SEGMENTS:
         assert {start, end} <= known
         assert timeline.EVENTS.index(start) < timeline.EVENTS.index(end)
+
+
+def test_endings_are_not_marks_of_a_complete_request():
+    assert not set(timeline.ENDINGS) & set(timeline.EVENTS)
+    assert len(set(timeline.ENDINGS)) == len(timeline.ENDINGS)

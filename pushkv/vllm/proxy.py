@@ -420,6 +420,8 @@ class PushProxy:
             done, _ = await asyncio.wait({task}, timeout=self.settings.request_timeout_s)
         except asyncio.CancelledError:
             self.metrics.requests.labels("cancelled").inc()
+            if req.transfer_id:
+                timeline.mark(req.transfer_id, "client_left")
             task.cancel()
             raise
         if not done:  # the bound passed: end the request with a clear error

@@ -256,6 +256,7 @@ class SchedulerSide:
         return True
 
     def _abandon(self, leg: DecodeLeg) -> None:
+        timeline.mark(leg.transfer_id, "abandoned")
         self._meta.recv_abandon.append(Abandon(transfer_id=leg.transfer_id,
                                                producer=leg.producer,
                                                incarnation=leg.incarnation))
@@ -319,6 +320,7 @@ class SchedulerSide:
             # Aborted while the transfer is in flight: cancel and fence it. vLLM
             # already keeps the blocks until the worker reports the request.
             if rec.leg is not None:
+                timeline.mark(rec.leg.transfer_id, "decode_aborted")
                 self._meta.recv_abort.append(Abort(
                     req_id=req_id, transfer_id=rec.leg.transfer_id,
                     incarnation=rec.leg.incarnation))

@@ -12,6 +12,7 @@ that cancellations, errors and a decode restart end promptly with nothing held.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import http.client
 import json
 import os
 import signal
@@ -284,12 +285,34 @@ def test_request_cancelled_mid_flight_leaves_nothing_held(cluster, reference):
         resp.readline()
         resp.readline()
     # 2. While the decode request waits for its KV: the prefill server is frozen, the
-    #    client gives up, the prefill server is thawed.
+    #    client leaves once the decode transport has sent the registration (the
+    #    timeline says so; not after a fixed time: on a loaded machine it may not have
+    #    gone out yet, and the request would end abandoned, another path), the prefill
+    #    server is thawed.
+    tl = c.logs / "timeline"
+    before = set(timeline.by_request(timeline.read(tl)))
     os.killpg(c.prefill.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
     try:
-        with pytest.raises(OSError):
-            post_json(c.proxy_url + "/v1/completions", body(c.model, prompt(90, 9002)),
-                      timeout=3)
+        host, port = c.proxy_url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions",
+                     json.dumps(body(c.model, prompt(90, 9002))).encode(),
+                     {"Content-Type": "application/json"})
+
+        def registered() -> set[str]:
+            return {tid for tid, marks in timeline.by_request(timeline.read(tl)).items()
+                    if tid not in before and "registration_sent" in marks}
+
+        sent = poll(registered, bool, 60)
+        assert len(sent) == 1, timeline.by_request(timeline.read(tl))
+        (tid,) = sent
+        conn.close()
+        # The prefill stays frozen until the decode scheduler has seen the abort, so
+        # the KV cannot land first (a thawed prefill would win that race on a slow
+        # machine, and the request would simply have been served).
+        marks = poll(lambda: timeline.by_request(timeline.read(tl))[tid],
+                     lambda m: "decode_aborted" in m, 60)
+        assert {"client_left", "decode_aborted"} <= set(marks), marks
     finally:
         os.killpg(c.prefill.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
     c.wait_idle()
@@ -297,9 +320,13 @@ def test_request_cancelled_mid_flight_leaves_nothing_held(cluster, reference):
     # first, the transfer is cancelled (fenced by the producer's CancelAck); if the
     # prefill's own abort wins, the producer's Fail(PREFILL_ABORTED) fences and fails
     # it first. Either way exactly one transfer ended, fenced, with nothing held.
-    cancelled = c.counter(c.decode, "pushkv:transfers_cancelled_total") - cancelled0
-    failed = c.counter(c.decode, "pushkv:transfers_failed_total") - failed0
-    assert (cancelled, failed) in ((1, 0), (0, 1)), c.pushkv_counters()
+    # (vLLM's counters reach /metrics with a step's stats, so they are polled.)
+    def ended() -> tuple[float, float]:
+        return (c.counter(c.decode, "pushkv:transfers_cancelled_total") - cancelled0,
+                c.counter(c.decode, "pushkv:transfers_failed_total") - failed0)
+
+    outcome = poll(ended, lambda o: sum(o) >= 1, 30)
+    assert outcome in ((1, 0), (0, 1)), c.pushkv_counters()
     # Nothing hangs afterwards: a fresh batch is served exactly.
     prompts = batch(SALTS["after_cancel"])
     for tokens, got in zip(prompts, send_batch(c, prompts), strict=True):
