@@ -202,24 +202,58 @@ def finite(x: float, digits: int = 3) -> float | None:
     return round(x, digits) if x == x and abs(x) != float("inf") else None
 
 
+def paired_overheads(records: list[dict[str, Any]], mode: str, base: str,
+                     load: str) -> dict[tuple[str, int], list[float]]:
+    """Per round (phase, iteration): ``mode``'s median latency minus ``base``'s in that
+    round, one value per round, or one per prompt in an interleaved sequential round."""
+    per: dict[tuple[str, str, int, int], list[float]] = {}
+    for r in records:
+        if r["load"] == load and r["mode"] in (mode, base):
+            per.setdefault((r["mode"], r["phase"], r["iter"], r.get("slot", -1)),
+                           []).append(r["latency_ms"])
+    out: dict[tuple[str, int], list[float]] = {}
+    for (m, ph, it, sl), v in sorted(per.items()):
+        if m == mode and (base, ph, it, sl) in per:
+            out.setdefault((ph, it), []).append(median(v) - median(per[base, ph, it, sl]))
+    return out
+
+
+def bootstrap_ratio(records: list[dict[str, Any]], ours: str, theirs: str, base: str,
+                    load: str, *, draws: int = 2000, seed: int = 0
+                    ) -> tuple[float, float] | None:
+    """95% interval of median(ours - base) / median(theirs - base) over rounds drawn
+    with replacement (rounds, not requests, are the independent unit: a round's
+    requests share the machine's state). None with fewer than 3 rounds of each."""
+    a = paired_overheads(records, ours, base, load)
+    b = paired_overheads(records, theirs, base, load)
+    rounds = sorted(set(a) & set(b))
+    if len(rounds) < 3:
+        return None
+    rng = random.Random(seed)
+    ratios: list[float] = []
+    for _ in range(draws):
+        pick = [rounds[rng.randrange(len(rounds))] for _ in rounds]
+        den = median([x for k in pick for x in b[k]])
+        if den > 0:
+            ratios.append(median([x for k in pick for x in a[k]]) / den)
+    if len(ratios) < draws // 2:  # vLLM push's overhead is not clearly positive
+        return None
+    ratios.sort()
+    return ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]
+
+
 def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     """The run's one JSON object: per-mode medians and pushkv's overhead ratios.
 
     A mode's overhead is paired: its median latency in a round minus the plain
     server's in the same round (same phase, same prompts), the median over rounds;
     in an interleaved sequential round, its latency for each prompt minus plain's for
-    the same prompt a moment apart, the median over every prompt of every round."""
-    per: dict[tuple[str, str, str, int, int], list[float]] = {}
-    for r in records:
-        per.setdefault((r["mode"], r["load"], r["phase"], r["iter"], r.get("slot", -1)),
-                       []).append(r["latency_ms"])
-    runs = {k: median(v) for k, v in per.items()}
+    the same prompt a moment apart, the median over every prompt of every round.
+    ``..._ci95``: the ratio's 95% interval over rounds (:func:`bootstrap_ratio`)."""
 
     def paired(mode: str, base: str, load: str) -> list[float]:
         """Per round (slot -1), or per prompt of an interleaved round."""
-        return [v - runs[base, ld, ph, it, sl]
-                for (m, ld, ph, it, sl), v in sorted(runs.items())
-                if m == mode and ld == load and (base, ld, ph, it, sl) in runs]
+        return [x for v in paired_overheads(records, mode, base, load).values() for x in v]
 
     def run_medians(mode: str, load: str, key: str) -> list[float]:
         groups: dict[tuple[str, int], list[float]] = {}
@@ -233,6 +267,9 @@ def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
         push = median(paired("push-client", "plain", load))
         vllm = median(paired("vllm-push-client", "plain", load))
         out[f"overhead_ratio_vs_vllm_push_{load}"] = finite(push / vllm) if vllm else None
+        lo_hi = bootstrap_ratio(records, "push-client", "vllm-push-client", "plain", load)
+        out[f"overhead_ratio_vs_vllm_push_{load}_ci95"] = (
+            [finite(x) for x in lo_hi] if lo_hi else None)
         out[f"overhead_ms_{load}"] = {m: finite(median(paired(m, "plain", load)), 2)
                                       for m in modes if m != "plain"
                                       and paired(m, "plain", load)}
@@ -314,9 +351,12 @@ async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str
         for ep in eps.values():
             if ep.target.dispatch == "pushkv":
                 await client.discover(ep.target)
-            warm = prompts(4, args.input_len, rng)  # handshakes, first allocations
+            # handshakes, first allocations, and a concurrent batch of the measured size
+            # and length, so the engines have met every batch size before the first
+            # round (the first rounds were the slowest of a run without it)
+            warm = prompts(2 + args.conc_requests, args.input_len, rng)
             await run_mode(client, ep, warm[:2], 4, concurrent=False)
-            await run_mode(client, ep, warm[2:], 4, concurrent=True)
+            await run_mode(client, ep, warm[2:], args.output_len, concurrent=True)
         for it in range(args.iters):
             order = names[it % len(names):] + names[:it % len(names)]
             for load, n in (("seq", args.seq_requests), ("conc", args.conc_requests)):

@@ -1,0 +1,69 @@
+"""bench_e2e's verdict: paired overheads per round and the ratio's interval over rounds."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+E2E = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e"
+
+
+@pytest.fixture(scope="module")
+def run() -> Any:
+    sys.path.insert(0, str(E2E))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_e2e_run", E2E / "run.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(E2E))
+
+
+def records(overheads: dict[str, list[float]], plain: list[float],
+            load: str = "conc") -> list[dict[str, Any]]:
+    """Rounds of 3 requests; each mode's latency is plain's plus its overhead that round."""
+    out = []
+    for it, base in enumerate(plain):
+        for mode, extra in [("plain", [0.0] * len(plain)), *overheads.items()]:
+            for k in range(3):
+                lat = base + extra[it] + k  # the same spread inside every round
+                out.append({"mode": mode, "load": load, "phase": "p", "iter": it, "slot": -1,
+                            "latency_ms": lat, "ttft_ms": 1.0, "tpot_ms": 1.0,
+                            "same_as_plain": True})
+    return out
+
+
+def test_a_steady_ratio_has_a_tight_interval_whatever_the_machine_drift(run):
+    plain = [100.0, 250.0, 120.0, 400.0, 90.0]  # the machine's speed swings by round
+    recs = records({"push-client": [10.0] * 5, "vllm-push-client": [20.0] * 5}, plain)
+    assert run.bootstrap_ratio(recs, "push-client", "vllm-push-client", "plain",
+                               "conc") == (0.5, 0.5)
+    v = run.verdict(recs, ["plain", "push-client", "vllm-push-client"])
+    assert v["overhead_ratio_vs_vllm_push_conc"] == 0.5
+    assert v["overhead_ratio_vs_vllm_push_conc_ci95"] == [0.5, 0.5]
+    assert v["overhead_ratio_vs_vllm_push_seq_ci95"] is None  # no sequential rounds
+
+
+def test_noisy_rounds_give_an_interval_around_the_ratio(run):
+    ours = [5.0, 30.0, 12.0, 0.0, 20.0, 8.0]
+    theirs = [25.0, 10.0, 30.0, 18.0, 40.0, 22.0]
+    recs = records({"push-client": ours, "vllm-push-client": theirs}, [100.0] * 6)
+    lo, hi = run.bootstrap_ratio(recs, "push-client", "vllm-push-client", "plain", "conc")
+    point = run.verdict(recs, ["plain", "push-client", "vllm-push-client"])[
+        "overhead_ratio_vs_vllm_push_conc"]
+    assert lo < point < hi
+    assert lo >= min(ours) / max(theirs) and hi <= max(ours) / min(theirs)
+
+
+def test_too_few_rounds_or_no_positive_baseline_give_no_interval(run):
+    two = records({"push-client": [1.0, 2.0], "vllm-push-client": [2.0, 3.0]}, [50.0, 60.0])
+    assert run.bootstrap_ratio(two, "push-client", "vllm-push-client", "plain", "conc") is None
+    negative = records({"push-client": [1.0] * 4, "vllm-push-client": [-5.0] * 4}, [50.0] * 4)
+    assert run.bootstrap_ratio(negative, "push-client", "vllm-push-client", "plain",
+                               "conc") is None
