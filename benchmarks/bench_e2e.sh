@@ -3,8 +3,8 @@
 #
 # Deployments (prefill on core 0, decode on core 1, tiny model, prefix caching
 # off): pushkv (PushKVConnector), vLLM's NixlPushConnector and NixlConnector
-# (pull), and plain servers (no disaggregation), kept up while pushkv's and
-# vLLM push's pairs are up together, then pull's (--phases: each, all, groups).
+# (pull), and plain servers (no disaggregation), kept up while each connector's
+# pair comes up in turn (--phases: each, auto, all, groups).
 # Every NIXL progress thread sleeps --delay-us between polls and every
 # transport thread stays on its server's core (pushkv/vllm/cpu_tuning fixes vLLM's).
 # Modes (benchmarks/e2e/modes.py): each connector with both legs sent by the
@@ -14,7 +14,9 @@
 # fresh prompts sequentially and concurrently, streamed, and checks every
 # output against the plain server's. Prints a latency table, the per-request
 # timeline report (pushkv.timeline), and last one JSON object:
-# overhead_ratio_vs_vllm_push_{seq,conc}, proxy_hop_ms, medians per mode.
+# overhead_ratio_vs_vllm_push_{seq,conc} (and their 95% intervals over rounds,
+# _ci95), proxy_hop_ms, medians per mode. benchmarks/e2e/idle_cost.py measures
+# what an idle pair costs a server beside it.
 #
 #   benchmarks/bench_e2e.sh [RESULTS_DIR] [benchmarks/e2e/run.py flags...]
 #   e.g. benchmarks/bench_e2e.sh /tmp/e2e --iters 5 --serve-qps 2,inf

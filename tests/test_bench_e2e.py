@@ -67,3 +67,11 @@ def test_too_few_rounds_or_no_positive_baseline_give_no_interval(run):
     negative = records({"push-client": [1.0] * 4, "vllm-push-client": [-5.0] * 4}, [50.0] * 4)
     assert run.bootstrap_ratio(negative, "push-client", "vllm-push-client", "plain",
                                "conc") is None
+
+
+def test_modes_of_different_phases_are_drawn_apart(run):
+    recs = records({"push-client": [10.0, 12.0, 8.0, 11.0]}, [100.0] * 4)
+    for r in records({"vllm-push-client": [20.0, 24.0, 16.0, 22.0]}, [300.0] * 4):
+        recs.append(dict(r, phase="q"))  # another phase, its own plain rounds
+    lo, hi = run.bootstrap_ratio(recs, "push-client", "vllm-push-client", "plain", "conc")
+    assert 8.0 / 24.0 <= lo <= 0.5 <= hi <= 12.0 / 16.0

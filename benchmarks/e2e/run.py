@@ -223,19 +223,23 @@ def bootstrap_ratio(records: list[dict[str, Any]], ours: str, theirs: str, base:
                     ) -> tuple[float, float] | None:
     """95% interval of median(ours - base) / median(theirs - base) over rounds drawn
     with replacement (rounds, not requests, are the independent unit: a round's
-    requests share the machine's state). None with fewer than 3 rounds of each."""
+    requests share the machine's state). Rounds both modes served (one phase) are
+    drawn together, keeping what the two share; otherwise (``--phases each``) each
+    mode's rounds are drawn on their own. None with fewer than 3 rounds of each."""
     a = paired_overheads(records, ours, base, load)
     b = paired_overheads(records, theirs, base, load)
-    rounds = sorted(set(a) & set(b))
-    if len(rounds) < 3:
+    together = set(a) == set(b)
+    ra, rb = sorted(a), sorted(b)
+    if min(len(ra), len(rb)) < 3:
         return None
     rng = random.Random(seed)
     ratios: list[float] = []
     for _ in range(draws):
-        pick = [rounds[rng.randrange(len(rounds))] for _ in rounds]
-        den = median([x for k in pick for x in b[k]])
+        pick_a = [ra[rng.randrange(len(ra))] for _ in ra]
+        pick_b = pick_a if together else [rb[rng.randrange(len(rb))] for _ in rb]
+        den = median([x for k in pick_b for x in b[k]])
         if den > 0:
-            ratios.append(median([x for k in pick for x in a[k]]) / den)
+            ratios.append(median([x for k in pick_a for x in a[k]]) / den)
     if len(ratios) < draws // 2:  # vLLM push's overhead is not clearly positive
         return None
     ratios.sort()
@@ -360,6 +364,8 @@ async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str
         for it in range(args.iters):
             order = names[it % len(names):] + names[:it % len(names)]
             for load, n in (("seq", args.seq_requests), ("conc", args.conc_requests)):
+                if n <= 0:  # e.g. --seq-requests 0: concurrent rounds only
+                    continue
                 batch = prompts(n, args.input_len, rng)
                 got: dict[str, list[Result]] = {}
                 slots: list[int] = [-1] * n
@@ -497,10 +503,12 @@ def main() -> int:
                    help="also run `vllm bench serve` at these rates (comma separated) "
                    "against the router modes and plain; empty: skip")
     p.add_argument("--serve-prompts", type=int, default=16)
-    p.add_argument("--phases", default="auto",
-                   help="auto (default): the plain server with pushkv's and vLLM push's pairs "
-                   "at once, then with each other connector's; each: the plain server plus "
-                   "one connector's servers at a time (modes alternate within a phase); "
+    p.add_argument("--phases", default="each",
+                   help="each (default): the plain server plus one connector's servers at a "
+                   "time (modes alternate within a phase), so no connector is measured "
+                   "beside another one's idle cost (an idle NixlPushConnector pair slowed a "
+                   "plain server next to it by 40-100%% here); auto: the plain server with "
+                   "pushkv's and vLLM push's pairs at once, then with each other connector's; "
                    "all: every deployment at once; or "
                    "groups of deployments, e.g. 'pushkv+nixl-pull,nixl-push' (the plain "
                    "server is in every group): modes of one group alternate round by round")

@@ -1,0 +1,147 @@
+"""What an idle P/D pair costs the server next to it.
+
+A plain server on each core serves sequential requests (128 tokens in, 32 out)
+alone, then with one connector's prefill/decode pair up and idle beside it
+(after a warm-up that made its handshakes), then alone again once the pair is
+stopped; connector by connector. It also reads the CPU time the idle pair's
+processes used over ``--idle-s`` seconds (``/proc``). The pairs are bench_e2e's
+(:class:`run.Deployment`: the same progress-thread sleep, thread placement and
+busy-loop cap). Last line: one JSON object, per connector the plain median with
+the pair up over the median without it (the mean of before and after), and the
+idle pair's CPU in cores.
+
+    python benchmarks/e2e/idle_cost.py --out /tmp/idle [--kinds nixl-push,pushkv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import run as bench  # noqa: E402
+from client import Client  # noqa: E402
+from modes import MODES  # noqa: E402
+
+CLIENT_MODE = {"pushkv": "push-client", "nixl-push": "vllm-push-client",
+               "nixl-pull": "pull-client"}
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    ticks = 0
+    for pid in pids:
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+async def latencies(model: str, ep: bench.Endpoint, n: int, rng: random.Random) -> list[float]:
+    async with Client(model) as client:
+        results = await bench.run_mode(client, ep, bench.prompts(n, 128, rng), 32, False)
+    return [r.latency_s * 1e3 for r in results]
+
+
+async def warm(model: str, ep: bench.Endpoint, rng: random.Random) -> None:
+    async with Client(model) as client:
+        if ep.target.dispatch == "pushkv":
+            await client.discover(ep.target)
+        await bench.run_mode(client, ep, bench.prompts(4, 128, rng), 8, False)
+        await bench.run_mode(client, ep, bench.prompts(8, 128, rng), 8, True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=bench.ROOT / "benchmarks" / "results" / "idle")
+    p.add_argument("--kinds", default="nixl-push,pushkv",
+                   help=f"connectors' pairs, in turn ({', '.join(CLIENT_MODE)})")
+    p.add_argument("--requests", type=int, default=30, help="plain requests per measurement")
+    p.add_argument("--idle-s", type=float, default=10.0)
+    p.add_argument("--delay-us", type=int, default=100)
+    args = p.parse_args()
+    kinds = args.kinds.split(",")
+    for k in kinds:
+        if k not in CLIENT_MODE:
+            raise SystemExit(f"unknown connector {k!r}; choose from {', '.join(CLIENT_MODE)}")
+    out: Path = args.out
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    model = out / "tiny-llama"
+    bench.write_tiny_llama(model)
+    bench.write_word_tokenizer(model)
+    rng = random.Random(0)
+    plain = bench.Deployment("plain", str(model), out, max_model_len=256,
+                             delay_us=args.delay_us)
+    rows: dict[str, float] = {}
+    verdict: dict[str, dict[str, float]] = {}
+    try:
+        plain.start()
+        pep = bench.Endpoint(MODES["plain"], plain, out)
+        asyncio.run(latencies(str(model), pep, 6, rng))  # warm-up
+        before = statistics.median(asyncio.run(latencies(str(model), pep, args.requests, rng)))
+        rows["plain alone"] = before
+        for kind in kinds:
+            dep = bench.Deployment(kind, str(model), out, max_model_len=256,
+                                   delay_us=args.delay_us)
+            try:
+                dep.start()
+                asyncio.run(warm(str(model), bench.Endpoint(MODES[CLIENT_MODE[kind]], dep, out),
+                                 rng))
+                pids = [q for s in dep.servers if s.proc is not None
+                        for q in descendants(s.proc.pid)]
+                c0, t0 = cpu_seconds(pids), time.monotonic()
+                time.sleep(args.idle_s)  # the pair idles: what does it burn?
+                cores = (cpu_seconds(pids) - c0) / (time.monotonic() - t0)
+                beside = statistics.median(asyncio.run(
+                    latencies(str(model), pep, args.requests, rng)))
+            finally:
+                dep.stop()
+            after = statistics.median(asyncio.run(latencies(str(model), pep, args.requests, rng)))
+            rows[f"plain beside an idle {kind} pair"] = beside
+            rows[f"plain alone after {kind}"] = after
+            verdict[kind] = {"slowdown": round(beside / ((before + after) / 2), 3),
+                             "idle_cpu_cores": round(cores, 3)}
+            print(f"[{kind}] plain {beside:.1f} ms beside it, {before:.1f} / {after:.1f} ms "
+                  f"without; idle pair {cores:.3f} cores", flush=True)
+            before = after
+    finally:
+        plain.stop()
+    print("\n| plain server, sequential | median latency (ms) |\n|---|---|")
+    for name, v in rows.items():
+        print(f"| {name} | {v:.1f} |")
+    print(json.dumps({"idle_neighbour": verdict}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
