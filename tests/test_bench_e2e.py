@@ -75,3 +75,12 @@ def test_modes_of_different_phases_are_drawn_apart(run):
         recs.append(dict(r, phase="q"))  # another phase, its own plain rounds
     lo, hi = run.bootstrap_ratio(recs, "push-client", "vllm-push-client", "plain", "conc")
     assert 8.0 / 24.0 <= lo <= 0.5 <= hi <= 12.0 / 16.0
+
+
+def test_cycles_alternate_the_phase_order(run):
+    phases = [["plain", "pushkv"], ["plain", "nixl-push"]]
+    assert run.cycle_phases(phases, 1) == [(0, phases[0]), (0, phases[1])]
+    assert run.cycle_phases(phases, 3) == [(0, phases[0]), (0, phases[1]), (1, phases[1]),
+                                           (1, phases[0]), (2, phases[0]), (2, phases[1])]
+    with pytest.raises(SystemExit, match="--cycles"):
+        run.cycle_phases(phases, 0)

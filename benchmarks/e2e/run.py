@@ -473,6 +473,14 @@ def plan_phases(spec: str, kinds: list[str]) -> list[list[str]]:
     return [[*base, *(k for k in g if k != "plain")] for g in groups]
 
 
+def cycle_phases(phases: list[list[str]], cycles: int) -> list[tuple[int, list[str]]]:
+    """The phases ``cycles`` times, every other time in reverse order (A B, B A, A B...),
+    so that a machine drifting over the run reaches the first and the last phase alike."""
+    if cycles < 1:
+        raise SystemExit(f"--cycles must be at least 1, got {cycles}")
+    return [(c, ph) for c in range(cycles) for ph in (phases if c % 2 == 0 else phases[::-1])]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -498,6 +506,9 @@ def main() -> int:
     p.add_argument("--no-interleave", dest="interleave", action="store_false",
                    help="sequential load: each mode serves its whole batch in turn (default: "
                    "request by request, every mode serving prompt i before prompt i+1)")
+    p.add_argument("--cycles", type=int, default=1,
+                   help="run the phases this many times, every other time in reverse order "
+                   "(each a fresh start of its servers), so drift reaches every phase alike")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-qps", default="",
                    help="also run `vllm bench serve` at these rates (comma separated) "
@@ -526,7 +537,7 @@ def main() -> int:
     kinds = list(dict.fromkeys(MODES[n].deployment for n in names))
     # "each": the plain server stays up and the connectors' deployments come up one
     # at a time (7 vLLM servers at once need about 21 GiB); "all": everything at once.
-    phases = plan_phases(args.phases, kinds)
+    phases = cycle_phases(plan_phases(args.phases, kinds), args.cycles)
     deps: dict[str, Deployment] = {}
     eps: dict[str, Endpoint] = {}
     status: dict[str, str] = {}
@@ -535,7 +546,7 @@ def main() -> int:
     measured: list[str] = []
     rng = random.Random(args.seed)
     try:
-        for phase in phases:
+        for cycle, phase in phases:
             for kind in phase:
                 if kind in deps:
                     continue
@@ -561,7 +572,7 @@ def main() -> int:
                     except Exception as exc:
                         status[name] = f"router did not start: {exc}"
                         print(f"[{name}] {status[name]}", flush=True)
-            label = "+".join(phase)
+            label = "+".join(phase) + (f"#{cycle}" if args.cycles > 1 else "")
             try:
                 try:
                     records += asyncio.run(measure(args, eps, str(model), label, rng, failures))
