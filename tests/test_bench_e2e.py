@@ -84,3 +84,17 @@ def test_cycles_alternate_the_phase_order(run):
                                            (1, phases[0]), (2, phases[0]), (2, phases[1])]
     with pytest.raises(SystemExit, match="--cycles"):
         run.cycle_phases(phases, 0)
+
+
+def test_rounds_of_several_runs_pool_without_mixing_their_phases(run, tmp_path):
+    import json
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, plain in ((a, [100.0] * 4), (b, [300.0] * 4)):
+        d.mkdir()
+        recs = records({"push-client": [10.0] * 4, "vllm-push-client": [20.0] * 4}, plain)
+        (d / "latency.json").write_text(json.dumps(recs))
+    v = run.pooled_verdict([a, b])
+    assert v["rounds"] == 8 and v["overhead_ratio_vs_vllm_push_conc"] == 0.5
+    assert v["overhead_ratio_vs_vllm_push_conc_ci95"] == [0.5, 0.5]
+    with pytest.raises(SystemExit, match="does not exist"):
+        run.pooled_verdict([tmp_path / "missing"])

@@ -473,6 +473,23 @@ def plan_phases(spec: str, kinds: list[str]) -> list[list[str]]:
     return [[*base, *(k for k in g if k != "plain")] for g in groups]
 
 
+def pooled_verdict(dirs: list[Path]) -> dict[str, Any]:
+    """:func:`verdict` over the rounds of several runs (each run's phases kept apart)."""
+    records: list[dict[str, Any]] = []
+    modes: list[str] = []
+    for i, d in enumerate(dirs):
+        path = d / "latency.json"
+        if not path.is_file():
+            raise SystemExit(f"--verdict-of: {path} does not exist")
+        for r in json.loads(path.read_text()):
+            records.append(dict(r, phase=f"{r['phase']}@{i}"))
+            if r["mode"] not in modes:
+                modes.append(r["mode"])
+    out = verdict(records, [m for m in MODES if m in modes])
+    out["runs"] = [str(d) for d in dirs]
+    return out
+
+
 def cycle_phases(phases: list[list[str]], cycles: int) -> list[tuple[int, list[str]]]:
     """The phases ``cycles`` times, every other time in reverse order (A B, B A, A B...),
     so that a machine drifting over the run reaches the first and the last phase alike."""
@@ -523,7 +540,13 @@ def main() -> int:
                    "all: every deployment at once; or "
                    "groups of deployments, e.g. 'pushkv+nixl-pull,nixl-push' (the plain "
                    "server is in every group): modes of one group alternate round by round")
+    p.add_argument("--verdict-of", type=Path, nargs="+", metavar="DIR",
+                   help="run nothing: the JSON verdict of the latency.json of these earlier "
+                   "runs' --out directories, their rounds pooled")
     args = p.parse_args()
+    if args.verdict_of:
+        print(json.dumps(pooled_verdict(args.verdict_of)))
+        return 0
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
     model = out / "tiny-llama"
