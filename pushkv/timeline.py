@@ -14,8 +14,9 @@ connector's ``timeline_dir`` setting, ``pushkv proxy --timeline-dir``); when off
 :func:`mark` is one global lookup and a return.
 
 :data:`EVENTS` names every mark in the order a request normally meets them,
-:data:`ENDINGS` the marks of a request that ends early, and :data:`SEGMENTS` the intervals the report (``python -m pushkv.timeline``) prints:
-median and p90 of each segment, side by side per mode::
+:data:`ENDINGS` the marks of a request that ends early, and :data:`SEGMENTS` the
+intervals the report (``python -m pushkv.timeline``) prints: median and p90 of
+each segment, side by side per mode::
 
     python -m pushkv.timeline push=/tmp/tl/push vllm-push=/tmp/tl/vllm-push [--json]
 """

@@ -27,9 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import run as bench  # noqa: E402
-from client import Client  # noqa: E402
-from modes import MODES  # noqa: E402
+import run as bench
+from client import Client
+from modes import MODES
 
 CLIENT_MODE = {"pushkv": "push-client", "nixl-push": "vllm-push-client",
                "nixl-pull": "pull-client"}
