@@ -98,3 +98,13 @@ def test_rounds_of_several_runs_pool_without_mixing_their_phases(run, tmp_path):
     assert v["overhead_ratio_vs_vllm_push_conc_ci95"] == [0.5, 0.5]
     with pytest.raises(SystemExit, match="does not exist"):
         run.pooled_verdict([tmp_path / "missing"])
+
+
+def test_the_proxy_hop_has_an_interval_over_rounds(run):
+    recs = records({"push": [4.0, 6.0, 5.0, 30.0, 5.0]}, [100.0] * 5, load="seq")
+    recs = [dict(r, mode="push-client") if r["mode"] == "plain" else r for r in recs]
+    lo, hi = run.bootstrap_overhead(recs, "push", "push-client", "seq")
+    assert 4.0 <= lo <= 5.0 <= hi <= 30.0
+    v = run.verdict(recs, ["push-client", "push"])
+    assert v["proxy_hop_ms"] == 5.0 and v["proxy_hop_ms_ci95"] == [lo, hi]
+    assert run.bootstrap_overhead(recs[:12], "push", "push-client", "seq") is None

@@ -246,6 +246,20 @@ def bootstrap_ratio(records: list[dict[str, Any]], ours: str, theirs: str, base:
     return ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]
 
 
+def bootstrap_overhead(records: list[dict[str, Any]], mode: str, base: str, load: str, *,
+                       draws: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """95% interval of the median of ``mode``'s overhead over ``base`` (rounds drawn with
+    replacement, as in :func:`bootstrap_ratio`). None with fewer than 3 rounds."""
+    a = paired_overheads(records, mode, base, load)
+    rounds = sorted(a)
+    if len(rounds) < 3:
+        return None
+    rng = random.Random(seed)
+    meds = sorted(median([x for _ in rounds for x in a[rounds[rng.randrange(len(rounds))]]])
+                  for _ in range(draws))
+    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+
+
 def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     """The run's one JSON object: per-mode medians and pushkv's overhead ratios.
 
@@ -286,6 +300,8 @@ def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
         theirs = median(run_medians("vllm-push-client", load, "latency_ms"))
         out[f"latency_ratio_vs_vllm_push_{load}"] = finite(ours / theirs) if theirs else None
     out["proxy_hop_ms"] = finite(median(paired("push", "push-client", "seq")), 2)
+    hop = bootstrap_overhead(records, "push", "push-client", "seq")
+    out["proxy_hop_ms_ci95"] = [finite(x, 2) for x in hop] if hop else None
     for key in ("latency_ms", "ttft_ms", "tpot_ms"):
         out[f"median_{key}"] = {f"{m}_{ld}": round(median(run_medians(m, ld, key)), 2)
                                 for m in modes for ld in ("seq", "conc")
