@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -31,39 +30,10 @@ import run as bench
 from client import Client
 from modes import MODES
 
+from pushkv.vllm.chaos import group_cpu_s
+
 CLIENT_MODE = {"pushkv": "push-client", "nixl-push": "vllm-push-client",
                "nixl-pull": "pull-client"}
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    ticks = 0
-    for pid in pids:
-        try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                ticks += int(fields[11]) + int(fields[12])  # utime, stime
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
 
 
 async def latencies(model: str, ep: bench.Endpoint, n: int, rng: random.Random) -> list[float]:
@@ -117,11 +87,10 @@ def main() -> int:
                 dep.start()
                 asyncio.run(warm(str(model), bench.Endpoint(MODES[CLIENT_MODE[kind]], dep, out),
                                  rng))
-                pids = [q for s in dep.servers if s.proc is not None
-                        for q in descendants(s.proc.pid)]
-                c0, t0 = cpu_seconds(pids), time.monotonic()
+                groups = [s.proc.pid for s in dep.servers if s.proc is not None]
+                c0, t0 = group_cpu_s(groups), time.monotonic()
                 time.sleep(args.idle_s)  # the pair idles: what does it burn?
-                cores = (cpu_seconds(pids) - c0) / (time.monotonic() - t0)
+                cores = (group_cpu_s(groups) - c0) / (time.monotonic() - t0)
                 beside = statistics.median(asyncio.run(
                     latencies(str(model), pep, args.requests, rng)))
             finally:

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,18 @@ def paired_overheads(records: list[dict[str, Any]], mode: str, base: str,
     return out
 
 
+def _draws(keys: list[tuple[str, int]], draws: int, seed: int
+           ) -> Iterator[list[tuple[str, int]]]:
+    """``draws`` resamples of ``keys`` with replacement (the bootstrap's draws)."""
+    rng = random.Random(seed)
+    for _ in range(draws):
+        yield [keys[rng.randrange(len(keys))] for _ in keys]
+
+
+def _ci95(values: list[float]) -> tuple[float, float]:
+    return timeline.percentile(values, 0.025), timeline.percentile(values, 0.975)
+
+
 def bootstrap_ratio(records: list[dict[str, Any]], ours: str, theirs: str, base: str,
                     load: str, *, draws: int = 2000, seed: int = 0
                     ) -> tuple[float, float] | None:
@@ -232,18 +245,16 @@ def bootstrap_ratio(records: list[dict[str, Any]], ours: str, theirs: str, base:
     ra, rb = sorted(a), sorted(b)
     if min(len(ra), len(rb)) < 3:
         return None
-    rng = random.Random(seed)
+    picks_b = _draws(rb, draws, seed + 1)
     ratios: list[float] = []
-    for _ in range(draws):
-        pick_a = [ra[rng.randrange(len(ra))] for _ in ra]
-        pick_b = pick_a if together else [rb[rng.randrange(len(rb))] for _ in rb]
+    for pick_a in _draws(ra, draws, seed):
+        pick_b = pick_a if together else next(picks_b)
         den = median([x for k in pick_b for x in b[k]])
         if den > 0:
             ratios.append(median([x for k in pick_a for x in a[k]]) / den)
     if len(ratios) < draws // 2:  # vLLM push's overhead is not clearly positive
         return None
-    ratios.sort()
-    return ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]
+    return _ci95(ratios)
 
 
 def bootstrap_overhead(records: list[dict[str, Any]], mode: str, base: str, load: str, *,
@@ -251,13 +262,10 @@ def bootstrap_overhead(records: list[dict[str, Any]], mode: str, base: str, load
     """95% interval of the median of ``mode``'s overhead over ``base`` (rounds drawn with
     replacement, as in :func:`bootstrap_ratio`). None with fewer than 3 rounds."""
     a = paired_overheads(records, mode, base, load)
-    rounds = sorted(a)
-    if len(rounds) < 3:
+    if len(a) < 3:
         return None
-    rng = random.Random(seed)
-    meds = sorted(median([x for _ in rounds for x in a[rounds[rng.randrange(len(rounds))]]])
-                  for _ in range(draws))
-    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+    return _ci95([median([x for k in pick for x in a[k]])
+                  for pick in _draws(sorted(a), draws, seed)])
 
 
 def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:

@@ -449,6 +449,17 @@ def group_threads(pgid: int) -> int:
     return total
 
 
+def group_cpu_s(pgids: Sequence[int]) -> float:
+    """CPU time (user + system, seconds) the processes of the groups ``pgids`` used so
+    far (a process that ended is no longer counted)."""
+    ticks = 0
+    groups = set(pgids)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _proc_stat(entry)) and int(fields[2]) in groups:
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def group_rss_kib(pgids: Sequence[int]) -> dict[int, int]:
     """Resident memory (KiB) of every process group of ``pgids``."""
     out = dict.fromkeys(pgids, 0)
