@@ -419,9 +419,7 @@ class PushProxy:
         try:
             done, _ = await asyncio.wait({task}, timeout=self.settings.request_timeout_s)
         except asyncio.CancelledError:
-            self.metrics.requests.labels("cancelled").inc()
-            if req.transfer_id:
-                timeline.mark(req.transfer_id, "client_left")
+            self._client_left(req)
             task.cancel()
             raise
         if not done:  # the bound passed: end the request with a clear error
@@ -446,7 +444,7 @@ class PushProxy:
                 return req.out
             return exc.response()
         except ConnectionError:  # the client left while its answer was written
-            self.metrics.requests.labels("cancelled").inc()
+            self._client_left(req)
             return req.out or web.Response(status=499)
         except Exception as exc:
             # Anything unforeseen still ends with a clear error, never a bare 500 page
@@ -463,6 +461,11 @@ class PushProxy:
         self.metrics.ttft.observe((req.first_byte or end) - started)
         self.metrics.latency.observe(end - started)
         return resp
+
+    def _client_left(self, req: _Request) -> None:
+        self.metrics.requests.labels("cancelled").inc()
+        if req.transfer_id:
+            timeline.mark(req.transfer_id, "client_left")
 
     # ------------------------------------------------------- routing
 
