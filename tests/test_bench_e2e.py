@@ -108,3 +108,12 @@ def test_the_proxy_hop_has_an_interval_over_rounds(run):
     v = run.verdict(recs, ["push-client", "push"])
     assert v["proxy_hop_ms"] == 5.0 and v["proxy_hop_ms_ci95"] == [lo, hi]
     assert run.bootstrap_overhead(recs[:12], "push", "push-client", "seq") is None
+
+
+def test_the_routers_cpu_per_request_is_a_mean_over_every_request_it_served(run):
+    recs = records({"push": [10.0] * 4, "push-asyncio": [12.0] * 4}, [100.0] * 4)
+    for i, r in enumerate(recs):  # ticks of 10 ms: each request 0 or 10
+        r["router_cpu_ms"] = {"push": 10.0 * (i % 4 == 0), "push-asyncio": 10.0 * (i % 2),
+                              "plain": float("nan")}[r["mode"]]
+    v = run.verdict(recs, ["plain", "push", "push-asyncio"])
+    assert v["router_cpu_ms_per_request"] == {"push": 2.5, "push-asyncio": 5.0}

@@ -60,10 +60,13 @@ class Mode:
             self.deployment]
 
 
-def _pushkv_proxy(a: RouterArgs) -> list[str]:
-    cmd = [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", a.prefill_url,
-           "--decode", a.decode_url, "--port", str(a.port), "--log-level", "WARNING"]
-    return cmd + (["--timeline-dir", a.timeline_dir] if a.timeline_dir else [])
+def _pushkv_proxy(loop: str) -> Callable[[RouterArgs], list[str]]:
+    def cmd(a: RouterArgs) -> list[str]:
+        out = [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", a.prefill_url,
+               "--decode", a.decode_url, "--port", str(a.port), "--log-level", "WARNING",
+               "--event-loop", loop]
+        return out + (["--timeline-dir", a.timeline_dir] if a.timeline_dir else [])
+    return cmd
 
 
 def _vllm_example_proxy(kind: str) -> Callable[[RouterArgs], list[str]]:
@@ -80,7 +83,10 @@ def _vllm_example_proxy(kind: str) -> Callable[[RouterArgs], list[str]]:
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("plain", "plain", "router"),
     Mode("push-client", "pushkv", "client"),
-    Mode("push", "pushkv", "router", router=_pushkv_proxy),
+    Mode("push", "pushkv", "router", router=_pushkv_proxy("auto")),
+    # pushkv proxy on asyncio's own loop (push: uvloop's, where installed), to measure
+    # what the loop costs the hop side by side: --modes plain,push-client,push,push-asyncio
+    Mode("push-asyncio", "pushkv", "router", router=_pushkv_proxy("asyncio")),
     Mode("vllm-push-client", "nixl-push", "client"),
     Mode("vllm-push", "nixl-push", "router", router=_vllm_example_proxy("vllm-push")),
     Mode("pull-client", "nixl-pull", "client"),

@@ -40,6 +40,7 @@ from modes import DEFAULT_MODES, MODES, SPIN_S, Mode, RouterArgs  # noqa: E402
 from router_modes import router_verdict  # noqa: E402
 
 from pushkv import timeline  # noqa: E402
+from pushkv.vllm.chaos import process_cpu_s  # noqa: E402
 from pushkv.vllm.testing import (  # noqa: E402
     CPU_TUNING,
     Server,
@@ -155,6 +156,10 @@ class Endpoint:
         self.target = Target(url=url, dispatch=dispatch, prefill_url=dep.prefill.url,
                              prefill_side_port=dep.side_port, replicas=replicas)
 
+    def router_cpu_s(self) -> float:
+        """CPU time the router process used so far (NaN without one)."""
+        return process_cpu_s(self.router.pid) if self.router is not None else float("nan")
+
     def stop(self) -> None:
         if self.router is not None and self.router.poll() is None:
             os.killpg(self.router.pid, signal.SIGINT)
@@ -183,15 +188,23 @@ def prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
 
 async def run_mode(client: Client, ep: Endpoint, batch: list[list[int]], max_tokens: int,
                    concurrent: bool) -> list[Result]:
+    """Serve ``batch`` through ``ep``; each result's ``router_cpu_ms`` is its share of the
+    CPU time the router process used meanwhile (kernel ticks: exact only on average)."""
     timeline.configure(None)
     timeline.configure(ep.timeline_dir, f"client-{ep.mode.name}")
+    cpu0 = ep.router_cpu_s()
     try:
         if concurrent:
-            return list(await asyncio.gather(*(client.request(ep.target, p, max_tokens)
-                                               for p in batch)))
-        return [await client.request(ep.target, p, max_tokens) for p in batch]
+            got = list(await asyncio.gather(*(client.request(ep.target, p, max_tokens)
+                                              for p in batch)))
+        else:
+            got = [await client.request(ep.target, p, max_tokens) for p in batch]
     finally:
         timeline.configure(None)
+    share = (ep.router_cpu_s() - cpu0) * 1e3 / max(1, len(got))
+    for r in got:
+        r.router_cpu_ms = share
+    return got
 
 
 def median(xs: list[float]) -> float:
@@ -310,6 +323,16 @@ def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     out["proxy_hop_ms"] = finite(median(paired("push", "push-client", "seq")), 2)
     hop = bootstrap_overhead(records, "push", "push-client", "seq")
     out["proxy_hop_ms_ci95"] = [finite(x, 2) for x in hop] if hop else None
+    if paired("push-asyncio", "push-client", "seq"):  # the proxy on asyncio's loop
+        out["proxy_hop_asyncio_ms"] = finite(
+            median(paired("push-asyncio", "push-client", "seq")), 2)
+        hop = bootstrap_overhead(records, "push-asyncio", "push-client", "seq")
+        out["proxy_hop_asyncio_ms_ci95"] = [finite(x, 2) for x in hop] if hop else None
+    # the router's CPU per request, a mean (ticks of 10 ms, so one request's is 0 or 10)
+    cpu = {m: [x for r in records if r["mode"] == m
+               and (x := r.get("router_cpu_ms")) is not None and x == x] for m in modes}
+    out["router_cpu_ms_per_request"] = {m: round(statistics.fmean(v), 2)
+                                        for m, v in cpu.items() if v}
     for key in ("latency_ms", "ttft_ms", "tpot_ms"):
         out[f"median_{key}"] = {f"{m}_{ld}": round(median(run_medians(m, ld, key)), 2)
                                 for m in modes for ld in ("seq", "conc")
@@ -442,7 +465,7 @@ async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str
                             "slot": slots[i], "prompt_len": len(p),
                             "latency_ms": r.latency_s * 1e3, "ttft_ms": r.ttft_s * 1e3,
                             "tpot_ms": r.tpot_s * 1e3, "tokens": len(r.tokens),
-                            "same_as_plain": same})
+                            "router_cpu_ms": r.router_cpu_ms, "same_as_plain": same})
                     bad = sum(1 for rec in records[-n:] if not rec["same_as_plain"])
                     if bad:
                         print(f"[{phase} iter {it}] {name}: {bad} outputs differ from plain's "

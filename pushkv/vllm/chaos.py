@@ -460,6 +460,15 @@ def group_cpu_s(pgids: Sequence[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU time (user + system, seconds, all threads) the process ``pid`` used so far;
+    NaN once it is gone."""
+    fields = _proc_stat(str(pid))
+    if fields is None:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def group_rss_kib(pgids: Sequence[int]) -> dict[int, int]:
     """Resident memory (KiB) of every process group of ``pgids``."""
     out = dict.fromkeys(pgids, 0)

@@ -209,3 +209,22 @@ def test_short_soak_with_clients_leaving_leaves_nothing_behind(fleet):
     assert all(report.threads_end[k] <= v for k, v in report.threads_idle.items()), (
         report.threads_idle, report.threads_end)
     f.close_proxy(url)
+
+
+def test_a_process_cpu_time_grows_while_it_works_and_is_nan_once_it_is_gone():
+    import math
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from pushkv.vllm.chaos import process_cpu_s
+
+    start = process_cpu_s(os.getpid())
+    deadline = time.monotonic() + 60
+    while process_cpu_s(os.getpid()) <= start:  # a tick (1/CLK_TCK s) of work at most
+        assert time.monotonic() < deadline
+        sum(range(10_000))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert math.isnan(process_cpu_s(gone.pid))

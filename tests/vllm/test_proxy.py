@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from pushkv.vllm.params import (
     parse_params,
 )
 from pushkv.vllm.proxy import PushProxy
+from pushkv.vllm.proxy_cli import EventLoopError, new_event_loop
 
 ENDPOINT = Endpoint(engine_id="prefill-x", host="10.0.0.1", port=5601)
 
@@ -121,14 +123,21 @@ class FakeVllm:
 Scenario = Callable[[str, FakeVllm, FakeVllm], Awaitable[None]]
 
 
-def run(prefill: FakeVllm, decode: FakeVllm, scenario: Scenario) -> None:
+def run(prefill: FakeVllm, decode: FakeVllm, scenario: Scenario, loop: str = "") -> None:
+    """Run ``scenario`` against a proxy in front of the two fakes (on ``pushkv proxy
+    --event-loop``'s ``loop`` if given, else asyncio.run's)."""
     async def main() -> None:
         async with TestServer(prefill.app()) as p, TestServer(decode.app()) as d:
             proxy = PushProxy([str(p.make_url(""))], [str(d.make_url(""))], timeout_s=30)
             async with TestServer(proxy.app()) as front:
                 await scenario(str(front.make_url("")).rstrip("/"), prefill, decode)
 
-    asyncio.run(main())
+    if not loop:
+        asyncio.run(main())
+        return
+    with asyncio.Runner(loop_factory=lambda: new_event_loop(loop)) as runner:
+        assert type(runner.get_loop()).__module__.split(".")[0] == loop
+        runner.run(main())
 
 
 REQUEST = {"model": "tiny", "prompt": [11, 12, 13], "max_tokens": 3, "temperature": 0}
@@ -162,7 +171,8 @@ def test_both_legs_run_at_once_with_one_transfer_id():
     run(FakeVllm("prefill", delay_s=0.3), FakeVllm("decode", delay_s=0.5), scenario)
 
 
-def test_streaming_relays_every_event():
+@pytest.mark.parametrize("loop", ["", "uvloop", "asyncio"])
+def test_streaming_relays_every_event(loop):
     async def scenario(url: str, p: FakeVllm, d: FakeVllm) -> None:
         async with aiohttp.ClientSession() as s, s.post(
                 url + "/v1/completions", json=dict(REQUEST, stream=True)) as r:
@@ -171,7 +181,28 @@ def test_streaming_relays_every_event():
         assert text.count("data: ") == 4 and text.endswith("data: [DONE]\n\n")
         assert p.legs[0].body["stream"] is False and "stream_options" not in p.legs[0].body
 
-    run(FakeVllm("prefill"), FakeVllm("decode"), scenario)
+    run(FakeVllm("prefill"), FakeVllm("decode"), scenario, loop)
+
+
+def test_the_proxy_takes_uvloop_when_it_is_installed_and_says_so_when_asked_without_it(
+        monkeypatch):
+    import uvloop
+
+    loop = new_event_loop("auto")
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now fails
+    loop = new_event_loop("auto")
+    try:
+        assert type(loop).__module__.startswith("asyncio")
+    finally:
+        loop.close()
+    with pytest.raises(EventLoopError, match="uvloop is not installed"):
+        new_event_loop("uvloop")
+    with pytest.raises(EventLoopError, match="unknown event loop 'trio'"):
+        new_event_loop("trio")
 
 
 def test_prefill_error_is_returned_and_cancels_the_decode_leg():
