@@ -38,6 +38,8 @@ from .frontend import Frontend
 from .profile import ENGINE_WAKES, EngineProfile, Profile
 from .request import Outcome, SimRequest
 from .scenario import TransferMode
+from .spread import NONE as NO_SPREAD
+from .spread import Spread
 from .transport import SimTransport
 
 
@@ -75,13 +77,17 @@ class _Loop:
         self._api = simpy.Resource(env, capacity=1) if ingest_s else None
         #: the frontends' shared CPU queue (``control.frontend_cores``), set by the runner
         self.frontend: Frontend | None = None
+        #: host times around their medians (``control.host_spread``), set by the runner
+        self.spread: Spread = NO_SPREAD
 
     def ingest(self, then: Callable[[SimRequest], None], req: SimRequest) -> None:
         """A leg reaches this instance's API server: ``then(req)`` (submit) once it has
         spent ``ingest_s`` there, after the legs ahead of it (with a frontend queue, after
         all the frontends' work ahead of it); at once without it."""
+        work_s, wait_s = self.spread.split(self.ingest_s)
+        ingest_s = work_s + wait_s
         if self.frontend is not None and self.ingest_s:
-            self.frontend.serve(self.ingest_s, lambda: then(req))
+            self.frontend.serve(work_s, lambda: then(req), wait_s)
             return
         if self._api is None:
             then(req)
@@ -91,7 +97,7 @@ class _Loop:
         def serve() -> Generator[Any, Any, None]:
             with api.request() as slot:
                 yield slot
-                yield self.env.timeout(self.ingest_s)
+                yield self.env.timeout(ingest_s)
             then(req)
 
         self.env.process(serve())
@@ -337,14 +343,14 @@ class DecodeEngine(_Loop):
             self.transport.mark(tid, "registration_shipped")
             if self.eng.order_handoff_s:  # the worker takes the order with the step
                 req.handing_off = True
-                self.env.timeout(self.eng.order_handoff_s).callbacks.append(
+                self.env.timeout(self.spread(self.eng.order_handoff_s)).callbacks.append(
                     lambda _: self._register(req))
             else:
                 self._register(req)
             return 0.0
         if self.eng.order_handoff_s:  # the worker reads when it takes the step's orders
             req.handing_off = True
-            self.env.timeout(self.eng.order_handoff_s).callbacks.append(
+            self.env.timeout(self.spread(self.eng.order_handoff_s)).callbacks.append(
                 lambda _: self._read(req))
             return 0.0
         inline = stall if self.mode is TransferMode.PULL else None
@@ -577,7 +583,7 @@ class DecodeEngine(_Loop):
         """The consumer endpoint's TransferReady: the worker takes it ``event_handoff_s``
         later, the scheduler can admit the request ``admit_lag_s`` after that."""
         req = self._by_tid[transfer_id]
-        handoff, lag = self.eng.event_handoff_s, self.eng.admit_lag_s
+        handoff, lag = self.spread(self.eng.event_handoff_s), self.spread(self.eng.admit_lag_s)
         if not handoff and not lag:
             self.transport.mark(transfer_id, "ready")
             self._ready(req)

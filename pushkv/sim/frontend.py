@@ -57,18 +57,22 @@ class Frontend:
         self.pending = 0
         self._drained: simpy.Event | None = None
 
-    def serve(self, service_s: float, then: Callable[[], None]) -> None:
-        """``then()`` once ``service_s`` of frontend time has run, after the work ahead."""
+    def serve(self, service_s: float, then: Callable[[], None], wait_s: float = 0.0) -> None:
+        """``then()`` once ``service_s`` of frontend time has run, after the work ahead,
+        and ``wait_s`` more has passed outside the queue (a stall: holding no core)."""
         self.pending += 1
-        self.env.process(self._job(service_s, then))
+        self.env.process(self._job(service_s, then, wait_s))
 
-    def _job(self, service_s: float, then: Callable[[], None]) -> Generator[Any, Any, None]:
+    def _job(self, service_s: float, then: Callable[[], None],
+             wait_s: float = 0.0) -> Generator[Any, Any, None]:
         t0 = self.env.now
         with self.cpu.request() as slot:
             yield slot
             self.waited_s += self.env.now - t0
             if service_s > 0:
                 yield self.env.timeout(service_s)
+        if wait_s > 0:
+            yield self.env.timeout(wait_s)
         self.busy_s += service_s
         self.jobs += 1
         self.pending -= 1

@@ -675,6 +675,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="also replace the engines' step overheads by those the connector "
                    "servers ran (the timeline's requests had IN prompt and OUT output "
                    "tokens); the other keys are then taken against them")
+    c.add_argument("--host-spread", type=int, default=0, metavar="N",
+                   help="with --connector-timeline: also set control.host_spread, the "
+                   "keyed host times' spread around their medians at N quantiles "
+                   "(pushkv.sim.measure_connector.host_spread; 0: none)")
     c.add_argument("--timeline-share", type=float, default=1.0, metavar="F",
                    help="the share of a core the pair's processes got meanwhile (a probe's "
                    "figure): the keys are scaled to a core of one's own by it")
@@ -695,6 +699,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--reps must be at least 2")
     if args.base and not (args.connector_timeline or args.pull_timeline or args.client_hop):
         p.error("--base needs --connector-timeline, --pull-timeline or --client-hop")
+    if args.host_spread and not args.connector_timeline:
+        p.error("--host-spread needs --connector-timeline")
     try:
         if args.base:
             import tomllib
@@ -717,7 +723,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             data, head = extend(data, head, args.connector_timeline,
                                 window=(win[0], win[1]) if win else None,
                                 alone_only=not args.all_requests, steps=args.connector_steps,
-                                share=args.timeline_share)
+                                share=args.timeline_share, spread=args.host_spread)
         if args.pull_timeline or args.client_hop:
             from .measure_connector import extend_router
 

@@ -73,6 +73,14 @@ def connector_steps(requests: dict[str, dict[str, float]], profile: Profile, *,
             "decode": {"decode_step_overhead_s": d_over, "step_python_s": d_over}}
 
 
+def _besides(profile: Profile) -> dict[str, float]:
+    """What ``profile`` already puts in a keyed segment, by key (0 if not named)."""
+    net, d = profile.network, profile.decode
+    return {"ingest_s": net.router_hop_s,
+            "return_s": d.decode_step_overhead_s + d.step_token_s + net.router_hop_s,
+            "notify_wait_s": net.wire_latency_s + net.control_latency_s + net.post_fixed_s}
+
+
 def connector_keys(requests: dict[str, dict[str, float]], profile: Profile, *,
                    share: float = 1.0) -> dict[str, dict[str, float]]:
     """The connector keys from a real pair's timeline (``requests``: per request id, each
@@ -86,16 +94,51 @@ def connector_keys(requests: dict[str, dict[str, float]], profile: Profile, *,
 
     _check_share(share)
     segs = timeline.segments(requests)
-    hop = profile.network.router_hop_s
-    step = profile.decode.decode_step_overhead_s + profile.decode.step_token_s
-    net = profile.network
-    less = {"ingest_s": hop, "return_s": step + hop,
-            "notify_wait_s": net.wire_latency_s + net.control_latency_s + net.post_fixed_s}
+    less = _besides(profile)
     out: dict[str, dict[str, float]] = {}
     for (side, key), names in CONNECTOR_SEGMENTS.items():
         total = sum(_median_s(segs, name, f"{side}.{key}") for name in names)
         out.setdefault(side, {})[key] = max(0.0, total - less.get(key, 0.0)) * share
     return out
+
+
+#: the keys ``control.host_spread`` acts on (a token's ``decode.return_s`` is paid once
+#: per token, not per request, and stays its median)
+SPREAD_KEYS = tuple(k for k in CONNECTOR_SEGMENTS if k != ("decode", "return_s"))
+
+
+def host_spread(requests: dict[str, dict[str, float]], profile: Profile, *,
+                quantiles: int = 20) -> tuple[float, ...]:
+    """``control.host_spread`` from a real pair's timeline: for each key of
+    :data:`SPREAD_KEYS` whose median is above 0 (the key of :func:`connector_keys`, as
+    measured, share 1), each request's time in the key's segments, less what the model
+    puts there besides, over that median; pooled over the keys, their ``quantiles``
+    evenly spaced quantiles ((i + 1/2) / quantiles). MeasurementError with fewer than two
+    such times or ``quantiles`` outside 1..MAX_SPREAD."""
+    from .. import timeline
+    from .profile import MAX_SPREAD
+
+    if not 1 <= quantiles <= MAX_SPREAD:
+        raise MeasurementError(f"host spread quantiles must be in 1..{MAX_SPREAD}, "
+                               f"got {quantiles}")
+    keys = connector_keys(requests, profile)
+    less = _besides(profile)
+    ratios: list[float] = []
+    for side, key in SPREAD_KEYS:
+        med = keys[side][key]
+        if med <= 0:
+            continue
+        names = CONNECTOR_SEGMENTS[side, key]
+        for req in requests.values():
+            segs = timeline.segments({"r": req})
+            if all(segs.get(n) for n in names):
+                total = sum(segs[n][0] for n in names) / 1000
+                ratios.append(max(0.0, total - less.get(key, 0.0)) / med)
+    if len(ratios) < 2 or not all(math.isfinite(r) for r in ratios):
+        raise MeasurementError(f"the timeline gives {len(ratios)} finite host times: too "
+                               "few for a spread")
+    return tuple(round(timeline.percentile(ratios, (i + 0.5) / quantiles), 4)
+                 for i in range(quantiles))
 
 
 def pull_keys(requests: dict[str, dict[str, float]], profile: Profile, *,
@@ -171,12 +214,13 @@ def connector_header(dirs: Sequence[str | Path], n: int, share: float,
 
 def extend(data: dict[str, Any], head: Sequence[str], dirs: Sequence[str | Path], *,
            window: tuple[float, float] | None = None, alone_only: bool = True,
-           steps: Sequence[int] | None = None, share: float = 1.0
+           steps: Sequence[int] | None = None, share: float = 1.0, spread: int = 0
            ) -> tuple[dict[str, Any], list[str]]:
     """A profile's tables and header lines, extended from the timeline in ``dirs`` (the
     router's or client's first): its requests (in ``window``; only those that ran alone
     unless not ``alone_only``), with ``steps`` = (input, output length) first the step
-    overheads (:func:`connector_steps`), then the connector keys."""
+    overheads (:func:`connector_steps`), then the connector keys, and with ``spread``
+    the keys' spread at that many quantiles (:func:`host_spread`)."""
     from .segments import alone, load
 
     reqs = load(dirs, window)
@@ -192,8 +236,14 @@ def extend(data: dict[str, Any], head: Sequence[str], dirs: Sequence[str | Path]
                         f"{side}.{k} {v * 1e3:.3f} ms" for side, t in got.items()
                         for k, v in t.items() if k != "step_python_s") + ".")
     keys = connector_keys(reqs, profile_from_dict(data), share=share)
-    return with_connector_keys(data, keys), [*head, *connector_header(dirs, len(reqs), share,
-                                                                      keys)]
+    head = [*head, *connector_header(dirs, len(reqs), share, keys)]
+    if spread:
+        multipliers = host_spread(reqs, profile_from_dict(data), quantiles=spread)
+        keys = {**keys, "control": {"host_spread": list(multipliers)}}  # type: ignore[dict-item]
+        head.append(f"control.host_spread at {spread} quantiles from the same requests "
+                    f"(host_spread): mean {sum(multipliers) / spread:.2f}, median "
+                    f"{multipliers[spread // 2]:.2f}, largest {multipliers[-1]:.2f}.")
+    return with_connector_keys(data, keys), head
 
 
 def extend_router(data: dict[str, Any], head: Sequence[str], *,

@@ -478,6 +478,17 @@ class ControlProfile:
         "frontends float; 1 is the one core's worth they get while decode steps "
         "(docs/sim.md, 'The frontends as a queue')",
     )
+    host_spread: tuple[float, ...] = _f(
+        (),
+        "multipliers, equally likely, of the host times the connector keys give as "
+        "medians (prefill/decode ingest_s, prefill.return_s, decode.order_handoff_s, "
+        "event_handoff_s, admit_lag_s, network.notify_wait_s): each time a request pays "
+        "one it pays it times a multiplier drawn at random (pushkv.sim.spread); empty: "
+        "the median every time",
+        "measured: a real pair's timeline, each request's keyed segment over its median, "
+        "pooled, at evenly spaced quantiles (pushkv.sim.measure_connector.host_spread; "
+        "docs/sim.md, 'Host times around their medians')",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -593,6 +604,12 @@ class Profile:
         if not isinstance(c.frontend_cores, int) or c.frontend_cores < 0:
             raise ProfileError(f"control.frontend_cores must be an integer >= 0, "
                                f"got {c.frontend_cores!r}")
+        if len(c.host_spread) > MAX_SPREAD:
+            raise ProfileError(f"control.host_spread must hold at most {MAX_SPREAD} "
+                               f"multipliers, got {len(c.host_spread)}")
+        if any(m < 0 for m in c.host_spread):
+            raise ProfileError(f"control.host_spread multipliers must be >= 0, got "
+                               f"{min(c.host_spread)}")
         for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "client_hop_s",
                      "post_fixed_s", "post_per_descriptor_s", "notify_wait_s"):
             if getattr(n, name) < 0:
@@ -637,6 +654,10 @@ class Profile:
                 notify_wait_s=n.notify_wait_s / both),
             control=dataclasses.replace(c, message_send_s=c.message_send_s / both,
                                         message_recv_s=c.message_recv_s / both))
+
+
+#: the most multipliers ``control.host_spread`` may hold
+MAX_SPREAD = 1000
 
 
 def _positive(name: str, value: float) -> None:

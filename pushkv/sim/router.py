@@ -31,6 +31,8 @@ from .engine import DecodeEngine, PrefillEngine, Recorder
 from .frontend import Frontend
 from .request import Outcome, SimRequest
 from .scenario import Dispatch, RouterPolicy, SimConfig
+from .spread import NONE as NO_SPREAD
+from .spread import Spread
 from .transport import SimTransport
 
 E = TypeVar("E", PrefillEngine, DecodeEngine)
@@ -66,6 +68,7 @@ class Router:
         self.rerouted = 0
         #: the frontends' queue (``control.frontend_cores``), None: their times are delays
         self.frontend: Frontend | None = None
+        self.spread: Spread = NO_SPREAD  #: ``control.host_spread``, set by the runner
         self.sent_local = 0
         transport.death_listeners.append(self._engine_died)
 
@@ -118,11 +121,11 @@ class Router:
         """A prefill instance answers: its API server passes the answer out
         (``prefill.return_s``; with a frontend queue, a job there behind the other
         frontend work), then the hop back to the proxy."""
-        ret = self.cfg.profile.prefill.return_s
-        if self.frontend is not None and ret:
-            self.frontend.serve(ret, lambda: self._later(self._answered, req, block_ids))
+        work, wait = self.spread.split(self.cfg.profile.prefill.return_s)
+        if self.frontend is not None and work + wait:
+            self.frontend.serve(work, lambda: self._later(self._answered, req, block_ids), wait)
         else:
-            self._later(self._answered, req, block_ids, extra=ret)
+            self._later(self._answered, req, block_ids, extra=work + wait)
 
     def _answered(self, req: SimRequest, block_ids: tuple[int, ...] | None) -> None:
         if req.prefill not in self.transport.alive or req.outcome is not Outcome.PENDING:

@@ -31,6 +31,7 @@ from .profile import EngineProfile, Profile
 from .request import Outcome, SimRequest
 from .router import Router
 from .scenario import SimConfig, TransferMode
+from .spread import Spread
 from .transport import SimTransport
 from .workload import generate
 
@@ -105,6 +106,9 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         skew_rng=np.random.default_rng(skew_seed), packing=cfg.packing,
     )
     transport.timeline = timeline
+    # its own stream, spawned after the others: a profile without it draws nothing
+    spread = Spread(profile.control.host_spread, np.random.default_rng(seeds.spawn(1)[0]))
+    transport.spread = spread
     specs = generate(cfg.workload, arrival_rng(cfg, arrival_seed))
     recorder = Recorder(env, len(specs))
     router_ref: list[Router] = []
@@ -120,6 +124,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         pool = BlockPool(profile.prefill.num_blocks(m, gpu), profile.prefill.fragmentation,
                          np.random.default_rng(pool_seeds[i]), profile.prefill.free_order)
         eng = PrefillEngine(env, eid, profile, pool, transport, cfg.resolved_mode, on_done)
+        eng.spread = spread
         transport.add_producer(_ranks(eid, profile, profile.prefill), eng)
         prefills.append(eng)
     for j in range(cfg.num_decode):
@@ -128,6 +133,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
                          np.random.default_rng(pool_seeds[cfg.num_prefill + j]),
                          profile.decode.free_order)
         deng = DecodeEngine(env, eid, profile, pool, transport, cfg.resolved_mode, recorder)
+        deng.spread = spread
         transport.add_consumer(_ranks(eid, profile, profile.decode), deng)
         decodes.append(deng)
     transport.handshake()
@@ -142,6 +148,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
     router = Router(env, cfg, transport, prefills, decodes, recorder,
                     random.Random(int(incarnation_seed.generate_state(1)[0])))
     router.frontend = frontend
+    router.spread = spread
     router_ref.append(router)
 
     reqs = [SimRequest(spec=s, transfer_id=f"req-{s.index}") for s in specs]

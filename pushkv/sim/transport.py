@@ -69,6 +69,8 @@ from .network import Network
 from .packing import SIM_PACKING, StagingLedger
 from .profile import Profile
 from .scenario import FaultConfig, ProtocolSettings
+from .spread import NONE as NO_SPREAD
+from .spread import Spread
 
 
 class ProducerHost(Protocol):
@@ -111,6 +113,7 @@ class SimTransport:
         self._rng = fault_rng
         self._skew_rng = skew_rng or np.random.default_rng(0)
         self.skews: list[float] = []  #: the slowest rank's X of every transfer
+        self.spread: Spread = NO_SPREAD  #: ``control.host_spread``, set by the runner
         self.producers: dict[str, Producer] = {}
         self.consumers: dict[str, Consumer] = {}
         self._producer_hosts: dict[str, ProducerHost] = {}
@@ -508,7 +511,7 @@ class SimTransport:
         yield self.env.timeout(  # READY waits for the slowest rank's write
             self._slowest_rank(self.profile.prefill.tp) * (self.env.now - started))
         if net.notify_wait_s:  # the progress threads' polls on busy cores
-            yield self.env.timeout(net.notify_wait_s)
+            yield self.env.timeout(self.spread(net.notify_wait_s))
         if eid not in self.alive:
             self.stats["writes_lost"] += 1  # the producer died with its write
             return
