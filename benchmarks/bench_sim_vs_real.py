@@ -136,6 +136,9 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                                                probe.wake_tail(core).items()}
                                         for side, core in (("prefill", 0), ("decode", 1))}
                     got["window"] = [t_start, time.monotonic()]
+                    # the probe's rate of fixed work per CPU second: the cores' speed
+                    got["speed"] = {side: round(probe.speed(core), 1)
+                                    for side, core in (("prefill", 0), ("decode", 1))}
                     record_shares(real, fname, got)
                     print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
                           f"{'ok' if ok else 'FAILED'}; CPU share {got}, "
@@ -242,12 +245,17 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
         got = (shares or {}).get(file_name(mode, rate, input_len, output_len, it))
         if got:
             pre, dec = dict(got["prefill"]), dict(got["decode"])  # cpu_share, wake_s
+            speed, ref = got.get("speed", {}), base.control.probe_speed
+            if ref > 0 and speed.get("prefill", 0) > 0 and speed.get("decode", 0) > 0:
+                # the cores' speed now against when the profile was measured
+                pre["cpu_speed"] = speed["prefill"] / ref
+                dec["cpu_speed"] = speed["decode"] / ref
             eng = got.get("engine", {})
             if server_steps and eng.get("prefill_step_s") and eng.get("decode_token_s"):
                 tok_p, tok_d = base.prefill.step_token_s, base.decode.step_token_s
-                pre |= {"cpu_share": 1.0, "prefill_step_overhead_s": max(
+                pre |= {"cpu_share": 1.0, "cpu_speed": 1.0, "prefill_step_overhead_s": max(
                     0.0, eng["prefill_step_s"] - tok_p * input_len)}
-                dec |= {"cpu_share": 1.0, "decode_step_overhead_s": max(
+                dec |= {"cpu_share": 1.0, "cpu_speed": 1.0, "decode_step_overhead_s": max(
                     0.0, eng["decode_token_s"] - tok_d)}
             profile = dataclasses.replace(
                 base, prefill=dataclasses.replace(base.prefill, **pre),

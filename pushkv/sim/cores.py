@@ -15,13 +15,26 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+#: loop iterations of one unit of the probe's work (:func:`_unit`)
+UNIT_LOOPS = 100
+
+
+def _unit() -> int:
+    """A fixed piece of pure-Python work (a few microseconds): the probe's measure of how
+    fast the core runs an interpreter, whatever else shares it."""
+    x = 0
+    for i in range(UNIT_LOOPS):
+        x += i * i
+    return x
+
 
 def _probe(core: int, period_s: float, burst_s: float, stop: Any, out: Any) -> None:
-    """On ``core``: every ``period_s`` sleep, wake, spin ``burst_s`` of CPU time; send
-    (wake delays, burst shares) when ``stop`` is set."""
+    """On ``core``: every ``period_s`` sleep, wake, spin ``burst_s`` of CPU time in units
+    of :func:`_unit`; send (wake delays, burst shares, units per CPU second) when ``stop``
+    is set."""
     with contextlib.suppress(OSError):
         os.sched_setaffinity(0, {core})
-    wakes, shares = [], []
+    wakes, shares, speeds = [], [], []
     nxt = time.monotonic() + period_s
     while not stop.is_set():
         delay = nxt - time.monotonic()
@@ -30,11 +43,14 @@ def _probe(core: int, period_s: float, burst_s: float, stop: Any, out: Any) -> N
         woke = time.monotonic()
         wakes.append(max(0.0, woke - nxt))
         c0, w0 = time.thread_time(), time.perf_counter()
-        while time.thread_time() - c0 < burst_s:
-            pass
-        shares.append((time.thread_time() - c0) / (time.perf_counter() - w0))
+        units = 0
+        while (cpu := time.thread_time() - c0) < burst_s:
+            _unit()
+            units += 1
+        shares.append(cpu / (time.perf_counter() - w0))
+        speeds.append(units / cpu)
         nxt = max(nxt + period_s, time.monotonic())
-    out.send((wakes, shares))
+    out.send((wakes, shares, speeds))
 
 
 class CoreProbe:
@@ -42,7 +58,9 @@ class CoreProbe:
     process pinned to the core sleeps ``period_s``, then spins ``burst_s`` of CPU time
     (about 4% of the core). ``wake_s(core)``: the median delay between its timer and its
     running (run-queue wait of a woken process); ``share(core)``: the median share of
-    the core its bursts got (CPU time / wall time)."""
+    the core its bursts got (CPU time / wall time); ``speed(core)``: the median rate its
+    bursts ran :func:`_unit` at, per CPU second (a host that runs the machine slower
+    lowers it; other processes on the core do not)."""
 
     def __init__(self, cores: Sequence[int] = (0, 1), period_s: float = 0.025,
                  burst_s: float = 0.001) -> None:
@@ -59,6 +77,7 @@ class CoreProbe:
             self._pipes.append(parent)
         self.wakes: dict[int, list[float]] = {}
         self.shares: dict[int, list[float]] = {}
+        self.speeds: dict[int, list[float]] = {}
 
     def __enter__(self) -> CoreProbe:
         for proc in self._procs:
@@ -70,7 +89,7 @@ class CoreProbe:
         for c, pipe, proc in zip(self.cores, self._pipes, self._procs, strict=True):
             with contextlib.suppress(EOFError, OSError):  # a probe that died reports none
                 if pipe.poll(30):
-                    self.wakes[c], self.shares[c] = pipe.recv()
+                    self.wakes[c], self.shares[c], self.speeds[c] = pipe.recv()
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
@@ -92,6 +111,11 @@ class CoreProbe:
 
         return {"p90_s": q(0.9), "p99_s": q(0.99), "max_s": got[-1],
                 "over_10ms": sum(w > 0.01 for w in got) / len(got)}
+
+    def speed(self, core: int) -> float:
+        """Units of :func:`_unit` per CPU second on ``core``, median (0 without samples)."""
+        got = self.speeds.get(core)
+        return statistics.median(got) if got else 0.0
 
     def share(self, core: int) -> float:
         got = self.shares.get(core)

@@ -107,6 +107,8 @@ class Measured:
     engine_share: float = 1.0
     host_share: float = 1.0
     engine_wake_s: float = 0.0  #: the probe's wake-up delay on the engine's core
+    #: the probe's rate of fixed work on the engine's core (CoreProbe.speed; 0: none)
+    engine_speed: float = 0.0
     probe_samples: int = 0  #: the fewest samples a probe took (0: no probe, shares 1)
     max_num_seqs: int = 128  #: vLLM's CPU default for the API server
     max_num_batched_tokens: int = 2048  #: vLLM's CPU default for the API server
@@ -235,6 +237,8 @@ def profile_data(m: Measured) -> dict[str, Any]:
             "handshake_before_run": True,
         },
     }
+    if m.engine_speed > 0:  # the reference a later run's cpu_speed is taken against
+        data["control"]["probe_speed"] = m.engine_speed
     if m.cpu_count > 0:
         data["control"]["frontend_cores"] = frontend_cores(m.cpu_count)  # sim/frontend.py
     try:
@@ -416,6 +420,7 @@ def measure_engine(work: Path, reps: int, lengths: Sequence[int], batches: Seque
         with CoreProbe((0,)) as probe:
             got = asyncio.run(run(server.url))
         return got | {"share": probe.share(0), "wake": probe.wake_s(0),
+                      "speed": probe.speed(0),
                       "probe_samples": len(probe.wakes.get(0, ()))}
     finally:
         server.stop()
@@ -643,6 +648,7 @@ def measure(work: Path, *, reps: int, delay_us: int) -> Measured:
         wire_descriptors=tuple(nixl["wire_descriptors"]),
         wire_bytes=tuple(nixl["wire_bytes"]), wire_s=tuple(nixl["wire_s"]), **side,
         engine_share=eng["share"], host_share=host_share, engine_wake_s=eng["wake"],
+        engine_speed=eng["speed"],
         probe_samples=min([eng["probe_samples"], *(len(host.wakes.get(c, ())) for c in (0, 1))]),
         cpu_count=os.cpu_count() or 0,
     )

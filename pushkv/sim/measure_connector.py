@@ -112,9 +112,13 @@ def host_spread(requests: dict[str, dict[str, float]], profile: Profile, *,
     """``control.host_spread`` from a real pair's timeline: for each key of
     :data:`SPREAD_KEYS` whose median is above 0 (the key of :func:`connector_keys`, as
     measured, share 1), each request's time in the key's segments, less what the model
-    puts there besides, over that median; pooled over the keys, their ``quantiles``
-    evenly spaced quantiles ((i + 1/2) / quantiles). MeasurementError with fewer than two
-    such times or ``quantiles`` outside 1..MAX_SPREAD."""
+    puts there besides, over that median; pooled over the keys, each key weighing its
+    median (its requests' ratios share that weight), so that the multipliers' mean is the
+    keyed times' mean total over their medians' total -- a key of a tenth of a
+    millisecond whose ratios run to 40 weighs a tenth of one of a millisecond; then the
+    weighted distribution's ``quantiles`` evenly spaced quantiles ((i + 1/2) /
+    quantiles). MeasurementError with fewer than two such times or ``quantiles``
+    outside 1..MAX_SPREAD."""
     from .. import timeline
     from .profile import MAX_SPREAD
 
@@ -123,22 +127,32 @@ def host_spread(requests: dict[str, dict[str, float]], profile: Profile, *,
                                f"got {quantiles}")
     keys = connector_keys(requests, profile)
     less = _besides(profile)
-    ratios: list[float] = []
+    weighted: list[tuple[float, float]] = []  # (ratio, weight)
     for side, key in SPREAD_KEYS:
         med = keys[side][key]
         if med <= 0:
             continue
         names = CONNECTOR_SEGMENTS[side, key]
+        ratios = []
         for req in requests.values():
             segs = timeline.segments({"r": req})
             if all(segs.get(n) for n in names):
                 total = sum(segs[n][0] for n in names) / 1000
                 ratios.append(max(0.0, total - less.get(key, 0.0)) / med)
-    if len(ratios) < 2 or not all(math.isfinite(r) for r in ratios):
-        raise MeasurementError(f"the timeline gives {len(ratios)} finite host times: too "
+        weighted += [(r, med / len(ratios)) for r in ratios]
+    if len(weighted) < 2 or not all(math.isfinite(r) for r, _ in weighted):
+        raise MeasurementError(f"the timeline gives {len(weighted)} finite host times: too "
                                "few for a spread")
-    return tuple(round(timeline.percentile(ratios, (i + 0.5) / quantiles), 4)
-                 for i in range(quantiles))
+    weighted.sort()
+    whole = sum(w for _, w in weighted)
+    out, acc, i = [], 0.0, 0
+    for j in range(quantiles):  # the smallest ratio whose cumulative weight reaches q
+        q = (j + 0.5) / quantiles * whole
+        while i < len(weighted) - 1 and acc + weighted[i][1] < q:
+            acc += weighted[i][1]
+            i += 1
+        out.append(round(weighted[i][0], 4))
+    return tuple(out)
 
 
 def pull_keys(requests: dict[str, dict[str, float]], profile: Profile, *,

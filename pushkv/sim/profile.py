@@ -200,6 +200,16 @@ class EngineProfile:
         "on each core (pushkv.sim.cores.CoreProbe: CPU time / wall time of 1 ms bursts), "
         "see benchmarks/bench_sim_vs_real.py",
     )
+    cpu_speed: float = _f(
+        1.0,
+        "how fast this engine's cores run now against when the profile's host times were "
+        "measured (a probe's rate of fixed work per CPU second, now over then): the host "
+        "times cpu_share stretches last 1 / (cpu_share x cpu_speed) as long; the posting, "
+        "messages and hops by the mean of the two sides' products",
+        "1: as measured; on a shared machine whose host runs it slower or faster from one "
+        "minute to the next, measured per point by the same probe against the profile's "
+        "control.probe_speed (benchmarks/bench_sim_vs_real.py)",
+    )
     wake_s: float = _f(
         0.0,
         "run-queue delay of a woken process of this engine on an oversubscribed core: "
@@ -478,6 +488,13 @@ class ControlProfile:
         "frontends float; 1 is the one core's worth they get while decode steps "
         "(docs/sim.md, 'The frontends as a queue')",
     )
+    probe_speed: float = _f(
+        0.0,
+        "the probe's rate of fixed work per CPU second on the engine's core while this "
+        "profile's engine times were measured (pushkv.sim.cores.CoreProbe.speed): the "
+        "reference a later run's cpu_speed is taken against; 0: not recorded",
+        "written by pushkv.sim.measure",
+    )
     host_spread: tuple[float, ...] = _f(
         (),
         "multipliers, equally likely, of the host times the connector keys give as "
@@ -544,6 +561,9 @@ class Profile:
                 v = getattr(e, name)
                 if not 0 < v <= 1:
                     raise ProfileError(f"{side}.{name} must be in (0, 1], got {v}")
+            if not 0 < e.cpu_speed <= MAX_SPEED:
+                raise ProfileError(f"{side}.cpu_speed must be in (0, {MAX_SPEED}], "
+                                   f"got {e.cpu_speed}")
             for name in ("prefix_hit_fraction", "fragmentation"):
                 v = getattr(e, name)
                 if not 0 <= v <= 1:
@@ -604,6 +624,8 @@ class Profile:
         if not isinstance(c.frontend_cores, int) or c.frontend_cores < 0:
             raise ProfileError(f"control.frontend_cores must be an integer >= 0, "
                                f"got {c.frontend_cores!r}")
+        if c.probe_speed < 0:
+            raise ProfileError(f"control.probe_speed must be >= 0, got {c.probe_speed}")
         if len(c.host_spread) > MAX_SPREAD:
             raise ProfileError(f"control.host_spread must hold at most {MAX_SPREAD} "
                                f"multipliers, got {len(c.host_spread)}")
@@ -630,15 +652,18 @@ class Profile:
 
     def on_shared_cores(self) -> Profile:
         """The profile its engines run under when they share CPU cores: every host time
-        divided by the share of a core its processes get (``cpu_share``), the shares
-        then 1. The same profile when both shares are 1 (the default)."""
-        sp, sd = self.prefill.cpu_share, self.decode.cpu_share
+        divided by the share of a core its processes get (``cpu_share``) times the cores'
+        speed against the profile's measurement (``cpu_speed``), both then 1. The same
+        profile when all four are 1 (the default)."""
+        sp = self.prefill.cpu_share * self.prefill.cpu_speed
+        sd = self.decode.cpu_share * self.decode.cpu_speed
         if sp == 1 and sd == 1:
             return self
 
         def side(e: EngineProfile, share: float) -> EngineProfile:
             return dataclasses.replace(
-                e, cpu_share=1.0, prefill_step_overhead_s=e.prefill_step_overhead_s / share,
+                e, cpu_share=1.0, cpu_speed=1.0,
+                prefill_step_overhead_s=e.prefill_step_overhead_s / share,
                 decode_step_overhead_s=e.decode_step_overhead_s / share,
                 step_token_s=e.step_token_s / share, step_python_s=e.step_python_s / share,
                 **{k: getattr(e, k) / share for k in CONNECTOR_KEYS})
@@ -658,6 +683,8 @@ class Profile:
 
 #: the most multipliers ``control.host_spread`` may hold
 MAX_SPREAD = 1000
+#: the fastest ``cpu_speed`` against the profile's measurement a machine may have
+MAX_SPEED = 100.0
 
 
 def _positive(name: str, value: float) -> None:

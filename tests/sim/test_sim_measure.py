@@ -187,6 +187,84 @@ def test_cpu_share_must_be_a_share(value: float) -> None:
         profile_from_dict({"decode": {"cpu_share": value}})
 
 
+# ------------------------------------------------------------------- cpu_speed
+
+
+def test_a_slower_machine_is_a_smaller_share_of_the_measured_one() -> None:
+    """cpu_speed s stretches what cpu_share s would, exactly: a core half as fast is half
+    a core of the machine the profile was measured on."""
+    prof = profile_from_dict(profile_data(GOOD))
+
+    def sides(**kw: float) -> Profile:
+        return dataclasses.replace(prof, prefill=dataclasses.replace(prof.prefill, **kw),
+                                   decode=dataclasses.replace(prof.decode, **kw)).validate()
+
+    same = sides(cpu_speed=1.0)
+    assert same.on_shared_cores() is same
+    assert sides(cpu_speed=0.5).on_shared_cores() == sides(cpu_share=0.5).on_shared_cores()
+    assert sides(cpu_speed=2.0, cpu_share=0.5).on_shared_cores() == prof
+    cfg = dict(qps=4.0, input_len=64, output_len=9, num_prompts=12)
+    slow = run(config("push", profile=sides(cpu_speed=0.4), **cfg)).result
+    assert slow == run(config("push", profile=sides(cpu_share=0.4), **cfg)).result
+    step = (prof.decode.decode_step_overhead_s + prof.decode.step_token_s) / 0.4
+    alone = run(config("push", qps=1.0, input_len=64, output_len=9, num_prompts=1,
+                       profile=dataclasses.replace(prof, decode=dataclasses.replace(
+                           prof.decode, cpu_speed=0.4)).validate())).result
+    assert alone["mean_tpot_ms"] == pytest.approx(step * 1e3, rel=1e-5)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, 101.0, float("nan"), float("inf")])
+def test_cpu_speed_must_be_a_positive_finite_rate(value: float) -> None:
+    with pytest.raises(ProfileError, match="cpu_speed"):
+        profile_from_dict({"prefill": {"cpu_speed": value}})
+    with pytest.raises(ProfileError, match="probe_speed"):
+        profile_from_dict({"control": {"probe_speed": -1.0 if value >= 0 else value}})
+
+
+def test_the_profile_keeps_the_probe_speed_it_was_measured_at(tmp_path: Path) -> None:
+    assert "probe_speed" not in profile_data(GOOD)["control"]  # not probed: no reference
+    prof = write_profile(dataclasses.replace(GOOD, engine_speed=123456.0), tmp_path / "p.toml")
+    assert prof.control.probe_speed == 123456.0
+
+
+def test_the_probe_measures_the_cores_speed() -> None:
+    """The probe's loop, run here for five bursts: each burst's rate of fixed work per CPU
+    second is positive and about what this process gets running the same work."""
+    import os
+    import time
+
+    from pushkv.sim.cores import _probe, _unit
+
+    class Stop:  # set after five bursts
+        calls = 0
+
+        def is_set(self) -> bool:
+            self.calls += 1
+            return self.calls > 5
+
+    class Out:
+        got: tuple[list[float], list[float], list[float]] | None = None
+
+        def send(self, got: tuple[list[float], list[float], list[float]]) -> None:
+            self.got = got
+
+    out = Out()
+    cores = os.sched_getaffinity(0)
+    try:
+        _probe(min(cores), 0.0, 0.002, Stop(), out)
+    finally:
+        os.sched_setaffinity(0, cores)  # the probe pins the process it runs in
+    assert out.got is not None
+    wakes, shares, speeds = out.got
+    assert len(wakes) == len(shares) == len(speeds) == 5 and min(speeds) > 0
+    c0, units = time.thread_time(), 0
+    while time.thread_time() - c0 < 0.01:
+        _unit()
+        units += 1
+    mine = units / (time.thread_time() - c0)
+    assert 0.1 < sorted(speeds)[2] / mine < 10
+
+
 # ---------------------------------------------------------------------- wake_s
 
 

@@ -181,6 +181,36 @@ def test_the_spread_is_each_keyed_time_over_its_median_pooled() -> None:
     assert statistics.median(got) == pytest.approx(1.0, abs=0.2)
 
 
+def test_each_key_weighs_its_median_so_the_mean_is_the_mean_total_over_the_medians() -> None:
+    """One request's 'notification -> ready' (a 1.5 ms key) is about 25 times its median: the
+    multipliers' mean is then the keyed times' mean total over their medians' total,
+    not the mean of the ratios (where that one 30 would count as much as any other)."""
+    from pushkv import timeline
+
+    bare = dataclasses.replace(TINY, network=dataclasses.replace(
+        TINY.network, router_hop_s=0.0, wire_latency_s=0.0, control_latency_s=0.0,
+        post_fixed_s=0.0)).validate()
+    reqs = {k: dict(r) for k, r in _requests().items()}
+    late = reqs["r0"]
+    shift = 30 * 1.5e-3 * 2.75 - (late["ready"] - late["notify_received"])
+    for ev in ("ready", "ready_scheduled", "decode_scheduled", "first_token"):
+        late[ev] += shift
+    keys = connector_keys(reqs, bare)
+    totals = [0.0] * len(reqs)
+    for side, key in SPREAD_KEYS:
+        from pushkv.sim.measure_connector import CONNECTOR_SEGMENTS
+
+        for i, r in enumerate(reqs.values()):
+            segs = timeline.segments({"r": r})
+            totals[i] += sum(segs[n][0] for n in CONNECTOR_SEGMENTS[side, key]) / 1000
+    medians = sum(keys[side][key] for side, key in SPREAD_KEYS)
+    got = host_spread(reqs, bare, quantiles=MAX_SPREAD)
+    assert statistics.fmean(got) == pytest.approx(statistics.fmean(totals) / medians,
+                                                  rel=0.02)
+    gaps = [r["ready"] - r["notify_received"] for r in reqs.values()]
+    assert max(got) == pytest.approx(max(gaps) / statistics.median(gaps), rel=0.01)
+
+
 def test_too_few_requests_or_bad_quantiles_are_refused() -> None:
     with pytest.raises(MeasurementError, match="quantiles"):
         host_spread(_requests(), TINY, quantiles=0)
