@@ -202,7 +202,9 @@ def test_a_slower_machine_is_a_smaller_share_of_the_measured_one() -> None:
     same = sides(cpu_speed=1.0)
     assert same.on_shared_cores() is same
     assert sides(cpu_speed=0.5).on_shared_cores() == sides(cpu_share=0.5).on_shared_cores()
-    assert sides(cpu_speed=2.0, cpu_share=0.5).on_shared_cores() == prof
+    fast = sides(cpu_speed=2.0, cpu_share=0.5).on_shared_cores()  # the two cancel
+    assert fast.decode.decode_step_overhead_s == prof.decode.decode_step_overhead_s
+    assert fast.network.router_hop_s == prof.network.router_hop_s
     cfg = dict(qps=4.0, input_len=64, output_len=9, num_prompts=12)
     slow = run(config("push", profile=sides(cpu_speed=0.4), **cfg)).result
     assert slow == run(config("push", profile=sides(cpu_share=0.4), **cfg)).result
