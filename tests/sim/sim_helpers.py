@@ -35,6 +35,19 @@ def with_profile(**sections: dict[str, Any]) -> Profile:
     return dataclasses.replace(DEFAULT, **changes).validate()
 
 
+def write_timeline(directory: Path, requests: dict[str, dict[str, float]]) -> Path:
+    """``requests`` (per id, each mark's time) as one process's pushkv.timeline file in
+    ``directory``, which is made; returns ``directory``."""
+    import json
+
+    directory.mkdir(parents=True)
+    with (directory / "timeline-1.jsonl").open("w") as f:
+        for tid, marks in requests.items():
+            for ev, t in marks.items():
+                f.write(json.dumps({"id": tid, "ev": ev, "t": t, "p": "x"}) + "\n")
+    return directory
+
+
 def bench_sim_vs_real() -> Any:
     """``benchmarks/bench_sim_vs_real.py`` as a module (it is a script, not a package)."""
     root = Path(__file__).resolve().parents[2]

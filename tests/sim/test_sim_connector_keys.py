@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("simpy")
 
-from sim_helpers import config
+from sim_helpers import config, write_timeline
 
 from pushkv.sim.measure import MeasurementError
 from pushkv.sim.measure import main as measure_main
@@ -179,12 +179,7 @@ def test_a_missing_segment_or_a_bad_share_is_refused() -> None:
 
 
 def test_measure_adds_them_to_a_base_profile(tmp_path: Path) -> None:
-    tl = tmp_path / "timeline"
-    tl.mkdir()
-    with (tl / "timeline-1.jsonl").open("w") as f:
-        for tid, marks in _requests().items():
-            for ev, t in marks.items():
-                f.write(json.dumps({"id": tid, "ev": ev, "t": t, "p": "x"}) + "\n")
+    tl = write_timeline(tmp_path / "timeline", _requests())
     out = tmp_path / "conn.toml"
     assert measure_main(["--out", str(out), "--base", str(TINY_PATH),
                          "--connector-timeline", str(tl)]) == 0

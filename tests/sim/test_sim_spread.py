@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("simpy")
 
 import simpy
-from sim_helpers import config
+from sim_helpers import config, write_timeline
 
 from pushkv.sim.frontend import Frontend
 from pushkv.sim.measure import MeasurementError
@@ -219,12 +219,7 @@ def test_too_few_requests_or_bad_quantiles_are_refused() -> None:
 
 
 def test_measure_writes_it_with_the_connector_keys(tmp_path: Path) -> None:
-    tl = tmp_path / "timeline"
-    tl.mkdir()
-    with (tl / "timeline-1.jsonl").open("w") as f:
-        for tid, marks in _requests().items():
-            for ev, t in marks.items():
-                f.write(json.dumps({"id": tid, "ev": ev, "t": t, "p": "x"}) + "\n")
+    tl = write_timeline(tmp_path / "timeline", _requests())
     out = tmp_path / "conn.toml"
     assert measure_main(["--out", str(out), "--base", str(TINY_PATH), "--connector-timeline",
                          str(tl), "--host-spread", "10"]) == 0
