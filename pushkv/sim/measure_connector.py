@@ -127,6 +127,7 @@ def host_spread(requests: dict[str, dict[str, float]], profile: Profile, *,
                                f"got {quantiles}")
     keys = connector_keys(requests, profile)
     less = _besides(profile)
+    per_request = [timeline.segments({"r": req}) for req in requests.values()]
     weighted: list[tuple[float, float]] = []  # (ratio, weight)
     for side, key in SPREAD_KEYS:
         med = keys[side][key]
@@ -134,8 +135,7 @@ def host_spread(requests: dict[str, dict[str, float]], profile: Profile, *,
             continue
         names = CONNECTOR_SEGMENTS[side, key]
         ratios = []
-        for req in requests.values():
-            segs = timeline.segments({"r": req})
+        for segs in per_request:
             if all(segs.get(n) for n in names):
                 total = sum(segs[n][0] for n in names) / 1000
                 ratios.append(max(0.0, total - less.get(key, 0.0)) / med)

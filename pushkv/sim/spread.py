@@ -36,7 +36,6 @@ class Spread:
                  rng: np.random.Generator | None = None) -> None:
         self.multipliers = tuple(float(m) for m in multipliers)
         self._rng = rng if rng is not None else np.random.default_rng(0)
-        self.draws = 0
 
     def __call__(self, seconds: float) -> float:
         work, wait = self.split(seconds)
@@ -47,7 +46,6 @@ class Spread:
         ``seconds`` x max(m - 1, 0) for the drawn multiplier m."""
         if not self.multipliers or seconds <= 0:
             return seconds, 0.0
-        self.draws += 1
         m = self.multipliers[int(self._rng.integers(len(self.multipliers)))]
         return seconds * min(m, 1.0), seconds * max(m - 1.0, 0.0)
 

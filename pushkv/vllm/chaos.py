@@ -452,20 +452,20 @@ def group_threads(pgid: int) -> int:
 def group_cpu_s(pgids: Sequence[int]) -> float:
     """CPU time (user + system, seconds) the processes of the groups ``pgids`` used so
     far (a process that ended is no longer counted)."""
-    ticks = 0
     groups = set(pgids)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _proc_stat(entry)) and int(fields[2]) in groups:
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return sum(_cpu_s(fields) for entry in os.listdir("/proc")
+               if entry.isdigit() and (fields := _proc_stat(entry)) and int(fields[2]) in groups)
 
 
 def process_cpu_s(pid: int) -> float:
     """CPU time (user + system, seconds, all threads) the process ``pid`` used so far;
     NaN once it is gone."""
     fields = _proc_stat(str(pid))
-    if fields is None:
-        return float("nan")
+    return float("nan") if fields is None else _cpu_s(fields)
+
+
+def _cpu_s(fields: list[str]) -> float:
+    """utime + stime of a /proc stat line (fields after the name), in seconds."""
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
