@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,14 +41,9 @@ if str(ROOT) not in sys.path:
 
 from pushkv.vllm.chaos import process_cpu_s  # noqa: E402
 from pushkv.vllm.params import ENDPOINT_KEY, POLICY_KEY, Endpoint  # noqa: E402
+from pushkv.vllm.testing import free_port, get_text  # noqa: E402
 
 LOOPS = ("uvloop", "asyncio")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def stand_in(tokens: int, gap_s: float) -> web.Application:
@@ -101,13 +95,11 @@ def serve_stand_in(ports: tuple[int, int], tokens: int, gap_s: float) -> None:
 
 
 def wait_up(url: str, timeout_s: float = 60) -> None:
-    import urllib.request
-
     end = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(url + "/health", timeout=5):
-                return
+            get_text(url + "/health", timeout=5)
+            return
         except OSError:
             if time.monotonic() > end:
                 raise RuntimeError(f"{url} did not come up") from None
