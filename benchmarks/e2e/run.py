@@ -320,14 +320,13 @@ def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
         ours = median(run_medians("push-client", load, "latency_ms"))
         theirs = median(run_medians("vllm-push-client", load, "latency_ms"))
         out[f"latency_ratio_vs_vllm_push_{load}"] = finite(ours / theirs) if theirs else None
-    out["proxy_hop_ms"] = finite(median(paired("push", "push-client", "seq")), 2)
-    hop = bootstrap_overhead(records, "push", "push-client", "seq")
-    out["proxy_hop_ms_ci95"] = [finite(x, 2) for x in hop] if hop else None
-    if paired("push-asyncio", "push-client", "seq"):  # the proxy on asyncio's loop
-        out["proxy_hop_asyncio_ms"] = finite(
-            median(paired("push-asyncio", "push-client", "seq")), 2)
-        hop = bootstrap_overhead(records, "push-asyncio", "push-client", "seq")
-        out["proxy_hop_asyncio_ms_ci95"] = [finite(x, 2) for x in hop] if hop else None
+    # what pushkv proxy adds over the client dispatching itself; push-asyncio: on
+    # asyncio's loop (reported only when that mode ran)
+    for mode, key in (("push", "proxy_hop"), ("push-asyncio", "proxy_hop_asyncio")):
+        if mode == "push" or paired(mode, "push-client", "seq"):
+            out[f"{key}_ms"] = finite(median(paired(mode, "push-client", "seq")), 2)
+            hop = bootstrap_overhead(records, mode, "push-client", "seq")
+            out[f"{key}_ms_ci95"] = [finite(x, 2) for x in hop] if hop else None
     # the router's CPU per request, a mean (ticks of 10 ms, so one request's is 0 or 10)
     cpu = {m: [x for r in records if r["mode"] == m
                and (x := r.get("router_cpu_ms")) is not None and x == x] for m in modes}
