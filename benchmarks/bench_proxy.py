@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 
 from pushkv.vllm.chaos import process_cpu_s  # noqa: E402
 from pushkv.vllm.params import ENDPOINT_KEY, POLICY_KEY, Endpoint  # noqa: E402
-from pushkv.vllm.testing import free_port, get_text  # noqa: E402
+from pushkv.vllm.testing import free_port, wait_up  # noqa: E402
 
 LOOPS = ("uvloop", "asyncio")
 
@@ -92,18 +92,6 @@ def serve_stand_in(ports: tuple[int, int], tokens: int, gap_s: float) -> None:
         await asyncio.Event().wait()
 
     asyncio.run(main())
-
-
-def wait_up(url: str, timeout_s: float = 60) -> None:
-    end = time.monotonic() + timeout_s
-    while True:
-        try:
-            get_text(url + "/health", timeout=5)
-            return
-        except OSError:
-            if time.monotonic() > end:
-                raise RuntimeError(f"{url} did not come up") from None
-            time.sleep(0.1)
 
 
 async def one(session: aiohttp.ClientSession, url: str, max_tokens: int) -> float:
@@ -161,7 +149,7 @@ def main() -> int:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         prefill, decode = (f"http://127.0.0.1:{port}" for port in ports)
-        wait_up(decode)
+        wait_up(decode, "the stand-in servers")
         urls = {"direct": decode}
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         for loop in loops:
@@ -171,7 +159,7 @@ def main() -> int:
                  "--decode", decode, "--port", str(port), "--event-loop", loop,
                  "--log-level", "WARNING"], env=env, start_new_session=True)
             urls[loop] = f"http://127.0.0.1:{port}"
-            wait_up(urls[loop])
+            wait_up(urls[loop], f"pushkv proxy ({loop})")
         print(f"{args.requests} requests per path, {args.tokens} events "
               f"{args.gap_ms} ms apart; paths: {', '.join(urls)}", flush=True)
         lat, cpu = asyncio.run(measure(urls, {n: pr.pid for n, pr in procs.items()},

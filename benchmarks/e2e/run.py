@@ -46,8 +46,8 @@ from pushkv.vllm.testing import (  # noqa: E402
     Server,
     ServerSpec,
     free_port,
-    get_text,
     kv_transfer_config,
+    wait_up,
     write_tiny_llama,
     write_word_tokenizer,
 )
@@ -151,7 +151,7 @@ class Endpoint:
                                                stderr=subprocess.STDOUT,
                                                start_new_session=True)
             url = f"http://127.0.0.1:{port}"
-            wait_up(url, mode.name)
+            wait_up(url, f"{mode.name}: router")
         replicas = tuple(s.url for s in dep.servers) if dep.kind == "plain" else ()
         self.target = Target(url=url, dispatch=dispatch, prefill_url=dep.prefill.url,
                              prefill_side_port=dep.side_port, replicas=replicas)
@@ -168,18 +168,6 @@ class Endpoint:
             except subprocess.TimeoutExpired:
                 os.killpg(self.router.pid, signal.SIGKILL)
                 self.router.wait(5)
-
-
-def wait_up(url: str, name: str, timeout_s: float = 60) -> None:
-    end = time.monotonic() + timeout_s
-    while True:
-        try:
-            get_text(url + "/health", timeout=5)
-            return
-        except OSError:
-            if time.monotonic() > end:
-                raise RuntimeError(f"{name}: router did not come up") from None
-            time.sleep(0.2)
 
 
 def prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:

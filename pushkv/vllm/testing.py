@@ -358,6 +358,20 @@ def get_text(url: str, timeout: float = 10.0) -> str:
         return str(resp.read().decode(errors="replace"))
 
 
+def wait_up(url: str, what: str, timeout_s: float = 60.0) -> None:
+    """Return once ``url``/health answers; RuntimeError naming ``what`` after ``timeout_s``
+    (a router or stand-in server a benchmark started)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            get_text(url + "/health", timeout=5)
+            return
+        except OSError:
+            if time.monotonic() > end:
+                raise RuntimeError(f"{what} did not come up at {url}") from None
+            time.sleep(0.2)
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus metric's samples whose labels include ``labels``."""
     total = 0.0
