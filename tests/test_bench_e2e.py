@@ -117,3 +117,86 @@ def test_the_routers_cpu_per_request_is_a_mean_over_every_request_it_served(run)
                               "plain": float("nan")}[r["mode"]]
     v = run.verdict(recs, ["plain", "push", "push-asyncio"])
     assert v["router_cpu_ms_per_request"] == {"push": 2.5, "push-asyncio": 5.0}
+
+
+def test_in_turns_each_connector_pairs_with_the_plain_requests_of_its_own_turn(run):
+    """--phases turns: plain serves each deployment's turn of a round; a mode's overhead
+    is taken against plain's requests of the same turn, and the two connectors' rounds
+    are drawn together (one phase)."""
+    recs = []
+    for it, (fast, slow) in enumerate([(100.0, 200.0), (150.0, 90.0), (80.0, 300.0)]):
+        for turn, base, mode, extra in (("pushkv", fast, "push-client", 10.0),
+                                        ("nixl-push", slow, "vllm-push-client", 20.0)):
+            for m, lat in (("plain", base), (mode, base + extra)):
+                for k in range(3):
+                    recs.append({"mode": m, "load": "conc", "phase": "turns", "iter": it,
+                                 "slot": -1, "turn": turn, "latency_ms": lat + k,
+                                 "ttft_ms": 1.0, "tpot_ms": 1.0, "same_as_plain": True})
+    over = run.paired_overheads(recs, "push-client", "plain", "conc")
+    assert over == {("turns", 0): [10.0], ("turns", 1): [10.0], ("turns", 2): [10.0]}
+    v = run.verdict(recs, ["plain", "push-client", "vllm-push-client"])
+    assert v["overhead_ratio_vs_vllm_push_conc"] == 0.5
+    assert v["overhead_ratio_vs_vllm_push_conc_ci95"] == [0.5, 0.5]
+    # without the turn, plain's two turns would be one pool and the overheads wrong
+    mixed = [{k: v for k, v in r.items() if k != "turn"} for r in recs]
+    assert run.paired_overheads(mixed, "push-client", "plain", "conc") != over
+
+
+def test_turns_put_every_deployment_up_in_one_phase(run):
+    assert run.plan_phases("turns", ["plain", "pushkv", "nixl-push"]) == [
+        ["plain", "pushkv", "nixl-push"]]
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped)."""
+    from pathlib import Path
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def test_a_frozen_deployment_is_stopped_and_thaws_whole(run, tmp_path):
+    """Freezer stops every process group of a deployment and its routers, and thaws
+    them again, on real processes (each in a session of its own, as servers start)."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    def spawn() -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"],
+                                start_new_session=True)
+
+    procs = [spawn() for _ in range(3)]
+    try:
+        dep = SimpleNamespace(servers=[SimpleNamespace(proc=p) for p in procs[:2]])
+        ep = SimpleNamespace(router=procs[2])
+        freezer = run.Freezer(dep, [ep])
+
+        def wait_for(state_is_t: bool) -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if all((_state(p.pid) == "T") == state_is_t for p in procs):
+                    return
+                time.sleep(0.01)
+            raise AssertionError(f"states {[_state(p.pid) for p in procs]}")
+
+        freezer.freeze()
+        wait_for(True)
+        with freezer:
+            wait_for(False)
+            assert not freezer.frozen
+        wait_for(True)
+        freezer.thaw()
+        wait_for(False)
+        procs[0].kill()
+        procs[0].wait()
+        freezer.freeze()  # a process that died is skipped, the others still stop
+        deadline = time.monotonic() + 60
+        while _state(procs[1].pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(procs[1].pid) == "T"
+        freezer.thaw()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -170,6 +171,43 @@ class Endpoint:
                 self.router.wait(5)
 
 
+class Freezer:
+    """One deployment's processes stopped while another deployment's turn runs
+    (``--phases turns``): ``SIGSTOP`` to its routers' and servers' process groups (each
+    started in a session of its own), ``SIGCONT`` to thaw, servers first. A stopped
+    process takes no CPU, so an idle pair costs its neighbours nothing (an idle
+    ``NixlPushConnector`` pair slowed a plain server beside it 1.4-1.75x here) while the
+    connectors still take turns seconds apart, not phases minutes apart. As a context
+    manager: thawed inside, frozen again on the way out."""
+
+    def __init__(self, dep: Deployment, eps: list[Endpoint]) -> None:
+        self.servers = [s.proc.pid for s in dep.servers if s.proc is not None]
+        self.routers = [ep.router.pid for ep in eps if ep.router is not None]
+        self.frozen = False
+
+    def _signal(self, pids: list[int], sig: signal.Signals) -> None:
+        for pid in pids:  # a process that died is reported by its requests
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, sig)
+
+    def freeze(self) -> None:
+        self._signal(self.routers, signal.SIGSTOP)  # before a router can see its servers stop
+        self._signal(self.servers, signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        self._signal(self.servers, signal.SIGCONT)
+        self._signal(self.routers, signal.SIGCONT)
+        self.frozen = False
+
+    def __enter__(self) -> Freezer:
+        self.thaw()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.freeze()
+
+
 def prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(5, 995) for _ in range(length)] for _ in range(n)]
 
@@ -207,16 +245,19 @@ def finite(x: float, digits: int = 3) -> float | None:
 def paired_overheads(records: list[dict[str, Any]], mode: str, base: str,
                      load: str) -> dict[tuple[str, int], list[float]]:
     """Per round (phase, iteration): ``mode``'s median latency minus ``base``'s in that
-    round, one value per round, or one per prompt in an interleaved sequential round."""
-    per: dict[tuple[str, str, int, int], list[float]] = {}
+    round, one value per round, or one per prompt in an interleaved sequential round.
+    With ``--phases turns`` ``base`` served each deployment's turn of a round apart, and
+    a mode pairs with ``base``'s requests of its own turn."""
+    per: dict[tuple[str, str, int, int, str], list[float]] = {}
     for r in records:
         if r["load"] == load and r["mode"] in (mode, base):
-            per.setdefault((r["mode"], r["phase"], r["iter"], r.get("slot", -1)),
-                           []).append(r["latency_ms"])
+            per.setdefault((r["mode"], r["phase"], r["iter"], r.get("slot", -1),
+                            r.get("turn") or ""), []).append(r["latency_ms"])
     out: dict[tuple[str, int], list[float]] = {}
-    for (m, ph, it, sl), v in sorted(per.items()):
-        if m == mode and (base, ph, it, sl) in per:
-            out.setdefault((ph, it), []).append(median(v) - median(per[base, ph, it, sl]))
+    for (m, ph, it, sl, turn), v in sorted(per.items()):
+        if m == mode and (base, ph, it, sl, turn) in per:
+            out.setdefault((ph, it), []).append(
+                median(v) - median(per[base, ph, it, sl, turn]))
     return out
 
 
@@ -361,7 +402,10 @@ def timeline_report(out: Path, modes: list[str]) -> str:
 
 
 def bench_serve(url: str, model: str, out: Path, name: str, *, qps: str, input_len: int,
-                output_len: int, num_prompts: int, seed: int, log: Path) -> bool:
+                output_len: int, num_prompts: int, seed: int, log: Path,
+                extra: tuple[str, ...] = ()) -> bool:
+    """``vllm bench serve`` (random dataset, ``--ignore-eos``) against ``url``, its result
+    in ``out/name``; ``extra``: more of its flags. True when every request completed."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e" / "bench_serve.py"),
            "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
            "--model", model, "--tokenizer", model, "--dataset-name", "random",
@@ -369,7 +413,7 @@ def bench_serve(url: str, model: str, out: Path, name: str, *, qps: str, input_l
            "--random-range-ratio", "0", "--num-prompts", str(num_prompts),
            "--request-rate", qps, "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", str(out), "--result-filename", name]
+           "--save-result", "--result-dir", str(out), "--result-filename", name, *extra]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     with log.open("ab") as f:
         f.write(f"\n$ {' '.join(cmd)}\n".encode())
@@ -381,82 +425,132 @@ def bench_serve(url: str, model: str, out: Path, name: str, *, qps: str, input_l
     return int(result.get("failed", 0)) == 0 and int(result.get("completed", 0)) == num_prompts
 
 
+async def serve_round(client: Client, eps: dict[str, Endpoint], names: list[str],
+                      args: argparse.Namespace, load: str, batch: list[list[int]], it: int,
+                      phase: str, failures: list[str], turn: str | None = None
+                      ) -> list[dict[str, Any]]:
+    """One round of ``load`` ("seq" or "conc"): every mode of ``names`` (the first in
+    ``names`` leads; order as given) serves ``batch``; the records, each output checked
+    against plain's. ``turn``: the deployment whose turn it is (``--phases turns``),
+    kept in each record so that a mode pairs with plain's requests of its own turn."""
+    n = len(batch)
+    got: dict[str, list[Result]] = {}
+    slots: list[int] = [-1] * n
+    tag = f"[{phase}{'/' + turn if turn else ''} iter {it}]"
+    if load == "seq" and args.interleave:
+        # request by request: every mode serves prompt i (in an order rotated per prompt)
+        # before any serves prompt i+1, so the machine's drift reaches every mode alike
+        # and each pair of latencies is a few hundred milliseconds apart
+        got = {name: [] for name in names}
+        slots = list(range(n))
+        dead: set[str] = set()
+        for i, p in enumerate(batch):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                if name in dead:
+                    continue
+                try:
+                    got[name] += await run_mode(client, eps[name], [p], args.output_len,
+                                                False)
+                except Exception as exc:
+                    failures.append(f"{name} {load} round {it}: {exc!r:.200}")
+                    print(f"{tag} {name:18s} {load:4s} FAILED: {exc!r:.200}", flush=True)
+                    dead.add(name)
+        for name in dead:
+            got.pop(name)
+        for name, results in got.items():
+            lat = median([r.latency_s * 1e3 for r in results])
+            print(f"{tag} {name:18s} {load:4s} median {lat:7.1f} ms (interleaved)",
+                  flush=True)
+    else:
+        for name in names:
+            try:
+                got[name] = await run_mode(client, eps[name], batch, args.output_len,
+                                           load == "conc")
+            except Exception as exc:  # reported; the other modes still run
+                failures.append(f"{name} {load} round {it}: {exc!r:.200}")
+                print(f"{tag} {name:18s} {load:4s} FAILED: {exc!r:.200}", flush=True)
+                continue
+            lat = median([r.latency_s * 1e3 for r in got[name]])
+            print(f"{tag} {name:18s} {load:4s} median {lat:7.1f} ms", flush=True)
+    records: list[dict[str, Any]] = []
+    reference = got.get("plain")
+    for name, results in got.items():
+        bad = 0
+        for i, (p, r) in enumerate(zip(batch, results, strict=True)):
+            same = reference is not None and r.tokens == reference[i].tokens
+            bad += not same
+            rec = {"mode": name, "load": load, "iter": it, "phase": phase, "slot": slots[i],
+                   "prompt_len": len(p), "latency_ms": r.latency_s * 1e3,
+                   "ttft_ms": r.ttft_s * 1e3, "tpot_ms": r.tpot_s * 1e3,
+                   "tokens": len(r.tokens), "router_cpu_ms": r.router_cpu_ms,
+                   "same_as_plain": same}
+            if turn is not None:
+                rec["turn"] = turn
+            records.append(rec)
+        if bad:
+            print(f"{tag} {name}: {bad} outputs differ from plain's (or plain failed)",
+                  flush=True)
+    return records
+
+
+async def warm(client: Client, eps: list[Endpoint], args: argparse.Namespace,
+               rng: random.Random) -> None:
+    """Handshakes, first allocations, and a concurrent batch of the measured size and
+    length, so the engines have met every batch size before the first round (the first
+    rounds were the slowest of a run without it)."""
+    for ep in eps:
+        if ep.target.dispatch == "pushkv" and ep.target.endpoint is None:
+            await client.discover(ep.target)
+        batch = prompts(2 + args.conc_requests, args.input_len, rng)
+        await run_mode(client, ep, batch[:2], 4, concurrent=False)
+        await run_mode(client, ep, batch[2:], args.output_len, concurrent=True)
+
+
 async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str,
-                  phase: str, rng: random.Random, failures: list[str]) -> list[dict[str, Any]]:
+                  phase: str, rng: random.Random, failures: list[str],
+                  turns: dict[str, Freezer] | None = None) -> list[dict[str, Any]]:
+    """Every round of one phase. With ``turns`` (``--phases turns``: deployment -> its
+    :class:`Freezer`), the deployments take turns within each round: one is thawed, its
+    modes and plain serve the round's prompts, it is frozen again, the next one's turn
+    (order rotated per round); the records carry their ``turn``."""
     names = list(eps)
     records: list[dict[str, Any]] = []
     async with Client(model) as client:
-        for ep in eps.values():
-            if ep.target.dispatch == "pushkv":
-                await client.discover(ep.target)
-            # handshakes, first allocations, and a concurrent batch of the measured size
-            # and length, so the engines have met every batch size before the first
-            # round (the first rounds were the slowest of a run without it)
-            warm = prompts(2 + args.conc_requests, args.input_len, rng)
-            await run_mode(client, ep, warm[:2], 4, concurrent=False)
-            await run_mode(client, ep, warm[2:], args.output_len, concurrent=True)
+        if turns is None:
+            await warm(client, list(eps.values()), args, rng)
+        else:
+            for freezer in turns.values():
+                freezer.freeze()
+            await warm(client, [eps[n] for n in names if eps[n].dep.kind == "plain"],
+                       args, rng)
+            for kind, freezer in turns.items():
+                with freezer:
+                    await warm(client, [eps[n] for n in names if eps[n].dep.kind == kind],
+                               args, rng)
         for it in range(args.iters):
-            order = names[it % len(names):] + names[:it % len(names)]
-            for load, n in (("seq", args.seq_requests), ("conc", args.conc_requests)):
-                if n <= 0:  # e.g. --seq-requests 0: concurrent rounds only
-                    continue
-                batch = prompts(n, args.input_len, rng)
-                got: dict[str, list[Result]] = {}
-                slots: list[int] = [-1] * n
-                if load == "seq" and args.interleave:
-                    # request by request: every mode serves prompt i (in an order rotated
-                    # per prompt) before any serves prompt i+1, so the machine's drift
-                    # reaches every mode alike and each pair of latencies is a few
-                    # hundred milliseconds apart
-                    got = {name: [] for name in order}
-                    slots = list(range(n))
-                    dead: set[str] = set()
-                    for i, p in enumerate(batch):
-                        turn = order[i % len(order):] + order[:i % len(order)]
-                        for name in turn:
-                            if name in dead:
-                                continue
-                            try:
-                                got[name] += await run_mode(client, eps[name], [p],
-                                                            args.output_len, False)
-                            except Exception as exc:
-                                failures.append(f"{name} {load} round {it}: {exc!r:.200}")
-                                print(f"[{phase} iter {it}] {name:18s} {load:4s} FAILED: "
-                                      f"{exc!r:.200}", flush=True)
-                                dead.add(name)
-                    for name in dead:
-                        got.pop(name)
-                    for name, results in got.items():
-                        lat = median([r.latency_s * 1e3 for r in results])
-                        print(f"[{phase} iter {it}] {name:18s} {load:4s} median {lat:7.1f} ms"
-                              " (interleaved)", flush=True)
-                else:
-                    for name in order:
-                        try:
-                            got[name] = await run_mode(client, eps[name], batch,
-                                                       args.output_len, load == "conc")
-                        except Exception as exc:  # reported; the other modes still run
-                            failures.append(f"{name} {load} round {it}: {exc!r:.200}")
-                            print(f"[{phase} iter {it}] {name:18s} {load:4s} FAILED: "
-                                  f"{exc!r:.200}", flush=True)
-                            continue
-                        lat = median([r.latency_s * 1e3 for r in got[name]])
-                        print(f"[{phase} iter {it}] {name:18s} {load:4s} median {lat:7.1f} ms",
-                              flush=True)
-                reference = got.get("plain")
-                for name, results in got.items():
-                    for i, (p, r) in enumerate(zip(batch, results, strict=True)):
-                        same = reference is not None and r.tokens == reference[i].tokens
-                        records.append({
-                            "mode": name, "load": load, "iter": it, "phase": phase,
-                            "slot": slots[i], "prompt_len": len(p),
-                            "latency_ms": r.latency_s * 1e3, "ttft_ms": r.ttft_s * 1e3,
-                            "tpot_ms": r.tpot_s * 1e3, "tokens": len(r.tokens),
-                            "router_cpu_ms": r.router_cpu_ms, "same_as_plain": same})
-                    bad = sum(1 for rec in records[-n:] if not rec["same_as_plain"])
-                    if bad:
-                        print(f"[{phase} iter {it}] {name}: {bad} outputs differ from plain's "
-                              "(or plain failed)", flush=True)
+            batches = [(load, prompts(n, args.input_len, rng))
+                       for load, n in (("seq", args.seq_requests),
+                                       ("conc", args.conc_requests))
+                       if n > 0]  # e.g. --seq-requests 0: concurrent rounds only
+            if turns is None:
+                order = names[it % len(names):] + names[:it % len(names)]
+                for load, batch in batches:
+                    records += await serve_round(client, eps, order, args, load, batch, it,
+                                                 phase, failures)
+                continue
+            kinds = list(turns)
+            for kind in kinds[it % len(kinds):] + kinds[:it % len(kinds)]:
+                own = [n for n in names if eps[n].dep.kind in ("plain", kind)]
+                order = own[it % len(own):] + own[:it % len(own)]
+                with turns[kind]:
+                    # the first request after a thaw pays for the pause (timers, caches)
+                    for n in own:
+                        if eps[n].dep.kind == kind:
+                            await run_mode(client, eps[n], prompts(1, args.input_len, rng),
+                                           2, False)
+                    for load, batch in batches:
+                        records += await serve_round(client, eps, order, args, load, batch,
+                                                     it, phase, failures, turn=kind)
     return records
 
 
@@ -488,7 +582,7 @@ PAIRED = ("pushkv", "nixl-push")
 def plan_phases(spec: str, kinds: list[str]) -> list[list[str]]:
     """The deployments up at once, phase by phase (see ``--phases``)."""
     base = [k for k in kinds if k == "plain"]
-    if spec == "all":
+    if spec in ("all", "turns"):  # turns: all up at once, one thawed at a time
         return [kinds]
     if spec == "auto":  # the two push connectors side by side, anything else alone
         together = [k for k in kinds if k in PAIRED]
@@ -571,7 +665,12 @@ def main() -> int:
                    "beside another one's idle cost (an idle NixlPushConnector pair slowed a "
                    "plain server next to it by 40-100%% here); auto: the plain server with "
                    "pushkv's and vLLM push's pairs at once, then with each other connector's; "
-                   "all: every deployment at once; or "
+                   "all: every deployment at once; turns: every deployment up at once, "
+                   "but each round's requests served deployment by deployment (order "
+                   "rotated per round) with every other pair stopped (SIGSTOP: it takes no "
+                   "CPU), plain beside each, so the connectors are measured seconds apart "
+                   "without an idle neighbour's cost (about 18 GiB for plain, pushkv and "
+                   "vLLM push); or "
                    "groups of deployments, e.g. 'pushkv+nixl-pull,nixl-push' (the plain "
                    "server is in every group): modes of one group alternate round by round")
     p.add_argument("--verdict-of", type=Path, nargs="+", metavar="DIR",
@@ -630,15 +729,23 @@ def main() -> int:
                         status[name] = f"router did not start: {exc}"
                         print(f"[{name}] {status[name]}", flush=True)
             label = "+".join(phase) + (f"#{cycle}" if args.cycles > 1 else "")
+            turns = None
+            if args.phases == "turns":
+                turns = {kind: Freezer(deps[kind], [ep for ep in eps.values()
+                                                    if ep.dep.kind == kind])
+                         for kind in phase if kind != "plain" and kind in deps}
             try:
                 try:
-                    records += asyncio.run(measure(args, eps, str(model), label, rng, failures))
+                    records += asyncio.run(measure(args, eps, str(model), label, rng, failures,
+                                                   turns))
                 except Exception as exc:  # e.g. a warm-up failed: the next phase still runs
                     status[label] = f"failed: {exc!r:.300}"
                     print(f"[{label}] {status[label]}", flush=True)
                 if args.serve_qps:
                     serve(args, eps, str(model), out, status)
             finally:
+                for freezer in (turns or {}).values():
+                    freezer.thaw()  # a stopped process would not hear the stop
                 for ep in eps.values():
                     ep.stop()
                 for kind in phase:
