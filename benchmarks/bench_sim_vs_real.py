@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -101,6 +102,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
     write_word_tokenizer(model)
     max_len = -(-(max(args.inputs) + args.output_len + 64) // 256) * 256
     failures: dict[str, str] = {}
+    seeds = itertools.count(args.seed + 1000)  # every gauge its own prompts
     for it in range(args.iterations):
         for mode in args.modes:
             name, kind = MODES[mode]
@@ -118,8 +120,15 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                       f"load {os.getloadavg()[0]:.2f}", flush=True)
                 ep = Endpoint(E2E_MODES[name], dep, real)
                 warm_up(ep.target.url, str(model), args.warmup, max(args.inputs))
+                last: dict[str, Any] | None = None  # the gauge just taken, and its length
                 for input_len, q in todo:
                     fname = file_name(mode, q, input_len, args.output_len, it)
+                    stem = Path(fname).stem
+                    if args.gauge:  # lone requests at the point's lengths, just before it
+                        if last is None or last["input_len"] != input_len:
+                            last = gauge(ep.target.url, str(model), real, f"{stem}_before",
+                                         input_len, args, seed=next(seeds))
+                        before_gauge = last
                     before = server_metrics(dep)
                     t_start = time.monotonic()  # the point's interval, for its timeline
                     with CoreProbe() as probe:  # core 0: prefill, core 1: decode
@@ -139,9 +148,14 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                     # the probe's rate of fixed work per CPU second: the cores' speed
                     got["speed"] = {side: round(probe.speed(core), 1)
                                     for side, core in (("prefill", 0), ("decode", 1))}
+                    if args.gauge:  # and just after it (the next point's, if as long)
+                        last = gauge(ep.target.url, str(model), real, f"{stem}_after",
+                                     input_len, args, seed=next(seeds))
+                        got["gauges"] = [before_gauge, last]
                     record_shares(real, fname, got)
                     print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
-                          f"{'ok' if ok else 'FAILED'}; CPU share {got}, "
+                          f"{'ok' if ok else 'FAILED'}; CPU share "
+                          f"{ {k: got[k] for k in ('prefill', 'decode', 'engine', 'speed')} }, "
                           f"load {os.getloadavg()[0]:.2f}", flush=True)
                     if not ok:
                         failures[fname] = "vllm bench serve failed"
@@ -154,6 +168,34 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                     ep.stop()
                 dep.stop()
     return failures
+
+
+#: where the gauges' ``vllm bench serve`` result files go, under ``OUT/real``
+GAUGES = "gauge"
+
+
+def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
+          args: argparse.Namespace, *, seed: int) -> dict[str, Any]:
+    """``args.gauge`` lone requests of ``input_len`` tokens in, ``args.output_len`` out,
+    through the router at ``url`` -- ``vllm bench serve``, the points' own client, one
+    request at a time (``--max-concurrency 1``) at ``args.gauge_qps`` so most meet idle
+    engines -- recorded like a point (the router's and servers' marks, a result file in
+    ``OUT/real/gauge/``). The simulator takes the point's profile from the gauges just
+    before and after it (:func:`pushkv.sim.measure_connector.gauge_keys`): on this
+    machine the engines' speed moves 2-3x between minutes, so a profile measured at
+    another time cannot hold. Returns the gauge's record for ``cpu_probe.json``."""
+    from run import bench_serve
+
+    t0 = time.monotonic()
+    name = f"{tag}.json"
+    ok = bench_serve(url, model, real / GAUGES, name, qps=str(args.gauge_qps),
+                     input_len=input_len, output_len=args.output_len,
+                     num_prompts=args.gauge, seed=seed, log=real / "logs" / "gauge.log",
+                     extra=("--max-concurrency", "1", "--ready-check-timeout-sec", "0"))
+    if not ok:
+        raise RuntimeError(f"gauge {tag}: vllm bench serve failed (see logs/gauge.log)")
+    return {"window": [t0, time.monotonic()], "file": f"{GAUGES}/{name}",
+            "input_len": input_len}
 
 
 def warm_up(url: str, model: str, n: int, input_len: int) -> None:
@@ -212,7 +254,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             shares: dict[str, dict[str, Any]] | None = None,
             server_steps: bool = False, timelines: Path | None = None,
             arrivals: str = "vllm", frontend_cores: int | None = None,
-            keys: dict[str, dict[str, float]] | None = None) -> None:
+            keys: dict[str, dict[str, float]] | None = None,
+            gauges: dict[str, dict[str, dict[str, float]]] | None = None) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
     ``shares`` (by result file name), each point's engines get the share of a core and
     the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
@@ -223,9 +266,11 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     generator (``"vllm"``: the very ones ``vllm bench serve --seed seed+iteration`` used
     in the real half); ``frontend_cores`` replaces the profile's
     ``control.frontend_cores`` (the frontends as a queue; 0 off); ``keys`` (per table,
-    key: value) replace the profile's (:func:`real_keys`)."""
+    key: value) replace the profile's (:func:`real_keys`); ``gauges`` (by result file name,
+    per table, key: value) replace them again for that point alone (:func:`gauge_keys`),
+    on a core each."""
     from pushkv.sim.marks import Timeline
-    from pushkv.sim.profile import load_profile
+    from pushkv.sim.profile import load_profile, profile_from_dict
     from pushkv.sim.runner import run
     from pushkv.sim.scenario import SimConfig, TransferMode
     from pushkv.sim.workload import WorkloadConfig
@@ -242,8 +287,13 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
         old.unlink()
     for mode, input_len, rate, it in points:
         profile = base
-        got = (shares or {}).get(file_name(mode, rate, input_len, output_len, it))
-        if got:
+        fname = file_name(mode, rate, input_len, output_len, it)
+        got = (shares or {}).get(fname)
+        if gauges is not None:
+            if fname not in gauges:
+                raise RuntimeError(f"{fname}: no gauge to simulate it with")
+            profile = profile_from_dict(gauges[fname], base=base)
+        elif got:
             pre, dec = dict(got["prefill"]), dict(got["decode"])  # cpu_share, wake_s
             speed, ref = got.get("speed", {}), base.control.probe_speed
             if ref > 0 and speed.get("prefill", 0) > 0 and speed.get("decode", 0) > 0:
@@ -411,6 +461,86 @@ def real_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     return out
 
 
+def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path,
+               output_len: int, *, quantiles: int = 100
+               ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, dict[str, Any]]]:
+    """Each point's profile from the gauges around it, and the run's.
+
+    The run's (the second value): the pushkv gauges of the whole run pooled, per input
+    length (:func:`pushkv.sim.measure_connector.gauge_keys`, mode push), each key the
+    mean over the lengths -- what a pull pair's timeline does not show (the push-only
+    keys, ``decode.ingest_s``) -- and ``control.host_spread`` at up to ``quantiles``
+    quantiles of their lone requests (:func:`~pushkv.sim.measure_connector.host_spread`);
+    then the pull gauges' ``prefill.return_s`` likewise, which no push mark shows.
+    A point's (the first, by result file name): the lone requests of its two gauges,
+    its own pair's, just before and after it, at its lengths -- the step overheads and
+    the keys its mode's timeline shows, against the profile with the run's keys, and
+    ``network.client_hop_s`` from the gauges' own client latencies
+    (:func:`~pushkv.sim.measure_connector.client_hop`). Nothing comes from the points
+    themselves. MeasurementError when a gauge lacks a segment."""
+    from pushkv.sim import segments
+    from pushkv.sim.measure import MeasurementError
+    from pushkv.sim.measure_connector import client_hop, host_spread
+    from pushkv.sim.measure_connector import gauge_keys as keys_of
+    from pushkv.sim.profile import load_profile, profile_from_dict
+
+    base = load_profile(profile_path)
+    gauged = {f: g for f, g in sorted(shares.items())
+              if (m := NAME.match(f)) and m["mode"] in MODES and g.get("gauges")
+              and (real / f).exists()}
+    if not gauged:
+        raise MeasurementError(f"no point of {real} has gauges (run with --gauge N)")
+
+    def dirs(fname: str) -> list[Path]:
+        name, deployment = MODES[NAME.match(fname)["mode"]]  # type: ignore[index]
+        return [real / "timeline" / name, real / "timeline" / deployment]
+
+    def requests(fname: str) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for g in gauged[fname]["gauges"]:
+            out |= segments.load(dirs(fname), (g["window"][0], g["window"][1]))
+        return out
+
+    by_mode: dict[str, dict[int, dict[str, dict[str, float]]]] = {"push": {}, "pull": {}}
+    for fname in gauged:
+        m = NAME.match(fname)
+        assert m is not None
+        by_mode[m["mode"]].setdefault(int(m["input"]), {}).update(requests(fname))
+    push = by_mode["push"]
+    run: dict[str, dict[str, Any]] = {}
+    if push:
+        per_len = [keys_of(r, base, mode="push", input_len=i, output_len=output_len)
+                   for i, r in sorted(push.items())]
+        run = {side: {k: statistics.fmean(p[side][k] for p in per_len) for k in t}
+               for side, t in per_len[0].items()}
+        pooled = {k: r for reqs in push.values() for k, r in reqs.items()}
+        lone = segments.alone(pooled)
+        with_run = profile_from_dict(run, base=base)  # type: ignore[arg-type]
+        run["control"] = {"host_spread": list(host_spread(
+            lone, with_run, quantiles=max(1, min(quantiles, len(lone)))))}
+    profile = profile_from_dict(run, base=base) if run else base  # type: ignore[arg-type]
+    if by_mode["pull"]:  # the prefill answer's way out, which no push mark shows
+        run.setdefault("prefill", {})["return_s"] = statistics.fmean(
+            keys_of(r, profile, mode="pull", input_len=i, output_len=output_len)
+            ["prefill"]["return_s"] for i, r in sorted(by_mode["pull"].items()))
+        profile = profile_from_dict(run, base=base)  # type: ignore[arg-type]
+    points: dict[str, dict[str, dict[str, float]]] = {}
+    for fname, got in gauged.items():
+        m = NAME.match(fname)
+        assert m is not None
+        keys = keys_of(requests(fname), profile, mode=m["mode"], input_len=int(m["input"]),
+                       output_len=output_len)
+        hops = []
+        for g in got["gauges"]:
+            router = segments.load(dirs(fname)[:1], (g["window"][0], g["window"][1]))
+            latencies = json.loads((real / g["file"]).read_text()).get("latencies") or []
+            hops.append((router, latencies, 1.0))
+        keys["network"] = {"client_hop_s": client_hop(hops)}
+        points[fname] = {side: {**run.get(side, {}), **keys.get(side, {})}
+                         for side in {*run, *keys}}  # the point's over the run's
+    return points, run
+
+
 def figures(real: Path, sim: Path, out: Path) -> list[Path]:
     from pushkv.sim.plot import plot
 
@@ -441,6 +571,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=3,
                    help="requests sent one at a time through each router before its points")
+    p.add_argument("--gauge", type=int, default=10,
+                   help="lone requests through the router at each point's lengths just "
+                   "before and after it (gauges; the 'gauge' way simulates each point "
+                   "with the profile they measure); 0: none")
+    p.add_argument("--gauge-qps", type=float, default=5.0,
+                   help="the gauges' rate (one request at a time: most find idle engines)")
     p.add_argument("--delay-us", type=int, default=100,
                    help="NIXL progress-thread sleep between polls, every connector alike")
     from modes import SPIN_S  # benchmarks/e2e
@@ -535,6 +671,37 @@ def main() -> int:
         sim = own
         summary = dict(own_summary)
     keys = ("ttft_ratio_min", "ttft_ratio_max", "tpot_ratio_min", "tpot_ratio_max")
+    way = "probe" if args.cpu_share and shares else "own_cores"
+    if any(v.get("gauges") for v in shares.values()):
+        from pushkv.sim.measure import MeasurementError
+
+        try:
+            per_point, run_keys = gauge_keys(real, shares, args.profile, output_len)
+        except MeasurementError as exc:
+            failures["gauge"] = str(exc)
+            print(f"the gauges gave no profile ({exc})", flush=True)
+        else:
+            print("\nthe run's keys from its pushkv gauges: " + ", ".join(
+                f"{t}.{k} {v * 1e3:.3f} ms" for t, kv in run_keys.items() for k, v in
+                kv.items() if t != "control") + f"; host_spread mean "
+                f"{statistics.fmean(run_keys.get('control', {}).get('host_spread', [1])):.2f}",
+                flush=True)
+            gauged = args.out / "sim-gauge"
+            run_sim(args.profile, gauged, points, output_len, num_prompts, seed=args.seed,
+                    arrivals=args.arrivals, frontend_cores=args.frontend_cores,
+                    gauges=per_point, timelines=timelines / "gauge")
+            gauge_table, gauge_summary = compare(real, gauged)
+            print("\nSimulated with each point's profile from the gauges just before and "
+                  "after it (its own pair's lone requests at its lengths):\n")
+            print(gauge_table)
+            text, segs["gauge"] = segment_tables(real, timelines / "gauge", shares)
+            if text:
+                print("\nSegment by segment, the gauges' profiles (real / simulated, ms):\n")
+                print(text)
+            summary[way] = {k: summary[k] for k in keys}  # kept beside the headline
+            summary = gauge_summary | {way: summary[way]}
+            summary["gauge_keys"] = {"run": run_keys, "points": per_point}
+            sim, way = gauged, "gauge"
     if shares and any("engine" in v for v in shares.values()):
         steps = args.out / "sim-server-steps"
         run_sim(args.profile, steps, points, output_len, num_prompts, seed=args.seed, **knobs,
@@ -555,7 +722,7 @@ def main() -> int:
                 "load_at_end": [round(x, 2) for x in os.getloadavg()],
                 "profile": str(args.profile), "arrivals": args.arrivals,
                 "frontend_cores": args.frontend_cores, "real_keys": knobs["keys"],
-                "failures": failures}
+                "way": way, "failures": failures}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
     return 1 if failures else 0

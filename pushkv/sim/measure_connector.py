@@ -172,6 +172,52 @@ def pull_keys(requests: dict[str, dict[str, float]], profile: Profile, *,
     return {"prefill": {"return_s": max(0.0, med - less) * share}}
 
 
+#: (profile key, segments) that a pull pair's timeline shows too (vLLM's NixlConnector
+#: behind a sequential router: its decode leg leaves after the prefill's answer, so
+#: 'legs out -> decode sees' holds the whole prefill and no push mark exists)
+PULL_SEGMENTS = {k: v for k, v in CONNECTOR_SEGMENTS.items()
+                 if k in (("prefill", "ingest_s"), ("decode", "return_s"))}
+
+
+def gauge_keys(requests: dict[str, dict[str, float]], profile: Profile, *, mode: str,
+               input_len: int, output_len: int) -> dict[str, dict[str, float]]:
+    """A point's engine and host keys from the lone requests its own pair served just
+    before and after it at the point's lengths (a *gauge*: on a machine whose speed
+    moves between minutes, the profile the point ran under). ``requests``: per request
+    id its marks (the router's and the pair's, :func:`pushkv.sim.segments.load`), only
+    those that ran alone are taken. The step overheads first (:func:`connector_steps`),
+    then, for ``mode`` "push", every connector key (:func:`connector_keys`); for "pull",
+    the keys its timeline shows (:data:`PULL_SEGMENTS`, against the same subtractions)
+    and ``prefill.return_s`` (:func:`pull_keys`, against ``profile``'s
+    ``decode.ingest_s``): a pull pair shows none of the push-only keys, which stay
+    ``profile``'s. MeasurementError when a segment is missing."""
+    from .. import timeline
+    from .segments import alone
+
+    if mode not in ("push", "pull"):
+        raise MeasurementError(f"a gauge is for mode 'push' or 'pull', not {mode!r}")
+    reqs = alone(requests)
+    steps = connector_steps(reqs, profile, input_len=input_len, output_len=output_len)
+    try:
+        stepped = profile_from_dict(steps, base=profile)  # type: ignore[arg-type]
+    except ProfileError as exc:
+        raise MeasurementError(f"the gauge's steps make no valid profile: {exc}") from exc
+    if mode == "push":
+        keys = connector_keys(reqs, stepped)
+    else:
+        segs = timeline.segments(reqs)
+        less = _besides(stepped)
+        keys = {}
+        for (side, key), names in PULL_SEGMENTS.items():
+            total = sum(_median_s(segs, n, f"{side}.{key}") for n in names)
+            keys.setdefault(side, {})[key] = max(0.0, total - less.get(key, 0.0))
+        keys["prefill"] |= pull_keys(reqs, stepped)["prefill"]
+    out = {side: dict(t) for side, t in steps.items()}
+    for side, table in keys.items():
+        out.setdefault(side, {}).update(table)
+    return out
+
+
 def client_hop(points: Sequence[tuple[dict[str, dict[str, float]], Sequence[float], float]]
                ) -> float:
     """``network.client_hop_s`` from runs through a router: per point, the router's

@@ -18,7 +18,12 @@ from sim_helpers import config, write_timeline
 
 from pushkv.sim.measure import MeasurementError
 from pushkv.sim.measure import main as measure_main
-from pushkv.sim.measure_connector import connector_keys, connector_steps, with_connector_keys
+from pushkv.sim.measure_connector import (
+    connector_keys,
+    connector_steps,
+    gauge_keys,
+    with_connector_keys,
+)
 from pushkv.sim.profile import (
     CONNECTOR_KEYS,
     EngineProfile,
@@ -215,3 +220,56 @@ def test_the_committed_connector_profile_loads_and_extends_cpu_tiny() -> None:
     assert conn.network.notify_wait_s > 0
     assert conn.network.router_hop_s == TINY.network.router_hop_s
     assert conn.prefill.prefix_hit_fraction == 0.0
+
+
+def test_a_gauge_gives_a_points_steps_and_keys_from_its_lone_requests() -> None:
+    """Push: the steps at the point's lengths, then every connector key against them;
+    a request that overlapped another is not taken."""
+    reqs = _requests()
+    for r in reqs.values():
+        r["prefill_finished"] = r["prefill_seen"] + 0.004
+    busy = {e: t + 0.001 for e, t in reqs["r0"].items()}  # in flight beside r0
+    busy["prefill_seen"] += 0.5  # a stalled leg that must not count
+    got = gauge_keys({**reqs, "busy": busy}, TINY, mode="push", input_len=100,
+                     output_len=8)
+    steps = connector_steps(reqs, TINY, input_len=100, output_len=8)
+    stepped = profile_from_dict(steps, base=TINY)  # type: ignore[arg-type]
+    assert got["prefill"]["prefill_step_overhead_s"] == pytest.approx(
+        steps["prefill"]["prefill_step_overhead_s"])
+    assert got["decode"]["decode_step_overhead_s"] == pytest.approx(0.021 / 7
+                                                                    - TINY.decode.step_token_s)
+    want = connector_keys({k: v for k, v in reqs.items() if k != "r0"}, stepped)
+    for side, table in want.items():
+        for key, value in table.items():
+            assert got[side][key] == pytest.approx(value), (side, key)
+    # return_s is taken against the gauge's own decode step, not the base profile's
+    assert got["decode"]["return_s"] == pytest.approx(
+        0.0078 - 0.021 / 7 - TINY.network.router_hop_s)
+
+
+def test_a_pull_gauge_gives_what_a_pull_timeline_shows_and_keeps_the_rest() -> None:
+    """Pull (a sequential router): the steps, the prefill leg's ingestion, a token's way
+    back, the prefill answer's way out against the profile's decode ingestion; the
+    push-only keys are not touched."""
+    base = _with(decode={"ingest_s": 0.002})
+    offsets = {"legs_sent": 0, "prefill_seen": 5, "prefill_finished": 9,
+               "decode_seen": 20, "ready_scheduled": 24, "decode_scheduled": 25,
+               "first_token": 33, "last_token": 54}
+    reqs = {f"r{i}": {e: 100.0 * i + ms / 1e3 for e, ms in offsets.items()}
+            for i in range(5)}
+    got = gauge_keys(reqs, base, mode="pull", input_len=64, output_len=8)
+    hop = base.network.router_hop_s
+    dec = 0.021 / 7
+    assert got["prefill"]["prefill_step_overhead_s"] == pytest.approx(
+        0.004 - 64 * base.prefill.step_token_s)
+    assert got["prefill"]["ingest_s"] == pytest.approx(0.005 - hop)
+    assert got["decode"]["return_s"] == pytest.approx(0.008 - dec - hop)
+    assert got["prefill"]["return_s"] == pytest.approx(0.011 - 2 * hop - 0.002)
+    assert not {"ingest_s", "order_handoff_s", "admit_lag_s"} & set(got["decode"])
+    assert "network" not in got
+    with pytest.raises(MeasurementError, match="mode"):
+        gauge_keys(reqs, base, mode="pull-async", input_len=64, output_len=8)
+    for r in reqs.values():
+        del r["prefill_seen"]
+    with pytest.raises(MeasurementError, match="prefill sees -> prefill finished"):
+        gauge_keys(reqs, base, mode="pull", input_len=64, output_len=8)

@@ -43,3 +43,105 @@ def test_the_simulator_half_runs_on_real_results(tmp_path: Path) -> None:
     # The probe's wake-ups and the servers' slower steps only lengthen simulated TTFT.
     assert summaries["probe"]["ttft_ratio_min"] > summaries["own"]["ttft_ratio_min"]
     assert summaries["steps"]["ttft_ratio_max"] > summaries["own"]["ttft_ratio_max"]
+
+
+def _gauged_run(tmp_path: Path, *, slow: float = 1.0) -> tuple[Path, dict]:
+    """A copy of the sample's two points, each with two gauges of 5 lone requests whose
+    marks (router and servers) and client latencies are synthetic: the push pair's
+    requests take ``slow`` times as long as the pull pair's pattern does."""
+    import shutil
+
+    real = tmp_path / "real"
+    shutil.copytree(DATA, real)
+    push = {"received": 0, "legs_sent": 0.2, "prefill_seen": 4, "decode_seen": 5,
+            "registration_shipped": 5.5, "registration_handed": 6.5, "prefill_finished": 9,
+            "write_posted": 10, "notify_received": 12, "ready": 13, "ready_scheduled": 13.5,
+            "decode_scheduled": 14.5, "first_token": 20, "last_token": 66,
+            "answer_sent": 66.5}
+    pull = {"received": 0, "legs_sent": 0.2, "prefill_seen": 3, "prefill_finished": 8,
+            "decode_seen": 17, "ready_scheduled": 21, "decode_scheduled": 22,
+            "first_token": 28, "last_token": 74, "answer_sent": 74.5}
+    shares = json.loads((real / "cpu_probe.json").read_text())
+    t = 1000.0
+    for fname, got in shares.items():
+        mode = fname.split("_")[0]
+        pattern, scale = (push, slow) if mode == "push" else (pull, 1.0)
+        router, deployment = {"push": ("push", "pushkv"), "pull": ("pull", "nixl-pull")}[mode]
+        gauges = []
+        for side in ("before", "after"):
+            marks, lat = {}, []
+            t0 = t
+            for i in range(5):
+                rid = f"{fname}-{side}-{i}"
+                marks[rid] = {e: t + ms * scale / 1e3 for e, ms in pattern.items()}
+                lat.append((pattern["answer_sent"] - pattern["legs_sent"]) * scale / 1e3
+                           + 0.0015)
+                t += 1.0
+            for d, keep in ((router, {"received", "legs_sent", "first_token", "last_token",
+                                      "answer_sent"}), (deployment, None)):
+                out = real / "timeline" / d
+                out.mkdir(parents=True, exist_ok=True)
+                with (out / f"timeline-{len(gauges)}{fname}.jsonl").open("w") as f:
+                    for rid, ms in marks.items():
+                        for ev, at in ms.items():
+                            if keep is None or ev in keep:  # the router: its own
+                                f.write(json.dumps({"id": rid, "ev": ev, "t": at,
+                                                    "p": d}) + "\n")
+            name = f"gauge/{Path(fname).stem}_{side}.json"
+            (real / "gauge").mkdir(exist_ok=True)
+            (real / name).write_text(json.dumps({"latencies": lat}))
+            gauges.append({"window": [t0, t], "file": name, "input_len": 64})
+            t += 10.0
+        got["gauges"] = gauges
+    (real / "cpu_probe.json").write_text(json.dumps(shares))
+    return real, shares
+
+
+def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: Path) -> None:
+    """bench_sim_vs_real's gauge way: a point's steps and keys from the lone requests
+    around it, the run's push-only keys and spread from the push gauges, the client's
+    hop from the gauges' own latencies; the simulated points then run and compare."""
+    bench = bench_sim_vs_real()
+    real, shares = _gauged_run(tmp_path)
+    points, output_len, num_prompts = bench.real_points(real)
+    per_point, run = bench.gauge_keys(real, shares, bench.PROFILE, output_len)
+    push = per_point["push_qps2_in64_out24_iter0.json"]
+    pull = per_point["pull_qps2_in64_out24_iter0.json"]
+    assert push["decode"]["decode_step_overhead_s"] == pytest.approx(
+        0.046 / 23 - bench_profile().decode.step_token_s)
+    assert push["network"]["client_hop_s"] == pytest.approx(0.0015)
+    assert pull["network"]["client_hop_s"] == pytest.approx(0.0015)
+    # the pull point keeps the push gauges' decode ingestion (its own timeline has none)
+    assert pull["decode"]["ingest_s"] == pytest.approx(run["decode"]["ingest_s"])
+    assert pull["prefill"]["ingest_s"] == pytest.approx(
+        0.0028 - bench_profile().network.router_hop_s)
+    assert len(run["control"]["host_spread"]) == 10  # 10 lone push requests
+    out = tmp_path / "sim-gauge"
+    bench.run_sim(bench.PROFILE, out, points, output_len, num_prompts, gauges=per_point)
+    _, summary = bench.compare(real, out)
+    assert summary["points"] == 2
+    # a slower push pair in its gauges gives a slower simulated push point
+    slow_real, slow_shares = _gauged_run(tmp_path / "slow", slow=2.0)
+    slow_points, _ = bench.gauge_keys(slow_real, slow_shares, bench.PROFILE, output_len)
+    slow_out = tmp_path / "sim-slow"
+    bench.run_sim(bench.PROFILE, slow_out, points, output_len, num_prompts,
+                  gauges=slow_points)
+    fast = json.loads((out / "push_qps2_in64_out24_iter0.json").read_text())
+    slow = json.loads((slow_out / "push_qps2_in64_out24_iter0.json").read_text())
+    assert slow["mean_ttft_ms"] > 1.5 * fast["mean_ttft_ms"]
+    assert slow["mean_tpot_ms"] > 1.5 * fast["mean_tpot_ms"]
+
+
+def test_points_without_gauges_are_refused_in_a_line(tmp_path: Path) -> None:
+    from pushkv.sim.measure import MeasurementError
+
+    bench = bench_sim_vs_real()
+    probe = json.loads((DATA / bench.SHARES).read_text())
+    with pytest.raises(MeasurementError, match="--gauge"):
+        bench.gauge_keys(DATA, probe, bench.PROFILE, 24)
+
+
+def bench_profile():  # type: ignore[no-untyped-def]
+    from pushkv.sim.profile import load_profile
+
+    return load_profile(bench_sim_vs_real().PROFILE)
