@@ -54,6 +54,8 @@ from pushkv.vllm.testing import (  # noqa: E402
 )
 
 THROTTLE = CPU_TUNING  # its sitecustomize: vLLM's NIXL agents, core, busy loop, timeline
+#: every server's idle keep-alive (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default)
+KEEP_ALIVE_S = "3600"
 
 
 def nixl_config(connector: str, role: str, engine_id: str) -> dict[str, Any]:
@@ -76,7 +78,10 @@ class Deployment:
 
     def spec(self, cpu: int, kv: dict[str, Any] | None = None,
              env: dict[str, str] | None = None) -> ServerSpec:
-        env = dict(env or {})
+        # An idle keep-alive connection survives a frozen turn (--phases turns): with
+        # uvicorn's 5 s, a thawed server closed the connection its next request was
+        # already on its way over. Latency is the same either way.
+        env = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": KEEP_ALIVE_S} | dict(env or {})
         return ServerSpec(model=self.model, port=free_port(), cpu=cpu, kv_config=kv,
                           tokenizer=True, prefix_caching=False,
                           max_model_len=self.max_model_len, env=env,
@@ -543,11 +548,16 @@ async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str
                 own = [n for n in names if eps[n].dep.kind in ("plain", kind)]
                 order = own[it % len(own):] + own[:it % len(own)]
                 with turns[kind]:
-                    # the first request after a thaw pays for the pause (timers, caches)
-                    for n in own:
-                        if eps[n].dep.kind == kind:
-                            await run_mode(client, eps[n], prompts(1, args.input_len, rng),
-                                           2, False)
+                    try:  # the first request after a thaw pays for the pause (timers)
+                        for n in own:
+                            if eps[n].dep.kind == kind:
+                                await run_mode(client, eps[n],
+                                               prompts(1, args.input_len, rng), 2, False)
+                    except Exception as exc:  # reported; the next turn still runs
+                        failures.append(f"{kind} thaw round {it}: {exc!r:.200}")
+                        print(f"[{phase}/{kind} iter {it}] FAILED after the thaw: "
+                              f"{exc!r:.200}", flush=True)
+                        continue
                     for load, batch in batches:
                         records += await serve_round(client, eps, order, args, load, batch,
                                                      it, phase, failures, turn=kind)
