@@ -254,6 +254,7 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             shares: dict[str, dict[str, Any]] | None = None,
             server_steps: bool = False, timelines: Path | None = None,
             arrivals: str = "vllm", frontend_cores: int | None = None,
+            host_cores: int | None = None,
             keys: dict[str, dict[str, float]] | None = None,
             gauges: dict[str, dict[str, dict[str, float]]] | None = None) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
@@ -265,7 +266,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     ``timelines/<point>/`` (:mod:`pushkv.sim.marks`). ``arrivals``: the send times'
     generator (``"vllm"``: the very ones ``vllm bench serve --seed seed+iteration`` used
     in the real half); ``frontend_cores`` replaces the profile's
-    ``control.frontend_cores`` (the frontends as a queue; 0 off); ``keys`` (per table,
+    ``control.frontend_cores`` (the frontends as a queue; 0 off), ``host_cores``
+    ``control.host_cores`` (engines and frontends on shared cores; 0 off); ``keys`` (per table,
     key: value) replace the profile's (:func:`real_keys`); ``gauges`` (by result file name,
     per table, key: value) replace them again for that point alone (:func:`gauge_keys`),
     on a core each."""
@@ -276,9 +278,10 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     from pushkv.sim.workload import WorkloadConfig
 
     base = load_profile(profile_path)
-    if frontend_cores is not None:
-        base = dataclasses.replace(base, control=dataclasses.replace(
-            base.control, frontend_cores=frontend_cores)).validate()
+    for name, cores in (("frontend_cores", frontend_cores), ("host_cores", host_cores)):
+        if cores is not None:
+            base = dataclasses.replace(base, control=dataclasses.replace(
+                base.control, **{name: cores})).validate()
     for table, values in (keys or {}).items():
         base = dataclasses.replace(base, **{table: dataclasses.replace(
             getattr(base, table), **values)}).validate()
@@ -602,6 +605,10 @@ def main() -> int:
                    help="replace the profile's control.frontend_cores: the API servers', "
                    "router's and client's times as one queue on this many cores "
                    "(pushkv.sim.frontend); 0: as delays")
+    p.add_argument("--host-cores", type=int, default=None,
+                   help="replace the profile's control.host_cores: the engines' steps and "
+                   "the frontends' jobs as work on this many shared cores (pushkv.sim.cpu; "
+                   "a profile --measure writes has the machine's); 0: a core each")
     p.add_argument("--real-keys", action="store_true",
                    help="measure network.client_hop_s and prefill.return_s from the real "
                    "half's own marks (requests that ran alone) and simulate with them")
@@ -629,8 +636,8 @@ def main() -> int:
     real_s = time.monotonic() - t0
     points, output_len, num_prompts = real_points(real)
     shares = json.loads((real / SHARES).read_text()) if (real / SHARES).exists() else {}
-    knobs: dict[str, Any] = {"arrivals": args.arrivals,
-                             "frontend_cores": args.frontend_cores, "keys": None}
+    knobs: dict[str, Any] = {"arrivals": args.arrivals, "frontend_cores": args.frontend_cores,
+                             "host_cores": args.host_cores, "keys": None}
     if args.real_keys:
         from pushkv.sim.measure import MeasurementError
 
@@ -689,7 +696,8 @@ def main() -> int:
             gauged = args.out / "sim-gauge"
             run_sim(args.profile, gauged, points, output_len, num_prompts, seed=args.seed,
                     arrivals=args.arrivals, frontend_cores=args.frontend_cores,
-                    gauges=per_point, timelines=timelines / "gauge")
+                    host_cores=args.host_cores, gauges=per_point,
+                    timelines=timelines / "gauge")
             gauge_table, gauge_summary = compare(real, gauged)
             print("\nSimulated with each point's profile from the gauges just before and "
                   "after it (its own pair's lone requests at its lengths):\n")
@@ -721,7 +729,8 @@ def main() -> int:
                 "load_at_start": [round(x, 2) for x in load],
                 "load_at_end": [round(x, 2) for x in os.getloadavg()],
                 "profile": str(args.profile), "arrivals": args.arrivals,
-                "frontend_cores": args.frontend_cores, "real_keys": knobs["keys"],
+                "frontend_cores": args.frontend_cores, "host_cores": args.host_cores,
+                "real_keys": knobs["keys"],
                 "way": way, "failures": failures}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))

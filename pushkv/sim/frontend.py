@@ -16,7 +16,10 @@ faster than the frontends can pass them on reach the client late and together.
 
 The service times are the profile's measured connector keys (medians of requests
 that ran alone, where a hop's wall time is its processes' time); the queue adds
-no parameter but the number of cores the frontends share.
+no parameter but the number of cores the frontends share. With
+``control.host_cores`` (:mod:`pushkv.sim.cpu`) a job in service is work on the host's
+cores, which the engines' steps share: ``frontend_cores`` is then how many frontend
+jobs run at once.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import simpy
 
+from .cpu import SharedCores
 from .request import SimRequest
 
 #: cores a P/D pair of the measured deployment pins an engine to (one each)
@@ -56,6 +60,8 @@ class Frontend:
         self.waited_s = 0.0
         self.pending = 0
         self._drained: simpy.Event | None = None
+        #: the host's cores the frontends share with the engines (``control.host_cores``)
+        self.host: SharedCores | None = None
 
     def serve(self, service_s: float, then: Callable[[], None], wait_s: float = 0.0) -> None:
         """``then()`` once ``service_s`` of frontend time has run, after the work ahead,
@@ -69,8 +75,9 @@ class Frontend:
         with self.cpu.request() as slot:
             yield slot
             self.waited_s += self.env.now - t0
-            if service_s > 0:
-                yield self.env.timeout(service_s)
+            if service_s > 0:  # a frontend process's work, on the host's cores if shared
+                yield (self.host.run(service_s) if self.host is not None
+                       else self.env.timeout(service_s))
         if wait_s > 0:
             yield self.env.timeout(wait_s)
         self.busy_s += service_s

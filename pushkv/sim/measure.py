@@ -241,6 +241,7 @@ def profile_data(m: Measured) -> dict[str, Any]:
         data["control"]["probe_speed"] = m.engine_speed
     if m.cpu_count > 0:
         data["control"]["frontend_cores"] = frontend_cores(m.cpu_count)  # sim/frontend.py
+        data["control"]["host_cores"] = m.cpu_count  # engines and frontends share them
     try:
         profile_from_dict(data)
     except ProfileError as exc:

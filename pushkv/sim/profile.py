@@ -488,6 +488,17 @@ class ControlProfile:
         "frontends float; 1 is the one core's worth they get while decode steps "
         "(docs/sim.md, 'The frontends as a queue')",
     )
+    host_cores: int = _f(
+        0,
+        "CPU cores the engines' steps and the frontends' jobs share on one host: with "
+        "c >= 1 each is work on one processor-sharing pool, every runnable piece "
+        "advancing at min(1, c / runnable), so a step that runs while the other engine "
+        "steps and a frontend streams lasts longer (pushkv.sim.cpu); 0: every piece at "
+        "full speed, a core each",
+        "deployment: the machine's cores (2 on this development machine, where a P/D "
+        "pair, its API servers, the router and the client all run); 0 where engines "
+        "have GPUs and hosts of their own",
+    )
     probe_speed: float = _f(
         0.0,
         "the probe's rate of fixed work per CPU second on the engine's core while this "
@@ -621,9 +632,10 @@ class Profile:
         for name in ("message_send_s", "message_recv_s", "handshake_s"):
             if getattr(c, name) < 0:
                 raise ProfileError(f"control.{name} must be >= 0")
-        if not isinstance(c.frontend_cores, int) or c.frontend_cores < 0:
-            raise ProfileError(f"control.frontend_cores must be an integer >= 0, "
-                               f"got {c.frontend_cores!r}")
+        for name in ("frontend_cores", "host_cores"):
+            v = getattr(c, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ProfileError(f"control.{name} must be an integer >= 0, got {v!r}")
         if c.probe_speed < 0:
             raise ProfileError(f"control.probe_speed must be >= 0, got {c.probe_speed}")
         if len(c.host_spread) > MAX_SPREAD:

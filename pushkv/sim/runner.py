@@ -22,6 +22,7 @@ import simpy
 
 from ..protocol import uniform_ranks
 from .blocks import BlockPool
+from .cpu import SharedCores
 from .engine import DecodeEngine, PrefillEngine, Recorder
 from .frontend import Frontend
 from .marks import Timeline
@@ -145,6 +146,10 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
                             return_s - profile.decode.return_s)
         for e in (*prefills, *decodes):
             e.frontend = frontend
+    if profile.control.host_cores:  # engines and frontends share the host's cores
+        transport.cpu = SharedCores(env, profile.control.host_cores)
+        if frontend is not None:
+            frontend.host = transport.cpu
     router = Router(env, cfg, transport, prefills, decodes, recorder,
                     random.Random(int(incarnation_seed.generate_state(1)[0])))
     router.frontend = frontend

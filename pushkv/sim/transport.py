@@ -64,6 +64,7 @@ from ..protocol import (
 from ..protocol.messages import MAX_HEARTBEAT_ITEMS
 from ..protocol.packing import PackingConfig
 from .costs import post_s
+from .cpu import SharedCores
 from .marks import Timeline
 from .network import Network
 from .packing import SIM_PACKING, StagingLedger
@@ -122,6 +123,8 @@ class SimTransport:
         self._reader: dict[str, simpy.Resource] = {}  # decode background thread (pull-async)
         #: each engine process's interpreter lock: its loop and its posting thread share it
         self.gil: dict[str, simpy.Resource] = {}
+        #: the host's cores shared by engines and frontends (``control.host_cores``)
+        self.cpu: SharedCores | None = None
         self._loop_holds_until: defaultdict[str, float] = defaultdict(float)
         self.gil_wait_s: defaultdict[str, float] = defaultdict(float)
         self._connecting: set[tuple[str, str]] = set()
@@ -314,13 +317,18 @@ class SimTransport:
             with lock.request() as req:
                 yield req
                 self.gil_wait_s[eid] += self.env.now - start
-                yield self.env.timeout(min(python_s, dt))
+                yield self._work(min(python_s, dt))
             if dt > python_s:
-                yield self.env.timeout(dt - python_s)
+                yield self._work(dt - python_s)
         else:  # the lock is free: hold it for python_s without queueing (the fast path)
             self._loop_holds_until[eid] = start + min(python_s, dt)
-            yield self.env.timeout(dt)
+            yield self._work(dt)
         return self.env.now - start
+
+    def _work(self, seconds: float) -> simpy.Event:
+        """``seconds`` of an engine's work: on the host's shared cores (``cpu``,
+        ``control.host_cores``), else that long."""
+        return self.cpu.run(seconds) if self.cpu is not None else self.env.timeout(seconds)
 
     # ------------------------------------------------------------------ deaths
 

@@ -1,0 +1,104 @@
+"""The host's CPU cores as one processor-sharing pool.
+
+On a CPU deployment the engines and the frontends (API servers, router, client)
+are processes of one machine. Each engine is pinned to a core, the frontends
+float, and when more of them are runnable than there are cores the kernel
+shares the cores among them: a decode step that runs while the prefill engine
+steps and an API server streams tokens gets two thirds of a core on a 2-core
+machine, and lasts half as long again. With ``control.host_cores = c`` the
+simulator runs every engine step and every frontend job as *work* on one pool of
+``c`` cores under processor sharing: while ``n`` pieces of work are runnable each
+advances at ``min(1, c / n)`` seconds of work per second (a piece is one
+single-threaded process, so it never gets more than one core). ``host_cores = 0``
+(the default): every piece runs at full speed, as before.
+
+The pool adds no parameter but the number of cores: the work itself is what the
+profile measured on requests that ran alone (where nothing shares the cores and
+a piece's wall time is its work), so a lone request takes exactly as long with
+the pool as without it on a machine with enough cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import simpy
+
+#: work below this is done (a nanosecond: far above the float rounding of the rates'
+#: products at any simulated time, far below any cost the profiles hold)
+_EPS = 1e-9
+
+
+class SharedCores:
+    """``cores`` cores shared by all runnable work: :meth:`run` returns an event that
+    fires once its ``work_s`` seconds of CPU have been served, each runnable piece
+    advancing at ``min(1, cores / runnable)``."""
+
+    def __init__(self, env: simpy.Environment, cores: int) -> None:
+        if not isinstance(cores, int) or isinstance(cores, bool) or cores < 1:
+            raise ValueError(f"a shared CPU needs at least one core, got {cores!r}")
+        self.env = env
+        self.cores = cores
+        self._left: dict[int, float] = {}  #: piece -> work still to run (s)
+        self._done: dict[int, simpy.Event] = {}
+        self._ids = itertools.count()
+        self._since = env.now  #: when ``_left`` was last brought up to date
+        self._gen = 0  #: the timer of an older schedule finds a newer generation and stops
+        self.busy_s = 0.0  #: core-seconds served
+        self.slowed_s = 0.0  #: wall seconds runnable work spent waiting for a core
+
+    @property
+    def runnable(self) -> int:
+        return len(self._left)
+
+    def rate(self) -> float:
+        """Seconds of work each runnable piece gets per second now."""
+        n = len(self._left)
+        return min(1.0, self.cores / n) if n else 1.0
+
+    def run(self, work_s: float) -> simpy.Event:
+        """An event that fires when ``work_s`` (>= 0) of work has run on the pool."""
+        if not work_s >= 0:
+            raise ValueError(f"work must be >= 0 seconds, got {work_s!r}")
+        done = self.env.event()
+        if work_s <= _EPS:
+            done.succeed()
+            return done
+        self._advance()
+        k = next(self._ids)
+        self._left[k] = work_s
+        self._done[k] = done
+        self._schedule()
+        return done
+
+    def _advance(self) -> None:
+        """Serve the work of every runnable piece up to now at the rate that held."""
+        dt = self.env.now - self._since
+        self._since = self.env.now
+        if dt <= 0 or not self._left:
+            return
+        r = self.rate()
+        n = len(self._left)
+        self.busy_s += dt * r * n
+        self.slowed_s += dt * (1.0 - r) * n
+        for k in self._left:
+            self._left[k] -= dt * r
+
+    def _schedule(self) -> None:
+        """Finish what is done; wake at the next piece's end at the current rate."""
+        for k in [k for k, left in self._left.items() if left <= _EPS]:
+            del self._left[k]
+            self._done.pop(k).succeed()
+        self._gen += 1
+        if not self._left:
+            return
+        gen = self._gen
+        wait = min(self._left.values()) / self.rate()
+
+        def fire(_: object) -> None:
+            if gen != self._gen:  # work came or went since: a newer timer holds
+                return
+            self._advance()
+            self._schedule()
+
+        self.env.timeout(wait).callbacks.append(fire)

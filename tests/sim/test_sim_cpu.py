@@ -1,0 +1,176 @@
+"""The host's cores as one processor-sharing pool (control.host_cores): the pool
+against closed forms and an independent fluid model, then in whole runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("simpy")
+
+import simpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sim_helpers import config
+
+from pushkv.sim.cpu import SharedCores
+from pushkv.sim.profile import ProfileError, load_profile, profile_from_dict
+from pushkv.sim.runner import run
+
+TINY = load_profile(Path(__file__).resolve().parents[2] / "pushkv" / "sim" / "profiles"
+                    / "cpu-tiny.toml")
+
+
+def _finish(cores: int, jobs: list[tuple[float, float]]) -> list[float]:
+    """When each (arrival, work) job ends on ``cores`` shared cores."""
+    env = simpy.Environment()
+    pool = SharedCores(env, cores)
+    ends = [math.nan] * len(jobs)
+
+    def job(i: int, at: float, work: float):  # type: ignore[no-untyped-def]
+        yield env.timeout(at)
+        yield pool.run(work)
+        ends[i] = env.now
+
+    for i, (at, work) in enumerate(jobs):
+        env.process(job(i, at, work))
+    env.run()
+    return ends
+
+
+def _fluid(cores: int, jobs: list[tuple[float, float]]) -> list[float]:
+    """The same by a plain event loop over the fluid model: between events every
+    active job advances at min(1, cores / active)."""
+    order = sorted(range(len(jobs)), key=lambda i: jobs[i][0])
+    left: dict[int, float] = {}
+    ends = [math.nan] * len(jobs)
+    t, k = 0.0, 0
+    while k < len(order) or left:
+        nxt = jobs[order[k]][0] if k < len(order) else math.inf
+        rate = min(1.0, cores / len(left)) if left else 1.0
+        first = min(left.values()) / rate if left else math.inf
+        step = min(nxt - t, first)
+        for i in left:
+            left[i] -= step * rate
+        t += step
+        for i in [i for i, v in left.items() if v <= 1e-9]:
+            del left[i]
+            ends[i] = t
+        while k < len(order) and jobs[order[k]][0] <= t:
+            i = order[k]
+            if jobs[i][1] <= 1e-9:
+                ends[i] = t
+            else:
+                left[i] = jobs[i][1]
+            k += 1
+    return ends
+
+
+@pytest.mark.parametrize(("cores", "n"), [(1, 1), (1, 3), (2, 1), (2, 2), (2, 5), (3, 7)])
+def test_equal_jobs_started_together_end_at_the_closed_form(cores: int, n: int) -> None:
+    ends = _finish(cores, [(0.0, 0.004)] * n)
+    assert ends == pytest.approx([0.004 * max(1.0, n / cores)] * n)
+
+
+def test_a_late_job_shares_a_core_with_the_one_running() -> None:
+    """One core: A (2 s of work) from 0, B (1 s) from 0.5; A runs alone until 0.5 (1.5
+    left), both at half speed until B is done at 2.5 (A has 0.5 left), A alone to 3."""
+    assert _finish(1, [(0.0, 2.0), (0.5, 1.0)]) == pytest.approx([3.0, 2.5])
+
+
+@settings(max_examples=200, deadline=None)
+@given(cores=st.integers(1, 4),
+       jobs=st.lists(st.tuples(st.floats(0, 0.05), st.floats(0, 0.02)), min_size=1,
+                     max_size=12))
+def test_the_pool_is_the_fluid_model(cores: int, jobs: list[tuple[float, float]]) -> None:
+    got = _finish(cores, jobs)
+    assert got == pytest.approx(_fluid(cores, jobs), abs=1e-7)
+    for (at, work), end in zip(jobs, got, strict=True):
+        assert end >= at + work - 1e-9  # never faster than a core of one's own
+    env = simpy.Environment()
+    pool = SharedCores(env, cores)
+
+    def job(at: float, work: float):  # type: ignore[no-untyped-def]
+        yield env.timeout(at)
+        yield pool.run(work)
+
+    for at, work in jobs:
+        env.process(job(at, work))
+    env.run()
+    assert pool.busy_s == pytest.approx(sum(w for _, w in jobs if w > 1e-9), abs=1e-7)
+    assert pool.runnable == 0
+
+
+def test_no_more_jobs_than_cores_run_at_full_speed() -> None:
+    jobs = [(0.0, 0.01), (0.002, 0.005), (0.003, 0.001)]
+    assert _finish(3, jobs) == pytest.approx([0.01, 0.007, 0.004])
+
+
+def test_bad_pools_and_work_are_refused() -> None:
+    env = simpy.Environment()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="core"):
+            SharedCores(env, bad)  # type: ignore[arg-type]
+    pool = SharedCores(env, 1)
+    for bad_work in (-1.0, math.nan):
+        with pytest.raises(ValueError, match="work"):
+            pool.run(bad_work)
+    assert pool.runnable == 0
+    assert pool.run(0.0).triggered
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_host_cores_must_be_a_count(bad: object) -> None:
+    with pytest.raises(ProfileError, match="host_cores"):
+        profile_from_dict({"control": {"host_cores": bad}})
+
+
+def _tiny(**control: object):  # type: ignore[no-untyped-def]
+    """cpu-tiny with frontend work to do (the API servers' keys as measured here)."""
+    return dataclasses.replace(
+        TINY, control=dataclasses.replace(TINY.control, **control),
+        prefill=dataclasses.replace(TINY.prefill, ingest_s=0.002, return_s=0.002),
+        decode=dataclasses.replace(TINY.decode, ingest_s=0.003, return_s=0.0005),
+    ).validate()
+
+
+def _result(mode: str, qps: float, n: int, **control: object) -> dict:  # type: ignore[type-arg]
+    cfg = dataclasses.replace(config(mode, qps=qps, input_len=128, output_len=16,
+                                     num_prompts=n), profile=_tiny(**control))
+    return run(cfg).result
+
+
+def _flat(itls: list[list[float]]) -> list[float]:
+    return [x for per_request in itls for x in per_request]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_lone_request_takes_as_long_on_two_shared_cores(mode: str) -> None:
+    """The profile's times are lone requests' wall times: with the engines and one
+    frontend job at a time, two cores are enough, nothing waits for a core."""
+    alone = _result(mode, 1.0, 1, frontend_cores=1)
+    shared = _result(mode, 1.0, 1, frontend_cores=1, host_cores=2)
+    assert shared["ttfts"] == pytest.approx(alone["ttfts"], rel=1e-9)
+    assert _flat(shared["itls"]) == pytest.approx(_flat(alone["itls"]), rel=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_enough_cores_change_nothing_and_fewer_slow_a_loaded_run(mode: str) -> None:
+    off = _result(mode, 200.0, 24, frontend_cores=1)
+    many = _result(mode, 200.0, 24, frontend_cores=1, host_cores=3)  # >= engines + 1 job
+    assert many["ttfts"] == pytest.approx(off["ttfts"], rel=1e-9)
+    assert _flat(many["itls"]) == pytest.approx(_flat(off["itls"]), rel=1e-9)
+    two = _result(mode, 200.0, 24, frontend_cores=1, host_cores=2)
+    one = _result(mode, 200.0, 24, frontend_cores=1, host_cores=1)
+    assert off["mean_ttft_ms"] < two["mean_ttft_ms"] < one["mean_ttft_ms"]
+    assert off["mean_tpot_ms"] < two["mean_tpot_ms"] < one["mean_tpot_ms"]
+    assert two["completed"] == one["completed"] == 24
+
+
+def test_deterministic_on_shared_cores() -> None:
+    a = _result("push", 100.0, 16, frontend_cores=1, host_cores=2)
+    b = _result("push", 100.0, 16, frontend_cores=1, host_cores=2)
+    assert a["ttfts"] == b["ttfts"] and a["itls"] == b["itls"]
