@@ -120,6 +120,11 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                       f"load {os.getloadavg()[0]:.2f}", flush=True)
                 ep = Endpoint(E2E_MODES[name], dep, real)
                 warm_up(ep.target.url, str(model), args.warmup, max(args.inputs))
+                busy = (cores_busy(dep, ep, real, str(model), args, max(args.inputs))
+                        if args.gauge else None)
+                if busy:
+                    print(f"[{mode} iter {it}] cores a stepping engine keeps busy: {busy}",
+                          flush=True)
                 last: dict[str, Any] | None = None  # the gauge just taken, and its length
                 for input_len, q in todo:
                     fname = file_name(mode, q, input_len, args.output_len, it)
@@ -152,6 +157,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                         last = gauge(ep.target.url, str(model), real, f"{stem}_after",
                                      input_len, args, seed=next(seeds))
                         got["gauges"] = [before_gauge, last]
+                        got["cores_busy"] = busy
                     record_shares(real, fname, got)
                     print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
                           f"{'ok' if ok else 'FAILED'}; CPU share "
@@ -196,6 +202,62 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
         raise RuntimeError(f"gauge {tag}: vllm bench serve failed (see logs/gauge.log)")
     return {"window": [t0, time.monotonic()], "file": f"{GAUGES}/{name}",
             "input_len": input_len}
+
+
+def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespace,
+               input_len: int, *, n: int = 16, idle_s: float = 2.0) -> dict[str, float]:
+    """How many cores each engine keeps busy while it steps (``cores_busy`` of the
+    profile): the CPU time (/proc, all threads) of the instance's processes -- for decode
+    also the router's and this client's, which pass every token on -- over ``n`` lone
+    requests through the router, less what the same processes use idle (measured over
+    ``idle_s`` just before), over the engine's stepping time in the timeline (prefill:
+    'prefill sees -> prefill finished'; decode: 'decode step -> last token'); at least 1.
+    On this machine a lone request through a pair keeps about two cores busy."""
+    import asyncio
+
+    from client import Client
+
+    from pushkv.sim import segments
+    from pushkv.vllm.chaos import group_cpu_s, process_cpu_s
+
+    def cpu() -> dict[str, float]:
+        out = {"prefill": group_cpu_s([dep.prefill.proc.pid]),
+               "decode": group_cpu_s([dep.decode.proc.pid]) + time.process_time()}
+        if ep.router is not None:
+            out["decode"] += process_cpu_s(ep.router.pid)
+        return out
+
+    c0, t0 = cpu(), time.monotonic()
+    time.sleep(idle_s)
+    c1, t1 = cpu(), time.monotonic()
+
+    async def lone() -> None:
+        import random
+
+        rng = random.Random(len(str(real)) + input_len)
+        async with Client(model) as client:
+            for _ in range(n):
+                await client.request(ep.target, [rng.randrange(5, 995)
+                                                 for _ in range(input_len)], args.output_len)
+                await asyncio.sleep(0.05)  # so the next finds the engines idle
+
+    c2, t2 = cpu(), time.monotonic()
+    asyncio.run(lone())
+    c3, t3 = cpu(), time.monotonic()
+    name, deployment = ep.mode.name, dep.kind
+    reqs = segments.alone(segments.load([real / "timeline" / name,
+                                         real / "timeline" / deployment], (t2, t3)))
+    stepping = {
+        "prefill": sum(r["prefill_finished"] - r["prefill_seen"] for r in reqs.values()
+                       if "prefill_finished" in r and "prefill_seen" in r),
+        "decode": sum(r["last_token"] - r["decode_scheduled"] for r in reqs.values()
+                      if "last_token" in r and "decode_scheduled" in r)}
+    out = {}
+    for side, busy in stepping.items():
+        idle = (c1[side] - c0[side]) / (t1 - t0)
+        used = c3[side] - c2[side] - idle * (t3 - t2)
+        out[side] = round(max(1.0, used / busy), 3) if busy > 0 else 1.0
+    return out
 
 
 def warm_up(url: str, model: str, n: int, input_len: int) -> None:
@@ -479,8 +541,9 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     its own pair's, just before and after it, at its lengths -- the step overheads and
     the keys its mode's timeline shows, against the profile with the run's keys, and
     ``network.client_hop_s`` from the gauges' own client latencies
-    (:func:`~pushkv.sim.measure_connector.client_hop`). Nothing comes from the points
-    themselves. MeasurementError when a gauge lacks a segment."""
+    (:func:`~pushkv.sim.measure_connector.client_hop`), and each engine's
+    ``cores_busy`` as :func:`cores_busy` measured its deployment. Nothing comes from the
+    points themselves. MeasurementError when a gauge lacks a segment."""
     from pushkv.sim import segments
     from pushkv.sim.measure import MeasurementError
     from pushkv.sim.measure_connector import client_hop, host_spread
@@ -533,6 +596,8 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
         assert m is not None
         keys = keys_of(requests(fname), profile, mode=m["mode"], input_len=int(m["input"]),
                        output_len=output_len)
+        for side, busy in (got.get("cores_busy") or {}).items():  # measured per deployment
+            keys.setdefault(side, {})["cores_busy"] = max(1.0, float(busy))
         hops = []
         for g in got["gauges"]:
             router = segments.load(dirs(fname)[:1], (g["window"][0], g["window"][1]))

@@ -193,7 +193,8 @@ class PrefillEngine(_Loop):
                     yield self.env.timeout(ENGINE_WAKES * eng.wake_s)
                 continue
             dt = step_s(self.profile, eng, prefill_chunks=tuple((n, p.computed) for p, n in chunks))
-            dt = yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt)
+            dt = yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt,
+                                                    eng.cores_busy - 1)
             if not self.alive:
                 return
             self.busy_s += dt
@@ -545,7 +546,8 @@ class DecodeEngine(_Loop):
             # Posting after the forward launch overlaps it (the GPU computes while the
             # CPU posts); posting before the forward delays it.
             dt = max(work, stall) if eng.inline_post == "after-forward" else stall + work
-            yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt)
+            yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt,
+                                               eng.cores_busy - 1)
             if not self.alive:
                 return
             self._account(dt, dt - work if stall > 0 else 0.0)

@@ -210,6 +210,18 @@ class EngineProfile:
         "minute to the next, measured per point by the same probe against the profile's "
         "control.probe_speed (benchmarks/bench_sim_vs_real.py)",
     )
+    cores_busy: float = _f(
+        1.0,
+        "cores a stepping engine keeps busy, its step's own included: beside the worker "
+        "that runs the step, vLLM's engine core polls for its result and the API server, "
+        "the router and the client pass each output on, all on the same host. With "
+        "control.host_cores every step of dt seconds adds (cores_busy - 1) x dt of work "
+        "to the host's shared cores, which it does not wait for (1: the step alone)",
+        "1 on dedicated hosts; on a shared CPU machine measured per deployment by "
+        "benchmarks/bench_sim_vs_real.py: the CPU time (/proc) the instance's processes "
+        "(and, for decode, the router's) used over lone requests, less what they use idle, "
+        "over the engine's stepping time in the timeline",
+    )
     wake_s: float = _f(
         0.0,
         "run-queue delay of a woken process of this engine on an oversubscribed core: "
@@ -575,6 +587,9 @@ class Profile:
             if not 0 < e.cpu_speed <= MAX_SPEED:
                 raise ProfileError(f"{side}.cpu_speed must be in (0, {MAX_SPEED}], "
                                    f"got {e.cpu_speed}")
+            if not 1 <= e.cores_busy <= MAX_CORES_BUSY:
+                raise ProfileError(f"{side}.cores_busy must be in [1, {MAX_CORES_BUSY}], "
+                                   f"got {e.cores_busy}")
             for name in ("prefix_hit_fraction", "fragmentation"):
                 v = getattr(e, name)
                 if not 0 <= v <= 1:
@@ -697,6 +712,8 @@ class Profile:
 MAX_SPREAD = 1000
 #: the fastest ``cpu_speed`` against the profile's measurement a machine may have
 MAX_SPEED = 100.0
+#: the most cores one stepping engine may keep busy (``cores_busy``)
+MAX_CORES_BUSY = 64.0
 
 
 def _positive(name: str, value: float) -> None:

@@ -307,11 +307,16 @@ class SimTransport:
         if cost > held:
             yield self.env.timeout(cost - held)
 
-    def run_step(self, eid: str, python_s: float, dt: float) -> Generator[Any, Any, float]:
+    def run_step(self, eid: str, python_s: float, dt: float,
+                 beside: float = 0.0) -> Generator[Any, Any, float]:
         """An engine step of ``dt`` seconds whose first ``python_s`` need the interpreter
-        lock: it waits while a posting thread of the same process holds it. Returns the
-        seconds the step took."""
+        lock: it waits while a posting thread of the same process holds it. On the
+        host's shared cores the step brings ``beside x dt`` of work of the processes
+        around it (``cores_busy - 1``), which it does not wait for. Returns the seconds
+        the step took."""
         start = self.env.now
+        if beside > 0 and self.cpu is not None:
+            self.cpu.run(beside * dt)
         lock = self.gil[eid]
         if python_s > 0 and self._gil_contended and (lock.count or lock.queue):
             with lock.request() as req:

@@ -174,3 +174,28 @@ def test_deterministic_on_shared_cores() -> None:
     a = _result("push", 100.0, 16, frontend_cores=1, host_cores=2)
     b = _result("push", 100.0, 16, frontend_cores=1, host_cores=2)
     assert a["ttfts"] == b["ttfts"] and a["itls"] == b["itls"]
+
+
+def test_the_work_beside_a_step_lengthens_it_only_when_the_cores_are_short() -> None:
+    """A lone request's decode steps with cores_busy 1.5: on one core each step lasts
+    exactly 1.5 times as long (its companion shares the core until done); on two,
+    exactly as long as without it; cores_busy 1 changes nothing."""
+    def tpot(host_cores: int, busy: float) -> float:
+        prof = dataclasses.replace(
+            TINY, control=dataclasses.replace(TINY.control, host_cores=host_cores),
+            decode=dataclasses.replace(TINY.decode, cores_busy=busy)).validate()
+        cfg = dataclasses.replace(config("push", qps=1.0, input_len=128, output_len=16,
+                                         num_prompts=1), profile=prof)
+        return run(cfg).result["mean_tpot_ms"]
+
+    base = tpot(0, 1.0)
+    assert tpot(1, 1.0) == pytest.approx(base, rel=1e-9)
+    assert tpot(1, 1.5) == pytest.approx(1.5 * base, rel=1e-9)
+    assert tpot(2, 1.5) == pytest.approx(base, rel=1e-9)
+    assert tpot(0, 1.5) == pytest.approx(base, rel=1e-9)  # no shared cores: nothing beside
+
+
+@pytest.mark.parametrize("bad", [0.5, math.nan, math.inf, 65.0])
+def test_cores_busy_must_be_at_least_one(bad: float) -> None:
+    with pytest.raises(ProfileError, match="cores_busy"):
+        profile_from_dict({"decode": {"cores_busy": bad}})

@@ -93,6 +93,7 @@ def _gauged_run(tmp_path: Path, *, slow: float = 1.0) -> tuple[Path, dict]:
             gauges.append({"window": [t0, t], "file": name, "input_len": 64})
             t += 10.0
         got["gauges"] = gauges
+        got["cores_busy"] = {"prefill": 1.25, "decode": 1.9}
     (real / "cpu_probe.json").write_text(json.dumps(shares))
     return real, shares
 
@@ -116,6 +117,7 @@ def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: 
     assert pull["prefill"]["ingest_s"] == pytest.approx(
         0.0028 - bench_profile().network.router_hop_s)
     assert len(run["control"]["host_spread"]) == 10  # 10 lone push requests
+    assert push["decode"]["cores_busy"] == 1.9 and pull["prefill"]["cores_busy"] == 1.25
     out = tmp_path / "sim-gauge"
     bench.run_sim(bench.PROFILE, out, points, output_len, num_prompts, gauges=per_point)
     _, summary = bench.compare(real, out)
