@@ -158,6 +158,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                                      input_len, args, seed=next(seeds))
                         got["gauges"] = [before_gauge, last]
                         got["cores_busy"] = busy
+                        got["host_cores"] = os.cpu_count() or 0  # what the gauges ran on
                     record_shares(real, fname, got)
                     print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
                           f"{'ok' if ok else 'FAILED'}; CPU share "
@@ -205,7 +206,7 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
 
 
 def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespace,
-               input_len: int, *, n: int = 16, idle_s: float = 2.0) -> dict[str, float]:
+               input_len: int, *, n: int = 24, idle_s: float = 3.0) -> dict[str, float]:
     """How many cores each engine keeps busy while it steps (``cores_busy`` of the
     profile): the CPU time (/proc, all threads) of the instance's processes -- for decode
     also the router's and this client's, which pass every token on -- over ``n`` lone
@@ -358,6 +359,9 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             if fname not in gauges:
                 raise RuntimeError(f"{fname}: no gauge to simulate it with")
             profile = profile_from_dict(gauges[fname], base=base)
+            if host_cores is not None:  # the command line's, over the real run's
+                profile = dataclasses.replace(profile, control=dataclasses.replace(
+                    profile.control, host_cores=host_cores)).validate()
         elif got:
             pre, dec = dict(got["prefill"]), dict(got["decode"])  # cpu_share, wake_s
             speed, ref = got.get("speed", {}), base.control.probe_speed
@@ -598,6 +602,8 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
                        output_len=output_len)
         for side, busy in (got.get("cores_busy") or {}).items():  # measured per deployment
             keys.setdefault(side, {})["cores_busy"] = max(1.0, float(busy))
+        if got.get("host_cores"):  # the machine the point and its gauges ran on
+            keys.setdefault("control", {})["host_cores"] = int(got["host_cores"])
         hops = []
         for g in got["gauges"]:
             router = segments.load(dirs(fname)[:1], (g["window"][0], g["window"][1]))
@@ -673,7 +679,8 @@ def main() -> int:
     p.add_argument("--host-cores", type=int, default=None,
                    help="replace the profile's control.host_cores: the engines' steps and "
                    "the frontends' jobs as work on this many shared cores (pushkv.sim.cpu; "
-                   "a profile --measure writes has the machine's); 0: a core each")
+                   "a profile --measure writes has the machine's, and the gauge way takes "
+                   "the real run's); 0: a core each")
     p.add_argument("--real-keys", action="store_true",
                    help="measure network.client_hop_s and prefill.return_s from the real "
                    "half's own marks (requests that ran alone) and simulate with them")

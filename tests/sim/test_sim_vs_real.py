@@ -94,6 +94,7 @@ def _gauged_run(tmp_path: Path, *, slow: float = 1.0) -> tuple[Path, dict]:
             t += 10.0
         got["gauges"] = gauges
         got["cores_busy"] = {"prefill": 1.25, "decode": 1.9}
+        got["host_cores"] = 2
     (real / "cpu_probe.json").write_text(json.dumps(shares))
     return real, shares
 
@@ -118,6 +119,7 @@ def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: 
         0.0028 - bench_profile().network.router_hop_s)
     assert len(run["control"]["host_spread"]) == 10  # 10 lone push requests
     assert push["decode"]["cores_busy"] == 1.9 and pull["prefill"]["cores_busy"] == 1.25
+    assert push["control"]["host_cores"] == pull["control"]["host_cores"] == 2
     out = tmp_path / "sim-gauge"
     bench.run_sim(bench.PROFILE, out, points, output_len, num_prompts, gauges=per_point)
     _, summary = bench.compare(real, out)
