@@ -207,13 +207,16 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
 
 def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespace,
                input_len: int, *, n: int = 24, idle_s: float = 3.0) -> dict[str, float]:
-    """How many cores each engine keeps busy while it steps (``cores_busy`` of the
-    profile): the CPU time (/proc, all threads) of the instance's processes -- for decode
-    also the router's and this client's, which pass every token on -- over ``n`` lone
-    requests through the router, less what the same processes use idle (measured over
-    ``idle_s`` just before), over the engine's stepping time in the timeline (prefill:
-    'prefill sees -> prefill finished'; decode: 'decode step -> last token'); at least 1.
-    On this machine a lone request through a pair keeps about two cores busy."""
+    """Where the CPU of a lone request goes, as the profile's keys: ``prefill`` and
+    ``decode``, the cores each engine keeps busy while it steps (``cores_busy``): the CPU
+    time (/proc, all threads) of the instance's processes -- decode's without its API
+    server -- over ``n`` lone requests through the router, less what the same processes
+    use idle (measured over ``idle_s`` just before), over the engine's stepping time in
+    the timeline (prefill: 'prefill sees -> prefill finished'; decode: 'decode step ->
+    last token'), at least 1; ``token_work_s``, the frontend work per output token:
+    decode's API server, the router and this client (which pass every token on) the
+    same way, per output token. On this machine a lone request through a pair keeps
+    about two cores busy."""
     import asyncio
 
     from client import Client
@@ -221,12 +224,14 @@ def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespa
     from pushkv.sim import segments
     from pushkv.vllm.chaos import group_cpu_s, process_cpu_s
 
+    api = dep.decode.proc.pid  # decode's API server: the group's leader
+
     def cpu() -> dict[str, float]:
-        out = {"prefill": group_cpu_s([dep.prefill.proc.pid]),
-               "decode": group_cpu_s([dep.decode.proc.pid]) + time.process_time()}
+        front = process_cpu_s(api) + time.process_time()
         if ep.router is not None:
-            out["decode"] += process_cpu_s(ep.router.pid)
-        return out
+            front += process_cpu_s(ep.router.pid)
+        return {"prefill": group_cpu_s([dep.prefill.proc.pid]),
+                "decode": group_cpu_s([api]) - process_cpu_s(api), "front": front}
 
     c0, t0 = cpu(), time.monotonic()
     time.sleep(idle_s)
@@ -245,19 +250,19 @@ def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespa
     c2, t2 = cpu(), time.monotonic()
     asyncio.run(lone())
     c3, t3 = cpu(), time.monotonic()
-    name, deployment = ep.mode.name, dep.kind
-    reqs = segments.alone(segments.load([real / "timeline" / name,
-                                         real / "timeline" / deployment], (t2, t3)))
-    stepping = {
+    reqs = segments.alone(segments.load([real / "timeline" / ep.mode.name,
+                                         real / "timeline" / dep.kind], (t2, t3)))
+    per = {  # what each part's CPU is taken over: stepping seconds, or tokens
         "prefill": sum(r["prefill_finished"] - r["prefill_seen"] for r in reqs.values()
                        if "prefill_finished" in r and "prefill_seen" in r),
         "decode": sum(r["last_token"] - r["decode_scheduled"] for r in reqs.values()
-                      if "last_token" in r and "decode_scheduled" in r)}
-    out = {}
-    for side, busy in stepping.items():
-        idle = (c1[side] - c0[side]) / (t1 - t0)
-        used = c3[side] - c2[side] - idle * (t3 - t2)
-        out[side] = round(max(1.0, used / busy), 3) if busy > 0 else 1.0
+                      if "last_token" in r and "decode_scheduled" in r),
+        "front": n * args.output_len}
+    used = {part: c3[part] - c2[part] - (c1[part] - c0[part]) / (t1 - t0) * (t3 - t2)
+            for part in per}
+    out = {side: round(max(1.0, used[side] / per[side]), 3) if per[side] > 0 else 1.0
+           for side in ("prefill", "decode")}
+    out["token_work_s"] = round(max(0.0, used["front"] / per["front"]), 6)
     return out
 
 
@@ -546,7 +551,8 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     the keys its mode's timeline shows, against the profile with the run's keys, and
     ``network.client_hop_s`` from the gauges' own client latencies
     (:func:`~pushkv.sim.measure_connector.client_hop`), and each engine's
-    ``cores_busy`` as :func:`cores_busy` measured its deployment. Nothing comes from the
+    ``cores_busy`` and decode's ``token_work_s`` as :func:`cores_busy` measured its
+    deployment. Nothing comes from the
     points themselves. MeasurementError when a gauge lacks a segment."""
     from pushkv.sim import segments
     from pushkv.sim.measure import MeasurementError
@@ -600,8 +606,11 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
         assert m is not None
         keys = keys_of(requests(fname), profile, mode=m["mode"], input_len=int(m["input"]),
                        output_len=output_len)
-        for side, busy in (got.get("cores_busy") or {}).items():  # measured per deployment
-            keys.setdefault(side, {})["cores_busy"] = max(1.0, float(busy))
+        busy = dict(got.get("cores_busy") or {})  # measured per deployment
+        if "token_work_s" in busy:
+            keys.setdefault("decode", {})["token_work_s"] = float(busy.pop("token_work_s"))
+        for side, cores in busy.items():
+            keys.setdefault(side, {})["cores_busy"] = max(1.0, float(cores))
         if got.get("host_cores"):  # the machine the point and its gauges ran on
             keys.setdefault("control", {})["host_cores"] = int(got["host_cores"])
         hops = []

@@ -82,6 +82,7 @@ UNUSED = {
         "waits for a step)",
         "event_handoff_s": "only decode waits for a transfer's readiness",
         "admit_lag_s": "only decode waits for a transfer's readiness",
+        "token_work_s": "output tokens leave from decode",
     },
     "decode": {
         "prefix_hit_fraction": "decode runs with --no-enable-prefix-caching; a request "
@@ -213,14 +214,24 @@ class EngineProfile:
     cores_busy: float = _f(
         1.0,
         "cores a stepping engine keeps busy, its step's own included: beside the worker "
-        "that runs the step, vLLM's engine core polls for its result and the API server, "
-        "the router and the client pass each output on, all on the same host. With "
-        "control.host_cores every step of dt seconds adds (cores_busy - 1) x dt of work "
-        "to the host's shared cores, which it does not wait for (1: the step alone)",
+        "that runs the step, vLLM's engine core polls for its result, transport threads "
+        "run (on prefill the API server too). With control.host_cores every step of dt "
+        "seconds adds (cores_busy - 1) x dt of work to the host's shared cores, which it "
+        "does not wait for (1: the step alone)",
         "1 on dedicated hosts; on a shared CPU machine measured per deployment by "
-        "benchmarks/bench_sim_vs_real.py: the CPU time (/proc) the instance's processes "
-        "(and, for decode, the router's) used over lone requests, less what they use idle, "
-        "over the engine's stepping time in the timeline",
+        "benchmarks/bench_sim_vs_real.py: the CPU time (/proc) of the instance's processes "
+        "(decode: but its API server, which token_work_s counts) over lone requests, less "
+        "what they use idle, over the engine's stepping time in the timeline",
+    )
+    token_work_s: float = _f(
+        0.0,
+        "frontend work one output token costs on its way out (decode's API server, the "
+        "router and the client passing it on): with control.frontend_cores a token's job "
+        "on the frontend queue takes this long, the rest of its way out (return_s, the "
+        "hops) is latency, so a lone token arrives as before; 0: the job takes return_s",
+        "0: return_s; on a shared CPU machine measured per deployment by "
+        "benchmarks/bench_sim_vs_real.py: the CPU time (/proc) of decode's API server, the "
+        "router and the client over lone requests, less their idle rate, per output token",
     )
     wake_s: float = _f(
         0.0,
@@ -576,7 +587,8 @@ class Profile:
             e: EngineProfile = getattr(self, side)
             for name in ("tp", "max_num_seqs", "max_num_batched_tokens", "block_size"):
                 _positive(f"{side}.{name}", getattr(e, name))
-            for name in ("step_python_s", "step_token_s", "wake_s", *CONNECTOR_KEYS):
+            for name in ("step_python_s", "step_token_s", "wake_s", "token_work_s",
+                         *CONNECTOR_KEYS):
                 if getattr(e, name) < 0:
                     raise ProfileError(f"{side}.{name} must be >= 0")
             for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency",

@@ -142,8 +142,11 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
     return_s = net.router_hop_s + net.client_hop_s + profile.return_wake_s + profile.decode.return_s
     frontend = None
     if profile.control.frontend_cores:  # the frontends' times queue on their cores
-        frontend = Frontend(env, profile.control.frontend_cores, profile.decode.return_s,
-                            return_s - profile.decode.return_s)
+        # A token's frontend work: as measured when known (token_work_s), else its whole
+        # way out (return_s); what is left of the way out is latency.
+        work = profile.decode.token_work_s
+        token_s = min(work, return_s) if work > 0 else profile.decode.return_s
+        frontend = Frontend(env, profile.control.frontend_cores, token_s, return_s - token_s)
         for e in (*prefills, *decodes):
             e.frontend = frontend
     if profile.control.host_cores:  # engines and frontends share the host's cores

@@ -93,7 +93,7 @@ def _gauged_run(tmp_path: Path, *, slow: float = 1.0) -> tuple[Path, dict]:
             gauges.append({"window": [t0, t], "file": name, "input_len": 64})
             t += 10.0
         got["gauges"] = gauges
-        got["cores_busy"] = {"prefill": 1.25, "decode": 1.9}
+        got["cores_busy"] = {"prefill": 1.25, "decode": 1.9, "token_work_s": 0.0004}
         got["host_cores"] = 2
     (real / "cpu_probe.json").write_text(json.dumps(shares))
     return real, shares
@@ -120,6 +120,7 @@ def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: 
     assert len(run["control"]["host_spread"]) == 10  # 10 lone push requests
     assert push["decode"]["cores_busy"] == 1.9 and pull["prefill"]["cores_busy"] == 1.25
     assert push["control"]["host_cores"] == pull["control"]["host_cores"] == 2
+    assert push["decode"]["token_work_s"] == pull["decode"]["token_work_s"] == 0.0004
     out = tmp_path / "sim-gauge"
     bench.run_sim(bench.PROFILE, out, points, output_len, num_prompts, gauges=per_point)
     _, summary = bench.compare(real, out)
