@@ -12,6 +12,9 @@ iteration (push, pull, push, ...), so slow drift of the shared machine's load
 reaches both modes. During each point a probe process on each core
 (:class:`pushkv.sim.cores.CoreProbe`) records its wake-up delay and share, and the
 two servers' vLLM metrics are read before and after (``OUT/real/cpu_probe.json``).
+Around each point, *gauges* (``--gauge N``): N lone requests through the same router
+at the point's lengths just before and just after it (:func:`gauge`); and once per
+deployment, where a lone request's CPU goes (:func:`cores_busy`, from ``/proc``).
 Result files: ``OUT/real/{mode}_qps{q}_in{i}_out{o}_iter{n}.json``. Points already
 in ``OUT/real`` are not run again (an interrupted run resumes).
 
@@ -19,9 +22,11 @@ in ``OUT/real`` are not run again (an interrupted run resumes).
 (``pushkv/sim/profiles/cpu-tiny.toml``) at the same points -- same modes, number
 of prompts, rates, lengths, output length and iterations, and the very send times
 ``vllm bench serve`` used (``--arrivals vllm``, the default: its seed, its
-generator) -- three ways: a core per
+generator) -- four ways: a core per
 engine (``OUT/sim-own-cores``), on the cores the probe met (``cpu_share``,
-``wake_s``; ``OUT/sim``), and, as a diagnosis, with the engines' steps as the real
+``wake_s``; ``OUT/sim``), each point with the profile its gauges measured, on the
+machine's shared cores (``OUT/sim-gauge``, the headline when the run has gauges:
+:func:`gauge_keys`), and, as a diagnosis, with the engines' steps as the real
 servers' metrics gave them (``OUT/sim-server-steps``). ``--frontend-cores N``
 replaces the profile's ``control.frontend_cores`` (the API servers', router's and
 client's times as one queue, :mod:`pushkv.sim.frontend`; a profile ``--measure``
@@ -36,7 +41,7 @@ real and simulated median / p90 (:mod:`pushkv.sim.segments`).
 
 Prints a table of sim/real ratios per way (mean and median TTFT and TPOT, per
 point and mode, iterations averaged), the segment tables, and, last, one JSON
-object for the probe way: ``ttft_ratio_min``, ``ttft_ratio_max``,
+object for the headline way (``"way"``: gauge, else probe): ``ttft_ratio_min``, ``ttft_ratio_max``,
 ``tpot_ratio_min``, ``tpot_ratio_max``, ``points`` (the per-point ratios, and the
 other two ways' ranges under ``own_cores`` and ``server_steps``), ``segments``
 (per way and point, each segment's real and simulated median in ms). Figures (``--figures DIR``, or
@@ -624,12 +629,17 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     return points, run
 
 
-def figures(real: Path, sim: Path, out: Path) -> list[Path]:
+#: how each way's simulation is named on its figures
+WAY_TITLES = {"gauge": "from its gauges", "probe": "cpu-tiny, probe",
+              "own_cores": "cpu-tiny, a core each"}
+
+
+def figures(real: Path, sim: Path, out: Path, way: str = "gauge") -> list[Path]:
     from pushkv.sim.plot import plot
 
     return [plot(real, metric, out / f"sim_vs_real_{metric}.png", overlay=sim,
                  labels=("real", "sim"), title=f"Mean {metric.upper()}: real vLLM CPU "
-                 "engines (thick) vs simulated, cpu-tiny profile (thin)")
+                 f"engines (thick), each point simulated {WAY_TITLES.get(way, way)} (thin)")
             for metric in ("ttft", "tpot")]
 
 
@@ -804,7 +814,7 @@ def main() -> int:
     summary["own_cores"] = {k: own_summary[k] for k in keys}
     summary["segments"] = segs
     if args.figures:
-        for path in figures(real, sim, args.figures):
+        for path in figures(real, sim, args.figures, way):
             print(f"wrote {path}")
     summary |= {"real_s": round(real_s, 1), "total_s": round(time.monotonic() - t0, 1),
                 "load_at_start": [round(x, 2) for x in load],
