@@ -45,7 +45,6 @@ class SharedCores:
         self._since = env.now  #: when ``_left`` was last brought up to date
         self._gen = 0  #: the timer of an older schedule finds a newer generation and stops
         self.busy_s = 0.0  #: core-seconds served
-        self.slowed_s = 0.0  #: wall seconds runnable work spent waiting for a core
 
     @property
     def runnable(self) -> int:
@@ -80,7 +79,6 @@ class SharedCores:
         r = self.rate()
         n = len(self._left)
         self.busy_s += dt * r * n
-        self.slowed_s += dt * (1.0 - r) * n
         for k in self._left:
             self._left[k] -= dt * r
 
