@@ -154,49 +154,60 @@ def _state(pid: int) -> str:
     return stat[stat.rindex(")") + 2]
 
 
+def _wait_for(procs: list[Any], stopped: bool, timeout_s: float = 60.0) -> None:
+    """Block until every child in ``procs`` reported being stopped (or continued): the
+    kernel's SIGCHLD wakes the wait, waitid tells whose state changed (SIGCHLD must be
+    blocked, so that it stays pending until waited for)."""
+    import os
+    import signal
+    import time
+
+    flag = (os.WSTOPPED if stopped else os.WCONTINUED) | os.WNOHANG | os.WNOWAIT
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        while os.waitid(os.P_PID, p.pid, flag) is None:
+            left = deadline - time.monotonic()
+            assert left > 0, f"states {[_state(q.pid) for q in procs]}"
+            signal.sigtimedwait({signal.SIGCHLD}, left)
+        os.waitid(os.P_PID, p.pid, flag & ~os.WNOWAIT)  # consume this report
+        assert (_state(p.pid) == "T") == stopped
+
+
 def test_a_frozen_deployment_is_stopped_and_thaws_whole(run, tmp_path):
     """Freezer stops every process group of a deployment and its routers, and thaws
     them again, on real processes (each in a session of its own, as servers start)."""
+    import signal
     import subprocess
     import sys
-    import time
     from types import SimpleNamespace
 
-    def spawn() -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"],
-                                start_new_session=True)
+    def spawn() -> subprocess.Popen[bytes]:  # blocks on its stdin until killed
+        return subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                stdin=subprocess.PIPE, start_new_session=True)
 
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     procs = [spawn() for _ in range(3)]
     try:
         dep = SimpleNamespace(servers=[SimpleNamespace(proc=p) for p in procs[:2]])
         ep = SimpleNamespace(router=procs[2])
         freezer = run.Freezer(dep, [ep])
-
-        def wait_for(state_is_t: bool) -> None:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if all((_state(p.pid) == "T") == state_is_t for p in procs):
-                    return
-                time.sleep(0.01)
-            raise AssertionError(f"states {[_state(p.pid) for p in procs]}")
-
         freezer.freeze()
-        wait_for(True)
+        _wait_for(procs, stopped=True)
         with freezer:
-            wait_for(False)
+            _wait_for(procs, stopped=False)
             assert not freezer.frozen
-        wait_for(True)
+        _wait_for(procs, stopped=True)
         freezer.thaw()
-        wait_for(False)
+        _wait_for(procs, stopped=False)
         procs[0].kill()
         procs[0].wait()
         freezer.freeze()  # a process that died is skipped, the others still stop
-        deadline = time.monotonic() + 60
-        while _state(procs[1].pid) != "T" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert _state(procs[1].pid) == "T"
+        _wait_for(procs[1:], stopped=True)
         freezer.thaw()
+        _wait_for(procs[1:], stopped=False)
     finally:
         for p in procs:
             p.kill()
             p.wait()
+            p.stdin.close()  # type: ignore[union-attr]
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
