@@ -82,21 +82,25 @@ def _besides(profile: Profile) -> dict[str, float]:
 
 
 def connector_keys(requests: dict[str, dict[str, float]], profile: Profile, *,
-                   share: float = 1.0) -> dict[str, dict[str, float]]:
+                   share: float = 1.0,
+                   segments: dict[tuple[str, str], tuple[str, ...]] | None = None
+                   ) -> dict[str, dict[str, float]]:
     """The connector keys from a real pair's timeline (``requests``: per request id, each
     mark's time, :func:`pushkv.sim.segments.load`), against ``profile``, the plain-server
     profile they extend: a key is the median of its segments (summed), less what the
     profile already puts there -- ``network.router_hop_s`` for ``ingest_s``; one decode
     step of one sequence and the hop for ``return_s`` -- taken as 0 if that leaves less,
     then scaled to a core of one's own (``x share``, the share a probe met during the
-    run; 1: as measured). MeasurementError when a segment is missing or not finite."""
+    run; 1: as measured). ``segments``: the keys to take (default every one,
+    :data:`CONNECTOR_SEGMENTS`). MeasurementError when a segment is missing or not
+    finite."""
     from .. import timeline
 
     _check_share(share)
     segs = timeline.segments(requests)
     less = _besides(profile)
     out: dict[str, dict[str, float]] = {}
-    for (side, key), names in CONNECTOR_SEGMENTS.items():
+    for (side, key), names in (segments or CONNECTOR_SEGMENTS).items():
         total = sum(_median_s(segs, name, f"{side}.{key}") for name in names)
         out.setdefault(side, {})[key] = max(0.0, total - less.get(key, 0.0)) * share
     return out
@@ -191,7 +195,6 @@ def gauge_keys(requests: dict[str, dict[str, float]], profile: Profile, *, mode:
     and ``prefill.return_s`` (:func:`pull_keys`, against ``profile``'s
     ``decode.ingest_s``): a pull pair shows none of the push-only keys, which stay
     ``profile``'s. MeasurementError when a segment is missing."""
-    from .. import timeline
     from .segments import alone
 
     if mode not in ("push", "pull"):
@@ -202,15 +205,8 @@ def gauge_keys(requests: dict[str, dict[str, float]], profile: Profile, *, mode:
         stepped = profile_from_dict(steps, base=profile)  # type: ignore[arg-type]
     except ProfileError as exc:
         raise MeasurementError(f"the gauge's steps make no valid profile: {exc}") from exc
-    if mode == "push":
-        keys = connector_keys(reqs, stepped)
-    else:
-        segs = timeline.segments(reqs)
-        less = _besides(stepped)
-        keys = {}
-        for (side, key), names in PULL_SEGMENTS.items():
-            total = sum(_median_s(segs, n, f"{side}.{key}") for n in names)
-            keys.setdefault(side, {})[key] = max(0.0, total - less.get(key, 0.0))
+    keys = connector_keys(reqs, stepped, segments=PULL_SEGMENTS if mode == "pull" else None)
+    if mode == "pull":
         keys["prefill"] |= pull_keys(reqs, stepped)["prefill"]
     out = {side: dict(t) for side, t in steps.items()}
     for side, table in keys.items():
