@@ -572,14 +572,23 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     if not gauged:
         raise MeasurementError(f"no point of {real} has gauges (run with --gauge N)")
 
-    def dirs(fname: str) -> list[Path]:
+    loaded: dict[tuple[Path, ...], dict[str, dict[str, float]]] = {}
+
+    def marks(fname: str, router_only: bool, window: list[float]
+              ) -> dict[str, dict[str, float]]:
+        """The requests of ``fname``'s router (and pair) in ``window``; each timeline
+        read once."""
         name, deployment = MODES[NAME.match(fname)["mode"]]  # type: ignore[index]
-        return [real / "timeline" / name, real / "timeline" / deployment]
+        dirs = (real / "timeline" / name,) + (() if router_only else
+                                               (real / "timeline" / deployment,))
+        if dirs not in loaded:
+            loaded[dirs] = segments.load(dirs)
+        return segments.within(loaded[dirs], (window[0], window[1]))
 
     def requests(fname: str) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = {}
         for g in gauged[fname]["gauges"]:
-            out |= segments.load(dirs(fname), (g["window"][0], g["window"][1]))
+            out |= marks(fname, False, g["window"])
         return out
 
     by_mode: dict[str, dict[int, dict[str, dict[str, float]]]] = {"push": {}, "pull": {}}
@@ -620,7 +629,7 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
             keys.setdefault("control", {})["host_cores"] = int(got["host_cores"])
         hops = []
         for g in got["gauges"]:
-            router = segments.load(dirs(fname)[:1], (g["window"][0], g["window"][1]))
+            router = marks(fname, True, g["window"])
             latencies = json.loads((real / g["file"]).read_text()).get("latencies") or []
             hops.append((router, latencies, 1.0))
         keys["network"] = {"client_hop_s": client_hop(hops)}

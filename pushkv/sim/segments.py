@@ -42,15 +42,14 @@ def load(dirs: Sequence[str | os.PathLike[str]],
     ids = {m.transfer_id for m in own}
     others = [m for d in dirs[1:] for m in timeline.read(d) if m.transfer_id in ids]
     reqs = timeline.by_request(own + others)
-    if window is not None:
-        t0, t1 = window
+    return reqs if window is None else within(reqs, window)
 
-        def start(r: Mapping[str, float]) -> float | None:
-            return r.get("legs_sent", r.get("received"))
 
-        reqs = {k: r for k, r in reqs.items()
-                if (s := start(r)) is not None and t0 <= s <= t1}
-    return reqs
+def within(requests: Mapping[str, dict[str, float]], window: tuple[float, float]) -> Requests:
+    """The requests whose ``legs_sent`` (else ``received``) lies in ``window``."""
+    t0, t1 = window
+    return {k: r for k, r in requests.items()
+            if (s := r.get("legs_sent", r.get("received"))) is not None and t0 <= s <= t1}
 
 
 def alone(requests: Mapping[str, Mapping[str, float]]) -> Requests:
