@@ -368,10 +368,10 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
         if gauges is not None:
             if fname not in gauges:
                 raise RuntimeError(f"{fname}: no gauge to simulate it with")
-            profile = profile_from_dict(gauges[fname], base=base)
-            if host_cores is not None:  # the command line's, over the real run's
-                profile = dataclasses.replace(profile, control=dataclasses.replace(
-                    profile.control, host_cores=host_cores)).validate()
+            point = {t: dict(v) for t, v in gauges[fname].items()}
+            if host_cores is not None:  # the command line's cores, over the real run's
+                point.get("control", {}).pop("host_cores", None)
+            profile = profile_from_dict(point, base=base)
         elif got:
             pre, dec = dict(got["prefill"]), dict(got["decode"])  # cpu_share, wake_s
             speed, ref = got.get("speed", {}), base.control.probe_speed
