@@ -430,6 +430,12 @@ def bench_serve(url: str, model: str, out: Path, name: str, *, qps: str, input_l
     return int(result.get("failed", 0)) == 0 and int(result.get("completed", 0)) == num_prompts
 
 
+def rotated(xs: list[str], k: int) -> list[str]:
+    """``xs`` started at its ``k``-th item (mod its length): whose turn comes first."""
+    k %= len(xs)
+    return xs[k:] + xs[:k]
+
+
 async def serve_round(client: Client, eps: dict[str, Endpoint], names: list[str],
                       args: argparse.Namespace, load: str, batch: list[list[int]], it: int,
                       phase: str, failures: list[str], turn: str | None = None
@@ -450,7 +456,7 @@ async def serve_round(client: Client, eps: dict[str, Endpoint], names: list[str]
         slots = list(range(n))
         dead: set[str] = set()
         for i, p in enumerate(batch):
-            for name in names[i % len(names):] + names[:i % len(names)]:
+            for name in rotated(names, i):
                 if name in dead:
                     continue
                 try:
@@ -520,39 +526,38 @@ async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str
     (order rotated per round); the records carry their ``turn``."""
     names = list(eps)
     records: list[dict[str, Any]] = []
+
+    def modes_of(kind: str) -> list[str]:
+        return [n for n in names if eps[n].dep.kind == kind]
+
     async with Client(model) as client:
         if turns is None:
             await warm(client, list(eps.values()), args, rng)
         else:
             for freezer in turns.values():
                 freezer.freeze()
-            await warm(client, [eps[n] for n in names if eps[n].dep.kind == "plain"],
-                       args, rng)
+            await warm(client, [eps[n] for n in modes_of("plain")], args, rng)
             for kind, freezer in turns.items():
                 with freezer:
-                    await warm(client, [eps[n] for n in names if eps[n].dep.kind == kind],
-                               args, rng)
+                    await warm(client, [eps[n] for n in modes_of(kind)], args, rng)
         for it in range(args.iters):
             batches = [(load, prompts(n, args.input_len, rng))
                        for load, n in (("seq", args.seq_requests),
                                        ("conc", args.conc_requests))
                        if n > 0]  # e.g. --seq-requests 0: concurrent rounds only
             if turns is None:
-                order = names[it % len(names):] + names[:it % len(names)]
+                order = rotated(names, it)
                 for load, batch in batches:
                     records += await serve_round(client, eps, order, args, load, batch, it,
                                                  phase, failures)
                 continue
-            kinds = list(turns)
-            for kind in kinds[it % len(kinds):] + kinds[:it % len(kinds)]:
-                own = [n for n in names if eps[n].dep.kind in ("plain", kind)]
-                order = own[it % len(own):] + own[:it % len(own)]
+            for kind in rotated(list(turns), it):
+                order = rotated([n for n in names if eps[n].dep.kind in ("plain", kind)], it)
                 with turns[kind]:
                     try:  # the first request after a thaw pays for the pause (timers)
-                        for n in own:
-                            if eps[n].dep.kind == kind:
-                                await run_mode(client, eps[n],
-                                               prompts(1, args.input_len, rng), 2, False)
+                        for n in modes_of(kind):
+                            await run_mode(client, eps[n], prompts(1, args.input_len, rng),
+                                           2, False)
                     except Exception as exc:  # reported; the next turn still runs
                         failures.append(f"{kind} thaw round {it}: {exc!r:.200}")
                         print(f"[{phase}/{kind} iter {it}] FAILED after the thaw: "
