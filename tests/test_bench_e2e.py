@@ -147,6 +147,108 @@ def test_turns_put_every_deployment_up_in_one_phase(run):
         ["plain", "pushkv", "nixl-push"]]
 
 
+class _Freezer:
+    """A Freezer's interface over a log of what was stopped and continued."""
+
+    def __init__(self, kind: str, log: list[tuple[str, str]]) -> None:
+        self.kind, self.log = kind, log
+
+    def freeze(self) -> None:
+        self.log.append(("freeze", self.kind))
+
+    def thaw(self) -> None:
+        self.log.append(("thaw", self.kind))
+
+
+def _stage(run: Any, log: list[tuple[str, str]]) -> Any:
+    modes = {"plain": ["plain"], "pushkv": ["push-client", "push"],
+             "nixl-push": ["vllm-push-client"]}
+
+    async def settle(name: str) -> None:
+        log.append(("settle", name))
+
+    return run.Stage({k: _Freezer(k, log) for k in modes}, modes, settle)
+
+
+def _running(log: list[tuple[str, str]]) -> set[str]:
+    """The deployments not stopped after ``log`` (all start stopped)."""
+    up: set[str] = set()
+    for what, kind in log:
+        if what == "thaw":
+            up.add(kind)
+        elif what == "freeze":
+            up.discard(kind)
+    return up
+
+
+def test_a_stage_runs_one_deployment_and_settles_each_mode_after_its_thaw(run):
+    import asyncio
+
+    log: list[tuple[str, str]] = []
+    stage = _stage(run, log)
+    stage.freeze_all()
+    log.clear()
+    for kind in ["plain", "pushkv", "pushkv", "plain", "nixl-push"]:
+        asyncio.run(stage.enter(kind))
+        assert _running(log) == {kind} and stage.running == kind
+    assert stage.thaws == 4  # entering the running deployment again is a no-op
+    assert log == [("thaw", "plain"), ("settle", "plain"),
+                   ("freeze", "plain"), ("thaw", "pushkv"),
+                   ("settle", "push-client"), ("settle", "push"),
+                   ("freeze", "pushkv"), ("thaw", "plain"), ("settle", "plain"),
+                   ("freeze", "plain"), ("thaw", "nixl-push"),
+                   ("settle", "vllm-push-client")]
+    stage.thaw_all()
+    assert _running(log) == {"plain", "pushkv", "nixl-push"} and stage.running is None
+
+
+def test_a_stage_orders_modes_by_deployment_one_thaw_per_deployment(run):
+    stage = _stage(run, [])
+    names = ["plain", "push-client", "push"]
+    assert stage.order(names, 0) == ["plain", "push-client", "push"]
+    assert stage.order(names, 1) == ["push", "push-client", "plain"]
+    assert stage.order(names, 2) == ["plain", "push-client", "push"]
+    # prompt after prompt, the deployment changes once per prompt
+    flat = [n for i in range(6) for n in stage.order(names, i)]
+    kinds = ["plain" if n == "plain" else "pushkv" for n in flat]
+    assert sum(a != b for a, b in zip(kinds, kinds[1:])) == 6
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("load", ["seq", "conc"])
+def test_in_turns_every_request_runs_with_only_its_own_deployment_up(
+        run, monkeypatch, interleave, load):
+    """serve_round with a stage: plain's requests run with every pair stopped, each
+    pair's with plain stopped; outputs are still checked against plain's."""
+    import asyncio
+    from types import SimpleNamespace
+
+    log: list[tuple[str, str]] = []
+    stage = _stage(run, log)
+    stage.freeze_all()
+    seen: list[tuple[str, frozenset[str]]] = []
+
+    async def fake_run_mode(client, ep, batch, max_tokens, concurrent):
+        seen.append((ep.mode.name, frozenset(_running(log))))
+        return [run.Result(0.1, 0.01, 0.001, tokens=list(p[:2])) for p in batch]
+
+    monkeypatch.setattr(run, "run_mode", fake_run_mode)
+    kind = {"plain": "plain", "push-client": "pushkv", "push": "pushkv"}
+    eps = {n: SimpleNamespace(mode=SimpleNamespace(name=n), dep=SimpleNamespace(kind=k))
+           for n, k in kind.items()}
+    args = SimpleNamespace(interleave=interleave, output_len=4)
+    batch = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    failures: list[str] = []
+    recs = asyncio.run(run.serve_round(None, eps, stage.order(list(eps), 1), args, load,
+                                       batch, 1, "turns", failures, turn="pushkv",
+                                       stage=stage))
+    assert not failures and len(recs) == 3 * len(batch)
+    assert all(r["same_as_plain"] and r["turn"] == "pushkv" for r in recs)
+    assert {name for name, _ in seen} == set(kind)
+    for name, up in seen:
+        assert up == {kind[name]}, (name, up)
+
+
 def _state(pid: int) -> str:
     """The process's state letter from /proc (T: stopped)."""
     from pathlib import Path

@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -436,14 +436,69 @@ def rotated(xs: list[str], k: int) -> list[str]:
     return xs[k:] + xs[:k]
 
 
+class Stage:
+    """The one deployment that runs (``--phases turns``), every other one frozen, the
+    plain server's included. Before a mode serves, :meth:`enter` makes its deployment
+    the running one: it freezes the one that ran and thaws this one, and ``settle``
+    sends the thawed deployment's first request per mode (it pays for the pause:
+    timers overdue, connections woken). So plain's requests run with every pair
+    stopped, and no connector's idle pair slows the baseline its overhead is taken
+    against: a thawed, idle ``NixlPushConnector`` pair slowed plain's requests by 2-8 ms
+    here, which made vLLM push's overhead look that much smaller."""
+
+    def __init__(self, freezers: dict[str, Freezer], modes: dict[str, list[str]],
+                 settle: Callable[[str], Awaitable[None]]) -> None:
+        self.freezers, self.modes, self.settle = freezers, modes, settle
+        self.running: str | None = None
+        self.thaws = 0
+
+    def freeze_all(self) -> None:
+        for freezer in self.freezers.values():
+            freezer.freeze()
+        self.running = None
+
+    def thaw_all(self) -> None:
+        for freezer in self.freezers.values():
+            freezer.thaw()
+        self.running = None
+
+    async def enter(self, kind: str) -> None:
+        """``kind``'s deployment running, every other frozen; a no-op if it already runs."""
+        if kind == self.running:
+            return
+        if self.running is not None:
+            self.freezers[self.running].freeze()
+        self.running = None
+        self.freezers[kind].thaw()
+        self.running = kind
+        self.thaws += 1
+        for name in self.modes[kind]:
+            await self.settle(name)
+
+    def order(self, names: list[str], k: int) -> list[str]:
+        """``names`` kept together by deployment, the deployments' order and each one's
+        modes rotated by ``k``: one thaw per deployment, not one per mode."""
+        kind_of = {n: kind for kind, ns in self.modes.items() for n in ns}
+        kinds = list(dict.fromkeys(kind_of[n] for n in names))
+        return [n for kind in rotated(kinds, k)
+                for n in rotated([m for m in names if kind_of[m] == kind], k)]
+
+
 async def serve_round(client: Client, eps: dict[str, Endpoint], names: list[str],
                       args: argparse.Namespace, load: str, batch: list[list[int]], it: int,
-                      phase: str, failures: list[str], turn: str | None = None
-                      ) -> list[dict[str, Any]]:
+                      phase: str, failures: list[str], turn: str | None = None,
+                      stage: Stage | None = None) -> list[dict[str, Any]]:
     """One round of ``load`` ("seq" or "conc"): every mode of ``names`` (the first in
     ``names`` leads; order as given) serves ``batch``; the records, each output checked
     against plain's. ``turn``: the deployment whose turn it is (``--phases turns``),
-    kept in each record so that a mode pairs with plain's requests of its own turn."""
+    kept in each record so that a mode pairs with plain's requests of its own turn;
+    ``stage``: each mode's deployment is made the only one running before it serves."""
+
+    async def serve(name: str, part: list[list[int]]) -> list[Result]:
+        if stage is not None:
+            await stage.enter(eps[name].dep.kind)
+        return await run_mode(client, eps[name], part, args.output_len, load == "conc")
+
     n = len(batch)
     got: dict[str, list[Result]] = {}
     slots: list[int] = [-1] * n
@@ -456,12 +511,11 @@ async def serve_round(client: Client, eps: dict[str, Endpoint], names: list[str]
         slots = list(range(n))
         dead: set[str] = set()
         for i, p in enumerate(batch):
-            for name in rotated(names, i):
+            for name in rotated(names, i) if stage is None else stage.order(names, i):
                 if name in dead:
                     continue
                 try:
-                    got[name] += await run_mode(client, eps[name], [p], args.output_len,
-                                                False)
+                    got[name] += await serve(name, [p])
                 except Exception as exc:
                     failures.append(f"{name} {load} round {it}: {exc!r:.200}")
                     print(f"{tag} {name:18s} {load:4s} FAILED: {exc!r:.200}", flush=True)
@@ -475,8 +529,7 @@ async def serve_round(client: Client, eps: dict[str, Endpoint], names: list[str]
     else:
         for name in names:
             try:
-                got[name] = await run_mode(client, eps[name], batch, args.output_len,
-                                           load == "conc")
+                got[name] = await serve(name, batch)
             except Exception as exc:  # reported; the other modes still run
                 failures.append(f"{name} {load} round {it}: {exc!r:.200}")
                 print(f"{tag} {name:18s} {load:4s} FAILED: {exc!r:.200}", flush=True)
@@ -504,14 +557,19 @@ async def serve_round(client: Client, eps: dict[str, Endpoint], names: list[str]
     return records
 
 
+async def discovered(client: Client, ep: Endpoint) -> None:
+    """A client-dispatched pushkv mode knows its prefill's endpoint (asked once)."""
+    if ep.target.dispatch == "pushkv" and ep.target.endpoint is None:
+        await client.discover(ep.target)
+
+
 async def warm(client: Client, eps: list[Endpoint], args: argparse.Namespace,
                rng: random.Random) -> None:
     """Handshakes, first allocations, and a concurrent batch of the measured size and
     length, so the engines have met every batch size before the first round (the first
     rounds were the slowest of a run without it)."""
     for ep in eps:
-        if ep.target.dispatch == "pushkv" and ep.target.endpoint is None:
-            await client.discover(ep.target)
+        await discovered(client, ep)
         batch = prompts(2 + args.conc_requests, args.input_len, rng)
         await run_mode(client, ep, batch[:2], 4, concurrent=False)
         await run_mode(client, ep, batch[2:], args.output_len, concurrent=True)
@@ -521,9 +579,10 @@ async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str
                   phase: str, rng: random.Random, failures: list[str],
                   turns: dict[str, Freezer] | None = None) -> list[dict[str, Any]]:
     """Every round of one phase. With ``turns`` (``--phases turns``: deployment -> its
-    :class:`Freezer`), the deployments take turns within each round: one is thawed, its
-    modes and plain serve the round's prompts, it is frozen again, the next one's turn
-    (order rotated per round); the records carry their ``turn``."""
+    :class:`Freezer`, plain's too), the pairs take turns within each round (order
+    rotated per round): in a pair's turn its modes and plain serve the round's prompts,
+    each with only its own deployment running (:class:`Stage`); the records carry the
+    ``turn``. Every deployment runs again when the rounds are done."""
     names = list(eps)
     records: list[dict[str, Any]] = []
 
@@ -534,38 +593,37 @@ async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str
         if turns is None:
             await warm(client, list(eps.values()), args, rng)
         else:
-            for freezer in turns.values():
-                freezer.freeze()
-            await warm(client, [eps[n] for n in modes_of("plain")], args, rng)
-            for kind, freezer in turns.items():
-                with freezer:
-                    await warm(client, [eps[n] for n in modes_of(kind)], args, rng)
-        for it in range(args.iters):
-            batches = [(load, prompts(n, args.input_len, rng))
-                       for load, n in (("seq", args.seq_requests),
-                                       ("conc", args.conc_requests))
-                       if n > 0]  # e.g. --seq-requests 0: concurrent rounds only
-            if turns is None:
-                order = rotated(names, it)
-                for load, batch in batches:
-                    records += await serve_round(client, eps, order, args, load, batch, it,
-                                                 phase, failures)
-                continue
-            for kind in rotated(list(turns), it):
-                order = rotated([n for n in names if eps[n].dep.kind in ("plain", kind)], it)
-                with turns[kind]:
-                    try:  # the first request after a thaw pays for the pause (timers)
-                        for n in modes_of(kind):
-                            await run_mode(client, eps[n], prompts(1, args.input_len, rng),
-                                           2, False)
-                    except Exception as exc:  # reported; the next turn still runs
-                        failures.append(f"{kind} thaw round {it}: {exc!r:.200}")
-                        print(f"[{phase}/{kind} iter {it}] FAILED after the thaw: "
-                              f"{exc!r:.200}", flush=True)
-                        continue
+            async def settle(name: str) -> None:
+                await discovered(client, eps[name])
+                await run_mode(client, eps[name], prompts(1, args.input_len, rng), 2, False)
+
+            stage = Stage(turns, {kind: modes_of(kind) for kind in turns}, settle)
+            stage.freeze_all()
+            for kind in turns:
+                await stage.enter(kind)
+                await warm(client, [eps[n] for n in modes_of(kind)], args, rng)
+        try:
+            for it in range(args.iters):
+                batches = [(load, prompts(n, args.input_len, rng))
+                           for load, n in (("seq", args.seq_requests),
+                                           ("conc", args.conc_requests))
+                           if n > 0]  # e.g. --seq-requests 0: concurrent rounds only
+                if turns is None:
+                    order = rotated(names, it)
                     for load, batch in batches:
                         records += await serve_round(client, eps, order, args, load, batch,
-                                                     it, phase, failures, turn=kind)
+                                                     it, phase, failures)
+                    continue
+                for kind in rotated([k for k in turns if k != "plain"], it):
+                    order = stage.order([n for n in names
+                                         if eps[n].dep.kind in ("plain", kind)], it)
+                    for load, batch in batches:
+                        records += await serve_round(client, eps, order, args, load, batch,
+                                                     it, phase, failures, turn=kind,
+                                                     stage=stage)
+        finally:
+            if turns is not None:
+                stage.thaw_all()
     return records
 
 
@@ -748,7 +806,7 @@ def main() -> int:
             if args.phases == "turns":
                 turns = {kind: Freezer(deps[kind], [ep for ep in eps.values()
                                                     if ep.dep.kind == kind])
-                         for kind in phase if kind != "plain" and kind in deps}
+                         for kind in phase if kind in deps}
             try:
                 try:
                     records += asyncio.run(measure(args, eps, str(model), label, rng, failures,
