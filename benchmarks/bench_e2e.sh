@@ -5,7 +5,8 @@
 # off): pushkv (PushKVConnector), vLLM's NixlPushConnector and NixlConnector
 # (pull), and plain servers (no disaggregation), kept up while each connector's
 # pair comes up in turn (--phases: each, auto, all, turns, groups; turns: every
-# pair up, all but one stopped with SIGSTOP, deployments taking turns each round).
+# deployment up, each request served with all but its own stopped (SIGSTOP),
+# pairs taking turns each round).
 # Every NIXL progress thread sleeps --delay-us between polls and every
 # transport thread stays on its server's core (pushkv/vllm/cpu_tuning fixes vLLM's).
 # Modes (benchmarks/e2e/modes.py): each connector with both legs sent by the

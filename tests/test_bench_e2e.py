@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -211,7 +212,7 @@ def test_a_stage_orders_modes_by_deployment_one_thaw_per_deployment(run):
     # prompt after prompt, the deployment changes once per prompt
     flat = [n for i in range(6) for n in stage.order(names, i)]
     kinds = ["plain" if n == "plain" else "pushkv" for n in flat]
-    assert sum(a != b for a, b in zip(kinds, kinds[1:])) == 6
+    assert sum(a != b for a, b in itertools.pairwise(kinds)) == 6
 
 
 @pytest.mark.parametrize("interleave", [True, False])

@@ -740,9 +740,10 @@ def main() -> int:
                    "pushkv's and vLLM push's pairs at once, then with each other connector's; "
                    "all: every deployment at once; turns: every deployment up at once, "
                    "but each round's requests served deployment by deployment (order "
-                   "rotated per round) with every other pair stopped (SIGSTOP: it takes no "
-                   "CPU), plain beside each, so the connectors are measured seconds apart "
-                   "without an idle neighbour's cost (about 18 GiB for plain, pushkv and "
+                   "rotated per round), plain in each pair's turn, every request with "
+                   "only its own deployment running and the others stopped (SIGSTOP: no "
+                   "CPU), so the connectors are measured seconds apart and no idle "
+                   "neighbour slows a mode or plain (about 18 GiB for plain, pushkv and "
                    "vLLM push); or "
                    "groups of deployments, e.g. 'pushkv+nixl-pull,nixl-push' (the plain "
                    "server is in every group): modes of one group alternate round by round")
