@@ -260,7 +260,9 @@ def _state(pid: int) -> str:
 def _wait_for(procs: list[Any], stopped: bool, timeout_s: float = 60.0) -> None:
     """Block until every child in ``procs`` reported being stopped (or continued): the
     kernel's SIGCHLD wakes the wait, waitid tells whose state changed (SIGCHLD must be
-    blocked, so that it stays pending until waited for)."""
+    blocked, so that it stays pending until waited for). Another thread of the process
+    that does not block it may take the signal instead, so the wait also rechecks every
+    50 ms until the deadline."""
     import os
     import signal
     import time
@@ -271,7 +273,7 @@ def _wait_for(procs: list[Any], stopped: bool, timeout_s: float = 60.0) -> None:
         while os.waitid(os.P_PID, p.pid, flag) is None:
             left = deadline - time.monotonic()
             assert left > 0, f"states {[_state(q.pid) for q in procs]}"
-            signal.sigtimedwait({signal.SIGCHLD}, left)
+            signal.sigtimedwait({signal.SIGCHLD}, min(left, 0.05))
         os.waitid(os.P_PID, p.pid, flag & ~os.WNOWAIT)  # consume this report
         assert (_state(p.pid) == "T") == stopped
 

@@ -590,39 +590,40 @@ async def measure(args: argparse.Namespace, eps: dict[str, Endpoint], model: str
         return [n for n in names if eps[n].dep.kind == kind]
 
     async with Client(model) as client:
-        if turns is None:
-            await warm(client, list(eps.values()), args, rng)
-        else:
-            async def settle(name: str) -> None:
-                await discovered(client, eps[name])
-                await run_mode(client, eps[name], prompts(1, args.input_len, rng), 2, False)
+        async def settle(name: str) -> None:
+            await discovered(client, eps[name])
+            await run_mode(client, eps[name], prompts(1, args.input_len, rng), 2, False)
 
-            stage = Stage(turns, {kind: modes_of(kind) for kind in turns}, settle)
-            stage.freeze_all()
-            for kind in turns:
-                await stage.enter(kind)
-                await warm(client, [eps[n] for n in modes_of(kind)], args, rng)
+        stage = None if turns is None else Stage(
+            turns, {kind: modes_of(kind) for kind in turns}, settle)
         try:
+            if stage is None:
+                await warm(client, list(eps.values()), args, rng)
+            else:
+                stage.freeze_all()
+                for kind in stage.freezers:
+                    await stage.enter(kind)
+                    await warm(client, [eps[n] for n in modes_of(kind)], args, rng)
             for it in range(args.iters):
                 batches = [(load, prompts(n, args.input_len, rng))
                            for load, n in (("seq", args.seq_requests),
                                            ("conc", args.conc_requests))
                            if n > 0]  # e.g. --seq-requests 0: concurrent rounds only
-                if turns is None:
+                if stage is None:
                     order = rotated(names, it)
                     for load, batch in batches:
                         records += await serve_round(client, eps, order, args, load, batch,
                                                      it, phase, failures)
                     continue
-                for kind in rotated([k for k in turns if k != "plain"], it):
+                for kind in rotated([k for k in stage.freezers if k != "plain"], it):
                     order = stage.order([n for n in names
                                          if eps[n].dep.kind in ("plain", kind)], it)
                     for load, batch in batches:
                         records += await serve_round(client, eps, order, args, load, batch,
                                                      it, phase, failures, turn=kind,
                                                      stage=stage)
-        finally:
-            if turns is not None:
+        finally:  # a failed warm-up included: nothing is left stopped
+            if stage is not None:
                 stage.thaw_all()
     return records
 
