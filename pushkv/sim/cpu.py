@@ -100,3 +100,9 @@ class SharedCores:
             self._schedule()
 
         self.env.timeout(wait).callbacks.append(fire)
+
+
+def work(env: simpy.Environment, cores: SharedCores | None, seconds: float) -> simpy.Event:
+    """``seconds`` of one process's work: on the host's shared ``cores`` when the profile
+    has them (``control.host_cores``), else simply that long."""
+    return cores.run(seconds) if cores is not None else env.timeout(seconds)

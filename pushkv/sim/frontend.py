@@ -29,7 +29,7 @@ from typing import Any
 
 import simpy
 
-from .cpu import SharedCores
+from .cpu import SharedCores, work
 from .request import SimRequest
 
 #: cores a P/D pair of the measured deployment pins an engine to (one each)
@@ -76,8 +76,7 @@ class Frontend:
             yield slot
             self.waited_s += self.env.now - t0
             if service_s > 0:  # a frontend process's work, on the host's cores if shared
-                yield (self.host.run(service_s) if self.host is not None
-                       else self.env.timeout(service_s))
+                yield work(self.env, self.host, service_s)
         if wait_s > 0:
             yield self.env.timeout(wait_s)
         self.busy_s += service_s

@@ -64,7 +64,7 @@ from ..protocol import (
 from ..protocol.messages import MAX_HEARTBEAT_ITEMS
 from ..protocol.packing import PackingConfig
 from .costs import post_s
-from .cpu import SharedCores
+from .cpu import SharedCores, work
 from .marks import Timeline
 from .network import Network
 from .packing import SIM_PACKING, StagingLedger
@@ -333,7 +333,7 @@ class SimTransport:
     def _work(self, seconds: float) -> simpy.Event:
         """``seconds`` of an engine's work: on the host's shared cores (``cpu``,
         ``control.host_cores``), else that long."""
-        return self.cpu.run(seconds) if self.cpu is not None else self.env.timeout(seconds)
+        return work(self.env, self.cpu, seconds)
 
     # ------------------------------------------------------------------ deaths
 
