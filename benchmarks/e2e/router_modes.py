@@ -11,13 +11,12 @@ Three rows for :data:`modes.MODES`, one per connector, each behind the same
 
 :func:`router_verdict` adds ``router_pushkv_vs_pull`` (median latency of
 router-pushkv over router-pull; at most 1 means pushkv is no slower) to the
-run's last JSON line. Standard library only; no import of :mod:`modes`.
+run's last JSON line. No import of :mod:`modes`.
 """
 
 from __future__ import annotations
 
 import shutil
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,19 +34,15 @@ def router_binary() -> str:
     return shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def vllm_router(a: Any) -> list[str]:
     """The router's command line for a :class:`modes.RouterArgs` (each router its own
     metrics port: by default they all bind 29000, so a second one would not start)."""
+    from pushkv.vllm.testing import free_port
+
     return [router_binary(), "--vllm-pd-disaggregation", "--kv-connector", "nixl",
             "--prefill", a.prefill_url, "--decode", a.decode_url,
             "--host", "127.0.0.1", "--port", str(a.port), "--policy", "round_robin",
-            "--prometheus-port", str(_free_port()), "--log-level", "warning"]
+            "--prometheus-port", str(free_port()), "--log-level", "warning"]
 
 
 def router_verdict(lat: dict[tuple[str, str], float]) -> dict[str, Any]:

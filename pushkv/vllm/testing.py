@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -130,10 +131,56 @@ def write_word_tokenizer(path: str | os.PathLike[str]) -> Path:
     return out
 
 
+#: the ports :func:`free_port` handed out in this process (never handed out twice)
+_HANDED_OUT: set[int] = set()
+#: the lowest port :func:`free_port` picks
+_FIRST_PORT = 10000
+#: Linux's default ``ip_local_port_range``, where the file cannot be read
+_EPHEMERAL_DEFAULT = (32768, 60999)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for implicit binds (outgoing connections, port 0)."""
+    try:
+        lo, hi = (int(x) for x in
+                  Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+    return lo, hi
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port of 127.0.0.1 that is free now, for a server started later.
+
+    Not one the kernel picks for port 0: those are ephemeral ports, and until the
+    server binds it any outgoing connection on the host (another server's HTTP
+    client, a ZMQ socket) may take it as its local port -- vLLM's NIXL side channel
+    then dies with 'Address already in use' and its engine never becomes healthy.
+    So a random port below the ephemeral range (:func:`ephemeral_ports`), where
+    nothing is bound implicitly, that binds now and that this process has not handed
+    out before; where the range leaves no room below it, the kernel's pick."""
+    lo, _ = ephemeral_ports()
+    rng = random.SystemRandom()
+    if lo - _FIRST_PORT >= 1000:
+        for _ in range(1000):
+            port = rng.randrange(_FIRST_PORT, lo)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free TCP port on 127.0.0.1")
 
 
 def kv_transfer_config(role: str, engine_id: str, side_channel_port: int | None = None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from pushkv.transports.runtime_handshake import (
     Handshakes,
     HandshakeState,
 )
+from pushkv.vllm.testing import free_port
 
 S, In, E = HandshakeState, HandshakeInput, Effect
 
@@ -130,12 +130,6 @@ def _events_until(rt: object, done: object, timeout_s: float = 20.0) -> list[obj
     return seen
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.nixl
 def test_an_answer_after_the_deadline_is_counted_logged_and_the_next_attempt_connects(
         caplog: pytest.LogCaptureFixture) -> None:
@@ -149,7 +143,7 @@ def test_an_answer_after_the_deadline_is_counted_logged_and_the_next_attempt_con
     from pushkv.transports.inmemory import region_memory
     from pushkv.transports.nixl import NixlConfig, NixlRuntime
 
-    port = _free_port()  # the producer binds it only after the deadline
+    port = free_port()  # the producer binds it only after the deadline
     c_info, p_info = uniform_ranks("decode-late")[0], uniform_ranks("prefill-late")[0]
     cons = NixlRuntime(c_info, region_memory(c_info.layout), role="consumer",
                        consumer_config=ConsumerConfig(handshake_timeout_s=0.5))
