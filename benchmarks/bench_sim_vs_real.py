@@ -16,7 +16,11 @@ Around each point, *gauges* (``--gauge N``): N lone requests through the same ro
 at the point's lengths just before and just after it (:func:`gauge`); and once per
 deployment, where a lone request's CPU goes (:func:`cores_busy`, from ``/proc``).
 Result files: ``OUT/real/{mode}_qps{q}_in{i}_out{o}_iter{n}.json``. Points already
-in ``OUT/real`` are not run again (an interrupted run resumes).
+in ``OUT/real`` are not run again (an interrupted run resumes; so does one whose
+deployment failed to start, run again with the same ``--out`` and ``--profile``).
+Four iterations by default: on this shared machine a few requests of a point stall
+for tens to hundreds of milliseconds, so one iteration's real mean TTFT can be
+twice the next one's at the same point.
 
 **Simulated half**: ``pushkv.sim`` with the measured profile
 (``pushkv/sim/profiles/cpu-tiny.toml``) at the same points -- same modes, number
@@ -37,14 +41,19 @@ writes has it from the machine's cores).
 each point's interval in ``time.monotonic()`` is kept in ``cpu_probe.json``), the
 simulated half records the same marks per point (``OUT/sim-timeline/<way>/<point>/``,
 :mod:`pushkv.sim.marks`); for every point both recorded, a table of each segment's
-real and simulated median / p90 (:mod:`pushkv.sim.segments`).
+real and simulated median / p90 (:mod:`pushkv.sim.segments`). Then, per mode and
+rate, the points' requests grouped by how many others overlapped them on the way to
+their first token, real against the gauge way (:func:`overlap_tables`): where
+the two agree on requests served alone, a gap that grows with the overlap is the
+load's cost the model leaves out.
 
 Prints a table of sim/real ratios per way (mean and median TTFT and TPOT, per
 point and mode, iterations averaged), the segment tables, and, last, one JSON
 object for the headline way (``"way"``: gauge, else probe): ``ttft_ratio_min``, ``ttft_ratio_max``,
 ``tpot_ratio_min``, ``tpot_ratio_max``, ``points`` (the per-point ratios, and the
 other two ways' ranges under ``own_cores`` and ``server_steps``), ``segments``
-(per way and point, each segment's real and simulated median in ms). Figures (``--figures DIR``, or
+(per way and point, each segment's real and simulated median in ms), ``by_overlap``
+(the groups' rows). Figures (``--figures DIR``, or
 ``pushkv plot --results-dir OUT/real --overlay OUT/sim --labels real sim --metric ttft``).
 
     PYTHONPATH=. python benchmarks/bench_sim_vs_real.py --out /tmp/simreal
@@ -503,6 +512,40 @@ def segment_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
     return "\n\n".join(texts), out
 
 
+def overlap_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]],
+                   cap: int = 2) -> tuple[str, dict[str, list[dict[str, Any]]]]:
+    """Per mode and rate, the points' requests pooled over lengths and iterations:
+    'legs out -> first token' grouped by how many other requests overlapped it
+    (:func:`pushkv.sim.segments.by_overlap`), real against simulated -- whether the two
+    agree on a request served alone and part ways on what a neighbour costs it. The
+    text and ``{"<mode>_qps<rate>": [row, ...]}``."""
+    from dataclasses import asdict
+
+    from pushkv.sim import segments
+
+    pooled: dict[str, tuple[dict[int, list[float]], dict[int, list[float]]]] = {}
+    for fname, got in sorted(shares.items()):
+        m, window = NAME.match(fname), got.get("window")
+        sim_dir = timelines / Path(fname).stem
+        if m is None or m["mode"] not in MODES or not window or not sim_dir.is_dir():
+            continue
+        name, deployment = MODES[m["mode"]]
+        real_dirs = [real / "timeline" / name, real / "timeline" / deployment]
+        if not all(d.is_dir() for d in real_dirs):
+            continue
+        both = pooled.setdefault(f"{m['mode']}_qps{float(m['qps']):g}", ({}, {}))
+        for side, reqs in zip(both, (segments.load(real_dirs, (window[0], window[1])),
+                                     segments.load([sim_dir])), strict=True):
+            for g, xs in segments.by_overlap(reqs, cap=cap).items():
+                side.setdefault(g, []).extend(xs)
+    texts, out = [], {}
+    for key, (r, s) in sorted(pooled.items()):
+        rows = segments.overlap_rows(r, s)
+        texts.append(f"{key}:\n\n{segments.overlap_table(rows, cap=cap)}")
+        out[key] = [asdict(row) for row in rows]
+    return "\n\n".join(texts), out
+
+
 def real_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
               ) -> dict[str, dict[str, float]]:
     """The keys the real half's own marks measure (requests that ran alone, each point's
@@ -668,7 +711,9 @@ def main() -> int:
     p.add_argument("--inputs", type=ints, default=[64, 192], help="input lengths")
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--output-len", type=int, default=24)
-    p.add_argument("--iterations", type=int, default=2)
+    p.add_argument("--iterations", type=int, default=4,
+                   help="iterations per point (default 4: a 24-prompt point's real mean TTFT "
+                        "moves with the machine's stalls, one iteration's by up to 2x)")
     p.add_argument("--modes", type=lambda t: t.split(","), default=["push", "pull"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=3,
@@ -806,9 +851,16 @@ def main() -> int:
             if text:
                 print("\nSegment by segment, the gauges' profiles (real / simulated, ms):\n")
                 print(text)
+            text, by_overlap = overlap_tables(real, timelines / "gauge", shares)
+            if text:
+                print("\n'legs out -> first token' by how many requests overlapped it, the "
+                      "gauges' profiles (the points' requests pooled per mode and rate; "
+                      "real: the router's first token, simulated: the client's):\n")
+                print(text)
             summary[way] = {k: summary[k] for k in keys}  # kept beside the headline
             summary = gauge_summary | {way: summary[way]}
             summary["gauge_keys"] = {"run": run_keys, "points": per_point}
+            summary["by_overlap"] = by_overlap
             sim, way = gauged, "gauge"
     if shares and any("engine" in v for v in shares.values()):
         steps = args.out / "sim-server-steps"

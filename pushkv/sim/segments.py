@@ -14,6 +14,13 @@ the run); marks of later directories -- the servers', shared by every mode and r
 against them -- count only for those requests. ``--window T0 T1`` (``time.monotonic``
 seconds) keeps the requests whose legs left in that interval (one point of a run);
 ``--alone`` the requests that had the deployment to themselves (:func:`alone`).
+
+:func:`by_overlap` groups the requests by how many others were in flight on their
+way to the first token (:func:`overlaps`), so a comparison can tell whether the
+two sides agree on a request served alone and part ways on how much a neighbour
+costs it (:func:`overlap_rows`)::
+
+    python -m pushkv.sim.segments --real ... --sim ... --by-overlap
 """
 
 from __future__ import annotations
@@ -64,6 +71,81 @@ def alone(requests: Mapping[str, Mapping[str, float]]) -> Requests:
             out[k] = dict(requests[k])
         ended = max(ended, t1)
     return out
+
+
+def overlaps(requests: Mapping[str, Mapping[str, float]], *,
+             end: str = "last_token") -> dict[str, int]:
+    """Per request with ``legs_sent``, ``first_token`` and ``end`` marks: how many of the
+    others were in flight (from their ``legs_sent`` to their ``end``) at some time
+    between its legs going out and its first token."""
+    spans = [(k, r["legs_sent"], r["first_token"], r[end]) for k, r in requests.items()
+             if "legs_sent" in r and "first_token" in r and end in r]
+    return {k: sum(1 for k2, s2, _, e2 in spans if k2 != k and s2 < first and e2 > sent)
+            for k, sent, first, _ in spans}
+
+
+def by_overlap(requests: Mapping[str, Mapping[str, float]], *, cap: int = 2,
+               end: str = "last_token") -> dict[int, list[float]]:
+    """'legs out -> first token' (ms) of each request of :func:`overlaps`, grouped by its
+    overlap count, counts above ``cap`` in the group ``cap``."""
+    if cap < 0:
+        raise ValueError(f"cap must be >= 0, got {cap}")
+    out: dict[int, list[float]] = {}
+    for k, n in overlaps(requests, end=end).items():
+        r = requests[k]
+        out.setdefault(min(n, cap), []).append((r["first_token"] - r["legs_sent"]) * 1e3)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class OverlapRow:
+    """'legs out -> first token' of the requests that overlapped ``overlap`` others (the
+    last group: that many or more), both sides (ms); a ratio is None without both."""
+
+    overlap: int
+    real_n: int
+    real_median: float
+    real_mean: float
+    sim_n: int
+    sim_median: float
+    sim_mean: float
+    ratio_median: float | None
+    ratio_mean: float | None
+
+
+def overlap_rows(real: Mapping[int, Sequence[float]],
+                 sim: Mapping[int, Sequence[float]]) -> list[OverlapRow]:
+    """A row per overlap group either side has (:func:`by_overlap`), in order."""
+    def stats(xs: Sequence[float]) -> tuple[int, float, float]:
+        return ((len(xs), statistics.median(xs), statistics.fmean(xs)) if xs
+                else (0, math.nan, math.nan))
+
+    rows = []
+    for g in sorted(set(real) | set(sim)):
+        rn, rm, ra = stats(real.get(g, ()))
+        sn, sm, sa = stats(sim.get(g, ()))
+        rows.append(OverlapRow(g, rn, round(rm, 3), round(ra, 3), sn, round(sm, 3),
+                               round(sa, 3), _ratio(sm, rm), _ratio(sa, ra)))
+    return rows
+
+
+def overlap_table(rows: Sequence[OverlapRow], cap: int | None = None) -> str:
+    """Markdown: overlap, requests, real median / mean, sim median / mean, ratios; the
+    group ``cap`` reads "cap+"."""
+    def num(x: float) -> str:
+        return "-" if math.isnan(x) else f"{x:.1f}"
+
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = ["| overlapped | requests real / sim | real median / mean (ms) | "
+             "sim median / mean (ms) | sim/real median / mean |", "|---|---|---|---|---|"]
+    for r in rows:
+        g = f"{r.overlap}+" if cap is not None and r.overlap == cap else str(r.overlap)
+        lines.append(f"| {g} | {r.real_n} / {r.sim_n} | {num(r.real_median)} / "
+                     f"{num(r.real_mean)} | {num(r.sim_median)} / {num(r.sim_mean)} | "
+                     f"{ratio(r.ratio_median)} / {ratio(r.ratio_mean)} |")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="only real requests whose legs left between T0 and T1")
     p.add_argument("--alone", action="store_true",
                    help="only the requests that ran alone, on both sides (low load)")
+    p.add_argument("--by-overlap", action="store_true",
+                   help="'legs out -> first token' by how many requests each overlapped")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = p.parse_args(argv)
     window = (args.window[0], args.window[1]) if args.window else None
@@ -140,6 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for side, reqs in (("--real", real), ("--sim", sim)):
         if not reqs:
             p.error(f"{side}: no timeline marks found")
+    if args.by_overlap:
+        orows = overlap_rows(by_overlap(real), by_overlap(sim))
+        print(json.dumps([asdict(r) for r in orows]) if args.json
+              else overlap_table(orows, cap=2))
+        return 0
     rows = compare(real, sim)
     print(json.dumps(as_json(rows)) if args.json else table(rows))
     return 0

@@ -124,3 +124,78 @@ def test_alone_keeps_the_requests_nothing_overlapped() -> None:
             "d": {"legs_sent": 6.0, "last_token": 7.0},
             "e": {"legs_sent": 8.0, "last_token": 9.0}, "f": {}}
     assert set(segments.alone(reqs)) == {"a", "d", "e"}
+
+
+def test_overlaps_count_the_requests_in_flight_before_the_first_token() -> None:
+    reqs = {"a": {"legs_sent": 0.0, "first_token": 1.0, "last_token": 4.0},
+            "b": {"legs_sent": 2.0, "first_token": 3.0, "last_token": 5.0},  # a in flight
+            "c": {"legs_sent": 4.5, "first_token": 6.0, "last_token": 7.0},  # b in flight
+            "d": {"legs_sent": 8.0, "first_token": 9.0, "last_token": 10.0},  # alone
+            "e": {"legs_sent": 8.5, "last_token": 9.5}}  # no first token: not counted
+    # a: b started before a's first token? no (2.0 > 1.0); b: a; c: b (ends 5.0 > 4.5)
+    assert segments.overlaps(reqs) == {"a": 0, "b": 1, "c": 1, "d": 0}
+    assert segments.overlaps(reqs, end="first_token") == {"a": 0, "b": 0, "c": 0, "d": 0}
+    groups = segments.by_overlap(reqs)
+    assert sorted(groups) == [0, 1]
+    assert sorted(groups[0]) == pytest.approx([1000.0, 1000.0])
+    assert sorted(groups[1]) == pytest.approx([1000.0, 1500.0])
+
+
+def test_by_overlap_caps_the_count() -> None:
+    """Four requests in flight together: each overlapped three, all in the capped group."""
+    reqs = {k: {"legs_sent": i * 0.1, "first_token": 1.0 + i * 0.1, "last_token": 2.0}
+            for i, k in enumerate("abcd")}
+    assert set(segments.overlaps(reqs).values()) == {3}
+    assert list(segments.by_overlap(reqs, cap=2)) == [2]
+    assert list(segments.by_overlap(reqs, cap=0)) == [0]
+    with pytest.raises(ValueError, match="cap"):
+        segments.by_overlap(reqs, cap=-1)
+
+
+def test_overlap_rows_compare_the_groups_either_side_has() -> None:
+    rows = segments.overlap_rows({0: [10.0, 20.0, 30.0], 1: [40.0]}, {0: [10.0, 30.0], 2: [5.0]})
+    assert [r.overlap for r in rows] == [0, 1, 2]
+    zero, one, two = rows
+    assert (zero.real_n, zero.real_median, zero.real_mean) == (3, 20.0, 20.0)
+    assert (zero.sim_n, zero.sim_median, zero.sim_mean) == (2, 20.0, 20.0)
+    assert zero.ratio_median == zero.ratio_mean == 1.0
+    assert one.sim_n == 0 and one.ratio_median is None and one.ratio_mean is None
+    assert two.real_n == 0 and two.ratio_mean is None
+    text = segments.overlap_table(rows, cap=2)
+    assert "| 0 | 3 / 2 | 20.0 / 20.0 | 20.0 / 20.0 | 1.00 / 1.00 |" in text
+    assert "| 1 | 1 / 0 | 40.0 / 40.0 | - / - | - / - |" in text
+    assert "| 2+ | 0 / 1 |" in text
+
+
+def test_the_cli_by_overlap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    router, _ = _real(tmp_path)
+    assert segments.main(["--real", str(router), "--sim", str(router), "--by-overlap",
+                          "--json"]) == 0
+    # a, b and c have no last token: no request to group, on either side
+    assert json.loads(capsys.readouterr().out) == []
+    _write(router, "4", [(r, "last_token", t) for r, t in (("a", 10.1), ("b", 20.1),
+                                                            ("c", 30.1))])
+    assert segments.main(["--real", str(router), "--sim", str(router), "--by-overlap"]) == 0
+    assert "| 0 | 3 / 3 |" in capsys.readouterr().out
+
+
+def test_bench_pools_overlap_groups_per_mode_and_rate(tmp_path: Path) -> None:
+    """The simulated timeline of the committed push point as its own real half: every
+    group agrees, and the text names the point's mode and rate."""
+    bench = bench_sim_vs_real()
+    points, output_len, num_prompts = bench.real_points(DATA)
+    push = [p for p in points if p[0] == "push"]
+    bench.run_sim(bench.PROFILE, tmp_path / "sim", push, output_len, num_prompts,
+                  timelines=tmp_path / "tl")
+    fname = "push_qps2_in64_out24_iter0.json"
+    lines = (tmp_path / "tl" / Path(fname).stem / "timeline-sim.jsonl").read_text()
+    real = tmp_path / "real"
+    for sub in ("push", "pushkv"):
+        (real / "timeline" / sub).mkdir(parents=True)
+        (real / "timeline" / sub / "timeline-1.jsonl").write_text(lines)
+    text, got = bench.overlap_tables(real, tmp_path / "tl", {fname: {"window": [0.0, 1e9]}})
+    assert text.startswith("push_qps2:")
+    rows = got["push_qps2"]
+    assert sum(r["real_n"] for r in rows) == num_prompts
+    assert all(r["real_n"] == r["sim_n"] and r["ratio_median"] == 1.0 for r in rows)
+    assert bench.overlap_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
