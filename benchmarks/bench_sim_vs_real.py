@@ -600,7 +600,7 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     ``network.client_hop_s`` from the gauges' own client latencies
     (:func:`~pushkv.sim.measure_connector.client_hop`), and each engine's
     ``cores_busy`` and decode's ``token_work_s`` as :func:`cores_busy` measured its
-    deployment. Nothing comes from the
+    deployment, the mean over the run's starts of it. Nothing comes from the
     points themselves. MeasurementError when a gauge lacks a segment."""
     from pushkv.sim import segments
     from pushkv.sim.measure import MeasurementError
@@ -657,13 +657,26 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
             keys_of(r, profile, mode="pull", input_len=i, output_len=output_len)
             ["prefill"]["return_s"] for i, r in sorted(by_mode["pull"].items()))
         profile = profile_from_dict(run, base=base)  # type: ignore[arg-type]
+    # cores_busy and token_work_s: measured at each start of a deployment over 24 lone
+    # requests, and noisy (vLLM pull's prefill 3.6-6.7 over one run's four starts); what
+    # the deployment's processes burn while an engine steps is its software's, not the
+    # minute's, so each point gets the mean over the run's starts of its deployment
+    starts: dict[str, dict[str, dict[str, float]]] = {}
+    for fname, got in gauged.items():
+        m = NAME.match(fname)
+        assert m is not None
+        if got.get("cores_busy"):
+            starts.setdefault(m["mode"], {})[m["iter"]] = got["cores_busy"]
+    busy_of = {mode: {k: statistics.fmean(float(b[k]) for b in per.values() if k in b)
+                      for k in sorted({k for b in per.values() for k in b})}
+               for mode, per in starts.items()}
     points: dict[str, dict[str, dict[str, float]]] = {}
     for fname, got in gauged.items():
         m = NAME.match(fname)
         assert m is not None
         keys = keys_of(requests(fname), profile, mode=m["mode"], input_len=int(m["input"]),
                        output_len=output_len)
-        busy = dict(got.get("cores_busy") or {})  # measured per deployment
+        busy = dict(busy_of.get(m["mode"], {}))  # its deployment's, over the run's starts
         if "token_work_s" in busy:
             keys.setdefault("decode", {})["token_work_s"] = float(busy.pop("token_work_s"))
         for side, cores in busy.items():

@@ -150,3 +150,27 @@ def bench_profile():  # type: ignore[no-untyped-def]
     from pushkv.sim.profile import load_profile
 
     return load_profile(bench_sim_vs_real().PROFILE)
+
+
+def test_cores_busy_is_the_mean_over_the_runs_starts_of_a_deployment(tmp_path: Path) -> None:
+    """Each start of a deployment measures what its processes burn while an engine steps
+    (24 lone requests, noisy); every point of the mode gets the mean over the starts."""
+    bench = bench_sim_vs_real()
+    real, shares = _gauged_run(tmp_path)
+    for mode, prefill in (("push", 3.0), ("pull", 5.0)):
+        first = f"{mode}_qps2_in64_out24_iter0.json"
+        second = f"{mode}_qps2_in64_out24_iter1.json"
+        (real / second).write_text((real / first).read_text())
+        shares[second] = json.loads(json.dumps(shares[first]))
+        shares[first]["cores_busy"] = {"prefill": prefill - 1, "decode": 1.2,
+                                       "token_work_s": 0.001}
+        shares[second]["cores_busy"] = {"prefill": prefill + 1, "decode": 1.4,
+                                        "token_work_s": 0.002}
+    _, output_len, _ = bench.real_points(real)
+    per_point, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len)
+    for mode, prefill in (("push", 3.0), ("pull", 5.0)):
+        for it in (0, 1):
+            keys = per_point[f"{mode}_qps2_in64_out24_iter{it}.json"]
+            assert keys["prefill"]["cores_busy"] == pytest.approx(prefill)
+            assert keys["decode"]["cores_busy"] == pytest.approx(1.3)
+            assert keys["decode"]["token_work_s"] == pytest.approx(0.0015)
