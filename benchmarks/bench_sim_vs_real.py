@@ -73,7 +73,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -487,13 +487,13 @@ def compare(real: Path, sim: Path) -> tuple[str, dict[str, Any]]:
     return "\n".join(lines), summary
 
 
-def segment_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]]
-                   ) -> tuple[str, dict[str, dict[str, list[float]]]]:
-    """Per point both halves recorded: the segment table (real median / p90 against the
-    simulated), and ``{point: {segment: [real median, sim median]}}`` (ms)."""
+def compared_points(real: Path, timelines: Path, shares: dict[str, dict[str, Any]]
+                    ) -> Iterator[tuple[str, re.Match[str], Any, Any]]:
+    """Each point both halves recorded, by result file name: the name, its match of
+    :data:`NAME`, the real requests of its window (its router's and pair's marks) and
+    the simulated ones."""
     from pushkv.sim import segments
 
-    texts, out = [], {}
     for fname, got in sorted(shares.items()):
         m, window = NAME.match(fname), got.get("window")
         sim_dir = timelines / Path(fname).stem
@@ -503,8 +503,19 @@ def segment_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
         real_dirs = [real / "timeline" / name, real / "timeline" / deployment]
         if not all(d.is_dir() for d in real_dirs):
             continue
-        rows = segments.compare(segments.load(real_dirs, (window[0], window[1])),
-                                segments.load([sim_dir]))
+        yield (fname, m, segments.load(real_dirs, (window[0], window[1])),
+               segments.load([sim_dir]))
+
+
+def segment_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]]
+                   ) -> tuple[str, dict[str, dict[str, list[float]]]]:
+    """Per point both halves recorded: the segment table (real median / p90 against the
+    simulated), and ``{point: {segment: [real median, sim median]}}`` (ms)."""
+    from pushkv.sim import segments
+
+    texts, out = [], {}
+    for fname, _, real_reqs, sim_reqs in compared_points(real, timelines, shares):
+        rows = segments.compare(real_reqs, sim_reqs)
         if not rows:
             continue
         texts.append(f"{Path(fname).stem}:\n\n{segments.table(rows)}")
@@ -524,18 +535,9 @@ def overlap_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
     from pushkv.sim import segments
 
     pooled: dict[str, tuple[dict[int, list[float]], dict[int, list[float]]]] = {}
-    for fname, got in sorted(shares.items()):
-        m, window = NAME.match(fname), got.get("window")
-        sim_dir = timelines / Path(fname).stem
-        if m is None or m["mode"] not in MODES or not window or not sim_dir.is_dir():
-            continue
-        name, deployment = MODES[m["mode"]]
-        real_dirs = [real / "timeline" / name, real / "timeline" / deployment]
-        if not all(d.is_dir() for d in real_dirs):
-            continue
+    for _, m, real_reqs, sim_reqs in compared_points(real, timelines, shares):
         both = pooled.setdefault(f"{m['mode']}_qps{float(m['qps']):g}", ({}, {}))
-        for side, reqs in zip(both, (segments.load(real_dirs, (window[0], window[1])),
-                                     segments.load([sim_dir])), strict=True):
+        for side, reqs in zip(both, (real_reqs, sim_reqs), strict=True):
             for g, xs in segments.by_overlap(reqs, cap=cap).items():
                 side.setdefault(g, []).extend(xs)
     texts, out = [], {}

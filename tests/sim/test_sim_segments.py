@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +39,19 @@ def _real(tmp: Path) -> tuple[Path, Path]:
                          ("x", "prefill_seen", 40.9)])
     _write(server, "3", [("a", "prefill_seen", 10.100)])  # a later repeat: the first counts
     return router, server
+
+
+def _simulated_push_point(tmp_path: Path) -> tuple[Any, str, str, int]:
+    """bench_sim_vs_real, the committed push point's name, its simulated timeline (the
+    file's text, under ``tmp_path / "tl"``) and its number of prompts."""
+    bench = bench_sim_vs_real()
+    points, output_len, num_prompts = bench.real_points(DATA)
+    push = [p for p in points if p[0] == "push"]
+    bench.run_sim(bench.PROFILE, tmp_path / "sim", push, output_len, num_prompts,
+                  timelines=tmp_path / "tl")
+    fname = "push_qps2_in64_out24_iter0.json"
+    lines = (tmp_path / "tl" / Path(fname).stem / "timeline-sim.jsonl").read_text()
+    return bench, fname, lines, num_prompts
 
 
 def test_real_requests_are_those_of_the_first_directory(tmp_path: Path) -> None:
@@ -93,14 +107,8 @@ def test_bench_compares_each_points_timelines(tmp_path: Path) -> None:
     """The simulated timeline of the committed push point stands in for a real one (its
     router's marks in the mode's directory, the rest in the deployment's): every
     segment's ratio is 1."""
-    bench = bench_sim_vs_real()
-    points, output_len, num_prompts = bench.real_points(DATA)
-    push = [p for p in points if p[0] == "push"]
-    bench.run_sim(bench.PROFILE, tmp_path / "sim", push, output_len, num_prompts,
-                  timelines=tmp_path / "tl")
-    fname = "push_qps2_in64_out24_iter0.json"
-    sim_dir = tmp_path / "tl" / Path(fname).stem
-    lines = (sim_dir / "timeline-sim.jsonl").read_text().splitlines()
+    bench, fname, lines, _ = _simulated_push_point(tmp_path)
+    lines = lines.splitlines()
     real = tmp_path / "real"
     for sub, keep in (("push", True), ("pushkv", False)):
         d = real / "timeline" / sub
@@ -182,13 +190,7 @@ def test_the_cli_by_overlap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 def test_bench_pools_overlap_groups_per_mode_and_rate(tmp_path: Path) -> None:
     """The simulated timeline of the committed push point as its own real half: every
     group agrees, and the text names the point's mode and rate."""
-    bench = bench_sim_vs_real()
-    points, output_len, num_prompts = bench.real_points(DATA)
-    push = [p for p in points if p[0] == "push"]
-    bench.run_sim(bench.PROFILE, tmp_path / "sim", push, output_len, num_prompts,
-                  timelines=tmp_path / "tl")
-    fname = "push_qps2_in64_out24_iter0.json"
-    lines = (tmp_path / "tl" / Path(fname).stem / "timeline-sim.jsonl").read_text()
+    bench, fname, lines, num_prompts = _simulated_push_point(tmp_path)
     real = tmp_path / "real"
     for sub in ("push", "pushkv"):
         (real / "timeline" / sub).mkdir(parents=True)
