@@ -530,8 +530,6 @@ def overlap_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
     (:func:`pushkv.sim.segments.by_overlap`), real against simulated -- whether the two
     agree on a request served alone and part ways on what a neighbour costs it. The
     text and ``{"<mode>_qps<rate>": [row, ...]}``."""
-    from dataclasses import asdict
-
     from pushkv.sim import segments
 
     pooled: dict[str, tuple[dict[int, list[float]], dict[int, list[float]]]] = {}
@@ -544,7 +542,7 @@ def overlap_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
     for key, (r, s) in sorted(pooled.items()):
         rows = segments.overlap_rows(r, s)
         texts.append(f"{key}:\n\n{segments.overlap_table(rows, cap=cap)}")
-        out[key] = [asdict(row) for row in rows]
+        out[key] = segments.overlap_json(rows)
     return "\n\n".join(texts), out
 
 

@@ -129,6 +129,12 @@ def overlap_rows(real: Mapping[int, Sequence[float]],
     return rows
 
 
+def overlap_json(rows: Sequence[OverlapRow]) -> list[dict[str, float | int | None]]:
+    """The rows as JSON-ready dicts, a group one side lacks as None (not NaN)."""
+    return [{k: None if isinstance(v, float) and math.isnan(v) else v
+             for k, v in asdict(r).items()} for r in rows]
+
+
 def overlap_table(rows: Sequence[OverlapRow], cap: int | None = None) -> str:
     """Markdown: overlap, requests, real median / mean, sim median / mean, ratios; the
     group ``cap`` reads "cap+"."""
@@ -226,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"{side}: no timeline marks found")
     if args.by_overlap:
         orows = overlap_rows(by_overlap(real), by_overlap(sim))
-        print(json.dumps([asdict(r) for r in orows]) if args.json
+        print(json.dumps(overlap_json(orows)) if args.json
               else overlap_table(orows, cap=2))
         return 0
     rows = compare(real, sim)

@@ -173,6 +173,8 @@ def test_overlap_rows_compare_the_groups_either_side_has() -> None:
     assert "| 0 | 3 / 2 | 20.0 / 20.0 | 20.0 / 20.0 | 1.00 / 1.00 |" in text
     assert "| 1 | 1 / 0 | 40.0 / 40.0 | - / - | - / - |" in text
     assert "| 2+ | 0 / 1 |" in text
+    assert segments.overlap_json(rows)[1]["sim_median"] is None
+    assert json.loads(json.dumps(segments.overlap_json(rows)))[0]["real_n"] == 3
 
 
 def test_the_cli_by_overlap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
