@@ -15,6 +15,9 @@ two servers' vLLM metrics are read before and after (``OUT/real/cpu_probe.json``
 Around each point, *gauges* (``--gauge N``): N lone requests through the same router
 at the point's lengths just before and just after it (:func:`gauge`); and once per
 deployment, where a lone request's CPU goes (:func:`cores_busy`, from ``/proc``).
+For the point and for its gauge just after it, how long each part of the deployment
+waited on a run queue, a request (:func:`runq_waits`, ``runq_wait_ms`` and
+``gauge_runq_wait_ms`` in ``cpu_probe.json``): where the cores were short.
 Result files: ``OUT/real/{mode}_qps{q}_in{i}_out{o}_iter{n}.json``. Points already
 in ``OUT/real`` are not run again (an interrupted run resumes; so does one whose
 deployment failed to start, run again with the same ``--out`` and ``--profile``).
@@ -149,6 +152,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                                          input_len, args, seed=next(seeds))
                         before_gauge = last
                     before = server_metrics(dep)
+                    waited = runq_waits(dep, ep)
                     t_start = time.monotonic()  # the point's interval, for its timeline
                     with CoreProbe() as probe:  # core 0: prefill, core 1: decode
                         ok = bench_serve(ep.target.url, str(model), real, fname, qps=str(q),
@@ -158,6 +162,8 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                     got = {side: {"cpu_share": round(probe.share(core), 4),
                                   "wake_s": round(probe.wake_s(core), 6)}
                            for side, core in (("prefill", 0), ("decode", 1))}
+                    got["runq_wait_ms"] = per_request(waited, runq_waits(dep, ep),
+                                                      args.num_prompts)
                     got["engine"] = engine_steps(before, server_metrics(dep))
                     # the wake-ups' tail, kept for diagnosis (the simulation takes medians)
                     got["wake_tail"] = {side: {k: round(v, 6) for k, v in
@@ -168,8 +174,11 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                     got["speed"] = {side: round(probe.speed(core), 1)
                                     for side, core in (("prefill", 0), ("decode", 1))}
                     if args.gauge:  # and just after it (the next point's, if as long)
+                        waited = runq_waits(dep, ep)
                         last = gauge(ep.target.url, str(model), real, f"{stem}_after",
                                      input_len, args, seed=next(seeds))
+                        got["gauge_runq_wait_ms"] = per_request(
+                            waited, runq_waits(dep, ep), args.gauge)
                         got["gauges"] = [before_gauge, last]
                         got["cores_busy"] = busy
                         got["host_cores"] = os.cpu_count() or 0  # what the gauges ran on
@@ -177,6 +186,8 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                     print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
                           f"{'ok' if ok else 'FAILED'}; CPU share "
                           f"{ {k: got[k] for k in ('prefill', 'decode', 'engine', 'speed')} }, "
+                          f"run-queue wait a request (ms) {got['runq_wait_ms']}, its lone "
+                          f"gauge's {got.get('gauge_runq_wait_ms')}, "
                           f"load {os.getloadavg()[0]:.2f}", flush=True)
                     if not ok:
                         failures[fname] = "vllm bench serve failed"
@@ -189,6 +200,28 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                     ep.stop()
                 dep.stop()
     return failures
+
+
+def runq_waits(dep: Any, ep: Any) -> dict[str, float]:
+    """Seconds the deployment's processes have waited on a run queue so far, runnable
+    but not running (:func:`pushkv.vllm.chaos.runq_wait_s`): the prefill instance,
+    decode's without its API server, decode's API server and the router."""
+    from pushkv.vllm.chaos import group_runq_wait_s, runq_wait_s
+
+    api = dep.decode.proc.pid  # decode's API server: the group's leader
+    out = {"prefill": group_runq_wait_s([dep.prefill.proc.pid]),
+           "decode": group_runq_wait_s([api]) - runq_wait_s(api),
+           "decode_api": runq_wait_s(api)}
+    if ep.router is not None:
+        out["router"] = runq_wait_s(ep.router.pid)
+    return out
+
+
+def per_request(before: dict[str, float], after: dict[str, float],
+                requests: int) -> dict[str, float]:
+    """Each part's wait between two :func:`runq_waits`, in ms a request."""
+    return {k: round((after[k] - before[k]) * 1e3 / max(1, requests), 3)
+            for k in before if k in after}
 
 
 #: where the gauges' ``vllm bench serve`` result files go, under ``OUT/real``

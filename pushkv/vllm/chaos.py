@@ -464,6 +464,32 @@ def process_cpu_s(pid: int) -> float:
     return float("nan") if fields is None else _cpu_s(fields)
 
 
+def runq_wait_s(pid: int) -> float:
+    """Seconds the threads of process ``pid`` have waited on a run queue so far, runnable
+    but not running (``/proc/PID/task/*/schedstat``, its second field); a thread that
+    ended is no longer counted; NaN once the process is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return float("nan")
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # the thread ended meanwhile
+            continue
+    return total / 1e9
+
+
+def group_runq_wait_s(pgids: Sequence[int]) -> float:
+    """:func:`runq_wait_s` summed over the processes of the groups ``pgids``."""
+    groups = set(pgids)
+    return sum(w for entry in os.listdir("/proc")
+               if entry.isdigit() and (fields := _proc_stat(entry)) and int(fields[2]) in groups
+               and (w := runq_wait_s(int(entry))) == w)
+
+
 def _cpu_s(fields: list[str]) -> float:
     """utime + stime of a /proc stat line (fields after the name), in seconds."""
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -174,3 +174,11 @@ def test_cores_busy_is_the_mean_over_the_runs_starts_of_a_deployment(tmp_path: P
             assert keys["prefill"]["cores_busy"] == pytest.approx(prefill)
             assert keys["decode"]["cores_busy"] == pytest.approx(1.3)
             assert keys["decode"]["token_work_s"] == pytest.approx(0.0015)
+
+
+def test_per_request_run_queue_wait_is_each_parts_growth_in_ms_a_request() -> None:
+    bench = bench_sim_vs_real()
+    got = bench.per_request({"prefill": 1.0, "decode": 2.0, "router": 0.5},
+                            {"prefill": 1.024, "decode": 2.0, "decode_api": 9.0}, 24)
+    assert got == {"prefill": 1.0, "decode": 0.0}
+    assert bench.per_request({"a": 0.0}, {"a": 0.01}, 0) == {"a": 10.0}

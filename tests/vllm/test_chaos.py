@@ -228,3 +228,35 @@ def test_a_process_cpu_time_grows_while_it_works_and_is_nan_once_it_is_gone():
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     assert math.isnan(process_cpu_s(gone.pid))
+
+
+def test_run_queue_wait_grows_for_processes_that_share_a_core_and_is_nan_once_gone():
+    """Three spinning processes pinned to one core wait on its run queue for each
+    other: their wait (per process, and summed over their process group) grows."""
+    import math
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from pushkv.vllm.chaos import group_runq_wait_s, runq_wait_s
+
+    core = min(os.sched_getaffinity(0))
+    spin = (f"import os, time; os.sched_setaffinity(0, {{{core}}}); "
+            "end = time.monotonic() + 120\nwhile time.monotonic() < end: pass")
+    leader = subprocess.Popen([sys.executable, "-c", spin], process_group=0)
+    others = [subprocess.Popen([sys.executable, "-c", spin], process_group=leader.pid)
+              for _ in range(2)]
+    try:
+        start, group_start = runq_wait_s(leader.pid), group_runq_wait_s([leader.pid])
+        deadline = time.monotonic() + 60
+        while not (runq_wait_s(leader.pid) > start + 0.05
+                   and group_runq_wait_s([leader.pid]) > group_start + 0.1):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        for p in (leader, *others):
+            p.kill()
+            p.wait()
+    assert math.isnan(runq_wait_s(leader.pid))
+    assert group_runq_wait_s([leader.pid]) == 0.0
