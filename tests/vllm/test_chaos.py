@@ -237,9 +237,9 @@ def test_run_queue_wait_grows_for_processes_that_share_a_core_and_is_nan_once_go
     import os
     import subprocess
     import sys
-    import time
 
     from pushkv.vllm.chaos import group_runq_wait_s, runq_wait_s
+    from pushkv.vllm.testing import poll
 
     core = min(os.sched_getaffinity(0))
     spin = (f"import os, time; os.sched_setaffinity(0, {{{core}}}); "
@@ -249,11 +249,10 @@ def test_run_queue_wait_grows_for_processes_that_share_a_core_and_is_nan_once_go
               for _ in range(2)]
     try:
         start, group_start = runq_wait_s(leader.pid), group_runq_wait_s([leader.pid])
-        deadline = time.monotonic() + 60
-        while not (runq_wait_s(leader.pid) > start + 0.05
-                   and group_runq_wait_s([leader.pid]) > group_start + 0.1):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        waited = poll(lambda: (runq_wait_s(leader.pid), group_runq_wait_s([leader.pid])),
+                      lambda w: w[0] > start + 0.05 and w[1] > group_start + 0.1,
+                      timeout_s=60, interval_s=0.05)
+        assert waited[0] > start + 0.05 and waited[1] > group_start + 0.1, waited
     finally:
         for p in (leader, *others):
             p.kill()
