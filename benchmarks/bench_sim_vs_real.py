@@ -76,7 +76,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -202,19 +202,26 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
     return failures
 
 
+def parts(dep: Any, ep: Any, of_process: Callable[[int], float],
+          of_groups: Callable[[list[int]], float]) -> dict[str, float]:
+    """A per-process measure of the deployment's parts (``of_process(pid)``, summed
+    over process groups by ``of_groups(pgids)``): ``prefill``, its instance;
+    ``decode``, decode's instance without its API server; ``decode_api``; and
+    ``router``, where the mode has one."""
+    api = dep.decode.proc.pid  # decode's API server: the group's leader
+    out = {"prefill": of_groups([dep.prefill.proc.pid]),
+           "decode": of_groups([api]) - of_process(api), "decode_api": of_process(api)}
+    if ep.router is not None:
+        out["router"] = of_process(ep.router.pid)
+    return out
+
+
 def runq_waits(dep: Any, ep: Any) -> dict[str, float]:
-    """Seconds the deployment's processes have waited on a run queue so far, runnable
-    but not running (:func:`pushkv.vllm.chaos.runq_wait_s`): the prefill instance,
-    decode's without its API server, decode's API server and the router."""
+    """Seconds the deployment's :func:`parts` have waited on a run queue so far,
+    runnable but not running (:func:`pushkv.vllm.chaos.runq_wait_s`)."""
     from pushkv.vllm.chaos import group_runq_wait_s, runq_wait_s
 
-    api = dep.decode.proc.pid  # decode's API server: the group's leader
-    out = {"prefill": group_runq_wait_s([dep.prefill.proc.pid]),
-           "decode": group_runq_wait_s([api]) - runq_wait_s(api),
-           "decode_api": runq_wait_s(api)}
-    if ep.router is not None:
-        out["router"] = runq_wait_s(ep.router.pid)
-    return out
+    return parts(dep, ep, runq_wait_s, group_runq_wait_s)
 
 
 def per_request(before: dict[str, float], after: dict[str, float],
@@ -271,14 +278,10 @@ def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespa
     from pushkv.sim import segments
     from pushkv.vllm.chaos import group_cpu_s, process_cpu_s
 
-    api = dep.decode.proc.pid  # decode's API server: the group's leader
-
     def cpu() -> dict[str, float]:
-        front = process_cpu_s(api) + time.process_time()
-        if ep.router is not None:
-            front += process_cpu_s(ep.router.pid)
-        return {"prefill": group_cpu_s([dep.prefill.proc.pid]),
-                "decode": group_cpu_s([api]) - process_cpu_s(api), "front": front}
+        p = parts(dep, ep, process_cpu_s, group_cpu_s)
+        return {"prefill": p["prefill"], "decode": p["decode"],
+                "front": p["decode_api"] + p.get("router", 0.0) + time.process_time()}
 
     c0, t0 = cpu(), time.monotonic()
     time.sleep(idle_s)

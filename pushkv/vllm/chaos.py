@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import math
 import os
 import random
 import re
@@ -487,7 +488,7 @@ def group_runq_wait_s(pgids: Sequence[int]) -> float:
     groups = set(pgids)
     return sum(w for entry in os.listdir("/proc")
                if entry.isdigit() and (fields := _proc_stat(entry)) and int(fields[2]) in groups
-               and (w := runq_wait_s(int(entry))) == w)
+               and not math.isnan(w := runq_wait_s(int(entry))))
 
 
 def _cpu_s(fields: list[str]) -> float:

@@ -161,21 +161,13 @@ def free_port() -> int:
     out before; where the range leaves no room below it, the kernel's pick."""
     lo, _ = ephemeral_ports()
     rng = random.SystemRandom()
-    if lo - _FIRST_PORT >= 1000:
-        for _ in range(1000):
-            port = rng.randrange(_FIRST_PORT, lo)
-            if port in _HANDED_OUT:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            _HANDED_OUT.add(port)
-            return port
+    below = lo - _FIRST_PORT >= 1000  # room for random picks below the range
     for _ in range(1000):
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", rng.randrange(_FIRST_PORT, lo) if below else 0))
+            except OSError:  # bound by someone else now
+                continue
             port = int(s.getsockname()[1])
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)

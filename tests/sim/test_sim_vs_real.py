@@ -182,3 +182,24 @@ def test_per_request_run_queue_wait_is_each_parts_growth_in_ms_a_request() -> No
                             {"prefill": 1.024, "decode": 2.0, "decode_api": 9.0}, 24)
     assert got == {"prefill": 1.0, "decode": 0.0}
     assert bench.per_request({"a": 0.0}, {"a": 0.01}, 0) == {"a": 10.0}
+
+
+def test_a_deployments_parts_split_decodes_group_at_its_api_server() -> None:
+    """One definition of the parts, for the CPU of cores_busy and the run-queue waits:
+    decode's instance is its process group less its API server (the group's leader)."""
+    from types import SimpleNamespace
+
+    bench = bench_sim_vs_real()
+    dep = SimpleNamespace(prefill=SimpleNamespace(proc=SimpleNamespace(pid=10)),
+                          decode=SimpleNamespace(proc=SimpleNamespace(pid=20)))
+    per_process = {10: 1.0, 20: 2.0, 30: 0.5}
+    per_group = {10: 7.0, 20: 9.0}
+
+    def groups(pgids: list[int]) -> float:
+        return sum(per_group[g] for g in pgids)
+
+    with_router = SimpleNamespace(router=SimpleNamespace(pid=30))
+    assert bench.parts(dep, with_router, per_process.__getitem__, groups) == {
+        "prefill": 7.0, "decode": 7.0, "decode_api": 2.0, "router": 0.5}
+    assert "router" not in bench.parts(dep, SimpleNamespace(router=None),
+                                       per_process.__getitem__, groups)
