@@ -39,6 +39,8 @@ from typing import TextIO
 EVENTS: tuple[str, ...] = (
     "received",              # router: the client's request arrived
     "legs_sent",             # router or client: both legs handed to the network
+    "prefill_arrived",       # prefill API server: the request parsed, about to be tokenized
+    "decode_arrived",        # decode API server: the request parsed, about to be tokenized
     "prefill_seen",          # prefill scheduler: the request is considered for a step
     "decode_seen",           # decode scheduler: the request is considered for a step
     "registration_shipped",  # decode scheduler: the registration goes into a step's orders
@@ -70,7 +72,11 @@ ENDINGS: tuple[str, ...] = (
 SEGMENTS: tuple[tuple[str, str, str], ...] = (
     ("proxy in -> legs out", "received", "legs_sent"),
     ("legs out -> decode sees", "legs_sent", "decode_seen"),
+    ("legs out -> decode arrives", "legs_sent", "decode_arrived"),
+    ("decode arrives -> sees", "decode_arrived", "decode_seen"),
     ("legs out -> prefill sees", "legs_sent", "prefill_seen"),
+    ("legs out -> prefill arrives", "legs_sent", "prefill_arrived"),
+    ("prefill arrives -> sees", "prefill_arrived", "prefill_seen"),
     ("decode sees -> registration shipped", "decode_seen", "registration_shipped"),
     ("registration shipped -> handed", "registration_shipped", "registration_handed"),
     ("registration handed -> sent", "registration_handed", "registration_sent"),
@@ -142,6 +148,12 @@ def mark(transfer_id: str, event: str, t: float | None = None) -> None:
     rec = _recorder
     if rec is not None:
         rec.mark(transfer_id, event, t)
+
+
+def from_wall(t_wall: float) -> float:
+    """``time.monotonic()`` at the wall-clock time ``t_wall`` (``time.time()``) -- for a
+    time another layer took by the wall clock, such as vLLM's ``Request.arrival_time``."""
+    return time.monotonic() - (time.time() - t_wall)
 
 
 # ------------------------------------------------------------------ reading

@@ -399,10 +399,12 @@ class SchedulerSide:
             leg = parse_params(params)
         except ParamsError:
             return
-        if isinstance(leg, DecodeLeg):
-            timeline.mark(leg.transfer_id, "decode_seen")
-        elif isinstance(leg, PrefillLeg):
-            timeline.mark(leg.transfer_id, "prefill_seen")
+        side = "decode" if isinstance(leg, DecodeLeg) else "prefill" if isinstance(
+            leg, PrefillLeg) else None
+        if side is not None:  # when the API server took it, and when the scheduler does
+            if (arrived := getattr(request, "arrival_time", None)) is not None:
+                timeline.mark(leg.transfer_id, f"{side}_arrived", timeline.from_wall(arrived))
+            timeline.mark(leg.transfer_id, f"{side}_seen")
 
     # ------------------------------------------------------ introspection
 

@@ -245,10 +245,10 @@ def test_streamed_outputs_equal_a_single_server(cluster, reference):
 #: A streamed request's marks, in an order each process must respect (the prefill's
 #: and the decode's branches meet at the write, which needs both).
 TIMELINE_ORDER = (
-    ("received", "legs_sent", "decode_seen", "registration_shipped", "registration_handed",
-     "registration_sent", "registration_received", "write_posted"),
-    ("legs_sent", "prefill_seen", "prefill_finished", "write_handed", "write_posted",
-     "write_completed"),
+    ("received", "legs_sent", "decode_arrived", "decode_seen", "registration_shipped",
+     "registration_handed", "registration_sent", "registration_received", "write_posted"),
+    ("legs_sent", "prefill_arrived", "prefill_seen", "prefill_finished", "write_handed",
+     "write_posted", "write_completed"),
     ("write_posted", "notify_received", "ready", "ready_scheduled", "decode_scheduled",
      "first_token", "last_token", "answer_sent"),
 )

@@ -342,6 +342,7 @@ def test_timeline_marks_the_decode_schedulers_hops_in_order(consumer, tmp_path):
     finally:
         timeline.configure(None)
     marks = timeline.by_request(timeline.read(tmp_path))["t-tl"]
-    chain = ["decode_seen", "registration_shipped", "ready_scheduled", "decode_scheduled"]
+    chain = ["decode_arrived", "decode_seen", "registration_shipped", "ready_scheduled",
+             "decode_scheduled"]
     assert list(marks) == chain  # each once, in this order
     assert [marks[k] for k in chain] == sorted(marks.values())

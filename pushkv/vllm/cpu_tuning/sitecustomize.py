@@ -26,7 +26,8 @@ benchmarks). Each fix is off unless its environment variable is set:
    wake-up then stalls a request for that long) -- in every server of a run,
    plain ones included (bench_e2e.sh ``--spin-s``).
 4. **Timeline.** With ``PUSHKV_BENCH_TIMELINE_DIR`` set, the connector's
-   scheduler marks ``prefill_seen``, ``decode_seen``, ``prefill_finished``,
+   scheduler marks ``prefill_seen``, ``decode_seen`` (and the API server's
+   ``*_arrived``, from the request's ``arrival_time``), ``prefill_finished``,
    ``ready_scheduled`` and ``decode_scheduled`` (:mod:`pushkv.timeline`) under
    the request's ``X-Request-Id`` (32 hex digits, as the benchmark sends them).
 """
@@ -90,7 +91,9 @@ def _instrument(module):  # type: ignore[no-untyped-def]
         r = rid(request)
         if r and request.request_id not in seen:
             seen.add(request.request_id)
-            timeline.mark(r, "decode_seen" if is_consumer(self) else "prefill_seen")
+            side = "decode" if is_consumer(self) else "prefill"
+            timeline.mark(r, f"{side}_arrived", timeline.from_wall(request.arrival_time))
+            timeline.mark(r, f"{side}_seen")
         return get_matched(self, request, num_computed_tokens)
 
     after_alloc = cls.update_state_after_alloc
