@@ -262,15 +262,21 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
 def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespace,
                input_len: int, *, n: int = 24, idle_s: float = 3.0) -> dict[str, float]:
     """Where the CPU of a lone request goes, as the profile's keys: ``prefill`` and
-    ``decode``, the cores each engine keeps busy while it steps (``cores_busy``): the CPU
-    time (/proc, all threads) of the instance's processes -- decode's without its API
-    server -- over ``n`` lone requests through the router, less what the same processes
-    use idle (measured over ``idle_s`` just before), over the engine's stepping time in
-    the timeline (prefill: 'prefill sees -> prefill finished'; decode: 'decode step ->
-    last token'), at least 1; ``token_work_s``, the frontend work per output token:
+    ``decode``, the cores each engine keeps busy while it is active (``cores_busy``,
+    with ``steps_while_holding``: ``holding`` is true): the CPU time (/proc, all
+    threads) of the instance's processes -- decode's without its API server -- over
+    ``n`` lone requests through the router, less what the same processes use idle
+    (measured over ``idle_s`` just before), over the time the engine's loop had the
+    request in hand in the timeline (:data:`ACTIVE`: stepping it, or holding it for
+    its transfer), at least 1; ``token_work_s``, the frontend work per output token:
     decode's API server, the router and this client (which pass every token on) the
-    same way, per output token. On this machine a lone request through a pair keeps
-    about two cores busy."""
+    same way, per output token.
+
+    Over the stepping time alone, vLLM pull's prefill measured 3.6-9.5 cores at five
+    starts on this machine, pushkv's 2.1-3.1: what its processes burn while it holds a
+    prompt's KV until decode has read it (25-40 ms a request) was charged to its 7-9 ms
+    of steps. Over the active time both are 1.0-1.9 (decode 1.0-1.4): a loop that has a
+    request in hand keeps about one core busy, stepping or not."""
     import asyncio
 
     from client import Client
@@ -302,18 +308,31 @@ def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespa
     c3, t3 = cpu(), time.monotonic()
     reqs = segments.alone(segments.load([real / "timeline" / ep.mode.name,
                                          real / "timeline" / dep.kind], (t2, t3)))
-    per = {  # what each part's CPU is taken over: stepping seconds, or tokens
-        "prefill": sum(r["prefill_finished"] - r["prefill_seen"] for r in reqs.values()
-                       if "prefill_finished" in r and "prefill_seen" in r),
-        "decode": sum(r["last_token"] - r["decode_scheduled"] for r in reqs.values()
-                      if "last_token" in r and "decode_scheduled" in r),
-        "front": n * args.output_len}
+    per = {side: active_s(reqs, side, ep.mode.name) for side in ("prefill", "decode")}
+    per["front"] = n * args.output_len  # what each part's CPU is taken over
     used = {part: c3[part] - c2[part] - (c1[part] - c0[part]) / (t1 - t0) * (t3 - t2)
             for part in per}
-    out = {side: round(max(1.0, used[side] / per[side]), 3) if per[side] > 0 else 1.0
-           for side in ("prefill", "decode")}
+    out: dict[str, Any] = {side: round(max(1.0, used[side] / per[side]), 3)
+                           if per[side] > 0 else 1.0 for side in ("prefill", "decode")}
     out["token_work_s"] = round(max(0.0, used["front"] / per["front"]), 6)
+    out["holding"] = True  # over the active time: the profile steps while holding
     return out
+
+
+#: The span of a lone request an engine's loop has it in hand, by side and mode: from
+#: the scheduler's first look at it until it stops stepping for it -- prefill when its
+#: KV has left (push: the write completed; pull: decode's scheduler knows the read
+#: done, when the producer's notification lands too), decode at its last token.
+ACTIVE = {("prefill", "push"): ("prefill_seen", "write_completed"),
+          ("prefill", "pull"): ("prefill_seen", "ready_scheduled"),
+          ("decode", "push"): ("decode_seen", "last_token"),
+          ("decode", "pull"): ("decode_seen", "last_token")}
+
+
+def active_s(requests: dict[str, dict[str, float]], side: str, mode: str) -> float:
+    """Seconds the ``side`` engine's loop had ``requests`` in hand (:data:`ACTIVE`)."""
+    start, end = ACTIVE[side, mode]
+    return sum(r[end] - r[start] for r in requests.values() if start in r and end in r)
 
 
 def warm_up(url: str, model: str, n: int, input_len: int) -> None:
@@ -715,8 +734,10 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
         busy = dict(busy_of.get(m["mode"], {}))  # its deployment's, over the run's starts
         if "token_work_s" in busy:
             keys.setdefault("decode", {})["token_work_s"] = float(busy.pop("token_work_s"))
+        holding = bool(busy.pop("holding", 0))  # measured over the active time
         for side, cores in busy.items():
-            keys.setdefault(side, {})["cores_busy"] = max(1.0, float(cores))
+            keys.setdefault(side, {}).update(cores_busy=max(1.0, float(cores)),
+                                             steps_while_holding=holding)
         if got.get("host_cores"):  # the machine the point and its gauges ran on
             keys.setdefault("control", {})["host_cores"] = int(got["host_cores"])
         hops = []

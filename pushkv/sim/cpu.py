@@ -16,6 +16,13 @@ The pool adds no parameter but the number of cores: the work itself is what the
 profile measured on requests that ran alone (where nothing shares the cores and
 a piece's wall time is its work), so a lone request takes exactly as long with
 the pool as without it on a machine with enough cores.
+
+Besides work that ends, a process can *spin* (:meth:`SharedCores.spin`): an engine
+loop that steps empty while it holds KV for a transfer keeps up to ``demand`` of a
+core busy for as long as it spins, whatever it gets done. The cores go by max-min
+fairness (water-filling): with ``cores`` short, every piece gets the same level
+``x`` of a core, a spinner at most its ``demand``, and ``sum(min(demand, x)) =
+cores``; a piece of work has a demand of one core.
 """
 
 from __future__ import annotations
@@ -45,15 +52,52 @@ class SharedCores:
         self._since = env.now  #: when ``_left`` was last brought up to date
         self._gen = 0  #: the timer of an older schedule finds a newer generation and stops
         self.busy_s = 0.0  #: core-seconds served
+        self._spins: dict[int, float] = {}  #: spinner -> its demand (cores)
 
     @property
     def runnable(self) -> int:
-        return len(self._left)
+        return len(self._left) + len(self._spins)
 
     def rate(self) -> float:
-        """Seconds of work each runnable piece gets per second now."""
+        """Seconds of work each runnable piece of work gets per second now: the level
+        at which the cores fill (at most one core)."""
         n = len(self._left)
-        return min(1.0, self.cores / n) if n else 1.0
+        if not self._spins:
+            return min(1.0, self.cores / n) if n else 1.0
+        demands = sorted([*self._spins.values(), *([1.0] * n)])
+        if sum(demands) <= self.cores:
+            return 1.0
+        left, k = float(self.cores), len(demands)
+        for d in demands:  # the smallest demands are met in full while they fit under
+            if d * k >= left:  # the level the rest would share
+                break
+            left -= d
+            k -= 1
+        return left / k
+
+    def in_use(self) -> float:
+        """Cores in use now: the work's and the spinners'."""
+        rate = self.rate()
+        return rate * len(self._left) + sum(min(d, rate) for d in self._spins.values())
+
+    def spin(self, demand: float = 1.0) -> int:
+        """A process that keeps up to ``demand`` (0, 1] of a core busy from now until
+        :meth:`unspin` of the handle returned; it slows the work beside it as work does."""
+        if not 0 < demand <= 1:
+            raise ValueError(f"a spinner's demand must be in (0, 1] of a core, got {demand!r}")
+        self._advance()
+        k = next(self._ids)
+        self._spins[k] = demand
+        self._schedule()
+        return k
+
+    def unspin(self, handle: int) -> None:
+        """The spinner ``handle`` stops (a handle already stopped: nothing)."""
+        if handle not in self._spins:
+            return
+        self._advance()
+        del self._spins[handle]
+        self._schedule()
 
     def run(self, work_s: float) -> simpy.Event:
         """An event that fires when ``work_s`` (>= 0) of work has run on the pool."""
@@ -74,11 +118,10 @@ class SharedCores:
         """Serve the work of every runnable piece up to now at the rate that held."""
         dt = self.env.now - self._since
         self._since = self.env.now
-        if dt <= 0 or not self._left:
+        if dt <= 0 or not (self._left or self._spins):
             return
         r = self.rate()
-        n = len(self._left)
-        self.busy_s += dt * r * n
+        self.busy_s += dt * self.in_use()
         for k in self._left:
             self._left[k] -= dt * r
 

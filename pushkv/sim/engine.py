@@ -65,14 +65,19 @@ class Recorder:
 class _Loop:
     """A wakeable engine loop, behind its instance's API server."""
 
-    def __init__(self, env: simpy.Environment, engine_id: str, ingest_s: float = 0.0) -> None:
+    def __init__(self, env: simpy.Environment, engine_id: str, transport: SimTransport,
+                 side: str, eng: EngineProfile) -> None:
         self.env = env
+        self.eng = eng
+        self.transport = transport
+        self._arrived = f"{side}_arrived"  #: the timeline mark of a leg its API server takes
         self.engine_id = engine_id
         self.alive = True
         self.busy_s = 0.0
         self.steps = 0
+        self.spun_s = 0.0  #: how long it stepped empty, holding (``steps_while_holding``)
         self._wake: simpy.Event | None = None
-        self.ingest_s = ingest_s
+        self.ingest_s = ingest_s = eng.ingest_s
         #: the API server takes legs one at a time (only with ``ingest_s``)
         self._api = simpy.Resource(env, capacity=1) if ingest_s else None
         #: the frontends' shared CPU queue (``control.frontend_cores``), set by the runner
@@ -86,10 +91,15 @@ class _Loop:
         all the frontends' work ahead of it); at once without it."""
         work_s, wait_s = self.spread.split(self.ingest_s)
         ingest_s = work_s + wait_s
+
+        def arrived() -> None:  # the API server gets to it (vLLM's ``arrival_time``)
+            self.transport.mark(req.transfer_id, self._arrived)
+
         if self.frontend is not None and self.ingest_s:
-            self.frontend.serve(work_s, lambda: then(req), wait_s)
+            self.frontend.serve(work_s, lambda: then(req), wait_s, started=arrived)
             return
         if self._api is None:
+            arrived()
             then(req)
             return
         api = self._api
@@ -97,10 +107,26 @@ class _Loop:
         def serve() -> Generator[Any, Any, None]:
             with api.request() as slot:
                 yield slot
+                arrived()
                 yield self.env.timeout(ingest_s)
             then(req)
 
         self.env.process(serve())
+
+    def _idle(self, holding: bool) -> Generator[Any, Any, None]:
+        """Nothing to compute: sleep until poked. A loop that ``holding`` a request on a
+        transfer steps empty meanwhile (``steps_while_holding``): it keeps ``cores_busy``
+        cores of the host busy, and wakes without a sleeper's delay."""
+        eng = self.eng
+        spins = (self.transport.spin(eng.cores_busy)
+                 if holding and eng.steps_while_holding else [])
+        t0 = self.env.now
+        yield self._sleep()
+        self.transport.unspin(spins)
+        if spins:
+            self.spun_s += self.env.now - t0
+        if eng.wake_s and not spins:  # an idle engine's processes wake on a busy core
+            yield self.env.timeout(ENGINE_WAKES * eng.wake_s)
 
     def poke(self) -> None:
         if self._wake is not None and not self._wake.triggered:
@@ -131,11 +157,9 @@ class PrefillEngine(_Loop):
         mode: TransferMode,
         on_done: Callable[[SimRequest, tuple[int, ...] | None], None],
     ) -> None:
-        super().__init__(env, engine_id, profile.prefill.ingest_s)
+        super().__init__(env, engine_id, transport, "prefill", profile.prefill)
         self.profile = profile
-        self.eng: EngineProfile = profile.prefill
         self.pool = pool
-        self.transport = transport
         self.mode = mode
         self.on_done = on_done  #: the prefill leg answers the router
         self.waiting: deque[SimRequest] = deque()
@@ -187,10 +211,8 @@ class PrefillEngine(_Loop):
                 n = min(req.input_len - cached, budget)
                 chunks.append((p, n))
                 budget -= n
-            if not chunks:
-                yield self._sleep()
-                if eng.wake_s:  # an idle engine's processes wake on a busy core
-                    yield self.env.timeout(ENGINE_WAKES * eng.wake_s)
+            if not chunks:  # holding: finished prompts' KV kept for their transfers
+                yield from self._idle(bool(self.held))
                 continue
             dt = step_s(self.profile, eng, prefill_chunks=tuple((n, p.computed) for p, n in chunks))
             dt = yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt,
@@ -254,11 +276,9 @@ class DecodeEngine(_Loop):
         mode: TransferMode,
         recorder: Recorder,
     ) -> None:
-        super().__init__(env, engine_id, profile.decode.ingest_s)
+        super().__init__(env, engine_id, transport, "decode", profile.decode)
         self.profile = profile
-        self.eng: EngineProfile = profile.decode
         self.pool = pool
-        self.transport = transport
         self.mode = mode
         self.recorder = recorder
         self.waiting: deque[SimRequest] = deque()
@@ -533,10 +553,8 @@ class DecodeEngine(_Loop):
                 if stall > 0:  # a step that only posted reads
                     yield self.env.timeout(stall)
                     self._account(stall, stall)
-                else:
-                    yield self._sleep()
-                    if eng.wake_s:  # an idle engine's processes wake on a busy core
-                        yield self.env.timeout(ENGINE_WAKES * eng.wake_s)
+                else:  # holding: requests that wait for their KV, or for room
+                    yield from self._idle(bool(self.holding or self.waiting))
                 continue
             work = step_s(
                 self.profile, eng,

@@ -63,18 +63,22 @@ class Frontend:
         #: the host's cores the frontends share with the engines (``control.host_cores``)
         self.host: SharedCores | None = None
 
-    def serve(self, service_s: float, then: Callable[[], None], wait_s: float = 0.0) -> None:
+    def serve(self, service_s: float, then: Callable[[], None], wait_s: float = 0.0,
+              started: Callable[[], None] | None = None) -> None:
         """``then()`` once ``service_s`` of frontend time has run, after the work ahead,
-        and ``wait_s`` more has passed outside the queue (a stall: holding no core)."""
+        and ``wait_s`` more has passed outside the queue (a stall: holding no core);
+        ``started()`` when the job's turn comes."""
         self.pending += 1
-        self.env.process(self._job(service_s, then, wait_s))
+        self.env.process(self._job(service_s, then, wait_s, started))
 
-    def _job(self, service_s: float, then: Callable[[], None],
-             wait_s: float = 0.0) -> Generator[Any, Any, None]:
+    def _job(self, service_s: float, then: Callable[[], None], wait_s: float = 0.0,
+             started: Callable[[], None] | None = None) -> Generator[Any, Any, None]:
         t0 = self.env.now
         with self.cpu.request() as slot:
             yield slot
             self.waited_s += self.env.now - t0
+            if started is not None:
+                started()
             if service_s > 0:  # a frontend process's work, on the host's cores if shared
                 yield work(self.env, self.host, service_s)
         if wait_s > 0:

@@ -10,6 +10,8 @@ simulated run and a real one alike:
 ``received``, ``legs_sent``  the router: the request arrived and its legs left (push:
                              both at arrival; pull and sequential push: the prefill
                              leg at arrival, as the real proxies mark it)
+``prefill_arrived``,         its API server gets to the leg (vLLM's ``arrival_time``):
+``decode_arrived``           the leg's turn in the frontends' queue, before ``ingest_s``
 ``prefill_seen``             the prefill loop first considers the request in a schedule
 ``decode_seen``              the decode loop first considers it (its leg arrived)
 ``registration_shipped``     push: decode admits it and orders its registration
@@ -46,6 +48,7 @@ from .. import timeline as real_timeline
 PROCESS = {
     "received": "router", "legs_sent": "router", "first_token": "router",
     "last_token": "router",
+    "prefill_arrived": "prefill-api-server", "decode_arrived": "decode-api-server",
     "prefill_seen": "prefill-scheduler", "prefill_finished": "prefill-scheduler",
     "decode_seen": "decode-scheduler", "registration_shipped": "decode-scheduler",
     "ready_scheduled": "decode-scheduler", "decode_scheduled": "decode-scheduler",

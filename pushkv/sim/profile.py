@@ -223,6 +223,19 @@ class EngineProfile:
         "(decode: but its API server, which token_work_s counts) over lone requests, less "
         "what they use idle, over the engine's stepping time in the timeline",
     )
+    steps_while_holding: bool = _f(
+        False,
+        "the engine loop keeps stepping while a request of its waits on a transfer -- "
+        "prefill holding a finished prompt's KV until it is pushed or read, decode "
+        "awaiting its KV -- so with control.host_cores an engine that has nothing to "
+        "compute but holds such a request keeps cores_busy cores of the host busy (as "
+        "spinners, pushkv.sim.cpu), and a real step takes the place of the empty ones "
+        "(false: an engine with nothing to compute sleeps)",
+        "vLLM's engine core loop steps while its scheduler has requests; a request "
+        "waiting for remote KV, and a finished one whose KV is held for sending, keep it "
+        "stepping (docs/vllm.md); the busy cores measured over lone requests' stepping "
+        "and holding time by benchmarks/bench_sim_vs_real.py",
+    )
     token_work_s: float = _f(
         0.0,
         "frontend work one output token costs on its way out (decode's API server, the "

@@ -330,6 +330,23 @@ class SimTransport:
             yield self._work(dt)
         return self.env.now - start
 
+    def spin(self, cores: float) -> list[int]:
+        """An engine loop stepping empty keeps ``cores`` of the host's shared cores busy
+        until :meth:`unspin`: one spinner a core, the last one the fraction left (none
+        without shared cores)."""
+        if self.cpu is None:
+            return []
+        spins = []
+        while cores > 1e-9:
+            spins.append(self.cpu.spin(min(1.0, cores)))
+            cores -= 1.0
+        return spins
+
+    def unspin(self, spins: list[int]) -> None:
+        if self.cpu is not None:
+            for k in spins:
+                self.cpu.unspin(k)
+
     def _work(self, seconds: float) -> simpy.Event:
         """``seconds`` of an engine's work: on the host's shared cores (``cpu``,
         ``control.host_cores``), else that long."""

@@ -221,3 +221,145 @@ def test_a_tokens_frontend_work_is_its_job_and_the_rest_of_its_way_a_latency() -
     for bad in ({"decode": {"token_work_s": -0.001}}, {"prefill": {"token_work_s": 0.001}}):
         with pytest.raises(ProfileError, match="token_work_s"):
             profile_from_dict(bad)
+
+
+# ------------------------------------------------- spinners: a loop that steps empty
+
+
+def _with_spinner(cores: int, work: float, demand: float, on: float = 0.0,
+                  off: float = math.inf) -> tuple[float, float]:
+    """When a job of ``work`` started at 0 ends, beside a spinner of ``demand`` from
+    ``on`` to ``off``; and the pool's core-seconds served."""
+    env = simpy.Environment()
+    pool = SharedCores(env, cores)
+    end: list[float] = []
+
+    def job():  # type: ignore[no-untyped-def]
+        yield pool.run(work)
+        end.append(env.now)
+
+    def spinner():  # type: ignore[no-untyped-def]
+        yield env.timeout(on)
+        k = pool.spin(demand)
+        if math.isfinite(off):
+            yield env.timeout(off - on)
+            pool.unspin(k)
+
+    env.process(job())
+    env.process(spinner())
+    env.run()
+    return end[0], pool.busy_s
+
+
+@pytest.mark.parametrize(("cores", "demand", "rate"), [
+    (1, 1.0, 0.5),     # two single-process pieces on one core
+    (1, 0.25, 0.75),   # the spinner wants a quarter: the job gets the rest
+    (2, 1.0, 1.0),     # a core each
+    (2, 0.5, 1.0),
+])
+def test_a_spinner_takes_its_fair_share_of_the_cores(cores: int, demand: float,
+                                                     rate: float) -> None:
+    end, _ = _with_spinner(cores, 0.010, demand)
+    assert end == pytest.approx(0.010 / rate, rel=1e-9)
+
+
+def test_water_filling_with_work_and_spinners_of_several_demands() -> None:
+    """Two cores, demands 0.5 (spinner), 1 (spinner), 1 (job): the level x solves
+    0.5 + 2x = 2, so x = 0.75 -- the job advances at 0.75."""
+    env = simpy.Environment()
+    pool = SharedCores(env, 2)
+    pool.spin(0.5)
+    pool.spin(1.0)
+    done = pool.run(0.003)
+    assert pool.rate() == pytest.approx(0.75)
+    env.run(until=done)
+    assert env.now == pytest.approx(0.004, rel=1e-9)
+
+
+def test_a_spinner_that_stops_gives_the_core_back() -> None:
+    """One core: a 1 s job with a spinner until 0.5 s gets 0.25 s done by then, and
+    the remaining 0.75 s alone: it ends at 1.25 s; the core served 1.25 s throughout."""
+    end, busy = _with_spinner(1, 1.0, 1.0, on=0.0, off=0.5)
+    assert end == pytest.approx(1.25, rel=1e-9)
+    assert busy == pytest.approx(1.25, rel=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cores=st.integers(1, 4), work=st.floats(0.001, 1.0),
+       demands=st.lists(st.floats(0.05, 1.0), min_size=1, max_size=5))
+def test_spinners_slow_work_never_beyond_its_fair_share(cores: int, work: float,
+                                                        demands: list[float]) -> None:
+    """Spinners never make a job slower than an equal share of the cores among all
+    pieces, nor faster than a core; the cores in use never exceed the pool."""
+    env = simpy.Environment()
+    pool = SharedCores(env, cores)
+    for d in demands:
+        pool.spin(d)
+    assert pool.in_use() <= cores + 1e-9
+    done = pool.run(work)
+    env.run(until=done)
+    n = len(demands) + 1
+    assert work - 1e-9 <= env.now <= work * max(1.0, n / cores) + 1e-9
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5, math.nan])
+def test_a_spinner_wants_part_of_one_core(bad: float) -> None:
+    pool = SharedCores(simpy.Environment(), 2)
+    with pytest.raises(ValueError, match="demand"):
+        pool.spin(bad)
+    assert pool.runnable == 0
+
+
+def _steps(mode: str, host_cores: int, *, holding: bool, busy: float = 1.0,
+           side: str = "decode") -> tuple[float, float]:
+    """One lone request: its prefill step ('prefill sees -> prefill finished', s) and
+    the host's busy core-seconds, with ``side`` stepping while it holds."""
+    from pushkv.sim.marks import Timeline
+
+    eng = dataclasses.replace(getattr(TINY, side), steps_while_holding=holding,
+                              cores_busy=busy)
+    prof = dataclasses.replace(
+        TINY, control=dataclasses.replace(TINY.control, host_cores=host_cores),
+        **{side: eng}).validate()
+    cfg = dataclasses.replace(config(mode, qps=1.0, input_len=128, output_len=4,
+                                     num_prompts=1), profile=prof)
+    tl = Timeline()
+    res = run(cfg, timeline=tl)
+    assert res.result["completed"] == 1 and res.leaked_blocks == 0
+    (marks,) = tl.requests.values()
+    return marks["prefill_finished"] - marks["prefill_seen"], res.result["pushkv"]["host_busy_s"]
+
+
+def test_a_decode_loop_that_waits_for_its_kv_shares_the_core_with_the_prefill_step() -> None:
+    """Push, one core: decode admits the request and steps empty until its KV lands,
+    so the prefill step runs beside one spinning process: exactly twice as long. On
+    two cores each has its own; with cores_busy 1.5 on two cores the level is 0.75."""
+    base, _ = _steps("push", 1, holding=False)
+    one, _ = _steps("push", 1, holding=True)
+    assert one == pytest.approx(2 * base, rel=1e-9)
+    assert _steps("push", 2, holding=True)[0] == pytest.approx(base, rel=1e-9)
+    assert _steps("push", 2, holding=True, busy=1.5)[0] == pytest.approx(base / 0.75,
+                                                                         rel=1e-9)
+    assert _steps("push", 0, holding=True)[0] == pytest.approx(base, rel=1e-9)  # no pool
+
+
+def test_a_prefill_holding_kv_for_a_read_keeps_a_core_busy_until_it_is_released() -> None:
+    """Pull, three cores (never short): the prefill engine holds the prompt's KV from
+    its end until decode's read releases it, and steps empty all that while: the host
+    serves that much more, exactly cores_busy times the time it spun."""
+    def hold_and_busy(holding: bool) -> tuple[float, float]:
+        eng = dataclasses.replace(TINY.prefill, steps_while_holding=holding, cores_busy=1.5)
+        prof = dataclasses.replace(
+            TINY, control=dataclasses.replace(TINY.control, host_cores=3),
+            prefill=eng).validate()
+        cfg = dataclasses.replace(config("pull", qps=1.0, input_len=128, output_len=4,
+                                         num_prompts=1), profile=prof)
+        res = run(cfg, keep_objects=True)
+        (p,) = res.prefills  # type: ignore[attr-defined]
+        assert res.result["completed"] == 1 and res.leaked_blocks == 0
+        return p.spun_s, res.result["pushkv"]["host_busy_s"]
+
+    spun_off, off = hold_and_busy(False)
+    spun, on = hold_and_busy(True)
+    assert spun_off == 0 and spun > 0
+    assert on - off == pytest.approx(1.5 * spun, rel=1e-6)

@@ -29,15 +29,16 @@ TINY = load_profile(Path(__file__).resolve().parents[2] / "pushkv/sim/profiles/c
 #: Causal chains each request's marks must follow (each mark no earlier than the one
 #: before it).
 PUSH_CHAINS = (
-    ("received", "legs_sent", "prefill_seen", "prefill_finished", "write_handed",
-     "write_posted", "write_completed", "notify_received", "ready", "ready_scheduled",
-     "decode_scheduled", "first_token", "last_token"),
-    ("legs_sent", "decode_seen", "registration_shipped", "registration_handed",
-     "registration_sent", "registration_received", "write_posted"),
+    ("received", "legs_sent", "prefill_arrived", "prefill_seen", "prefill_finished",
+     "write_handed", "write_posted", "write_completed", "notify_received", "ready",
+     "ready_scheduled", "decode_scheduled", "first_token", "last_token"),
+    ("legs_sent", "decode_arrived", "decode_seen", "registration_shipped",
+     "registration_handed", "registration_sent", "registration_received", "write_posted"),
 )
 PULL_CHAINS = (
-    ("received", "legs_sent", "prefill_seen", "prefill_finished", "decode_seen", "ready",
-     "ready_scheduled", "decode_scheduled", "first_token", "last_token"),
+    ("received", "legs_sent", "prefill_arrived", "prefill_seen", "prefill_finished",
+     "decode_arrived", "decode_seen", "ready", "ready_scheduled", "decode_scheduled",
+     "first_token", "last_token"),
 )
 CONNECTOR = {"prefill": {"ingest_s": 0.003},
              "decode": {"ingest_s": 0.005, "return_s": 0.004, "order_handoff_s": 0.0015,

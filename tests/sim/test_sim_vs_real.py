@@ -176,6 +176,40 @@ def test_cores_busy_is_the_mean_over_the_runs_starts_of_a_deployment(tmp_path: P
             assert keys["decode"]["token_work_s"] == pytest.approx(0.0015)
 
 
+def test_an_engines_active_time_is_stepping_and_holding_a_lone_request() -> None:
+    """cores_busy is taken over the time an engine's loop has the request in hand: a
+    prefill until its KV has left (push: the write completed; pull: decode knows the read
+    done), a decode from its first look at the request to the last token."""
+    bench = bench_sim_vs_real()
+    push = {"a": {"prefill_seen": 1.0, "prefill_finished": 1.008, "write_completed": 1.012,
+                  "decode_seen": 0.999, "last_token": 1.2},
+            "b": {"prefill_seen": 2.0, "prefill_finished": 2.01}}  # no end: not counted
+    assert bench.active_s(push, "prefill", "push") == pytest.approx(0.012)
+    assert bench.active_s(push, "decode", "push") == pytest.approx(0.201)
+    pull = {"a": {"prefill_seen": 1.0, "prefill_finished": 1.008, "ready_scheduled": 1.04,
+                  "decode_seen": 1.012, "last_token": 1.2}}
+    assert bench.active_s(pull, "prefill", "pull") == pytest.approx(0.04)
+    assert bench.active_s(pull, "decode", "pull") == pytest.approx(0.188)
+
+
+def test_cores_busy_over_the_active_time_makes_the_profile_step_while_holding(
+        tmp_path: Path) -> None:
+    """A start measured over the active time (``holding``) sets steps_while_holding on
+    both sides; one measured over the stepping time alone (older runs) does not."""
+    bench = bench_sim_vs_real()
+    real, shares = _gauged_run(tmp_path)
+    _, output_len, _ = bench.real_points(real)
+    old, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len)
+    for got in shares.values():
+        got["cores_busy"]["holding"] = True
+    new, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len)
+    for fname in new:
+        for side in ("prefill", "decode"):
+            assert old[fname][side]["steps_while_holding"] is False
+            assert new[fname][side]["steps_while_holding"] is True
+            assert new[fname][side]["cores_busy"] == old[fname][side]["cores_busy"]
+
+
 def test_per_request_run_queue_wait_is_each_parts_growth_in_ms_a_request() -> None:
     bench = bench_sim_vs_real()
     got = bench.per_request({"prefill": 1.0, "decode": 2.0, "router": 0.5},
