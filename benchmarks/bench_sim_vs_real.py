@@ -140,7 +140,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                 busy = (cores_busy(dep, ep, real, str(model), args, max(args.inputs))
                         if args.gauge else None)
                 if busy:
-                    print(f"[{mode} iter {it}] cores a stepping engine keeps busy: {busy}",
+                    print(f"[{mode} iter {it}] cores an active engine keeps busy: {busy}",
                           flush=True)
                 last: dict[str, Any] | None = None  # the gauge just taken, and its length
                 for input_len, q in todo:

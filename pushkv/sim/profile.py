@@ -213,15 +213,17 @@ class EngineProfile:
     )
     cores_busy: float = _f(
         1.0,
-        "cores a stepping engine keeps busy, its step's own included: beside the worker "
+        "cores an active engine keeps busy, its step's own included: beside the worker "
         "that runs the step, vLLM's engine core polls for its result, transport threads "
         "run (on prefill the API server too). With control.host_cores every step of dt "
         "seconds adds (cores_busy - 1) x dt of work to the host's shared cores, which it "
-        "does not wait for (1: the step alone)",
+        "does not wait for, and with steps_while_holding a loop that holds a request keeps "
+        "this many cores busy (1: the step alone)",
         "1 on dedicated hosts; on a shared CPU machine measured per deployment by "
         "benchmarks/bench_sim_vs_real.py: the CPU time (/proc) of the instance's processes "
         "(decode: but its API server, which token_work_s counts) over lone requests, less "
-        "what they use idle, over the engine's stepping time in the timeline",
+        "what they use idle, over the time the engine had each in hand in the timeline "
+        "(stepping it or holding it for its transfer)",
     )
     steps_while_holding: bool = _f(
         False,
@@ -231,9 +233,10 @@ class EngineProfile:
         "compute but holds such a request keeps cores_busy cores of the host busy (as "
         "spinners, pushkv.sim.cpu), and a real step takes the place of the empty ones "
         "(false: an engine with nothing to compute sleeps)",
-        "vLLM's engine core loop steps while its scheduler has requests; a request "
-        "waiting for remote KV, and a finished one whose KV is held for sending, keep it "
-        "stepping (docs/vllm.md); the busy cores measured over lone requests' stepping "
+        "vLLM 0.32 v1/engine/core.py steps while has_work(): the scheduler's "
+        "has_requests() counts a request waiting for remote KV and a finished one held "
+        "for the connector's delayed cleanup (v1/core/sched/scheduler.py "
+        "has_finished_requests); cores_busy then measured over lone requests' stepping "
         "and holding time by benchmarks/bench_sim_vs_real.py",
     )
     token_work_s: float = _f(
