@@ -272,10 +272,10 @@ def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespa
     decode's API server, the router and this client (which pass every token on) the
     same way, per output token.
 
-    Over the stepping time alone, vLLM pull's prefill measured 3.6-9.5 cores at five
-    starts on this machine, pushkv's 2.1-3.1: what its processes burn while it holds a
-    prompt's KV until decode has read it (25-40 ms a request) was charged to its 7-9 ms
-    of steps. Over the active time both are 1.0-1.9 (decode 1.0-1.4): a loop that has a
+    Over the stepping time alone, vLLM pull's prefill measured 3.6-9.5 cores at ten
+    starts on this machine, pushkv's 2.0-3.1: what its processes burn while it holds a
+    prompt's KV until decode has read it (21-38 ms a request) was charged to its 7-9 ms
+    of steps. Over the active time both are 1.0-1.6 (decode 1.0-1.4): a loop that has a
     request in hand keeps about one core busy, stepping or not."""
     import asyncio
 

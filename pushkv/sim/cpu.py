@@ -70,10 +70,10 @@ class SharedCores:
         left, k = float(self.cores), len(demands)
         for d in demands:  # the smallest demands are met in full while they fit under
             if d * k >= left:  # the level the rest would share
-                break
+                return left / k
             left -= d
             k -= 1
-        return left / k
+        return 1.0  # every demand met (the sum above was over only by rounding)
 
     def in_use(self) -> float:
         """Cores in use now: the work's and the spinners'."""

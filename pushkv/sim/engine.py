@@ -114,9 +114,9 @@ class _Loop:
         self.env.process(serve())
 
     def _idle(self, holding: bool) -> Generator[Any, Any, None]:
-        """Nothing to compute: sleep until poked. A loop that ``holding`` a request on a
-        transfer steps empty meanwhile (``steps_while_holding``): it keeps ``cores_busy``
-        cores of the host busy, and wakes without a sleeper's delay."""
+        """Nothing to compute: sleep until poked. A loop that holds a request on a
+        transfer (``holding``) steps empty meanwhile (``steps_while_holding``): it keeps
+        ``cores_busy`` cores of the host busy, and wakes without a sleeper's delay."""
         eng = self.eng
         spins = (self.transport.spin(eng.cores_busy)
                  if holding and eng.steps_while_holding else [])
