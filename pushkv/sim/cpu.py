@@ -77,7 +77,9 @@ class SharedCores:
 
     def in_use(self) -> float:
         """Cores in use now: the work's and the spinners'."""
-        rate = self.rate()
+        return self._in_use(self.rate())
+
+    def _in_use(self, rate: float) -> float:
         return rate * len(self._left) + sum(min(d, rate) for d in self._spins.values())
 
     def spin(self, demand: float = 1.0) -> int:
@@ -120,8 +122,8 @@ class SharedCores:
         self._since = self.env.now
         if dt <= 0 or not (self._left or self._spins):
             return
-        r = self.rate()
-        self.busy_s += dt * self.in_use()
+        r = self.rate()  # once: with spinners it sorts their demands
+        self.busy_s += dt * self._in_use(r)
         for k in self._left:
             self._left[k] -= dt * r
 
