@@ -17,7 +17,11 @@ at the point's lengths just before and just after it (:func:`gauge`); and once p
 deployment, where a lone request's CPU goes (:func:`cores_busy`, from ``/proc``).
 For the point and for its gauge just after it, how long each part of the deployment
 waited on a run queue, a request (:func:`runq_waits`, ``runq_wait_ms`` and
-``gauge_runq_wait_ms`` in ``cpu_probe.json``): where the cores were short.
+``gauge_runq_wait_ms`` in ``cpu_probe.json``): where the cores were short. And
+while the point loaded the deployment (:func:`load_span`: its requests' first mark to
+their last), each part's threads pinned to one core and floating apart: the cores
+they kept busy, how many waited on a run queue, and how long a wake-up waited
+(:class:`SchedSamples`, every 0.25 s; ``threads`` in ``cpu_probe.json``).
 Result files: ``OUT/real/{mode}_qps{q}_in{i}_out{o}_iter{n}.json``. Points already
 in ``OUT/real`` are not run again (an interrupted run resumes; so does one whose
 deployment failed to start, run again with the same ``--out`` and ``--profile``).
@@ -68,12 +72,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
 import re
 import statistics
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -154,7 +160,8 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                     before = server_metrics(dep)
                     waited = runq_waits(dep, ep)
                     t_start = time.monotonic()  # the point's interval, for its timeline
-                    with CoreProbe() as probe:  # core 0: prefill, core 1: decode
+                    with (CoreProbe() as probe,  # core 0: prefill, core 1: decode
+                          SchedSamples(functools.partial(sched_parts, dep, ep)) as sched):
                         ok = bench_serve(ep.target.url, str(model), real, fname, qps=str(q),
                                          input_len=input_len, output_len=args.output_len,
                                          num_prompts=args.num_prompts, seed=args.seed + it,
@@ -170,6 +177,10 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                                                probe.wake_tail(core).items()}
                                         for side, core in (("prefill", 0), ("decode", 1))}
                     got["window"] = [t_start, time.monotonic()]
+                    span = load_span(real, mode, got["window"])
+                    if span is not None:  # where the threads ran while the point loaded
+                        got["load_span"] = list(span)
+                        got["threads"] = sched.over(*span)
                     # the probe's rate of fixed work per CPU second: the cores' speed
                     got["speed"] = {side: round(probe.speed(core), 1)
                                     for side, core in (("prefill", 0), ("decode", 1))}
@@ -189,6 +200,9 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                           f"run-queue wait a request (ms) {got['runq_wait_ms']}, its lone "
                           f"gauge's {got.get('gauge_runq_wait_ms')}, "
                           f"load {os.getloadavg()[0]:.2f}", flush=True)
+                    if got.get("threads"):
+                        print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)} loaded, "
+                              f"{threads_line(got['threads'])}", flush=True)
                     if not ok:
                         failures[fname] = "vllm bench serve failed"
                         (real / fname).unlink(missing_ok=True)
@@ -222,6 +236,90 @@ def runq_waits(dep: Any, ep: Any) -> dict[str, float]:
     from pushkv.vllm.chaos import group_runq_wait_s, runq_wait_s
 
     return parts(dep, ep, runq_wait_s, group_runq_wait_s)
+
+
+def sched_parts(dep: Any, ep: Any) -> dict[str, Any]:
+    """How the threads of each of the deployment's :func:`parts` have been scheduled so
+    far, pinned and floating apart (:class:`pushkv.vllm.chaos.ThreadSched`)."""
+    from pushkv.vllm.chaos import ThreadSched, group_thread_sched, thread_sched
+
+    return parts(dep, ep, lambda pid: thread_sched(pid) or ThreadSched(), group_thread_sched)
+
+
+class SchedSamples:
+    """While open, a background thread takes ``sample()`` (:func:`sched_parts`) every
+    ``period_s``; :meth:`over` tells what the threads did between two instants."""
+
+    def __init__(self, sample: Callable[[], dict[str, Any]], period_s: float = 0.25) -> None:
+        self.sample, self.period_s = sample, period_s
+        self.samples: list[tuple[float, dict[str, Any]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sched-samples", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.monotonic(), self.sample()))
+            if self._stop.wait(self.period_s):
+                self.samples.append((time.monotonic(), self.sample()))
+                return
+
+    def __enter__(self) -> SchedSamples:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def over(self, t0: float, t1: float) -> dict[str, dict[str, dict[str, float]]]:
+        """Each part's pinned and floating threads from the last sample at or before
+        ``t0`` to the first at or after ``t1`` (the nearest ones where none is): the
+        cores they kept busy (``cores``, CPU seconds a second), how many waited on a run
+        queue (``waiting``, seconds a second) and each wake-up's wait
+        (``wait_per_wakeup_ms``). Empty without two samples."""
+        if len(self.samples) < 2:
+            return {}
+        before = [s for s in self.samples if s[0] <= t0] or self.samples[:1]
+        after = [s for s in self.samples if s[0] >= t1] or self.samples[-1:]
+        (a, first), (b, last) = before[-1], after[0]
+        if b <= a:
+            return {}
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for part, got in last.items():
+            if part not in first:
+                continue
+            d = got - first[part]
+            out[part] = {cls: {"cores": round(x.run_s / (b - a), 3),
+                               "waiting": round(x.wait_s / (b - a), 3),
+                               "wait_per_wakeup_ms": round(x.wait_s * 1e3 / x.slices, 3)
+                               if x.slices > 0 else 0.0}
+                         for cls, x in (("pinned", d.pinned), ("floating", d.floating))}
+        return out
+
+
+def threads_line(threads: dict[str, dict[str, dict[str, float]]]) -> str:
+    """:meth:`SchedSamples.over` in one line: per part, pinned and floating threads'
+    cores busy / threads waiting / wait a wake-up (ms)."""
+    return "threads (cores busy / waiting / ms a wake-up): " + ", ".join(
+        f"{part} " + " ".join(
+            f"{cls} {x['cores']:.2f}/{x['waiting']:.2f}/{x['wait_per_wakeup_ms']:.2f}"
+            for cls, x in by.items() if x["cores"] or x["waiting"])
+        for part, by in threads.items())
+
+
+def load_span(real: Path, mode: str, window: Sequence[float]) -> tuple[float, float] | None:
+    """From the first to the last timeline mark of the requests of ``mode``'s point
+    recorded within ``window`` (``time.monotonic()``): when the point loaded the
+    deployment (its window also holds the client's start). None without marks."""
+    from pushkv.sim import segments
+
+    name, deployment = MODES[mode]
+    dirs = [real / "timeline" / name, real / "timeline" / deployment]
+    if not all(d.is_dir() for d in dirs):
+        return None
+    marks = [t for req in segments.load(dirs, (window[0], window[1])).values()
+             for t in req.values()]
+    return (min(marks), max(marks)) if marks else None
 
 
 def per_request(before: dict[str, float], after: dict[str, float],

@@ -491,6 +491,78 @@ def group_runq_wait_s(pgids: Sequence[int]) -> float:
                and not math.isnan(w := runq_wait_s(int(entry))))
 
 
+@dataclass(frozen=True, slots=True)
+class Sched:
+    """How threads have been scheduled so far (``/proc/PID/task/TID/schedstat``):
+    seconds on a CPU, seconds runnable on a run queue waiting for one, and how many
+    times they were put on a CPU (every wake-up is one)."""
+
+    run_s: float = 0.0
+    wait_s: float = 0.0
+    slices: int = 0
+
+    def __add__(self, other: Sched) -> Sched:
+        return Sched(self.run_s + other.run_s, self.wait_s + other.wait_s,
+                     self.slices + other.slices)
+
+    def __sub__(self, other: Sched) -> Sched:
+        return Sched(self.run_s - other.run_s, self.wait_s - other.wait_s,
+                     self.slices - other.slices)
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadSched:
+    """:class:`Sched` of a process's threads by placement: ``pinned``, the threads
+    allowed on one CPU only (vLLM CPU's worker, bound by ``VLLM_CPU_OMP_THREADS_BIND``,
+    and the threads it starts), and ``floating``, those the kernel may put on any of
+    several (the engine core, the API server, a router)."""
+
+    pinned: Sched = Sched()
+    floating: Sched = Sched()
+
+    def __add__(self, other: ThreadSched) -> ThreadSched:
+        return ThreadSched(self.pinned + other.pinned, self.floating + other.floating)
+
+    def __sub__(self, other: ThreadSched) -> ThreadSched:
+        return ThreadSched(self.pinned - other.pinned, self.floating - other.floating)
+
+
+def thread_sched(pid: int) -> ThreadSched | None:
+    """How the threads of process ``pid`` have been scheduled so far, pinned and
+    floating apart (:class:`ThreadSched`); a thread that ended is no longer counted;
+    None once the process is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    pinned, floating = Sched(), Sched()
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run, wait, slices = (int(x) for x in f.read().split()[:3])
+            one = len(os.sched_getaffinity(int(tid))) == 1
+        except (OSError, ValueError):  # the thread ended meanwhile
+            continue
+        got = Sched(run / 1e9, wait / 1e9, slices)
+        if one:
+            pinned += got
+        else:
+            floating += got
+    return ThreadSched(pinned, floating)
+
+
+def group_thread_sched(pgids: Sequence[int]) -> ThreadSched:
+    """:func:`thread_sched` summed over the processes of the groups ``pgids``."""
+    groups = set(pgids)
+    total = ThreadSched()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _proc_stat(entry)) and int(fields[2]) in groups:
+            got = thread_sched(int(entry))
+            if got is not None:
+                total += got
+    return total
+
+
 def _cpu_s(fields: list[str]) -> float:
     """utime + stime of a /proc stat line (fields after the name), in seconds."""
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -237,3 +237,62 @@ def test_a_deployments_parts_split_decodes_group_at_its_api_server() -> None:
         "prefill": 7.0, "decode": 7.0, "decode_api": 2.0, "router": 0.5}
     assert "router" not in bench.parts(dep, SimpleNamespace(router=None),
                                        per_process.__getitem__, groups)
+
+
+def test_sched_samples_tell_each_parts_threads_between_the_samples_around_a_span() -> None:
+    """Over a point's load: the samples bracketing it, per part and placement, CPU
+    seconds a second (cores busy), run-queue seconds a second (threads waiting) and the
+    wait of each wake-up; the nearest samples where none brackets it."""
+    from pushkv.vllm.chaos import Sched, ThreadSched
+
+    bench = bench_sim_vs_real()
+    s = bench.SchedSamples(lambda: {})
+    assert s.over(0.0, 1.0) == {}  # no samples yet
+    zero = ThreadSched()
+    mid = ThreadSched(Sched(0.5, 0.25, 10), Sched(0.1, 0.4, 4))
+    end = ThreadSched(Sched(1.0, 0.5, 20), Sched(0.2, 0.8, 8))
+    s.samples = [(0.0, {"prefill": zero, "router": zero}), (1.0, {"prefill": mid}),
+                 (2.0, {"prefill": end, "router": zero})]
+    got = s.over(0.5, 1.5)  # from the sample at 0 to the one at 2
+    assert set(got) == {"prefill", "router"}
+    assert got["prefill"]["pinned"] == {"cores": 0.5, "waiting": 0.25,
+                                        "wait_per_wakeup_ms": 25.0}
+    assert got["prefill"]["floating"] == {"cores": 0.1, "waiting": 0.4,
+                                          "wait_per_wakeup_ms": 100.0}
+    assert got["router"]["pinned"]["wait_per_wakeup_ms"] == 0.0  # never woke
+    assert s.over(1.0, 1.0) == {}  # one sample on both sides: no interval
+    assert s.over(-5.0, 9.0)["prefill"]["pinned"]["cores"] == 0.5  # the nearest ones
+    line = bench.threads_line(got)
+    assert "prefill pinned 0.50/0.25/25.00 floating 0.10/0.40/100.00" in line
+    assert "router ," in line + "," and "router pinned" not in line
+
+
+def test_sched_samples_sample_in_the_background_until_closed() -> None:
+    bench = bench_sim_vs_real()
+    calls = iter(range(1_000_000))
+    with bench.SchedSamples(lambda: {"n": next(calls)}, period_s=0.001) as s:
+        from pushkv.vllm.testing import poll
+        poll(lambda: len(s.samples), lambda n: n >= 3, timeout_s=30, interval_s=0.01)
+    n = len(s.samples)
+    assert n >= 4  # the ones taken, and one more as it closed
+    assert [x[1]["n"] for x in s.samples] == list(range(n))
+    assert all(a[0] <= b[0] for a, b in zip(s.samples, s.samples[1:], strict=False))
+
+
+def test_a_points_load_span_runs_from_its_first_mark_to_its_last(tmp_path: Path) -> None:
+    bench = bench_sim_vs_real()
+    assert bench.load_span(tmp_path, "push", (0.0, 100.0)) is None  # no timelines
+    for d in ("push", "pushkv"):
+        (tmp_path / "timeline" / d).mkdir(parents=True)
+    assert bench.load_span(tmp_path, "push", (0.0, 100.0)) is None  # no marks
+    from pushkv.timeline import Recorder
+
+    router = Recorder(tmp_path / "timeline" / "push", "router")
+    for tid, event, t in (("a", "received", 10.0), ("a", "legs_sent", 10.1),
+                          ("a", "first_token", 10.5), ("b", "received", 11.0),
+                          ("b", "legs_sent", 11.1), ("b", "last_token", 12.25),
+                          ("c", "legs_sent", 500.0)):  # c: another point's
+        router.mark(tid * 32, event, t)
+    router.close()
+    Recorder(tmp_path / "timeline" / "pushkv", "decode").close()
+    assert bench.load_span(tmp_path, "push", (0.0, 100.0)) == (10.0, 12.25)

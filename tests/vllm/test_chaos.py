@@ -259,3 +259,45 @@ def test_run_queue_wait_grows_for_processes_that_share_a_core_and_is_nan_once_go
             p.wait()
     assert math.isnan(runq_wait_s(leader.pid))
     assert group_runq_wait_s([leader.pid]) == 0.0
+
+
+def test_thread_sched_splits_pinned_from_floating_threads_and_sums_over_a_group():
+    """A process pinned to one core counts as pinned, one free to use every core as
+    floating; a group sums both; the arithmetic is componentwise; a process that is
+    gone gives None."""
+    import os
+    import subprocess
+    import sys
+
+    from pushkv.vllm.chaos import Sched, ThreadSched, group_thread_sched, thread_sched
+    from pushkv.vllm.testing import poll
+
+    assert Sched(1.0, 2.0, 3) + Sched(0.5, 0.5, 1) - Sched(0.5, 1.0, 2) == Sched(1.0, 1.5, 2)
+    assert (ThreadSched(Sched(1.0), Sched(0.0, 1.0)) - ThreadSched(Sched(0.5))
+            == ThreadSched(Sched(0.5), Sched(0.0, 1.0)))
+    cores = os.sched_getaffinity(0)
+    if len(cores) < 2:
+        pytest.skip("on one core every thread is pinned")
+    spin = "end = time.monotonic() + 120\nwhile time.monotonic() < end: pass"
+    pin = f"import os, time; os.sched_setaffinity(0, {{{min(cores)}}})\n{spin}"
+    leader = subprocess.Popen([sys.executable, "-c", pin], process_group=0)
+    free = subprocess.Popen([sys.executable, "-c", f"import time\n{spin}"],
+                            process_group=leader.pid)
+    try:
+        got = poll(lambda: (thread_sched(leader.pid), thread_sched(free.pid),
+                            group_thread_sched([leader.pid])),
+                   lambda g: (g[0] is not None and g[0].pinned.run_s > 0.1
+                              and g[1] is not None and g[1].floating.run_s > 0.1
+                              and g[2].pinned.run_s > 0.1 and g[2].floating.run_s > 0.1),
+                   timeout_s=60, interval_s=0.05)
+        pinned, floating, group = got
+        assert pinned is not None and pinned.pinned.slices > 0
+        assert floating is not None and floating.floating.slices > 0
+        assert pinned.floating == Sched() and floating.pinned == Sched()
+        assert group.pinned.run_s >= pinned.pinned.run_s
+    finally:
+        for p in (leader, free):
+            p.kill()
+            p.wait()
+    assert thread_sched(leader.pid) is None
+    assert group_thread_sched([leader.pid]) == ThreadSched()

@@ -30,6 +30,10 @@ benchmarks). Each fix is off unless its environment variable is set:
    ``*_arrived``, from the request's ``arrival_time``), ``prefill_finished``,
    ``ready_scheduled`` and ``decode_scheduled`` (:mod:`pushkv.timeline`) under
    the request's ``X-Request-Id`` (32 hex digits, as the benchmark sends them).
+5. **Switch interval.** With ``PUSHKV_BENCH_SWITCH_S`` set, every server process's
+   interpreter asks a running thread to hand over the GIL after that many seconds
+   (``sys.setswitchinterval``; CPython's default is 5 ms): how long a transport thread
+   waits for the interpreter while the engine's thread runs Python.
 """
 
 import importlib.abc
@@ -42,6 +46,10 @@ _DELAY = int(os.environ.get("PUSHKV_BENCH_NIXL_DELAY_US", "0") or 0)
 _KEEP = os.environ.get("PUSHKV_BENCH_KEEP_CORE", "")
 _TIMELINE = os.environ.get("PUSHKV_BENCH_TIMELINE_DIR", "")
 _SPIN = os.environ.get("PUSHKV_BENCH_SPIN_S", "")
+_SWITCH = os.environ.get("PUSHKV_BENCH_SWITCH_S", "")
+
+if _SWITCH:
+    sys.setswitchinterval(float(_SWITCH))
 
 if _DELAY > 0:
     try:
