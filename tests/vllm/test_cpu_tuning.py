@@ -65,3 +65,16 @@ def test_a_tuned_server_spins_milliseconds_where_vllm_spins_a_second(
     assert tuned == {"busy_loop_s": float(SPIN_S), "recheck_ms": 5}
     plain = probe(ServerSpec(model="m", port=1), tmp_path)  # vLLM's own values
     assert plain["busy_loop_s"] == 1 and plain["recheck_ms"] > 5
+
+
+@pytest.mark.parametrize(("value", "interval", "warned"), [
+    ("0.001", 0.001, False), ("", 0.005, False), ("-1", 0.005, True), ("fast", 0.005, True),
+    ("inf", 0.005, True)])
+def test_a_tuned_servers_switch_interval_comes_from_its_environment(
+        value: str, interval: float, warned: bool) -> None:
+    env = ServerSpec(model="m", port=1, spin_s=SPIN_S,
+                     env={"PUSHKV_BENCH_SWITCH_S": value}).environ()
+    out = subprocess.run([sys.executable, "-c", "import sys; print(sys.getswitchinterval())"],
+                         env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert float(out.stdout.strip().splitlines()[-1]) == pytest.approx(interval)
+    assert ("PUSHKV_BENCH_SWITCH_S" in out.stderr) is warned

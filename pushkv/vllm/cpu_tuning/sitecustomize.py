@@ -33,7 +33,8 @@ benchmarks). Each fix is off unless its environment variable is set:
 5. **Switch interval.** With ``PUSHKV_BENCH_SWITCH_S`` set, every server process's
    interpreter asks a running thread to hand over the GIL after that many seconds
    (``sys.setswitchinterval``; CPython's default is 5 ms): how long a transport thread
-   waits for the interpreter while the engine's thread runs Python.
+   waits for the interpreter while the engine's thread runs Python. A value that is
+   not a positive number of seconds is reported on stderr and leaves CPython's.
 """
 
 import importlib.abc
@@ -49,7 +50,14 @@ _SPIN = os.environ.get("PUSHKV_BENCH_SPIN_S", "")
 _SWITCH = os.environ.get("PUSHKV_BENCH_SWITCH_S", "")
 
 if _SWITCH:
-    sys.setswitchinterval(float(_SWITCH))
+    try:
+        _seconds = float(_SWITCH)
+        if not 0 < _seconds < float("inf"):
+            raise ValueError(_SWITCH)
+        sys.setswitchinterval(_seconds)
+    except ValueError:
+        print(f"pushkv cpu_tuning: PUSHKV_BENCH_SWITCH_S={_SWITCH!r} is not a positive "
+              "number of seconds; the switch interval stays CPython's", file=sys.stderr)
 
 if _DELAY > 0:
     try:
