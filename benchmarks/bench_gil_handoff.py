@@ -72,15 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.switch_s > 0:
             p.error("--switch-s must be > 0")
         sys.setswitchinterval(args.switch_s)
-    out: dict[str, object] = {"switch_interval_s": sys.getswitchinterval()}
+    ways = {}
     for way, busy in (("idle", False), ("busy", True)):
-        out[way] = s = summary(handoffs(args.n, args.gap_s, busy))
+        ways[way] = s = summary(handoffs(args.n, args.gap_s, busy))
         print(f"feeder {'runs Python' if busy else 'sleeps'}: hand-off median "
               f"{s['median_ms']:.2f} ms, p90 {s['p90_ms']:.2f} ms", flush=True)
-    idle, busy_ = out["idle"], out["busy"]
-    assert isinstance(idle, dict) and isinstance(busy_, dict)
-    out["busy_over_idle"] = round(busy_["median_ms"] / max(idle["median_ms"], 1e-6), 1)
-    print(json.dumps(out))
+    ratio = ways["busy"]["median_ms"] / max(ways["idle"]["median_ms"], 1e-6)
+    print(json.dumps({"switch_interval_s": sys.getswitchinterval(), **ways,
+                      "busy_over_idle": round(ratio, 1)}))
     return 0
 
 

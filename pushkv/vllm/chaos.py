@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import math
 import os
 import random
 import re
@@ -465,32 +464,6 @@ def process_cpu_s(pid: int) -> float:
     return float("nan") if fields is None else _cpu_s(fields)
 
 
-def runq_wait_s(pid: int) -> float:
-    """Seconds the threads of process ``pid`` have waited on a run queue so far, runnable
-    but not running (``/proc/PID/task/*/schedstat``, its second field); a thread that
-    ended is no longer counted; NaN once the process is gone."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return float("nan")
-    total = 0
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):  # the thread ended meanwhile
-            continue
-    return total / 1e9
-
-
-def group_runq_wait_s(pgids: Sequence[int]) -> float:
-    """:func:`runq_wait_s` summed over the processes of the groups ``pgids``."""
-    groups = set(pgids)
-    return sum(w for entry in os.listdir("/proc")
-               if entry.isdigit() and (fields := _proc_stat(entry)) and int(fields[2]) in groups
-               and not math.isnan(w := runq_wait_s(int(entry))))
-
-
 @dataclass(frozen=True, slots=True)
 class Sched:
     """How threads have been scheduled so far (``/proc/PID/task/TID/schedstat``):
@@ -561,6 +534,20 @@ def group_thread_sched(pgids: Sequence[int]) -> ThreadSched:
             if got is not None:
                 total += got
     return total
+
+
+def runq_wait_s(pid: int) -> float:
+    """Seconds the threads of process ``pid`` have waited on a run queue so far, runnable
+    but not running (:func:`thread_sched`, pinned and floating together); a thread that
+    ended is no longer counted; NaN once the process is gone."""
+    got = thread_sched(pid)
+    return float("nan") if got is None else got.pinned.wait_s + got.floating.wait_s
+
+
+def group_runq_wait_s(pgids: Sequence[int]) -> float:
+    """:func:`runq_wait_s` summed over the processes of the groups ``pgids``."""
+    got = group_thread_sched(pgids)
+    return got.pinned.wait_s + got.floating.wait_s
 
 
 def _cpu_s(fields: list[str]) -> float:
