@@ -169,3 +169,39 @@ def test_the_probes_wake_up_tail() -> None:
                                   "over_10ms": 0.05}
     assert probe.wake_tail(1) == {"p90_s": 0.0, "p99_s": 0.0, "max_s": 0.0, "over_10ms": 0.0}
     assert probe.wake_s(0) == 0.0001
+
+
+def test_steal_between_two_readings_of_proc_stat() -> None:
+    """The host's share of each CPU from two ``/proc/stat`` texts, against the closed form:
+    of the wall, steal / all ticks; of the work, steal / (steal + busy)."""
+    from pushkv.sim.cores import cpu_times, steal
+
+    before = cpu_times("cpu  9 9 9 9 9 9 9 9 0 0\n"
+                       "cpu0 100 0 50 1000 10 0 5 20 0 0\n"
+                       "cpu1 200 0 60 900 0 0 0 0 0 0\nintr 1 2 3\n")
+    after = cpu_times("cpu  9 9 9 9 9 9 9 9 0 0\n"
+                      "cpu0 160 0 70 1100 10 0 5 70 0 0\n"
+                      "cpu1 200 0 60 1000 0 0 0 0 0 0\n")
+    assert sorted(before) == [0, 1]  # the aggregate line is not a CPU
+    got = steal(before, after)
+    # cpu0: user 60 + system 20 busy, idle 100, steal 50: 230 ticks in all
+    assert got[0]["of_wall"] == 50 / 230
+    assert got[0]["of_work"] == 50 / 130
+    assert got[1] == {"of_wall": 0.0, "of_work": 0.0}  # idle throughout
+    assert steal(before, {}) == {}
+    # an old kernel's shorter line: the missing fields count 0
+    assert cpu_times("cpu0 1 2 3 4\n")[0]["steal"] == 0
+
+
+def test_steal_on_this_machine() -> None:
+    """The real ``/proc/stat``: every CPU present, shares within [0, 1]."""
+    import os
+
+    from pushkv.sim.cores import cpu_times, steal
+
+    a = cpu_times()
+    if not a:
+        pytest.skip("no /proc/stat here")
+    assert len(a) == os.cpu_count()
+    for share in steal(a, cpu_times()).values():
+        assert 0.0 <= share["of_wall"] <= 1.0 and 0.0 <= share["of_work"] <= 1.0
