@@ -21,7 +21,9 @@ waited on a run queue, a request (:func:`runq_waits`, ``runq_wait_ms`` and
 while the point loaded the deployment (:func:`load_span`: its requests' first mark to
 their last), each part's threads pinned to one core and floating apart: the cores
 they kept busy, how many waited on a run queue, and how long a wake-up waited
-(:class:`SchedSamples`, every 0.25 s; ``threads`` in ``cpu_probe.json``).
+(:class:`SchedSamples`, every 0.25 s; ``threads`` in ``cpu_probe.json``). Over each
+point and each gauge, the share of each core its host took (a VM's steal time,
+:func:`pushkv.sim.cores.steal`; ``steal`` in ``cpu_probe.json`` and in each gauge's record).
 Result files: ``OUT/real/{mode}_qps{q}_in{i}_out{o}_iter{n}.json``. Points already
 in ``OUT/real`` are not run again (an interrupted run resumes; so does one whose
 deployment failed to start, run again with the same ``--out`` and ``--profile``).
@@ -75,6 +77,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 import os
 import re
 import statistics
@@ -98,6 +101,13 @@ NAME = re.compile(r"^(?P<mode>[a-z-]+)_qps(?P<qps>[\d.]+)_in(?P<input>\d+)_out(?
 #: per result file: what a probe on each core met meanwhile (core 0: prefill, 1: decode)
 SHARES = "cpu_probe.json"
 STATS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
+#: the band every sim/real ratio is to fall in
+BAND = (0.75, 1.33)
+#: Student's t, its 0.975 quantile, by degrees of freedom 1-30 (above 30: 30's, a
+#: little wide)
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201,
+        2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074,
+        2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 def rate_name(q: float) -> str:
@@ -116,7 +126,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
     from modes import MODES as E2E_MODES  # benchmarks/e2e
     from run import Deployment, Endpoint, bench_serve
 
-    from pushkv.sim.cores import CoreProbe
+    from pushkv.sim.cores import CoreProbe, cpu_times, steal
     from pushkv.vllm.testing import write_tiny_llama, write_word_tokenizer
 
     (real / "logs").mkdir(parents=True, exist_ok=True)
@@ -160,6 +170,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                     before = server_metrics(dep)
                     waited = runq_waits(dep, ep)
                     t_start = time.monotonic()  # the point's interval, for its timeline
+                    ticks = cpu_times()
                     with (CoreProbe() as probe,  # core 0: prefill, core 1: decode
                           SchedSamples(functools.partial(sched_parts, dep, ep)) as sched):
                         ok = bench_serve(ep.target.url, str(model), real, fname, qps=str(q),
@@ -177,6 +188,8 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                                                probe.wake_tail(core).items()}
                                         for side, core in (("prefill", 0), ("decode", 1))}
                     got["window"] = [t_start, time.monotonic()]
+                    # the host's share of each core meanwhile (a VM's steal time)
+                    got["steal"] = steal_record(steal(ticks, cpu_times()))
                     span = load_span(real, mode, got["window"])
                     if span is not None:  # where the threads ran while the point loaded
                         got["load_span"] = list(span)
@@ -198,7 +211,8 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                           f"{'ok' if ok else 'FAILED'}; CPU share "
                           f"{ {k: got[k] for k in ('prefill', 'decode', 'engine', 'speed')} }, "
                           f"run-queue wait a request (ms) {got['runq_wait_ms']}, its lone "
-                          f"gauge's {got.get('gauge_runq_wait_ms')}, "
+                          f"gauge's {got.get('gauge_runq_wait_ms')}, steal (of the work) "
+                          f"{ {c: v['of_work'] for c, v in got['steal'].items()} }, "
                           f"load {os.getloadavg()[0]:.2f}", flush=True)
                     if got.get("threads"):
                         print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)} loaded, "
@@ -345,7 +359,9 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
     another time cannot hold. Returns the gauge's record for ``cpu_probe.json``."""
     from run import bench_serve
 
-    t0 = time.monotonic()
+    from pushkv.sim.cores import cpu_times, steal
+
+    t0, ticks = time.monotonic(), cpu_times()
     name = f"{tag}.json"
     ok = bench_serve(url, model, real / GAUGES, name, qps=str(args.gauge_qps),
                      input_len=input_len, output_len=args.output_len,
@@ -354,7 +370,13 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
     if not ok:
         raise RuntimeError(f"gauge {tag}: vllm bench serve failed (see logs/gauge.log)")
     return {"window": [t0, time.monotonic()], "file": f"{GAUGES}/{name}",
-            "input_len": input_len}
+            "input_len": input_len, "steal": steal_record(steal(ticks, cpu_times()))}
+
+
+def steal_record(got: dict[int, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """:func:`pushkv.sim.cores.steal` for ``cpu_probe.json``: per core (its number as a
+    string), the host's share of the wall and of the work, rounded."""
+    return {str(c): {k: round(v, 4) for k, v in share.items()} for c, share in got.items()}
 
 
 def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespace,
@@ -634,10 +656,88 @@ def compare(real: Path, sim: Path) -> tuple[str, dict[str, Any]]:
         "ttft_ratio_min": min(ttft, default=None), "ttft_ratio_max": max(ttft, default=None),
         "tpot_ratio_min": min(tpot, default=None), "tpot_ratio_max": max(tpot, default=None),
         "points": len(ratios),
-        "within_0.75_1.33": all(0.75 <= x <= 1.33 for x in ttft + tpot) if ratios else False,
+        "within_0.75_1.33": all(BAND[0] <= x <= BAND[1] for x in ttft + tpot)
+        if ratios else False,
         "ratios": ratios,
     }
     return "\n".join(lines), summary
+
+
+def by_iteration(directory: Path) -> dict[tuple[str, int, float], dict[int, dict[str, float]]]:
+    """Per (mode, input, rate), per iteration, the statistics of its result file."""
+    out: dict[tuple[str, int, float], dict[int, dict[str, float]]] = defaultdict(dict)
+    for path in sorted(directory.iterdir()):
+        m = NAME.match(path.name)
+        if m is None or m["mode"] not in MODES:
+            continue
+        data = json.loads(path.read_text())
+        if not data.get("failed"):
+            out[m["mode"], int(m["input"]), float(m["qps"])][int(m["iter"])] = {
+                k: float(data[k]) for k in STATS}
+    return out
+
+
+def interval(ratios: Sequence[float], band: tuple[float, float] = BAND) -> dict[str, Any]:
+    """The iterations' sim/real ratios of one point and statistic: their mean, its 95%
+    interval (Student's t over the iterations), the verdict -- ``"in"`` when the whole
+    interval lies in ``band``, ``"out"`` when none of it does (a miss the iterations
+    agree on: the model's), else ``"unsure"`` (the iterations disagree more than the
+    band is wide: a miss or a hit there is the machine's, not the model's) -- and how
+    many iterations would make the interval no wider than the band's nearer side
+    (the normal approximation, ``(1.96 cv / h)^2``; ``h = 1 - 1 / band[1]``)."""
+    n = len(ratios)
+    if n == 0:
+        raise ValueError("no ratios")
+    mean = statistics.fmean(ratios)
+    if n == 1:  # no spread to be had from one iteration
+        return {"mean": mean, "low": None, "high": None, "verdict": "unsure",
+                "iterations_needed": None}
+    sd = statistics.stdev(ratios)
+    half = T975[min(n - 1, len(T975)) - 1] * sd / math.sqrt(n)
+    low, high = mean - half, mean + half
+    lo, hi = band
+    verdict = ("in" if lo <= low and high <= hi else
+               "out" if high < lo or low > hi else "unsure")
+    need = math.ceil((1.96 * (sd / mean) / (1 - 1 / hi)) ** 2) if mean > 0 else None
+    return {"mean": mean, "low": low, "high": high, "verdict": verdict,
+            "iterations_needed": max(n if need is None else need, 2)}
+
+
+def precision(real: Path, sim: Path, band: tuple[float, float] = BAND
+              ) -> tuple[str, dict[str, Any]]:
+    """How far one run can tell: per point and statistic, the iterations' sim/real
+    ratios as an :func:`interval`. On a shared machine one iteration's real mean can
+    be twice the next one's at the same point and send times, so a point ratio
+    outside the band with an ``"unsure"`` verdict is not evidence against the model,
+    and one with ``"out"`` is. The table (markdown) and the summary: per point the
+    intervals, the verdicts counted, and the most iterations any ratio needs."""
+    r, s = by_iteration(real), by_iteration(sim)
+    head = ["mode", "input", "QPS", "iterations", *(f"{k[:-3].replace('_', ' ')} ratio, "
+                                                    "95% interval" for k in STATS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    points: dict[str, dict[str, Any]] = {}
+    verdicts = {"in": 0, "out": 0, "unsure": 0}
+    needed = 0
+    for key in sorted(set(r) & set(s), key=lambda k: (k[0] != "push", k[1], k[2])):
+        its = sorted(set(r[key]) & set(s[key]))
+        if not its:
+            continue
+        mode, input_len, q = key
+        cells, got = [], {}
+        for k in STATS:
+            iv = interval([s[key][i][k] / r[key][i][k] for i in its if r[key][i][k] > 0],
+                          band)
+            got[k] = {x: (round(v, 3) if isinstance(v, float) else v) for x, v in iv.items()}
+            verdicts[iv["verdict"]] += 1
+            needed = max(needed, iv["iterations_needed"] or 0)
+            cells.append(f"{iv['mean']:.2f}" + (
+                f" [{iv['low']:.2f}, {iv['high']:.2f}] {iv['verdict']}"
+                if iv["low"] is not None else " (one iteration)"))
+        points[f"{mode}_in{input_len}_qps{rate_name(q)}"] = got
+        lines.append(f"| {mode} | {input_len} | {rate_name(q)} | {len(its)} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines), {"band": list(band), "verdicts": verdicts,
+                              "iterations_needed_max": needed, "points": points}
 
 
 def compared_points(real: Path, timelines: Path, shares: dict[str, dict[str, Any]]
@@ -1039,6 +1139,16 @@ def main() -> int:
               "them (not a prediction of the steps):\n")
         print(steps_table)
         summary["server_steps"] = {k: steps_summary[k] for k in keys}
+    text, summary["precision"] = precision(real, sim)
+    print(f"\nHow far this run can tell, the {way} way: each point's iterations' sim/real "
+          f"ratios, their mean and its 95% interval; in / out: the whole interval in / "
+          f"outside {BAND[0]}-{BAND[1]} (out: a miss the iterations agree on), unsure: "
+          f"it straddles a side:\n")
+    print(text)
+    v = summary["precision"]["verdicts"]
+    print(f"\nverdicts: {v['in']} in, {v['out']} out, {v['unsure']} unsure; a 95% interval "
+          f"as narrow as the band needs up to {summary['precision']['iterations_needed_max']} "
+          f"iterations a point at this run's spread")
     print()
     summary["own_cores"] = {k: own_summary[k] for k in keys}
     summary["segments"] = segs

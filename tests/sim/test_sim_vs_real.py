@@ -296,3 +296,64 @@ def test_a_points_load_span_runs_from_its_first_mark_to_its_last(tmp_path: Path)
     router.close()
     Recorder(tmp_path / "timeline" / "pushkv", "decode").close()
     assert bench.load_span(tmp_path, "push", (0.0, 100.0)) == (10.0, 12.25)
+
+
+def test_a_ratios_interval_and_verdict_against_the_closed_form() -> None:
+    """Mean, Student's t interval and verdict of one point's iterations' ratios."""
+    bench = bench_sim_vs_real()
+    got = bench.interval([0.9, 1.0, 1.1, 1.0])
+    sd = math.sqrt(0.02 / 3)
+    half = 3.182 * sd / 2  # t(0.975, 3 df) x sd / sqrt(4)
+    assert got["mean"] == pytest.approx(1.0)
+    assert (got["low"], got["high"]) == (pytest.approx(1 - half), pytest.approx(1 + half))
+    assert got["verdict"] == "in"  # [0.87, 1.13] inside 0.75-1.33
+    # (1.96 x cv / (1 - 1 / 1.33))^2 iterations for an interval as narrow as the band
+    assert got["iterations_needed"] == max(2, math.ceil((1.96 * sd / (1 - 1 / 1.33)) ** 2))
+    # iterations that agree on a miss: out; iterations that disagree: unsure
+    assert bench.interval([0.60, 0.62, 0.58, 0.61])["verdict"] == "out"
+    assert bench.interval([1.50, 1.52, 1.48])["verdict"] == "out"
+    wide = bench.interval([0.4, 1.2, 0.6, 1.0])
+    assert wide["verdict"] == "unsure" and wide["iterations_needed"] > 4
+    assert bench.interval([0.7])["verdict"] == "unsure"  # one iteration: no interval
+    with pytest.raises(ValueError):
+        bench.interval([])
+
+
+def test_the_precision_table_pairs_each_points_iterations(tmp_path: Path) -> None:
+    """Per point, the iterations both halves ran, as ratio intervals; verdicts counted
+    over every statistic; an iteration only one half ran is left out."""
+    bench = bench_sim_vs_real()
+    real, sim = tmp_path / "real", tmp_path / "sim"
+    real.mkdir()
+    sim.mkdir()
+
+    def write(d: Path, it: int, ttft: float, tpot: float) -> None:
+        (d / bench.file_name("push", 2.0, 64, 24, it)).write_text(json.dumps(
+            {"mean_ttft_ms": ttft, "median_ttft_ms": ttft, "mean_tpot_ms": tpot,
+             "median_tpot_ms": tpot, "completed": 24}))
+
+    for it, (r, s) in enumerate([(40.0, 40.0), (50.0, 45.0), (60.0, 63.0)]):
+        write(real, it, r, 5.0)
+        write(sim, it, s, 3.0)  # TPOT 0.6 in every iteration: out
+    write(real, 3, 500.0, 5.0)  # no simulated twin
+    text, got = bench.precision(real, sim)
+    assert "| push | 64 | 2 | 3 |" in text
+    point = got["points"]["push_in64_qps2"]
+    assert point["mean_ttft_ms"]["mean"] == pytest.approx((1.0 + 0.9 + 1.05) / 3, abs=1e-3)
+    assert point["mean_tpot_ms"]["verdict"] == "out"
+    assert got["verdicts"] == {"in": 2, "out": 2, "unsure": 0}
+    assert got["band"] == list(bench.BAND)
+
+
+def test_the_hosts_share_of_each_core_is_recorded_per_core_rounded() -> None:
+    """What ``cpu_probe.json`` keeps of :func:`pushkv.sim.cores.steal` for a point and a
+    gauge: JSON keys, four places."""
+    from pushkv.sim.cores import cpu_times, steal
+
+    bench = bench_sim_vs_real()
+    assert bench.steal_record({0: {"of_wall": 0.123456, "of_work": 0.5}, 1: {
+        "of_wall": 0.0, "of_work": 0.0}}) == {"0": {"of_wall": 0.1235, "of_work": 0.5},
+                                              "1": {"of_wall": 0.0, "of_work": 0.0}}
+    now = cpu_times()
+    assert json.loads(json.dumps(bench.steal_record(steal(now, now)))) == bench.steal_record(
+        steal(now, now))
