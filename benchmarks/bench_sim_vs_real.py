@@ -359,18 +359,36 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
     another time cannot hold. Returns the gauge's record for ``cpu_probe.json``."""
     from run import bench_serve
 
-    from pushkv.sim.cores import cpu_times, steal
+    from pushkv.sim.cores import CoreProbe, cpu_times, steal
 
     t0, ticks = time.monotonic(), cpu_times()
     name = f"{tag}.json"
-    ok = bench_serve(url, model, real / GAUGES, name, qps=str(args.gauge_qps),
-                     input_len=input_len, output_len=args.output_len,
-                     num_prompts=args.gauge, seed=seed, log=real / "logs" / "gauge.log",
-                     extra=("--max-concurrency", "1", "--ready-check-timeout-sec", "0"))
+    with CoreProbe() as probe:  # the cores' speed meanwhile, as during a point
+        ok = bench_serve(url, model, real / GAUGES, name, qps=str(args.gauge_qps),
+                         input_len=input_len, output_len=args.output_len,
+                         num_prompts=args.gauge, seed=seed, log=real / "logs" / "gauge.log",
+                         extra=("--max-concurrency", "1", "--ready-check-timeout-sec", "0"))
     if not ok:
         raise RuntimeError(f"gauge {tag}: vllm bench serve failed (see logs/gauge.log)")
     return {"window": [t0, time.monotonic()], "file": f"{GAUGES}/{name}",
-            "input_len": input_len, "steal": steal_record(steal(ticks, cpu_times()))}
+            "input_len": input_len, "steal": steal_record(steal(ticks, cpu_times())),
+            "speed": {side: round(probe.speed(core), 1)
+                      for side, core in (("prefill", 0), ("decode", 1))}}
+
+
+def gauge_speed(got: dict[str, Any]) -> dict[str, float]:
+    """How fast each side's core ran during a point against during its gauges: the
+    probe's rate of fixed work per CPU second (:meth:`pushkv.sim.cores.CoreProbe.speed`)
+    over the point, over the mean of the gauges' -- the profile's ``cpu_speed`` for a
+    point simulated with its gauges' profile. Empty where the point or a gauge has no
+    speed (runs before the gauges were probed)."""
+    point, gauges = got.get("speed") or {}, got.get("gauges") or []
+    out = {}
+    for side in ("prefill", "decode"):
+        ref = [g.get("speed", {}).get(side, 0.0) for g in gauges]
+        if point.get(side, 0.0) > 0 and ref and all(r > 0 for r in ref):
+            out[side] = point[side] / statistics.fmean(ref)
+    return out if len(out) == 2 else {}
 
 
 def steal_record(got: dict[int, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -513,7 +531,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             arrivals: str = "vllm", frontend_cores: int | None = None,
             host_cores: int | None = None,
             keys: dict[str, dict[str, float]] | None = None,
-            gauges: dict[str, dict[str, dict[str, float]]] | None = None) -> None:
+            gauges: dict[str, dict[str, dict[str, float]]] | None = None,
+            speeds: bool = False) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
     ``shares`` (by result file name), each point's engines get the share of a core and
     the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
@@ -527,9 +546,10 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     ``control.host_cores`` (engines and frontends on shared cores; 0 off); ``keys`` (per table,
     key: value) replace the profile's (:func:`real_keys`); ``gauges`` (by result file name,
     per table, key: value) replace them again for that point alone (:func:`gauge_keys`),
-    on a core each."""
+    on a core each; with ``speeds`` too, each side's ``cpu_speed`` the point's against
+    its gauges' (:func:`gauge_speed`, from ``shares``)."""
     from pushkv.sim.marks import Timeline
-    from pushkv.sim.profile import load_profile, profile_from_dict
+    from pushkv.sim.profile import MAX_SPEED, load_profile, profile_from_dict
     from pushkv.sim.runner import run
     from pushkv.sim.scenario import SimConfig, TransferMode
     from pushkv.sim.workload import WorkloadConfig
@@ -555,6 +575,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             point = {t: dict(v) for t, v in gauges[fname].items()}
             if host_cores is not None:  # the command line's cores, over the real run's
                 point.get("control", {}).pop("host_cores", None)
+            for side, speed in (gauge_speed(got or {}) if speeds else {}).items():
+                point.setdefault(side, {})["cpu_speed"] = min(MAX_SPEED, speed)
             profile = profile_from_dict(point, base=base)
         elif got:
             pre, dec = dict(got["prefill"]), dict(got["decode"])  # cpu_share, wake_s
@@ -738,6 +760,11 @@ def precision(real: Path, sim: Path, band: tuple[float, float] = BAND
                      + " | ".join(cells) + " |")
     return "\n".join(lines), {"band": list(band), "verdicts": verdicts,
                               "iterations_needed_max": needed, "points": points}
+
+
+def in_band(summary: dict[str, Any], band: tuple[float, float] = BAND) -> int:
+    """How many of a :func:`compare` summary's ratios lie in ``band``."""
+    return sum(band[0] <= x <= band[1] for v in summary["ratios"].values() for x in v.values())
 
 
 def compared_points(real: Path, timelines: Path, shares: dict[str, dict[str, Any]]
@@ -1125,6 +1152,19 @@ def main() -> int:
                       "gauges' profiles (the points' requests pooled per mode and rate; "
                       "real: the router's first token, simulated: the client's):\n")
                 print(text)
+            if any(gauge_speed(v) for v in shares.values()):
+                fast = args.out / "sim-gauge-speed"
+                run_sim(args.profile, fast, points, output_len, num_prompts, seed=args.seed,
+                        arrivals=args.arrivals, frontend_cores=args.frontend_cores,
+                        host_cores=args.host_cores, gauges=per_point, shares=shares,
+                        speeds=True)
+                speed_table, speed_summary = compare(real, fast)
+                print("\nThe same, each side's cores as fast against the gauges' as the probe "
+                      "on them saw (cpu_speed: the point's rate of fixed work over its "
+                      "gauges'):\n")
+                print(speed_table)
+                gauge_summary["gauge_speed"] = {k: speed_summary[k] for k in keys} | {
+                    "in_band": in_band(speed_summary)}
             summary[way] = {k: summary[k] for k in keys}  # kept beside the headline
             summary = gauge_summary | {way: summary[way]}
             summary["gauge_keys"] = {"run": run_keys, "points": per_point}

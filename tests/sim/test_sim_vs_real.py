@@ -137,6 +137,45 @@ def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: 
     assert slow["mean_tpot_ms"] > 1.5 * fast["mean_tpot_ms"]
 
 
+
+def test_a_point_whose_cores_ran_slower_than_its_gauges_is_simulated_slower(
+        tmp_path: Path) -> None:
+    """The gauge way with ``speeds``: each side's ``cpu_speed`` is the probe's rate during
+    the point over the mean of its gauges' (:func:`gauge_speed`); a point whose cores
+    ran at half their gauges' speed is simulated slower, one at their speed as without."""
+    bench = bench_sim_vs_real()
+    assert bench.gauge_speed({"speed": {"prefill": 100.0, "decode": 90.0},
+                              "gauges": [{"speed": {"prefill": 200.0, "decode": 100.0}},
+                                         {"speed": {"prefill": 200.0, "decode": 80.0}}]}
+                             ) == {"prefill": 0.5, "decode": 1.0}
+    # runs whose gauges were not probed, or a probe that saw nothing: no speed
+    assert bench.gauge_speed({"speed": {"prefill": 1.0, "decode": 1.0},
+                              "gauges": [{}, {}]}) == {}
+    assert bench.gauge_speed({"speed": {"prefill": 0.0, "decode": 1.0}, "gauges": [
+        {"speed": {"prefill": 1.0, "decode": 1.0}}]}) == {}
+    real, shares = _gauged_run(tmp_path)
+    points, output_len, num_prompts = bench.real_points(real)
+    per_point, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len)
+    name = "push_qps2_in64_out24_iter0.json"
+
+    def simulated(speed: float, out: Path) -> dict[str, float]:
+        probed = {k: dict(v) for k, v in shares.items()}
+        probed[name]["speed"] = {"prefill": 100.0 * speed, "decode": 100.0 * speed}
+        probed[name]["gauges"] = [dict(g, speed={"prefill": 100.0, "decode": 100.0})
+                                  for g in probed[name]["gauges"]]
+        bench.run_sim(bench.PROFILE, out, points, output_len, num_prompts,
+                      gauges=per_point, shares=probed, speeds=True)
+        return json.loads((out / name).read_text())
+
+    plain = tmp_path / "plain"
+    bench.run_sim(bench.PROFILE, plain, points, output_len, num_prompts, gauges=per_point)
+    same = simulated(1.0, tmp_path / "same")
+    half = simulated(0.5, tmp_path / "half")
+    assert same["mean_ttft_ms"] == json.loads((plain / name).read_text())["mean_ttft_ms"]
+    assert half["mean_ttft_ms"] > 1.3 * same["mean_ttft_ms"]
+    assert half["mean_tpot_ms"] > 1.3 * same["mean_tpot_ms"]
+
+
 def test_points_without_gauges_are_refused_in_a_line(tmp_path: Path) -> None:
     from pushkv.sim.measure import MeasurementError
 
