@@ -56,11 +56,24 @@ their first token, real against the gauge way (:func:`overlap_tables`): where
 the two agree on requests served alone, a gap that grows with the overlap is the
 load's cost the model leaves out.
 
+The gauges run with the core probe too, so a second gauge way (``OUT/sim-gauge-speed``)
+can simulate each point with its cores as fast against its gauges' as the probe saw
+(each side's ``cpu_speed``, :func:`gauge_speed`), printed beside the headline.
+
+**How far one run can tell** (:func:`precision`): per point and statistic, the
+iterations' sim/real ratios, their mean and its 95% interval (Student's t), with a
+verdict: ``in`` or ``out`` when the whole interval lies in or outside 0.75-1.33
+(:data:`BAND`; out: a miss the iterations agree on, the model's), ``unsure`` when it
+straddles a side (the iterations disagree more than the band is wide), and how many
+iterations an interval as narrow as the band would need at the run's spread.
+
 Prints a table of sim/real ratios per way (mean and median TTFT and TPOT, per
-point and mode, iterations averaged), the segment tables, and, last, one JSON
-object for the headline way (``"way"``: gauge, else probe): ``ttft_ratio_min``, ``ttft_ratio_max``,
-``tpot_ratio_min``, ``tpot_ratio_max``, ``points`` (the per-point ratios, and the
-other two ways' ranges under ``own_cores`` and ``server_steps``), ``segments``
+point and mode, iterations averaged), the segment tables, the precision table, and,
+last, one JSON object for the headline way (``"way"``: gauge, else probe):
+``ttft_ratio_min``, ``ttft_ratio_max``, ``tpot_ratio_min``, ``tpot_ratio_max``,
+``points`` (the per-point ratios, and the other ways' ranges under ``own_cores``,
+``server_steps`` and ``gauge_speed``), ``precision`` (the intervals, the verdicts
+counted, ``iterations_needed_max``), ``segments``
 (per way and point, each segment's real and simulated median in ms), ``by_overlap``
 (the groups' rows). Figures (``--figures DIR``, or
 ``pushkv plot --results-dir OUT/real --overlay OUT/sim --labels real sim --metric ttft``).
