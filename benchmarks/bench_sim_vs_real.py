@@ -717,7 +717,7 @@ def interval(ratios: Sequence[float], band: tuple[float, float] = BAND) -> dict[
     interval (Student's t over the iterations), the verdict -- ``"in"`` when the whole
     interval lies in ``band``, ``"out"`` when none of it does (a miss the iterations
     agree on: the model's), else ``"unsure"`` (the iterations disagree more than the
-    band is wide: a miss or a hit there is the machine's, not the model's) -- and how
+    band is wide: the run cannot tell a miss there from the machine's moods) -- and how
     many iterations would make the interval no wider than the band's nearer side
     (the normal approximation, ``(1.96 cv / h)^2``; ``h = 1 - 1 / band[1]``)."""
     n = len(ratios)
@@ -760,8 +760,11 @@ def precision(real: Path, sim: Path, band: tuple[float, float] = BAND
         mode, input_len, q = key
         cells, got = [], {}
         for k in STATS:
-            iv = interval([s[key][i][k] / r[key][i][k] for i in its if r[key][i][k] > 0],
-                          band)
+            ratios = [s[key][i][k] / r[key][i][k] for i in its if r[key][i][k] > 0]
+            if not ratios:  # every real value 0 (a median TPOT of one-chunk answers)
+                cells.append("-")
+                continue
+            iv = interval(ratios, band)
             got[k] = {x: (round(v, 3) if isinstance(v, float) else v) for x, v in iv.items()}
             verdicts[iv["verdict"]] += 1
             needed = max(needed, iv["iterations_needed"] or 0)

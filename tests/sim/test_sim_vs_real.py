@@ -382,6 +382,14 @@ def test_the_precision_table_pairs_each_points_iterations(tmp_path: Path) -> Non
     assert point["mean_tpot_ms"]["verdict"] == "out"
     assert got["verdicts"] == {"in": 2, "out": 2, "unsure": 0}
     assert got["band"] == list(bench.BAND)
+    # a statistic whose real value is 0 in every iteration has no ratio: a dash, no verdict
+    for it in range(3):
+        path = real / bench.file_name("push", 2.0, 64, 24, it)
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"median_tpot_ms": 0.0}))
+    text, got = bench.precision(real, sim)
+    assert text.rstrip().endswith("| - |")
+    assert "median_tpot_ms" not in got["points"]["push_in64_qps2"]
+    assert got["verdicts"] == {"in": 2, "out": 1, "unsure": 0}
 
 
 def test_the_hosts_share_of_each_core_is_recorded_per_core_rounded() -> None:
