@@ -207,9 +207,7 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
                     if span is not None:  # where the threads ran while the point loaded
                         got["load_span"] = list(span)
                         got["threads"] = sched.over(*span)
-                    # the probe's rate of fixed work per CPU second: the cores' speed
-                    got["speed"] = {side: round(probe.speed(core), 1)
-                                    for side, core in (("prefill", 0), ("decode", 1))}
+                    got["speed"] = probe_speed(probe)
                     if args.gauge:  # and just after it (the next point's, if as long)
                         waited = runq_waits(dep, ep)
                         last = gauge(ep.target.url, str(model), real, f"{stem}_after",
@@ -385,8 +383,13 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
         raise RuntimeError(f"gauge {tag}: vllm bench serve failed (see logs/gauge.log)")
     return {"window": [t0, time.monotonic()], "file": f"{GAUGES}/{name}",
             "input_len": input_len, "steal": steal_record(steal(ticks, cpu_times())),
-            "speed": {side: round(probe.speed(core), 1)
-                      for side, core in (("prefill", 0), ("decode", 1))}}
+            "speed": probe_speed(probe)}
+
+
+def probe_speed(probe: Any) -> dict[str, float]:
+    """The probe's rate of fixed work per CPU second on each side's core (core 0:
+    prefill, 1: decode), rounded: the cores' speed over a point or a gauge."""
+    return {side: round(probe.speed(core), 1) for side, core in (("prefill", 0), ("decode", 1))}
 
 
 def gauge_speed(got: dict[str, Any]) -> dict[str, float]:
@@ -646,20 +649,24 @@ def real_points(real: Path) -> tuple[list[tuple[str, int, float, int]], int, int
 # ----------------------------------------------------------------- report
 
 
-def averages(directory: Path) -> dict[tuple[str, int, float], dict[str, float]]:
-    """Per (mode, input, rate): each statistic averaged over the iterations."""
-    acc: dict[tuple[str, int, float], dict[str, list[float]]] = defaultdict(
-        lambda: defaultdict(list))
+def by_iteration(directory: Path) -> dict[tuple[str, int, float], dict[int, dict[str, float]]]:
+    """Per (mode, input, rate), per iteration, the statistics of its result file."""
+    out: dict[tuple[str, int, float], dict[int, dict[str, float]]] = defaultdict(dict)
     for path in sorted(directory.iterdir()):
         m = NAME.match(path.name)
         if m is None or m["mode"] not in MODES:
             continue
         data = json.loads(path.read_text())
-        if data.get("failed"):
-            continue
-        for k in STATS:
-            acc[m["mode"], int(m["input"]), float(m["qps"])][k].append(float(data[k]))
-    return {p: {k: statistics.fmean(v) for k, v in d.items()} for p, d in acc.items()}
+        if not data.get("failed"):
+            out[m["mode"], int(m["input"]), float(m["qps"])][int(m["iter"])] = {
+                k: float(data[k]) for k in STATS}
+    return out
+
+
+def averages(directory: Path) -> dict[tuple[str, int, float], dict[str, float]]:
+    """Per (mode, input, rate): each statistic averaged over the iterations."""
+    return {p: {k: statistics.fmean(v[k] for v in its.values()) for k in STATS}
+            for p, its in by_iteration(directory).items()}
 
 
 def compare(real: Path, sim: Path) -> tuple[str, dict[str, Any]]:
@@ -696,20 +703,6 @@ def compare(real: Path, sim: Path) -> tuple[str, dict[str, Any]]:
         "ratios": ratios,
     }
     return "\n".join(lines), summary
-
-
-def by_iteration(directory: Path) -> dict[tuple[str, int, float], dict[int, dict[str, float]]]:
-    """Per (mode, input, rate), per iteration, the statistics of its result file."""
-    out: dict[tuple[str, int, float], dict[int, dict[str, float]]] = defaultdict(dict)
-    for path in sorted(directory.iterdir()):
-        m = NAME.match(path.name)
-        if m is None or m["mode"] not in MODES:
-            continue
-        data = json.loads(path.read_text())
-        if not data.get("failed"):
-            out[m["mode"], int(m["input"]), float(m["qps"])][int(m["iter"])] = {
-                k: float(data[k]) for k in STATS}
-    return out
 
 
 def interval(ratios: Sequence[float], band: tuple[float, float] = BAND) -> dict[str, Any]:
