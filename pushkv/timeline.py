@@ -11,7 +11,10 @@ marks come from the same host are meaningful.
 
 Recording is off unless :func:`configure` was called with a directory (the
 connector's ``timeline_dir`` setting, ``pushkv proxy --timeline-dir``); when off,
-:func:`mark` is one global lookup and a return.
+:func:`mark` is one global lookup and a return. While it is on, the process's
+garbage-collector pauses of 0.5 ms or more go into the same file
+(:func:`record_gc`, :func:`read_pauses`): a collection stops every thread of the
+process, and every request in its hands waits for it.
 
 :data:`EVENTS` names every mark in the order a request normally meets them,
 :data:`ENDINGS` the marks of a request that ends early, and :data:`SEGMENTS` the
@@ -116,19 +119,32 @@ class Recorder:
         with self._lock:
             self._file.write(line + "\n")
 
+    def pause(self, kind: str, t0: float, t1: float) -> None:
+        """A pause of this whole process (``kind``: ``gc0``-``gc2``, the garbage
+        collector's generation) from ``t0`` to ``t1``: a line of its own, no request's."""
+        line = json.dumps({"pause": kind, "t0": t0, "t1": t1, "p": self.process,
+                           "pid": os.getpid()})  # a forked child writes its parent's file
+        with self._lock:
+            self._file.write(line + "\n")
+
     def close(self) -> None:
         with self._lock:
             self._file.close()
 
 
 _recorder: Recorder | None = None
+#: the shortest garbage-collector pause :func:`record_gc` writes down
+GC_MIN_S = 0.0005
+_gc_started = [0.0]
+_gc_min_s = [GC_MIN_S]
 
 
 def configure(directory: str | os.PathLike[str] | None, process: str = "") -> None:
     """Record this process's marks under ``directory`` from now on (None or "": stop).
 
     Called once per process by whatever owns the setting; a second call with a
-    directory keeps the first recorder (one file per process)."""
+    directory keeps the first recorder (one file per process). The process's
+    garbage-collector pauses are recorded beside its marks (:func:`record_gc`)."""
     global _recorder
     if not directory:
         if _recorder is not None:
@@ -136,6 +152,7 @@ def configure(directory: str | os.PathLike[str] | None, process: str = "") -> No
         _recorder = None
     elif _recorder is None:
         _recorder = Recorder(directory, process)
+        record_gc()
 
 
 def enabled() -> bool:
@@ -148,6 +165,27 @@ def mark(transfer_id: str, event: str, t: float | None = None) -> None:
     rec = _recorder
     if rec is not None:
         rec.mark(transfer_id, event, t)
+
+
+def record_gc(min_s: float = GC_MIN_S) -> None:
+    """Write down every garbage collection of this process that lasts at least
+    ``min_s`` from now on, as a :meth:`Recorder.pause` (while recording is on; one
+    callback a process, the latest ``min_s`` holds). A collection stops every thread
+    of the interpreter: each request in the process's hands waits for it."""
+    import gc
+
+    _gc_min_s[0] = min_s
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
+
+
+def _on_gc(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_started[0] = time.monotonic()
+        return
+    t1, rec = time.monotonic(), _recorder
+    if rec is not None and t1 - _gc_started[0] >= _gc_min_s[0]:
+        rec.pause(f"gc{info.get('generation', 0)}", _gc_started[0], t1)
 
 
 def from_wall(t_wall: float) -> float:
@@ -178,6 +216,32 @@ def read(directory: str | os.PathLike[str]) -> list[Mark]:
             except (ValueError, KeyError, TypeError):
                 continue  # a torn last line of a killed process
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    process: str
+    kind: str
+    t0: float
+    t1: float
+    pid: int = 0
+
+
+def read_pauses(directory: str | os.PathLike[str]) -> list[Pause]:
+    """Every :meth:`Recorder.pause` recorded under ``directory`` (all processes), by
+    start."""
+    out: list[Pause] = []
+    for path in sorted(Path(directory).glob("timeline-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if '"pause"' not in line:
+                continue
+            try:
+                d = json.loads(line)
+                out.append(Pause(str(d.get("p", "")), str(d["pause"]), float(d["t0"]),
+                                 float(d["t1"]), int(d.get("pid", 0))))
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line of a killed process
+    return sorted(out, key=lambda p: p.t0)
 
 
 def by_request(marks: Iterable[Mark]) -> dict[str, dict[str, float]]:

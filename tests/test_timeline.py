@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,34 @@ def test_every_segment_names_known_events():
 def test_endings_are_not_marks_of_a_complete_request():
     assert not set(timeline.ENDINGS) & set(timeline.EVENTS)
     assert len(set(timeline.ENDINGS)) == len(timeline.ENDINGS)
+
+
+def test_a_processs_garbage_collections_are_pauses_beside_its_marks(tmp_path: Path):
+    import gc
+
+    timeline.configure(tmp_path, "router")
+    timeline.record_gc(min_s=0.0)
+    timeline.record_gc(min_s=0.0)  # once per process: one callback
+    assert gc.callbacks.count(timeline._on_gc) == 1
+    timeline.mark("t1", "legs_sent", 10.0)
+    gc.collect()
+    timeline.configure(None)
+    pauses = timeline.read_pauses(tmp_path)
+    assert "gc2" in [p.kind for p in pauses]
+    gc.collect()  # recording off: nothing more is written
+    assert timeline.read_pauses(tmp_path) == pauses
+    timeline.record_gc()  # the default threshold again, for the rest of this process
+    assert all(p.process == "router" and p.pid == os.getpid() and p.t1 >= p.t0
+               for p in pauses)
+    # The marks read as before, the pauses left out.
+    assert timeline.by_request(timeline.read(tmp_path)) == {"t1": {"legs_sent": 10.0}}
+
+
+def test_a_torn_pause_line_of_a_killed_process_is_skipped(tmp_path: Path):
+    (tmp_path / "timeline-5.jsonl").write_text(
+        json.dumps({"pause": "gc2", "t0": 2.0, "t1": 2.1, "p": "decode", "pid": 5}) + "\n"
+        + json.dumps({"pause": "gc0", "t0": 1.0, "t1": 1.001, "p": "decode"}) + "\n"
+        + '{"pause": "gc2", "t0": 3.')
+    assert timeline.read_pauses(tmp_path) == [
+        timeline.Pause("decode", "gc0", 1.0, 1.001),
+        timeline.Pause("decode", "gc2", 2.0, 2.1, pid=5)]

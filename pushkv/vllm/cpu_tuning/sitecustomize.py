@@ -30,6 +30,9 @@ benchmarks). Each fix is off unless its environment variable is set:
    ``*_arrived``, from the request's ``arrival_time``), ``prefill_finished``,
    ``ready_scheduled`` and ``decode_scheduled`` (:mod:`pushkv.timeline`) under
    the request's ``X-Request-Id`` (32 hex digits, as the benchmark sends them).
+   Every process of the server records there from its start, so the API
+   server's garbage-collector pauses are written down too
+   (:func:`pushkv.timeline.record_gc`).
 5. **Switch interval.** With ``PUSHKV_BENCH_SWITCH_S`` set, every server process's
    interpreter asks a running thread to hand over the GIL after that many seconds
    (``sys.setswitchinterval``; CPython's default is 5 ms): how long a transport thread
@@ -195,6 +198,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         loader.exec_module = exec_and_instrument  # type: ignore[method-assign]
         return spec
 
+
+if _TIMELINE:
+    try:  # every process of the server, its API server included
+        from pushkv import timeline as _timeline
+
+        _timeline.configure(_TIMELINE, f"vllm-{os.getpid()}")
+    except Exception as _exc:  # the server still runs, without its own records
+        print(f"pushkv bench: no timeline: {_exc!r}", file=sys.stderr)
 
 _PATCHES = {}
 if _TIMELINE:
