@@ -316,3 +316,107 @@ def test_a_frozen_deployment_is_stopped_and_thaws_whole(run, tmp_path):
             p.wait()
             p.stdin.close()  # type: ignore[union-attr]
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _Completions:
+    """A streaming ``/v1/completions`` endpoint in a thread of this process: one SSE chunk
+    a token, then the usage, then ``[DONE]`` -- the shape ``vllm bench serve`` reads. It
+    stands in for the servers only; the client under test is vLLM's own."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.requests = 0
+        self.url = ""
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self.thread.start()
+        assert started.wait(60)
+
+    def _run(self, started: Any) -> None:
+        import asyncio
+        import json
+
+        from aiohttp import web
+
+        async def completions(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            self.requests += 1
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for _ in range(int(body["max_tokens"])):
+                await resp.write(b'data: {"choices": [{"text": " w"}]}\n\n')
+            usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"],
+                                              "prompt_tokens": 8}}
+            await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+            return resp
+
+        async def start() -> None:
+            app = web.Application()
+            app.router.add_post("/v1/completions", completions)
+            self.runner = web.AppRunner(app)
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.url = f"http://127.0.0.1:{port}"
+            started.set()
+
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(start())
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(60)
+
+
+def test_one_kept_client_runs_many_benchmarks_and_outlives_a_failed_one(run, tmp_path):
+    """BenchClient runs vLLM's ``vllm bench serve`` again and again in one process
+    (its import paid once); a run with bad flags fails alone, a client that died is
+    replaced, and each run's output goes to its own log."""
+    from pushkv.vllm.testing import write_tiny_llama, write_word_tokenizer
+
+    model = tmp_path / "model"
+    write_tiny_llama(model)
+    write_word_tokenizer(model)
+    server = _Completions()
+    try:
+        with run.BenchClient() as client:
+            def bench(name: str, n: int, log: str) -> bool:
+                return run.bench_serve(server.url, str(model), tmp_path, name, qps="inf",
+                                       input_len=8, output_len=3, num_prompts=n, seed=1,
+                                       log=tmp_path / log, client=client,
+                                       extra=("--ready-check-timeout-sec", "0"))
+
+            assert bench("a.json", 4, "a.log")
+            pid = client.proc.pid
+            assert bench("b.json", 5, "b.log")
+            assert client.proc.pid == pid  # the same process ran both
+            assert not client.run(["--no-such-flag"], tmp_path / "bad.log")
+            assert "--no-such-flag" in (tmp_path / "bad.log").read_text()
+            assert bench("c.json", 2, "a.log")  # it outlived the failed run
+            assert client.proc.pid == pid
+            client.proc.kill()
+            client.proc.wait()
+            assert bench("d.json", 3, "d.log")  # a fresh one
+            assert client.proc.pid != pid
+            assert client.runs == 5
+        assert client.proc is None
+        import json
+
+        for name, n in (("a", 4), ("b", 5), ("c", 2), ("d", 3)):
+            result = json.loads((tmp_path / f"{name}.json").read_text())
+            assert (result["completed"], result["failed"]) == (n, 0)
+        assert server.requests == 14
+        assert (tmp_path / "a.log").read_text().count("$ vllm bench serve") == 2
+    finally:
+        server.close()
