@@ -136,10 +136,8 @@ def file_name(mode: str, rate: float, input_len: int, output_len: int, it: int) 
 
 def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
     """``vllm bench serve`` at every point against both deployments; failures by name."""
-    from modes import MODES as E2E_MODES  # benchmarks/e2e
-    from run import Deployment, Endpoint, bench_serve
+    from run import BenchClient
 
-    from pushkv.sim.cores import CoreProbe, cpu_times, steal
     from pushkv.vllm.testing import write_tiny_llama, write_word_tokenizer
 
     (real / "logs").mkdir(parents=True, exist_ok=True)
@@ -149,96 +147,117 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
     max_len = -(-(max(args.inputs) + args.output_len + 64) // 256) * 256
     failures: dict[str, str] = {}
     seeds = itertools.count(args.seed + 1000)  # every gauge its own prompts
-    for it in range(args.iterations):
-        for mode in args.modes:
-            name, kind = MODES[mode]
-            todo = [(i, q) for i in args.inputs for q in args.rates
-                    if not (real / file_name(mode, q, i, args.output_len, it)).exists()]
-            if not todo:
-                continue
-            dep = Deployment(kind, str(model), real, max_model_len=max_len,
-                             delay_us=args.delay_us, spin_s=args.spin_s)
-            t0 = time.monotonic()
-            ep = None
-            try:
-                dep.start()
-                print(f"[{mode} iter {it}] {kind} up in {time.monotonic() - t0:.0f} s, "
-                      f"load {os.getloadavg()[0]:.2f}", flush=True)
-                ep = Endpoint(E2E_MODES[name], dep, real)
-                warm_up(ep.target.url, str(model), args.warmup, max(args.inputs))
-                busy = (cores_busy(dep, ep, real, str(model), args, max(args.inputs))
-                        if args.gauge else None)
-                if busy:
-                    print(f"[{mode} iter {it}] cores an active engine keeps busy: {busy}",
-                          flush=True)
-                last: dict[str, Any] | None = None  # the gauge just taken, and its length
-                for input_len, q in todo:
-                    fname = file_name(mode, q, input_len, args.output_len, it)
-                    stem = Path(fname).stem
-                    if args.gauge:  # lone requests at the point's lengths, just before it
-                        if last is None or last["input_len"] != input_len:
-                            last = gauge(ep.target.url, str(model), real, f"{stem}_before",
-                                         input_len, args, seed=next(seeds))
-                        before_gauge = last
-                    before = server_metrics(dep)
-                    waited = runq_waits(dep, ep)
-                    t_start = time.monotonic()  # the point's interval, for its timeline
-                    ticks = cpu_times()
-                    with (CoreProbe() as probe,  # core 0: prefill, core 1: decode
-                          SchedSamples(functools.partial(sched_parts, dep, ep)) as sched):
-                        ok = bench_serve(ep.target.url, str(model), real, fname, qps=str(q),
-                                         input_len=input_len, output_len=args.output_len,
-                                         num_prompts=args.num_prompts, seed=args.seed + it,
-                                         log=real / "logs" / f"{mode}-bench.log")
-                    got = {side: {"cpu_share": round(probe.share(core), 4),
-                                  "wake_s": round(probe.wake_s(core), 6)}
-                           for side, core in (("prefill", 0), ("decode", 1))}
-                    got["runq_wait_ms"] = per_request(waited, runq_waits(dep, ep),
-                                                      args.num_prompts)
-                    got["engine"] = engine_steps(before, server_metrics(dep))
-                    # the wake-ups' tail, kept for diagnosis (the simulation takes medians)
-                    got["wake_tail"] = {side: {k: round(v, 6) for k, v in
-                                               probe.wake_tail(core).items()}
-                                        for side, core in (("prefill", 0), ("decode", 1))}
-                    got["window"] = [t_start, time.monotonic()]
-                    # the host's share of each core meanwhile (a VM's steal time)
-                    got["steal"] = steal_record(steal(ticks, cpu_times()))
-                    span = load_span(real, mode, got["window"])
-                    if span is not None:  # where the threads ran while the point loaded
-                        got["load_span"] = list(span)
-                        got["threads"] = sched.over(*span)
-                    got["speed"] = probe_speed(probe)
-                    if args.gauge:  # and just after it (the next point's, if as long)
-                        waited = runq_waits(dep, ep)
-                        last = gauge(ep.target.url, str(model), real, f"{stem}_after",
-                                     input_len, args, seed=next(seeds))
-                        got["gauge_runq_wait_ms"] = per_request(
-                            waited, runq_waits(dep, ep), args.gauge)
-                        got["gauges"] = [before_gauge, last]
-                        got["cores_busy"] = busy
-                        got["host_cores"] = os.cpu_count() or 0  # what the gauges ran on
-                    record_shares(real, fname, got)
-                    print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
-                          f"{'ok' if ok else 'FAILED'}; CPU share "
-                          f"{ {k: got[k] for k in ('prefill', 'decode', 'engine', 'speed')} }, "
-                          f"run-queue wait a request (ms) {got['runq_wait_ms']}, its lone "
-                          f"gauge's {got.get('gauge_runq_wait_ms')}, steal (of the work) "
-                          f"{ {c: v['of_work'] for c, v in got['steal'].items()} }, "
-                          f"load {os.getloadavg()[0]:.2f}", flush=True)
-                    if got.get("threads"):
-                        print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)} loaded, "
-                              f"{threads_line(got['threads'])}", flush=True)
-                    if not ok:
-                        failures[fname] = "vllm bench serve failed"
-                        (real / fname).unlink(missing_ok=True)
-            except Exception as exc:  # reported; the other mode still runs
-                failures[f"{mode} iter {it}"] = f"{exc!r:.300}"
-                print(f"[{mode} iter {it}] FAILED: {exc!r:.300}", flush=True)
-            finally:
-                if ep is not None:
-                    ep.stop()
-                dep.stop()
+    # vLLM's client, imported once for every run
+    with BenchClient(timeline_dir=real / "timeline" / CLIENT) as client:
+        for it in range(args.iterations):
+            real_iteration(args, real, model, max_len, it, client, seeds, failures)
     return failures
+
+
+def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: int, it: int,
+                   client: Any, seeds: Iterator[int], failures: dict[str, str]) -> None:
+    """Iteration ``it`` of :func:`run_real`: each mode's deployment started, its points
+    run with ``client`` (:class:`run.BenchClient`), stopped; failures added by name."""
+    from modes import MODES as E2E_MODES  # benchmarks/e2e
+    from run import Deployment, Endpoint, bench_serve
+
+    from pushkv.sim.cores import CoreProbe, cpu_times, steal
+
+    for mode in args.modes:
+        name, kind = MODES[mode]
+        todo = [(i, q) for i in args.inputs for q in args.rates
+                if not (real / file_name(mode, q, i, args.output_len, it)).exists()]
+        if not todo:
+            continue
+        dep = Deployment(kind, str(model), real, max_model_len=max_len,
+                         delay_us=args.delay_us, spin_s=args.spin_s)
+        t0 = time.monotonic()
+        ep = None
+        try:
+            dep.start()
+            print(f"[{mode} iter {it}] {kind} up in {time.monotonic() - t0:.0f} s, "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+            ep = Endpoint(E2E_MODES[name], dep, real)
+            warm_up(ep.target.url, str(model), args.warmup, max(args.inputs))
+            busy = (cores_busy(dep, ep, real, str(model), args, max(args.inputs))
+                    if args.gauge else None)
+            if busy:
+                print(f"[{mode} iter {it}] cores an active engine keeps busy: {busy}",
+                      flush=True)
+            last: dict[str, Any] | None = None  # the gauge just taken, and its length
+            for input_len, q in todo:
+                fname = file_name(mode, q, input_len, args.output_len, it)
+                stem = Path(fname).stem
+                if args.gauge:  # lone requests at the point's lengths, just before it
+                    if last is None or last["input_len"] != input_len:
+                        last = gauge(ep.target.url, str(model), real, f"{stem}_before",
+                                     input_len, args, seed=next(seeds), client=client)
+                    before_gauge = last
+                before = server_metrics(dep)
+                waited = runq_waits(dep, ep)
+                t_start = time.monotonic()  # the point's interval, for its timeline
+                ticks = cpu_times()
+                with (CoreProbe() as probe,  # core 0: prefill, core 1: decode
+                      SchedSamples(functools.partial(sched_parts, dep, ep)) as sched):
+                    ok = bench_serve(ep.target.url, str(model), real, fname, qps=str(q),
+                                     input_len=input_len, output_len=args.output_len,
+                                     num_prompts=args.num_prompts, seed=args.seed + it,
+                                     log=real / "logs" / f"{mode}-bench.log",
+                                     client=client)
+                got = {side: {"cpu_share": round(probe.share(core), 4),
+                              "wake_s": round(probe.wake_s(core), 6)}
+                       for side, core in (("prefill", 0), ("decode", 1))}
+                got["runq_wait_ms"] = per_request(waited, runq_waits(dep, ep),
+                                                  args.num_prompts)
+                got["engine"] = engine_steps(before, server_metrics(dep))
+                # the wake-ups' tail, kept for diagnosis (the simulation takes medians)
+                got["wake_tail"] = {side: {k: round(v, 6) for k, v in
+                                           probe.wake_tail(core).items()}
+                                    for side, core in (("prefill", 0), ("decode", 1))}
+                got["window"] = [t_start, time.monotonic()]
+                # the host's share of each core meanwhile (a VM's steal time)
+                got["steal"] = steal_record(steal(ticks, cpu_times()))
+                span = load_span(real, mode, got["window"])
+                if span is not None:  # where the threads ran while the point loaded
+                    got["load_span"] = list(span)
+                    got["threads"] = sched.over(*span)
+                got["speed"] = probe_speed(probe)
+                # each part's garbage-collector pauses while the point loaded it
+                got["gc"] = gc_pauses(timeline_dirs(real, mode),
+                                      got.get("load_span") or got["window"],
+                                      part_pids(dep, ep, client.pid))
+                if args.gauge:  # and just after it (the next point's, if as long)
+                    waited = runq_waits(dep, ep)
+                    last = gauge(ep.target.url, str(model), real, f"{stem}_after",
+                                 input_len, args, seed=next(seeds), client=client)
+                    got["gauge_runq_wait_ms"] = per_request(
+                        waited, runq_waits(dep, ep), args.gauge)
+                    got["gauges"] = [before_gauge, last]
+                    got["cores_busy"] = busy
+                    got["host_cores"] = os.cpu_count() or 0  # what the gauges ran on
+                record_shares(real, fname, got)
+                print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)}: "
+                      f"{'ok' if ok else 'FAILED'}; CPU share "
+                      f"{ {k: got[k] for k in ('prefill', 'decode', 'engine', 'speed')} }, "
+                      f"run-queue wait a request (ms) {got['runq_wait_ms']}, its lone "
+                      f"gauge's {got.get('gauge_runq_wait_ms')}, steal (of the work) "
+                      f"{ {c: v['of_work'] for c, v in got['steal'].items()} }, "
+                      f"load {os.getloadavg()[0]:.2f}", flush=True)
+                if got.get("threads"):
+                    print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)} loaded, "
+                          f"{threads_line(got['threads'])}", flush=True)
+                print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)} "
+                      f"{gc_line(got['gc'])}", flush=True)
+                if not ok:
+                    failures[fname] = "vllm bench serve failed"
+                    (real / fname).unlink(missing_ok=True)
+        except Exception as exc:  # reported; the other mode still runs
+            failures[f"{mode} iter {it}"] = f"{exc!r:.300}"
+            print(f"[{mode} iter {it}] FAILED: {exc!r:.300}", flush=True)
+        finally:
+            if ep is not None:
+                ep.stop()
+            dep.stop()
 
 
 def parts(dep: Any, ep: Any, of_process: Callable[[int], float],
@@ -253,6 +272,57 @@ def parts(dep: Any, ep: Any, of_process: Callable[[int], float],
     if ep.router is not None:
         out["router"] = of_process(ep.router.pid)
     return out
+
+
+def part_pids(dep: Any, ep: Any, client_pid: int | None) -> dict[str, list[int]]:
+    """The processes of each of the deployment's :func:`parts` now, and the client's."""
+    from pushkv.vllm.chaos import group_pids
+
+    api = dep.decode.proc.pid
+    out = {"prefill": group_pids([dep.prefill.proc.pid]),
+           "decode": [p for p in group_pids([api]) if p != api], "decode_api": [api]}
+    if ep.router is not None:
+        out["router"] = [ep.router.pid]
+    if client_pid:
+        out["client"] = [client_pid]
+    return out
+
+
+def timeline_dirs(real: Path, mode: str) -> list[Path]:
+    """Where ``mode``'s router, servers and the client record (:mod:`pushkv.timeline`)."""
+    name, deployment = MODES[mode]
+    return [real / "timeline" / d for d in (name, deployment, CLIENT)]
+
+
+def gc_pauses(dirs: Sequence[Path], span: Sequence[float],
+              pids: dict[str, list[int]]) -> dict[str, dict[str, float]]:
+    """Per part (``pids``: part -> its processes), the garbage-collector pauses its
+    processes recorded under ``dirs`` (:func:`pushkv.timeline.read_pauses`) within
+    ``span`` (``time.monotonic()``): their time (``ms``, clipped to the span), how many
+    (``n``) and the longest (``max_ms``). A pause stops every thread of its process."""
+    from pushkv import timeline
+
+    part_of = {pid: part for part, ps in pids.items() for pid in ps}
+    out = {part: {"ms": 0.0, "n": 0, "max_ms": 0.0} for part in pids}
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for p in timeline.read_pauses(d):
+            part = part_of.get(p.pid)
+            if part is None or p.t1 <= span[0] or p.t0 >= span[1]:
+                continue
+            ms = (min(p.t1, span[1]) - max(p.t0, span[0])) * 1e3
+            got = out[part]
+            got["ms"] = round(got["ms"] + ms, 3)
+            got["n"] += 1
+            got["max_ms"] = round(max(got["max_ms"], ms), 3)
+    return out
+
+
+def gc_line(gc: dict[str, dict[str, float]]) -> str:
+    """:func:`gc_pauses` in one line."""
+    return "garbage-collector pauses (ms / count / longest ms): " + ", ".join(
+        f"{part} {x['ms']:.1f}/{x['n']}/{x['max_ms']:.1f}" for part, x in gc.items())
 
 
 def runq_waits(dep: Any, ep: Any) -> dict[str, float]:
@@ -356,10 +426,12 @@ def per_request(before: dict[str, float], after: dict[str, float],
 
 #: where the gauges' ``vllm bench serve`` result files go, under ``OUT/real``
 GAUGES = "gauge"
+#: where the client records its garbage-collector pauses, under ``OUT/real/timeline``
+CLIENT = "client"
 
 
 def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
-          args: argparse.Namespace, *, seed: int) -> dict[str, Any]:
+          args: argparse.Namespace, *, seed: int, client: Any = None) -> dict[str, Any]:
     """``args.gauge`` lone requests of ``input_len`` tokens in, ``args.output_len`` out,
     through the router at ``url`` -- ``vllm bench serve``, the points' own client, one
     request at a time (``--max-concurrency 1``) at ``args.gauge_qps`` so most meet idle
@@ -378,7 +450,8 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
         ok = bench_serve(url, model, real / GAUGES, name, qps=str(args.gauge_qps),
                          input_len=input_len, output_len=args.output_len,
                          num_prompts=args.gauge, seed=seed, log=real / "logs" / "gauge.log",
-                         extra=("--max-concurrency", "1", "--ready-check-timeout-sec", "0"))
+                         extra=("--max-concurrency", "1", "--ready-check-timeout-sec", "0"),
+                         client=client)
     if not ok:
         raise RuntimeError(f"gauge {tag}: vllm bench serve failed (see logs/gauge.log)")
     return {"window": [t0, time.monotonic()], "file": f"{GAUGES}/{name}",

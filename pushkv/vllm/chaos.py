@@ -449,6 +449,14 @@ def group_threads(pgid: int) -> int:
     return total
 
 
+def group_pids(pgids: Sequence[int]) -> list[int]:
+    """The processes of the groups ``pgids`` now, by pid."""
+    groups = set(pgids)
+    return sorted(int(entry) for entry in os.listdir("/proc")
+                  if entry.isdigit() and (fields := _proc_stat(entry))
+                  and int(fields[2]) in groups)
+
+
 def group_cpu_s(pgids: Sequence[int]) -> float:
     """CPU time (user + system, seconds) the processes of the groups ``pgids`` used so
     far (a process that ended is no longer counted)."""

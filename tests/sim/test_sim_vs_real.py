@@ -404,3 +404,31 @@ def test_the_hosts_share_of_each_core_is_recorded_per_core_rounded() -> None:
     now = cpu_times()
     assert json.loads(json.dumps(bench.steal_record(steal(now, now)))) == bench.steal_record(
         steal(now, now))
+
+
+def test_each_parts_gc_pauses_within_a_span_are_summed_clipped_and_counted(
+        tmp_path: Path) -> None:
+    """gc_pauses: the pauses of a part's processes, wherever they were recorded, within
+    the point's span (clipped to it); other processes' and other times' left out."""
+    bench = bench_sim_vs_real()
+    router, servers = tmp_path / "push", tmp_path / "pushkv"
+    for d in (router, servers):
+        d.mkdir()
+
+    def line(pid: int, t0: float, t1: float, kind: str = "gc2") -> str:
+        return json.dumps({"pause": kind, "t0": t0, "t1": t1, "p": f"x{pid}", "pid": pid})
+
+    (router / "timeline-7.jsonl").write_text(
+        json.dumps({"id": "r", "ev": "received", "t": 10.5, "p": "router"}) + "\n"
+        + line(7, 10.0, 10.010) + "\n" + line(7, 9.0, 9.5) + "\n")
+    # a forked child (pid 12) writes its parent's (pid 11) file
+    (servers / "timeline-11.jsonl").write_text(
+        line(11, 10.995, 11.010) + "\n" + line(12, 10.200, 10.203, "gc0") + "\n"
+        + line(99, 10.1, 10.2) + "\n")
+    pids = {"prefill": [11], "decode": [12], "router": [7], "client": [8]}
+    got = bench.gc_pauses([router, servers, tmp_path / "absent"], (10.0, 11.0), pids)
+    assert got == {"prefill": {"ms": 5.0, "n": 1, "max_ms": 5.0},
+                   "decode": {"ms": 3.0, "n": 1, "max_ms": 3.0},
+                   "router": {"ms": 10.0, "n": 1, "max_ms": 10.0},
+                   "client": {"ms": 0.0, "n": 0, "max_ms": 0.0}}
+    assert bench.gc_line(got).endswith("router 10.0/1/10.0, client 0.0/0/0.0")

@@ -301,3 +301,22 @@ def test_thread_sched_splits_pinned_from_floating_threads_and_sums_over_a_group(
             p.wait()
     assert thread_sched(leader.pid) is None
     assert group_thread_sched([leader.pid]) == ThreadSched()
+
+
+def test_group_pids_lists_the_processes_of_a_group_while_they_live():
+    import subprocess
+    import sys
+
+    from pushkv.vllm.chaos import group_pids
+
+    wait = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+    leader = subprocess.Popen(wait, stdin=subprocess.PIPE, process_group=0)
+    member = subprocess.Popen(wait, stdin=subprocess.PIPE, process_group=leader.pid)
+    try:
+        assert group_pids([leader.pid]) == sorted([leader.pid, member.pid])
+    finally:
+        for p in (leader, member):
+            p.kill()
+            p.wait()
+            p.stdin.close()  # type: ignore[union-attr]
+    assert group_pids([leader.pid]) == []
