@@ -27,9 +27,12 @@ point and each gauge, the share of each core its host took (a VM's steal time,
 Result files: ``OUT/real/{mode}_qps{q}_in{i}_out{o}_iter{n}.json``. Points already
 in ``OUT/real`` are not run again (an interrupted run resumes; so does one whose
 deployment failed to start, run again with the same ``--out`` and ``--profile``).
-Four iterations by default: on this shared machine a few requests of a point stall
-for tens to hundreds of milliseconds, so one iteration's real mean TTFT can be
-twice the next one's at the same point.
+Eight iterations by default: on this machine a few requests of a point stall for
+tens to hundreds of milliseconds, so one iteration's real mean TTFT can be several
+times the next one's at the same point. One ``vllm bench serve`` process
+(:class:`run.BenchClient`) runs every point and gauge, so a point's window is its
+load, not the client's import (10-12 s each, which took most of the real half's time
+before), and eight iterations take about as long as four did.
 
 **Simulated half**: ``pushkv.sim`` with the measured profile
 (``pushkv/sim/profiles/cpu-tiny.toml``) at the same points -- same modes, number
@@ -1088,9 +1091,10 @@ def main() -> int:
     p.add_argument("--inputs", type=ints, default=[64, 192], help="input lengths")
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--output-len", type=int, default=24)
-    p.add_argument("--iterations", type=int, default=4,
-                   help="iterations per point (default 4: a 24-prompt point's real mean TTFT "
-                        "moves with the machine's stalls, one iteration's by up to 2x)")
+    p.add_argument("--iterations", type=int, default=8,
+                   help="iterations per point (default 8: a 24-prompt point's real mean TTFT "
+                        "moves with the machine's stalls, one iteration's by up to 7x; eight "
+                        "take about 28 minutes here with the client kept up)")
     p.add_argument("--modes", type=lambda t: t.split(","), default=["push", "pull"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=3,

@@ -96,8 +96,10 @@ class Deployment:
             self.servers = [Server(self.spec(c), logs / f"plain-{c}.log") for c in cores]
         elif self.kind == "pushkv":
             extra = {"progress_delay_us": self.delay_us, "timeline_dir": str(self.timeline_dir)}
-            p = self.spec(0, kv_transfer_config("kv_producer", "prefill-0", **extra))
-            d = self.spec(1, kv_transfer_config("kv_consumer", "decode-0", **extra))
+            # every server process records from its start (the API server's pauses too)
+            env = {"PUSHKV_BENCH_TIMELINE_DIR": str(self.timeline_dir)}
+            p = self.spec(0, kv_transfer_config("kv_producer", "prefill-0", **extra), env)
+            d = self.spec(1, kv_transfer_config("kv_consumer", "decode-0", **extra), env)
             self.servers = [Server(p, logs / "pushkv-prefill.log"),
                             Server(d, logs / "pushkv-decode.log")]
         else:
