@@ -24,6 +24,9 @@ they kept busy, how many waited on a run queue, and how long a wake-up waited
 (:class:`SchedSamples`, every 0.25 s; ``threads`` in ``cpu_probe.json``). Over each
 point and each gauge, the share of each core its host took (a VM's steal time,
 :func:`pushkv.sim.cores.steal`; ``steal`` in ``cpu_probe.json`` and in each gauge's record).
+While the point loaded the deployment, each part's garbage-collector pauses and the
+client's (:func:`gc_pauses`; ``gc`` in ``cpu_probe.json``): every process that records
+a timeline writes them down (:func:`pushkv.timeline.record_gc`).
 Result files: ``OUT/real/{mode}_qps{q}_in{i}_out{o}_iter{n}.json``. Points already
 in ``OUT/real`` are not run again (an interrupted run resumes; so does one whose
 deployment failed to start, run again with the same ``--out`` and ``--profile``).
