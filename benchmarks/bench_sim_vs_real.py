@@ -266,12 +266,12 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
             dep.stop()
 
 
-def parts(dep: Any, ep: Any, of_process: Callable[[int], float],
-          of_groups: Callable[[list[int]], float]) -> dict[str, float]:
+def parts(dep: Any, ep: Any, of_process: Callable[[int], Any],
+          of_groups: Callable[[list[int]], Any]) -> dict[str, Any]:
     """A per-process measure of the deployment's parts (``of_process(pid)``, summed
-    over process groups by ``of_groups(pgids)``): ``prefill``, its instance;
-    ``decode``, decode's instance without its API server; ``decode_api``; and
-    ``router``, where the mode has one."""
+    over process groups by ``of_groups(pgids)``; anything with ``-``: seconds, thread
+    schedules, sets of pids): ``prefill``, its instance; ``decode``, decode's instance
+    without its API server; ``decode_api``; and ``router``, where the mode has one."""
     api = dep.decode.proc.pid  # decode's API server: the group's leader
     out = {"prefill": of_groups([dep.prefill.proc.pid]),
            "decode": of_groups([api]) - of_process(api), "decode_api": of_process(api)}
@@ -284,11 +284,9 @@ def part_pids(dep: Any, ep: Any, client_pid: int | None) -> dict[str, list[int]]
     """The processes of each of the deployment's :func:`parts` now, and the client's."""
     from pushkv.vllm.chaos import group_pids
 
-    api = dep.decode.proc.pid
-    out = {"prefill": group_pids([dep.prefill.proc.pid]),
-           "decode": [p for p in group_pids([api]) if p != api], "decode_api": [api]}
-    if ep.router is not None:
-        out["router"] = [ep.router.pid]
+    out = {part: sorted(pids) for part, pids in parts(
+        dep, ep, lambda pid: frozenset({pid}), lambda pgids: frozenset(group_pids(pgids))
+    ).items()}
     if client_pid:
         out["client"] = [client_pid]
     return out

@@ -409,6 +409,16 @@ def timeline_report(out: Path, modes: list[str]) -> str:
     return timeline.table(stats)
 
 
+#: ``vllm bench serve`` through vLLM's own entry point (see bench_serve.py)
+BENCH_SERVE = (sys.executable, str(ROOT / "benchmarks" / "e2e" / "bench_serve.py"))
+
+
+def bench_serve_env() -> dict[str, str]:
+    """The client's environment, in a process of its own or kept up: offline, pushkv
+    importable."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+
+
 class BenchClient:
     """``vllm bench serve`` kept up in one process for many runs
     (``bench_serve.py --jobs-from-stdin``): importing vLLM and torch, about ten
@@ -427,14 +437,12 @@ class BenchClient:
 
     def _start(self) -> None:
         read_fd, write_fd = os.pipe()
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "benchmarks" / "e2e" / "bench_serve.py"),
-                 "--jobs-from-stdin", str(write_fd),
+                [*BENCH_SERVE, "--jobs-from-stdin", str(write_fd),
                  *([str(self.timeline_dir)] if self.timeline_dir else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                pass_fds=(write_fd,), env=env)
+                pass_fds=(write_fd,), env=bench_serve_env())
         finally:
             os.close(write_fd)
         self._reply = os.fdopen(read_fd, "r")
@@ -503,13 +511,12 @@ def bench_serve(url: str, model: str, out: Path, name: str, *, qps: str, input_l
     if client is not None:
         returned = client.run(flags, log)
     else:
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e" / "bench_serve.py"), *flags]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+        cmd = [*BENCH_SERVE, *flags]
         with log.open("ab") as f:
             f.write(f"\n$ {' '.join(cmd)}\n".encode())
             f.flush()
-            done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=600)
+            done = subprocess.run(cmd, env=bench_serve_env(), stdout=f,
+                                  stderr=subprocess.STDOUT, timeout=600)
         returned = done.returncode == 0
     if not returned or not (out / name).exists():
         return False

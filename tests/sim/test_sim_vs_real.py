@@ -432,3 +432,28 @@ def test_each_parts_gc_pauses_within_a_span_are_summed_clipped_and_counted(
                    "router": {"ms": 10.0, "n": 1, "max_ms": 10.0},
                    "client": {"ms": 0.0, "n": 0, "max_ms": 0.0}}
     assert bench.gc_line(got).endswith("router 10.0/1/10.0, client 0.0/0/0.0")
+
+
+def test_part_pids_are_the_parts_processes_by_the_one_definition() -> None:
+    """part_pids takes the parts from parts(): decode's group less its API server."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    bench = bench_sim_vs_real()
+    wait = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+    api = subprocess.Popen(wait, stdin=subprocess.PIPE, process_group=0)
+    engine = subprocess.Popen(wait, stdin=subprocess.PIPE, process_group=api.pid)
+    prefill = subprocess.Popen(wait, stdin=subprocess.PIPE, process_group=0)
+    try:
+        dep = SimpleNamespace(prefill=SimpleNamespace(proc=prefill),
+                              decode=SimpleNamespace(proc=api))
+        got = bench.part_pids(dep, SimpleNamespace(router=SimpleNamespace(pid=7)), 9)
+        assert got == {"prefill": [prefill.pid], "decode": [engine.pid],
+                       "decode_api": [api.pid], "router": [7], "client": [9]}
+        assert "client" not in bench.part_pids(dep, SimpleNamespace(router=None), None)
+    finally:
+        for p in (api, engine, prefill):
+            p.kill()
+            p.wait()
+            p.stdin.close()  # type: ignore[union-attr]
