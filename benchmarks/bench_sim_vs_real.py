@@ -347,7 +347,9 @@ def sched_parts(dep: Any, ep: Any) -> dict[str, Any]:
 
 class SchedSamples:
     """While open, a background thread takes ``sample()`` (:func:`sched_parts`) every
-    ``period_s``; :meth:`over` tells what the threads did between two instants."""
+    ``period_s``; :meth:`over` tells what the threads did between two instants. The
+    first sample is taken on entering, before what it brackets starts, the last on
+    closing."""
 
     def __init__(self, sample: Callable[[], dict[str, Any]], period_s: float = 0.25) -> None:
         self.sample, self.period_s = sample, period_s
@@ -356,13 +358,12 @@ class SchedSamples:
         self._thread = threading.Thread(target=self._run, name="sched-samples", daemon=True)
 
     def _run(self) -> None:
-        while True:
+        while not self._stop.wait(self.period_s):
             self.samples.append((time.monotonic(), self.sample()))
-            if self._stop.wait(self.period_s):
-                self.samples.append((time.monotonic(), self.sample()))
-                return
+        self.samples.append((time.monotonic(), self.sample()))
 
     def __enter__(self) -> SchedSamples:
+        self.samples.append((time.monotonic(), self.sample()))
         self._thread.start()
         return self
 

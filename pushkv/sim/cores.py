@@ -3,6 +3,11 @@
 :class:`CoreProbe` runs one small process pinned to each core for the length of a
 measurement; :mod:`pushkv.sim.measure` and ``benchmarks/bench_sim_vs_real.py`` turn
 what it saw into the profile's ``cpu_share`` and ``wake_s``.
+
+A probe is a fresh interpreter (``spawn``): starting one costs about half a second of
+both cores of a 2-core machine, as much as 3-4 requests at 8 QPS. Entering a
+:class:`CoreProbe` therefore returns only once every probe is in its loop, so that
+what it measures never pays for the probe's own start.
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ def _unit() -> int:
 
 
 def _probe(core: int, period_s: float, burst_s: float, stop: Any, out: Any) -> None:
-    """On ``core``: every ``period_s`` sleep, wake, spin ``burst_s`` of CPU time in units
-    of :func:`_unit`; send (wake delays, burst shares, units per CPU second) when ``stop``
-    is set."""
+    """On ``core``: send ``("ready", time.monotonic())`` once started; then every
+    ``period_s`` sleep, wake, spin ``burst_s`` of CPU time in units of :func:`_unit`; send
+    (wake delays, burst shares, units per CPU second) when ``stop`` is set."""
     with contextlib.suppress(OSError):
         os.sched_setaffinity(0, {core})
+    out.send(("ready", time.monotonic()))
     wakes, shares, speeds = [], [], []
     nxt = time.monotonic() + period_s
     while not stop.is_set():
@@ -54,6 +60,15 @@ def _probe(core: int, period_s: float, burst_s: float, stop: Any, out: Any) -> N
     out.send((wakes, shares, speeds))
 
 
+class ProbeError(RuntimeError):
+    """A core probe did not start: its process died or stayed silent past the deadline."""
+
+
+#: how long entering a :class:`CoreProbe` waits for its probes to start (s): generous,
+#: a fresh interpreter on two cores shared with vLLM servers takes seconds at worst
+READY_S = 120.0
+
+
 class CoreProbe:
     """What a process woken on each core meets, while a measurement runs: a probe
     process pinned to the core sleeps ``period_s``, then spins ``burst_s`` of CPU time
@@ -61,14 +76,27 @@ class CoreProbe:
     running (run-queue wait of a woken process); ``share(core)``: the median share of
     the core its bursts got (CPU time / wall time); ``speed(core)``: the median rate its
     bursts ran :func:`_unit` at, per CPU second (a host that runs the machine slower
-    lowers it; other processes on the core do not)."""
+    lowers it; other processes on the core do not).
+
+    Entering returns once every probe has started (``started``: core -> the
+    ``time.monotonic()`` its loop began), so the measurement that follows does not share
+    the cores with the probes' own start-up; :class:`ProbeError` (and no probe left
+    running) where one dies first or stays silent for ``ready_s``."""
 
     def __init__(self, cores: Sequence[int] = (0, 1), period_s: float = 0.025,
-                 burst_s: float = 0.001) -> None:
+                 burst_s: float = 0.001, ready_s: float = READY_S) -> None:
+        if not 0 < burst_s < period_s:
+            raise ValueError(f"a probe's burst must be positive and shorter than its "
+                             f"period, got burst {burst_s!r} s, period {period_s!r} s")
+        if not ready_s > 0:
+            raise ValueError(f"ready_s must be positive, got {ready_s!r}")
+        self.ready_s = ready_s
+        self.started: dict[int, float] = {}
         ctx = mp.get_context("spawn")
         self._stop = ctx.Event()
         self._procs = []
         self._pipes = []
+        self._ends = []  #: the probes' ends of the pipes, closed here once they start
         self.cores = tuple(cores)
         for c in self.cores:
             parent, child = ctx.Pipe(duplex=False)
@@ -76,13 +104,27 @@ class CoreProbe:
                                                                 self._stop, child),
                                            daemon=True))
             self._pipes.append(parent)
+            self._ends.append(child)
         self.wakes: dict[int, list[float]] = {}
         self.shares: dict[int, list[float]] = {}
         self.speeds: dict[int, list[float]] = {}
 
     def __enter__(self) -> CoreProbe:
-        for proc in self._procs:
+        for proc, end in zip(self._procs, self._ends, strict=True):
             proc.start()
+            end.close()  # the probe holds it now: its death reads as the pipe's end here
+        deadline = time.monotonic() + self.ready_s
+        for c, pipe in zip(self.cores, self._pipes, strict=True):
+            why = f"stayed silent for {self.ready_s:g} s"
+            try:
+                if pipe.poll(max(0.0, deadline - time.monotonic())):
+                    _, when = pipe.recv()
+                    self.started[c] = float(when)
+                    continue
+            except (EOFError, OSError):
+                why = "died before it started"
+            self._stop_all()
+            raise ProbeError(f"the core probe on core {c} {why}; nothing was measured")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -94,6 +136,15 @@ class CoreProbe:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
+
+    def _stop_all(self) -> None:
+        """Every probe stopped and gone (a start that failed)."""
+        self._stop.set()
+        for proc in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
 
     def wake_s(self, core: int) -> float:
         got = self.wakes.get(core)

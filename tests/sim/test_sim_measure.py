@@ -267,6 +267,49 @@ def test_the_probe_measures_the_cores_speed() -> None:
     assert 0.1 < sorted(speeds)[2] / mine < 10
 
 
+def test_a_core_probe_is_running_before_what_it_measures_starts() -> None:
+    """Entering a CoreProbe returns only once each probe process is in its loop: a fresh
+    interpreter's start-up (about half a second of both cores here) never overlaps the
+    measurement that follows. Each probe's start lies between the call and its return,
+    and the probes report wake-ups once the measurement ends."""
+    import time
+
+    from pushkv.sim.cores import CoreProbe
+
+    called = time.monotonic()
+    with CoreProbe(cores=(0, 1)) as probe:
+        entered = time.monotonic()
+        assert sorted(probe.started) == [0, 1]
+        assert all(called <= t <= entered for t in probe.started.values())
+        stop_at = time.monotonic() + 0.2
+        while time.monotonic() < stop_at:  # a little measured work
+            pass
+    assert all(probe.wakes.get(c) for c in (0, 1))
+
+
+def _dies_at_once(core: int, period_s: float, burst_s: float, stop: object,
+                  out: object) -> None:
+    """A probe process that exits before it starts its loop."""
+    raise SystemExit(3)
+
+
+def test_a_core_probe_that_dies_before_it_starts_is_an_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe whose process dies before its loop: ProbeError on entering, naming the
+    core, and no probe process left behind; bad probe settings are refused."""
+    from pushkv.sim import cores
+
+    monkeypatch.setattr(cores, "_probe", _dies_at_once)
+    probe = cores.CoreProbe(cores=(0,), ready_s=60)
+    with pytest.raises(cores.ProbeError, match="core 0 died before it started"):
+        probe.__enter__()
+    assert not any(p.is_alive() for p in probe._procs)
+    with pytest.raises(ValueError, match="shorter than its period"):
+        cores.CoreProbe(period_s=0.001, burst_s=0.002)
+    with pytest.raises(ValueError, match="ready_s must be positive"):
+        cores.CoreProbe(ready_s=0)
+
+
 # ---------------------------------------------------------------------- wake_s
 
 

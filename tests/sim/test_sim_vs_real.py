@@ -310,6 +310,7 @@ def test_sched_samples_sample_in_the_background_until_closed() -> None:
     bench = bench_sim_vs_real()
     calls = iter(range(1_000_000))
     with bench.SchedSamples(lambda: {"n": next(calls)}, period_s=0.001) as s:
+        assert len(s.samples) >= 1  # the first taken before the work it brackets
         from pushkv.vllm.testing import poll
         poll(lambda: len(s.samples), lambda n: n >= 3, timeout_s=30, interval_s=0.01)
     n = len(s.samples)
