@@ -60,7 +60,9 @@ real and simulated median / p90 (:mod:`pushkv.sim.segments`). Then, per mode and
 rate, the points' requests grouped by how many others overlapped them on the way to
 their first token, real against the gauge way (:func:`overlap_tables`): where
 the two agree on requests served alone, a gap that grows with the overlap is the
-load's cost the model leaves out.
+load's cost the model leaves out; and by each request's place in its point
+(:func:`place_tables`): a gap at the first places alone is something at the points'
+start, not the load.
 
 The gauges run with the core probe too, so a second gauge way (``OUT/sim-gauge-speed``)
 can simulate each point with its cores as fast against its gauges' as the probe saw
@@ -81,7 +83,7 @@ last, one JSON object for the headline way (``"way"``: gauge, else probe):
 ``server_steps`` and ``gauge_speed``), ``precision`` (the intervals, the verdicts
 counted, ``iterations_needed_max``), ``segments``
 (per way and point, each segment's real and simulated median in ms), ``by_overlap``
-(the groups' rows). Figures (``--figures DIR``, or
+and ``by_place`` (the groups' rows). Figures (``--figures DIR``, or
 ``pushkv plot --results-dir OUT/real --overlay OUT/sim --labels real sim --metric ttft``).
 
     PYTHONPATH=. python benchmarks/bench_sim_vs_real.py --out /tmp/simreal
@@ -913,6 +915,30 @@ def overlap_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
     return "\n\n".join(texts), out
 
 
+def place_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]],
+                 cap: int = 3) -> tuple[str, dict[str, list[dict[str, Any]]]]:
+    """Per mode and rate, the points' requests pooled over lengths and iterations:
+    'legs out -> first token' by each request's place in its point (1st, 2nd, 3rd on;
+    :func:`pushkv.sim.segments.by_place`), real against simulated -- a point's first
+    requests meet idle engines, so a gap at the first places alone is something at the
+    points' start in the real half (the core probe's own start did that, until entering
+    it waited for it). The text and ``{"<mode>_qps<rate>": [row, ...]}``."""
+    from pushkv.sim import segments
+
+    pooled: dict[str, tuple[dict[int, list[float]], dict[int, list[float]]]] = {}
+    for _, m, real_reqs, sim_reqs in compared_points(real, timelines, shares):
+        both = pooled.setdefault(f"{m['mode']}_qps{float(m['qps']):g}", ({}, {}))
+        for side, reqs in zip(both, (real_reqs, sim_reqs), strict=True):
+            for g, xs in segments.by_place(reqs, cap=cap).items():
+                side.setdefault(g, []).extend(xs)
+    texts, out = [], {}
+    for key, (r, s) in sorted(pooled.items()):
+        rows = segments.overlap_rows(r, s)
+        texts.append(f"{key}:\n\n{segments.overlap_table(rows, cap=cap, heading='place')}")
+        out[key] = segments.overlap_json(rows)
+    return "\n\n".join(texts), out
+
+
 def real_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
               ) -> dict[str, dict[str, float]]:
     """The keys the real half's own marks measure (requests that ran alone, each point's
@@ -1240,6 +1266,11 @@ def main() -> int:
                       "gauges' profiles (the points' requests pooled per mode and rate; "
                       "real: the router's first token, simulated: the client's):\n")
                 print(text)
+            text, by_place = place_tables(real, timelines / "gauge", shares)
+            if text:
+                print("\n'legs out -> first token' by each request's place in its point, "
+                      "the gauges' profiles (pooled per mode and rate):\n")
+                print(text)
             if any(gauge_speed(v) for v in shares.values()):
                 fast = args.out / "sim-gauge-speed"
                 run_sim(args.profile, fast, points, output_len, num_prompts, seed=args.seed,
@@ -1257,6 +1288,7 @@ def main() -> int:
             summary = gauge_summary | {way: summary[way]}
             summary["gauge_keys"] = {"run": run_keys, "points": per_point}
             summary["by_overlap"] = by_overlap
+            summary["by_place"] = by_place
             sim, way = gauged, "gauge"
     if shares and any("engine" in v for v in shares.values()):
         steps = args.out / "sim-server-steps"

@@ -14,6 +14,9 @@ the run); marks of later directories -- the servers', shared by every mode and r
 against them -- count only for those requests. ``--window T0 T1`` (``time.monotonic``
 seconds) keeps the requests whose legs left in that interval (one point of a run);
 ``--alone`` the requests that had the deployment to themselves (:func:`alone`).
+``--by-place`` groups the requests by their place in the run (:func:`by_place`): the
+first ones meet idle engines, and where only they part ways with the model the cause
+is at the run's start.
 
 :func:`by_overlap` groups the requests by how many others were in flight on their
 way to the first token (:func:`overlaps`), so a comparison can tell whether the
@@ -97,12 +100,30 @@ def by_overlap(requests: Mapping[str, Mapping[str, float]], *, cap: int = 2,
     return out
 
 
+def by_place(requests: Mapping[str, Mapping[str, float]], *, cap: int = 3
+             ) -> dict[int, list[float]]:
+    """'legs out -> first token' (ms) of each request with both marks, grouped by its
+    place in the run (1: the first whose legs went out), places from ``cap`` on in the
+    group ``cap``. A run's first requests meet idle engines, so where they part ways
+    with the model and the later ones do not, something at the run's start (not the
+    load) is in the real half."""
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    timed = sorted((r["legs_sent"], k) for k, r in requests.items()
+                   if "legs_sent" in r and "first_token" in r)
+    out: dict[int, list[float]] = {}
+    for place, (sent, k) in enumerate(timed, start=1):
+        out.setdefault(min(place, cap), []).append((requests[k]["first_token"] - sent) * 1e3)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class OverlapRow:
-    """'legs out -> first token' of the requests that overlapped ``overlap`` others (the
-    last group: that many or more), both sides (ms); a ratio is None without both."""
+    """'legs out -> first token' of a group of requests, both sides (ms): those that
+    overlapped ``group`` others (:func:`by_overlap`) or had place ``group`` in their run
+    (:func:`by_place`), the last group that many or more; a ratio is None without both."""
 
-    overlap: int
+    group: int
     real_n: int
     real_median: float
     real_mean: float
@@ -115,7 +136,8 @@ class OverlapRow:
 
 def overlap_rows(real: Mapping[int, Sequence[float]],
                  sim: Mapping[int, Sequence[float]]) -> list[OverlapRow]:
-    """A row per overlap group either side has (:func:`by_overlap`), in order."""
+    """A row per group either side has (:func:`by_overlap`, :func:`by_place`), in
+    order."""
     def stats(xs: Sequence[float]) -> tuple[int, float, float]:
         return ((len(xs), statistics.median(xs), statistics.fmean(xs)) if xs
                 else (0, math.nan, math.nan))
@@ -135,19 +157,21 @@ def overlap_json(rows: Sequence[OverlapRow]) -> list[dict[str, float | int | Non
              for k, v in asdict(r).items()} for r in rows]
 
 
-def overlap_table(rows: Sequence[OverlapRow], cap: int | None = None) -> str:
-    """Markdown: overlap, requests, real median / mean, sim median / mean, ratios; the
-    group ``cap`` reads "cap+"."""
+def overlap_table(rows: Sequence[OverlapRow], cap: int | None = None,
+                  heading: str = "overlapped") -> str:
+    """Markdown: the group (``heading``: overlap, or place with :func:`by_place`),
+    requests, real median / mean, sim median / mean, ratios; the group ``cap`` reads
+    "cap+"."""
     def num(x: float) -> str:
         return "-" if math.isnan(x) else f"{x:.1f}"
 
     def ratio(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
 
-    lines = ["| overlapped | requests real / sim | real median / mean (ms) | "
+    lines = [f"| {heading} | requests real / sim | real median / mean (ms) | "
              "sim median / mean (ms) | sim/real median / mean |", "|---|---|---|---|---|"]
     for r in rows:
-        g = f"{r.overlap}+" if cap is not None and r.overlap == cap else str(r.overlap)
+        g = f"{r.group}+" if cap is not None and r.group == cap else str(r.group)
         lines.append(f"| {g} | {r.real_n} / {r.sim_n} | {num(r.real_median)} / "
                      f"{num(r.real_mean)} | {num(r.sim_median)} / {num(r.sim_mean)} | "
                      f"{ratio(r.ratio_median)} / {ratio(r.ratio_mean)} |")
@@ -221,6 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="only the requests that ran alone, on both sides (low load)")
     p.add_argument("--by-overlap", action="store_true",
                    help="'legs out -> first token' by how many requests each overlapped")
+    p.add_argument("--by-place", action="store_true",
+                   help="'legs out -> first token' by each request's place in the run "
+                        "(1st, 2nd, 3rd on)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = p.parse_args(argv)
     window = (args.window[0], args.window[1]) if args.window else None
@@ -234,6 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         orows = overlap_rows(by_overlap(real), by_overlap(sim))
         print(json.dumps(overlap_json(orows)) if args.json
               else overlap_table(orows, cap=2))
+        return 0
+    if args.by_place:
+        prows = overlap_rows(by_place(real), by_place(sim))
+        print(json.dumps(overlap_json(prows)) if args.json
+              else overlap_table(prows, cap=3, heading="place"))
         return 0
     rows = compare(real, sim)
     print(json.dumps(as_json(rows)) if args.json else table(rows))

@@ -160,9 +160,31 @@ def test_by_overlap_caps_the_count() -> None:
         segments.by_overlap(reqs, cap=-1)
 
 
+def test_by_place_groups_the_requests_by_the_order_their_legs_went_out() -> None:
+    """The first request is place 1 whatever its id; places from the cap on are one
+    group; a request without its first token has no place."""
+    reqs = {"z": {"legs_sent": 0.0, "first_token": 0.5},
+            "a": {"legs_sent": 1.0, "first_token": 1.1},
+            "m": {"legs_sent": 2.0, "first_token": 2.2},
+            "b": {"legs_sent": 3.0, "first_token": 3.4},
+            "x": {"legs_sent": 2.5}}  # never got its first token
+    groups = segments.by_place(reqs)
+    assert sorted(groups) == [1, 2, 3]
+    assert groups[1] == pytest.approx([500.0])
+    assert groups[2] == pytest.approx([100.0])
+    assert sorted(groups[3]) == pytest.approx([200.0, 400.0])
+    assert segments.by_place(reqs, cap=1) == {1: pytest.approx([500.0, 100.0, 200.0, 400.0])}
+    assert segments.by_place({}) == {}
+    with pytest.raises(ValueError, match="cap"):
+        segments.by_place(reqs, cap=0)
+    text = segments.overlap_table(segments.overlap_rows(groups, groups), cap=3,
+                                  heading="place")
+    assert text.startswith("| place |") and "| 3+ | 2 / 2 |" in text
+
+
 def test_overlap_rows_compare_the_groups_either_side_has() -> None:
     rows = segments.overlap_rows({0: [10.0, 20.0, 30.0], 1: [40.0]}, {0: [10.0, 30.0], 2: [5.0]})
-    assert [r.overlap for r in rows] == [0, 1, 2]
+    assert [r.group for r in rows] == [0, 1, 2]
     zero, one, two = rows
     assert (zero.real_n, zero.real_median, zero.real_mean) == (3, 20.0, 20.0)
     assert (zero.sim_n, zero.sim_median, zero.sim_mean) == (2, 20.0, 20.0)
@@ -189,6 +211,13 @@ def test_the_cli_by_overlap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "| 0 | 3 / 3 |" in capsys.readouterr().out
 
 
+def test_the_cli_by_place(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    router, _ = _real(tmp_path)
+    assert segments.main(["--real", str(router), "--sim", str(router), "--by-place"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| place |") and "| 1 | 1 / 1 |" in out
+
+
 def test_bench_pools_overlap_groups_per_mode_and_rate(tmp_path: Path) -> None:
     """The simulated timeline of the committed push point as its own real half: every
     group agrees, and the text names the point's mode and rate."""
@@ -203,3 +232,20 @@ def test_bench_pools_overlap_groups_per_mode_and_rate(tmp_path: Path) -> None:
     assert sum(r["real_n"] for r in rows) == num_prompts
     assert all(r["real_n"] == r["sim_n"] and r["ratio_median"] == 1.0 for r in rows)
     assert bench.overlap_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
+
+
+def test_bench_pools_place_groups_per_mode_and_rate(tmp_path: Path) -> None:
+    """The same point as its own real half, by place: three groups (1st, 2nd, 3rd on)
+    holding every request, each agreeing."""
+    bench, fname, lines, num_prompts = _simulated_push_point(tmp_path)
+    real = tmp_path / "real"
+    for sub in ("push", "pushkv"):
+        (real / "timeline" / sub).mkdir(parents=True)
+        (real / "timeline" / sub / "timeline-1.jsonl").write_text(lines)
+    text, got = bench.place_tables(real, tmp_path / "tl", {fname: {"window": [0.0, 1e9]}})
+    assert text.startswith("push_qps2:") and "| place |" in text and "| 3+ |" in text
+    rows = got["push_qps2"]
+    assert [r["group"] for r in rows] == [1, 2, 3]
+    assert [r["real_n"] for r in rows] == [1, 1, num_prompts - 2]
+    assert all(r["real_n"] == r["sim_n"] and r["ratio_mean"] == 1.0 for r in rows)
+    assert bench.place_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
