@@ -4,10 +4,10 @@
 measurement; :mod:`pushkv.sim.measure` and ``benchmarks/bench_sim_vs_real.py`` turn
 what it saw into the profile's ``cpu_share`` and ``wake_s``.
 
-A probe is a fresh interpreter (``spawn``): starting one costs about half a second of
-both cores of a 2-core machine, as much as 3-4 requests at 8 QPS. Entering a
-:class:`CoreProbe` therefore returns only once every probe is in its loop, so that
-what it measures never pays for the probe's own start.
+A probe is a fresh interpreter (``spawn``): starting the two of a 2-core machine took
+both cores for about 0.4 s here (0.8-1 s of CPU), the time 3-4 requests at 8 QPS take
+to arrive. Entering a :class:`CoreProbe` therefore returns only once every probe is in
+its loop, so that what it measures never pays for the probes' own start.
 """
 
 from __future__ import annotations
