@@ -892,51 +892,50 @@ def segment_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
     return "\n\n".join(texts), out
 
 
-def overlap_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]],
-                   cap: int = 2) -> tuple[str, dict[str, list[dict[str, Any]]]]:
+def grouped_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]],
+                   group: Callable[[Any], dict[int, list[float]]], cap: int,
+                   heading: str) -> tuple[str, dict[str, list[dict[str, Any]]]]:
     """Per mode and rate, the points' requests pooled over lengths and iterations:
-    'legs out -> first token' grouped by how many other requests overlapped it
-    (:func:`pushkv.sim.segments.by_overlap`), real against simulated -- whether the two
-    agree on a request served alone and part ways on what a neighbour costs it. The
-    text and ``{"<mode>_qps<rate>": [row, ...]}``."""
+    'legs out -> first token' grouped per point by ``group`` (its requests -> group ->
+    times), real against simulated. The text and ``{"<mode>_qps<rate>": [row, ...]}``."""
     from pushkv.sim import segments
 
     pooled: dict[str, tuple[dict[int, list[float]], dict[int, list[float]]]] = {}
     for _, m, real_reqs, sim_reqs in compared_points(real, timelines, shares):
         both = pooled.setdefault(f"{m['mode']}_qps{float(m['qps']):g}", ({}, {}))
         for side, reqs in zip(both, (real_reqs, sim_reqs), strict=True):
-            for g, xs in segments.by_overlap(reqs, cap=cap).items():
+            for g, xs in group(reqs).items():
                 side.setdefault(g, []).extend(xs)
     texts, out = [], {}
     for key, (r, s) in sorted(pooled.items()):
         rows = segments.overlap_rows(r, s)
-        texts.append(f"{key}:\n\n{segments.overlap_table(rows, cap=cap)}")
+        texts.append(f"{key}:\n\n{segments.overlap_table(rows, cap=cap, heading=heading)}")
         out[key] = segments.overlap_json(rows)
     return "\n\n".join(texts), out
+
+
+def overlap_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]],
+                   cap: int = 2) -> tuple[str, dict[str, list[dict[str, Any]]]]:
+    """:func:`grouped_tables` by how many other requests overlapped each
+    (:func:`pushkv.sim.segments.by_overlap`) -- whether the two agree on a request
+    served alone and part ways on what a neighbour costs it."""
+    from pushkv.sim import segments
+
+    return grouped_tables(real, timelines, shares,
+                          functools.partial(segments.by_overlap, cap=cap), cap, "overlapped")
 
 
 def place_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]],
                  cap: int = 3) -> tuple[str, dict[str, list[dict[str, Any]]]]:
-    """Per mode and rate, the points' requests pooled over lengths and iterations:
-    'legs out -> first token' by each request's place in its point (1st, 2nd, 3rd on;
-    :func:`pushkv.sim.segments.by_place`), real against simulated -- a point's first
-    requests meet idle engines, so a gap at the first places alone is something at the
-    points' start in the real half (the core probe's own start did that, until entering
-    it waited for it). The text and ``{"<mode>_qps<rate>": [row, ...]}``."""
+    """:func:`grouped_tables` by each request's place in its point (1st, 2nd, 3rd on;
+    :func:`pushkv.sim.segments.by_place`) -- a point's first requests meet idle
+    engines, so a gap at the first places alone is something at the points' start in
+    the real half (the core probe's own start did that, until entering it waited for
+    it)."""
     from pushkv.sim import segments
 
-    pooled: dict[str, tuple[dict[int, list[float]], dict[int, list[float]]]] = {}
-    for _, m, real_reqs, sim_reqs in compared_points(real, timelines, shares):
-        both = pooled.setdefault(f"{m['mode']}_qps{float(m['qps']):g}", ({}, {}))
-        for side, reqs in zip(both, (real_reqs, sim_reqs), strict=True):
-            for g, xs in segments.by_place(reqs, cap=cap).items():
-                side.setdefault(g, []).extend(xs)
-    texts, out = [], {}
-    for key, (r, s) in sorted(pooled.items()):
-        rows = segments.overlap_rows(r, s)
-        texts.append(f"{key}:\n\n{segments.overlap_table(rows, cap=cap, heading='place')}")
-        out[key] = segments.overlap_json(rows)
-    return "\n\n".join(texts), out
+    return grouped_tables(real, timelines, shares,
+                          functools.partial(segments.by_place, cap=cap), cap, "place")
 
 
 def real_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path

@@ -218,14 +218,22 @@ def test_the_cli_by_place(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert out.startswith("| place |") and "| 1 | 1 / 1 |" in out
 
 
-def test_bench_pools_overlap_groups_per_mode_and_rate(tmp_path: Path) -> None:
-    """The simulated timeline of the committed push point as its own real half: every
-    group agrees, and the text names the point's mode and rate."""
+def _point_as_its_own_real_half(tmp_path: Path) -> tuple[Any, str, Path, int]:
+    """The simulated push point, its timeline also written as a real run's router's and
+    pair's (``tmp_path/real``): the benchmark, the point's file name, the real
+    directory and the point's request count."""
     bench, fname, lines, num_prompts = _simulated_push_point(tmp_path)
     real = tmp_path / "real"
     for sub in ("push", "pushkv"):
         (real / "timeline" / sub).mkdir(parents=True)
         (real / "timeline" / sub / "timeline-1.jsonl").write_text(lines)
+    return bench, fname, real, num_prompts
+
+
+def test_bench_pools_overlap_groups_per_mode_and_rate(tmp_path: Path) -> None:
+    """The simulated timeline of the committed push point as its own real half: every
+    group agrees, and the text names the point's mode and rate."""
+    bench, fname, real, num_prompts = _point_as_its_own_real_half(tmp_path)
     text, got = bench.overlap_tables(real, tmp_path / "tl", {fname: {"window": [0.0, 1e9]}})
     assert text.startswith("push_qps2:")
     rows = got["push_qps2"]
@@ -237,11 +245,7 @@ def test_bench_pools_overlap_groups_per_mode_and_rate(tmp_path: Path) -> None:
 def test_bench_pools_place_groups_per_mode_and_rate(tmp_path: Path) -> None:
     """The same point as its own real half, by place: three groups (1st, 2nd, 3rd on)
     holding every request, each agreeing."""
-    bench, fname, lines, num_prompts = _simulated_push_point(tmp_path)
-    real = tmp_path / "real"
-    for sub in ("push", "pushkv"):
-        (real / "timeline" / sub).mkdir(parents=True)
-        (real / "timeline" / sub / "timeline-1.jsonl").write_text(lines)
+    bench, fname, real, num_prompts = _point_as_its_own_real_half(tmp_path)
     text, got = bench.place_tables(real, tmp_path / "tl", {fname: {"window": [0.0, 1e9]}})
     assert text.startswith("push_qps2:") and "| place |" in text and "| 3+ |" in text
     rows = got["push_qps2"]
