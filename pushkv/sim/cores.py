@@ -60,6 +60,14 @@ def _probe(core: int, period_s: float, burst_s: float, stop: Any, out: Any) -> N
     out.send((wakes, shares, speeds))
 
 
+def _reap(proc: Any) -> None:
+    """A probe process told to stop: gone, killed if it outlives a generous wait."""
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
+
+
 class ProbeError(RuntimeError):
     """A core probe did not start: its process died or stayed silent past the deadline."""
 
@@ -123,7 +131,9 @@ class CoreProbe:
                     continue
             except (EOFError, OSError):
                 why = "died before it started"
-            self._stop_all()
+            self._stop.set()
+            for proc in self._procs:
+                _reap(proc)
             raise ProbeError(f"the core probe on core {c} {why}; nothing was measured")
         return self
 
@@ -133,18 +143,7 @@ class CoreProbe:
             with contextlib.suppress(EOFError, OSError):  # a probe that died reports none
                 if pipe.poll(30):
                     self.wakes[c], self.shares[c], self.speeds[c] = pipe.recv()
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-
-    def _stop_all(self) -> None:
-        """Every probe stopped and gone (a start that failed)."""
-        self._stop.set()
-        for proc in self._procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
+            _reap(proc)
 
     def wake_s(self, core: int) -> float:
         got = self.wakes.get(core)
