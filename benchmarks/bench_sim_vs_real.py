@@ -62,7 +62,9 @@ their first token, real against the gauge way (:func:`overlap_tables`): where
 the two agree on requests served alone, a gap that grows with the overlap is the
 load's cost the model leaves out; and by each request's place in its point
 (:func:`place_tables`): a gap at the first places alone is something at the points'
-start, not the load.
+start, not the load; and by what else a request met on its way to its first token
+(:func:`neighbour_tables`: alone, one other decoding, one before its first token, one
+that came later, more), each group's segments: which hand-off a neighbour lengthens.
 
 The gauges run with the core probe too, so a second gauge way (``OUT/sim-gauge-speed``)
 can simulate each point with its cores as fast against its gauges' as the probe saw
@@ -83,7 +85,7 @@ last, one JSON object for the headline way (``"way"``: gauge, else probe):
 ``server_steps`` and ``gauge_speed``), ``precision`` (the intervals, the verdicts
 counted, ``iterations_needed_max``), ``segments``
 (per way and point, each segment's real and simulated median in ms), ``by_overlap``
-and ``by_place`` (the groups' rows). Figures (``--figures DIR``, or
+``by_place`` and ``by_neighbour`` (the groups' rows). Figures (``--figures DIR``, or
 ``pushkv plot --results-dir OUT/real --overlay OUT/sim --labels real sim --metric ttft``).
 
     PYTHONPATH=. python benchmarks/bench_sim_vs_real.py --out /tmp/simreal
@@ -938,6 +940,31 @@ def place_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]],
                           functools.partial(segments.by_place, cap=cap), cap, "place")
 
 
+def neighbour_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]]
+                     ) -> tuple[str, dict[str, dict[str, Any]]]:
+    """Per mode and rate, the points' requests pooled over lengths and iterations,
+    grouped per point by what else they met on the way to their first token
+    (:func:`pushkv.sim.segments.by_neighbour`: alone, one other decoding, one before its
+    first token, one that came later, more): each group's segments, real against
+    simulated -- where a neighbour's cost lands, and whether the model puts it there.
+    The text and ``{"<mode>_qps<rate>": {group: {"real_n", "sim_n", "segments"}}}``."""
+    from pushkv.sim import segments
+
+    pooled: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for fname, m, real_reqs, sim_reqs in compared_points(real, timelines, shares):
+        both = pooled.setdefault(f"{m['mode']}_qps{float(m['qps']):g}", ({}, {}))
+        for side, reqs in zip(both, (real_reqs, sim_reqs), strict=True):
+            for g, got in segments.by_neighbour(reqs).items():
+                side.setdefault(g, {}).update({f"{fname}/{k}": r for k, r in got.items()})
+    texts, out = [], {}
+    for key, (r, s) in sorted(pooled.items()):
+        groups = {g: (len(r[g]), len(s[g]), segments.compare(r[g], s[g]))
+                  for g in segments.NEIGHBOURS if g in r and g in s}
+        texts.append(f"{key}:\n\n{segments.neighbour_text(groups)}")
+        out[key] = segments.neighbour_json(groups)
+    return "\n\n".join(texts), out
+
+
 def real_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
               ) -> dict[str, dict[str, float]]:
     """The keys the real half's own marks measure (requests that ran alone, each point's
@@ -1270,6 +1297,11 @@ def main() -> int:
                 print("\n'legs out -> first token' by each request's place in its point, "
                       "the gauges' profiles (pooled per mode and rate):\n")
                 print(text)
+            text, by_neighbour = neighbour_tables(real, timelines / "gauge", shares)
+            if text:
+                print("\nSegment by segment, by what else each request met on its way to "
+                      "its first token, the gauges' profiles (pooled per mode and rate):\n")
+                print(text)
             if any(gauge_speed(v) for v in shares.values()):
                 fast = args.out / "sim-gauge-speed"
                 run_sim(args.profile, fast, points, output_len, num_prompts, seed=args.seed,
@@ -1288,6 +1320,7 @@ def main() -> int:
             summary["gauge_keys"] = {"run": run_keys, "points": per_point}
             summary["by_overlap"] = by_overlap
             summary["by_place"] = by_place
+            summary["by_neighbour"] = by_neighbour
             sim, way = gauged, "gauge"
     if shares and any("engine" in v for v in shares.values()):
         steps = args.out / "sim-server-steps"

@@ -24,6 +24,12 @@ two sides agree on a request served alone and part ways on how much a neighbour
 costs it (:func:`overlap_rows`)::
 
     python -m pushkv.sim.segments --real ... --sim ... --by-overlap
+
+:func:`by_neighbour` goes one step further for the requests that met exactly one
+other: it tells apart a neighbour that was decoding when their legs went out, one
+still on its way to its first token, and one that came later, and ``--by-neighbour``
+compares the segments of each group (:func:`neighbour_rows`) -- where a neighbour's
+cost lands, and whether the model puts it there.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import os
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from .. import timeline
 
@@ -114,6 +121,44 @@ def by_place(requests: Mapping[str, Mapping[str, float]], *, cap: int = 3
     out: dict[int, list[float]] = {}
     for place, (sent, k) in enumerate(timed, start=1):
         out.setdefault(min(place, cap), []).append((requests[k]["first_token"] - sent) * 1e3)
+    return out
+
+
+#: what else a request met on its way to its first token (:func:`neighbour`)
+NEIGHBOURS = ("alone", "decoding", "before its first token", "came later", "2+")
+
+
+def neighbour(requests: Mapping[str, Mapping[str, float]], *,
+              end: str = "last_token") -> dict[str, str]:
+    """Per request of :func:`overlaps`: what else was in flight between its legs going
+    out and its first token (:data:`NEIGHBOURS`) -- ``"alone"``; with exactly one other,
+    where that one was when its legs went out: ``"decoding"`` (past its own first
+    token: its engines step and its tokens stream), ``"before its first token"``, or
+    ``"came later"`` (its legs went out after); ``"2+"`` with more. Where a
+    neighbour's cost lands depends on which of these it is."""
+    spans = {k: (r["legs_sent"], r["first_token"], r[end]) for k, r in requests.items()
+             if "legs_sent" in r and "first_token" in r and end in r}
+    out: dict[str, str] = {}
+    for k, (sent, first, _) in spans.items():
+        others = [(s2, f2) for k2, (s2, f2, e2) in spans.items()
+                  if k2 != k and s2 < first and e2 > sent]
+        if not others:
+            out[k] = "alone"
+        elif len(others) > 1:
+            out[k] = "2+"
+        else:
+            s2, f2 = others[0]
+            out[k] = ("came later" if s2 >= sent else
+                      "decoding" if f2 <= sent else "before its first token")
+    return out
+
+
+def by_neighbour(requests: Mapping[str, Mapping[str, float]], *,
+                 end: str = "last_token") -> dict[str, Requests]:
+    """The requests of :func:`neighbour`, by group (only groups that have one)."""
+    out: dict[str, Requests] = {}
+    for k, g in neighbour(requests, end=end).items():
+        out.setdefault(g, {})[k] = dict(requests[k])
     return out
 
 
@@ -213,6 +258,30 @@ def compare(real: Mapping[str, Mapping[str, float]],
     return rows
 
 
+def neighbour_rows(real: Mapping[str, Mapping[str, float]],
+                   sim: Mapping[str, Mapping[str, float]]
+                   ) -> dict[str, tuple[int, int, list[Row]]]:
+    """Per group of :func:`neighbour` both sides have, in :data:`NEIGHBOURS` order: the
+    requests real and simulated and their :func:`compare` rows -- which segment a
+    neighbour of each kind lengthens, on each side."""
+    r, s = by_neighbour(real), by_neighbour(sim)
+    return {g: (len(r[g]), len(s[g]), compare(r[g], s[g]))
+            for g in NEIGHBOURS if g in r and g in s}
+
+
+def neighbour_text(groups: Mapping[str, tuple[int, int, Sequence[Row]]]) -> str:
+    """Markdown: a :func:`table` per group of :func:`neighbour_rows`, headed by the
+    group and its requests."""
+    return "\n\n".join(f"{g} (requests real / sim: {rn} / {sn}):\n\n{table(rows)}"
+                        for g, (rn, sn, rows) in groups.items())
+
+
+def neighbour_json(groups: Mapping[str, tuple[int, int, Sequence[Row]]]
+                   ) -> dict[str, dict[str, Any]]:
+    return {g: {"real_n": rn, "sim_n": sn, "segments": as_json(rows)}
+            for g, (rn, sn, rows) in groups.items()}
+
+
 def table(rows: Sequence[Row]) -> str:
     """Markdown: segment, real median / p90, sim median / p90, ratio median / p90."""
     def ratio(x: float | None) -> str:
@@ -248,6 +317,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--by-place", action="store_true",
                    help="'legs out -> first token' by each request's place in the run "
                         "(1st, 2nd, 3rd on)")
+    p.add_argument("--by-neighbour", action="store_true",
+                   help="the segments per kind of neighbour each request met: alone, "
+                        "one decoding, one before its first token, one that came "
+                        "later, or more")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = p.parse_args(argv)
     window = (args.window[0], args.window[1]) if args.window else None
@@ -266,6 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         prows = overlap_rows(by_place(real), by_place(sim))
         print(json.dumps(overlap_json(prows)) if args.json
               else overlap_table(prows, cap=3, heading="place"))
+        return 0
+    if args.by_neighbour:
+        groups = neighbour_rows(real, sim)
+        print(json.dumps(neighbour_json(groups)) if args.json else neighbour_text(groups))
         return 0
     rows = compare(real, sim)
     print(json.dumps(as_json(rows)) if args.json else table(rows))

@@ -182,6 +182,56 @@ def test_by_place_groups_the_requests_by_the_order_their_legs_went_out() -> None
     assert text.startswith("| place |") and "| 3+ | 2 / 2 |" in text
 
 
+def test_neighbour_tells_apart_what_a_request_met() -> None:
+    """Each kind of lone neighbour from its marks: one past its first token when the
+    request's legs went out is decoding, one still before it is on its way, one whose
+    legs went out later came later; two at once are 2+, none alone; a neighbour that
+    ended before the legs went out, or started after the first token, is no
+    neighbour, and a request without its marks has no group."""
+    reqs = {
+        "dec": {"legs_sent": 0.0, "first_token": 0.05, "last_token": 0.5},
+        "a": {"legs_sent": 0.1, "first_token": 0.2, "last_token": 0.3},  # dec decoding
+        "way": {"legs_sent": 1.0, "first_token": 1.3, "last_token": 1.4},
+        "b": {"legs_sent": 1.1, "first_token": 1.5, "last_token": 1.6},  # way on its way
+        "lone": {"legs_sent": 2.0, "first_token": 2.1, "last_token": 2.15},
+        "late": {"legs_sent": 2.05, "first_token": 2.3, "last_token": 2.4},
+        "x": {"legs_sent": 3.0, "first_token": 3.5, "last_token": 3.6},
+        "y": {"legs_sent": 3.1, "first_token": 3.2, "last_token": 3.3},
+        "z": {"legs_sent": 3.15, "first_token": 3.4, "last_token": 3.45},
+        "cut": {"legs_sent": 4.0},
+    }
+    got = segments.neighbour(reqs)
+    assert got["a"] == "decoding" and got["b"] == "before its first token"
+    assert got["lone"] == "came later"  # late's legs left before lone's first token
+    assert got["late"] == "before its first token"
+    assert got["x"] == "2+"
+    assert "cut" not in got
+    # a's legs went out after dec's first token: dec had the way to it to itself
+    assert got["dec"] == "alone"
+    assert set(got.values()) <= set(segments.NEIGHBOURS)
+    assert segments.neighbour({"solo": reqs["dec"]}) == {"solo": "alone"}
+    groups = segments.by_neighbour(reqs)
+    assert sorted(groups["decoding"]) == ["a"]
+    assert groups["2+"].keys() == {"x", "y", "z"}
+    assert sum(map(len, groups.values())) == len(reqs) - 1
+
+
+def test_neighbour_rows_compare_each_group_both_sides_have() -> None:
+    real = {"s": {"legs_sent": 0.0, "first_token": 0.05, "last_token": 0.5},
+            "t": {"legs_sent": 0.1, "prefill_arrived": 0.102, "first_token": 0.2,
+                  "last_token": 0.3}}
+    sim = {"s": dict(real["s"]), "t": dict(real["t"], first_token=0.15)}
+    groups = segments.neighbour_rows(real, sim)
+    assert list(groups) == ["alone", "decoding"]  # s had its first token before t came
+    rn, sn, rows = groups["decoding"]
+    assert (rn, sn) == (1, 1)
+    ttft = {r.segment: r for r in rows}["legs out -> first token"]
+    assert ttft.real_median == pytest.approx(100.0) and ttft.ratio_median == 0.5
+    text = segments.neighbour_text(groups)
+    assert "\n\ndecoding (requests real / sim: 1 / 1):" in text
+    assert json.loads(json.dumps(segments.neighbour_json(groups)))["decoding"]["real_n"] == 1
+
+
 def test_overlap_rows_compare_the_groups_either_side_has() -> None:
     rows = segments.overlap_rows({0: [10.0, 20.0, 30.0], 1: [40.0]}, {0: [10.0, 30.0], 2: [5.0]})
     assert [r.group for r in rows] == [0, 1, 2]
@@ -216,6 +266,17 @@ def test_the_cli_by_place(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert segments.main(["--real", str(router), "--sim", str(router), "--by-place"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("| place |") and "| 1 | 1 / 1 |" in out
+
+
+def test_the_cli_by_neighbour(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    router, _ = _real(tmp_path)
+    _write(router, "4", [(r, "last_token", t) for r, t in (("a", 10.1), ("b", 20.1),
+                                                            ("c", 30.1))])
+    assert segments.main(["--real", str(router), "--sim", str(router), "--by-neighbour"]) == 0
+    assert capsys.readouterr().out.startswith("alone (requests real / sim: 3 / 3):")
+    assert segments.main(["--real", str(router), "--sim", str(router), "--by-neighbour",
+                          "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["alone"]["sim_n"] == 3
 
 
 def _point_as_its_own_real_half(tmp_path: Path) -> tuple[Any, str, Path, int]:
@@ -253,3 +314,19 @@ def test_bench_pools_place_groups_per_mode_and_rate(tmp_path: Path) -> None:
     assert [r["real_n"] for r in rows] == [1, 1, num_prompts - 2]
     assert all(r["real_n"] == r["sim_n"] and r["ratio_mean"] == 1.0 for r in rows)
     assert bench.place_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
+
+
+def test_bench_pools_neighbour_groups_per_mode_and_rate(tmp_path: Path) -> None:
+    """The same point as its own real half, by what each request met: every request in
+    one group, the groups agreeing segment by segment, ids of different points kept
+    apart."""
+    bench, fname, real, num_prompts = _point_as_its_own_real_half(tmp_path)
+    text, got = bench.neighbour_tables(real, tmp_path / "tl", {fname: {"window": [0.0, 1e9]}})
+    assert text.startswith("push_qps2:") and "| segment |" in text
+    groups = got["push_qps2"]
+    assert set(groups) <= set(segments.NEIGHBOURS)
+    assert sum(g["real_n"] for g in groups.values()) == num_prompts
+    for g in groups.values():
+        assert g["real_n"] == g["sim_n"]
+        assert all(row["ratio_median"] in (1.0, None) for row in g["segments"].values())
+    assert bench.neighbour_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
