@@ -958,8 +958,7 @@ def neighbour_tables(real: Path, timelines: Path, shares: dict[str, dict[str, An
                 side.setdefault(g, {}).update({f"{fname}/{k}": r for k, r in got.items()})
     texts, out = [], {}
     for key, (r, s) in sorted(pooled.items()):
-        groups = {g: (len(r[g]), len(s[g]), segments.compare(r[g], s[g]))
-                  for g in segments.NEIGHBOURS if g in r and g in s}
+        groups = segments.compare_groups(r, s)
         texts.append(f"{key}:\n\n{segments.neighbour_text(groups)}")
         out[key] = segments.neighbour_json(groups)
     return "\n\n".join(texts), out

@@ -264,9 +264,16 @@ def neighbour_rows(real: Mapping[str, Mapping[str, float]],
     """Per group of :func:`neighbour` both sides have, in :data:`NEIGHBOURS` order: the
     requests real and simulated and their :func:`compare` rows -- which segment a
     neighbour of each kind lengthens, on each side."""
-    r, s = by_neighbour(real), by_neighbour(sim)
-    return {g: (len(r[g]), len(s[g]), compare(r[g], s[g]))
-            for g in NEIGHBOURS if g in r and g in s}
+    return compare_groups(by_neighbour(real), by_neighbour(sim))
+
+
+def compare_groups(real: Mapping[str, Mapping[str, Mapping[str, float]]],
+                   sim: Mapping[str, Mapping[str, Mapping[str, float]]]
+                   ) -> dict[str, tuple[int, int, list[Row]]]:
+    """:func:`neighbour_rows` of requests already grouped (:func:`by_neighbour`, say
+    pooled over several runs' points)."""
+    return {g: (len(real[g]), len(sim[g]), compare(real[g], sim[g]))
+            for g in NEIGHBOURS if g in real and g in sim}
 
 
 def neighbour_text(groups: Mapping[str, tuple[int, int, Sequence[Row]]]) -> str:
@@ -278,6 +285,7 @@ def neighbour_text(groups: Mapping[str, tuple[int, int, Sequence[Row]]]) -> str:
 
 def neighbour_json(groups: Mapping[str, tuple[int, int, Sequence[Row]]]
                    ) -> dict[str, dict[str, Any]]:
+    """The groups of :func:`neighbour_rows` as JSON-ready dicts."""
     return {g: {"real_n": rn, "sim_n": sn, "segments": as_json(rows)}
             for g, (rn, sn, rows) in groups.items()}
 
