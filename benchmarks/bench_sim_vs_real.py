@@ -894,6 +894,21 @@ def segment_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
     return "\n\n".join(texts), out
 
 
+def pooled_by_rate(real: Path, timelines: Path, shares: dict[str, dict[str, Any]],
+                   group: Callable[[str, Any], dict[Any, list[Any]]]
+                   ) -> dict[str, tuple[dict[Any, list[Any]], dict[Any, list[Any]]]]:
+    """``{"<mode>_qps<rate>": (real, simulated)}``: each side's groups pooled over the
+    points both halves recorded at that mode and rate, ``group(name, requests)``
+    grouping one point's requests (group -> items)."""
+    pooled: dict[str, tuple[dict[Any, list[Any]], dict[Any, list[Any]]]] = {}
+    for fname, m, real_reqs, sim_reqs in compared_points(real, timelines, shares):
+        both = pooled.setdefault(f"{m['mode']}_qps{float(m['qps']):g}", ({}, {}))
+        for side, reqs in zip(both, (real_reqs, sim_reqs), strict=True):
+            for g, items in group(fname, reqs).items():
+                side.setdefault(g, []).extend(items)
+    return pooled
+
+
 def grouped_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]],
                    group: Callable[[Any], dict[int, list[float]]], cap: int,
                    heading: str) -> tuple[str, dict[str, list[dict[str, Any]]]]:
@@ -902,12 +917,7 @@ def grouped_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
     times), real against simulated. The text and ``{"<mode>_qps<rate>": [row, ...]}``."""
     from pushkv.sim import segments
 
-    pooled: dict[str, tuple[dict[int, list[float]], dict[int, list[float]]]] = {}
-    for _, m, real_reqs, sim_reqs in compared_points(real, timelines, shares):
-        both = pooled.setdefault(f"{m['mode']}_qps{float(m['qps']):g}", ({}, {}))
-        for side, reqs in zip(both, (real_reqs, sim_reqs), strict=True):
-            for g, xs in group(reqs).items():
-                side.setdefault(g, []).extend(xs)
+    pooled = pooled_by_rate(real, timelines, shares, lambda _, reqs: group(reqs))
     texts, out = [], {}
     for key, (r, s) in sorted(pooled.items()):
         rows = segments.overlap_rows(r, s)
@@ -950,15 +960,14 @@ def neighbour_tables(real: Path, timelines: Path, shares: dict[str, dict[str, An
     The text and ``{"<mode>_qps<rate>": {group: {"real_n", "sim_n", "segments"}}}``."""
     from pushkv.sim import segments
 
-    pooled: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
-    for fname, m, real_reqs, sim_reqs in compared_points(real, timelines, shares):
-        both = pooled.setdefault(f"{m['mode']}_qps{float(m['qps']):g}", ({}, {}))
-        for side, reqs in zip(both, (real_reqs, sim_reqs), strict=True):
-            for g, got in segments.by_neighbour(reqs).items():
-                side.setdefault(g, {}).update({f"{fname}/{k}": r for k, r in got.items()})
+    def group(fname: str, reqs: Any) -> dict[str, list[tuple[str, Any]]]:
+        return {g: [(f"{fname}/{k}", r) for k, r in got.items()]  # ids apart per point
+                for g, got in segments.by_neighbour(reqs).items()}
+
     texts, out = [], {}
-    for key, (r, s) in sorted(pooled.items()):
-        groups = segments.compare_groups(r, s)
+    for key, (r, s) in sorted(pooled_by_rate(real, timelines, shares, group).items()):
+        groups = segments.compare_groups({g: dict(v) for g, v in r.items()},
+                                         {g: dict(v) for g, v in s.items()})
         texts.append(f"{key}:\n\n{segments.neighbour_text(groups)}")
         out[key] = segments.neighbour_json(groups)
     return "\n\n".join(texts), out
