@@ -83,15 +83,22 @@ def alone(requests: Mapping[str, Mapping[str, float]]) -> Requests:
     return out
 
 
-def overlaps(requests: Mapping[str, Mapping[str, float]], *,
-             end: str = "last_token") -> dict[str, int]:
-    """Per request with ``legs_sent``, ``first_token`` and ``end`` marks: how many of the
-    others were in flight (from their ``legs_sent`` to their ``end``) at some time
-    between its legs going out and its first token."""
+def in_flight(requests: Mapping[str, Mapping[str, float]], *,
+              end: str = "last_token") -> dict[str, list[str]]:
+    """Per request with ``legs_sent``, ``first_token`` and ``end`` marks: the others
+    (with those marks) in flight -- from their ``legs_sent`` to their ``end`` -- at some
+    time between its legs going out and its first token."""
     spans = [(k, r["legs_sent"], r["first_token"], r[end]) for k, r in requests.items()
              if "legs_sent" in r and "first_token" in r and end in r]
-    return {k: sum(1 for k2, s2, _, e2 in spans if k2 != k and s2 < first and e2 > sent)
+    return {k: [k2 for k2, s2, _, e2 in spans if k2 != k and s2 < first and e2 > sent]
             for k, sent, first, _ in spans}
+
+
+def overlaps(requests: Mapping[str, Mapping[str, float]], *,
+             end: str = "last_token") -> dict[str, int]:
+    """Per request of :func:`in_flight`: how many others were in flight on its way to
+    its first token."""
+    return {k: len(others) for k, others in in_flight(requests, end=end).items()}
 
 
 def by_overlap(requests: Mapping[str, Mapping[str, float]], *, cap: int = 2,
@@ -130,26 +137,20 @@ NEIGHBOURS = ("alone", "decoding", "before its first token", "came later", "2+")
 
 def neighbour(requests: Mapping[str, Mapping[str, float]], *,
               end: str = "last_token") -> dict[str, str]:
-    """Per request of :func:`overlaps`: what else was in flight between its legs going
+    """Per request of :func:`in_flight`: what else was in flight between its legs going
     out and its first token (:data:`NEIGHBOURS`) -- ``"alone"``; with exactly one other,
     where that one was when its legs went out: ``"decoding"`` (past its own first
     token: its engines step and its tokens stream), ``"before its first token"``, or
     ``"came later"`` (its legs went out after); ``"2+"`` with more. Where a
     neighbour's cost lands depends on which of these it is."""
-    spans = {k: (r["legs_sent"], r["first_token"], r[end]) for k, r in requests.items()
-             if "legs_sent" in r and "first_token" in r and end in r}
     out: dict[str, str] = {}
-    for k, (sent, first, _) in spans.items():
-        others = [(s2, f2) for k2, (s2, f2, e2) in spans.items()
-                  if k2 != k and s2 < first and e2 > sent]
-        if not others:
-            out[k] = "alone"
-        elif len(others) > 1:
-            out[k] = "2+"
-        else:
-            s2, f2 = others[0]
-            out[k] = ("came later" if s2 >= sent else
-                      "decoding" if f2 <= sent else "before its first token")
+    for k, others in in_flight(requests, end=end).items():
+        if len(others) != 1:
+            out[k] = "2+" if others else "alone"
+            continue
+        sent, other = requests[k]["legs_sent"], requests[others[0]]
+        out[k] = ("came later" if other["legs_sent"] >= sent else
+                  "decoding" if other["first_token"] <= sent else "before its first token")
     return out
 
 
