@@ -68,6 +68,17 @@ def _reap(proc: Any) -> None:
         proc.join(10)
 
 
+def quantiles(xs: Sequence[float], n: int) -> list[float]:
+    """``xs`` at ``n`` evenly spaced quantiles, the midpoints of ``n`` equal slices of
+    their distribution (the nearest sample): equally likely draws from them have about
+    ``xs``' mean and keep the tail. Empty for no samples."""
+    if n < 1:
+        raise ValueError(f"quantiles need at least one point, got {n!r}")
+    got = sorted(xs)
+    return [got[min(len(got) - 1, int((i + 0.5) * len(got) / n))] for i in range(n)] \
+        if got else []
+
+
 class ProbeError(RuntimeError):
     """A core probe did not start: its process died or stayed silent past the deadline."""
 
@@ -148,6 +159,12 @@ class CoreProbe:
     def wake_s(self, core: int) -> float:
         got = self.wakes.get(core)
         return statistics.median(got) if got else 0.0
+
+    def wake_quantiles(self, n: int) -> list[float]:
+        """Every core's wake-up delays pooled, at ``n`` evenly spaced quantiles
+        (:func:`quantiles`; empty without samples): what a frontend process, which may
+        run on any core, meets when woken (``control.wake_spread``)."""
+        return quantiles([w for got in self.wakes.values() for w in got], n)
 
     def wake_tail(self, core: int) -> dict[str, float]:
         """The wake-up delays' tail on ``core``: p90, p99 and the largest (s), and the

@@ -171,6 +171,24 @@ def test_the_probes_wake_up_tail() -> None:
     assert probe.wake_s(0) == 0.0001
 
 
+def test_the_probes_wake_ups_at_quantiles() -> None:
+    """Every core's wake-ups pooled, at evenly spaced quantiles: the midpoints of equal
+    slices, so the tail a mean depends on is kept (not only the median)."""
+    from pushkv.sim.cores import CoreProbe, quantiles
+
+    assert quantiles([float(i) for i in range(1000)], 10) == [50.0 + 100 * i
+                                                              for i in range(10)]
+    assert quantiles([], 10) == [] and quantiles([3.0], 4) == [3.0] * 4
+    with pytest.raises(ValueError, match="at least one point"):
+        quantiles([1.0], 0)
+    probe = CoreProbe(cores=())
+    assert probe.wake_quantiles(10) == []
+    probe.wakes[0] = [0.001] * 9 + [0.050]
+    probe.wakes[1] = [0.0001] * 10
+    got = probe.wake_quantiles(20)
+    assert got == [0.0001] * 10 + [0.001] * 9 + [0.050]
+
+
 def test_steal_between_two_readings_of_proc_stat() -> None:
     """The host's share of each CPU from two ``/proc/stat`` texts, against the closed form:
     of the wall, steal / all ticks; of the work, steal / (steal + busy)."""
