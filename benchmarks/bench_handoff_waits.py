@@ -1,0 +1,301 @@
+"""Where a request's hand-off into decode's API server goes while another decodes.
+
+On this 2-core machine a request that meets exactly one other request in flight is
+slower, hand-off by hand-off, than one that runs alone, and by more than the
+simulator's processor-sharing cores give it (``docs/sim.md``, 'Where a neighbour's
+cost lands'). This runs a real pushkv push pair behind its router and sends short
+requests (2 output tokens) one at a time: first alone, then while one long request
+streams its tokens. Meanwhile a sampler reads every thread's ``schedstat`` (time run,
+time waited on a run queue, slices: ``/proc/PID/task/TID/schedstat``) of the router,
+decode's API server, decode's engine and prefill's instance every ~2 ms. For each
+short request's 'legs out -> decode arrives' (the router sending the decode leg, to
+decode's API server handing it to its engine) it tells how long each part ran and
+waited on a run queue meanwhile::
+
+    PYTHONPATH=. python benchmarks/bench_handoff_waits.py --out /tmp/handoff
+
+It prints the hand-off alone and beside a stream (mean, median, p90, largest, ms),
+then the slowest hand-offs beside a stream with each part's run / run-queue wait,
+and, around the hand-offs beside a stream slower than the alone ones' p90, how
+many of decode's API server's threads waited on a run queue on average. The last line is one
+JSON object (``alone``, ``beside``, ``slow``, ``api_wait_share``). Takes 2-3 minutes
+(the servers' start most of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
+
+#: a sample: when, and per thread id (run ns, run-queue wait ns, slices)
+Sample = tuple[float, dict[str, tuple[int, int, int]]]
+#: the segment this measures (:data:`pushkv.timeline.SEGMENTS`)
+SEGMENT = ("legs_sent", "decode_arrived")
+
+
+class ThreadSampler:
+    """While open, reads every thread's ``schedstat`` of ``parts`` (name -> pids) every
+    ``period_s``; ``names[tid]`` is (part, thread name)."""
+
+    def __init__(self, parts: Mapping[str, Sequence[int]], period_s: float = 0.002) -> None:
+        self.parts, self.period_s = parts, period_s
+        self.samples: list[Sample] = []
+        self.names: dict[str, tuple[str, str]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="schedstat", daemon=True)
+
+    def sample(self) -> dict[str, tuple[int, int, int]]:
+        row: dict[str, tuple[int, int, int]] = {}
+        for part, pids in self.parts.items():
+            for pid in pids:
+                try:
+                    tids = os.listdir(f"/proc/{pid}/task")
+                except OSError:
+                    continue
+                for tid in tids:
+                    try:
+                        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                            run, wait, slices = (int(x) for x in f.read().split()[:3])
+                        if tid not in self.names:
+                            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                                self.names[tid] = (part, f.read().strip())
+                    except (OSError, ValueError):
+                        continue
+                    row[tid] = (run, wait, slices)
+        return row
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.samples.append((time.monotonic(), self.sample()))
+
+    def __enter__(self) -> ThreadSampler:
+        self.samples.append((time.monotonic(), self.sample()))
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.monotonic(), self.sample()))
+
+
+def bracket(samples: Sequence[Sample], t0: float, t1: float) -> tuple[int, int]:
+    """The indices of the last sample at or before ``t0`` and the first at or after
+    ``t1`` (the nearest where none is): samples at least as far apart as the interval
+    (further where the sampler itself waited for a core)."""
+    times = [t for t, _ in samples]
+    return (max(0, bisect.bisect_right(times, t0) - 1),
+            min(len(samples) - 1, bisect.bisect_left(times, t1)))
+
+
+def by_part(samples: Sequence[Sample], names: Mapping[str, tuple[str, str]],
+            t0: float, t1: float) -> dict[str, tuple[float, float]]:
+    """Per part, the seconds its threads ran and waited on a run queue over the
+    :func:`bracket` of ``t0``-``t1``. Parts that did neither are left out."""
+    if not samples:
+        return {}
+    i, j = bracket(samples, t0, t1)
+    a, b = samples[i][1], samples[j][1]
+    out: dict[str, list[float]] = {}
+    for tid, (run, wait, _) in b.items():
+        if tid not in a or tid not in names:
+            continue
+        d_run, d_wait = (run - a[tid][0]) / 1e9, (wait - a[tid][1]) / 1e9
+        if d_run > 0 or d_wait > 0:
+            got = out.setdefault(names[tid][0], [0.0, 0.0])
+            got[0] += d_run
+            got[1] += d_wait
+    return {part: (v[0], v[1]) for part, v in out.items()}
+
+
+def stats_ms(xs: Sequence[float]) -> dict[str, float]:
+    """Mean, median, p90 and the largest of ``xs`` (seconds), in ms."""
+    got = sorted(xs)
+    if not got:
+        return {"n": 0}
+    return {"n": len(got), "mean": round(statistics.fmean(got) * 1e3, 2),
+            "median": round(statistics.median(got) * 1e3, 2),
+            "p90": round(got[min(len(got) - 1, int(0.9 * len(got)))] * 1e3, 2),
+            "max": round(got[-1] * 1e3, 2)}
+
+
+def handoffs(requests: Mapping[str, Mapping[str, float]],
+             sent: Sequence[tuple[str, float, float]]) -> dict[str, list[tuple[float, float]]]:
+    """Per group of ``sent`` ((group, t0, t1): a short request's send and answer), the
+    (legs out, decode arrives) of the one request whose legs went out in its window;
+    windows with none or several (a retried leg) are skipped."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for group, t0, t1 in sent:
+        got = [r for r in requests.values()
+               if all(k in r for k in SEGMENT) and t0 <= r[SEGMENT[0]] <= t1]
+        if len(got) == 1:
+            out.setdefault(group, []).append((got[0][SEGMENT[0]], got[0][SEGMENT[1]]))
+    return out
+
+
+def api_wait_share(slow: Sequence[tuple[float, float]], samples: Sequence[Sample],
+                   names: Mapping[str, tuple[str, str]], part: str = "decode_api") -> float:
+    """Over the slow hand-offs' :func:`bracket` s, how many of ``part``'s threads
+    waited on a run queue on average (their wait over the brackets' time; 1: one thread
+    waiting throughout; 0 without samples or hand-offs)."""
+    total = waited = 0.0
+    for t0, t1 in slow:
+        if not samples:
+            break
+        i, j = bracket(samples, t0, t1)
+        total += samples[j][0] - samples[i][0]
+        waited += by_part(samples, names, t0, t1).get(part, (0.0, 0.0))[1]
+    return waited / total if total > 0 else 0.0
+
+
+def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
+    from modes import MODES as E2E_MODES
+    from run import Deployment, Endpoint
+
+    from pushkv.sim import segments
+    from pushkv.vllm.chaos import group_pids
+    from pushkv.vllm.testing import (
+        post_json,
+        stream_token_ids,
+        write_tiny_llama,
+        write_word_tokenizer,
+    )
+
+    out: Path = args.out
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    model = out / "tiny-llama"
+    write_tiny_llama(model)
+    write_word_tokenizer(model)
+    dep = Deployment("pushkv", str(model), out, max_model_len=1024, delay_us=0)
+    ep = None
+    sent: list[tuple[str, float, float]] = []
+    try:
+        t = time.monotonic()
+        dep.start()
+        ep = Endpoint(E2E_MODES["push"], dep, out)
+        say(f"pushkv pair and router up in {time.monotonic() - t:.0f} s")
+        url = ep.target.url
+        api = dep.decode.proc.pid
+        assert ep.router is not None
+        parts = {"decode_api": [api], "router": [ep.router.pid],
+                 "decode": [p for p in group_pids([api]) if p != api],
+                 "prefill": group_pids([dep.prefill.proc.pid])}
+
+        def short(group: str, i: int) -> None:
+            t0 = time.monotonic()
+            status, body = post_json(url + "/v1/completions", {
+                "model": str(model), "prompt": [7 + (i * 13 + j) % 900 for j in range(64)],
+                "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+            if status != 200:
+                raise RuntimeError(f"short request {i}: HTTP {status}: {body!r:.200}")
+            sent.append((group, t0, time.monotonic()))
+
+        for i in range(4):  # the pair's first transfers pay one-off costs
+            short("warm-up", i)
+        with ThreadSampler(parts) as sampler:
+            for i in range(args.alone):
+                short("alone", i)
+                time.sleep(args.gap_s)
+            say(f"{args.alone} hand-offs alone")
+            for k in range(args.streams):
+                body = {"model": str(model), "prompt": [9 + (k * 7 + j) % 900 for j in range(64)],
+                        "max_tokens": args.stream_tokens, "temperature": 0,
+                        "ignore_eos": True, "stream": True}
+                errors: list[BaseException] = []
+
+                def stream(body: dict[str, Any] = body, errors: list[BaseException] = errors
+                           ) -> None:
+                    try:
+                        stream_token_ids(url, body, timeout=600)
+                    except BaseException as exc:
+                        errors.append(exc)
+
+                th = threading.Thread(target=stream, name=f"stream-{k}")
+                th.start()
+                time.sleep(args.gap_s)  # its first token out
+                i = 1000 * (k + 1)
+                while th.is_alive():
+                    short("beside", i)
+                    i += 1
+                    time.sleep(args.gap_s)
+                th.join()
+                if errors:
+                    raise RuntimeError(f"stream {k}: {errors[0]!r}")
+                say(f"stream {k + 1} of {args.streams}: "
+                    f"{sum(g == 'beside' for g, _, _ in sent)} hand-offs beside a stream so far")
+    finally:
+        if ep is not None:
+            ep.stop()
+        dep.stop()
+    requests = segments.load([out / "timeline" / "push", out / "timeline" / "pushkv"])
+    got = handoffs(requests, [s for s in sent if s[0] != "warm-up"])
+    alone = [t1 - t0 for t0, t1 in got.get("alone", [])]
+    beside = got.get("beside", [])
+    if not alone or not beside:
+        raise RuntimeError(f"no hand-off recorded (alone {len(alone)}, beside "
+                           f"{len(beside)}): see {out / 'logs'}")
+    cut = stats_ms(alone)["p90"] / 1e3
+    slow = [h for h in beside if h[1] - h[0] > cut]
+    worst = sorted(beside, key=lambda h: h[0] - h[1])[:args.show]
+    return {"alone": stats_ms(alone), "beside": stats_ms([t1 - t0 for t0, t1 in beside]),
+            "slow": len(slow), "slow_cut_ms": round(cut * 1e3, 2),
+            "api_wait_share": round(api_wait_share(slow, sampler.samples, sampler.names), 3),
+            "worst": [{"ms": round((t1 - t0) * 1e3, 2), "bracket_ms": round(
+                (sampler.samples[j][0] - sampler.samples[i][0]) * 1e3, 1), "parts": {
+                part: {"run_ms": round(r * 1e3, 1), "wait_ms": round(w * 1e3, 1)}
+                for part, (r, w) in sorted(by_part(sampler.samples, sampler.names,
+                                                   t0, t1).items())}}
+                for t0, t1 in worst for i, j in [bracket(sampler.samples, t0, t1)]]}
+
+
+def report(got: dict[str, Any]) -> str:
+    lines = ["'legs out -> decode arrives' (ms):", "",
+             "| | n | mean | median | p90 | largest |", "|---|---|---|---|---|---|"]
+    for name in ("alone", "beside"):
+        s = got[name]
+        lines.append(f"| {name} {'a stream' if name == 'beside' else ''} | {s['n']} | "
+                     f"{s['mean']} | {s['median']} | {s['p90']} | {s['max']} |")
+    lines += ["", "The slowest beside a stream, each part's threads' run / run-queue wait "
+              "(ms, summed over its threads) between the samples around it:", ""]
+    for w in got["worst"]:
+        lines.append(f"{w['ms']:7.1f} ms (samples {w['bracket_ms']} ms apart): " + "; ".join(
+            f"{p} {v['run_ms']} / {v['wait_ms']}" for p, v in w["parts"].items()))
+    lines += ["", f"{got['slow']} hand-offs beside a stream took longer than the alone "
+              f"p90 ({got['slow_cut_ms']} ms); around them {got['api_wait_share']:.2f} of decode's "
+              f"API server's threads waited on a run queue, on average"]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("/tmp/pushkv-handoff"),
+                   help="where the servers' logs and timelines go")
+    p.add_argument("--alone", type=int, default=30, help="hand-offs with nothing else in flight")
+    p.add_argument("--streams", type=int, default=6, help="long requests, one at a time")
+    p.add_argument("--stream-tokens", type=int, default=600, help="each long request's tokens")
+    p.add_argument("--gap-s", type=float, default=0.15, help="pause between short requests")
+    p.add_argument("--show", type=int, default=8, help="slowest hand-offs to list")
+    args = p.parse_args(argv)
+    if args.alone < 1 or args.streams < 1 or args.stream_tokens < 2 or args.gap_s < 0:
+        p.error("--alone and --streams must be >= 1, --stream-tokens >= 2, --gap-s >= 0")
+    got = run(args, lambda line: print(line, flush=True))
+    print(report(got), flush=True)
+    print(json.dumps({k: v for k, v in got.items() if k != "worst"}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
