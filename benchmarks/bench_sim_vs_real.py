@@ -229,6 +229,7 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
                 # and the whole of them, both cores pooled: what a floating process met
                 got["wake_quantiles_s"] = [round(w, 6) for w in
                                            probe.wake_quantiles(WAKE_QUANTILES)]
+                write_wakes(real, stem, probe)  # each one, and when it was due
                 got["window"] = [t_start, time.monotonic()]
                 # the host's share of each core meanwhile (a VM's steal time)
                 got["steal"] = steal_record(steal(ticks, cpu_times()))
@@ -614,6 +615,23 @@ def engine_steps(before: dict[str, dict[str, float]],
             if n else 0.0,
             "decode_token_s": delta("decode", "request_decode_time_seconds_sum") / tokens
             if tokens else 0.0}
+
+
+#: where each point's probe wake-ups go, one file a point (:func:`write_wakes`)
+WAKES = "wakes"
+
+
+def write_wakes(real: Path, stem: str, probe: Any) -> Path:
+    """The core probe's wake-ups of point ``stem``, each as [when it was due
+    (``time.monotonic()``, the timelines' clock), its delay (s)], by core, into
+    ``real/wakes/<stem>.json``: what the profile's ``control.wake_beside_s`` is taken
+    from, against the point's timeline (:func:`pushkv.sim.segments.wakes_by_flight`)."""
+    out = real / WAKES / f"{stem}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({str(core): [[round(t, 6), round(w, 6)] for t, w in zip(
+        probe.wake_times.get(core, ()), probe.wakes.get(core, ()), strict=True)]
+        for core in sorted(probe.wakes)}))
+    return out
 
 
 def record_shares(real: Path, fname: str, shares: dict[str, Any]) -> None:

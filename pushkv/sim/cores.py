@@ -37,11 +37,12 @@ def _unit() -> int:
 def _probe(core: int, period_s: float, burst_s: float, stop: Any, out: Any) -> None:
     """On ``core``: send ``("ready", time.monotonic())`` once started; then every
     ``period_s`` sleep, wake, spin ``burst_s`` of CPU time in units of :func:`_unit`; send
-    (wake delays, burst shares, units per CPU second) when ``stop`` is set."""
+    (wake delays, burst shares, units per CPU second, when each wake-up was due) when
+    ``stop`` is set."""
     with contextlib.suppress(OSError):
         os.sched_setaffinity(0, {core})
     out.send(("ready", time.monotonic()))
-    wakes, shares, speeds = [], [], []
+    wakes, shares, speeds, due = [], [], [], []
     nxt = time.monotonic() + period_s
     while not stop.is_set():
         delay = nxt - time.monotonic()
@@ -49,6 +50,7 @@ def _probe(core: int, period_s: float, burst_s: float, stop: Any, out: Any) -> N
             time.sleep(delay)
         woke = time.monotonic()
         wakes.append(max(0.0, woke - nxt))
+        due.append(nxt)
         c0, w0 = time.thread_time(), time.perf_counter()
         units = 0
         while (cpu := time.thread_time() - c0) < burst_s:
@@ -57,7 +59,7 @@ def _probe(core: int, period_s: float, burst_s: float, stop: Any, out: Any) -> N
         shares.append(cpu / (time.perf_counter() - w0))
         speeds.append(units / cpu)
         nxt = max(nxt + period_s, time.monotonic())
-    out.send((wakes, shares, speeds))
+    out.send((wakes, shares, speeds, due))
 
 
 def _reap(proc: Any) -> None:
@@ -125,6 +127,8 @@ class CoreProbe:
             self._pipes.append(parent)
             self._ends.append(child)
         self.wakes: dict[int, list[float]] = {}
+        #: when each of ``wakes`` was due (``time.monotonic()``), by core
+        self.wake_times: dict[int, list[float]] = {}
         self.shares: dict[int, list[float]] = {}
         self.speeds: dict[int, list[float]] = {}
 
@@ -153,7 +157,8 @@ class CoreProbe:
         for c, pipe, proc in zip(self.cores, self._pipes, self._procs, strict=True):
             with contextlib.suppress(EOFError, OSError):  # a probe that died reports none
                 if pipe.poll(30):
-                    self.wakes[c], self.shares[c], self.speeds[c] = pipe.recv()
+                    (self.wakes[c], self.shares[c], self.speeds[c],
+                     self.wake_times[c]) = pipe.recv()
             _reap(proc)
 
     def wake_s(self, core: int) -> float:

@@ -282,7 +282,10 @@ def test_a_core_probe_is_running_before_what_it_measures_starts() -> None:
         assert sorted(probe.started) == [0, 1]
         assert all(called <= t <= entered for t in probe.started.values())
         assert all(p.is_alive() for p in probe._procs)
-    assert sorted(probe.wakes) == sorted(probe.shares) == [0, 1]
+    assert sorted(probe.wakes) == sorted(probe.shares) == sorted(probe.wake_times) == [0, 1]
+    for core, due in probe.wake_times.items():  # when each wake-up was due, in order
+        assert len(due) == len(probe.wakes[core])
+        assert due == sorted(due) and all(entered - 1 <= t <= time.monotonic() for t in due)
     assert not any(p.is_alive() for p in probe._procs)
 
 
