@@ -1101,6 +1101,9 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
         with_run = profile_from_dict(run, base=base)  # type: ignore[arg-type]
         run["control"] = {"host_spread": list(host_spread(
             lone, with_run, quantiles=max(1, min(quantiles, len(lone)))))}
+    beside = wake_beside_of(real, gauged, marks)
+    if beside:  # the machine's, the same for every point
+        run.setdefault("control", {})["wake_beside_s"] = list(beside)
     profile = profile_from_dict(run, base=base) if run else base  # type: ignore[arg-type]
     if by_mode["pull"]:  # the prefill answer's way out, which no push mark shows
         run.setdefault("prefill", {})["return_s"] = statistics.fmean(
@@ -1144,6 +1147,30 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
         points[fname] = {side: {**run.get(side, {}), **keys.get(side, {})}
                          for side in {*run, *keys}}  # the point's over the run's
     return points, run
+
+
+def wake_beside_of(real: Path, points: dict[str, dict[str, Any]],
+                   marks: Callable[[str, bool, list[float]], dict[str, dict[str, float]]]
+                   ) -> tuple[float, ...]:
+    """``control.wake_beside_s`` of the run: every point's probe wake-ups
+    (:func:`write_wakes`; points without are skipped), both cores, by how many of the
+    point's requests (``marks(point, False, window)``) were in flight when each was due
+    (:func:`pushkv.sim.segments.wakes_by_flight`), pooled over the points, then
+    :func:`pushkv.sim.measure_connector.wake_beside`. Empty without wake-ups."""
+    from pushkv.sim import segments
+    from pushkv.sim.measure_connector import wake_beside
+
+    pooled: dict[int, list[float]] = {}
+    for fname, got in sorted(points.items()):
+        path = real / WAKES / f"{Path(fname).stem}.json"
+        if not path.exists() or not got.get("window"):
+            continue
+        wakes = [(t, w) for per_core in json.loads(path.read_text()).values()
+                 for t, w in per_core]
+        for n, delays in segments.wakes_by_flight(
+                marks(fname, False, got["window"]), wakes).items():
+            pooled.setdefault(n, []).extend(delays)
+    return wake_beside(pooled, quantiles=WAKE_QUANTILES) if pooled else ()
 
 
 #: how each way's simulation is named on its figures
@@ -1302,7 +1329,9 @@ def main() -> int:
             print("\nthe run's keys from its pushkv gauges: " + ", ".join(
                 f"{t}.{k} {v * 1e3:.3f} ms" for t, kv in run_keys.items() for k, v in
                 kv.items() if t != "control") + f"; host_spread mean "
-                f"{statistics.fmean(run_keys.get('control', {}).get('host_spread', [1])):.2f}",
+                f"{statistics.fmean(run_keys.get('control', {}).get('host_spread', [1])):.2f}"
+                + (f"; wake_beside_s mean {statistics.fmean(beside) * 1e3:.2f} ms" if (
+                    beside := run_keys.get("control", {}).get("wake_beside_s")) else ""),
                 flush=True)
             gauged = args.out / "sim-gauge"
             run_sim(args.profile, gauged, points, output_len, num_prompts, seed=args.seed,

@@ -96,7 +96,8 @@ class _Loop:
             self.transport.mark(req.transfer_id, self._arrived)
 
         if self.frontend is not None and self.ingest_s:
-            self.frontend.serve(work_s, lambda: then(req), wait_s, started=arrived)
+            self.frontend.serve(work_s, lambda: then(req), wait_s, started=arrived,
+                                process=self.engine_id)  # this instance's API server
             return
         if self._api is None:
             arrived()

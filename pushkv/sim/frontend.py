@@ -31,6 +31,7 @@ import simpy
 
 from .cpu import SharedCores, work
 from .request import SimRequest
+from .spread import Spread
 
 #: cores a P/D pair of the measured deployment pins an engine to (one each)
 PAIR_ENGINE_CORES = 2
@@ -62,17 +63,46 @@ class Frontend:
         self._drained: simpy.Event | None = None
         #: the host's cores the frontends share with the engines (``control.host_cores``)
         self.host: SharedCores | None = None
+        #: extra run-queue waits of a frontend woken beside other requests
+        #: (``control.wake_beside_s``) and the requests in flight now, set by the runner
+        self.wakes: Spread | None = None
+        self.in_flight: Callable[[], int] = lambda: 0
+        self.woken = 0  #: jobs that waited one
+        self.woke_s = 0.0  #: and the time they waited
+        self._gates: dict[str, simpy.Event] = {}  #: a request's token waiting for a core
+        self._by_process: dict[str, int] = {}  #: jobs pending, by the process they wake
 
     def serve(self, service_s: float, then: Callable[[], None], wait_s: float = 0.0,
-              started: Callable[[], None] | None = None) -> None:
+              started: Callable[[], None] | None = None, gate: str | None = None,
+              process: str = "") -> None:
         """``then()`` once ``service_s`` of frontend time has run, after the work ahead,
         and ``wait_s`` more has passed outside the queue (a stall: holding no core);
-        ``started()`` when the job's turn comes."""
+        ``started()`` when the job's turn comes. A job that wakes its ``process`` (an
+        instance's API server) beside other requests (:meth:`beside`) first waits a
+        drawn run-queue wait, holding no core; while it does, jobs given the same
+        ``gate`` wait behind it."""
         self.pending += 1
-        self.env.process(self._job(service_s, then, wait_s, started))
+        self._by_process[process] = self._by_process.get(process, 0) + 1
+        wake = self.wakes(1.0) if self.wakes is not None and self.beside(process) else 0.0
+        self.env.process(self._job(service_s, then, wait_s, started, wake, gate, process))
+
+    def beside(self, process: str = "") -> bool:
+        """Whether a job arriving now (counted in the pending) wakes ``process`` while
+        other requests are in flight: none of its jobs pending until it came, and more
+        than one request in flight."""
+        return self._by_process.get(process, 0) == 1 and self.in_flight() > 1
 
     def _job(self, service_s: float, then: Callable[[], None], wait_s: float = 0.0,
-             started: Callable[[], None] | None = None) -> Generator[Any, Any, None]:
+             started: Callable[[], None] | None = None, wake_s: float = 0.0,
+             gate: str | None = None, process: str = "") -> Generator[Any, Any, None]:
+        if wake_s > 0:  # the woken process waits for a core, holding none
+            self.woken += 1
+            self.woke_s += wake_s
+            held = self._gates[gate] = self.env.event() if gate is not None else None
+            yield self.env.timeout(wake_s)
+            if held is not None:
+                del self._gates[gate]  # type: ignore[arg-type]
+                held.succeed()  # its followers queue behind it, in order
         t0 = self.env.now
         with self.cpu.request() as slot:
             yield slot
@@ -86,6 +116,7 @@ class Frontend:
         self.busy_s += service_s
         self.jobs += 1
         self.pending -= 1
+        self._by_process[process] -= 1
         then()
         if self.pending == 0 and self._drained is not None and not self._drained.triggered:
             self._drained.succeed()
@@ -96,7 +127,12 @@ class Frontend:
         def delivered() -> None:
             req.client_times.append(self.env.now + self.token_latency_s)
 
-        self.serve(self.token_s, delivered)
+        api = req.decode or ""  # decode's API server passes every token on
+        held = self._gates.get(req.transfer_id)
+        if held is not None:  # an earlier token of its waits for a core: this one follows
+            held.callbacks.append(lambda _: self.serve(self.token_s, delivered, process=api))
+            return
+        self.serve(self.token_s, delivered, gate=req.transfer_id, process=api)
 
     def drained(self) -> simpy.Event:
         """An event that fires once no work is queued or running."""

@@ -338,3 +338,24 @@ def extend_router(data: dict[str, Any], head: Sequence[str], *,
         head.append(f"network.client_hop_s {hop * 1e3:.3f} ms from {result} against the "
                     f"router's marks in {router} (client_hop).")
     return data, head
+
+
+def wake_beside(by_flight: dict[int, Sequence[float]], *, quantiles: int = 100
+                ) -> tuple[float, ...]:
+    """``control.wake_beside_s`` from wake-ups by requests in flight
+    (:func:`pushkv.sim.segments.wakes_by_flight`): at ``quantiles`` evenly spaced
+    quantiles, those with two or more in flight less those with exactly one -- the
+    extra a woken process waits beside another request over what a lone request's own
+    hand-offs met (which its keys hold) -- each at least 0. Empty where either group
+    has no wake-up. MeasurementError for ``quantiles`` outside 1..MAX_SPREAD."""
+    from .cores import quantiles as at_quantiles
+    from .profile import MAX_SPREAD
+
+    if not 1 <= quantiles <= MAX_SPREAD:
+        raise MeasurementError(f"wake quantiles must be in 1..{MAX_SPREAD}, got {quantiles}")
+    one = list(by_flight.get(1, ()))
+    more = [w for n, got in by_flight.items() if n >= 2 for w in got]
+    if not one or not more:
+        return ()
+    return tuple(max(0.0, b - a) for a, b in zip(
+        at_quantiles(one, quantiles), at_quantiles(more, quantiles), strict=True))

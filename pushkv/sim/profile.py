@@ -556,6 +556,20 @@ class ControlProfile:
         "pooled, at evenly spaced quantiles (pushkv.sim.measure_connector.host_spread; "
         "docs/sim.md, 'Host times around their medians')",
     )
+    wake_beside_s: tuple[float, ...] = _f(
+        (),
+        "extra run-queue waits (s), equally likely, of a frontend process woken while "
+        "other requests are in flight, over what one woken beside none meets (which the "
+        "keys, measured on lone requests, hold): a frontend job (a leg's ingest, a "
+        "prefill answer, a token's way out) that finds every frontend idle while another "
+        "request is in flight waits one, drawn at random, before its turn on the "
+        "frontend queue; a request's later tokens wait behind it (pushkv.sim.frontend; "
+        "needs frontend_cores); empty: no extra wait",
+        "measured: the core probe's wake-ups during a point against its timeline, the "
+        "quantiles of those with two or more requests in flight less the same quantiles "
+        "of those with one (pushkv.sim.segments.wakes_by_flight, wake_beside; docs/sim.md, "
+        "'A woken frontend beside another request')",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -687,6 +701,12 @@ class Profile:
         if any(m < 0 for m in c.host_spread):
             raise ProfileError(f"control.host_spread multipliers must be >= 0, got "
                                f"{min(c.host_spread)}")
+        if len(c.wake_beside_s) > MAX_SPREAD:
+            raise ProfileError(f"control.wake_beside_s must hold at most {MAX_SPREAD} "
+                               f"waits, got {len(c.wake_beside_s)}")
+        if bad := [w for w in c.wake_beside_s if not 0 <= w <= MAX_WAKE_S]:
+            raise ProfileError(f"control.wake_beside_s waits must be in [0, {MAX_WAKE_S}] "
+                               f"s, got {bad[0]}")
         for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "client_hop_s",
                      "post_fixed_s", "post_per_descriptor_s", "notify_wait_s"):
             if getattr(n, name) < 0:
@@ -738,6 +758,9 @@ class Profile:
 
 #: the most multipliers ``control.host_spread`` may hold
 MAX_SPREAD = 1000
+#: the longest wait ``control.wake_beside_s`` may hold (s): a wake-up later than this is
+#: a process stopped, not one waiting for a core
+MAX_WAKE_S = 10.0
 #: the fastest ``cpu_speed`` against the profile's measurement a machine may have
 MAX_SPEED = 100.0
 #: the most cores one stepping engine may keep busy (``cores_busy``)

@@ -123,7 +123,8 @@ class Router:
         frontend work), then the hop back to the proxy."""
         work, wait = self.spread.split(self.cfg.profile.prefill.return_s)
         if self.frontend is not None and work + wait:
-            self.frontend.serve(work, lambda: self._later(self._answered, req, block_ids), wait)
+            self.frontend.serve(work, lambda: self._later(self._answered, req, block_ids), wait,
+                                process=req.prefill or "")  # prefill's API server answers
         else:
             self._later(self._answered, req, block_ids, extra=work + wait)
 

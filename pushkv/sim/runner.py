@@ -160,8 +160,20 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
     router_ref.append(router)
 
     reqs = [SimRequest(spec=s, transfer_id=f"req-{s.index}") for s in specs]
+    arrived = [0]
+
+    def reach(req: SimRequest) -> None:
+        arrived[0] += 1
+        router.arrive(req)
+
     def arrive_at(req: SimRequest) -> None:
-        env.timeout(req.arrival).callbacks.append(lambda _: router.arrive(req))
+        env.timeout(req.arrival).callbacks.append(lambda _: reach(req))
+
+    if frontend is not None and profile.control.wake_beside_s:
+        # its own stream, spawned after the others: a profile without it draws nothing
+        frontend.wakes = Spread(profile.control.wake_beside_s,
+                                np.random.default_rng(seeds.spawn(1)[0]))
+        frontend.in_flight = lambda: arrived[0] - len(recorder.ended)
 
     for r in reqs:
         arrive_at(r)

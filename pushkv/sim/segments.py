@@ -94,6 +94,19 @@ def in_flight(requests: Mapping[str, Mapping[str, float]], *,
             for k, sent, first, _ in spans}
 
 
+def wakes_by_flight(requests: Mapping[str, Mapping[str, float]],
+                    wakes: Sequence[tuple[float, float]], *, start: str = "legs_sent",
+                    end: str = "last_token") -> dict[int, list[float]]:
+    """The ``wakes`` ((when due, delay) each, on the timeline's clock) by how many of
+    ``requests`` were in flight then -- from their ``start`` to their ``end`` mark
+    (requests without both left out)."""
+    spans = [(r[start], r[end]) for r in requests.values() if start in r and end in r]
+    out: dict[int, list[float]] = {}
+    for t, delay in wakes:
+        out.setdefault(sum(s <= t < e for s, e in spans), []).append(delay)
+    return out
+
+
 def overlaps(requests: Mapping[str, Mapping[str, float]], *,
              end: str = "last_token") -> dict[str, int]:
     """Per request of :func:`in_flight`: how many others were in flight on its way to
