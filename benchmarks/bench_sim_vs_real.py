@@ -1173,6 +1173,13 @@ def wake_beside_of(real: Path, points: dict[str, dict[str, Any]],
     return wake_beside(pooled, quantiles=WAKE_QUANTILES) if pooled else ()
 
 
+def without_wake(points: dict[str, dict[str, dict[str, Any]]]
+                 ) -> dict[str, dict[str, dict[str, Any]]]:
+    """:func:`gauge_keys`' point profiles without ``control.wake_beside_s`` (a copy)."""
+    return {f: {t: {k: v for k, v in kv.items() if (t, k) != ("control", "wake_beside_s")}
+                for t, kv in pt.items()} for f, pt in points.items()}
+
+
 #: how each way's simulation is named on its figures
 WAY_TITLES = {"gauge": "from its gauges", "probe": "cpu-tiny, probe",
               "own_cores": "cpu-tiny, a core each"}
@@ -1375,6 +1382,17 @@ def main() -> int:
                 print(speed_table)
                 gauge_summary["gauge_speed"] = {k: speed_summary[k] for k in keys} | {
                     "in_band": in_band(speed_summary)}
+            if run_keys.get("control", {}).get("wake_beside_s"):  # the mechanism's part
+                still = args.out / "sim-gauge-no-wake"
+                run_sim(args.profile, still, points, output_len, num_prompts, seed=args.seed,
+                        arrivals=args.arrivals, frontend_cores=args.frontend_cores,
+                        host_cores=args.host_cores, gauges=without_wake(per_point))
+                still_table, still_summary = compare(real, still)
+                print("\nThe same without a woken frontend's wait beside another request "
+                      "(control.wake_beside_s off):\n")
+                print(still_table)
+                gauge_summary["gauge_no_wake"] = {k: still_summary[k] for k in keys} | {
+                    "in_band": in_band(still_summary)}
             summary[way] = {k: summary[k] for k in keys}  # kept beside the headline
             summary = gauge_summary | {way: summary[way]}
             summary["gauge_keys"] = {"run": run_keys, "points": per_point}

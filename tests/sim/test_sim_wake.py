@@ -194,3 +194,12 @@ def test_the_benchmark_pools_every_points_wake_ups(tmp_path: Path) -> None:
     # alone 1 and 2 ms, beside 11 and 12 ms: 10 ms at every quantile
     assert got == pytest.approx([0.010] * b.WAKE_QUANTILES)
     assert b.wake_beside_of(tmp_path, {}, lambda f, router, w: reqs) == ()
+
+
+def test_the_benchmark_simulates_without_it_too() -> None:
+    b = bench_sim_vs_real()
+    points = {"p.json": {"control": {"host_cores": 2, "wake_beside_s": [0.001]},
+                         "decode": {"ingest_s": 0.003}}}
+    assert b.without_wake(points) == {"p.json": {"control": {"host_cores": 2},
+                                                 "decode": {"ingest_s": 0.003}}}
+    assert points["p.json"]["control"]["wake_beside_s"] == [0.001]  # a copy
