@@ -10,7 +10,8 @@ tiny model, prefix caching off, every NIXL progress thread sleeping
 length, rate) point against each router; the deployments alternate each
 iteration (push, pull, push, ...), so slow drift of the shared machine's load
 reaches both modes. During each point a probe process on each core
-(:class:`pushkv.sim.cores.CoreProbe`) records its wake-up delay and share, and the
+(:class:`pushkv.sim.cores.CoreProbe`) records its wake-up delay and share (each
+wake-up, with when it was due, in ``OUT/real/wakes/<point>.json``), and the
 two servers' vLLM metrics are read before and after (``OUT/real/cpu_probe.json``).
 Around each point, *gauges* (``--gauge N``): N lone requests through the same router
 at the point's lengths just before and just after it (:func:`gauge`); and once per
@@ -69,6 +70,10 @@ that came later, more), each group's segments: which hand-off a neighbour length
 The gauges run with the core probe too, so a second gauge way (``OUT/sim-gauge-speed``)
 can simulate each point with its cores as fast against its gauges' as the probe saw
 (each side's ``cpu_speed``, :func:`gauge_speed`), printed beside the headline.
+The gauge way's ``control.wake_beside_s`` is the run's: the probe's wake-ups against
+the points' timelines (:func:`wake_beside_of`); the gauge way is simulated again
+without it (``OUT/sim-gauge-no-wake``, ``gauge_no_wake`` in the summary) and printed
+beside the headline, so every run shows the mechanism's part.
 
 **How far one run can tell** (:func:`precision`): per point and statistic, the
 iterations' sim/real ratios, their mean and its 95% interval (Student's t), with a

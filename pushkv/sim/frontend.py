@@ -20,6 +20,15 @@ no parameter but the number of cores the frontends share. With
 ``control.host_cores`` (:mod:`pushkv.sim.cpu`) a job in service is work on the host's
 cores, which the engines' steps share: ``frontend_cores`` is then how many frontend
 jobs run at once.
+
+A process woken while other requests are in flight may wait on the kernel's run queue
+before it runs -- on a shared CPU machine decode's API server waits tens to hundreds
+of milliseconds beside a streaming request (``benchmarks/bench_handoff_waits.py``) --
+and the keys, measured on lone requests, hold only what it meets alone. With
+``control.wake_beside_s`` a job that wakes its process (an instance's API server, none
+of whose jobs is pending) while more than one request is in flight first waits one of
+those extra waits, drawn at random, holding no core; a request's later tokens queue
+behind a waiting one, in order.
 """
 
 from __future__ import annotations
