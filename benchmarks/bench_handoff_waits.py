@@ -39,6 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 #: a sample: when, and per thread id (run ns, run-queue wait ns, slices)
 Sample = tuple[float, dict[str, tuple[int, int, int]]]
@@ -46,18 +47,16 @@ Sample = tuple[float, dict[str, tuple[int, int, int]]]
 SEGMENT = ("legs_sent", "decode_arrived")
 
 
-class ThreadSampler:
-    """While open, reads every thread's ``schedstat`` of ``parts`` (name -> pids) every
-    ``period_s``; ``names[tid]`` is (part, thread name)."""
+class ThreadReader:
+    """Every thread's ``schedstat`` of ``parts`` (name -> pids), read on each call (a
+    :class:`bench_sim_vs_real.SchedSamples` sample); ``names[tid]`` is (part, thread
+    name)."""
 
-    def __init__(self, parts: Mapping[str, Sequence[int]], period_s: float = 0.002) -> None:
-        self.parts, self.period_s = parts, period_s
-        self.samples: list[Sample] = []
+    def __init__(self, parts: Mapping[str, Sequence[int]]) -> None:
+        self.parts = parts
         self.names: dict[str, tuple[str, str]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="schedstat", daemon=True)
 
-    def sample(self) -> dict[str, tuple[int, int, int]]:
+    def __call__(self) -> dict[str, tuple[int, int, int]]:
         row: dict[str, tuple[int, int, int]] = {}
         for part, pids in self.parts.items():
             for pid in pids:
@@ -76,20 +75,6 @@ class ThreadSampler:
                         continue
                     row[tid] = (run, wait, slices)
         return row
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self.samples.append((time.monotonic(), self.sample()))
-
-    def __enter__(self) -> ThreadSampler:
-        self.samples.append((time.monotonic(), self.sample()))
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.samples.append((time.monotonic(), self.sample()))
 
 
 def bracket(samples: Sequence[Sample], t0: float, t1: float) -> tuple[int, int]:
@@ -162,6 +147,7 @@ def api_wait_share(slow: Sequence[tuple[float, float]], samples: Sequence[Sample
 
 
 def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
+    from bench_sim_vs_real import SchedSamples
     from modes import MODES as E2E_MODES
     from run import Deployment, Endpoint
 
@@ -205,7 +191,8 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
 
         for i in range(4):  # the pair's first transfers pay one-off costs
             short("warm-up", i)
-        with ThreadSampler(parts) as sampler:
+        reader = ThreadReader(parts)
+        with SchedSamples(reader, period_s=0.002) as sampler:
             for i in range(args.alone):
                 short("alone", i)
                 time.sleep(args.gap_s)
@@ -252,11 +239,11 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
     worst = sorted(beside, key=lambda h: h[0] - h[1])[:args.show]
     return {"alone": stats_ms(alone), "beside": stats_ms([t1 - t0 for t0, t1 in beside]),
             "slow": len(slow), "slow_cut_ms": round(cut * 1e3, 2),
-            "api_wait_share": round(api_wait_share(slow, sampler.samples, sampler.names), 3),
+            "api_wait_share": round(api_wait_share(slow, sampler.samples, reader.names), 3),
             "worst": [{"ms": round((t1 - t0) * 1e3, 2), "bracket_ms": round(
                 (sampler.samples[j][0] - sampler.samples[i][0]) * 1e3, 1), "parts": {
                 part: {"run_ms": round(r * 1e3, 1), "wait_ms": round(w * 1e3, 1)}
-                for part, (r, w) in sorted(by_part(sampler.samples, sampler.names,
+                for part, (r, w) in sorted(by_part(sampler.samples, reader.names,
                                                    t0, t1).items())}}
                 for t0, t1 in worst for i, j in [bracket(sampler.samples, t0, t1)]]}
 

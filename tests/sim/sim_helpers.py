@@ -48,13 +48,17 @@ def write_timeline(directory: Path, requests: dict[str, dict[str, float]]) -> Pa
     return directory
 
 
-def bench_sim_vs_real() -> Any:
-    """``benchmarks/bench_sim_vs_real.py`` as a module (it is a script, not a package)."""
+def bench_script(name: str) -> Any:
+    """``benchmarks/<name>.py`` as a module (a script, not a package)."""
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location(
-        "bench_sim_vs_real", root / "benchmarks" / "bench_sim_vs_real.py")
+    spec = importlib.util.spec_from_file_location(name, root / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_sim_vs_real", mod)
+    sys.modules.setdefault(name, mod)
     spec.loader.exec_module(mod)
     return mod
+
+
+def bench_sim_vs_real() -> Any:
+    """``benchmarks/bench_sim_vs_real.py`` as a module."""
+    return bench_script("bench_sim_vs_real")

@@ -3,27 +3,12 @@ part's threads ran or waited on a run queue during a hand-off."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from sim_helpers import bench_script
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "bench_handoff_waits", ROOT / "benchmarks" / "bench_handoff_waits.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_handoff_waits", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-B = _bench()
+B: Any = bench_script("bench_handoff_waits")
 NAMES = {"1": ("decode_api", "python"), "2": ("decode", "VLLM::Worker"),
          "3": ("router", "python")}
 MS = 1_000_000  # ns
@@ -90,3 +75,18 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         B.main(["--alone", "0"])
     assert "--alone and --streams must be >= 1" in capsys.readouterr().err
+
+
+def test_the_reader_sees_this_process_threads() -> None:
+    """A real /proc read: this process's threads, named, their run time growing; a pid
+    that is gone reads as nothing."""
+    import os
+
+    reader = B.ThreadReader({"me": [os.getpid()], "gone": [2 ** 22 + 1]})
+    first = reader()
+    x = sum(i * i for i in range(200_000))  # some CPU time of this thread
+    second = reader()
+    me = str(os.getpid())  # the main thread's id is the pid
+    assert x > 0 and me in first and reader.names[me][0] == "me"
+    assert second[me][0] > first[me][0]
+    assert all(part == "me" for part, _ in reader.names.values())
