@@ -168,7 +168,7 @@ class CoreProbe:
     def wake_quantiles(self, n: int) -> list[float]:
         """Every core's wake-up delays pooled, at ``n`` evenly spaced quantiles
         (:func:`quantiles`; empty without samples): what a frontend process, which may
-        run on any core, meets when woken (``control.wake_spread``)."""
+        run on any core, meets when woken (``wake_quantiles_s`` of a benchmark point)."""
         return quantiles([w for got in self.wakes.values() for w in got], n)
 
     def wake_tail(self, core: int) -> dict[str, float]:

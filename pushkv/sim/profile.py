@@ -561,14 +561,17 @@ class ControlProfile:
         "extra run-queue waits (s), equally likely, of a frontend process woken while "
         "other requests are in flight, over what one woken beside none meets (which the "
         "keys, measured on lone requests, hold): a frontend job (a leg's ingest, a "
-        "prefill answer, a token's way out) that finds every frontend idle while another "
-        "request is in flight waits one, drawn at random, before its turn on the "
-        "frontend queue; a request's later tokens wait behind it (pushkv.sim.frontend; "
-        "needs frontend_cores); empty: no extra wait",
-        "measured: the core probe's wake-ups during a point against its timeline, the "
-        "quantiles of those with two or more requests in flight less the same quantiles "
-        "of those with one (pushkv.sim.segments.wakes_by_flight, wake_beside; docs/sim.md, "
-        "'A woken frontend beside another request')",
+        "prefill answer, a token's way out) that wakes its process (an instance's API "
+        "server, none of whose jobs is pending) while another request is in flight waits "
+        "one, drawn at random, before its turn on the frontend queue, holding no core; a "
+        "request's later tokens wait behind it (pushkv.sim.frontend; needs "
+        "frontend_cores); empty: no extra wait",
+        "measured: the core probe's wake-ups during a run's points against their "
+        "timelines, the quantiles of those with two or more requests in flight less the "
+        "same quantiles of those with one, pooled over the run "
+        "(pushkv.sim.segments.wakes_by_flight, measure_connector.wake_beside, "
+        "bench_sim_vs_real.wake_beside_of; docs/sim.md, 'A woken frontend beside another "
+        "request')",
     )
 
 
