@@ -245,9 +245,10 @@ def test_the_probe_measures_the_cores_speed() -> None:
             return self.calls > 5
 
     class Out:
-        got: tuple[list[float], list[float], list[float]] | None = None
+        got: tuple[list[float], list[float], list[float], list[float]] | None = None
 
-        def send(self, got: tuple[list[float], list[float], list[float]]) -> None:
+        def send(self, got: tuple[list[float], list[float], list[float], list[float]]
+                 ) -> None:
             self.got = got
 
     out = Out()
@@ -257,8 +258,9 @@ def test_the_probe_measures_the_cores_speed() -> None:
     finally:
         os.sched_setaffinity(0, cores)  # the probe pins the process it runs in
     assert out.got is not None
-    wakes, shares, speeds = out.got
-    assert len(wakes) == len(shares) == len(speeds) == 5 and min(speeds) > 0
+    wakes, shares, speeds, due = out.got
+    assert len(wakes) == len(shares) == len(speeds) == len(due) == 5 and min(speeds) > 0
+    assert due == sorted(due)  # when each wake-up was due, in order
     c0, units = time.thread_time(), 0
     while time.thread_time() - c0 < 0.01:
         _unit()
