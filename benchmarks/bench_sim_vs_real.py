@@ -131,7 +131,7 @@ SHARES = "cpu_probe.json"
 STATS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
 #: the band every sim/real ratio is to fall in
 BAND = (0.75, 1.33)
-#: how many quantiles of the probe's wake-ups a point keeps (``wake_quantiles_s``)
+#: at how many quantiles ``control.wake_beside_s`` is taken (:func:`wake_beside_of`)
 WAKE_QUANTILES = 100
 #: Student's t, its 0.975 quantile, by degrees of freedom 1-30 (above 30: 30's, a
 #: little wide)
@@ -231,10 +231,7 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
                 got["wake_tail"] = {side: {k: round(v, 6) for k, v in
                                            probe.wake_tail(core).items()}
                                     for side, core in (("prefill", 0), ("decode", 1))}
-                # and the whole of them, both cores pooled: what a floating process met
-                got["wake_quantiles_s"] = [round(w, 6) for w in
-                                           probe.wake_quantiles(WAKE_QUANTILES)]
-                write_wakes(real, stem, probe)  # each one, and when it was due
+                write_wakes(real, stem, probe)  # and each one, with when it was due
                 got["window"] = [t_start, time.monotonic()]
                 # the host's share of each core meanwhile (a VM's steal time)
                 got["steal"] = steal_record(steal(ticks, cpu_times()))

@@ -165,12 +165,6 @@ class CoreProbe:
         got = self.wakes.get(core)
         return statistics.median(got) if got else 0.0
 
-    def wake_quantiles(self, n: int) -> list[float]:
-        """Every core's wake-up delays pooled, at ``n`` evenly spaced quantiles
-        (:func:`quantiles`; empty without samples): what a frontend process, which may
-        run on any core, meets when woken (``wake_quantiles_s`` of a benchmark point)."""
-        return quantiles([w for got in self.wakes.values() for w in got], n)
-
     def wake_tail(self, core: int) -> dict[str, float]:
         """The wake-up delays' tail on ``core``: p90, p99 and the largest (s), and the
         fraction of wake-ups later than 10 ms (a stall, not a run-queue wait); zeros

@@ -174,18 +174,15 @@ def test_the_probes_wake_up_tail() -> None:
 def test_the_probes_wake_ups_at_quantiles() -> None:
     """Every core's wake-ups pooled, at evenly spaced quantiles: the midpoints of equal
     slices, so the tail a mean depends on is kept (not only the median)."""
-    from pushkv.sim.cores import CoreProbe, quantiles
+    from pushkv.sim.cores import quantiles
 
     assert quantiles([float(i) for i in range(1000)], 10) == [50.0 + 100 * i
                                                               for i in range(10)]
     assert quantiles([], 10) == [] and quantiles([3.0], 4) == [3.0] * 4
     with pytest.raises(ValueError, match="at least one point"):
         quantiles([1.0], 0)
-    probe = CoreProbe(cores=())
-    assert probe.wake_quantiles(10) == []
-    probe.wakes[0] = [0.001] * 9 + [0.050]
-    probe.wakes[1] = [0.0001] * 10
-    got = probe.wake_quantiles(20)
+    # two cores' wake-ups pooled, as wake_beside pools them: the one 50 ms is kept
+    got = quantiles([0.001] * 9 + [0.050] + [0.0001] * 10, 20)
     assert got == [0.0001] * 10 + [0.001] * 9 + [0.050]
 
 
