@@ -1036,7 +1036,9 @@ def real_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
 
 
 def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path,
-               output_len: int, *, quantiles: int = 100
+               output_len: int, *, quantiles: int = 100,
+               noise_out: dict[str, dict[str, dict[str, float]]] | None = None,
+               shrink: bool = True
                ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, dict[str, Any]]]:
     """Each point's profile from the gauges around it, and the run's.
 
@@ -1053,10 +1055,19 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     (:func:`~pushkv.sim.measure_connector.client_hop`), and each engine's
     ``cores_busy`` and decode's ``token_work_s`` as :func:`cores_busy` measured its
     deployment, the mean over the run's starts of it. Nothing comes from the
-    points themselves. MeasurementError when a gauge lacks a segment."""
+    points themselves.
+
+    A point's keys from its gauges are a median or two of a handful of lone requests
+    each, and most of what they differ by from point to point is that sampling noise
+    (a pull's ``prefill.return_s`` 0-31 ms over one run's points, its gauges one after
+    another differing as much as any two); so each is shrunk toward its mode's and
+    length's mean over the run by how far the run's gauges, taken one at a time, tell
+    points apart (:func:`gauge_noise`, :func:`pushkv.sim.measure_connector.shrink_keys`),
+    what ``noise_out`` receives per mode and length (``shrink`` false: each point's own
+    gauges' keys as measured). MeasurementError when a gauge lacks a segment."""
     from pushkv.sim import segments
     from pushkv.sim.measure import MeasurementError
-    from pushkv.sim.measure_connector import client_hop, host_spread
+    from pushkv.sim.measure_connector import client_hop, host_spread, shrink_keys
     from pushkv.sim.measure_connector import gauge_keys as keys_of
     from pushkv.sim.profile import load_profile, profile_from_dict
 
@@ -1125,12 +1136,19 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     busy_of = {mode: {k: statistics.fmean(float(b[k]) for b in per.values() if k in b)
                       for k in sorted({k for b in per.values() for k in b})}
                for mode, per in starts.items()}
+    noise = gauge_noise(gauged, marks, profile, output_len) if shrink else {}
+    if noise_out is not None:
+        noise_out.update({f"{mode}_in{length}": {f"{t}.{k}": n.as_dict() for (t, k), n
+                                                 in sorted(by_key.items())}
+                          for (mode, length), by_key in sorted(noise.items())})
     points: dict[str, dict[str, dict[str, float]]] = {}
     for fname, got in gauged.items():
         m = NAME.match(fname)
         assert m is not None
-        keys = keys_of(requests(fname), profile, mode=m["mode"], input_len=int(m["input"]),
-                       output_len=output_len)
+        keys = shrink_keys(keys_of(requests(fname), profile, mode=m["mode"],
+                                   input_len=int(m["input"]), output_len=output_len),
+                           noise.get((m["mode"], int(m["input"])), {}),
+                           gauges=len(got["gauges"]))
         busy = dict(busy_of.get(m["mode"], {}))  # its deployment's, over the run's starts
         if "token_work_s" in busy:
             keys.setdefault("decode", {})["token_work_s"] = float(busy.pop("token_work_s"))
@@ -1149,6 +1167,57 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
         points[fname] = {side: {**run.get(side, {}), **keys.get(side, {})}
                          for side in {*run, *keys}}  # the point's over the run's
     return points, run
+
+
+def gauge_noise(gauged: dict[str, dict[str, Any]],
+                marks: Callable[[str, bool, list[float]], dict[str, dict[str, float]]],
+                profile: Any, output_len: int) -> dict[tuple[str, int], dict[Any, Any]]:
+    """Per (mode, input length), each key's :class:`~pushkv.sim.measure_connector.KeyNoise`
+    over the run's gauges of it one at a time, in the order they ran (a gauge two points
+    share counted once): :func:`pushkv.sim.measure_connector.gauge_keys` of each gauge's
+    lone requests (``marks(point, False, window)``) against ``profile``; a gauge too thin
+    for a key on its own is left out of that mode and length's noise."""
+    from pushkv.sim.measure import MeasurementError
+    from pushkv.sim.measure_connector import gauge_keys as keys_of
+    from pushkv.sim.measure_connector import key_noise
+
+    windows: dict[tuple[str, int], dict[tuple[float, ...], str]] = {}
+    for fname, got in sorted(gauged.items()):
+        m = NAME.match(fname)
+        assert m is not None
+        for g in got["gauges"]:
+            windows.setdefault((m["mode"], int(m["input"])), {}).setdefault(
+                tuple(g["window"]), fname)
+    out: dict[tuple[str, int], dict[Any, Any]] = {}
+    for (mode, length), by_window in sorted(windows.items()):
+        keys = []
+        for window, fname in sorted(by_window.items()):
+            try:
+                keys.append(keys_of(marks(fname, False, list(window)), profile, mode=mode,
+                                    input_len=length, output_len=output_len))
+            except MeasurementError:
+                continue
+        out[(mode, length)] = key_noise(keys)
+    return out
+
+
+def noise_table(noise: dict[str, dict[str, dict[str, float]]]) -> str:
+    """:func:`gauge_noise`'s estimates as a table: per mode and length and key, the
+    gauges' mean, their noise's and drift's standard deviations and the share a point
+    of two gauges keeps of its own deviation."""
+    from pushkv.sim.measure_connector import KeyNoise
+
+    rows = ["| mode, input | key | mean (ms) | noise sd (ms) | drift sd (ms) | kept |",
+            "|---|---|---|---|---|---|"]
+    for group, by_key in noise.items():
+        for key, n in by_key.items():
+            if key.endswith(".step_python_s"):  # the step overhead's twin
+                continue
+            est = KeyNoise.of(n)
+            rows.append(f"| {group} | {key} | {n['mean'] * 1e3:.2f} | "
+                        f"{math.sqrt(n['noise_var']) * 1e3:.2f} | "
+                        f"{math.sqrt(n['drift_var']) * 1e3:.2f} | {est.weight(2):.2f} |")
+    return "\n".join(rows)
 
 
 def wake_beside_of(real: Path, points: dict[str, dict[str, Any]],
@@ -1329,8 +1398,10 @@ def main() -> int:
     if any(v.get("gauges") for v in shares.values()):
         from pushkv.sim.measure import MeasurementError
 
+        noise: dict[str, dict[str, dict[str, float]]] = {}
         try:
-            per_point, run_keys = gauge_keys(real, shares, args.profile, output_len)
+            per_point, run_keys = gauge_keys(real, shares, args.profile, output_len,
+                                             noise_out=noise)
         except MeasurementError as exc:
             failures["gauge"] = str(exc)
             print(f"the gauges gave no profile ({exc})", flush=True)
@@ -1342,6 +1413,11 @@ def main() -> int:
                 + (f"; wake_beside_s mean {statistics.fmean(beside) * 1e3:.2f} ms" if (
                     beside := run_keys.get("control", {}).get("wake_beside_s")) else ""),
                 flush=True)
+            if noise:
+                print("\nEach point's keys from its two gauges, shrunk toward the run's mean "
+                      "by how far the gauges one at a time tell points apart (sd in ms; "
+                      "kept: the share of a point's own deviation it keeps):\n")
+                print(noise_table(noise))
             gauged = args.out / "sim-gauge"
             run_sim(args.profile, gauged, points, output_len, num_prompts, seed=args.seed,
                     arrivals=args.arrivals, frontend_cores=args.frontend_cores,
@@ -1395,9 +1471,22 @@ def main() -> int:
                 print(still_table)
                 gauge_summary["gauge_no_wake"] = {k: still_summary[k] for k in keys} | {
                     "in_band": in_band(still_summary)}
+            if noise:  # the estimator's part: each point's own gauges' keys as measured
+                raw, _ = gauge_keys(real, shares, args.profile, output_len, shrink=False)
+                unshrunk = args.out / "sim-gauge-unshrunk"
+                run_sim(args.profile, unshrunk, points, output_len, num_prompts,
+                        seed=args.seed, arrivals=args.arrivals,
+                        frontend_cores=args.frontend_cores, host_cores=args.host_cores,
+                        gauges=raw)
+                raw_table, raw_summary = compare(real, unshrunk)
+                print("\nThe same with each point's keys as its own two gauges measured "
+                      "them (not shrunk):\n")
+                print(raw_table)
+                gauge_summary["gauge_unshrunk"] = {k: raw_summary[k] for k in keys} | {
+                    "in_band": in_band(raw_summary)}
             summary[way] = {k: summary[k] for k in keys}  # kept beside the headline
             summary = gauge_summary | {way: summary[way]}
-            summary["gauge_keys"] = {"run": run_keys, "points": per_point}
+            summary["gauge_keys"] = {"run": run_keys, "points": per_point, "noise": noise}
             summary["by_overlap"] = by_overlap
             summary["by_place"] = by_place
             summary["by_neighbour"] = by_neighbour

@@ -12,6 +12,7 @@ token's way back, the hand-offs between a step's scheduler and its worker. The
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -359,3 +360,78 @@ def wake_beside(by_flight: dict[int, Sequence[float]], *, quantiles: int = 100
         return ()
     return tuple(max(0.0, b - a) for a, b in zip(
         at_quantiles(one, quantiles), at_quantiles(more, quantiles), strict=True))
+
+
+class KeyNoise:
+    """How far one key's gauges, taken one after another over a run, tell its points
+    apart: ``mean`` over the gauges; ``noise_var``, the variance one gauge's estimate has
+    from its few lone requests -- half the mean squared difference of successive gauges
+    (von Neumann's estimator: a drift slower than the gauges' spacing cancels in it, so
+    it counts sampling noise, and a faster one only as more noise); ``drift_var``, what
+    the gauges vary by beyond that noise (their variance less ``noise_var``, at least 0)."""
+
+    __slots__ = ("drift_var", "mean", "noise_var")
+
+    def __init__(self, values: Sequence[float]) -> None:
+        if len(values) < MIN_GAUGES:
+            raise MeasurementError(f"a key's noise needs {MIN_GAUGES} gauges or more, "
+                                   f"got {len(values)}")
+        xs = [float(v) for v in values]
+        if not all(math.isfinite(x) for x in xs):
+            raise MeasurementError(f"a gauge's key is not finite: {xs}")
+        self.mean = statistics.fmean(xs)
+        self.noise_var = statistics.fmean((b - a) ** 2 for a, b in itertools.pairwise(xs)) / 2
+        self.drift_var = max(0.0, statistics.pvariance(xs) - self.noise_var)
+
+    def weight(self, gauges: int) -> float:
+        """The share of a point's own deviation from ``mean`` to keep when its estimate
+        pools ``gauges`` gauges: drift / (drift + noise / gauges) -- 0 where the gauges
+        differ by noise alone, near 1 where they move far more than their noise (and 1
+        where they do not differ at all)."""
+        noise = self.noise_var / max(1, gauges)
+        return 1.0 if self.drift_var + noise == 0 else self.drift_var / (self.drift_var + noise)
+
+    def shrink(self, value: float, gauges: int) -> float:
+        """``value`` (a point's estimate from ``gauges`` gauges) shrunk toward ``mean``."""
+        return self.mean + self.weight(gauges) * (value - self.mean)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "drift_var": self.drift_var, "noise_var": self.noise_var}
+
+    @classmethod
+    def of(cls, got: dict[str, float]) -> KeyNoise:
+        """The estimate :meth:`as_dict` wrote."""
+        out = cls.__new__(cls)
+        out.mean, out.drift_var, out.noise_var = (
+            float(got["mean"]), float(got["drift_var"]), float(got["noise_var"]))
+        return out
+
+
+#: the fewest successive gauges a key's noise is estimated from; with fewer, a point's
+#: keys are its own gauges' as measured
+MIN_GAUGES = 3
+
+
+def key_noise(gauges: Sequence[dict[str, dict[str, float]]]
+              ) -> dict[tuple[str, str], KeyNoise]:
+    """Per (table, key) its :class:`KeyNoise` over ``gauges`` -- each gauge's keys
+    (:func:`gauge_keys` of its lone requests alone), in the order they ran, for one mode
+    and length -- for the keys at least :data:`MIN_GAUGES` of them hold (successive
+    among those). Empty with fewer gauges."""
+    names = sorted({(t, k) for g in gauges for t, kv in g.items() for k in kv})
+    out: dict[tuple[str, str], KeyNoise] = {}
+    for t, k in names:
+        xs = [g[t][k] for g in gauges if k in g.get(t, {})]
+        if len(xs) >= MIN_GAUGES:
+            out[(t, k)] = KeyNoise(xs)
+    return out
+
+
+def shrink_keys(keys: dict[str, dict[str, float]], noise: dict[tuple[str, str], KeyNoise],
+                *, gauges: int = 2) -> dict[str, dict[str, float]]:
+    """A point's keys (:func:`gauge_keys` of its ``gauges`` gauges' lone requests) each
+    shrunk toward its mode's and length's mean over the run by how far the gauges can
+    tell points apart (:meth:`KeyNoise.shrink`, an empirical-Bayes estimate of the key
+    the point ran under); keys without a noise estimate as they are. A copy."""
+    return {t: {k: noise[(t, k)].shrink(v, gauges) if (t, k) in noise else v
+                for k, v in kv.items()} for t, kv in keys.items()}
