@@ -73,7 +73,13 @@ can simulate each point with its cores as fast against its gauges' as the probe 
 The gauge way's ``control.wake_beside_s`` is the run's: the probe's wake-ups against
 the points' timelines (:func:`wake_beside_of`); the gauge way is simulated again
 without it (``OUT/sim-gauge-no-wake``, ``gauge_no_wake`` in the summary) and printed
-beside the headline, so every run shows the mechanism's part.
+beside the headline, so every run shows the mechanism's part. A point's keys from its
+two gauges are mostly sampling noise (a median of some 20 lone requests of a broad
+segment), so each is shrunk toward its mode's and length's mean over the run by how
+far the run's gauges one at a time tell points apart (:func:`gauge_noise`,
+:func:`pushkv.sim.measure_connector.shrink_keys`; the table is printed, ``noise`` in
+the summary's ``gauge_keys``); the gauge way is simulated again with the keys as
+measured (``OUT/sim-gauge-unshrunk``, ``gauge_unshrunk`` in the summary).
 
 **How far one run can tell** (:func:`precision`): per point and statistic, the
 iterations' sim/real ratios, their mean and its 95% interval (Student's t), with a

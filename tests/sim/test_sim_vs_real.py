@@ -45,14 +45,24 @@ def test_the_simulator_half_runs_on_real_results(tmp_path: Path) -> None:
     assert summaries["steps"]["ttft_ratio_max"] > summaries["own"]["ttft_ratio_max"]
 
 
-def _gauged_run(tmp_path: Path, *, slow: float = 1.0) -> tuple[Path, dict]:
-    """A copy of the sample's two points, each with two gauges of 5 lone requests whose
-    marks (router and servers) and client latencies are synthetic: the push pair's
-    requests take ``slow`` times as long as the pull pair's pattern does."""
+def _gauged_run(tmp_path: Path, *, slow: float = 1.0, iterations: int = 1,
+                scales: tuple[float, ...] = ()) -> tuple[Path, dict]:
+    """A copy of the sample's two points (``iterations`` of each, the same results),
+    each with two gauges of 5 lone requests whose marks (router and servers) and client
+    latencies are synthetic: the push pair's requests take ``slow`` times as long as the
+    pull pair's pattern does, and a mode's k-th gauge ``scales[k]`` times as long."""
     import shutil
 
     real = tmp_path / "real"
     shutil.copytree(DATA, real)
+    if iterations > 1:
+        shares = json.loads((real / "cpu_probe.json").read_text())
+        for fname in list(shares):
+            for it in range(1, iterations):
+                other = fname.replace("_iter0", f"_iter{it}")
+                (real / other).write_text((real / fname).read_text())
+                shares[other] = json.loads(json.dumps(shares[fname]))
+        (real / "cpu_probe.json").write_text(json.dumps(shares))
     push = {"received": 0, "legs_sent": 0.2, "prefill_seen": 4, "decode_seen": 5,
             "registration_shipped": 5.5, "registration_handed": 6.5, "prefill_finished": 9,
             "write_posted": 10, "notify_received": 12, "ready": 13, "ready_scheduled": 13.5,
@@ -63,12 +73,15 @@ def _gauged_run(tmp_path: Path, *, slow: float = 1.0) -> tuple[Path, dict]:
             "first_token": 28, "last_token": 74, "answer_sent": 74.5}
     shares = json.loads((real / "cpu_probe.json").read_text())
     t = 1000.0
-    for fname, got in shares.items():
+    nth = {"push": 0, "pull": 0}
+    for fname, got in sorted(shares.items(), key=lambda kv: _by_iteration(kv[0])):
         mode = fname.split("_")[0]
-        pattern, scale = (push, slow) if mode == "push" else (pull, 1.0)
+        pattern, base = (push, slow) if mode == "push" else (pull, 1.0)
         router, deployment = {"push": ("push", "pushkv"), "pull": ("pull", "nixl-pull")}[mode]
         gauges = []
         for side in ("before", "after"):
+            scale = base * (scales[nth[mode] % len(scales)] if scales else 1.0)
+            nth[mode] += 1
             marks, lat = {}, []
             t0 = t
             for i in range(5):
@@ -97,6 +110,47 @@ def _gauged_run(tmp_path: Path, *, slow: float = 1.0) -> tuple[Path, dict]:
         got["host_cores"] = 2
     (real / "cpu_probe.json").write_text(json.dumps(shares))
     return real, shares
+
+
+def _by_iteration(fname: str) -> tuple[int, str]:
+    """Points in the order their iterations ran: by iteration, then name."""
+    return int(fname.rsplit("_iter", 1)[1].split(".")[0]), fname
+
+
+def test_a_points_keys_are_shrunk_by_how_far_the_runs_gauges_tell_points_apart(
+        tmp_path: Path) -> None:
+    """Three iterations of each mode, the middle one's two gauges 1.6 times as slow as
+    the others' (gauge scales 1, 1, 1.6, 1.6, 1, 1): successive gauges differ by 0, 0.6,
+    0, 0.6, 0 -- noise variance 0.072 -- around a variance of 0.08, so drift 0.008 and a
+    point of two gauges keeps 0.008 / (0.008 + 0.036) = 2/11 of its own deviation from
+    the mean (scale 1.2); a key that is affine in the scale keeps 2/11 of its."""
+    bench = bench_sim_vs_real()
+    real, shares = _gauged_run(tmp_path, iterations=3, scales=(1.0, 1.0, 1.6, 1.6, 1.0, 1.0))
+    _, output_len, _ = bench.real_points(real)
+    noise: dict = {}
+    shrunk, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len, noise_out=noise)
+    raw, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len, shrink=False)
+    assert set(noise) == {"push_in64", "pull_in64"}
+    for mode, key in (("push", ("decode", "decode_step_overhead_s")),
+                      ("pull", ("prefill", "return_s"))):
+        got = noise[f"{mode}_in64"][".".join(key)]
+        slow_, fast = (raw[f"{mode}_qps2_in64_out24_iter{it}.json"][key[0]][key[1]]
+                       for it in (1, 0))
+        per_scale = (slow_ - fast) / 0.6
+        assert per_scale > 0
+        assert got["noise_var"] == pytest.approx(0.072 * per_scale**2)
+        assert got["drift_var"] == pytest.approx(0.008 * per_scale**2)
+        mean = fast + 0.2 * per_scale
+        for it, own in ((0, fast), (1, slow_), (2, fast)):
+            point = shrunk[f"{mode}_qps2_in64_out24_iter{it}.json"][key[0]][key[1]]
+            assert point == pytest.approx(mean + 2 / 11 * (own - mean))
+    # with two gauges a mode, as every test above: nothing to estimate, nothing shrunk
+    real1, shares1 = _gauged_run(tmp_path / "one")
+    one, _ = bench.gauge_keys(real1, shares1, bench.PROFILE, output_len)
+    as_measured, _ = bench.gauge_keys(real1, shares1, bench.PROFILE, output_len, shrink=False)
+    assert one == as_measured
+    table = bench.noise_table(noise)
+    assert "| push_in64 | decode.decode_step_overhead_s |" in table and "0.18 |" in table
 
 
 def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: Path) -> None:
