@@ -79,7 +79,13 @@ segment), so each is shrunk toward its mode's and length's mean over the run by 
 far the run's gauges one at a time tell points apart (:func:`gauge_noise`,
 :func:`pushkv.sim.measure_connector.shrink_keys`; the table is printed, ``noise`` in
 the summary's ``gauge_keys``); the gauge way is simulated again with the keys as
-measured (``OUT/sim-gauge-unshrunk``, ``gauge_unshrunk`` in the summary).
+measured (``OUT/sim-gauge-unshrunk``, ``gauge_unshrunk`` in the summary). A gauge's
+step times are lone requests' wall times, which hold the work each request brought
+beside its steps (the loop holding it, its tokens' way out); on the shared cores the
+model adds that work again, so each point's steps are first made to give those wall
+times to a lone request simulated there
+(:func:`pushkv.sim.measure_connector.lone_steps`); the gauge way is simulated again
+with the steps as timed (``OUT/sim-gauge-wall-steps``, ``gauge_wall_steps``).
 
 **How far one run can tell** (:func:`precision`): per point and statistic, the
 iterations' sim/real ratios, their mean and its 95% interval (Student's t), with a
@@ -661,7 +667,7 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             host_cores: int | None = None,
             keys: dict[str, dict[str, float]] | None = None,
             gauges: dict[str, dict[str, dict[str, float]]] | None = None,
-            speeds: bool = False) -> None:
+            speeds: bool = False, wall_steps: bool = False) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
     ``shares`` (by result file name), each point's engines get the share of a core and
     the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
@@ -676,8 +682,13 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     key: value) replace the profile's (:func:`real_keys`); ``gauges`` (by result file name,
     per table, key: value) replace them again for that point alone (:func:`gauge_keys`),
     on a core each; with ``speeds`` too, each side's ``cpu_speed`` the point's against
-    its gauges' (:func:`gauge_speed`, from ``shares``)."""
+    its gauges' (:func:`gauge_speed`, from ``shares``). A point's gauged step times are
+    its lone requests' wall times, the work they brought beside their steps in them, so
+    on shared cores its steps are first made to give those wall times to a lone request
+    simulated there (:func:`pushkv.sim.measure_connector.lone_steps`; ``wall_steps``: the
+    gauged steps as they are, that work counted twice)."""
     from pushkv.sim.marks import Timeline
+    from pushkv.sim.measure_connector import lone_steps
     from pushkv.sim.profile import MAX_SPEED, load_profile, profile_from_dict
     from pushkv.sim.runner import run
     from pushkv.sim.scenario import SimConfig, TransferMode
@@ -704,9 +715,14 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             point = {t: dict(v) for t, v in gauges[fname].items()}
             if host_cores is not None:  # the command line's cores, over the real run's
                 point.get("control", {}).pop("host_cores", None)
-            for side, speed in (gauge_speed(got or {}) if speeds else {}).items():
-                point.setdefault(side, {})["cpu_speed"] = min(MAX_SPEED, speed)
             profile = profile_from_dict(point, base=base)
+            if not wall_steps:  # the gauges' lone wall times, the request's own work out
+                profile = lone_steps(profile, mode=mode, input_len=input_len,
+                                     output_len=output_len)
+            if speeds:
+                profile = profile_from_dict({side: {"cpu_speed": min(MAX_SPEED, speed)}
+                                             for side, speed in gauge_speed(got or {}).items()},
+                                            base=profile)
         elif got:
             pre, dec = dict(got["prefill"]), dict(got["decode"])  # cpu_share, wake_s
             speed, ref = got.get("speed", {}), base.control.probe_speed
@@ -1490,6 +1506,17 @@ def main() -> int:
                 print(raw_table)
                 gauge_summary["gauge_unshrunk"] = {k: raw_summary[k] for k in keys} | {
                     "in_band": in_band(raw_summary)}
+            # the steps' part: the gauged steps as the model's, the work beside them twice
+            walls = args.out / "sim-gauge-wall-steps"
+            run_sim(args.profile, walls, points, output_len, num_prompts, seed=args.seed,
+                    arrivals=args.arrivals, frontend_cores=args.frontend_cores,
+                    host_cores=args.host_cores, gauges=per_point, wall_steps=True)
+            wall_table, wall_summary = compare(real, walls)
+            print("\nThe same with each point's steps as its gauges timed them (lone wall "
+                  "times, to which the shared cores add the request's own work again):\n")
+            print(wall_table)
+            gauge_summary["gauge_wall_steps"] = {k: wall_summary[k] for k in keys} | {
+                "in_band": in_band(wall_summary)}
             summary[way] = {k: summary[k] for k in keys}  # kept beside the headline
             summary = gauge_summary | {way: summary[way]}
             summary["gauge_keys"] = {"run": run_keys, "points": per_point, "noise": noise}

@@ -74,6 +74,100 @@ def connector_steps(requests: dict[str, dict[str, float]], profile: Profile, *,
             "decode": {"decode_step_overhead_s": d_over, "step_python_s": d_over}}
 
 
+#: lone requests :func:`lone_steps` simulates a round, its most rounds, and how close
+#: (relative) a simulated step segment must come to its key to stop
+LONE_REQUESTS = 8
+LONE_ROUNDS = 6
+LONE_TOLERANCE = 0.002
+#: the step each of :func:`lone_steps`'s segments times: (side, overhead key, segment)
+_STEP_SEGMENTS = (("prefill", "prefill_step_overhead_s", "prefill sees -> prefill finished"),
+                  ("decode", "decode_step_overhead_s", "first token -> last token"))
+
+
+def _lone_segments(profile: Profile, *, mode: str, input_len: int, output_len: int,
+                   gap_s: float) -> dict[str, float]:
+    """Medians of the step segments of :data:`LONE_REQUESTS` requests simulated alone
+    with ``profile``, ``gap_s`` apart (evenly), in seconds."""
+    from .. import timeline
+    from .marks import Timeline
+    from .runner import run
+    from .scenario import SimConfig, TransferMode
+    from .workload import WorkloadConfig
+
+    marks = Timeline()
+    run(SimConfig(mode=TransferMode(mode), profile=profile, workload=WorkloadConfig(
+        request_rate=1.0 / gap_s, burstiness=1e6, input_len=input_len, output_len=output_len,
+        num_prompts=LONE_REQUESTS)), timeline=marks)
+    segs = timeline.segments(marks.requests)
+    out = {seg: statistics.median(segs[seg]) / 1000 for _, _, seg in _STEP_SEGMENTS
+           if segs.get(seg)}
+    ends = [max(m.values()) - min(m.values()) for m in marks.requests.values() if m]
+    out["request"] = max(ends) if ends else 0.0
+    return out
+
+
+def _lone_gap(profile: Profile, *, mode: str, input_len: int, output_len: int) -> float:
+    """How far apart :func:`lone_steps` sends its requests so each runs alone: four
+    times the longest of them sent a second apart."""
+    first = _lone_segments(profile, mode=mode, input_len=input_len, output_len=output_len,
+                           gap_s=1.0)
+    return max(1e-3, 4.0 * first["request"])
+
+
+def lone_steps(profile: Profile, *, mode: str, input_len: int, output_len: int) -> Profile:
+    """``profile`` with its engines' step overheads set so that a request simulated alone
+    on the machine's shared cores (``control.host_cores``) steps as it does on cores of
+    its own: the same medians of 'prefill sees -> prefill finished' and 'first token ->
+    last token'. A gauge's step keys (:func:`connector_steps`) are a lone request's wall
+    times, which already hold the work the request itself brings beside its step (the
+    loop that holds it stepping, its tokens' way out through the frontends); on shared
+    cores the model adds that work again, so here it is taken out of the steps once, by
+    a fixed-point iteration (at most :data:`LONE_ROUNDS` rounds of :data:`LONE_REQUESTS`
+    requests, each alone, to :data:`LONE_TOLERANCE`). ``step_python_s`` keeps its share
+    of the overhead. A step that the beside-work alone makes longer than its key stays
+    at 0 overhead. ``profile`` itself without shared cores."""
+    import dataclasses
+
+    if not profile.control.host_cores:
+        return profile
+    if output_len < 2:
+        raise MeasurementError(f"a lone decode step needs 2 output tokens or more, "
+                               f"got {output_len}")
+    own = dataclasses.replace(profile, control=dataclasses.replace(
+        profile.control, host_cores=0)).validate()
+    gap = _lone_gap(own, mode=mode, input_len=input_len, output_len=output_len)
+    target = _lone_segments(own, mode=mode, input_len=input_len, output_len=output_len,
+                            gap_s=gap)
+    # segment per unit of overhead: its steps at first, then the secant's
+    slope = {"prefill": 1.0, "decode": float(output_len - 1)}
+    last: dict[str, tuple[float, float]] = {}
+    fitted = profile
+    for _ in range(LONE_ROUNDS):
+        got = _lone_segments(fitted, mode=mode, input_len=input_len, output_len=output_len,
+                             gap_s=gap)
+        changes: dict[str, dict[str, float]] = {}
+        for side, key, seg in _STEP_SEGMENTS:
+            want, have = target.get(seg), got.get(seg)
+            if want is None or have is None or abs(have - want) <= LONE_TOLERANCE * want:
+                continue
+            table = getattr(fitted, side)
+            now = getattr(table, key)
+            if side in last and last[side][0] != now:
+                secant = (have - last[side][1]) / (now - last[side][0])
+                if secant > 0:
+                    slope[side] = secant
+            last[side] = (now, have)
+            over = max(0.0, now + (want - have) / slope[side])
+            if over != now:
+                python = table.step_python_s * over / now if now > 0 else 0.0
+                changes[side] = {key: over, "step_python_s": min(python, over)}
+        if not changes:
+            break
+        fitted = dataclasses.replace(fitted, **{side: dataclasses.replace(
+            getattr(fitted, side), **kv) for side, kv in changes.items()}).validate()
+    return fitted
+
+
 def _besides(profile: Profile) -> dict[str, float]:
     """What ``profile`` already puts in a keyed segment, by key (0 if not named)."""
     net, d = profile.network, profile.decode

@@ -192,6 +192,30 @@ def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: 
 
 
 
+def test_a_points_steps_are_its_gauges_lone_wall_times_not_counted_twice(
+        tmp_path: Path) -> None:
+    """A gauge times a lone request's decode at 2 ms a token, the work it brings beside
+    its steps (decode keeping 1.9 cores busy, its tokens' way out through one frontend
+    core) in that time; the
+    gauge way's point at 2 QPS steps at that again, where the steps as timed, on the
+    shared cores, count that work twice (``wall_steps``)."""
+    bench = bench_sim_vs_real()
+    real, shares = _gauged_run(tmp_path)
+    points, output_len, num_prompts = bench.real_points(real)
+    per_point, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len)
+    name = "push_qps2_in64_out24_iter0.json"
+    fitted, walls = tmp_path / "fitted", tmp_path / "walls"
+    bench.run_sim(bench.PROFILE, fitted, points, output_len, num_prompts, gauges=per_point,
+                  frontend_cores=1)
+    bench.run_sim(bench.PROFILE, walls, points, output_len, num_prompts, gauges=per_point,
+                  frontend_cores=1, wall_steps=True)
+    per_token_ms = 46.0 / 23
+    got = json.loads((fitted / name).read_text())["median_tpot_ms"]
+    twice = json.loads((walls / name).read_text())["median_tpot_ms"]
+    assert got == pytest.approx(per_token_ms, rel=0.05)
+    assert twice > 1.05 * per_token_ms
+
+
 def test_a_point_whose_cores_ran_slower_than_its_gauges_is_simulated_slower(
         tmp_path: Path) -> None:
     """The gauge way with ``speeds``: each side's ``cpu_speed`` is the probe's rate during
