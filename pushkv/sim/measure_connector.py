@@ -122,10 +122,11 @@ def lone_steps(profile: Profile, *, mode: str, input_len: int, output_len: int) 
     times, which already hold the work the request itself brings beside its step (the
     loop that holds it stepping, its tokens' way out through the frontends); on shared
     cores the model adds that work again, so here it is taken out of the steps once, by
-    a fixed-point iteration (at most :data:`LONE_ROUNDS` rounds of :data:`LONE_REQUESTS`
-    requests, each alone, to :data:`LONE_TOLERANCE`). ``step_python_s`` keeps its share
-    of the overhead. A step that the beside-work alone makes longer than its key stays
-    at 0 overhead. ``profile`` itself without shared cores."""
+    a secant iteration on each overhead (at most :data:`LONE_ROUNDS` rounds of
+    :data:`LONE_REQUESTS` requests, each alone, to :data:`LONE_TOLERANCE`).
+    ``step_python_s`` keeps its share of the overhead. A step that the beside-work
+    alone makes longer than its key stays at 0 overhead. ``profile`` itself without
+    shared cores."""
     import dataclasses
 
     if not profile.control.host_cores:
