@@ -1469,54 +1469,35 @@ def main() -> int:
                 print("\nSegment by segment, by what else each request met on its way to "
                       "its first token, the gauges' profiles (pooled per mode and rate):\n")
                 print(text)
+            def beside(name: str, title: str, **kw: Any) -> None:
+                """The gauge way again with one part changed (``kw`` to :func:`run_sim`),
+                into ``OUT/sim-gauge-<name>``, printed and kept as ``gauge_<name>``."""
+                out = args.out / f"sim-gauge-{name}"
+                kw.setdefault("gauges", per_point)
+                run_sim(args.profile, out, points, output_len, num_prompts, seed=args.seed,
+                        arrivals=args.arrivals, frontend_cores=args.frontend_cores,
+                        host_cores=args.host_cores, **kw)
+                table, got = compare(real, out)
+                print(f"\nThe same {title}:\n")
+                print(table)
+                gauge_summary[f"gauge_{name.replace('-', '_')}"] = {
+                    k: got[k] for k in keys} | {"in_band": in_band(got)}
+
             if any(gauge_speed(v) for v in shares.values()):
-                fast = args.out / "sim-gauge-speed"
-                run_sim(args.profile, fast, points, output_len, num_prompts, seed=args.seed,
-                        arrivals=args.arrivals, frontend_cores=args.frontend_cores,
-                        host_cores=args.host_cores, gauges=per_point, shares=shares,
-                        speeds=True)
-                speed_table, speed_summary = compare(real, fast)
-                print("\nThe same, each side's cores as fast against the gauges' as the probe "
-                      "on them saw (cpu_speed: the point's rate of fixed work over its "
-                      "gauges'):\n")
-                print(speed_table)
-                gauge_summary["gauge_speed"] = {k: speed_summary[k] for k in keys} | {
-                    "in_band": in_band(speed_summary)}
+                beside("speed", "with each side's cores as fast against the gauges' as the "
+                       "probe on them saw (cpu_speed: the point's rate of fixed work over its "
+                       "gauges')", shares=shares, speeds=True)
             if run_keys.get("control", {}).get("wake_beside_s"):  # the mechanism's part
-                still = args.out / "sim-gauge-no-wake"
-                run_sim(args.profile, still, points, output_len, num_prompts, seed=args.seed,
-                        arrivals=args.arrivals, frontend_cores=args.frontend_cores,
-                        host_cores=args.host_cores, gauges=without_wake(per_point))
-                still_table, still_summary = compare(real, still)
-                print("\nThe same without a woken frontend's wait beside another request "
-                      "(control.wake_beside_s off):\n")
-                print(still_table)
-                gauge_summary["gauge_no_wake"] = {k: still_summary[k] for k in keys} | {
-                    "in_band": in_band(still_summary)}
+                beside("no-wake", "without a woken frontend's wait beside another request "
+                       "(control.wake_beside_s off)", gauges=without_wake(per_point))
             if noise:  # the estimator's part: each point's own gauges' keys as measured
                 raw, _ = gauge_keys(real, shares, args.profile, output_len, shrink=False)
-                unshrunk = args.out / "sim-gauge-unshrunk"
-                run_sim(args.profile, unshrunk, points, output_len, num_prompts,
-                        seed=args.seed, arrivals=args.arrivals,
-                        frontend_cores=args.frontend_cores, host_cores=args.host_cores,
-                        gauges=raw)
-                raw_table, raw_summary = compare(real, unshrunk)
-                print("\nThe same with each point's keys as its own two gauges measured "
-                      "them (not shrunk):\n")
-                print(raw_table)
-                gauge_summary["gauge_unshrunk"] = {k: raw_summary[k] for k in keys} | {
-                    "in_band": in_band(raw_summary)}
+                beside("unshrunk", "with each point's keys as its own two gauges measured "
+                       "them (not shrunk)", gauges=raw)
             # the steps' part: the gauged steps as the model's, the work beside them twice
-            walls = args.out / "sim-gauge-wall-steps"
-            run_sim(args.profile, walls, points, output_len, num_prompts, seed=args.seed,
-                    arrivals=args.arrivals, frontend_cores=args.frontend_cores,
-                    host_cores=args.host_cores, gauges=per_point, wall_steps=True)
-            wall_table, wall_summary = compare(real, walls)
-            print("\nThe same with each point's steps as its gauges timed them (lone wall "
-                  "times, to which the shared cores add the request's own work again):\n")
-            print(wall_table)
-            gauge_summary["gauge_wall_steps"] = {k: wall_summary[k] for k in keys} | {
-                "in_band": in_band(wall_summary)}
+            beside("wall-steps", "with each point's steps as its gauges timed them (lone "
+                   "wall times, to which the shared cores add the request's own work again)",
+                   wall_steps=True)
             summary[way] = {k: summary[k] for k in keys}  # kept beside the headline
             summary = gauge_summary | {way: summary[way]}
             summary["gauge_keys"] = {"run": run_keys, "points": per_point, "noise": noise}
