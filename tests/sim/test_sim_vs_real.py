@@ -196,9 +196,8 @@ def test_a_points_steps_are_its_gauges_lone_wall_times_not_counted_twice(
         tmp_path: Path) -> None:
     """A gauge times a lone request's decode at 2 ms a token, the work it brings beside
     its steps (decode keeping 1.9 cores busy, its tokens' way out through one frontend
-    core) in that time; the
-    gauge way's point at 2 QPS steps at that again, where the steps as timed, on the
-    shared cores, count that work twice (``wall_steps``)."""
+    core) in that time; the gauge way's point at 2 QPS steps at that again, where the
+    steps as timed, on the shared cores, count that work twice (``wall_steps``)."""
     bench = bench_sim_vs_real()
     real, shares = _gauged_run(tmp_path)
     points, output_len, num_prompts = bench.real_points(real)
