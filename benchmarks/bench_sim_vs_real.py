@@ -218,9 +218,11 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
                 fname = file_name(mode, q, input_len, args.output_len, it)
                 stem = Path(fname).stem
                 if args.gauge:  # lone requests at the point's lengths, just before it
-                    if last is None or last["input_len"] != input_len:
+                    if last is None or (last["input_len"], last["qps"]) != (
+                            input_len, gauge_rate(args, q)):
                         last = gauge(ep.target.url, str(model), real, f"{stem}_before",
-                                     input_len, args, seed=next(seeds), client=client)
+                                     input_len, args, seed=next(seeds), client=client,
+                                     qps=gauge_rate(args, q))
                     before_gauge = last
                 before = server_metrics(dep)
                 waited = runq_waits(dep, ep)
@@ -259,7 +261,8 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
                 if args.gauge:  # and just after it (the next point's, if as long)
                     waited = runq_waits(dep, ep)
                     last = gauge(ep.target.url, str(model), real, f"{stem}_after",
-                                 input_len, args, seed=next(seeds), client=client)
+                                 input_len, args, seed=next(seeds), client=client,
+                                 qps=gauge_rate(args, q))
                     got["gauge_runq_wait_ms"] = per_request(
                         waited, runq_waits(dep, ep), args.gauge)
                     got["gauges"] = [before_gauge, last]
@@ -459,16 +462,28 @@ GAUGES = "gauge"
 CLIENT = "client"
 
 
+def gauge_rate(args: argparse.Namespace, qps: float) -> float:
+    """The rate of a point's gauges: ``--gauge-qps`` where given, else the point's own
+    (``qps``). A lone request costs more the longer the engines idled before it (vLLM
+    pull's at 64 tokens in, one at a time: 52.0 ms mean TTFT at 5 requests a second, 57.7
+    at 2, and a 2-QPS point's lone ones 59.7, on the development machine), so a gauge
+    spaces its requests as its point does to measure what the point's lone requests
+    pay."""
+    return float(args.gauge_qps) if args.gauge_qps else float(qps)
+
+
 def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
-          args: argparse.Namespace, *, seed: int, client: Any = None) -> dict[str, Any]:
+          args: argparse.Namespace, *, seed: int, qps: float, client: Any = None
+          ) -> dict[str, Any]:
     """``args.gauge`` lone requests of ``input_len`` tokens in, ``args.output_len`` out,
     through the router at ``url`` -- ``vllm bench serve``, the points' own client, one
-    request at a time (``--max-concurrency 1``) at ``args.gauge_qps`` so most meet idle
-    engines -- recorded like a point (the router's and servers' marks, a result file in
-    ``OUT/real/gauge/``). The simulator takes the point's profile from the gauges just
-    before and after it (:func:`pushkv.sim.measure_connector.gauge_keys`): on this
-    machine the engines' speed moves 2-3x between minutes, so a profile measured at
-    another time cannot hold. Returns the gauge's record for ``cpu_probe.json``."""
+    request at a time (``--max-concurrency 1``) at ``qps`` (:func:`gauge_rate`) --
+    recorded like a point (the router's and servers' marks, a result file in
+    ``OUT/real/gauge/``, the core probe's wake-ups in ``OUT/real/wakes/gauge/``). The
+    simulator takes the point's profile from the gauges just before and after it
+    (:func:`pushkv.sim.measure_connector.gauge_keys`): on this machine the engines'
+    speed moves 2-3x between minutes, so a profile measured at another time cannot
+    hold. Returns the gauge's record for ``cpu_probe.json``."""
     from run import bench_serve
 
     from pushkv.sim.cores import CoreProbe, cpu_times, steal
@@ -476,15 +491,16 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
     t0, ticks = time.monotonic(), cpu_times()
     name = f"{tag}.json"
     with CoreProbe() as probe:  # the cores' speed meanwhile, as during a point
-        ok = bench_serve(url, model, real / GAUGES, name, qps=str(args.gauge_qps),
+        ok = bench_serve(url, model, real / GAUGES, name, qps=f"{qps:g}",
                          input_len=input_len, output_len=args.output_len,
                          num_prompts=args.gauge, seed=seed, log=real / "logs" / "gauge.log",
                          extra=("--max-concurrency", "1", "--ready-check-timeout-sec", "0"),
                          client=client)
     if not ok:
         raise RuntimeError(f"gauge {tag}: vllm bench serve failed (see logs/gauge.log)")
+    write_wakes(real, f"{GAUGES}/{tag}", probe)  # what a lone request's cores met
     return {"window": [t0, time.monotonic()], "file": f"{GAUGES}/{name}",
-            "input_len": input_len, "steal": steal_record(steal(ticks, cpu_times())),
+            "input_len": input_len, "qps": qps, "steal": steal_record(steal(ticks, cpu_times())),
             "speed": probe_speed(probe)}
 
 
@@ -1020,6 +1036,101 @@ def neighbour_tables(real: Path, timelines: Path, shares: dict[str, dict[str, An
     return "\n\n".join(texts), out
 
 
+#: the segments :func:`lone_gap` compares (a pull's decode leg leaves after the prefill
+#: answer, so its way there is the last three)
+LONE_GAP_SEGMENTS = ("legs out -> prefill sees", "prefill sees -> prefill finished",
+                     "legs out -> decode arrives", "decode arrives -> sees",
+                     "prefill finished -> scheduler knows", "decode step -> first token",
+                     "legs out -> first token")
+
+
+def lone_gap(real: Path, shares: dict[str, dict[str, Any]]
+             ) -> tuple[str, dict[str, dict[str, Any]]]:
+    """What the gauges leave out: per mode, the lone requests of every gauge of the run
+    (each gauge once) against those of the points at each rate
+    (:func:`pushkv.sim.segments.alone`), each segment's mean (:data:`LONE_GAP_SEGMENTS`,
+    ms); and the core probe's wake-ups during the gauges against those during the
+    points with one request in flight and with more (:func:`write_wakes`; mean and p99,
+    ms). The profile's keys are the gauges' lone requests, so a lone request of a point
+    that pays more than a gauge's -- or a woken probe that waits longer beside one
+    request in a point than in a gauge -- is a cost the keys do not hold. The text and
+    ``{"<mode>": {"requests": {...}, "wakes": {...}}}``."""
+    from pushkv import timeline
+    from pushkv.sim import segments
+
+    def q(xs: list[float], p: float) -> float:
+        got = sorted(xs)
+        return got[min(len(got) - 1, int(p * len(got)))]
+
+    texts, out = [], {}
+    for mode, (name, deployment) in MODES.items():
+        dirs = [real / "timeline" / name, real / "timeline" / deployment]
+        points = {f: g for f, g in sorted(shares.items())
+                  if (m := NAME.match(f)) and m["mode"] == mode and g.get("window")}
+        if not points or not all(d.is_dir() for d in dirs):
+            continue
+        marks = segments.load(dirs)
+        groups: dict[str, dict[str, dict[str, float]]] = {}
+        gauge_wakes: list[float] = []
+        seen: set[tuple[float, ...]] = set()
+        for fname, got in points.items():
+            for g in got.get("gauges") or []:
+                if tuple(g["window"]) in seen:
+                    continue
+                seen.add(tuple(g["window"]))
+                label = "gauges" + (f" qps{g['qps']:g}" if g.get("qps") else "")
+                groups.setdefault(label, {}).update(segments.alone(
+                    segments.within(marks, tuple(g["window"]))))
+                path = real / WAKES / f"{GAUGES}/{Path(g['file']).stem}.json"
+                if path.exists():
+                    gauge_wakes += [w for per in json.loads(path.read_text()).values()
+                                    for _, w in per]
+            rate = f"qps{float(NAME.match(fname)['qps']):g}"  # type: ignore[index]
+            groups.setdefault(rate, {}).update(segments.alone(
+                segments.within(marks, tuple(got["window"]))))
+        gauge_groups = [g for g in groups if g.startswith("gauges")]
+        if not gauge_groups:
+            continue
+        groups = {g: groups[g] for g in sorted(groups, key=lambda g: (
+            not g.startswith("gauges"), float(g.rsplit("qps", 1)[-1] or 0)
+            if "qps" in g else 0.0))}
+        rows = ["| segment (mean, ms) | " + " | ".join(
+                    f"{g} ({len(r)})" for g, r in groups.items()) + " |",
+                "|---|" + "---|" * len(groups)]
+        means: dict[str, dict[str, float]] = {}
+        for g, reqs in groups.items():
+            segs = timeline.segments(reqs)
+            means[g] = {n: round(statistics.fmean(segs[n]), 2)
+                        for n in LONE_GAP_SEGMENTS if segs.get(n)}
+        for n in LONE_GAP_SEGMENTS:
+            if any(n in means[g] for g in gauge_groups):
+                rows.append(f"| {n} | " + " | ".join(
+                    f"{means[g][n]:.1f}" if n in means[g] else "-" for g in groups) + " |")
+        wakes: dict[str, dict[str, float]] = {}
+        if gauge_wakes:
+            by_n: dict[str, list[float]] = {"gauges": gauge_wakes}
+            for fname, got in points.items():
+                path = real / WAKES / f"{Path(fname).stem}.json"
+                if not path.exists():
+                    continue
+                at = [(t, w) for per in json.loads(path.read_text()).values()
+                      for t, w in per]
+                for n, ws in segments.wakes_by_flight(
+                        segments.within(marks, tuple(got["window"])), at).items():
+                    if n:
+                        by_n.setdefault("points, 1 in flight" if n == 1 else
+                                        "points, 2+ in flight", []).extend(ws)
+            wakes = {g: {"n": len(ws), "mean_ms": round(statistics.fmean(ws) * 1e3, 3),
+                         "p99_ms": round(q(ws, 0.99) * 1e3, 3)} for g, ws in by_n.items()}
+            rows += ["", "| probe wake-ups | n | mean (ms) | p99 (ms) |", "|---|---|---|---|"]
+            rows += [f"| {g} | {w['n']} | {w['mean_ms']:.2f} | {w['p99_ms']:.2f} |"
+                     for g, w in wakes.items()]
+        texts.append(f"{mode}:\n\n" + "\n".join(rows))
+        out[mode] = {"requests": {g: {"n": len(groups[g]), "mean_ms": means[g]}
+                                  for g in groups}, "wakes": wakes}
+    return "\n\n".join(texts), out
+
+
 def real_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
               ) -> dict[str, dict[str, float]]:
     """The keys the real half's own marks measure (requests that ran alone, each point's
@@ -1160,16 +1271,16 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
                for mode, per in starts.items()}
     noise = gauge_noise(gauged, marks, profile, output_len) if shrink else {}
     if noise_out is not None:
-        noise_out.update({f"{mode}_in{length}": {f"{t}.{k}": n.as_dict() for (t, k), n
-                                                 in sorted(by_key.items())}
-                          for (mode, length), by_key in sorted(noise.items())})
+        noise_out.update({noise_label(group): {f"{t}.{k}": n.as_dict() for (t, k), n
+                                               in sorted(by_key.items())}
+                          for group, by_key in sorted(noise.items(), key=noise_order)})
     points: dict[str, dict[str, dict[str, float]]] = {}
     for fname, got in gauged.items():
         m = NAME.match(fname)
         assert m is not None
         keys = shrink_keys(keys_of(requests(fname), profile, mode=m["mode"],
                                    input_len=int(m["input"]), output_len=output_len),
-                           noise.get((m["mode"], int(m["input"])), {}),
+                           noise.get(gauge_group(m, got["gauges"][0]), {}),
                            gauges=len(got["gauges"]))
         busy = dict(busy_of.get(m["mode"], {}))  # its deployment's, over the run's starts
         if "token_work_s" in busy:
@@ -1191,27 +1302,49 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     return points, run
 
 
+#: a gauge's group (:func:`gauge_group`): mode, input length, the gauge's rate (None in
+#: runs whose gauges all ran at one rate and did not record it)
+GaugeGroup = tuple[str, int, "float | None"]
+
+
+def gauge_group(m: re.Match[str], g: dict[str, Any]) -> GaugeGroup:
+    """The group of gauge ``g`` of the point ``m`` matched (:data:`NAME`): gauges of one
+    group measure the same keys, and differ only by drift and noise."""
+    return m["mode"], int(m["input"]), g.get("qps")
+
+
+def noise_label(group: GaugeGroup) -> str:
+    """``<mode>_in<length>``, and ``_qps<rate>`` where the gauges recorded theirs."""
+    mode, length, qps = group
+    return f"{mode}_in{length}" + (f"_qps{qps:g}" if qps is not None else "")
+
+
+def noise_order(item: tuple[GaugeGroup, Any]) -> tuple[str, int, float]:
+    mode, length, qps = item[0]
+    return mode, length, -1.0 if qps is None else qps
+
+
 def gauge_noise(gauged: dict[str, dict[str, Any]],
                 marks: Callable[[str, bool, list[float]], dict[str, dict[str, float]]],
-                profile: Any, output_len: int) -> dict[tuple[str, int], dict[Any, Any]]:
-    """Per (mode, input length), each key's :class:`~pushkv.sim.measure_connector.KeyNoise`
-    over the run's gauges of it one at a time, in the order they ran (a gauge two points
-    share counted once): :func:`pushkv.sim.measure_connector.gauge_keys` of each gauge's
-    lone requests (``marks(point, False, window)``) against ``profile``; a gauge too thin
-    for a key on its own is left out of that mode and length's noise."""
+                profile: Any, output_len: int) -> dict[GaugeGroup, dict[Any, Any]]:
+    """Per group of gauges (:func:`gauge_group`: mode, input length, rate), each key's
+    :class:`~pushkv.sim.measure_connector.KeyNoise` over the run's gauges of it one at a
+    time, in the order they ran (a gauge two points share counted once):
+    :func:`pushkv.sim.measure_connector.gauge_keys` of each gauge's lone requests
+    (``marks(point, False, window)``) against ``profile``; a gauge too thin for a key on
+    its own is left out of that group's noise."""
     from pushkv.sim.measure import MeasurementError
     from pushkv.sim.measure_connector import gauge_keys as keys_of
     from pushkv.sim.measure_connector import key_noise
 
-    windows: dict[tuple[str, int], dict[tuple[float, ...], str]] = {}
+    windows: dict[GaugeGroup, dict[tuple[float, ...], str]] = {}
     for fname, got in sorted(gauged.items()):
         m = NAME.match(fname)
         assert m is not None
         for g in got["gauges"]:
-            windows.setdefault((m["mode"], int(m["input"])), {}).setdefault(
-                tuple(g["window"]), fname)
-    out: dict[tuple[str, int], dict[Any, Any]] = {}
-    for (mode, length), by_window in sorted(windows.items()):
+            windows.setdefault(gauge_group(m, g), {}).setdefault(tuple(g["window"]), fname)
+    out: dict[GaugeGroup, dict[Any, Any]] = {}
+    for (mode, length, qps), by_window in sorted(windows.items(), key=noise_order):
         keys = []
         for window, fname in sorted(by_window.items()):
             try:
@@ -1219,7 +1352,7 @@ def gauge_noise(gauged: dict[str, dict[str, Any]],
                                     input_len=length, output_len=output_len))
             except MeasurementError:
                 continue
-        out[(mode, length)] = key_noise(keys)
+        out[(mode, length, qps)] = key_noise(keys)
     return out
 
 
@@ -1315,8 +1448,9 @@ def main() -> int:
                    help="lone requests through the router at each point's lengths just "
                    "before and after it (gauges; the 'gauge' way simulates each point "
                    "with the profile they measure); 0: none")
-    p.add_argument("--gauge-qps", type=float, default=5.0,
-                   help="the gauges' rate (one request at a time: most find idle engines)")
+    p.add_argument("--gauge-qps", type=float, default=None,
+                   help="the gauges' rate, one request at a time (default: each point's "
+                   "own, so its gauges' lone requests meet engines as idle as its own do)")
     p.add_argument("--delay-us", type=int, default=100,
                    help="NIXL progress-thread sleep between polls, every connector alike")
     from modes import SPIN_S  # benchmarks/e2e
@@ -1464,6 +1598,11 @@ def main() -> int:
                 print("\n'legs out -> first token' by each request's place in its point, "
                       "the gauges' profiles (pooled per mode and rate):\n")
                 print(text)
+            text, lone = lone_gap(real, shares)
+            if text:
+                print("\nLone requests of the gauges (what the keys hold) against those of "
+                      "the points, and the probe's wake-ups in each:\n")
+                print(text)
             text, by_neighbour = neighbour_tables(real, timelines / "gauge", shares)
             if text:
                 print("\nSegment by segment, by what else each request met on its way to "
@@ -1504,6 +1643,7 @@ def main() -> int:
             summary["by_overlap"] = by_overlap
             summary["by_place"] = by_place
             summary["by_neighbour"] = by_neighbour
+            summary["lone_gap"] = lone
             sim, way = gauged, "gauge"
     if shares and any("engine" in v for v in shares.values()):
         steps = args.out / "sim-server-steps"
