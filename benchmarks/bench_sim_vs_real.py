@@ -14,7 +14,8 @@ reaches both modes. During each point a probe process on each core
 wake-up, with when it was due, in ``OUT/real/wakes/<point>.json``), and the
 two servers' vLLM metrics are read before and after (``OUT/real/cpu_probe.json``).
 Around each point, *gauges* (``--gauge N``): N lone requests through the same router
-at the point's lengths just before and just after it (:func:`gauge`); and once per
+at the point's lengths and rate just before and just after it (:func:`gauge`,
+:func:`gauge_rate`), the core probe's wake-ups during each kept too; and once per
 deployment, where a lone request's CPU goes (:func:`cores_busy`, from ``/proc``).
 For the point and for its gauge just after it, how long each part of the deployment
 waited on a run queue, a request (:func:`runq_waits`, ``runq_wait_ms`` and
@@ -66,6 +67,9 @@ load's cost the model leaves out; and by each request's place in its point
 start, not the load; and by what else a request met on its way to its first token
 (:func:`neighbour_tables`: alone, one other decoding, one before its first token, one
 that came later, more), each group's segments: which hand-off a neighbour lengthens.
+And the lone requests of the gauges against those of the points, with the probe's
+wake-ups in each (:func:`lone_gap`): what a point's lone requests pay that the keys,
+measured on the gauges', do not hold.
 
 The gauges run with the core probe too, so a second gauge way (``OUT/sim-gauge-speed``)
 can simulate each point with its cores as fast against its gauges' as the probe saw
@@ -75,8 +79,8 @@ the points' timelines (:func:`wake_beside_of`); the gauge way is simulated again
 without it (``OUT/sim-gauge-no-wake``, ``gauge_no_wake`` in the summary) and printed
 beside the headline, so every run shows the mechanism's part. A point's keys from its
 two gauges are mostly sampling noise (a median of some 20 lone requests of a broad
-segment), so each is shrunk toward its mode's and length's mean over the run by how
-far the run's gauges one at a time tell points apart (:func:`gauge_noise`,
+segment), so each is shrunk toward the mean over the run of its gauges' group (mode,
+length, rate) by how far the group's gauges one at a time tell points apart (:func:`gauge_noise`,
 :func:`pushkv.sim.measure_connector.shrink_keys`; the table is printed, ``noise`` in
 the summary's ``gauge_keys``); the gauge way is simulated again with the keys as
 measured (``OUT/sim-gauge-unshrunk``, ``gauge_unshrunk`` in the summary). A gauge's
@@ -102,7 +106,7 @@ last, one JSON object for the headline way (``"way"``: gauge, else probe):
 ``server_steps`` and ``gauge_speed``), ``precision`` (the intervals, the verdicts
 counted, ``iterations_needed_max``), ``segments``
 (per way and point, each segment's real and simulated median in ms), ``by_overlap``
-``by_place`` and ``by_neighbour`` (the groups' rows). Figures (``--figures DIR``, or
+``by_place`` and ``by_neighbour`` (the groups' rows), ``lone_gap``. Figures (``--figures DIR``, or
 ``pushkv plot --results-dir OUT/real --overlay OUT/sim --labels real sim --metric ttft``).
 
     PYTHONPATH=. python benchmarks/bench_sim_vs_real.py --out /tmp/simreal
@@ -1193,11 +1197,12 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     A point's keys from its gauges are a median or two of a handful of lone requests
     each, and most of what they differ by from point to point is that sampling noise
     (a pull's ``prefill.return_s`` 0-31 ms over one run's points, its gauges one after
-    another differing as much as any two); so each is shrunk toward its mode's and
-    length's mean over the run by how far the run's gauges, taken one at a time, tell
-    points apart (:func:`gauge_noise`, :func:`pushkv.sim.measure_connector.shrink_keys`),
-    what ``noise_out`` receives per mode and length (``shrink`` false: each point's own
-    gauges' keys as measured). MeasurementError when a gauge lacks a segment."""
+    another differing as much as any two); so each is shrunk toward the run's mean of
+    its gauges' group (mode, length and, where recorded, rate: :func:`gauge_group`) by
+    how far the group's gauges, taken one at a time, tell points apart
+    (:func:`gauge_noise`, :func:`pushkv.sim.measure_connector.shrink_keys`), what
+    ``noise_out`` receives per group (:func:`noise_label`; ``shrink`` false: each
+    point's own gauges' keys as measured). MeasurementError when a gauge lacks a segment."""
     from pushkv.sim import segments
     from pushkv.sim.measure import MeasurementError
     from pushkv.sim.measure_connector import client_hop, host_spread, shrink_keys

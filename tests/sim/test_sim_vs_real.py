@@ -46,11 +46,14 @@ def test_the_simulator_half_runs_on_real_results(tmp_path: Path) -> None:
 
 
 def _gauged_run(tmp_path: Path, *, slow: float = 1.0, iterations: int = 1,
-                scales: tuple[float, ...] = ()) -> tuple[Path, dict]:
+                scales: tuple[float, ...] = (),
+                rates: dict[int, float] | None = None) -> tuple[Path, dict]:
     """A copy of the sample's two points (``iterations`` of each, the same results),
     each with two gauges of 5 lone requests whose marks (router and servers) and client
     latencies are synthetic: the push pair's requests take ``slow`` times as long as the
-    pull pair's pattern does, and a mode's k-th gauge ``scales[k]`` times as long."""
+    pull pair's pattern does, and a mode's k-th gauge ``scales[k]`` times as long.
+    ``rates``: the rate each iteration's gauges record they ran at (by iteration; none
+    recorded without, as gauges before they ran at their points' rates)."""
     import shutil
 
     real = tmp_path / "real"
@@ -104,6 +107,8 @@ def _gauged_run(tmp_path: Path, *, slow: float = 1.0, iterations: int = 1,
             (real / "gauge").mkdir(exist_ok=True)
             (real / name).write_text(json.dumps({"latencies": lat}))
             gauges.append({"window": [t0, t], "file": name, "input_len": 64})
+            if rates is not None:
+                gauges[-1]["qps"] = rates[_by_iteration(fname)[0]]
             t += 10.0
         got["gauges"] = gauges
         got["cores_busy"] = {"prefill": 1.25, "decode": 1.9, "token_work_s": 0.0004}
@@ -535,3 +540,90 @@ def test_part_pids_are_the_parts_processes_by_the_one_definition() -> None:
             p.kill()
             p.wait()
             p.stdin.close()  # type: ignore[union-attr]
+
+
+def test_a_gauge_runs_at_its_points_rate_unless_told_otherwise() -> None:
+    from types import SimpleNamespace
+
+    bench = bench_sim_vs_real()
+    assert bench.gauge_rate(SimpleNamespace(gauge_qps=None), 2.0) == 2.0
+    assert bench.gauge_rate(SimpleNamespace(gauge_qps=None), 8) == 8.0
+    assert bench.gauge_rate(SimpleNamespace(gauge_qps=5.0), 2.0) == 5.0
+
+
+def test_a_points_keys_are_shrunk_only_toward_gauges_at_its_own_rate(
+        tmp_path: Path) -> None:
+    """The run of the shrinking test above, but the slow middle iteration's gauges ran
+    at another rate (8 requests a second, the others at 2): gauges at different rates
+    measure different lone requests (a longer idle before each costs more), so each
+    rate is its own group -- with no spread within either, every point keeps its own
+    gauges' keys, where one group of all six would pull the slow point 9/11 of the way
+    to the run's mean."""
+    bench = bench_sim_vs_real()
+    real, shares = _gauged_run(tmp_path, iterations=3, scales=(1.0, 1.0, 1.6, 1.6, 1.0, 1.0),
+                               rates={0: 2.0, 1: 8.0, 2: 2.0})
+    _, output_len, _ = bench.real_points(real)
+    noise: dict = {}
+    shrunk, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len, noise_out=noise)
+    raw, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len, shrink=False)
+    assert set(noise) == {f"{m}_in64_qps{q}" for m in ("push", "pull") for q in (2, 8)}
+    assert noise["push_in64_qps2"]["decode.decode_step_overhead_s"]["noise_var"] == 0
+    for name, keys in raw.items():
+        for side, table in keys.items():
+            for key, value in table.items():
+                assert shrunk[name][side][key] == pytest.approx(value), (name, side, key)
+    slow_ = raw["pull_qps2_in64_out24_iter1.json"]["prefill"]["return_s"]
+    assert slow_ > raw["pull_qps2_in64_out24_iter0.json"]["prefill"]["return_s"]
+    assert noise["pull_in64_qps8"] == {}  # two gauges: too few to tell noise from drift
+    assert "| pull_in64_qps2 | prefill.return_s |" in bench.noise_table(noise)
+
+
+def test_lone_requests_of_the_gauges_are_set_against_those_of_the_points(
+        tmp_path: Path) -> None:
+    """lone_gap: per mode, the lone requests of the gauges (by the rate they recorded)
+    and of the points (by rate), each segment's mean; and the probe's wake-ups during
+    the gauges against those during the points by requests in flight."""
+    bench = bench_sim_vs_real()
+    real = tmp_path / "real"
+    pattern = {"legs_sent": 0.0, "prefill_seen": 4, "prefill_finished": 9,
+               "decode_arrived": 12, "decode_seen": 17, "ready_scheduled": 21,
+               "decode_scheduled": 22, "first_token": 28, "last_token": 74,
+               "answer_sent": 75}
+    lines: list[str] = []
+
+    def requests(t0: float, n: int, slow: float) -> list[float]:
+        """``n`` lone requests from ``t0``, 1 s apart, decode's ingestion ``slow`` x."""
+        for i in range(n):
+            at = {e: ms + (slow - 1) * 5 * (e not in ("legs_sent", "prefill_seen",
+                                                     "prefill_finished", "decode_arrived"))
+                  for e, ms in pattern.items()}
+            lines.extend(json.dumps({"id": f"{t0}-{i}", "ev": e, "t": t0 + i + ms / 1e3,
+                                     "p": "pull"}) for e, ms in at.items())
+        return [t0, t0 + n]
+
+    gauge = {"window": requests(100.0, 4, 1.0), "file": "gauge/g_before.json",
+             "qps": 2.0, "input_len": 64}
+    point = requests(200.0, 6, 3.0)
+    out = real / "timeline" / "pull"
+    out.mkdir(parents=True)
+    (real / "timeline" / "nixl-pull").mkdir()
+    (out / "timeline-1.jsonl").write_text("\n".join(lines) + "\n")
+    (real / "wakes" / "gauge").mkdir(parents=True)
+    (real / "wakes" / "gauge" / "g_before.json").write_text(json.dumps(
+        {"0": [[100.5, 0.001], [101.5, 0.003]]}))
+    (real / "wakes" / "pull_qps2_in64_out24_iter0.json").write_text(json.dumps(
+        {"0": [[200.01, 0.010], [200.5, 0.5]], "1": [[202.02, 0.020]]}))
+    shares = {"pull_qps2_in64_out24_iter0.json": {"window": point, "gauges": [gauge]}}
+    text, got = bench.lone_gap(real, shares)
+    reqs = got["pull"]["requests"]
+    assert list(reqs) == ["gauges qps2", "qps2"]
+    assert (reqs["gauges qps2"]["n"], reqs["qps2"]["n"]) == (4, 6)
+    assert reqs["gauges qps2"]["mean_ms"]["decode arrives -> sees"] == pytest.approx(5.0)
+    assert reqs["qps2"]["mean_ms"]["decode arrives -> sees"] == pytest.approx(15.0)
+    assert reqs["qps2"]["mean_ms"]["legs out -> first token"] == pytest.approx(38.0)
+    wakes = got["pull"]["wakes"]
+    assert wakes["gauges"] == {"n": 2, "mean_ms": 2.0, "p99_ms": 3.0}
+    assert wakes["points, 1 in flight"]["n"] == 2  # the one at 200.5 s found none
+    assert wakes["points, 1 in flight"]["mean_ms"] == pytest.approx(15.0)
+    assert "| decode arrives -> sees | 5.0 | 15.0 |" in text
+    assert bench.lone_gap(real, {}) == ("", {})
