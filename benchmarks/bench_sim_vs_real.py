@@ -468,11 +468,11 @@ CLIENT = "client"
 
 def gauge_rate(args: argparse.Namespace, qps: float) -> float:
     """The rate of a point's gauges: ``--gauge-qps`` where given, else the point's own
-    (``qps``). A lone request costs more the longer the engines idled before it (vLLM
-    pull's at 64 tokens in, one at a time: 52.0 ms mean TTFT at 5 requests a second, 57.7
-    at 2, and a 2-QPS point's lone ones 59.7, on the development machine), so a gauge
-    spaces its requests as its point does to measure what the point's lone requests
-    pay."""
+    (``qps``). On this VM a lone request costs more the lower the rate of the stream it
+    is in -- not its own idle gap, the rate over seconds (vLLM pull's at 64 tokens in,
+    one at a time: 52.0 ms mean TTFT at 5 requests a second, 57.7 at 2, and a 2-QPS
+    point's lone ones 59.7, on the development machine) -- so a gauge spaces its
+    requests as its point does, to measure what the point's lone requests pay."""
     return float(args.gauge_qps) if args.gauge_qps else float(qps)
 
 
@@ -1040,12 +1040,30 @@ def neighbour_tables(real: Path, timelines: Path, shares: dict[str, dict[str, An
     return "\n\n".join(texts), out
 
 
-#: the segments :func:`lone_gap` compares (a pull's decode leg leaves after the prefill
-#: answer, so its way there is the last three)
+#: the segments :func:`lone_gap` compares: each leg's way in, the prefill, the hand-off
+#: to decode's scheduler, the first token's way out, the whole TTFT
 LONE_GAP_SEGMENTS = ("legs out -> prefill sees", "prefill sees -> prefill finished",
                      "legs out -> decode arrives", "decode arrives -> sees",
                      "prefill finished -> scheduler knows", "decode step -> first token",
                      "legs out -> first token")
+
+
+def wakes_in_flight(path: Path, requests: dict[str, dict[str, float]], where: str
+                    ) -> dict[str, list[float]]:
+    """The probe's wake-ups in ``path`` (:func:`write_wakes`) by how many of
+    ``requests`` were in flight (:func:`pushkv.sim.segments.wakes_by_flight`), as
+    ``"<where>, 1 in flight"`` and ``"<where>, 2+ in flight"``; idle ones left out, as
+    they say nothing of a request's. Empty where the file is missing."""
+    from pushkv.sim import segments
+
+    if not path.exists():
+        return {}
+    at = [(t, w) for per in json.loads(path.read_text()).values() for t, w in per]
+    out: dict[str, list[float]] = {}
+    for n, ws in segments.wakes_by_flight(requests, at).items():
+        if n:
+            out.setdefault(f"{where}, {'1' if n == 1 else '2+'} in flight", []).extend(ws)
+    return out
 
 
 def lone_gap(real: Path, shares: dict[str, dict[str, Any]]
@@ -1053,9 +1071,9 @@ def lone_gap(real: Path, shares: dict[str, dict[str, Any]]
     """What the gauges leave out: per mode, the lone requests of every gauge of the run
     (each gauge once) against those of the points at each rate
     (:func:`pushkv.sim.segments.alone`), each segment's mean (:data:`LONE_GAP_SEGMENTS`,
-    ms); and the core probe's wake-ups during the gauges against those during the
-    points with one request in flight and with more (:func:`write_wakes`; mean and p99,
-    ms). The profile's keys are the gauges' lone requests, so a lone request of a point
+    ms); and the core probe's wake-ups with a request in flight, during the gauges and
+    during the points, by how many were (:func:`write_wakes`; mean and p99, ms). The
+    profile's keys are the gauges' lone requests, so a lone request of a point
     that pays more than a gauge's -- or a woken probe that waits longer beside one
     request in a point than in a gauge -- is a cost the keys do not hold. The text and
     ``{"<mode>": {"requests": {...}, "wakes": {...}}}``."""
@@ -1075,7 +1093,7 @@ def lone_gap(real: Path, shares: dict[str, dict[str, Any]]
             continue
         marks = segments.load(dirs)
         groups: dict[str, dict[str, dict[str, float]]] = {}
-        gauge_wakes: list[float] = []
+        by_n: dict[str, list[float]] = {}  # wake-ups by where and how many in flight
         seen: set[tuple[float, ...]] = set()
         for fname, got in points.items():
             for g in got.get("gauges") or []:
@@ -1085,10 +1103,15 @@ def lone_gap(real: Path, shares: dict[str, dict[str, Any]]
                 label = "gauges" + (f" qps{g['qps']:g}" if g.get("qps") else "")
                 groups.setdefault(label, {}).update(segments.alone(
                     segments.within(marks, tuple(g["window"]))))
-                path = real / WAKES / f"{GAUGES}/{Path(g['file']).stem}.json"
-                if path.exists():
-                    gauge_wakes += [w for per in json.loads(path.read_text()).values()
-                                    for _, w in per]
+                for k, ws in wakes_in_flight(real / WAKES / f"{GAUGES}/"
+                                             f"{Path(g['file']).stem}.json",
+                                             segments.within(marks, tuple(g["window"])),
+                                             "gauges").items():
+                    by_n.setdefault(k, []).extend(ws)
+            for k, ws in wakes_in_flight(real / WAKES / f"{Path(fname).stem}.json",
+                                         segments.within(marks, tuple(got["window"])),
+                                         "points").items():
+                by_n.setdefault(k, []).extend(ws)
             rate = f"qps{float(NAME.match(fname)['qps']):g}"  # type: ignore[index]
             groups.setdefault(rate, {}).update(segments.alone(
                 segments.within(marks, tuple(got["window"]))))
@@ -1110,22 +1133,9 @@ def lone_gap(real: Path, shares: dict[str, dict[str, Any]]
             if any(n in means[g] for g in gauge_groups):
                 rows.append(f"| {n} | " + " | ".join(
                     f"{means[g][n]:.1f}" if n in means[g] else "-" for g in groups) + " |")
-        wakes: dict[str, dict[str, float]] = {}
-        if gauge_wakes:
-            by_n: dict[str, list[float]] = {"gauges": gauge_wakes}
-            for fname, got in points.items():
-                path = real / WAKES / f"{Path(fname).stem}.json"
-                if not path.exists():
-                    continue
-                at = [(t, w) for per in json.loads(path.read_text()).values()
-                      for t, w in per]
-                for n, ws in segments.wakes_by_flight(
-                        segments.within(marks, tuple(got["window"])), at).items():
-                    if n:
-                        by_n.setdefault("points, 1 in flight" if n == 1 else
-                                        "points, 2+ in flight", []).extend(ws)
-            wakes = {g: {"n": len(ws), "mean_ms": round(statistics.fmean(ws) * 1e3, 3),
-                         "p99_ms": round(q(ws, 0.99) * 1e3, 3)} for g, ws in by_n.items()}
+        wakes = {g: {"n": len(ws), "mean_ms": round(statistics.fmean(ws) * 1e3, 3),
+                     "p99_ms": round(q(ws, 0.99) * 1e3, 3)} for g, ws in sorted(by_n.items())}
+        if wakes:
             rows += ["", "| probe wake-ups | n | mean (ms) | p99 (ms) |", "|---|---|---|---|"]
             rows += [f"| {g} | {w['n']} | {w['mean_ms']:.2f} | {w['p99_ms']:.2f} |"
                      for g, w in wakes.items()]

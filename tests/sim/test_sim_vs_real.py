@@ -582,7 +582,7 @@ def test_lone_requests_of_the_gauges_are_set_against_those_of_the_points(
         tmp_path: Path) -> None:
     """lone_gap: per mode, the lone requests of the gauges (by the rate they recorded)
     and of the points (by rate), each segment's mean; and the probe's wake-ups during
-    the gauges against those during the points by requests in flight."""
+    the gauges and during the points by requests in flight (idle ones left out)."""
     bench = bench_sim_vs_real()
     real = tmp_path / "real"
     pattern = {"legs_sent": 0.0, "prefill_seen": 4, "prefill_finished": 9,
@@ -610,7 +610,7 @@ def test_lone_requests_of_the_gauges_are_set_against_those_of_the_points(
     (out / "timeline-1.jsonl").write_text("\n".join(lines) + "\n")
     (real / "wakes" / "gauge").mkdir(parents=True)
     (real / "wakes" / "gauge" / "g_before.json").write_text(json.dumps(
-        {"0": [[100.5, 0.001], [101.5, 0.003]]}))
+        {"0": [[100.01, 0.001], [101.02, 0.003], [100.5, 0.9]]}))
     (real / "wakes" / "pull_qps2_in64_out24_iter0.json").write_text(json.dumps(
         {"0": [[200.01, 0.010], [200.5, 0.5]], "1": [[202.02, 0.020]]}))
     shares = {"pull_qps2_in64_out24_iter0.json": {"window": point, "gauges": [gauge]}}
@@ -622,8 +622,9 @@ def test_lone_requests_of_the_gauges_are_set_against_those_of_the_points(
     assert reqs["qps2"]["mean_ms"]["decode arrives -> sees"] == pytest.approx(15.0)
     assert reqs["qps2"]["mean_ms"]["legs out -> first token"] == pytest.approx(38.0)
     wakes = got["pull"]["wakes"]
-    assert wakes["gauges"] == {"n": 2, "mean_ms": 2.0, "p99_ms": 3.0}
-    assert wakes["points, 1 in flight"]["n"] == 2  # the one at 200.5 s found none
+    assert list(wakes) == ["gauges, 1 in flight", "points, 1 in flight"]
+    assert wakes["gauges, 1 in flight"] == {"n": 2, "mean_ms": 2.0, "p99_ms": 3.0}
+    assert wakes["points, 1 in flight"]["n"] == 2  # the ones at 100.5, 200.5 s found none
     assert wakes["points, 1 in flight"]["mean_ms"] == pytest.approx(15.0)
     assert "| decode arrives -> sees | 5.0 | 15.0 |" in text
     assert bench.lone_gap(real, {}) == ("", {})
