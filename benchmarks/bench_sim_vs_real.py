@@ -221,12 +221,12 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
             for input_len, q in todo:
                 fname = file_name(mode, q, input_len, args.output_len, it)
                 stem = Path(fname).stem
+                rate = gauge_rate(args, q)
                 if args.gauge:  # lone requests at the point's lengths, just before it
-                    if last is None or (last["input_len"], last["qps"]) != (
-                            input_len, gauge_rate(args, q)):
+                    if last is None or (last["input_len"], last["qps"]) != (input_len, rate):
                         last = gauge(ep.target.url, str(model), real, f"{stem}_before",
                                      input_len, args, seed=next(seeds), client=client,
-                                     qps=gauge_rate(args, q))
+                                     qps=rate)
                     before_gauge = last
                 before = server_metrics(dep)
                 waited = runq_waits(dep, ep)
@@ -266,7 +266,7 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
                     waited = runq_waits(dep, ep)
                     last = gauge(ep.target.url, str(model), real, f"{stem}_after",
                                  input_len, args, seed=next(seeds), client=client,
-                                 qps=gauge_rate(args, q))
+                                 qps=rate)
                     got["gauge_runq_wait_ms"] = per_request(
                         waited, runq_waits(dep, ep), args.gauge)
                     got["gauges"] = [before_gauge, last]
@@ -1092,35 +1092,31 @@ def lone_gap(real: Path, shares: dict[str, dict[str, Any]]
         if not points or not all(d.is_dir() for d in dirs):
             continue
         marks = segments.load(dirs)
-        groups: dict[str, dict[str, dict[str, float]]] = {}
-        by_n: dict[str, list[float]] = {}  # wake-ups by where and how many in flight
-        seen: set[tuple[float, ...]] = set()
+        # (gauges?, rate or 0 where unrecorded) -> lone requests; wake-ups by group
+        lone: dict[tuple[bool, float], dict[str, dict[str, float]]] = {}
+        by_n: dict[str, list[float]] = {}
+        windows = {tuple(g["window"]): g for got in points.values()
+                   for g in got.get("gauges") or []}  # a gauge two points share once
+        for window, g in windows.items():
+            reqs = segments.within(marks, window)
+            lone.setdefault((True, g.get("qps") or 0.0), {}).update(segments.alone(reqs))
+            for k, ws in wakes_in_flight(real / WAKES / f"{GAUGES}/"
+                                         f"{Path(g['file']).stem}.json", reqs,
+                                         "gauges").items():
+                by_n.setdefault(k, []).extend(ws)
         for fname, got in points.items():
-            for g in got.get("gauges") or []:
-                if tuple(g["window"]) in seen:
-                    continue
-                seen.add(tuple(g["window"]))
-                label = "gauges" + (f" qps{g['qps']:g}" if g.get("qps") else "")
-                groups.setdefault(label, {}).update(segments.alone(
-                    segments.within(marks, tuple(g["window"]))))
-                for k, ws in wakes_in_flight(real / WAKES / f"{GAUGES}/"
-                                             f"{Path(g['file']).stem}.json",
-                                             segments.within(marks, tuple(g["window"])),
-                                             "gauges").items():
-                    by_n.setdefault(k, []).extend(ws)
-            for k, ws in wakes_in_flight(real / WAKES / f"{Path(fname).stem}.json",
-                                         segments.within(marks, tuple(got["window"])),
+            reqs = segments.within(marks, tuple(got["window"]))
+            rate = float(NAME.match(fname)["qps"])  # type: ignore[index]
+            lone.setdefault((False, rate), {}).update(segments.alone(reqs))
+            for k, ws in wakes_in_flight(real / WAKES / f"{Path(fname).stem}.json", reqs,
                                          "points").items():
                 by_n.setdefault(k, []).extend(ws)
-            rate = f"qps{float(NAME.match(fname)['qps']):g}"  # type: ignore[index]
-            groups.setdefault(rate, {}).update(segments.alone(
-                segments.within(marks, tuple(got["window"]))))
-        gauge_groups = [g for g in groups if g.startswith("gauges")]
-        if not gauge_groups:
+        if not windows:
             continue
-        groups = {g: groups[g] for g in sorted(groups, key=lambda g: (
-            not g.startswith("gauges"), float(g.rsplit("qps", 1)[-1] or 0)
-            if "qps" in g else 0.0))}
+        groups = {("gauges" + (f" qps{r:g}" if r else "") if is_gauge else f"qps{r:g}"): reqs
+                  for (is_gauge, r), reqs in sorted(lone.items(),
+                                                    key=lambda kv: (not kv[0][0], kv[0][1]))}
+        gauge_groups = [g for g in groups if g.startswith("gauges")]
         rows = ["| segment (mean, ms) | " + " | ".join(
                     f"{g} ({len(r)})" for g, r in groups.items()) + " |",
                 "|---|" + "---|" * len(groups)]
