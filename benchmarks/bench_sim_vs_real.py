@@ -1194,8 +1194,9 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     A point's (the first, by result file name): the lone requests of its two gauges,
     its own pair's, just before and after it, at its lengths -- the step overheads and
     the keys its mode's timeline shows, against the profile with the run's keys, and
-    ``network.client_hop_s`` from the gauges' own client latencies
-    (:func:`~pushkv.sim.measure_connector.client_hop`), and each engine's
+    ``network.client_hop_s`` and ``network.client_first_s`` from the gauges' own client
+    results (:func:`~pushkv.sim.measure_connector.client_hop`,
+    :func:`~pushkv.sim.measure_connector.client_first`), and each engine's
     ``cores_busy`` and decode's ``token_work_s`` as :func:`cores_busy` measured its
     deployment, the mean over the run's starts of it. Nothing comes from the
     points themselves.
@@ -1211,7 +1212,7 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     point's own gauges' keys as measured). MeasurementError when a gauge lacks a segment."""
     from pushkv.sim import segments
     from pushkv.sim.measure import MeasurementError
-    from pushkv.sim.measure_connector import client_hop, host_spread, shrink_keys
+    from pushkv.sim.measure_connector import client_first, client_hop, host_spread, shrink_keys
     from pushkv.sim.measure_connector import gauge_keys as keys_of
     from pushkv.sim.profile import load_profile, profile_from_dict
 
@@ -1302,12 +1303,14 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
                                              steps_while_holding=holding)
         if got.get("host_cores"):  # the machine the point and its gauges ran on
             keys.setdefault("control", {})["host_cores"] = int(got["host_cores"])
-        hops = []
+        hops, firsts = [], []
         for g in got["gauges"]:
             router = marks(fname, True, g["window"])
-            latencies = json.loads((real / g["file"]).read_text()).get("latencies") or []
-            hops.append((router, latencies, 1.0))
-        keys["network"] = {"client_hop_s": client_hop(hops)}
+            result = json.loads((real / g["file"]).read_text())
+            hops.append((router, result.get("latencies") or [], 1.0))
+            firsts.append((router, result))
+        keys["network"] = {"client_hop_s": client_hop(hops),
+                           "client_first_s": client_first(firsts)}
         points[fname] = {side: {**run.get(side, {}), **keys.get(side, {})}
                          for side in {*run, *keys}}  # the point's over the run's
     return points, run

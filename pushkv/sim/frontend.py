@@ -75,11 +75,15 @@ class Frontend:
         #: extra run-queue waits of a frontend woken beside other requests
         #: (``control.wake_beside_s``) and the requests in flight now, set by the runner
         self.wakes: Spread | None = None
+        #: the same waits for a process that queues no work here (the router), drawn
+        #: from a stream of their own (:meth:`wake_wait`)
+        self.intake_wakes: Spread | None = None
         self.in_flight: Callable[[], int] = lambda: 0
         self.woken = 0  #: jobs that waited one
         self.woke_s = 0.0  #: and the time they waited
         self._gates: dict[str, simpy.Event] = {}  #: a request's token waiting for a core
         self._by_process: dict[str, int] = {}  #: jobs pending, by the process they wake
+        self._waking: dict[str, float] = {}  #: a waking process without jobs: until when
 
     def serve(self, service_s: float, then: Callable[[], None], wait_s: float = 0.0,
               started: Callable[[], None] | None = None, gate: str | None = None,
@@ -94,6 +98,25 @@ class Frontend:
         self._by_process[process] = self._by_process.get(process, 0) + 1
         wake = self.wakes(1.0) if self.wakes is not None and self.beside(process) else 0.0
         self.env.process(self._job(service_s, then, wait_s, started, wake, gate, process))
+
+    def wake_wait(self, process: str) -> float:
+        """How long ``process``, one that queues no work here (the router), takes to
+        take up a request that reaches it now: what is left of a wake-up already under
+        way; else, woken while another request is in flight, a drawn run-queue wait
+        (``control.wake_beside_s``) that requests reaching it meanwhile wait out too;
+        else 0."""
+        now = self.env.now
+        until = self._waking.get(process)
+        if until is not None and until > now:
+            return until - now
+        if self.intake_wakes is None or self.in_flight() <= 1:
+            return 0.0
+        wait = self.intake_wakes(1.0)
+        if wait > 0:
+            self._waking[process] = now + wait
+            self.woken += 1
+            self.woke_s += wait
+        return wait
 
     def beside(self, process: str = "") -> bool:
         """Whether a job arriving now (counted in the pending) wakes ``process`` while

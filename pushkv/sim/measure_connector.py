@@ -337,6 +337,34 @@ def client_hop(points: Sequence[tuple[dict[str, dict[str, float]], Sequence[floa
     return _median_s({"client": gaps}, "client", "network.client_hop_s")
 
 
+def client_first(points: Sequence[tuple[dict[str, dict[str, float]], dict[str, Any]]]
+                 ) -> float:
+    """``network.client_first_s`` from runs through a router whose requests went one at
+    a time: per point, the router's requests (per request id its marks) and the
+    client's result (a ``vllm bench serve`` result file: ``completed``,
+    ``mean_ttft_ms``, ``mean_e2el_ms``). The router's mean 'first token -> answer sent'
+    less the client's mean 'first token -> last token': how much later the first
+    output reaches the client than a later one does, beyond the router's marks. The
+    mean over the points, at least 0 (s). MeasurementError when a point's counts differ
+    or a figure is missing or not finite."""
+    got: list[float] = []
+    for requests, result in points:
+        spans = [r["answer_sent"] - r["first_token"] for r in requests.values()
+                 if "first_token" in r and "answer_sent" in r]
+        done = result.get("completed")
+        if not spans or done != len(spans):
+            raise MeasurementError(f"the router saw {len(spans)} answered requests, the "
+                                   f"client completed {done!r}: cannot pair them")
+        ttft, e2e = result.get("mean_ttft_ms"), result.get("mean_e2el_ms")
+        if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (ttft, e2e)):
+            raise MeasurementError(f"the client's mean TTFT and end-to-end latency must "
+                                   f"be finite numbers, got {ttft!r} and {e2e!r}")
+        got.append(statistics.fmean(spans) - (e2e - ttft) / 1000)  # type: ignore[operator]
+    if not got:
+        raise MeasurementError("no point to measure network.client_first_s from")
+    return max(0.0, statistics.fmean(got))
+
+
 def with_connector_keys(data: dict[str, Any], keys: dict[str, dict[str, float]]
                         ) -> dict[str, Any]:
     """``data`` (a profile's tables) with ``keys`` merged in (a key there is replaced),

@@ -45,19 +45,27 @@ class RequestMetrics:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-def client_times(req: SimRequest, return_s: float = 0.0) -> list[float]:
+def client_times(req: SimRequest, return_s: float = 0.0, first_s: float = 0.0
+                 ) -> list[float]:
     """When the client got each token: as the frontend queue delivered them, else
-    ``return_s`` after decode emitted them."""
-    if req.client_times:
-        return list(req.client_times)
-    return [t + return_s for t in req.token_times]
+    ``return_s`` after decode emitted them; the first ``first_s`` later
+    (``network.client_first_s``), and no later token before it."""
+    times = list(req.client_times) if req.client_times else [
+        t + return_s for t in req.token_times]
+    if first_s > 0 and times:
+        times[0] += first_s
+        for i in range(1, len(times)):
+            if times[i] < times[i - 1]:
+                times[i] = times[i - 1]
+    return times
 
 
-def measure(req: SimRequest, return_s: float = 0.0) -> RequestMetrics:
+def measure(req: SimRequest, return_s: float = 0.0, first_s: float = 0.0
+            ) -> RequestMetrics:
     """The client's view: tokens reach it ``return_s`` after decode emits them (with a
-    frontend queue, when it delivered them)."""
+    frontend queue, when it delivered them), the first ``first_s`` later still."""
     ok = req.outcome is Outcome.OK
-    times = client_times(req, return_s) if ok else []
+    times = client_times(req, return_s, first_s) if ok else []
     ttft = times[0] - req.arrival if times else 0.0
     return RequestMetrics(
         success=ok,
@@ -120,10 +128,11 @@ def vllm_result(
     label: str,
     extra: dict[str, Any],
     return_s: float = 0.0,
+    first_s: float = 0.0,
 ) -> dict[str, Any]:
     """The JSON object ``vllm bench serve --save-result --save-detailed`` writes."""
     ordered = sorted(requests, key=lambda r: r.spec.index)
-    ms = [measure(r, return_s) for r in ordered]
+    ms = [measure(r, return_s, first_s) for r in ordered]
     ok = [m for m in ms if m.success]
     total_input = sum(m.prompt_len for m in ok)
     output_lens = [m.output_tokens if m.success else 0 for m in ms]

@@ -463,6 +463,19 @@ class NetworkProfile:
         "'legs out -> answer sent' (pushkv.sim.measure_connector.client_hop; "
         "benchmarks/bench_sim_vs_real.py --client-hop)",
     )
+    client_first_s: float = _f(
+        0.0,
+        "what the first output's way from the router to the client takes beyond a later "
+        "output's (the response's start and the client's first chunk): added to the "
+        "first token's arrival at the client alone, so a lone request's TTFT is the "
+        "client's and its end-to-end latency is unchanged (client_hop_s holds the way "
+        "every output takes); later tokens never reach the client before it",
+        "measured per real run through a router, on requests sent one at a time: the "
+        "router's mean 'first token -> answer sent' less the client's mean 'first token "
+        "-> last token' (its result file's mean end-to-end latency less its mean TTFT) "
+        "(pushkv.sim.measure_connector.client_first; bench_sim_vs_real.gauge_keys; "
+        "docs/sim.md, 'The client's first token')",
+    )
     notify_wait_s: float = _f(
         0.0,
         "what a write and its notification take on the connector servers beyond the "
@@ -564,8 +577,10 @@ class ControlProfile:
         "prefill answer, a token's way out) that wakes its process (an instance's API "
         "server, none of whose jobs is pending) while another request is in flight waits "
         "one, drawn at random, before its turn on the frontend queue, holding no core; a "
-        "request's later tokens wait behind it (pushkv.sim.frontend; needs "
-        "frontend_cores); empty: no extra wait",
+        "request's later tokens wait behind it; the router, woken by a request while "
+        "another is in flight, takes it up after one too, drawn from a stream of its "
+        "own, and requests reaching it meanwhile wait with it (pushkv.sim.frontend; "
+        "needs frontend_cores); empty: no extra wait",
         "measured: the core probe's wake-ups during a run's points against their "
         "timelines, the quantiles of those with two or more requests in flight less the "
         "same quantiles of those with one, pooled over the run "
@@ -711,7 +726,8 @@ class Profile:
             raise ProfileError(f"control.wake_beside_s waits must be in [0, {MAX_WAKE_S}] "
                                f"s, got {bad[0]}")
         for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "client_hop_s",
-                     "post_fixed_s", "post_per_descriptor_s", "notify_wait_s"):
+                     "client_first_s", "post_fixed_s", "post_per_descriptor_s",
+                     "notify_wait_s"):
             if getattr(n, name) < 0:
                 raise ProfileError(f"network.{name} must be >= 0")
         return self
@@ -754,7 +770,7 @@ class Profile:
                 n, post_fixed_s=n.post_fixed_s / both,
                 post_per_descriptor_s=n.post_per_descriptor_s / both,
                 router_hop_s=n.router_hop_s / both, client_hop_s=n.client_hop_s / both,
-                notify_wait_s=n.notify_wait_s / both),
+                client_first_s=n.client_first_s / both, notify_wait_s=n.notify_wait_s / both),
             control=dataclasses.replace(c, message_send_s=c.message_send_s / both,
                                         message_recv_s=c.message_recv_s / both))
 

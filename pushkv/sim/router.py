@@ -37,6 +37,9 @@ from .transport import SimTransport
 
 E = TypeVar("E", PrefillEngine, DecodeEngine)
 
+#: the router's process, as the frontends' wake-ups name it
+ROUTER = "router"
+
 
 class Router:
     """Dispatches requests to prefill and decode instances."""
@@ -98,7 +101,16 @@ class Router:
     # --------------------------------------------------------------- requests
 
     def arrive(self, req: SimRequest) -> None:
-        """A client request reaches the proxy."""
+        """A client request reaches the proxy, which takes it up once awake: woken while
+        another request is in flight, it first waits for a core
+        (:meth:`Frontend.wake_wait`, ``control.wake_beside_s``)."""
+        wait = self.frontend.wake_wait(ROUTER) if self.frontend is not None else 0.0
+        if wait > 0:
+            self.env.timeout(wait).callbacks.append(lambda _: self._take(req))
+        else:
+            self._take(req)
+
+    def _take(self, req: SimRequest) -> None:
         p = self._pick(self.prefills, "p")
         if p is None:
             self._no_prefill(req)

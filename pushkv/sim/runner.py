@@ -173,6 +173,9 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         # its own stream, spawned after the others: a profile without it draws nothing
         frontend.wakes = Spread(profile.control.wake_beside_s,
                                 np.random.default_rng(seeds.spawn(1)[0]))
+        # the router's wake-ups draw from a stream of their own, the jobs' draws as before
+        frontend.intake_wakes = Spread(profile.control.wake_beside_s,
+                                       np.random.default_rng(seeds.spawn(1)[0]))
         frontend.in_flight = lambda: arrived[0] - len(recorder.ended)
 
     for r in reqs:
@@ -198,10 +201,11 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         reqs, duration=end + profile.network.router_hop_s, model_id=profile.model.name,
         request_rate=cfg.workload.request_rate, burstiness=cfg.workload.burstiness,
         label=cfg.label(), extra=extra, return_s=return_s,
+        first_s=profile.network.client_first_s,
     )
     if timeline is not None:  # the client's marks: tokens as the result file counts them
         for r in reqs:
-            times = client_times(r, return_s)
+            times = client_times(r, return_s, profile.network.client_first_s)
             if r.outcome is Outcome.OK and times:
                 timeline.mark(r.transfer_id, "first_token", times[0])
                 timeline.mark(r.transfer_id, "last_token", times[-1])

@@ -1,7 +1,7 @@
 """The router's side of a request: the client's way to and from the router
-(network.client_hop_s), the prefill answer's way out (prefill.return_s, a frontend job
-with the queue on), a pull's read posted by the worker (order_handoff_s); each
-measured from a real run's marks."""
+(network.client_hop_s) and its first output's extra way (network.client_first_s), the
+prefill answer's way out (prefill.return_s, a frontend job with the queue on), a pull's
+read posted by the worker (order_handoff_s); each measured from a real run's marks."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytest.importorskip("simpy")
 from sim_helpers import bench_sim_vs_real, config
 
 from pushkv.sim.measure import MeasurementError
-from pushkv.sim.measure_connector import client_hop, pull_keys
+from pushkv.sim.measure_connector import client_first, client_hop, pull_keys
 from pushkv.sim.profile import DEFAULT, ProfileError, load_profile, profile_from_dict
 from pushkv.sim.runner import run
 
@@ -73,6 +73,76 @@ def test_client_hop_scales_with_the_cores_share() -> None:
     prof = _with({"network": {"client_hop_s": 0.002},
                   "prefill": {"cpu_share": 0.5}, "decode": {"cpu_share": 0.5}})
     assert prof.on_shared_cores().network.client_hop_s == pytest.approx(0.004)
+
+
+# ----------------------------------------------------------------- client_first_s
+
+
+def test_client_first_is_off_by_default_and_validated() -> None:
+    assert DEFAULT.network.client_first_s == 0.0 and TINY.network.client_first_s == 0.0
+    for bad, words in ((-0.001, "must be >= 0"), (math.inf, "must be a finite")):
+        with pytest.raises(ProfileError, match=f"network.client_first_s {words}"):
+            profile_from_dict({"network": {"client_first_s": bad}})
+
+
+@pytest.mark.parametrize("cores", [0, 1])
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_client_first_delays_the_first_token_alone_not_the_answer(mode: str,
+                                                                 cores: int) -> None:
+    """A lone request: its TTFT grows by exactly the key, its end-to-end latency not at
+    all (the later tokens' way is client_hop_s's), so its first gap shrinks by it."""
+    base = _alone(_with(frontend_cores=cores), mode)
+    x = base["itls"][0][0] / 2  # shorter than the first gap
+    first = _alone(_with({"network": {"client_first_s": x}}, frontend_cores=cores), mode)
+    assert first["ttfts"][0] - base["ttfts"][0] == pytest.approx(x, abs=1e-9)
+    assert first["latencies"] == base["latencies"]
+    gaps, was = first["itls"][0], base["itls"][0]
+    assert gaps[0] == pytest.approx(was[0] - x, abs=1e-9)
+    assert gaps[1:] == was[1:]
+
+
+def test_no_later_token_reaches_the_client_before_the_first() -> None:
+    """A first output later than the next tokens' whole gaps: they wait for it (the
+    client reads its stream in order), the answer's end unchanged."""
+    base = _alone(_with(frontend_cores=1), "push")
+    x = 3 * max(base["itls"][0])
+    first = _alone(_with({"network": {"client_first_s": x}}, frontend_cores=1), "push")
+    assert first["ttfts"][0] == pytest.approx(base["ttfts"][0] + x, abs=1e-9)
+    assert all(gap >= 0 for gap in first["itls"][0])
+    assert first["itls"][0][0] == 0.0  # the second token waited for the first
+    assert first["latencies"][0] == pytest.approx(
+        max(base["latencies"][0], first["ttfts"][0]), abs=1e-9)
+
+
+def test_client_first_scales_with_the_cores_share() -> None:
+    prof = _with({"network": {"client_first_s": 0.001},
+                  "prefill": {"cpu_share": 0.5}, "decode": {"cpu_share": 0.5}})
+    assert prof.on_shared_cores().network.client_first_s == pytest.approx(0.002)
+
+
+def test_client_first_is_the_routers_stream_less_the_clients() -> None:
+    """The router's 'first token -> answer sent' is 10 ms a request (_router); a client
+    that saw 8.5 ms from its first token to its last got the first 1.5 ms later."""
+    reqs = _router(4)
+    result = {"completed": 4, "mean_ttft_ms": 12.0, "mean_e2el_ms": 20.5}
+    assert client_first([(reqs, result)]) == pytest.approx(0.0015)
+    other = {"completed": 4, "mean_ttft_ms": 12.0, "mean_e2el_ms": 21.5}  # 0.5 ms
+    assert client_first([(reqs, result), (reqs, other)]) == pytest.approx(0.001)
+    # a client that saw the stream longer than the router did: nothing later, 0
+    assert client_first([(reqs, {**result, "mean_e2el_ms": 23.0})]) == 0.0
+
+
+def test_client_first_refuses_what_it_cannot_pair_or_read() -> None:
+    reqs = _router(3)
+    with pytest.raises(MeasurementError, match="cannot pair"):
+        client_first([(reqs, {"completed": 2, "mean_ttft_ms": 1.0, "mean_e2el_ms": 2.0})])
+    with pytest.raises(MeasurementError, match="finite"):
+        client_first([(reqs, {"completed": 3, "mean_ttft_ms": math.nan,
+                              "mean_e2el_ms": 2.0})])
+    with pytest.raises(MeasurementError, match="finite"):
+        client_first([(reqs, {"completed": 3, "mean_e2el_ms": 2.0})])
+    with pytest.raises(MeasurementError, match="no point"):
+        client_first([])
 
 
 # -------------------------------------------------------------- prefill.return_s

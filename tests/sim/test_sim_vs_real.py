@@ -45,6 +45,11 @@ def test_the_simulator_half_runs_on_real_results(tmp_path: Path) -> None:
     assert summaries["steps"]["ttft_ratio_max"] > summaries["own"]["ttft_ratio_max"]
 
 
+#: how much later the synthetic gauges' client gets a request's first output than a
+#: later one, beyond the router's marks (network.client_first_s)
+FIRST_LATER_S = 0.0012
+
+
 def _gauged_run(tmp_path: Path, *, slow: float = 1.0, iterations: int = 1,
                 scales: tuple[float, ...] = (),
                 rates: dict[int, float] | None = None) -> tuple[Path, dict]:
@@ -85,13 +90,15 @@ def _gauged_run(tmp_path: Path, *, slow: float = 1.0, iterations: int = 1,
         for side in ("before", "after"):
             scale = base * (scales[nth[mode] % len(scales)] if scales else 1.0)
             nth[mode] += 1
-            marks, lat = {}, []
+            marks, lat, ttft = {}, [], []
             t0 = t
             for i in range(5):
                 rid = f"{fname}-{side}-{i}"
                 marks[rid] = {e: t + ms * scale / 1e3 for e, ms in pattern.items()}
                 lat.append((pattern["answer_sent"] - pattern["legs_sent"]) * scale / 1e3
                            + 0.0015)
+                ttft.append((pattern["first_token"] - pattern["legs_sent"]) * scale / 1e3
+                            + 0.0015 + FIRST_LATER_S)
                 t += 1.0
             for d, keep in ((router, {"received", "legs_sent", "first_token", "last_token",
                                       "answer_sent"}), (deployment, None)):
@@ -105,7 +112,10 @@ def _gauged_run(tmp_path: Path, *, slow: float = 1.0, iterations: int = 1,
                                                     "p": d}) + "\n")
             name = f"gauge/{Path(fname).stem}_{side}.json"
             (real / "gauge").mkdir(exist_ok=True)
-            (real / name).write_text(json.dumps({"latencies": lat}))
+            (real / name).write_text(json.dumps({
+                "latencies": lat, "completed": len(lat),
+                "mean_ttft_ms": sum(ttft) / len(ttft) * 1e3,
+                "mean_e2el_ms": sum(lat) / len(lat) * 1e3}))
             gauges.append({"window": [t0, t], "file": name, "input_len": 64})
             if rates is not None:
                 gauges[-1]["qps"] = rates[_by_iteration(fname)[0]]
@@ -172,6 +182,8 @@ def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: 
         0.046 / 23 - bench_profile().decode.step_token_s)
     assert push["network"]["client_hop_s"] == pytest.approx(0.0015)
     assert pull["network"]["client_hop_s"] == pytest.approx(0.0015)
+    for point in (push, pull):  # the client's first output, later than the others
+        assert point["network"]["client_first_s"] == pytest.approx(FIRST_LATER_S)
     # the pull point keeps the push gauges' decode ingestion (its own timeline has none)
     assert pull["decode"]["ingest_s"] == pytest.approx(run["decode"]["ingest_s"])
     assert pull["prefill"]["ingest_s"] == pytest.approx(

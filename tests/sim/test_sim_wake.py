@@ -126,6 +126,46 @@ def test_a_requests_tokens_stay_in_order_behind_a_waiting_one() -> None:
     assert b.client_times == [pytest.approx(0.004)]  # queued behind nothing waiting
 
 
+def test_the_router_woken_beside_another_request_takes_it_up_after_a_wait() -> None:
+    """A process that queues no work (the router): alone in flight, no wait; beside
+    another, exactly its draw; a request reaching it meanwhile waits out the same
+    wake-up (one process, woken once); once awake and idle again, a new draw."""
+    w = 0.010
+    env, fe = _frontend(0.0, 1)
+    fe.intake_wakes = Spread((w,), np.random.default_rng(0))
+    assert fe.wake_wait("router") == 0.0 and fe.woken == 0  # alone
+    fe.in_flight = lambda: 2
+    got: list[float] = []
+    env.timeout(0.100).callbacks.append(lambda _: got.append(fe.wake_wait("router")))
+    env.timeout(0.104).callbacks.append(lambda _: got.append(fe.wake_wait("router")))
+    env.timeout(0.104).callbacks.append(lambda _: got.append(fe.wake_wait("other")))
+    env.timeout(0.200).callbacks.append(lambda _: got.append(fe.wake_wait("router")))
+    env.run()
+    assert got == [pytest.approx(w), pytest.approx(w - 0.004), pytest.approx(w),
+                   pytest.approx(w)]
+    assert fe.woken == 3 and fe.woke_s == pytest.approx(3 * w)
+
+
+def _received(profile, n: int = 2):  # type: ignore[no-untyped-def]
+    """Each request's 'received' mark less its send time, ``n`` sent at once."""
+    from pushkv.sim.marks import Timeline
+
+    cfg = dataclasses.replace(config("push", qps=math.inf, input_len=128, output_len=8,
+                                     num_prompts=n), profile=profile)
+    tl = Timeline()
+    res = run(cfg, timeline=tl)
+    return [tl.requests[f"req-{i}"]["received"] - res.result["start_times"][i]
+            for i in range(n)]
+
+
+def test_a_request_reaching_the_router_beside_another_is_taken_up_a_wake_later() -> None:
+    """Two requests sent at once: the first finds none in flight and is taken up at
+    once; the second, beside it, a constant wake-up later. Without waits, both at once."""
+    w = 0.004
+    assert _received(SHARED) == [0.0, 0.0]
+    assert _received(_with((w,))) == [0.0, pytest.approx(w)]
+
+
 def test_waits_of_zero_give_the_old_result_exactly() -> None:
     """Its draws come from a stream of their own: nothing else moves."""
     for mode in ("push", "pull"):
