@@ -173,7 +173,8 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         # its own stream, spawned after the others: a profile without it draws nothing
         frontend.wakes = Spread(profile.control.wake_beside_s,
                                 np.random.default_rng(seeds.spawn(1)[0]))
-        # the router's wake-ups draw from a stream of their own, the jobs' draws as before
+        # the router's wake-ups draw from a stream of their own: they take no draw of the
+        # jobs' stream
         frontend.intake_wakes = Spread(profile.control.wake_beside_s,
                                        np.random.default_rng(seeds.spawn(1)[0]))
         frontend.in_flight = lambda: arrived[0] - len(recorder.ended)
