@@ -51,11 +51,13 @@ def _alone(profile, mode: str):  # type: ignore[no-untyped-def]
 # ------------------------------------------------------------------ client_hop_s
 
 
-def test_client_hop_is_off_by_default_and_validated() -> None:
-    assert DEFAULT.network.client_hop_s == 0.0 and TINY.network.client_hop_s == 0.0
-    for bad, words in ((-0.001, "must be >= 0"), (math.nan, "must be a finite")):
-        with pytest.raises(ProfileError, match=f"network.client_hop_s {words}"):
-            profile_from_dict({"network": {"client_hop_s": bad}})
+@pytest.mark.parametrize("key", ["client_hop_s", "client_first_s"])
+def test_the_clients_keys_are_off_by_default_and_validated(key: str) -> None:
+    assert getattr(DEFAULT.network, key) == 0.0 and getattr(TINY.network, key) == 0.0
+    for bad, words in ((-0.001, "must be >= 0"), (math.nan, "must be a finite"),
+                       (math.inf, "must be a finite")):
+        with pytest.raises(ProfileError, match=f"network.{key} {words}"):
+            profile_from_dict({"network": {key: bad}})
 
 
 @pytest.mark.parametrize("cores", [0, 1])
@@ -69,20 +71,14 @@ def test_client_hop_adds_exactly_itself_to_ttft_alone_not_to_tpot(mode: str,
     assert hop["itls"] == base["itls"]
 
 
-def test_client_hop_scales_with_the_cores_share() -> None:
-    prof = _with({"network": {"client_hop_s": 0.002},
+@pytest.mark.parametrize("key", ["client_hop_s", "client_first_s"])
+def test_the_clients_keys_scale_with_the_cores_share(key: str) -> None:
+    prof = _with({"network": {key: 0.002},
                   "prefill": {"cpu_share": 0.5}, "decode": {"cpu_share": 0.5}})
-    assert prof.on_shared_cores().network.client_hop_s == pytest.approx(0.004)
+    assert getattr(prof.on_shared_cores().network, key) == pytest.approx(0.004)
 
 
 # ----------------------------------------------------------------- client_first_s
-
-
-def test_client_first_is_off_by_default_and_validated() -> None:
-    assert DEFAULT.network.client_first_s == 0.0 and TINY.network.client_first_s == 0.0
-    for bad, words in ((-0.001, "must be >= 0"), (math.inf, "must be a finite")):
-        with pytest.raises(ProfileError, match=f"network.client_first_s {words}"):
-            profile_from_dict({"network": {"client_first_s": bad}})
 
 
 @pytest.mark.parametrize("cores", [0, 1])
@@ -112,12 +108,6 @@ def test_no_later_token_reaches_the_client_before_the_first() -> None:
     assert first["itls"][0][0] == 0.0  # the second token waited for the first
     assert first["latencies"][0] == pytest.approx(
         max(base["latencies"][0], first["ttfts"][0]), abs=1e-9)
-
-
-def test_client_first_scales_with_the_cores_share() -> None:
-    prof = _with({"network": {"client_first_s": 0.001},
-                  "prefill": {"cpu_share": 0.5}, "decode": {"cpu_share": 0.5}})
-    assert prof.on_shared_cores().network.client_first_s == pytest.approx(0.002)
 
 
 def test_client_first_is_the_routers_stream_less_the_clients() -> None:
