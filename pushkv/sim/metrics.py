@@ -54,9 +54,10 @@ def client_times(req: SimRequest, return_s: float = 0.0, first_s: float = 0.0
         t + return_s for t in req.token_times]
     if first_s > 0 and times:
         times[0] += first_s
-        for i in range(1, len(times)):
-            if times[i] < times[i - 1]:
-                times[i] = times[i - 1]
+        for i in range(1, len(times)):  # in order already: only a prefix can trail it
+            if times[i] >= times[i - 1]:
+                break
+            times[i] = times[i - 1]
     return times
 
 
