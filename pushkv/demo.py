@@ -154,7 +154,7 @@ def reused_id() -> tuple[InMemoryNetwork, list]:
     net = _net()
     _register(net, "req-6", [4, 5, 6], 40, inc=1001)
     _prefill(net, "req-6", [10, 11, 12], 40, inc=1001)
-    net.run(until=net.now + 0.005)
+    net.run(until=net.now + 0.010)  # the first use is READY (its bytes land in pieces)
     (c,) = _each(net, "c")
     old = next(a.notify for _, a in _each(net, "p")[0].log if isinstance(a, IssueWrite))
     _register(net, "req-6", [20, 21, 22], 40, inc=1002)

@@ -13,18 +13,67 @@ wire chunks into the staging range its registration lent when it lands, and
 scattered into the destination blocks by the consumer's ``Scatter`` -- an
 item of its own, which tests may deliver late, fail or reorder like a write.
 
-It also *checks* as it goes: when a write lands it records a violation if the
-bytes would hit a destination block that the consumer does not hold lent to
-that transfer and attempt (invariants 2 and 3), and when a source block is
-released twice (invariant 6).
+Delivery
+--------
+
+``delivery="adversarial"`` (the default) is no kinder than what NIXL states,
+driven by a ``random.Random(seed)`` the network owns (no wall clock, no global
+random: the same seed gives the same run):
+
+* a posted write's bytes become visible at the destination in *pieces* (its
+  plan cut into a few sub-plans by region pairs and runs; a packed write's
+  staging image cut into byte ranges, per pipelined chunk), each landing at a
+  time of its own after the write was posted -- a ``"piece"`` item -- and at
+  the latest when the write's notification (a chunk's: its chunk's pieces) is
+  delivered: delivering a notification, even by hand, first lands what is left;
+* the producer's local completion (the ``"done"`` item that calls
+  ``write_completed(ok=True)``) is decoupled from visibility: it is often
+  delivered while pieces are still on the wire, and so are the side-channel
+  frames the producer sends after it (CancelAck, Fail, ...): they overtake
+  the bytes. A piece that lands after the local completion carries the source
+  bytes as they were at that completion (the NIC has read them by then);
+* a write that fails (dropped by a test with :meth:`InMemoryNetwork.drop`, or
+  its destination dead when it completes) sends no notification, but each of
+  its pieces still on the wire may land (about half do), at a time drawn up to
+  the write's *max in-flight time* after it was posted (``max_inflight_s``;
+  default: the destination consumer's ``ConsumerConfig.fence_grace_s``), so
+  possibly well after the producer saw the failure. A killed producer's writes
+  may likewise land pieces until its death is detected;
+* a read (pull, ``IssueRead``) takes its pieces from the source at times
+  between its post and its completion (what is left at the completion); a
+  read completes whatever the producer did meanwhile, so a source released
+  before the read completed hands the consumer whatever is in those blocks;
+* control frames still take ``latency`` each, in the order sent.
+
+``delivery="eager"`` is the earlier, kinder model: a write's bytes all land at
+once when it completes, together with its notification and its completion,
+and a read whose source is no longer held fails.
+
+In both modes tests drive items by hand as before (``hold=True``,
+:meth:`~InMemoryNetwork.deliver`, :meth:`~InMemoryNetwork.drop`, ...); in
+adversarial mode pieces are items too (never dropped: a piece lands or is
+discarded with its failed write), bounded by their write's max in-flight time.
+
+Checks
+------
+
+The transport *checks* as it goes: every write's bytes (every piece) that land
+record a violation if they hit a destination block that the consumer does not
+hold lent to that transfer and attempt (invariants 2 and 3) -- for a packed
+write, also a staging range not lent to it; a piece of a read records one if
+it takes bytes from a source block the producer no longer holds for that
+transfer (released); a write still reading a released source records one; and
+so does a source block released twice (invariant 6).
 """
 
 from __future__ import annotations
 
 import heapq
+import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -80,6 +129,26 @@ def copy_plan(plan: TransferPlan, src: Sequence[np.ndarray], dst: Sequence[np.nd
             d_buf[do:do + n] = s_buf[so:so + n]
 
 
+def read_ahead(plan: TransferPlan, src: Sequence[np.ndarray]
+               ) -> tuple[TransferPlan, list[np.ndarray]]:
+    """The source bytes of ``plan`` read now: one buffer per region pair, and the
+    plan rebased onto them (``copy_plan(rebased, buffers, dst)`` lands them later)."""
+    runs = plan.runs
+    lengths = runs[:, 2]
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(runs.dtype)
+    pairs = int(plan.src_regions.shape[0])
+    rebased = TransferPlan(runs=np.stack([offsets, runs[:, 1], lengths], axis=1),
+                           src_regions=np.arange(pairs, dtype=plan.src_regions.dtype),
+                           dst_regions=plan.dst_regions)
+    buffers = [np.empty(int(lengths.sum()), np.uint8) for _ in range(pairs)]
+    spans = list(zip(runs[:, 0].tolist(), offsets.tolist(), lengths.tolist(), strict=True))
+    for s_reg, buf in zip(plan.src_regions.tolist(), buffers, strict=True):
+        s_buf = src[s_reg]
+        for so, o, n in spans:
+            buf[o:o + n] = s_buf[so:so + n]
+    return rebased, buffers
+
+
 def touched_blocks(plan: TransferPlan, stride: int, side: int) -> set[int]:
     """Blocks a plan touches on one side (0: source, 1: destination)."""
     out: set[int] = set()
@@ -97,11 +166,57 @@ class Item(NamedTuple):
 
     at: float
     seq: int
-    kind: str  # "frame" | "write" | "read" | "scatter" | "done" | "death"
+    kind: str  # "frame" | "write" | "read" | "piece" | "scatter" | "done" | "death"
     sent: float
     src: Peer | None
     dst: Peer | str
     payload: Any
+
+
+#: Delivery models of :class:`InMemoryNetwork` (see the module docstring).
+DELIVERIES = ("adversarial", "eager")
+
+
+class Flight:
+    """A write or read in flight under adversarial delivery: its pieces not yet landed."""
+
+    __slots__ = ("action", "completed", "deadline", "dst", "failed", "kind", "pieces",
+                 "posted", "src")
+
+    def __init__(self, kind: str, action: IssueWrite | IssueRead, src: Peer, dst: Peer,
+                 posted: float, deadline: float) -> None:
+        self.kind = kind  # "write" | "read"
+        self.action = action
+        self.src = src  # the rank whose memory the bytes come from
+        self.dst = dst  # the rank whose memory they land in
+        self.posted = posted
+        self.deadline = deadline  # no piece lands later (the max in-flight time)
+        self.pieces: list[Piece] = []  # on the wire, in no particular order
+        self.completed = False  # the write's local completion happened (ok)
+        self.failed = False  # the write failed: its pieces on the wire land late, or never
+
+
+class Piece:
+    """Part of a flight's bytes, landing on its own: a sub-plan (direct writes and
+    reads) or a byte range ``span`` of the staging image (packed writes)."""
+
+    __slots__ = ("chunk", "data", "flight", "item", "plan", "span", "state")
+
+    def __init__(self, flight: Flight, chunk: int, plan: TransferPlan | None,
+                 span: tuple[int, int] | None) -> None:
+        self.flight = flight
+        self.chunk = chunk  # the pipelined chunk it belongs to (0: the whole write)
+        self.plan = plan
+        self.span = span
+        #: The source bytes, once read ahead of landing: the image range (packed), or
+        #: one buffer per region pair of ``plan``, rebased onto them (direct).
+        self.data: Any = None
+        self.item: Item | None = None
+        self.state = "wire"  # "wire" | "landed" | "lost"
+
+    @property
+    def deadline(self) -> float:
+        return self.flight.deadline
 
 
 class Node:
@@ -151,7 +266,7 @@ class ProducerNode(Node):
                 pw = a.packed
                 gather_host(pw.packed, self.memory,
                             self.staging[pw.src_offset:pw.src_offset + pw.packed.nbytes])
-            self.net.enqueue("write", self.peer, a.peer, a, self.net.write_latency)
+            self.net.post_write(self.peer, a)
         elif isinstance(a, ReleaseSource):
             key = (a.transfer_id, a.incarnation)
             self.released[a.transfer_id] += 1
@@ -197,7 +312,7 @@ class ConsumerNode(Node):
         elif isinstance(a, Scatter):
             self.net.enqueue("scatter", self.peer, self.peer, a, self.net.write_latency)
         elif isinstance(a, IssueRead):
-            self.net.enqueue("read", self.peer, a.peer, a, self.net.write_latency)
+            self.net.post_read(self.peer, a)
         elif isinstance(a, Connect):
             self.connects.append(a.engine_id)
             self.net.connect(self.peer, a.engine_id)
@@ -218,6 +333,14 @@ class InMemoryNetwork:
     By default every item is delivered in time order (ties in the order they
     were sent). With ``hold=True`` nothing moves until a test picks an item
     with :meth:`deliver`, which is how property tests explore interleavings.
+
+    ``delivery`` picks how writes and reads move bytes (module docstring):
+    ``"adversarial"`` (default: pieces landing at times drawn from
+    ``random.Random(seed)``, local completion decoupled from visibility, failed
+    writes landing pieces late, up to ``max_inflight_s`` after they were posted
+    -- ``None``: the destination consumer's fence grace) or ``"eager"``.
+    ``max_pieces`` bounds the pieces one write or read (or one pipelined chunk)
+    is cut into.
     """
 
     def __init__(
@@ -231,8 +354,24 @@ class InMemoryNetwork:
         max_transit_s: float = float("inf"),
         max_write_s: float = float("inf"),
         packing: PackingConfig | None = None,
+        delivery: str = "adversarial",
+        seed: int = 0,
+        max_inflight_s: float | None = None,
+        max_pieces: int = 4,
     ) -> None:
+        if delivery not in DELIVERIES:
+            raise ValueError(f"delivery must be one of {DELIVERIES}, got {delivery!r}")
+        if max_pieces < 1:
+            raise ValueError(f"max_pieces must be >= 1, got {max_pieces}")
+        if max_inflight_s is not None and not max_inflight_s > 0:
+            raise ValueError(f"max_inflight_s must be > 0, got {max_inflight_s}")
         self.now = 0.0
+        self.delivery = delivery
+        self.adversarial = delivery == "adversarial"
+        self.seed = seed
+        self.rng = random.Random(seed)  # every adversarial choice, and nothing else
+        self.max_inflight_s = max_inflight_s
+        self.max_pieces = max_pieces
         # Packed writes: every rank's endpoint gets this (its staging memory, the cost
         # model), unless its own config names one.
         self.packing = packing if packing is not None and packing.mode != "never" else None
@@ -255,6 +394,13 @@ class InMemoryNetwork:
         self.violations: list[str] = []
         self.stats: Counter[str] = Counter()
         self._seq = 0
+        # Adversarial delivery: flights by the seq of their "write"/"read" item, the
+        # flight each notification waits for (by the frame's seq: (flight, chunk)),
+        # the flight of each write's "done" item, and how many pieces are pending.
+        self._flights: dict[int, Flight] = {}
+        self._waits: dict[int, tuple[Flight, int]] = {}
+        self._done_of: dict[int, Flight] = {}
+        self._pieces = 0
 
     # ---------------------------------------------------------------- set-up
 
@@ -302,13 +448,29 @@ class InMemoryNetwork:
 
     def enqueue(self, kind: str, src: Peer | None, dst: Peer | str, payload: Any,
                 delay: float) -> Item:
+        return self._enqueue_at(kind, src, dst, payload, self.now + delay, self.now)
+
+    def _enqueue_at(self, kind: str, src: Peer | None, dst: Peer | str, payload: Any,
+                    at: float, sent: float) -> Item:
         self._seq += 1
-        item = Item(self.now + delay, self._seq, kind, self.now, src, dst, payload)
+        item = Item(at, self._seq, kind, sent, src, dst, payload)
         if self.hold:
             self.pending.append(item)
         else:
             heapq.heappush(self.pending, item)
+        if kind == "piece":
+            self._pieces += 1
         return item
+
+    def _unqueue(self, piece: Piece) -> None:
+        """Take ``piece``'s item off the wire: out of the pending items in hold mode
+        (tests pick items by index), left in the heap as a no-op otherwise."""
+        item, piece.item = piece.item, None
+        if item is None:
+            return
+        self._pieces -= 1
+        if self.hold:
+            self.pending.remove(item)
 
     def send(self, src: Peer, dst: Peer, frame: bytes) -> None:
         self.stats["frames"] += 1
@@ -318,6 +480,134 @@ class InMemoryNetwork:
         """Put raw bytes on ``dst``'s control channel (garbage, forgeries)."""
         self.enqueue("frame", None, dst, frame, 0.0)
 
+    def post_write(self, src: Peer, a: IssueWrite) -> Item:
+        """A producer rank posts a write: its completion is the ``"write"`` item;
+        adversarial delivery also puts its pieces on the wire."""
+        item = self.enqueue("write", src, a.peer, a, self.write_latency)
+        if self.adversarial:
+            f = Flight("write", a, src, a.peer, self.now, self.now + self._inflight(a.peer))
+            self._flights[item.seq] = f
+            if a.packed is not None:  # rule 10: byte ranges of each chunk's image
+                for k in range(a.packed.chunks):
+                    for span in self._cut(*a.packed.span(k)):
+                        self._launch(Piece(f, k, None, span), self._write_piece_at(item.at))
+            else:
+                for sub in self._split(a.plan):
+                    self._launch(Piece(f, 0, sub, None), self._write_piece_at(item.at))
+        return item
+
+    def post_read(self, dst: Peer, a: IssueRead) -> Item:
+        """A consumer rank posts a read: its completion is the ``"read"`` item;
+        adversarial delivery takes its pieces from the source until then."""
+        item = self.enqueue("read", dst, a.peer, a, self.write_latency)
+        if self.adversarial:
+            f = Flight("read", a, a.peer, dst, self.now, self.now + self._inflight(dst))
+            self._flights[item.seq] = f
+            for sub in self._split(a.plan):
+                self._launch(Piece(f, 0, sub, None), self.rng.uniform(self.now, item.at))
+        return item
+
+    # Adversarial delivery: how writes and reads are cut, and when pieces land.
+
+    def _inflight(self, consumer: Peer) -> float:
+        """The max in-flight time of a write into (or a read by) ``consumer``."""
+        if self.max_inflight_s is not None:
+            return self.max_inflight_s
+        node = self.consumers.get(consumer)
+        return (node.endpoint.config if node is not None else ConsumerConfig()).fence_grace_s
+
+    def _cuts(self, n: int, k: int) -> list[tuple[int, int]]:
+        """``[0, n)`` cut at ``k - 1`` random points into ``k`` non-empty spans."""
+        points = [0, *sorted(self.rng.sample(range(1, n), k - 1)), n]
+        return list(pairwise(points))
+
+    def _split(self, plan: TransferPlan) -> list[TransferPlan]:
+        """A plan cut into a few sub-plans: groups of region pairs x groups of runs."""
+        pairs, runs = int(plan.src_regions.shape[0]), int(plan.runs.shape[0])
+        if not pairs or not runs:
+            return []
+        n = self.rng.randint(1, self.max_pieces)
+        a = self.rng.randint(1, min(pairs, n))
+        b = max(1, min(runs, n // a))
+        return [TransferPlan(runs=plan.runs[r0:r1], src_regions=plan.src_regions[p0:p1],
+                             dst_regions=plan.dst_regions[p0:p1])
+                for p0, p1 in self._cuts(pairs, a) for r0, r1 in self._cuts(runs, b)]
+
+    def _cut(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Bytes ``[lo, hi)`` of a staging image cut into a few ranges."""
+        if hi <= lo:
+            return []
+        k = self.rng.randint(1, min(self.max_pieces, hi - lo))
+        return [(lo + a, lo + b) for a, b in self._cuts(hi - lo, k)]
+
+    def _write_piece_at(self, completion: float) -> float:
+        """When a write's piece lands: before its local completion (a quarter of
+        them), or after it -- often after the completion was reported."""
+        if self.rng.random() < 0.25:
+            return self.rng.uniform(self.now, completion)
+        return completion + self.rng.uniform(0.0, 4 * self.latency + self.write_latency)
+
+    def _launch(self, piece: Piece, at: float) -> None:
+        f = piece.flight
+        piece.item = self._enqueue_at("piece", f.src, f.dst, piece, min(at, f.deadline),
+                                      f.posted)
+        f.pieces.append(piece)
+
+    def _read_source(self, f: Flight) -> None:
+        """The source bytes of a write's pieces still on the wire, read now (its
+        local completion or failure: the NIC is done reading the source)."""
+        if not f.pieces:
+            return
+        src = self.producers[f.src]
+        a: IssueWrite = f.action  # type: ignore[assignment]
+        for p in f.pieces:
+            if p.data is not None:
+                continue
+            if p.span is not None:
+                assert a.packed is not None
+                lo, hi = p.span
+                p.data = src.staging[a.packed.src_offset + lo:a.packed.src_offset + hi].copy()
+            else:
+                assert p.plan is not None
+                p.plan, p.data = read_ahead(p.plan, src.memory)
+
+    def _discard(self, f: Flight) -> None:
+        """Every piece of ``f`` still on the wire is lost."""
+        for p in f.pieces:
+            self._unqueue(p)
+            p.state = "lost"
+            self.stats["pieces_lost"] += 1
+        f.pieces.clear()
+
+    def _fail(self, f: Flight, until: float | None = None) -> None:
+        """A write failed: no notification, but each piece still on the wire may land
+        (about half do), up to its max in-flight time after the write was posted
+        (and before ``until``)."""
+        f.failed = True
+        dst = self.consumers.get(f.dst)
+        if dst is None or not dst.alive:
+            self._discard(f)
+            return
+        self._read_source(f)
+        end = f.deadline if until is None else min(f.deadline, until)
+        keep = []
+        for p in f.pieces:
+            self._unqueue(p)
+            if end < self.now or self.rng.random() < 0.5:
+                p.state = "lost"
+                self.stats["pieces_lost"] += 1
+            else:
+                keep.append((p, self.rng.uniform(self.now, end)))
+        f.pieces.clear()
+        for p, at in keep:
+            self._launch(p, at)
+
+    def _land_all(self, f: Flight, chunk: int | None = None) -> None:
+        """Land what is left of ``f`` (of one chunk) now."""
+        for p in [p for p in f.pieces if chunk is None or p.chunk == chunk]:
+            self._unqueue(p)
+            self._land_piece(p)
+
     def deliver(self, index: int = 0) -> Item:
         """Deliver pending item ``index`` (hold mode: in list order) now."""
         item = self.pending.pop(index) if self.hold else heapq.heappop(self.pending)
@@ -326,11 +616,23 @@ class InMemoryNetwork:
         return item
 
     def _due(self, item: Item) -> float:
+        if item.kind == "piece":
+            return item.payload.deadline  # type: ignore[no-any-return]
         return item.sent + self.bounds.get(item.kind, float("inf"))
+
+    def _may_be_overdue(self, t: float) -> bool:
+        """Whether an item may be past its bound at ``t`` (cheap: a piece is due no
+        earlier than it lands, so in time order it is overdue only if it is next)."""
+        if self._bounded:
+            return True
+        if not self._pieces:
+            return False
+        # In time order a piece is overdue only if the clock passed it undelivered (tick).
+        return self.hold or (bool(self.pending) and self.pending[0].at < t)
 
     def _advance_to(self, t: float, *, force: bool = False) -> None:
         """Move the clock to ``t``, enforcing the transit and write bounds on the way."""
-        while self._bounded:
+        while self._may_be_overdue(t):
             overdue = [i for i in self.pending if self._due(i) <= t]
             if not overdue:
                 break
@@ -342,6 +644,7 @@ class InMemoryNetwork:
             self.fire_timers()
             if item.kind == "frame":
                 self.stats["frames_expired"] += 1
+                self._waits.pop(item.seq, None)  # its write's pieces land on their own
             else:
                 self._execute(item)
         if t > self.now or force:
@@ -352,38 +655,70 @@ class InMemoryNetwork:
         """Send a copy of a pending frame (writes and completions are not duplicated)."""
         item = self.pending[index]
         if item.kind == "frame":
-            self.enqueue("frame", item.src, item.dst, item.payload, 0.0)
+            copy = self.enqueue("frame", item.src, item.dst, item.payload, 0.0)
+            if item.seq in self._waits:  # a notification: it too comes after the bytes
+                self._waits[copy.seq] = self._waits[item.seq]
 
     def drop(self, index: int) -> Item | None:
         """Lose a pending frame. A write, read or scatter dropped here *fails* instead
-        (its bytes never land). Local events (completions, death notices) are never
-        lost: nothing is dropped for them and None is returned."""
+        (eager delivery: its bytes never land; adversarial: a write's pieces already
+        on the wire may still land, late). Local events (completions, death notices)
+        and pieces are never lost: nothing is dropped for them and None is returned."""
         item = self.pending[index]
         if item.kind not in ("frame", "write", "read", "scatter"):
             return None
         self.pending.pop(index)
         if not self.hold:
             heapq.heapify(self.pending)
-        if item.kind in ("write", "read"):
+        f = self._flights.pop(item.seq, None)
+        if item.kind == "write":
+            if f is not None:
+                self._fail(f)
+            self._complete(item, ok=False)
+        elif item.kind == "read":
+            if f is not None:
+                self._discard(f)
             self._complete(item, ok=False)
         elif item.kind == "scatter":
             self._scattered(item.src, item.payload, ok=False)
+        else:
+            self._waits.pop(item.seq, None)
         return item
 
     def _execute(self, item: Item) -> None:
         if item.kind == "frame":
+            wait = self._waits.pop(item.seq, None)
+            if wait is not None:  # a notification: its write's bytes are all there first
+                self._land_all(*wait)
             node = self.node(item.dst)  # type: ignore[arg-type]
             if node is not None and node.alive:
                 node.frame(item.payload, self.now)
             else:
                 self.stats["frames_lost"] += 1
+        elif item.kind == "piece":
+            piece = item.payload
+            if piece.item is item:  # else: taken off the wire (landed, lost, re-timed)
+                piece.item = None
+                self._pieces -= 1
+                self._land_piece(piece)
         elif item.kind == "write":
-            self._land_write(item)
+            f = self._flights.pop(item.seq, None)
+            if f is None:
+                self._land_write(item)
+            else:
+                self._complete_write(item, f)
         elif item.kind == "read":
-            self._land_read(item)
+            f = self._flights.pop(item.seq, None)
+            if f is None:
+                self._land_read(item)
+            else:
+                self._complete_read(item, f)
         elif item.kind == "scatter":
             self._scatter(item)
         elif item.kind == "done":
+            f = self._done_of.pop(item.seq, None)
+            if f is not None and f.pieces:
+                self.stats["completed_before_landed"] += 1
             node = self.node(item.dst)  # type: ignore[arg-type]
             if node is not None and node.alive:
                 action, ok = item.payload
@@ -401,15 +736,130 @@ class InMemoryNetwork:
             node = self.node(item.dst)  # type: ignore[arg-type]
             if node is not None and node.alive:
                 engine = item.payload
+                # Its death is known here: nothing of its writes lands here any more.
+                for f in self._flights_with_pieces():
+                    if f.kind == "write" and f.src.engine_id == engine and f.dst == node.peer:
+                        self._discard(f)
                 if isinstance(node, ProducerNode):
                     node.apply(node.endpoint.peer_died(engine, self.now))
                 else:
                     assert isinstance(node, ConsumerNode)
                     node.apply(node.endpoint.peer_died(engine, self.now))
 
+    def _flights_with_pieces(self) -> list[Flight]:
+        seen: dict[int, Flight] = {}
+        for i in self.pending:
+            if i.kind == "piece" and i.payload.item is i:
+                seen.setdefault(id(i.payload.flight), i.payload.flight)
+        return list(seen.values())
+
     def _complete(self, item: Item, ok: bool) -> None:
         assert item.src is not None
         self.enqueue("done", None, item.src, (item.payload, ok), self.latency)
+
+    def _complete_write(self, item: Item, f: Flight) -> None:
+        """Adversarial: a write's local completion. Its notification (each chunk's)
+        follows its own pieces; the completion itself does not wait for them."""
+        a: IssueWrite = item.payload
+        src = self.producers.get(item.src)  # type: ignore[arg-type]
+        dst = self.consumers.get(a.peer)
+        if src is None or not src.alive:
+            self.stats["writes_lost"] += 1  # the producer died with it (see kill)
+            return
+        if dst is None or not dst.alive:
+            self._fail(f)
+            self._complete(item, ok=False)
+            return
+        if (a.transfer_id, a.incarnation) in src.released_at:
+            self.violations.append(
+                f"write of {a.transfer_id}#{a.attempt} reads a released source")
+        f.completed = True
+        self._read_source(f)
+        if a.notify.part != 0 or a.notify.parts != 1:
+            self.stats["part_writes"] += 1
+        self.stats["writes"] += 1
+        self.stats["bytes"] += a.plan.nbytes
+        if a.packed is not None:
+            self.stats["packed_writes"] += 1
+        for k in range(a.packed.chunks if a.packed is not None else 1):  # rule 10: per chunk
+            last = max([self.now, *(p.item.at for p in f.pieces
+                                    if p.chunk == k and p.item is not None)])
+            at = last + self.latency * self.rng.uniform(0.5, 1.5)
+            note = self._enqueue_at("frame", src.peer, dst.peer, encode(a.chunk_notify(k)),
+                                    at, self.now)
+            self._waits[note.seq] = (f, k)
+        done = self.enqueue("done", None, src.peer, (a, True),
+                            self.latency * self.rng.uniform(0.0, 2.0))
+        self._done_of[done.seq] = f
+
+    def _complete_read(self, item: Item, f: Flight) -> None:
+        """Adversarial: a read's completion takes what is left of it from the source
+        now, whatever the producer did with it meanwhile."""
+        a: IssueRead = item.payload
+        dst = self.consumers.get(item.src)  # type: ignore[arg-type]
+        src = self.producers.get(a.peer)
+        if dst is None or not dst.alive:
+            self._discard(f)
+            return
+        if src is None or not src.alive:
+            self._discard(f)
+            self._complete(item, ok=False)
+            return
+        self._land_all(f)
+        self.stats["reads"] += 1
+        self.stats["bytes"] += a.plan.nbytes
+        self._complete(item, ok=True)
+
+    def _land_piece(self, p: Piece) -> None:
+        if p.state != "wire":
+            return
+        p.state = "landed"
+        f = p.flight
+        f.pieces.remove(p)
+        src, dst = self.producers.get(f.src), self.consumers.get(f.dst)
+        if dst is None or not dst.alive or src is None:
+            return  # the destination's memory went with it
+        self.stats["pieces"] += 1
+        if f.kind == "read":
+            self._take_read_piece(p, f, src, dst)
+            return
+        a: IssueWrite = f.action  # type: ignore[assignment]
+        key = (a.transfer_id, a.incarnation)
+        if f.failed:
+            self.stats["pieces_after_failure"] += 1
+        elif f.completed:
+            self.stats["pieces_after_completion"] += 1
+        if not f.completed and not f.failed and key in src.released_at:
+            self.violations.append(
+                f"write of {a.transfer_id}#{a.attempt} reads a released source")
+        if a.packed is not None:
+            assert p.span is not None
+            pw, (lo, hi) = a.packed, p.span
+            if dst.endpoint.staging_holder(pw.dst_offset + lo) != (key, a.attempt):
+                self.violations.append(f"packed write of {a.transfer_id}#{a.attempt} lands in "
+                                       f"staging at {pw.dst_offset + lo} not lent to it")
+            self._check_destination(dst, a.transfer_id, a.incarnation, a.attempt, a.plan)
+            data = p.data if p.data is not None else \
+                src.staging[pw.src_offset + lo:pw.src_offset + hi]
+            dst.staging[pw.dst_offset + lo:pw.dst_offset + hi] = data
+        else:
+            assert p.plan is not None
+            self._check_destination(dst, a.transfer_id, a.incarnation, a.attempt, p.plan)
+            copy_plan(p.plan, p.data if p.data is not None else src.memory, dst.memory)
+
+    def _take_read_piece(self, p: Piece, f: Flight, src: ProducerNode,
+                         dst: ConsumerNode) -> None:
+        """A read's piece is copied: its source blocks must still be held for it."""
+        a: IssueRead = f.action  # type: ignore[assignment]
+        assert p.plan is not None
+        if not src.alive:
+            return  # nothing to read from: the read fails at its completion
+        held = set(src.endpoint.held().get((a.transfer_id, a.incarnation), ()))
+        for b in sorted(touched_blocks(p.plan, src.info.layout.stride, 0) - held):
+            self.violations.append(f"read of {a.transfer_id}#{a.attempt} takes source block "
+                                   f"{b} of {src.peer} after it was released")
+        self._check_destination(dst, a.transfer_id, a.incarnation, a.attempt, p.plan)
+        copy_plan(p.plan, src.memory, dst.memory)
 
     def _land_write(self, item: Item) -> None:
         a: IssueWrite = item.payload
@@ -564,6 +1014,16 @@ class InMemoryNetwork:
         for node in (*self.producers.values(), *self.consumers.values()):
             if node.peer.engine_id == engine_id:
                 node.alive = False
+        # Adversarial: a dead producer's writes not yet complete land what they land
+        # before its death is detected; whatever a dead rank would read or receive is
+        # gone with it. (A completed write's pieces land as they would: its
+        # notification may still be on the wire, and it comes after them.)
+        for f in self._flights_with_pieces():
+            if f.src.engine_id == engine_id and f.kind == "write" and not f.completed:
+                self._fail(f, until=self.now + self.detect_s)
+            elif f.dst.engine_id == engine_id or (
+                    f.kind == "read" and f.src.engine_id == engine_id):
+                self._discard(f)
         for node in (*self.producers.values(), *self.consumers.values()):
             if node.alive:
                 self.enqueue("death", None, node.peer, engine_id, self.detect_s)
@@ -574,16 +1034,19 @@ def pair(
     consumer: list[RankInfo],
     *,
     seed: int = 0,
+    delivery_seed: int | None = None,
     producer_config: ProducerConfig | None = None,
     consumer_config: ConsumerConfig | None = None,
     **net_kwargs: Any,
 ) -> InMemoryNetwork:
     """A network with one producer and one consumer engine, handshakes done.
 
-    Source memory is filled with seeded random bytes, destination memory with zeros.
+    Source memory is filled with random bytes seeded by ``seed``, destination
+    memory with zeros; adversarial delivery draws from ``delivery_seed`` (None:
+    ``seed`` too). Other keywords go to :class:`InMemoryNetwork`.
     """
     rng = np.random.default_rng(seed)
-    net = InMemoryNetwork(**net_kwargs)
+    net = InMemoryNetwork(seed=seed if delivery_seed is None else delivery_seed, **net_kwargs)
     for info in producer:
         net.add_producer(info, producer_config, region_memory(info.layout, rng=rng))
     for info in consumer:
@@ -593,7 +1056,8 @@ def pair(
 
 
 __all__ = [
-    "ConsumerNode", "InMemoryNetwork", "Item", "ProducerNode", "copy_plan",
+    "DELIVERIES", "ConsumerNode", "Flight", "InMemoryNetwork", "Item", "Piece", "ProducerNode",
+    "copy_plan",
     "pair", "region_memory", "touched_blocks",
 ]
 
@@ -602,15 +1066,18 @@ class InMemoryCluster:
     """The conformance-suite :class:`~pushkv.transports.testing.Cluster` over this transport.
 
     Waits run the network in simulated time, so a 3-second window takes no
-    wall-clock time at all.
+    wall-clock time at all. ``delivery`` and ``seed`` (None: the topology's)
+    choose the network's delivery model (:class:`InMemoryNetwork`).
     """
 
-    def __init__(self, topology: Any, packing: PackingConfig | None = None) -> None:
+    def __init__(self, topology: Any, packing: PackingConfig | None = None, *,
+                 delivery: str = "adversarial", seed: int | None = None) -> None:
         self.topology = topology
         self.net = pair(
             topology.producer_ranks(), topology.consumer_ranks(), seed=topology.seed,
+            delivery_seed=seed,
             producer_config=topology.producer_config, consumer_config=topology.consumer_config,
-            packing=packing,
+            packing=packing, delivery=delivery,
         )
 
     # Everything an engine-level call does happens on every rank of that engine.
