@@ -2,7 +2,7 @@
 when the feeding thread then sleeps and when it keeps running Python.
 
 pushkv's transport thread waits for commands the engine's thread hands it
-(:mod:`pushkv.transports.runtime_loop`). When the engine's thread goes on running
+(:mod:`pushkv.transports.nixl.runtime.loop`). When the engine's thread goes on running
 Python, the woken thread needs the interpreter lock, which CPython hands over after
 its switch interval (``sys.getswitchinterval()``, 5 ms by default). This measures
 that price on this machine, side by side, in one run::

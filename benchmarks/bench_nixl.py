@@ -85,7 +85,7 @@ def _ranks(engine: str) -> Any:
 
 
 def _pattern(region: int, size: int) -> np.ndarray:
-    from pushkv.transports.nixl_testing import pattern
+    from pushkv.transports.nixl.testing import pattern
 
     return pattern(region, size)
 
@@ -102,7 +102,7 @@ def producer_main(conn: Any) -> None:
     from pushkv.protocol import plan_transfer
     from pushkv.protocol.mapping import assignment
     from pushkv.transports.nixl import NixlRuntime
-    from pushkv.transports.nixl_testing import wait_for_event
+    from pushkv.transports.nixl.testing import wait_for_event
 
     info = _ranks("prefill-0")
     memory = _memory(info, fill=True)
@@ -152,7 +152,7 @@ def producer_main(conn: Any) -> None:
 
 def consumer_main(conn: Any, producer_address: str) -> None:
     from pushkv.transports.nixl import NixlRuntime
-    from pushkv.transports.nixl_testing import blocks_match, wait_for_event
+    from pushkv.transports.nixl.testing import blocks_match, wait_for_event
 
     info = _ranks("decode-0")
     memory = _memory(info, fill=False)
@@ -208,9 +208,9 @@ class Stager:
     consumer's, which scatters when the write's notification arrives."""
 
     def __init__(self, name: str, *, progress_thread: bool) -> None:
-        from pushkv.transports.nixl_agent import Agent
-        from pushkv.transports.nixl_config import NixlConfig
-        from pushkv.transports.nixl_memory import KVMemory
+        from pushkv.transports.nixl.agent import Agent
+        from pushkv.transports.nixl.config import NixlConfig
+        from pushkv.transports.nixl.memory import KVMemory
 
         size = LAYERS * 2 * TOKENS * HEAD_DIM * DTYPE
         self.buffer = np.ones(size, np.uint8)  # pages faulted in, as a pool would be

@@ -56,7 +56,7 @@ def _ranks(engine: str, tokens: int) -> Any:
 
 
 def _pattern(region: int, size: int) -> np.ndarray:
-    from pushkv.transports.nixl_testing import pattern
+    from pushkv.transports.nixl.testing import pattern
 
     return pattern(region, size)
 
@@ -74,7 +74,7 @@ def _packing(way: str, tokens: int, chunk: int) -> Any:
 def producer_main(conn: Any, tokens: int, chunk: int) -> None:
     from pushkv.protocol import ProducerConfig
     from pushkv.transports.nixl import NixlRuntime
-    from pushkv.transports.nixl_testing import wait_for_event
+    from pushkv.transports.nixl.testing import wait_for_event
 
     info = _ranks("prefill-x", tokens)
     memory = [_pattern(r, info.layout.region_bytes) for r in range(info.layout.num_regions)]
@@ -101,7 +101,7 @@ def producer_main(conn: Any, tokens: int, chunk: int) -> None:
 def consumer_main(conn: Any, tokens: int, chunk: int, addresses: dict[str, str]) -> None:
     from pushkv.protocol import ConsumerConfig
     from pushkv.transports.nixl import NixlRuntime
-    from pushkv.transports.nixl_testing import blocks_match, wait_for_event
+    from pushkv.transports.nixl.testing import blocks_match, wait_for_event
 
     info = _ranks("decode-x", tokens)
     memory = [np.zeros(info.layout.region_bytes, np.uint8)

@@ -67,7 +67,7 @@ def producer_main(conn: Any, marks: str | None) -> None:
     from pushkv import timeline
     from pushkv.transports.inmemory import region_memory
     from pushkv.transports.nixl import NixlRuntime
-    from pushkv.transports.nixl_testing import wait_for_event
+    from pushkv.transports.nixl.testing import wait_for_event
     from pushkv.vllm.testing import poll
 
     timeline.configure(marks, "producer")
@@ -94,7 +94,7 @@ def consumer_main(conn: Any, addresses: dict[str, str], marks: str | None) -> No
     from pushkv import timeline
     from pushkv.transports.inmemory import region_memory
     from pushkv.transports.nixl import NixlRuntime
-    from pushkv.transports.nixl_testing import wait_for_event
+    from pushkv.transports.nixl.testing import wait_for_event
 
     timeline.configure(marks, "consumer")
     rts = {}

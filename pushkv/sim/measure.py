@@ -467,9 +467,9 @@ async def _start_relay(target: str) -> tuple[str, Any]:
 def _nixl_target(conn: Any, size: int, delay_us: int) -> None:
     import numpy as np
 
-    from ..transports.nixl_agent import Agent
-    from ..transports.nixl_config import NixlConfig
-    from ..transports.nixl_memory import KVMemory
+    from ..transports.nixl.agent import Agent
+    from ..transports.nixl.config import NixlConfig
+    from ..transports.nixl.memory import KVMemory
 
     buf = np.zeros(size, np.uint8)
     agent = Agent("measure-target", NixlConfig(progress_delay_us=delay_us))
@@ -484,9 +484,9 @@ def measure_nixl(reps: int, delay_us: int) -> dict[str, Any]:
     """Posting time by descriptor count; completion by descriptors and bytes."""
     import numpy as np
 
-    from ..transports.nixl_agent import Agent
-    from ..transports.nixl_config import NixlConfig
-    from ..transports.nixl_memory import KVMemory
+    from ..transports.nixl.agent import Agent
+    from ..transports.nixl.config import NixlConfig
+    from ..transports.nixl.memory import KVMemory
 
     size = 16 << 20
     ctx = mp.get_context("spawn")

@@ -53,9 +53,9 @@ class CalibrationError(RuntimeError):
 
 
 def _target(conn: Any, size: int) -> None:
-    from .nixl_agent import Agent
-    from .nixl_config import NixlConfig
-    from .nixl_memory import KVMemory
+    from .nixl.agent import Agent
+    from .nixl.config import NixlConfig
+    from .nixl.memory import KVMemory
 
     buf = np.zeros(size, np.uint8)
     agent = Agent("calibrate-target", NixlConfig())
@@ -68,9 +68,9 @@ def _target(conn: Any, size: int) -> None:
 
 def measure_post(descriptors: int, each: int, chunk: int, reps: int) -> dict[str, float]:
     """Posting-thread time of direct NIXL writes between two processes (seconds)."""
-    from .nixl_agent import Agent
-    from .nixl_config import NixlConfig
-    from .nixl_memory import KVMemory
+    from .nixl.agent import Agent
+    from .nixl.config import NixlConfig
+    from .nixl.memory import KVMemory
 
     size = 2 * descriptors * each  # room for descriptors that are not adjacent
     ctx = mp.get_context("spawn")

@@ -17,7 +17,7 @@ from ..protocol.config import ConsumerConfig, ProducerConfig
 from ..protocol.errors import ConfigError
 from ..protocol.events import FailurePolicy
 from ..protocol.packing import PackingConfig
-from ..transports.nixl_config import NixlConfig
+from ..transports.nixl.config import NixlConfig
 
 #: Transport backends pushkv knows how to ask NIXL for.
 BACKENDS = ("UCX", "LIBFABRIC")
@@ -251,7 +251,7 @@ class PushKVSettings:
 
     def load_key(self) -> bytes | None:
         """The shared key (key_file, else the key_env variable), or None; never logged."""
-        from ..transports.sidechannel_auth import load_key
+        from ..transports.nixl.sidechannel.auth import load_key
 
         try:
             return load_key(key_file=self.key_file, key_env=self.key_env)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pushkv.transports.nixl_testing import HostPool
+from pushkv.transports.nixl.testing import HostPool
 
 
 @pytest.fixture(scope="module")

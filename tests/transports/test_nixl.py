@@ -13,7 +13,7 @@ pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip 
 pytest.importorskip("zmq", reason="pyzmq is not installed")
 
 from pushkv.transports import testing
-from pushkv.transports.nixl_testing import HostPool, NixlCluster
+from pushkv.transports.nixl.testing import HostPool, NixlCluster
 
 pytestmark = pytest.mark.nixl
 

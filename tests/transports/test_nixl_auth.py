@@ -20,9 +20,9 @@ pytest.importorskip("zmq", reason="pyzmq is not installed")
 from pushkv.protocol import ConfigError, ConsumerConfig, Fail, FailReason, Register, encode
 from pushkv.transports import testing
 from pushkv.transports.nixl import NixlConfig
-from pushkv.transports.nixl_testing import HostPool, NixlCluster
-from pushkv.transports.sidechannel import PeerCard, encode_card
-from pushkv.transports.sidechannel_auth import Signer, load_key
+from pushkv.transports.nixl.sidechannel.auth import Signer, load_key
+from pushkv.transports.nixl.sidechannel.channel import PeerCard, encode_card
+from pushkv.transports.nixl.testing import HostPool, NixlCluster
 from pushkv.transports.testing import Topology, assert_clean, assert_destination
 
 pytestmark = pytest.mark.nixl

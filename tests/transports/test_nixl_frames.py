@@ -1,6 +1,6 @@
 """Side-channel frame tags: any change to an authentic frame fails, every time.
 
-In-process property tests of :mod:`pushkv.transports.sidechannel_auth` (the
+In-process property tests of :mod:`pushkv.transports.nixl.sidechannel.auth` (the
 cross-process tests with real sockets are in ``test_nixl_auth.py``).
 """
 
@@ -11,7 +11,7 @@ import time
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pushkv.transports.sidechannel_auth import Signer, Verifier
+from pushkv.transports.nixl.sidechannel.auth import Signer, Verifier
 
 KEY = b"0123456789abcdef-pushkv-test-key"
 ME = "prefill-0/0"

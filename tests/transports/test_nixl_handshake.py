@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pushkv.protocol import ConfigError, uniform_ranks
-from pushkv.transports.runtime_handshake import (
+from pushkv.transports.nixl.runtime.handshake import (
     TABLE,
     Effect,
     HandshakeInput,
@@ -148,7 +148,7 @@ def test_an_answer_after_the_deadline_is_counted_logged_and_the_next_attempt_con
     cons = NixlRuntime(c_info, region_memory(c_info.layout), role="consumer",
                        consumer_config=ConsumerConfig(handshake_timeout_s=0.5))
     prod = None
-    caplog.set_level(logging.WARNING, logger="pushkv.transports.runtime_handshake")
+    caplog.set_level(logging.WARNING, logger="pushkv.transports.nixl.runtime.handshake")
     try:
         cons.connect("prefill-late", {0: f"tcp://127.0.0.1:{port}"})
         cons.register("t1", "prefill-late", [5], 16, incarnation=1)
@@ -183,10 +183,10 @@ def test_frames_dropped_by_authentication_are_counted_each_and_logged_once(
     key); each is counted by reason, the first of each reason is logged, and none
     reaches the caller."""
     pytest.importorskip("zmq", reason="pyzmq is not installed")
-    from pushkv.transports.sidechannel import HELLO, SideChannel
-    from pushkv.transports.sidechannel_auth import FAILED, SideKey
+    from pushkv.transports.nixl.sidechannel.auth import FAILED, SideKey
+    from pushkv.transports.nixl.sidechannel.channel import HELLO, SideChannel
 
-    caplog.set_level(logging.WARNING, logger="pushkv.transports.sidechannel")
+    caplog.set_level(logging.WARNING, logger="pushkv.transports.nixl.sidechannel.channel")
     rx = SideChannel("127.0.0.1", key=SideKey(b"k" * 32), me="e/0")
     tx = SideChannel("127.0.0.1", key=SideKey(b"x" * 32), me="e/1")
     try:
@@ -217,7 +217,7 @@ def test_malformed_frames_are_refused_counted_each_and_logged_once(
     from pushkv.transports.inmemory import region_memory
     from pushkv.transports.nixl import NixlRuntime
 
-    caplog.set_level(logging.WARNING, logger="pushkv.transports.runtime_loop")
+    caplog.set_level(logging.WARNING, logger="pushkv.transports.nixl.runtime.loop")
     info = uniform_ranks("prefill-junk")[0]
     rt = NixlRuntime(info, region_memory(info.layout), role="producer")
     ctx = zmq.Context()

@@ -7,7 +7,7 @@ import pytest
 
 from pushkv.protocol import ConfigError, KVLayout, uniform_ranks
 from pushkv.transports.inmemory import region_memory
-from pushkv.transports.nixl_memory import KVMemory
+from pushkv.transports.nixl.memory import KVMemory
 
 
 def test_memory_from_regions_checks_the_layout() -> None:

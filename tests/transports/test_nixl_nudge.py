@@ -14,8 +14,8 @@ zmq = pytest.importorskip("zmq", reason="pyzmq is not installed")
 from pushkv.protocol import ConfigError, TransferReady, uniform_ranks  # noqa: E402
 from pushkv.transports.inmemory import region_memory  # noqa: E402
 from pushkv.transports.nixl import NixlConfig, NixlRuntime  # noqa: E402
-from pushkv.transports.nixl_testing import wait_for_event  # noqa: E402
-from pushkv.transports.sidechannel import NUDGE  # noqa: E402
+from pushkv.transports.nixl.sidechannel.channel import NUDGE  # noqa: E402
+from pushkv.transports.nixl.testing import wait_for_event  # noqa: E402
 from pushkv.vllm.testing import poll  # noqa: E402
 
 pytestmark = pytest.mark.nixl

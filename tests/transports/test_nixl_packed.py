@@ -20,7 +20,7 @@ pytest.importorskip("zmq", reason="pyzmq is not installed")
 
 from pushkv.protocol import PackingConfig
 from pushkv.transports import testing
-from pushkv.transports.nixl_testing import HostPool, NixlCluster
+from pushkv.transports.nixl.testing import HostPool, NixlCluster
 
 pytestmark = pytest.mark.nixl
 

@@ -27,7 +27,7 @@ from pushkv.protocol.mapping import assignment
 from pushkv.protocol.packing import PackedPlan, chunk_bounds
 from pushkv.protocol.planner import plan_transfer
 from pushkv.transports import testing
-from pushkv.transports.nixl_testing import HostPool, NixlCluster
+from pushkv.transports.nixl.testing import HostPool, NixlCluster
 
 pytestmark = pytest.mark.nixl
 
@@ -151,11 +151,11 @@ def test_abort_while_a_chunk_scatters_keeps_staging_until_it_ends(
     cancelled, neither its staging nor its blocks released, until that scatter
     ends; then it is, with nothing lent on either side."""
     from pushkv.protocol import TransferCancelled, TransferReady
-    from pushkv.transports import runtime_staging
+    from pushkv.transports.nixl import staging
 
     held, go = threading.Event(), threading.Event()
     scattered: list[int] = []
-    orig = runtime_staging.StagingMemory.scatter
+    orig = staging.StagingMemory.scatter
 
     def gated(self: Any, packed: Any, offset: int, start: int = 0,
               stop: int | None = None) -> None:
@@ -165,7 +165,7 @@ def test_abort_while_a_chunk_scatters_keeps_staging_until_it_ends(
         orig(self, packed, offset, start, stop)
         scattered.append(start)
 
-    monkeypatch.setattr(runtime_staging.StagingMemory, "scatter", gated)
+    monkeypatch.setattr(staging.StagingMemory, "scatter", gated)
     p_info, c_info, _src, _dst, prod, cons = _pair(4096)
     try:
         k = len(chunk_bounds(_packed(p_info, c_info), 4096)) - 1

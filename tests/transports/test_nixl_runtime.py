@@ -16,7 +16,7 @@ pytest.importorskip("zmq", reason="pyzmq is not installed")
 from pushkv.protocol import ConfigError, TransferReady, uniform_ranks
 from pushkv.transports.inmemory import region_memory
 from pushkv.transports.nixl import CallFailed, NixlConfig, NixlRuntime
-from pushkv.transports.sidechannel import SideChannelBindError
+from pushkv.transports.nixl.sidechannel.channel import SideChannelBindError
 
 pytestmark = pytest.mark.nixl
 

@@ -17,9 +17,9 @@ from pushkv.protocol.errors import ConfigError
 from pushkv.protocol.mapping import Assignment
 from pushkv.protocol.packing import PackedPlan
 from pushkv.transports.inmemory import copy_plan
-from pushkv.transports.nixl_agent import Agent
-from pushkv.transports.nixl_config import NixlConfig
-from pushkv.transports.nixl_memory import KVMemory
+from pushkv.transports.nixl.agent import Agent
+from pushkv.transports.nixl.config import NixlConfig
+from pushkv.transports.nixl.memory import KVMemory
 from pushkv.transports.packed_pipeline import PackedReceiver, PackedSender, PipelinePlan
 from tests.protocol.test_planner import layout
 

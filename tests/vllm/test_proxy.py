@@ -26,8 +26,8 @@ from pushkv.vllm.params import (
     PrefillLeg,
     parse_params,
 )
-from pushkv.vllm.proxy import PushProxy
-from pushkv.vllm.proxy_cli import EventLoopError, new_event_loop
+from pushkv.vllm.proxy.cli import EventLoopError, new_event_loop
+from pushkv.vllm.proxy.server import PushProxy
 
 ENDPOINT = Endpoint(engine_id="prefill-x", host="10.0.0.1", port=5601)
 
@@ -348,7 +348,7 @@ class _Pieces:
     [b"data: {\"a\": 1}"],  # a stream cut before its first event ended
 ])
 def test_the_relay_reads_one_whole_first_event_then_passes_the_rest_on_unchanged(pieces):
-    from pushkv.vllm.proxy_sse import carries_tokens, sse_head_then_chunks
+    from pushkv.vllm.proxy.sse import carries_tokens, sse_head_then_chunks
 
     body = b"".join(pieces)
 

@@ -14,8 +14,8 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 
 from pushkv.vllm.params import parse_params
-from pushkv.vllm.pool import HealthSettings, Instance, Pool
-from pushkv.vllm.proxy import ProxySettings, PushProxy
+from pushkv.vllm.proxy.pool import HealthSettings, Instance, Pool
+from pushkv.vllm.proxy.server import ProxySettings, PushProxy
 from pushkv.vllm.testing import metric
 
 from .test_proxy import REQUEST, FakeVllm

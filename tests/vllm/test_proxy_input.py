@@ -12,8 +12,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from pushkv.vllm.params import DecodeLeg, PrefillLeg, parse_params
-from pushkv.vllm.proxy import ProxySettings, PushProxy
-from pushkv.vllm.proxy_input import CHAT, COMPLETIONS, ClientError, ModelInfo, check_request
+from pushkv.vllm.proxy.input import CHAT, COMPLETIONS, ClientError, ModelInfo, check_request
+from pushkv.vllm.proxy.server import ProxySettings, PushProxy
 from pushkv.vllm.signing import SIG_KEY, verify
 
 from .test_proxy import REQUEST, FakeVllm

@@ -93,7 +93,7 @@ def test_push_granularity_defaults_to_whole_requests():
 
 def test_protocol_and_transport_defaults_are_the_core_and_runtime_ones():
     from pushkv.protocol import ConsumerConfig, PackingConfig, ProducerConfig
-    from pushkv.transports.nixl_config import NixlConfig
+    from pushkv.transports.nixl.config import NixlConfig
 
     s = PushKVSettings()
     # The connector registers staging memory (PackingConfig's defaults); the core's

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .proxy_input import error_body
+from .input import error_body
 
 
 async def read_json(resp: aiohttp.ClientResponse) -> Any:

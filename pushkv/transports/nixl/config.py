@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..protocol.errors import ConfigError
+from pushkv.protocol.errors import ConfigError
 
 Backend = Literal["UCX", "LIBFABRIC"]
 ControlChannel = Literal["side", "nixl"]

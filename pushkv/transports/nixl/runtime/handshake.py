@@ -1,9 +1,9 @@
 """The consumer's card exchange with each producer engine, as a table.
 
 A consumer rank introduces itself to every rank of a producer engine with its
-card and waits for each rank's card back (see :mod:`.sidechannel`). Per engine
+card and waits for each rank's card back (see :mod:`..sidechannel.channel`). Per engine
 this is a small state machine; the table below is all of it, and the I/O loop
-(:class:`~.runtime_loop.IOLoop`) carries out the effect of each arc:
+(:class:`~.loop.IOLoop`) carries out the effect of each arc:
 
 ========================  ===================  ==============  ==================
 state                      input                effect          next state
@@ -49,8 +49,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from ..protocol.errors import ConfigError
-from ..protocol.layout import RankInfo
+from pushkv.protocol.errors import ConfigError
+from pushkv.protocol.layout import RankInfo
 
 
 class HandshakeState(enum.Enum):

@@ -29,10 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol import PackedPlan, PackedWrite, Scatter
-from ..protocol.errors import ConfigError
-from .nixl_memory import KVMemory, _is_tensor, bind_device
-from .staging import gather_host, gather_torch, scatter_host, scatter_torch
+from pushkv.protocol import PackedPlan, PackedWrite, Scatter
+from pushkv.protocol.errors import ConfigError
+
+from ..staging import gather_host, gather_torch, scatter_host, scatter_torch
+from .memory import KVMemory, _is_tensor, bind_device
 
 log = logging.getLogger(__name__)
 

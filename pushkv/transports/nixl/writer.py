@@ -7,14 +7,14 @@ request until it finishes, and reports a :class:`WriteResult` through a
 callback -- the I/O thread then tells the protocol (``write_completed``).
 
 A packed write (rule 10, ``WriteJob.packed``) is gathered here first, from the
-KV regions into this rank's staging (:mod:`.runtime_staging`), then written
+KV regions into this rank's staging (:mod:`.staging`), then written
 as one descriptor per wire chunk into the consumer's staging. A pipelined one
 (``PackedWrite.bounds`` of several chunks) is gathered and posted chunk by
 chunk, each with its own notification (``IssueWrite.chunk_notify``), so the
 consumer scatters early chunks while later ones are gathered and sent.
 
 Failures, time-outs, cancellation and polling are the shared
-:class:`~.nixl_poster.Poster`'s: a write that fails to prepare, post or
+:class:`~.poster.Poster`'s: a write that fails to prepare, post or
 complete becomes ``WriteResult(ok=False)`` with the NIXL status named.
 """
 
@@ -28,16 +28,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..protocol.errors import ConfigError
-from ..protocol.events import PackedWrite, Peer, notify_chunk
-from ..protocol.messages import Notify, decode, encode
-from ..protocol.planner import TransferPlan
-from .nixl_agent import Agent
-from .nixl_memory import KVMemory, MemKind
-from .nixl_poster import Poster, PostResult
+from pushkv.protocol.errors import ConfigError
+from pushkv.protocol.events import PackedWrite, Peer, notify_chunk
+from pushkv.protocol.messages import Notify, decode, encode
+from pushkv.protocol.planner import TransferPlan
+
+from .agent import Agent
+from .memory import KVMemory, MemKind
+from .poster import Poster, PostResult
 
 if TYPE_CHECKING:
-    from .runtime_staging import StagingMemory
+    from .staging import StagingMemory
 
 log = logging.getLogger(__name__)
 

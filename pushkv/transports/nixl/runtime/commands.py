@@ -1,11 +1,11 @@
 """What the engine thread asks of a runtime's I/O thread: one small immutable type each.
 
-:class:`~.runtime.NixlRuntime`'s engine-thread methods build one of these and
+:class:`~.api.NixlRuntime`'s engine-thread methods build one of these and
 append it to the I/O thread's queue; the I/O thread
-(:class:`~.runtime_loop.IOLoop`) dispatches it by type to the handler of the
+(:class:`~.loop.IOLoop`) dispatches it by type to the handler of the
 same name. A command that names a transfer carries ``transfer_id``; if its
 handler raises a pushkv error, the engine thread gets
-:class:`~.runtime_events.CallFailed` naming the method (:func:`operation_of`).
+:class:`~.events.CallFailed` naming the method (:func:`operation_of`).
 
 They are typed named tuples rather than frozen dataclasses: building one is on
 the engine thread's hot path, and a frozen dataclass costs three times as much
@@ -19,8 +19,9 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Literal, NamedTuple
 
-from ..protocol.events import Mode, Peer
-from .runtime_events import RuntimeView
+from pushkv.protocol.events import Mode, Peer
+
+from .events import RuntimeView
 
 
 class Connect(NamedTuple):
@@ -131,5 +132,5 @@ _OPERATIONS: dict[type[Any], str] = {
 
 def operation_of(command: Command) -> str:
     """The engine-thread method a command stands for (``PrefillFinished`` ->
-    ``"prefill_finished"``), as :class:`~.runtime_events.CallFailed` reports it."""
+    ``"prefill_finished"``), as :class:`~.events.CallFailed` reports it."""
     return _OPERATIONS[type(command)]

@@ -20,7 +20,7 @@ message ``[kind, body]``:
 
 Everything received is untrusted: a frame with the wrong shape or an unknown
 kind comes back as :data:`GARBAGE` for the caller to count and drop. With a
-shared key (:class:`~.sidechannel_auth.SideKey`), every frame carries a third
+shared key (:class:`~.auth.SideKey`), every frame carries a third
 part, an HMAC tag bound to the destination rank, a per-connection stream and
 counter, and a timestamp; frames that fail are dropped here, so they reach no
 handler: each is counted (:attr:`SideChannel.auth_dropped`), and the first drop
@@ -54,8 +54,9 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ..protocol.errors import ConfigError, DecodeError
-from .sidechannel_auth import FAILED, REASONS, SideKey, Signer, Verifier
+from pushkv.protocol.errors import ConfigError, DecodeError
+
+from .auth import FAILED, REASONS, SideKey, Signer, Verifier
 
 log = logging.getLogger(__name__)
 

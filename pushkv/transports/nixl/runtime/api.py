@@ -2,13 +2,13 @@
 
 :class:`NixlRuntime` is what an engine (a vLLM worker, a test, a benchmark)
 holds per rank. Its public methods are called from the **engine thread** and
-never block: each one appends a typed command (:mod:`.runtime_commands`) to a
-queue and wakes the runtime's **I/O thread** (:mod:`.runtime_loop`), which
+never block: each one appends a typed command (:mod:`.commands`) to a
+queue and wakes the runtime's **I/O thread** (:mod:`.loop`), which
 alone owns the protocol endpoint (:class:`~pushkv.protocol.Producer` or
 :class:`~pushkv.protocol.Consumer`), the side channel and the peer table. On a
-producer a third thread, the **writer** (:mod:`.nixl_writer`), prepares
+producer a third thread, the **writer** (:mod:`..writer`), prepares
 descriptors and posts the NIXL WRITEs (push); on a consumer the **reader**
-(:mod:`.nixl_reader`) prepares and posts the READs of a pull. Outcomes come
+(:mod:`..reader`) prepares and posts the READs of a pull. Outcomes come
 back to the engine thread through :meth:`NixlRuntime.poll`.
 
 ::
@@ -21,9 +21,9 @@ back to the engine thread through :meth:`NixlRuntime.poll`.
 Handshake. A consumer learns producer addresses with :meth:`NixlRuntime.connect`
 (cheap, idempotent). When the endpoint needs the engine (its ``Connect``
 action, on the first registration) -- or at once with ``eager=True`` -- the
-runtime sends its :class:`~.sidechannel.PeerCard` (pushkv ``Hello``, NIXL
+runtime sends its :class:`~..sidechannel.channel.PeerCard` (pushkv ``Hello``, NIXL
 metadata, region addresses) to every rank of the producer engine; each answers
-with its own card (the table of :mod:`.runtime_handshake`), which goes to the
+with its own card (the table of :mod:`.handshake`), which goes to the
 endpoint (``add_peer``). What waits for a handshake, and what a failed one
 means, is the endpoint's business. A producer answers cards; it never needs to
 be told about consumers.
@@ -31,7 +31,7 @@ be told about consumers.
 Ports and key. The side channel binds ``NixlConfig.port``, or a free port when
 it is 0 (the default); :attr:`NixlRuntime.address` is what peers must be told.
 With a shared key (``key_file`` or ``key_env``) every side-channel frame is
-authenticated (:mod:`.sidechannel_auth`).
+authenticated (:mod:`..sidechannel.auth`).
 
 Liveness. A peer is *confirmed dead* when it said goodbye, or when its side
 channel dropped and stayed unreachable for ``peer_confirm_s``; when every rank
@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..protocol import (
+from pushkv.protocol import (
     Consumer,
     ConsumerConfig,
     Hello,
@@ -60,17 +60,18 @@ from ..protocol import (
     RankInfo,
     encode,
 )
-from ..protocol.errors import ConfigError
-from . import runtime_commands as cmd
-from . import sidechannel as sc
-from .nixl_agent import Agent
-from .nixl_config import NixlConfig
-from .nixl_memory import KVMemory
+from pushkv.protocol.errors import ConfigError
+
+from ..agent import Agent
+from ..config import NixlConfig
+from ..memory import KVMemory
+from ..sidechannel import channel as sc
+from ..sidechannel.auth import SideKey, identity, load_key
+from ..staging import StagingMemory
+from . import commands as cmd
+from .events import Event, RuntimeView
+from .loop import IOLoop
 from .peers import parse_addresses
-from .runtime_events import Event, RuntimeView
-from .runtime_loop import IOLoop
-from .runtime_staging import StagingMemory
-from .sidechannel_auth import SideKey, identity, load_key
 
 Role = Literal["producer", "consumer"]
 
@@ -88,7 +89,7 @@ class NixlRuntime:
         name: NIXL agent name (unique per cluster); generated if None.
 
     Raises:
-        ConfigError: bad settings or memory; :class:`~.sidechannel.SideChannelBindError`
+        ConfigError: bad settings or memory; :class:`~..sidechannel.channel.SideChannelBindError`
             (a ConfigError) when the configured side-channel port is taken.
     """
 

@@ -7,7 +7,7 @@ transfer; the decode leg registers its blocks with the producer straight away
 and streams the answer back to the client. Neither leg waits for the other.
 
 * **Input.** A request is checked before any engine sees it
-  (:mod:`.proxy_input`): malformed bodies, a wrong model, absurd lengths and
+  (:mod:`.input`): malformed bodies, a wrong model, absurd lengths and
   client-supplied ``kv_transfer_params`` get an OpenAI-style 4xx. Transfer ids
   are made here (random, 128 bits); a client never chooses one.
 * **Health.** Every instance is probed (:mod:`.pool`); one that refuses, times
@@ -24,7 +24,7 @@ and streams the answer back to the client. Neither leg waits for the other.
 * A client that goes away cancels both legs: their connections are closed,
   which makes vLLM abort the requests; the connectors then end the transfer.
 * With a shared key, every ``kv_transfer_params`` sent is signed
-  (:mod:`.signing`); ``/metrics`` serves Prometheus metrics (:mod:`.proxy_metrics`).
+  (:mod:`pushkv.vllm.signing`); ``/metrics`` serves Prometheus metrics (:mod:`.metrics`).
 
 Only aiohttp, prometheus_client and the standard library are imported here (not
 vLLM, not torch), so ``pushkv proxy`` starts fast and runs anywhere.
@@ -32,7 +32,6 @@ vLLM, not torch), so ``pushkv proxy`` starts fast and runs anywhere.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -48,10 +47,11 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
-from .. import timeline
-from ..protocol import new_incarnation
-from ..transports.nixl_config import NixlConfig
-from .params import (
+from pushkv import timeline
+from pushkv.protocol import new_incarnation
+from pushkv.transports.nixl.config import NixlConfig
+
+from ..params import (
     ENDPOINT_KEY,
     POLICY_KEY,
     DecodeLeg,
@@ -60,12 +60,12 @@ from .params import (
     ParamsError,
     PrefillLeg,
 )
+from ..signing import sign
+from .input import CHAT, COMPLETIONS, Checked, ClientError, ModelInfo, check_request
+from .input import error_body as _error_body
+from .metrics import CONTENT_TYPE, ProxyMetrics
 from .pool import HealthSettings, Instance, Pool
-from .proxy_input import CHAT, COMPLETIONS, Checked, ClientError, ModelInfo, check_request
-from .proxy_input import error_body as _error_body
-from .proxy_metrics import CONTENT_TYPE, ProxyMetrics
-from .proxy_sse import carries_tokens, read_json, sse_error, sse_head_then_chunks, write_sse_error
-from .signing import sign
+from .sse import carries_tokens, read_json, sse_error, sse_head_then_chunks, write_sse_error
 
 logger = logging.getLogger("pushkv.proxy")
 T = TypeVar("T")
@@ -674,13 +674,3 @@ def _prefill_body(body: dict[str, Any], path: str, params: dict[str, Any]) -> di
     for key in ("stream_options", "min_tokens"):
         out.pop(key, None)
     return out
-
-
-# ------------------------------------------------------------------ CLI
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``pushkv proxy`` to the ``pushkv`` command line (:mod:`.proxy_cli`)."""
-    from .proxy_cli import register as add
-
-    add(subparsers)

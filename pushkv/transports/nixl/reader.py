@@ -24,11 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol.events import Peer
-from ..protocol.planner import TransferPlan
-from .nixl_agent import Agent
-from .nixl_memory import KVMemory, MemKind
-from .nixl_poster import Poster, PostResult
+from pushkv.protocol.events import Peer
+from pushkv.protocol.planner import TransferPlan
+
+from .agent import Agent
+from .memory import KVMemory, MemKind
+from .poster import Poster, PostResult
 
 #: How one READ ended.
 ReadResult = PostResult

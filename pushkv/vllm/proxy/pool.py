@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .params import Endpoint
+from ..params import Endpoint
 
 logger = logging.getLogger("pushkv.proxy")
 

@@ -1,4 +1,4 @@
-"""The I/O thread of a :class:`~.runtime.NixlRuntime`: the only thread that
+"""The I/O thread of a :class:`~.api.NixlRuntime`: the only thread that
 touches the protocol endpoint, the side channel and the peer table.
 
 It does I/O and nothing else: every protocol decision is the endpoint's
@@ -7,7 +7,7 @@ loop feeds it inputs (engine commands, decoded frames, notifications, write
 completions, timers, handshake outcomes, peer deaths) and carries out the
 actions it returns (send a message, post a write) or passes them to the
 engine thread as events. The card exchange with producer engines is the table
-of :mod:`.runtime_handshake`, carried out by the loop's :mod:`.runtime_cards` half.
+of :mod:`.handshake`, carried out by the loop's :mod:`.cards` half.
 
 One pass of the loop: wait in ``zmq.Poller.poll`` (side channel, liveness
 monitors, wake-up pipe) until the earliest deadline, then run queued commands,
@@ -24,8 +24,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import timeline
-from ..protocol import (
+from pushkv import timeline
+from pushkv.protocol import (
     Action,
     Connect,
     Consumer,
@@ -47,23 +47,24 @@ from ..protocol import (
     decode,
     encode,
 )
-from ..protocol.errors import ConfigError, RemoteProtocolError
-from ..protocol.events import Publish, sender_of
-from ..protocol.messages import Notify, Register
-from . import runtime_commands as cmd
-from . import sidechannel as sc
-from .nixl_agent import Agent
-from .nixl_memory import KVMemory, bind_device
-from .nixl_reader import Reader, ReadJob, ReadResult
-from .nixl_writer import WriteJob, Writer, WriteResult
+from pushkv.protocol.errors import ConfigError, RemoteProtocolError
+from pushkv.protocol.events import Publish, sender_of
+from pushkv.protocol.messages import Notify, Register
+
+from ..agent import Agent
+from ..memory import KVMemory, bind_device
+from ..reader import Reader, ReadJob, ReadResult
+from ..sidechannel import channel as sc
+from ..staging import Scatterer, ScatterResult, StagingMemory
+from ..writer import WriteJob, Writer, WriteResult
+from . import commands as cmd
+from .cards import CardExchange
+from .events import CallFailed, Event, RuntimeView, WritesDone
+from .handshake import Handshakes
 from .peers import PeerTable
-from .runtime_cards import CardExchange
-from .runtime_events import CallFailed, Event, RuntimeView, WritesDone
-from .runtime_handshake import Handshakes
-from .runtime_staging import Scatterer, ScatterResult, StagingMemory
 
 if TYPE_CHECKING:
-    from .nixl_config import NixlConfig
+    from ..config import NixlConfig
 
 log = logging.getLogger(__name__)
 

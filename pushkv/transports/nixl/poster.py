@@ -25,10 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..protocol.events import Peer
-from ..protocol.planner import TransferPlan
-from .nixl_agent import Agent, is_disconnect, nixl_status
-from .nixl_memory import KVMemory, bind_device
+from pushkv.protocol.events import Peer
+from pushkv.protocol.planner import TransferPlan
+
+from .agent import Agent, is_disconnect, nixl_status
+from .memory import KVMemory, bind_device
 
 log = logging.getLogger(__name__)
 

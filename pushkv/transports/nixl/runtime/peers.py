@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..protocol.errors import ConfigError
-from ..protocol.events import Peer
-from ..protocol.layout import RankInfo
-from .nixl_agent import Agent
-from .sidechannel import PeerCard, SideChannel
+from pushkv.protocol.errors import ConfigError
+from pushkv.protocol.events import Peer
+from pushkv.protocol.layout import RankInfo
+
+from ..agent import Agent
+from ..sidechannel.channel import PeerCard, SideChannel
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""``pushkv proxy``: the command line of :mod:`.proxy` (flags, settings, the server)."""
+"""``pushkv proxy``: the command line of the proxy (:mod:`.server`): flags, settings, start-up."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import logging
 
 from aiohttp import web
 
-from .. import timeline
+from pushkv import timeline
+
 from .pool import HealthSettings
-from .proxy import KEY_ENV, ProxySettings, PushProxy, logger
+from .server import KEY_ENV, ProxySettings, PushProxy, logger
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -91,7 +92,7 @@ def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
-    from ..transports.sidechannel_auth import load_key
+    from pushkv.transports.nixl.sidechannel.auth import load_key
 
     key = load_key(key_file=args.key_file or "", key_env=KEY_ENV)
     return ProxySettings(

@@ -1,8 +1,8 @@
 """The I/O loop's half that meets peers: the card exchange and liveness.
 
-:class:`CardExchange` is a part of :class:`~.runtime_loop.IOLoop`, kept apart
+:class:`CardExchange` is a part of :class:`~.loop.IOLoop`, kept apart
 because it is one concept: a consumer sends its card to every rank of a producer
-engine and the table of :mod:`.runtime_handshake` says what each answer does; a
+engine and the table of :mod:`.handshake` says what each answer does; a
 producer checks a consumer's card and answers with its own; every card is
 validated before NIXL or the endpoint sees the peer (:func:`~.peers.card_problem`);
 an engine whose ranks are all confirmed dead is handed to the endpoint
@@ -16,21 +16,22 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import DecodeError, Hello, Peer, PushKVError, RankInfo, ValidationError, decode
-from ..protocol.errors import ConfigError
-from . import sidechannel as sc
-from .nixl_agent import nixl_status
+from pushkv.protocol import DecodeError, Hello, Peer, PushKVError, RankInfo, ValidationError, decode
+from pushkv.protocol.errors import ConfigError
+
+from ..agent import nixl_status
+from ..sidechannel import channel as sc
+from ..sidechannel.auth import identity
+from .events import PeerLost
+from .handshake import Effect, HandshakeInput, RemoteEngine
 from .peers import Link, card_problem
-from .runtime_events import PeerLost
-from .runtime_handshake import Effect, HandshakeInput, RemoteEngine
-from .sidechannel_auth import identity
 
 if TYPE_CHECKING:
-    from .nixl_agent import Agent
+    from ..agent import Agent
+    from .handshake import Handshakes
     from .peers import PeerTable
-    from .runtime_handshake import Handshakes
 
-log = logging.getLogger("pushkv.transports.runtime_loop")
+log = logging.getLogger("pushkv.transports.nixl.runtime.loop")
 
 
 class CardExchange:

@@ -28,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol.errors import ConfigError
-from .nixl_config import NixlConfig
-from .nixl_memory import KVMemory, MemKind
+from pushkv.protocol.errors import ConfigError
+
+from .config import NixlConfig
+from .memory import KVMemory, MemKind
 
 _BUILD_LOCK = threading.Lock()
 

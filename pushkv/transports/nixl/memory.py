@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..protocol.errors import ConfigError
-from ..protocol.layout import KVLayout
+from pushkv.protocol.errors import ConfigError
+from pushkv.protocol.layout import KVLayout
 
 MemKind = Literal["DRAM", "VRAM"]
 

@@ -44,7 +44,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Final
 
-from ..protocol.errors import ConfigError
+from pushkv.protocol.errors import ConfigError
 
 VERSION: Final = 1
 _HEADER = struct.Struct(">B16sQd")

@@ -1,7 +1,7 @@
 """The conformance-suite :class:`~pushkv.transports.testing.Cluster` over real NIXL.
 
 The producer engine and the consumer engine live in two **separate spawned
-processes** (:class:`Host`); every rank is a :class:`~.runtime.NixlRuntime` with
+processes** (:class:`Host`); every rank is a :class:`~.runtime.api.NixlRuntime` with
 its own NIXL agent, so TP 2 means two agents in a process. The parent drives
 the hosts over a ``multiprocessing`` pipe: engine-level calls go to every rank
 of the engine, snapshots are gathered from the events each rank reported.
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol import (
+from pushkv.protocol import (
     Mode,
     Peer,
     Publish,
@@ -43,7 +43,8 @@ from ..protocol import (
     TransferFailed,
     TransferReady,
 )
-from .testing import Snapshot, Topology
+
+from ..testing import Snapshot, Topology
 
 PRODUCER, CONSUMER = "prefill-0", "decode-0"
 _SETUP_TIMEOUT = 60.0
@@ -68,7 +69,7 @@ def blocks_match(memory: Sequence[np.ndarray], block_bytes: int, src: Sequence[i
 
 
 def wait_for_event(rt: Any, kind: str, transfer_id: str, timeout_s: float = 60.0) -> Any:
-    """Poll a :class:`~.runtime.NixlRuntime` until an event of type ``kind`` (its class
+    """Poll a :class:`~.runtime.api.NixlRuntime` until an event of type ``kind`` (its class
     name) for ``transfer_id`` comes, and return it. A ``TransferFailed`` or
     ``CallFailed`` raises RuntimeError; nothing within ``timeout_s``, TimeoutError."""
     end = time.monotonic() + timeout_s
@@ -134,8 +135,8 @@ class _HostServer:
               config: Any = None, packing: Any = None) -> dict[int, str]:
         from dataclasses import replace
 
-        from .inmemory import region_memory
-        from .runtime import NixlRuntime
+        from ..inmemory import region_memory
+        from .runtime.api import NixlRuntime
 
         self.close()
         if packing is not None:  # staging memory on every rank, this PackingConfig

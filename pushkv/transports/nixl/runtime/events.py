@@ -1,10 +1,10 @@
-"""What a :class:`~.runtime.NixlRuntime` reports to its engine thread."""
+"""What a :class:`~.api.NixlRuntime` reports to its engine thread."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..protocol import (
+from pushkv.protocol import (
     Publish,
     Rejected,
     ReleaseDestination,
@@ -13,7 +13,8 @@ from ..protocol import (
     TransferFailed,
     TransferReady,
 )
-from .nixl_writer import WriteResult
+
+from ..writer import WriteResult
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,18 @@
+"""The push-mode proxy: an OpenAI-compatible router in front of vLLM prefill and decode.
+
+* :mod:`.server` -- :class:`PushProxy`, the aiohttp application: both legs of a
+  request at once, health, failover, signing (see its docstring).
+* :mod:`.input` -- the checks a client's request passes before any engine sees it.
+* :mod:`.sse` -- reading and relaying server-sent events.
+* :mod:`.pool` -- the instances, their health probes and the choice among them.
+* :mod:`.metrics` -- the Prometheus metrics ``/metrics`` serves.
+* :mod:`.cli` -- ``pushkv proxy``: flags, settings, the event loop.
+
+Dependencies point one way: ``cli -> server -> input, sse, pool, metrics``.
+Only aiohttp, prometheus_client and the standard library are imported (not
+vLLM, not torch).
+"""
+
+from .server import ProxySettings, PushProxy
+
+__all__ = ["ProxySettings", "PushProxy"]
