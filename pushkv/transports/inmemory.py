@@ -38,7 +38,8 @@ random: the same seed gives the same run):
   the write's *max in-flight time* after it was posted (``max_inflight_s``;
   default: the destination consumer's ``ConsumerConfig.fence_grace_s``), so
   possibly well after the producer saw the failure. A killed producer's writes
-  may likewise land pieces until its death is detected;
+  may likewise land pieces, within the same bound, even after its death is
+  known (the consumer fences a dead producer only once its fence grace passed);
 * a read (pull, ``IssueRead``) takes its pieces from the source at times
   between its post and its completion (what is left at the completion); a
   read completes whatever the producer did meanwhile, so a source released
@@ -83,6 +84,7 @@ from ..protocol import (
     Connect,
     Consumer,
     ConsumerConfig,
+    DecodeError,
     Hello,
     IssueRead,
     IssueWrite,
@@ -91,16 +93,19 @@ from ..protocol import (
     ProducerConfig,
     Publish,
     RankInfo,
+    Register,
     Rejected,
     ReleaseDestination,
     ReleaseSource,
     ReleaseStaging,
     Scatter,
     SendMessage,
+    Skip,
     TransferCancelled,
     TransferFailed,
     TransferPlan,
     TransferReady,
+    decode,
     encode,
 )
 from ..protocol.layout import KVLayout
@@ -259,9 +264,14 @@ class ProducerNode(Node):
         self.released_by_key: Counter[tuple[str, int]] = Counter()  # by (id, incarnation)
         self.released_at: dict[tuple[str, int], float] = {}  # when, by (id, incarnation)
         self.published: dict[str, Publish] = {}
+        #: (transfer id, incarnation, consumer rank) of each registration taken in: a
+        #: Register, or a Skip (nothing to write for that consumer rank)
+        self.registrations: set[tuple[str, int, int]] = set()
+        self.writes = 0  # writes started (every attempt and part)
 
     def handle(self, a: Action) -> None:
         if isinstance(a, IssueWrite):
+            self.writes += 1
             if a.packed is not None:  # rule 10: gathered now, into the staging lent to it
                 pw = a.packed
                 gather_host(pw.packed, self.memory,
@@ -281,6 +291,12 @@ class ProducerNode(Node):
 
     def frame(self, data: bytes, now: float) -> None:
         self.apply(self.endpoint.receive_bytes(data, now))
+        try:
+            msg = decode(data)
+        except DecodeError:
+            return
+        if isinstance(msg, Register | Skip):
+            self.registrations.add((msg.transfer_id, msg.incarnation, msg.rank))
 
 
 class ConsumerNode(Node):
@@ -736,8 +752,10 @@ class InMemoryNetwork:
             node = self.node(item.dst)  # type: ignore[arg-type]
             if node is not None and node.alive:
                 engine = item.payload
-                # Its death is known here: nothing of its writes lands here any more.
-                for f in self._flights_with_pieces():
+                # Its death is known here. Eager: nothing of its writes lands here any
+                # more. Adversarial: what it posted may still land, within its bound
+                # (the consumer fences a dead producer only after the fence grace).
+                for f in self._flights_with_pieces() if self.delivery == "eager" else ():
                     if f.kind == "write" and f.src.engine_id == engine and f.dst == node.peer:
                         self._discard(f)
                 if isinstance(node, ProducerNode):
@@ -1154,6 +1172,9 @@ class InMemoryCluster:
                   if c.alive},
             held={p.peer.rank: sorted(p.endpoint.held_blocks())
                   for p in self.net.producers.values() if p.alive},
+            registrations={p.peer.rank: sorted(p.registrations)
+                           for p in self.net.producers.values()},
+            writes={p.peer.rank: p.writes for p in self.net.producers.values()},
             violations=list(self.net.violations),
         )
 

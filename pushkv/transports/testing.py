@@ -11,7 +11,12 @@ written anywhere it should not be fails the check too.
 
 The in-memory transport runs these in simulated time; a real transport runs
 them in wall-clock time across processes, so every wait has a timeout and
-configurations keep deadlines short.
+configurations keep deadlines short. Where a check needs one event to happen
+before another (the registration before the prefill's end, or after it), it
+waits until the cluster shows the first one -- the producer took the
+registration in (:attr:`Snapshot.registrations`), holds the source
+(:attr:`Snapshot.held`) -- never for a fixed time, so the order tested holds
+on any transport at any speed.
 """
 
 from __future__ import annotations
@@ -72,8 +77,14 @@ class Snapshot:
     rejected: dict[tuple[str, int], int]
     #: consumer rank -> blocks still lent to transfers
     lent: dict[int, dict[int, str]]
-    #: producer rank -> transfers still holding source blocks
-    held: dict[int, list[str]]
+    #: producer rank -> the transfers still holding source blocks: (transfer id,
+    #: incarnation), or transfer ids where the endpoint keys them so
+    held: dict[int, list[Any]]
+    #: producer rank -> (transfer id, incarnation, consumer rank) of each registration
+    #: it took in: a ``Register``, or a ``Skip`` (nothing to write for that rank)
+    registrations: dict[int, list[tuple[str, int, int]]]
+    #: producer rank -> writes it started (every attempt and part)
+    writes: dict[int, int]
     #: safety violations the transport observed (writes into unlent blocks...)
     violations: list[str]
 
@@ -210,6 +221,38 @@ def _settled(snap: Snapshot, topo: Topology, tids: Sequence[str], want: str) -> 
     return all(snap.outcome(r, t) == want for r in cranks for t in tids)
 
 
+def registered(topo: Topology, tid: str, incarnation: int = 0) -> Callable[[Snapshot], bool]:
+    """The registration of ``tid`` has reached the producer engine: each consumer
+    rank's has been taken in by a producer rank, and each producer rank has taken
+    one in (a ``Register``, or a ``Skip`` when it writes nothing)."""
+    pranks, cranks = _ranks(topo)
+
+    def holds(s: Snapshot) -> bool:
+        pairs = {(p, c) for p, got in s.registrations.items()
+                 for t, inc, c in got if (t, inc) == (tid, incarnation)}
+        return (all(any((p, c) in pairs for p in pranks) for c in cranks)
+                and all(any((p, c) in pairs for c in cranks) for p in pranks))
+
+    return holds
+
+
+def source_held(topo: Topology, tid: str, incarnation: int = 0) -> Callable[[Snapshot], bool]:
+    """Every producer rank has taken the end of ``tid``'s prefill in: it holds the source."""
+    pranks, _ = _ranks(topo)
+    # A key is (transfer id, incarnation), or the bare id from an endpoint that keys
+    # its held sources by id alone.
+    return lambda s: all(any(k in ((tid, incarnation), tid) for k in s.held.get(p, ()))
+                         for p in pranks)
+
+
+def _await(c: Cluster, predicate: Callable[[Snapshot], bool], what: str,
+           timeout_s: float = 20.0) -> Snapshot:
+    """Wait until ``predicate`` holds; AssertionError naming ``what`` if it never does."""
+    snap = c.wait(predicate, timeout_s)
+    assert predicate(snap), f"{what} within {timeout_s} s: {snap}"
+    return snap
+
+
 def assert_clean(cluster: Cluster, timeout_s: float = 10.0) -> Snapshot:
     """No lent destination blocks, no held source blocks, no violation, once idle."""
     snap = cluster.wait(lambda s: not any(s.lent.values()) and not any(s.held.values()),
@@ -231,10 +274,10 @@ def check_either_order(make: MakeCluster, topo: Topology | None = None) -> None:
     c = make(topo)
     try:
         c.register("reg-first", [4, 9, 2], 40)
-        c.wait(lambda s: False, 0.05)
+        _await(c, registered(topo, "reg-first"), "the producer took the registration in")
         c.prefill_finished("reg-first", [20, 3, 7], 40)
         c.prefill_finished("kv-first", [30, 31, 32], 40)
-        c.wait(lambda s: False, 0.05)
+        _await(c, source_held(topo, "kv-first"), "the producer holds the source")
         c.register("kv-first", [10, 11, 12], 40)
         snap = c.wait(lambda s: _settled(s, topo, ["reg-first", "kv-first"], "ready"), 20)
         assert _settled(snap, topo, ["reg-first", "kv-first"], "ready"), snap.outcomes
@@ -251,7 +294,7 @@ def check_reissue(make: MakeCluster, topo: Topology | None = None) -> None:
     _, cranks = _ranks(topo)
     try:
         c.register("t", [1, 2, 3], 33)
-        c.wait(lambda s: False, 0.05)
+        _await(c, registered(topo, "t"), "the producer took the registration in")
         c.preempt("t")
         snap = c.wait(lambda s: not any(s.lent.values()), 20)
         assert not any(snap.lent.values()), "preempted blocks never released"
@@ -272,7 +315,7 @@ def check_reissue_after_kv(make: MakeCluster, topo: Topology | None = None) -> N
     c = make(topo)
     try:
         c.prefill_finished("t", [40, 41, 42], 33)
-        c.wait(lambda s: False, 0.05)
+        _await(c, source_held(topo, "t"), "the producer holds the source")
         c.register("t", [1, 2, 3], 33)
         snap = c.wait(lambda s: _settled(s, topo, ["t"], "ready"), 20)
         assert _settled(snap, topo, ["t"], "ready")
@@ -281,7 +324,7 @@ def check_reissue_after_kv(make: MakeCluster, topo: Topology | None = None) -> N
         c.preempt("u")
         c.wait(lambda s: not any(s.lent.values()), 20)
         c.prefill_finished("u", [50, 51, 52], 33)
-        c.wait(lambda s: False, 0.05)
+        _await(c, source_held(topo, "u"), "the producer holds the source")
         c.reissue("u", [20, 21, 22])
         snap = c.wait(lambda s: _settled(s, topo, ["u"], "ready"), 20)
         assert _settled(snap, topo, ["u"], "ready"), snap.outcomes
@@ -298,7 +341,7 @@ def check_cancel(make: MakeCluster, topo: Topology | None = None) -> None:
     c = make(topo)
     try:
         c.register("t", [1, 2, 3], 40)
-        c.wait(lambda s: False, 0.05)
+        _await(c, registered(topo, "t"), "the producer took the registration in")
         c.abort("t")
         snap = c.wait(lambda s: _settled(s, topo, ["t"], "cancelled"), 20)
         assert _settled(snap, topo, ["t"], "cancelled"), snap.outcomes
@@ -315,7 +358,7 @@ def check_prefill_aborted(make: MakeCluster, topo: Topology | None = None) -> No
     c = make(topo)
     try:
         c.register("t", [1, 2, 3], 40)
-        c.wait(lambda s: False, 0.05)
+        _await(c, registered(topo, "t"), "the producer took the registration in")
         c.prefill_aborted("t")
         snap = c.wait(lambda s: _settled(s, topo, ["t"], "failed"), 20)
         assert _settled(snap, topo, ["t"], "failed"), snap.outcomes
@@ -357,7 +400,7 @@ def check_producer_killed(make: MakeCluster, topo: Topology | None = None) -> No
     cfg = topo.consumer_config
     try:
         c.register("t", [1, 2, 3], 40)
-        c.wait(lambda s: False, 0.05)
+        _await(c, registered(topo, "t"), "the producer took the registration in")
         c.kill_producer()
         limit = cfg.window_s + cfg.fence_grace_s + 5.0
         snap = c.wait(lambda s: _settled(s, topo, ["t"], "failed")
@@ -387,7 +430,8 @@ def check_out_of_range_registration(make: MakeCluster, topo: Topology | None = N
                       or sum(s.rejected.values()) >= len(prod), 10)
         assert sum(snap.rejected.values()) >= len(prod), snap.rejected
         c.prefill_finished("evil", [1, 2], 20)  # KV ready: still nothing may move
-        c.wait(lambda s: False, 0.2)
+        snap = _await(c, source_held(topo, "evil"), "the producer holds the source")
+        assert not any(snap.writes.values()), f"a write started: {snap.writes}"
         assert_destination(c, [])
         c.prefill_aborted("evil")  # frees the source without waiting for its lease
         assert_clean(c)
@@ -438,7 +482,7 @@ def check_reused_id(make: MakeCluster, topo: Topology | None = None) -> None:
 
     try:
         c.prefill_finished("t", [30, 31, 32], 40, incarnation=101)  # nobody registers it
-        c.wait(lambda s: False, 0.05)
+        _await(c, source_held(topo, "t", 101), "the producer holds the source")
         c.register("t", [1, 2, 3], 40, incarnation=102)
         c.prefill_finished("t", [7, 8, 9], 40, incarnation=102)
         snap = c.wait(uses(1), 20)
@@ -448,7 +492,7 @@ def check_reused_id(make: MakeCluster, topo: Topology | None = None) -> None:
         snap = c.wait(uses(2), 20)
         assert snap.all_outcomes("t", cranks) == {"ready"}, snap.outcomes
         c.register("t", [13, 14, 15], 40, incarnation=104)
-        c.wait(lambda s: False, 0.05)
+        _await(c, registered(topo, "t", 104), "the producer took the registration in")
         c.abort("t")
         snap = c.wait(uses(3), 20)
         assert snap.all_outcomes("t", cranks) == {"cancelled"}, snap.outcomes
@@ -550,16 +594,20 @@ def check_pull_producer_killed(make: MakeCluster, topo: Topology | None = None) 
     topo = topo or Topology()
     c: Any = make(topo)
     cfg = topo.consumer_config
+    _, cranks = _ranks(topo)
+
+    def pulling(s: Snapshot) -> bool:  # every consumer rank took the pull in ("t" alone runs)
+        return all(s.outcome(r, "t") is not None or bool(s.lent.get(r)) for r in cranks)
+
     try:
         c.publish("t", [1, 2, 3], 40)
         c.start_pull("t", [4, 5, 6], 40)  # waits for the publication
-        c.wait(lambda s: False, 0.0)
+        _await(c, pulling, "the consumer took the pull in")
         c.kill_producer()
         c.start_pull("u", [7, 8, 9], 40, src_block_ids=[1, 2, 3])
         limit = cfg.window_s + cfg.fence_grace_s + 5.0
         snap = c.wait(lambda s: s.outcome(0, "u") is not None and not any(s.lent.values()),
                       limit)
-        _, cranks = _ranks(topo)
         for r in cranks:
             assert snap.outcome(r, "u") == "failed", snap.outcomes
             assert snap.outcome(r, "t") in ("ready", "failed"), snap.outcomes

@@ -18,6 +18,7 @@ import numpy as np
 from .testing import (
     MakeCluster,
     Topology,
+    _await,
     _element,
     _settled,
     assert_clean,
@@ -149,7 +150,8 @@ def check_progressive_reissue(make: MakeCluster, topo: Topology | None = None) -
         prefill = _Prefill(c, src)
         c.register("t", [1, 2, 3], 40)
         prefill.ready("t", (0, 16, 0, layers))
-        c.wait(lambda s: False, 0.01)
+        _await(c, lambda s: all(s.writes.get(p.rank, 0) >= 1 for p in topo.producer_ranks()),
+               "every producer rank started writing the first part")
         c.preempt("t")
         prefill.ready("t", (16, 32, 0, layers))
         c.wait(lambda s: not any(s.lent.values()), 20)

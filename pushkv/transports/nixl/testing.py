@@ -100,6 +100,9 @@ class _RankState:
         self.errors: list[str] = []
         #: producer (pull): (transfer id, incarnation) -> published block ids
         self.published: dict[tuple[str, int], list[int]] = {}
+        #: producer: (transfer id, incarnation, consumer rank) of the registrations
+        #: taken in (gathered from the runtime's recent ones at each snapshot)
+        self.registrations: set[tuple[str, int, int]] = set()
 
     def drain(self) -> int:
         events = self.runtime.poll()
@@ -185,7 +188,8 @@ class _HostServer:
         out: dict[str, Any] = {"outcomes": {}, "src_released": {}, "dst_released": {},
                                "rejected": {}, "lent": {}, "held": {}, "errors": [],
                                "stats": {}, "writes_in_flight": 0, "transfers": {},
-                               "fail_codes": {}, "published": {}, "staging_lent": {}}
+                               "fail_codes": {}, "published": {}, "staging_lent": {},
+                               "registrations": {}, "writes": {}}
         for r, st in self.ranks.items():
             view = st.runtime.inspect()
             out["rejected"][r] = st.rejected
@@ -206,6 +210,9 @@ class _HostServer:
                 for tid, n in st.src_released.items():
                     out["src_released"][r, tid] = n
                 out["held"][r] = sorted(view.held)
+                st.registrations.update(view.recent_registrations)
+                out["registrations"][r] = sorted(st.registrations)
+                out["writes"][r] = view.stats.get("writes_issued", 0)
                 for key, ids in st.published.items():
                     out["published"][r, *key] = ids
         return out
@@ -500,7 +507,8 @@ class NixlCluster:
         return Snapshot(
             outcomes=c["outcomes"], src_released=p.get("src_released", {}),
             dst_released=c["dst_released"], rejected=rejected, lent=c["lent"],
-            held=p.get("held", {}),
+            held=p.get("held", {}), registrations=p.get("registrations", {}),
+            writes=p.get("writes", {}),
             violations=[f"call failed: {e}" for e in p.get("errors", []) + c["errors"]],
         )
 

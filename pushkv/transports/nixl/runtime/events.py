@@ -76,3 +76,7 @@ class RuntimeView:
     transfers: int = 0  #: transfers the endpoint tracks
     reads_in_flight: int = 0  #: consumer (pull): reads posted and not finished
     staging_lent: int = 0  #: bytes of staging the endpoint lends (packed writes; 0: none)
+    #: producer: the last registrations taken in, newest last -- (transfer id,
+    #: incarnation, consumer rank) of each ``Register``, or ``Skip`` (nothing to
+    #: write for that consumer rank)
+    recent_registrations: tuple[tuple[str, int, int], ...] = ()

@@ -49,7 +49,7 @@ from pushkv.protocol import (
 )
 from pushkv.protocol.errors import ConfigError, RemoteProtocolError
 from pushkv.protocol.events import Publish, sender_of
-from pushkv.protocol.messages import Notify, Register
+from pushkv.protocol.messages import Notify, Register, Skip
 
 from ..agent import Agent
 from ..memory import KVMemory, bind_device
@@ -91,6 +91,9 @@ class IOLoop(CardExchange):
         self._scattered: deque[ScatterResult] = deque()  # rule 10: scatter thread -> here
         self._scatters = 0
         self._recent: deque[WriteResult] = deque(maxlen=256)
+        #: producer: the last registrations taken in, newest last: (transfer id,
+        #: incarnation, consumer rank) of each Register or Skip handed to the endpoint
+        self._registrations: deque[tuple[str, int, int]] = deque(maxlen=256)
         #: producer: (writes, descriptors, bytes) so far of each transfer with a source
         self._cost: dict[tuple[str, int], tuple[int, int, int]] = {}
         # I/O thread -> engine thread
@@ -434,6 +437,7 @@ class IOLoop(CardExchange):
             reads_in_flight=self._reads,
             stats=dict(self._stats_view),
             recent_writes=tuple(self._recent),
+            recent_registrations=tuple(self._registrations),
             transfers=ep.num_transfers,
             staging_lent=ep.staging_lent,
         ))
@@ -519,6 +523,7 @@ class IOLoop(CardExchange):
     def _issue(self, a: IssueWrite) -> None:
         writer = self._writer
         self._writes += 1
+        self._stats["writes_issued"] += 1
         link = self._usable_link(a, writer is not None, self._completions)
         if link is None or writer is None:
             return
@@ -678,6 +683,8 @@ class IOLoop(CardExchange):
             timeline.mark(msg.transfer_id, "registration_received" if isinstance(msg, Register)
                           else "notify_received")
         self._apply(self._endpoint.receive(msg, now), now)
+        if isinstance(msg, Register | Skip):
+            self._registrations.append((msg.transfer_id, msg.incarnation, msg.rank))
 
     # ------------------------------------------------------------ shutdown
 
