@@ -3,11 +3,16 @@
 Runs the deep scopes of ``pushkv.protocol.check_scope`` depth-first (a set of
 64-bit state hashes, so millions of states fit), two scopes at a time in two
 worker processes, each within a time budget, and keeps exploring past a
-violation (one trace per kind). Prints a table, then as its last line one JSON
-object: ``states_explored``, ``states_per_s`` (all workers, over the wall
-time), ``max_depth``, ``violations``, ``scopes`` (distinct states per scope).
+violation (one trace per kind), every scope under adversarial write visibility
+(a write's bytes land in pieces, apart from its completion; see
+docs/protocol.md). Then runs every known injected bug of
+``pushkv.protocol.check_mutations`` and counts those the checker finds. Prints a
+table, then as its last line one JSON object: ``states_explored``,
+``states_per_s`` (all workers, over the wall time), ``max_depth``,
+``violations``, ``visibility``, ``mutations_found`` / ``mutations_total``,
+``scopes`` (distinct states per scope).
 
-    python benchmarks/bench_check.py [--budget-s 540] [--workers 2] [SCOPE ...]
+    python benchmarks/bench_check.py [--budget-s 480] [--workers 2] [SCOPE ...]
 """
 
 from __future__ import annotations
@@ -19,6 +24,16 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from pushkv.protocol.check import DEEP_SCOPES, Result, explore, scope
+from pushkv.protocol.check_mutations import MUTATIONS, Patcher
+
+
+def mutant(index: int) -> tuple[str, bool]:
+    """Inject mutation ``index`` and look for the violation it must show."""
+    mutate, sc, kind = MUTATIONS[index]
+    with Patcher() as patch:
+        mutate(patch)
+        res = explore(sc, want=kind, max_states=400_000)
+    return mutate.__name__, bool(res.violations) and res.violations[0].kind == kind
 
 
 def run(name: str, budget_s: float) -> tuple[str, dict[str, object]]:
@@ -36,7 +51,7 @@ def run(name: str, budget_s: float) -> tuple[str, dict[str, object]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("scopes", nargs="*", default=list(DEEP_SCOPES))
-    ap.add_argument("--budget-s", type=float, default=540.0,
+    ap.add_argument("--budget-s", type=float, default=480.0,
                     help="wall-clock budget of the whole run")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args(argv)
@@ -46,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         results = dict(pool.map(run, names, [per] * len(names)))
-    wall = time.perf_counter() - start
+        wall = time.perf_counter() - start
+        found = dict(pool.map(mutant, range(len(MUTATIONS))))
     print(f"{'scope':24s} {'states':>11s} {'transitions':>12s} {'final':>8s} {'depth':>6s} "
           f"{'s':>7s} {'states/s':>9s}  done  violations")
     for name in names:
@@ -55,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:24s} {r['states']:>11,} {r['transitions']:>12,} {r['finals']:>8,} "
               f"{r['max_depth']:>6} {r['seconds']:>7} {rate:>9,.0f}  "
               f"{'yes' if r['complete'] else 'no ':4s}  {'; '.join(r['violations']) or '-'}")  # type: ignore[arg-type]
+    print(f"\ninjected bugs found: {sum(found.values())} of {len(found)}"
+          + "".join(f"\n  MISSED {n}" for n, ok in found.items() if not ok))
     for name in names:
         for trace in results[name]["traces"]:  # type: ignore[attr-defined]
             print(f"\n[{name}] {trace}")
@@ -64,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         "states_per_s": round(total / wall, 1),
         "max_depth": max(int(r["max_depth"]) for r in results.values()),  # type: ignore[call-overload]
         "violations": sum(len(r["violations"]) for r in results.values()),  # type: ignore[arg-type]
+        "visibility": sorted({scope(n).visibility for n in names}),
+        "mutations_found": sum(found.values()),
+        "mutations_total": len(found),
+        "mutations_missed": sorted(n for n, ok in found.items() if not ok),
         "scopes": {n: results[n]["states"] for n in names},
         "wall_s": round(wall, 1),
         "workers": args.workers,

@@ -21,11 +21,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields, replace
 
+from .check_invariants import INVARIANTS
 from .check_model import HAS_INCARNATION, Model, Violation
 from .check_scope import CI_SCOPES, DEEP_SCOPES, SCOPES, Scope, scope
 from .check_search import Found, Result, explore, print_progress, replay
+from .errors import ConfigError
 
-__all__ = ["CI_SCOPES", "DEEP_SCOPES", "HAS_INCARNATION", "SCOPES", "Found", "Model", "Result",
+__all__ = ["CI_SCOPES", "DEEP_SCOPES", "HAS_INCARNATION", "INVARIANTS", "SCOPES", "Found",
+           "Model", "Result",
            "Scope", "Violation", "explore", "main", "replay", "scope"]
 
 
@@ -56,9 +59,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("set_") and v is not None}
     names = args.scopes or list(CI_SCOPES)
+    try:  # every scope checked before any runs: bad input is one line, exit 2
+        scopes = [replace(scope(name), **overrides) for name in names]
+    except ConfigError as exc:
+        ap.exit(2, f"{ap.prog}: error: {exc.message}\n")
     results: list[Result] = []
-    for name in names:
-        sc = replace(scope(name), **overrides)
+    for sc in scopes:
         print(f"{sc.name}: {sc.describe()}", flush=True)
         res = explore(sc, order=args.order, max_states=args.max_states,
                       stop_on_violation=not args.all,
@@ -68,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for v in res.violations:
             print(v.report())
         print(res.summary(), flush=True)
+    if not any(r.violations for r in results):
+        print("invariants checked in every state: " + ", ".join(INVARIANTS))
     if args.json:
         total = sum(r.seconds for r in results)
         print(json.dumps({
@@ -76,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_depth": max(r.max_depth for r in results),
             "violations": sum(len(r.violations) for r in results),
             "scopes": {r.scope.name: r.states for r in results},
+            "visibility": sorted({r.scope.visibility for r in results}),
+            "invariants": list(INVARIANTS),
         }))
     return 1 if any(r.violations or not r.complete for r in results) else 0
 

@@ -71,8 +71,10 @@ class Describe:
         """One line for a step, before it runs."""
         kind = step[0]
         if kind in ("deliver", "dup", "drop", "land", "wfail", "complete", "hello", "hsfail",
-                    "scatter", "sfail"):
+                    "scatter", "sfail", "vanish"):
             return f"{kind} {self._item(step[1])}"
+        if kind == "piece":
+            return f"piece {step[2]} of {self._item(step[1])}"
         if kind == "tick":
             return f"timer of {self._name(step[1])}"
         if kind == "kill":

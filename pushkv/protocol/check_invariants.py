@@ -18,6 +18,7 @@ from .check_world import (
     P_PARTIAL,
     P_PREFILL,
     P_WAIT,
+    POSTED,
     SWRITE,
     WRITE,
     Frozen,
@@ -32,6 +33,25 @@ _TERMINAL = frozenset({CS.READY, CS.CANCELLED, CS.FAILED})
 _WAITING = frozenset(s for s in CS if s not in _TERMINAL and s.name != "PREEMPTED")
 
 
+#: The promises the checker holds the endpoints to, by the kind a violation reports.
+INVARIANTS = (
+    "bytes (READY only when every owed byte holds this use and attempt's data)",
+    "reuse (no byte lands in a block not lent to its attempt, however late)",
+    "incarnation (nothing of one use of an id touches another)",
+    "source (no write reads a source released; each released once)",
+    "staging (packed bytes land, scatter and free only in their own share)",
+    "lease and window (no write starts after either)",
+    "cancelled (no write starts after its attempt's Cancel arrived)",
+    "unready (no byte written before the engine reported it final)",
+    "outcome and stale (one outcome per use and rank, for the current attempt)",
+    "progress (no failure without a fault)",
+    "prompt (no known answer waited out on a timer)",
+    "final (everything ends and is freed)",
+    "liveness and bounds (no timer past the time limit; tables bounded)",
+    "refused, crash, rejected (no legal call or message refused)",
+)
+
+
 class EpInfo(NamedTuple):
     deadline: float | None
     state: Any  # consumer: state of the transfer
@@ -41,6 +61,7 @@ class EpInfo(NamedTuple):
     transfers: int
     writes: int  # producer: writes it thinks are in flight
     staging: int = 0  # bytes of staging lent (rule 10)
+    grace: bool = False  # consumer: a failed write's fence grace is running (rule 7)
 
 
 class Violation(Exception):
@@ -88,7 +109,7 @@ class Invariants:
                         raise Violation("source", f"P{r} holds source blocks {list(blocks)} "
                                         "its engine already took back")
         for it in f[1]:
-            if it[0] in (WRITE, SWRITE) and it[1] in f[8][it[8]][2]:
+            if it[0] in (WRITE, SWRITE) and it[10] == POSTED and it[1] in f[8][it[8]][2]:
                 raise Violation("source", f"P{it[1]} released the source of t#{it[8]} with "
                                 "its write still in flight")
         if not f[5] and not f[1]:
@@ -128,7 +149,7 @@ class Invariants:
             if ci[0] == C_LIVE:
                 for c in range(self.nd):
                     s = self.c_state(c, ids[self.np + c])
-                    if s in _WAITING:
+                    if s in _WAITING and not self.info(self.np + c, ids[self.np + c]).grace:
                         raise Violation("prompt", f"D{c} waits in {s.name} for t#{k} with "
                                         "nothing in flight: only a timer can end the wait")
             elif pinc[k][0] == P_HELD:
@@ -140,7 +161,7 @@ class Invariants:
             return
         for c in range(self.nd):
             got = self.info(self.np + c, ids[self.np + c])
-            if got.lent or got.staging:
+            if (got.lent or got.staging) and not got.grace:
                 raise Violation("prompt", f"D{c} still lends blocks {list(got.lent)} and "
                                 f"{got.staging} B of staging with nothing in flight: only a "
                                 "timer can free them")

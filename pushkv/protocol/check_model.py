@@ -24,6 +24,9 @@ from .check_world import (
     C_IDLE,
     C_LIVE,
     C_OVER,
+    COMPLETED,
+    DONE,
+    FAILED,
     FRAME,
     HELLO,
     P_HELD,
@@ -31,6 +34,7 @@ from .check_world import (
     P_PARTIAL,
     P_PREFILL,
     P_WAIT,
+    POSTED,
     SCATTER,
     SWRITE,
     TID,
@@ -81,6 +85,8 @@ class Model(Invariants, Describe, Staging):
     def __init__(self, scope: Scope, *, check_rejects: bool = True) -> None:
         self.scope = scope
         self.check_rejects = check_rejects
+        #: Eager visibility: a write lands whole, then completes (see check_world).
+        self.eager = scope.visibility == "eager"
         pinfo, dinfo = scope.ranks()
         self.np, self.nd = len(pinfo), len(dinfo)
         self.producers = [Producer(i, scope.producer_config()) for i in pinfo]
@@ -139,8 +145,10 @@ class Model(Invariants, Describe, Staging):
             self.snaps.load(i, sid)
             ep = self.endpoints[i]
             if isinstance(ep, Consumer):
-                got = EpInfo(ep.next_deadline(), ep.state_of(TID), tuple(sorted(ep.lent_blocks())),
-                              (), 0, ep.num_transfers, 0, ep.staging_lent)
+                live = ep.live_use(TID)
+                state = None if live is None else ep.state_of(TID, incarnation=live)
+                got = EpInfo(ep.next_deadline(), state, tuple(sorted(ep.lent_blocks())),
+                              (), 0, ep.num_transfers, 0, ep.staging_lent, ep.in_grace)
             else:
                 assert isinstance(ep, Producer)
                 got = EpInfo(ep.next_deadline(), None, (), tuple(ep.held_blocks().values()),
@@ -187,10 +195,22 @@ class Model(Invariants, Describe, Staging):
                     out.append(("dup", item))
                 if drops:
                     out.append(("drop", item))
-            elif kind in (WRITE, SWRITE):
+            elif kind in (WRITE, SWRITE) and self.eager:
                 out.append(("land", item))
                 if sc.write_errors:
                     out.append(("wfail", item))
+            elif kind in (WRITE, SWRITE):  # weak visibility: bytes and completion apart
+                status = item[10]
+                if kind == WRITE:
+                    out.extend(("piece", item, j) for j in range(len(item[9])))
+                elif item[6][3] < len(item[7]):  # the next chunk of a packed write
+                    out.append(("land", item))
+                if status == POSTED:
+                    out.append(("complete", item))
+                    if sc.write_errors:
+                        out.append(("wfail", item))
+                elif status == FAILED:
+                    out.append(("vanish", item))
             elif kind == SCATTER:  # rule 10: the consumer's own copy (within max_write_s)
                 out.append(("scatter", item))
                 if sc.write_errors:
@@ -207,6 +227,8 @@ class Model(Invariants, Describe, Staging):
             states = [self.c_state(c, ids[self.np + c]) for c in range(self.nd)]
             for k, (status, allocs, _rel, outcomes, aborted, _freed) in enumerate(cinc):
                 if status == C_IDLE:
+                    if sc.abandons and k and cinc[k - 1][0] == C_LIVE:
+                        out.append(("abandon", k))  # ended before it was registered
                     if (k == 0 or cinc[k - 1][0] == C_OVER) and dead != "P":
                         obliged = True
                         if free_d:
@@ -277,6 +299,10 @@ class Model(Invariants, Describe, Staging):
             return
         if kind in ("scatter", "sfail"):
             self._scatter(w, ids, step[1], ok=kind == "scatter")
+            return
+        if kind in ("piece", "vanish") or (kind in ("land", "wfail", "complete")
+                                          and step[1][0] != DONE and not self.eager):
+            self._weak(w, ids, step)
             return
         if kind in ("deliver", "dup", "drop", "land", "wfail", "complete"):
             item = step[1]
@@ -350,6 +376,14 @@ class Model(Invariants, Describe, Staging):
             for c in range(self.nd):
                 self._run(w, ids, self.np + c, ("preempt", w.now),
                           lambda ep: ep.preempt(TID, w.now))
+        elif kind == "abandon":
+            w.cinc[k].status = C_OVER
+            w.faulted = True
+            if self.log is not None:
+                self._say(f"D ends t#{k} before registering it")
+            for c in range(self.nd):
+                self._run(w, ids, self.np + c, ("abandon", k, w.now),
+                          lambda ep: ep.abandon(TID, "P", w.now, **self._inc(k)))
         elif kind == "abort":
             w.cinc[k].aborted = True
             w.faulted = True
@@ -445,8 +479,12 @@ class Model(Invariants, Describe, Staging):
             self._say(f"engine {engine} dies; the transport tells the survivors")
         if engine == "D":  # the transport fails the writes still in flight to it
             w.flight = sorted(done_item(it[1], it[2], it[3], it[4], False, it[-1])
-                              if it[0] in (WRITE, SWRITE) else it for it in w.flight)
-        w.flight = [it for it in w.flight if not self._touches(it, engine)]
+                              if it[0] in (WRITE, SWRITE) else it for it in w.flight
+                              if it[0] not in (WRITE, SWRITE) or it[10] == POSTED)
+        elif not self.eager:  # a dead producer's writes may still land stray bytes
+            w.flight = sorted((*it[:10], FAILED, it[-1]) if it[0] in (WRITE, SWRITE) else it
+                              for it in w.flight)
+        w.flight = [it for it in w.flight if not self._touches(it, engine, self.eager)]
         survivors = range(self.np, self.np + self.nd) if engine == "P" else range(self.np)
         for i in survivors:
             self._run(w, ids, i, ("died", engine, w.now), lambda ep: ep.peer_died(engine, w.now))
@@ -479,17 +517,19 @@ class Model(Invariants, Describe, Staging):
                 w.add(hello_item(d, p, w.now))
 
     @staticmethod
-    def _touches(item: Item, engine: str) -> bool:
+    def _touches(item: Item, engine: str, eager: bool = True) -> bool:
         if item[0] == FRAME:
             return engine in (item[1], item[3])
         if item[0] == HELLO:
             return True
         if item[0] == SCATTER:  # the consumer's own copy dies with it
             return engine == "D"
-        return engine == "P"  # a dead producer's writes never land nor complete
+        if item[0] in (WRITE, SWRITE) and not eager:
+            return False  # stray bytes of a dead producer may still land (see _kill)
+        return engine == "P"  # its completions are lost with it (eager: its writes too)
 
     def _land(self, w: World, item: Item, *, ok: bool) -> None:
-        _, p, d, attempt, inc, src, dst, notify, data, cells, _sent = item
+        _, p, d, attempt, inc, src, dst, notify, data, pieces, _status, _sent = item
         k = data
         if item[0] == SWRITE:
             pi = w.pinc[k]
@@ -498,6 +538,7 @@ class Model(Invariants, Describe, Staging):
                                 "after releasing them")
             self._land_staged(w, item, ok=ok)
             return
+        cells = tuple(c for piece in pieces for c in piece)
         if self.log is not None:
             self._say(f"P{p}'s write of t#{k} a{attempt} into D{d} blocks {list(dst)} "
                       + ("lands" if ok else "fails (some bytes may land)"))
@@ -520,6 +561,76 @@ class Model(Invariants, Describe, Staging):
         if ok:
             w.add(frame_item(("D", d), ("P", p), notify, w.now))
         w.add(done_item(p, d, attempt, inc, ok, w.now))
+
+    def _weak(self, w: World, ids: list[int], step: Step) -> None:
+        """One step of a write under weak visibility: a piece of its bytes lands (the
+        notification is sent once every piece of a write that did not fail landed),
+        its producer learns it completed or failed, or a failed write's stray pieces
+        stop landing."""
+        kind, item = step[0], step[1]
+        w.flight.remove(item)
+        status = item[10]
+        p, d, attempt, inc, k = item[1], item[2], item[3], item[4], item[8]
+        if kind in ("complete", "wfail"):
+            ok = kind == "complete"
+            if not ok:
+                w.faulted = True
+            if self.log is not None:
+                self._say(f"P{p} learns its write of a{attempt} to D{d} "
+                          + ("completed" if ok else "failed (its bytes may still land)"))
+            more = item[9] if item[0] == WRITE else item[6][3] < len(item[7])
+            if more:
+                w.add((*item[:10], COMPLETED if ok else FAILED, item[-1]))
+            kw = {"incarnation": inc} if HAS_INCARNATION else {}
+            self._run(w, ids, p, ("c", attempt, inc, d, ok, w.now),
+                      lambda ep: ep.write_completed(TID, attempt, Peer("D", d), ok, w.now,
+                                                    **kw))
+            return
+        if kind == "vanish":
+            if self.log is not None:
+                self._say(f"the rest of {self._item(item)} never lands")
+            return
+        if item[0] == SWRITE:  # the next chunk lands (garbage if the write failed)
+            self._check_source(w, item, status)
+            self._land_staged(w, item, ok=True)
+            return
+        j = step[2]
+        piece, pieces = item[9][j], (*item[9][:j], *item[9][j + 1:])
+        self._check_source(w, item, status)
+        if self.log is not None:
+            what = "a piece" if pieces else "the last piece"
+            self._say(f"{what} of P{p}'s write of t#{k} a{attempt} lands in D{d} blocks "
+                      f"{sorted({b for b, _ in piece})}"
+                      + (" (stray bytes of a failed write)" if status == FAILED else ""))
+        self._check_dest(w, item)
+        for b, x in piece:
+            w.content[d, b, p, x] = (k, attempt) if status != FAILED else (-1, attempt)
+        if not pieces and status != FAILED:  # every byte is there: the notification
+            w.add(frame_item(("D", d), ("P", p), item[7], w.now))
+        if pieces or status == POSTED:
+            w.add((*item[:9], pieces, *item[10:]))
+
+    def _check_source(self, w: World, item: Item, status: int) -> None:
+        """Until its producer learns it completed, a write may still read its source."""
+        p, k, src = item[1], item[8], item[5]
+        if status == POSTED and (p in w.pinc[k].released or any(w.p_owner[b] != k
+                                                                for b in src)):
+            raise Violation("source", f"P{p} wrote t#{k} from source blocks {list(src)} "
+                            "after releasing them")
+
+    def _check_dest(self, w: World, item: Item) -> None:
+        """Bytes of a write land only in blocks still lent to its attempt."""
+        p, d, attempt, k = item[1], item[2], item[3], item[8]
+        ci = w.cinc[k] if k < len(w.cinc) else None
+        for b in item[6]:
+            owner = w.d_owner[b]
+            if owner != (k, attempt) or ci is None or (d, attempt) in ci.released:
+                what = ("free" if owner is None else
+                        f"released by D{d}" if owner == (k, attempt) else
+                        f"now holding t#{owner[0]} attempt {owner[1]}")
+                kind = "incarnation" if owner is not None and owner[0] != k else "reuse"
+                raise Violation(kind, f"P{p}'s write of t#{k} attempt {attempt} landed in "
+                                f"D{d} block {b}, which is {what}")
 
     # ---------------------------------------------------------------- actions
 
@@ -613,7 +724,12 @@ class Model(Invariants, Describe, Staging):
         if a.packed is not None:
             self._issue_packed(w, p, a, src, data, inc)
             return
-        w.add(write_item(p, d, a.attempt, inc, src, dst, self._frame(a.notify), data, cells,
+        if self.eager or len(cells) < 2:
+            pieces: tuple[tuple[tuple[int, int], ...], ...] = (cells,)
+        else:  # weak visibility: the bytes land in two pieces, in either order
+            half = len(cells) // 2
+            pieces = (cells[:half], cells[half:])
+        w.add(write_item(p, d, a.attempt, inc, src, dst, self._frame(a.notify), data, pieces,
                          w.now))
 
     def _release_source(self, w: World, p: int, a: ReleaseSource) -> None:

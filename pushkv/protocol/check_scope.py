@@ -17,6 +17,9 @@ from .errors import ConfigError
 from .layout import RankInfo, uniform_ranks
 from .packing import PackingConfig
 
+#: The write-visibility models a scope may use (see :attr:`Scope.visibility`).
+VISIBILITY = ("adversarial", "eager")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Scope:
@@ -39,6 +42,11 @@ class Scope:
     aborts: bool = field(default=True, metadata={"help": "the consumer engine may abort"})
     prefill_aborts: bool = field(
         default=False, metadata={"help": "the producer engine may abort a request"}
+    )
+    abandons: bool = field(
+        default=False,
+        metadata={"help": "the consumer engine may end a later use of the id before "
+                  "registering it, while the earlier use is live (abandon)"},
     )
     heartbeats: bool = field(default=True, metadata={"help": "consumers renew leases"})
     handshake: bool = field(
@@ -78,6 +86,13 @@ class Scope:
     max_write_s: float = field(
         default=1.0, metadata={"help": "a write lands and completes within this"}
     )
+    visibility: str = field(
+        default="adversarial",
+        metadata={"help": "when a write's bytes become visible: 'adversarial' (in pieces, "
+                  "any time until its notification, independent of the producer's "
+                  "completion; a failed write may land any part of itself) or 'eager' "
+                  "(all at once, before the completion)"},
+    )
     max_scatter_s: float = field(
         default=1.0,
         metadata={"help": "a consumer's scatter out of staging ends within this (rule 10: "
@@ -100,6 +115,12 @@ class Scope:
             raise ConfigError("the fence grace must exceed transit plus the longest write")
         if self.d_blocks < 1 or self.p_blocks < 1:
             raise ConfigError("block pools must hold at least one block")
+        if self.visibility not in VISIBILITY:
+            raise ConfigError(f"visibility must be one of {', '.join(VISIBILITY)}, got "
+                              f"{self.visibility!r}")
+        if self.p_tp < 1 or self.d_tp < 1 or self.kv_heads < 0:
+            raise ConfigError(f"TP sizes must be >= 1 and kv_heads >= 0, got p_tp="
+                              f"{self.p_tp}, d_tp={self.d_tp}, kv_heads={self.kv_heads}")
         if self.pieces < 0 or self.split not in ("tokens", "layers"):
             raise ConfigError(f"pieces must be >= 0 and split 'tokens' or 'layers', got "
                               f"{self.pieces!r} and {self.split!r}")
@@ -158,12 +179,14 @@ class Scope:
                   "write errors" if self.write_errors else "",
                   "consumer aborts" if self.aborts else "",
                   "producer aborts" if self.prefill_aborts else "",
+                  "abandons of a later use" if self.abandons else "",
                   "handshakes on demand" if self.handshake else "",
                   f"KV final in {self.pieces} {self.split} range(s)" if self.pieces else "",
                   f"packed writes ({self.staging_bytes} B staging)" if self.staging_bytes
                   else "",
                   f"pipelined in {self.pipeline_bytes} B chunks" if self.pipeline_bytes
-                  else ""]
+                  else "",
+                  "eager visibility" if self.visibility == "eager" else ""]
         return (f"P TP{self.p_tp} -> D TP{self.d_tp}, {self.heads} KV head(s), "
                 f"{self.incarnations} incarnation(s) x {self.attempts} attempt(s); "
                 + (", ".join(f for f in faults if f) or "no faults"))
@@ -179,6 +202,7 @@ CI_SCOPES = _scopes(
     Scope(name="1to1-net", dups=1, drops=1, prefill_aborts=True),
     Scope(name="1to1-faults", deaths=("P", "D"), write_errors=True, prefill_aborts=True),
     Scope(name="1to1-reuse", incarnations=2, dups=1, heartbeats=False, aborts=False),
+    Scope(name="abandon", incarnations=2, abandons=True, heartbeats=False, aborts=False),
     Scope(name="1to2", d_tp=2, dups=1, heartbeats=False),
     Scope(name="2to1", p_tp=2, dups=1, heartbeats=False),
     Scope(name="replicated", p_tp=2, kv_heads=1, prefill_aborts=True, deaths=("D",),

@@ -23,6 +23,8 @@ from typing import Any
 from .check_bytes import touched, written
 from .check_invariants import Violation
 from .check_world import (
+    FAILED,
+    POSTED,
     SCATTER,
     SWRITE,
     Item,
@@ -48,6 +50,7 @@ class Staging:
 
     np: int
     d_stride: int
+    eager: bool
     log: list[str] | None
 
     def _say(self, text: str) -> None:  # pragma: no cover - provided by Model
@@ -100,7 +103,7 @@ class Staging:
         assert pw is not None
         n = pw.packed.nbytes
         for it in w.flight:
-            if it[0] == SWRITE and it[1] == p:
+            if it[0] == SWRITE and it[1] == p and it[10] == POSTED:  # still read
                 s0 = it[6][1]
                 if s0 < pw.src_offset + n and pw.src_offset < s0 + it[6][2]:
                     raise Violation("staging", f"P{p} gathered into staging at {pw.src_offset}"
@@ -115,8 +118,11 @@ class Staging:
                           gather_map(pw.packed.scatter), w.now))
 
     def _land_staged(self, w: World, item: Item, *, ok: bool) -> None:
-        _, p, d, attempt, inc, _src, where, frames, k, gmap, sent = item
+        """The next chunk lands (eager: then the next, or the completion, follows; weak
+        visibility: it lands whatever its producer was told, as garbage if it failed)."""
+        _, p, d, attempt, inc, _src, where, frames, k, gmap, status, sent = item
         j, bounds = where[3], where[4]
+        ok = ok and status != FAILED
         pos = where[0] + bounds[j]
         owner = w.s_owner.get((d, where[0]))
         if self.log is not None:
@@ -130,8 +136,13 @@ class Staging:
         w.s_content[d, pos] = (k if ok else -1, attempt, gmap)
         if ok:
             w.add(frame_item(("D", d), ("P", p), frames[j], w.now))
+        nxt = (*item[:6], (*where[:3], j + 1, bounds), *item[7:10], status, sent)
+        if not self.eager:  # the item lives while chunks remain or the producer waits
+            if j + 1 < len(frames) or status == POSTED:
+                w.add(nxt)
+            return
         if ok and j + 1 < len(frames):  # the next chunk is on its way
-            w.add((*item[:6], (*where[:3], j + 1, bounds), *item[7:10], sent))
+            w.add(nxt)
             return
         w.add(done_item(p, d, attempt, inc, ok, w.now))
 

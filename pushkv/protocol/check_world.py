@@ -7,7 +7,12 @@ tuples, so that a whole world state can be hashed and stored:
   encoded), writes posted by a producer rank and their completions. Any item
   may be delivered next; a frame may also be duplicated or dropped, within the
   scope's budgets. A write *lands* (its bytes and then its notification frame)
-  or fails, then completes on the producer.
+  or fails, then completes on the producer. Under *adversarial* visibility (the
+  default, as NIXL states it) a write's bytes land in pieces, in any order, at
+  any time before its notification frame is sent; its producer may learn that it
+  completed before any byte landed; a failed write (or one of a dead producer)
+  may still land any of its pieces, as garbage, until ``max_write_s`` after it
+  was posted, and sends no notification.
 * the **engines**: one consumer engine ``D`` and one producer engine ``P``,
   each with a block pool that hands freed blocks out again at once (lowest id
   first), and the life of each *incarnation* (use) of the transfer id ``t``.
@@ -59,22 +64,32 @@ def frame_item(dst: tuple[str, int], src: tuple[str, int], frame: bytes, sent: f
     return (FRAME, dst[0], dst[1], src[0], src[1], frame, sent)
 
 
+#: What the producer of a write in flight has been told (weak visibility: its bytes
+#: land independently of this): nothing yet, that it completed, that it failed.
+POSTED, COMPLETED, FAILED = 0, 1, 2
+
+
 def write_item(p_rank: int, d_rank: int, attempt: int, inc: int, src_blocks: tuple[int, ...],
                dst_blocks: tuple[int, ...], notify: bytes, data: int,
-               cells: tuple[tuple[int, int], ...], sent: float) -> Item:
+               pieces: tuple[tuple[tuple[int, int], ...], ...], sent: float,
+               status: int = POSTED) -> Item:
     """A posted write: ``data`` is the incarnation whose prefill fills the source blocks,
-    ``cells`` the destination bytes it copies, as (block, byte in block)."""
-    return (WRITE, p_rank, d_rank, attempt, inc, src_blocks, dst_blocks, notify, data, cells,
-            sent)
+    ``pieces`` the destination bytes it still has to copy, as (block, byte in block),
+    cut into pieces that land one at a time, in any order (one piece when eager);
+    ``status`` what its producer has been told (:data:`POSTED`, ...)."""
+    return (WRITE, p_rank, d_rank, attempt, inc, src_blocks, dst_blocks, notify, data, pieces,
+            status, sent)
 
 
 def swrite_item(p_rank: int, d_rank: int, attempt: int, inc: int, src_blocks: tuple[int, ...],
                 where: tuple[int, int, int, int, tuple[int, ...]], notify: tuple[bytes, ...],
-                data: int, gmap: int, sent: float) -> Item:
+                data: int, gmap: int, sent: float, status: int = POSTED) -> Item:
     """A posted packed write: ``where`` is (consumer staging offset, producer staging
     offset, bytes, next chunk to land, chunk cut points), ``notify`` the frame of each
-    chunk; ``gmap`` names the gather map it was packed by."""
-    return (SWRITE, p_rank, d_rank, attempt, inc, src_blocks, where, notify, data, gmap, sent)
+    chunk; ``gmap`` names the gather map it was packed by; ``status`` as for
+    :func:`write_item`."""
+    return (SWRITE, p_rank, d_rank, attempt, inc, src_blocks, where, notify, data, gmap,
+            status, sent)
 
 
 def scatter_item(d_rank: int, p_rank: int, attempt: int, inc: int, offset: int,

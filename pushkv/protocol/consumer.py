@@ -156,9 +156,16 @@ class Consumer(ConsumerView, Endpoint):
         for t in [*self._transfers.values(), *self._retired.values()]:
             if t.producer != engine_id:
                 continue
-            # Push: the dead producer's writes can no longer land -- a fence. Pull: our
-            # own reads are still in flight and only their completions fence them.
+            # Push: the dead producer posts nothing more, but what it posted may still
+            # land stray bytes: each rank not fenced yet is, once the fence grace passed
+            # (rule 7). Pull: our own reads are still in flight and only their
+            # completions fence them.
             dead = t.mode is Mode.PUSH
+            if dead:
+                for a in (t.cur, *t.zombies.values()):
+                    for r in a.expected - a.fenced:
+                        a.stray.setdefault(r, now + self.config.fence_grace_s)
+                self._schedule(now + self.config.fence_grace_s, t.key)
             for z in list(t.zombies.values()):
                 if dead:
                     out += self._zombie(t, z, CI.PEER_DIED, now, z.expected)
@@ -244,8 +251,9 @@ class Consumer(ConsumerView, Endpoint):
         """The request ended before this rank registered it: tell every producer
         rank it would have registered with (final Cancel), and the ranks that write
         nothing (Skip), so the source is released now rather than at lease expiry."""
-        t = self._transfers.get(transfer_id)
+        t = self._find(transfer_id, incarnation)
         if t is not None and t.state not in CONSUMER_TERMINAL:
+            # Only this use of the id matters: another one live here is another request.
             raise LocalProtocolError("transfer is live on this rank: abort it",
                                      transfer_id=transfer_id, state=t.state.value)
         out = self._run_timers(now)
@@ -270,10 +278,13 @@ class Consumer(ConsumerView, Endpoint):
         inc: int,
     ) -> list[Action]:
         old = self._transfers.get(transfer_id)
-        if old is not None and (old.state not in CONSUMER_TERMINAL or old.inc == inc):
-            # One live use of an id per rank; an ended one whose old attempts may
-            # still be written can only be followed by another incarnation.
-            raise LocalProtocolError("transfer already registered", transfer_id=transfer_id)
+        if (old is not None and (old.state not in CONSUMER_TERMINAL or old.inc == inc)) or (
+                (transfer_id, inc) in self._retired):
+            # One live use of an id per rank; a use still remembered (live, or ended
+            # with old attempts that may still be written) is never taken up again:
+            # another request must come with another incarnation.
+            raise LocalProtocolError("transfer id and incarnation already in use here",
+                                     transfer_id=transfer_id, incarnation=inc)
         if mode is Mode.PULL:
             self._engine(producer)  # pull reads are planned now: they need the handshake
         ids = self._check_blocks(transfer_id, block_ids, num_tokens, first_token)
@@ -337,14 +348,11 @@ class Consumer(ConsumerView, Endpoint):
 
     def read_completed(
         self, transfer_id: str, attempt: int, peer: Peer, ok: bool, now: float, *,
-        incarnation: int | None = None,
+        incarnation: int = 0,
     ) -> list[Action]:
-        """Pull: the transport finished (``ok``) or failed a read issued by IssueRead.
-
-        ``incarnation`` is the IssueRead's; None means the live use of the id."""
-        t = self._transfers.get(transfer_id)
-        if t is not None and incarnation is not None and t.inc != incarnation:
-            t = self._retired.get((transfer_id, incarnation))
+        """Pull: the transport finished (``ok``) or failed a read issued by IssueRead
+        for ``(transfer_id, incarnation)`` (the IssueRead's; 0: the default use)."""
+        t = self._find(transfer_id, incarnation)
         if t is None:
             # Only possible when the read outlived the hard deadline (window + grace)
             # and its blocks were released: counted, as it breaks the timing assumption.
@@ -370,12 +378,10 @@ class Consumer(ConsumerView, Endpoint):
     def _from_producer(
         self, msg: Notify | CancelAck | Fail, inp: ConsumerInput, now: float
     ) -> list[Action]:
-        t = self._transfers.get(msg.transfer_id)
-        if t is None or t.inc != msg.incarnation:  # rule 6: other uses never count
-            t = self._retired.get((msg.transfer_id, msg.incarnation))
-            if t is None:
-                self.stats["stale"] += 1
-                return []
+        t = self._find(msg.transfer_id, msg.incarnation)  # rule 6: other uses never count
+        if t is None:
+            self.stats["stale"] += 1
+            return []
         if msg.engine_id != t.producer:
             raise _invalid(f"{msg.engine_id!r} is not this transfer's producer",
                            t.transfer_id, msg.attempt, inp)
@@ -404,6 +410,10 @@ class Consumer(ConsumerView, Endpoint):
                 return self._input(t, CI.STALE, now) if a is t.cur else self._zombie(
                     t, a, CI.STALE, now)
             inp = _parts(a, msg.rank, inp, msg)
+            if isinstance(msg, CancelAck | Fail) and msg.failed and msg.rank not in a.stray:
+                # Rule 7: a failed write may still land bytes until the fence grace.
+                a.stray[msg.rank] = now + self.config.fence_grace_s
+                self._schedule(now + self.config.fence_grace_s, t.key)
             if staged and inp in (CI.NOTIFY, CI.PART):
                 inp = CI.STAGED  # rule 10: a chunk of a staged write landed
             elif inp is CI.PART:
@@ -412,11 +422,10 @@ class Consumer(ConsumerView, Endpoint):
 
     def scatter_done(
         self, transfer_id: str, attempt: int, peer: Peer, ok: bool, now: float, *,
-        incarnation: int | None = None,
+        incarnation: int = 0,
     ) -> list[Action]:
-        """Rule 10: the driver finished (``ok``) or failed a :class:`Scatter`.
-
-        ``incarnation`` is the Scatter's; None means the live use of the id."""
+        """Rule 10: the driver finished (``ok``) or failed a :class:`Scatter` of
+        ``(transfer_id, incarnation)`` (the Scatter's; 0: the default use)."""
         return staging.scatter_done(self, transfer_id, attempt, peer, ok, now, incarnation)
 
     def _report(
@@ -518,10 +527,11 @@ class Consumer(ConsumerView, Endpoint):
             cur.fenced |= {r for r in ranks if cur.settled(r)}
             return []
         if effect is CE.FAIL_REST:
-            cur.fenced |= {r for r in ranks if cur.settled(r) or inp is CI.PEER_DIED}
-            if inp is CI.PEER_DIED:
+            cur.fenced |= {r for r in ranks if cur.settled(r)}
+            if inp is CI.PEER_DIED:  # nobody is left to cancel: the grace fences (rule 7)
                 t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
-            return cancels(self, t, final=True)
+                return []
+            return cancels(self, t, final=True, skip=ranks if inp is CI.FAIL else frozenset())
         if effect is CE.CANCEL_ALL:
             if inp is CI.DEADLINE:
                 t.why(FailReason.DEADLINE, "no write within the registration window")
@@ -625,9 +635,9 @@ class Consumer(ConsumerView, Endpoint):
                                      attempt=z.attempt, input=inp.value) from None
         out: list[Action] = []
         if effect is CE.FENCE:
-            # A rank's own word fences only once its parts landed (rule 9); a dead
-            # peer or the hard deadline fences regardless.
-            word = inp not in (CI.PEER_DIED, CI.HARD_DEADLINE)
+            # A rank's word (or its death) fences only once its writes landed or their
+            # grace passed (rules 7, 9); the hard deadline fences regardless.
+            word = inp is not CI.HARD_DEADLINE
             z.fenced |= {r for r in ranks if not word or z.settled(r)}
         elif effect is CE.RELEASE:
             del t.zombies[z.attempt]
@@ -687,12 +697,19 @@ class Consumer(ConsumerView, Endpoint):
             if due is None or due > now:
                 return []
             return fail_handshake(self, key, "handshake timed out", now)
-        t = self._transfers.get(key[0])
-        if t is None or t.inc != key[1]:
-            t = self._retired.get(key)
-            if t is None:
-                return []
+        t = self._find(*key)
+        if t is None:
+            return []
         out: list[Action] = []
+        for a in (t.cur, *t.zombies.values()):  # rule 7: a failed write's grace passed
+            for r, until in list(a.stray.items()):
+                if until is None or until > now:
+                    continue
+                a.stray[r] = None
+                if a is not t.cur:
+                    out += self._zombie(t, a, CI.GRACE, now, frozenset((r,)))
+                elif t.state in CONSUMER_FENCING:
+                    out += self._input(t, CI.GRACE, now, ranks=frozenset((r,)))
         for z in list(t.zombies.values()):
             if z.hard <= now:
                 self.stats["forced_release"] += 1

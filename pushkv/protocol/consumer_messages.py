@@ -83,7 +83,10 @@ def reads(
                              plan=plan, incarnation=inc))
     return out
 
-def cancels(c: Consumer, t: Transfer, *, final: bool) -> list[Action]:
+def cancels(c: Consumer, t: Transfer, *, final: bool,
+            skip: frozenset[int] = frozenset()) -> list[Action]:
+    """Cancel the attempt at every expected rank not fenced (nor in ``skip``: ranks
+    whose own Fail started this, which post nothing more)."""
     if t.mode is Mode.PULL:  # our own reads are the fence
         return []
     cur = t.cur
@@ -92,7 +95,7 @@ def cancels(c: Consumer, t: Transfer, *, final: bool) -> list[Action]:
             transfer_id=t.transfer_id, attempt=cur.attempt,
             engine_id=c.peer.engine_id, rank=c.peer.rank, final=final,
             incarnation=t.inc))
-        for r in sorted(cur.expected - cur.fenced)
+        for r in sorted(cur.expected - cur.fenced - skip)
     ]
 
 def final_cancels(c: Consumer, t: Transfer) -> list[Action]:

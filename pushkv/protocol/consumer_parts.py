@@ -19,8 +19,9 @@ def count_parts(a: Attempt, rank: int, inp: ConsumerInput, msg: Notify | CancelA
         ConsumerInput):
     """Rule 9: count a producer rank's parts. A Notify that does not complete the
     rank (more parts to come, or its count not known yet) is the input PART; the
-    rank's last word (final Notify, CancelAck, Fail) says how many parts to wait
-    for, and the part that completes them is fed as NOTIFY (its fence)."""
+    rank's last word says how many parts to wait for (a final Notify: its count; a
+    CancelAck or Fail: the writes it posted less those that failed), and the part
+    that completes them is fed as NOTIFY (its fence)."""
     owed = a.need.get(rank)
     if isinstance(msg, Notify):
         ch = a.chunks.get(rank) if msg.staged else None
@@ -32,5 +33,6 @@ def count_parts(a: Attempt, rank: int, inp: ConsumerInput, msg: Notify | CancelA
         elif owed is None:
             return CI.PART
         return CI.NOTIFY if a.parts_in(rank) else CI.PART
-    a.need[rank] = max(msg.parts, owed or 0)
+    # The rank's word: its posted writes that did not fail will each notify (rule 7).
+    a.need[rank] = max(msg.posted - min(msg.failed, msg.posted), owed or 0)
     return inp

@@ -155,13 +155,11 @@ def scatter(t: Transfer, a: Attempt, rank: int, got: StagedChunk) -> Scatter:
 
 
 def scatter_done(c: Consumer, transfer_id: str, attempt: int, peer: Peer, ok: bool,
-                 now: float, inc: int | None) -> list[Action]:
+                 now: float, inc: int) -> list[Action]:
     """The driver finished (``ok``) or failed a :class:`Scatter`: feed SCATTER_DONE (the
     rank's last chunk), CHUNK_SCATTERED (another) or SCATTER_FAILED to its attempt
     (current or zombie)."""
-    t = c._transfers.get(transfer_id)
-    if t is not None and inc is not None and t.inc != inc:
-        t = c._retired.get((transfer_id, inc))
+    t = c._find(transfer_id, inc)
     a = None if t is None else (t.cur if t.cur.attempt == attempt else t.zombies.get(attempt))
     if t is None or a is None or peer.engine_id != t.producer or (
             a.scattering.get(peer.rank, 0) <= 0):

@@ -26,22 +26,36 @@ class ConsumerView:
     def num_transfers(self) -> int:
         return len(self._transfers) + len(self._retired)
 
-    def state_of(self, transfer_id: str) -> ConsumerState | None:
+    def _find(self, transfer_id: str, incarnation: int) -> _Transfer | None:
+        """The use ``incarnation`` of ``transfer_id``, live or retired (it outlives its
+        end while old attempts are fenced)."""
         t = self._transfers.get(transfer_id)
+        if t is not None and t.inc == incarnation:
+            return t
+        return self._retired.get((transfer_id, incarnation))
+
+    def live_use(self, transfer_id: str) -> int | None:
+        """The incarnation of the one use of ``transfer_id`` registered here and not
+        forgotten (a rank holds at most one live use of an id), if any."""
+        t = self._transfers.get(transfer_id)
+        return t.inc if t else None
+
+    def state_of(self, transfer_id: str, *, incarnation: int = 0) -> ConsumerState | None:
+        """State of the use ``(transfer_id, incarnation)`` (None: not known here)."""
+        t = self._find(transfer_id, incarnation)
         return t.state if t else None
 
-    def attempt_of(self, transfer_id: str) -> int | None:
-        t = self._transfers.get(transfer_id)
+    def attempt_of(self, transfer_id: str, *, incarnation: int = 0) -> int | None:
+        """Current attempt of the use ``(transfer_id, incarnation)``."""
+        t = self._find(transfer_id, incarnation)
         return t.cur.attempt if t else None
 
     def blocks_of(
-        self, transfer_id: str, attempt: int, *, incarnation: int | None = None
+        self, transfer_id: str, attempt: int, *, incarnation: int = 0
     ) -> tuple[int, ...]:
-        """Destination blocks of a live attempt (current or zombie), else ().
-        ``incarnation`` None: the live use of the id."""
-        t = self._transfers.get(transfer_id)
-        if t is not None and incarnation is not None and t.inc != incarnation:
-            t = self._retired.get((transfer_id, incarnation))
+        """Destination blocks of a live attempt (current or zombie) of the use
+        ``(transfer_id, incarnation)``, else ()."""
+        t = self._find(transfer_id, incarnation)
         if t is None:
             return ()
         if t.cur.attempt == attempt:
@@ -53,18 +67,23 @@ class ConsumerView:
         """Whether a producer engine is handshaken (and not declared dead)."""
         return engine_id in self._engines
 
-    def lent_to(self, block: int) -> str | None:
-        """The transfer id a write into ``block`` may still come from, if any."""
-        key = self._lent.get(block)
-        return key[0] if key is not None else None
-
-    def lender(self, block: int) -> Key | None:
+    def lent_to(self, block: int) -> Key | None:
         """The (transfer id, incarnation) a write into ``block`` may still come from."""
         return self._lent.get(block)
 
-    def lent_blocks(self) -> dict[int, str]:
-        """Blocks a write may still land in, with their transfer id."""
-        return {b: k[0] for b, k in self._lent.items()}
+    lender = lent_to
+
+    def lent_blocks(self) -> dict[int, Key]:
+        """Blocks a write may still land in, with their (transfer id, incarnation)."""
+        return dict(self._lent)
+
+    @property
+    def in_grace(self) -> bool:
+        """Whether blocks wait for a failed write's fence grace (rule 7): a timer, not
+        a peer, ends that wait."""
+        return any(until is not None
+                   for t in (*self._transfers.values(), *self._retired.values())
+                   for a in (t.cur, *t.zombies.values()) for until in a.stray.values())
 
     @property
     def staging_lent(self) -> int:

@@ -28,10 +28,12 @@ class PushKVError(Exception):
         attempt: int | None = None,
         state: str | None = None,
         input: str | None = None,
+        incarnation: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.transfer_id = transfer_id
+        self.incarnation = incarnation
         self.attempt = attempt
         self.state = state
         self.input = input
@@ -41,6 +43,7 @@ class PushKVError(Exception):
             f"{k}={v!r}"
             for k, v in (
                 ("transfer_id", self.transfer_id),
+                ("incarnation", self.incarnation),
                 ("attempt", self.attempt),
                 ("state", self.state),
                 ("input", self.input),

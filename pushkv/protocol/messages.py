@@ -26,7 +26,7 @@ from .errors import DecodeError
 from .layout import MAX_ID_LEN, MAX_RANKS, RankInfo
 
 MAGIC: Final = b"PK"
-VERSION: Final = 2
+VERSION: Final = 3
 #: Largest frame accepted (bytes). A 1M-token request at block size 16 is 64k ids.
 MAX_FRAME: Final = 4 << 20
 MAX_BLOCK_IDS: Final = 1 << 19
@@ -107,21 +107,28 @@ class Cancel(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=3):
 
 
 class CancelAck(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=4):
-    """Producer -> consumer: fence -- this attempt will never be written by me.
+    """Producer -> consumer: I will post no (more) write of this attempt.
 
-    ``parts``: how many writes of the attempt I finished before stopping (their
-    notifications may still be on the way); the fence holds once they arrived."""
+    Not a fence on its own: writes already posted may still be on the wire, and
+    this message may overtake their bytes. ``posted``: how many writes of the
+    attempt I posted in all; ``failed``: how many of those failed (their bytes
+    may land in part, for up to the consumer's fence grace, and they may never
+    notify). The consumer's fence holds once the notifications of the other
+    ``posted - failed`` arrived and, if ``failed``, the grace passed."""
 
     transfer_id: TransferId
     attempt: Attempt
     engine_id: EngineId
     rank: Rank
     incarnation: Incarnation = 0
-    parts: Parts = 0
+    posted: Parts = 0
+    failed: Parts = 0
 
 
 class Fail(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=5):
-    """Producer -> consumer: this attempt failed; nothing more will land from me."""
+    """Producer -> consumer: this attempt failed; I will post no more of it.
+
+    Like :class:`CancelAck`, not a fence on its own (see ``posted``/``failed``)."""
 
     transfer_id: TransferId
     attempt: Attempt
@@ -130,7 +137,8 @@ class Fail(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=5):
     reason: FailReason
     detail: Detail = ""
     incarnation: Incarnation = 0
-    parts: Parts = 0  #: as for CancelAck: writes that finished before the failure
+    posted: Parts = 0  #: as for CancelAck: writes of the attempt posted in all
+    failed: Parts = 0  #: as for CancelAck: how many of them failed
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=6):

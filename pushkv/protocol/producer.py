@@ -183,6 +183,7 @@ class Producer(ProducerView, Endpoint):
             raise LocalProtocolError(
                 "prefill already reported", transfer_id=transfer_id, state=t.kv.value
             )
+        self._refuse_reuse(key)
         if t is not None and mode is Mode.PULL and (t.legs or t.kv is Kv.PARTIAL):
             raise LocalProtocolError(
                 "pull transfer has push registrations", transfer_id=transfer_id
@@ -199,7 +200,7 @@ class Producer(ProducerView, Endpoint):
             t = self._transfers[key] = _Transfer(transfer_id, incarnation)
         elif t.kv is Kv.PENDING:
             self._orphans -= 1
-        t.mode, t.src_ids, t.num_tokens = mode, ids, num_tokens
+        t.mode, t.src_ids, t.num_tokens, t.reported = mode, ids, num_tokens, True
         out += self._source(t, SI.PREFILL_DONE, now)
         return out + self._settle(t, now)
 
@@ -235,6 +236,7 @@ class Producer(ProducerView, Endpoint):
             raise LocalProtocolError(
                 "range after prefill was reported", transfer_id=transfer_id, state=t.kv.value
             )
+        self._refuse_reuse(key)
         out = self._run_timers(now)
         t = self._transfers.get(key)
         if t is None and key in self._tombstones:
@@ -250,6 +252,7 @@ class Producer(ProducerView, Endpoint):
             self._orphans -= 1
         if t.kv is Kv.PENDING:
             t.orphan = float("inf")  # the local engine is prefilling it
+        t.reported = True
         if len(ids) > len(t.src_ids):
             t.src_ids = ids
         if lo.order == "BLOCK":  # opaque blocks move whole: only whole blocks are final
@@ -257,6 +260,14 @@ class Producer(ProducerView, Endpoint):
         mark(t.ready, (a, b, max(l0, lo.layer_start), min(l1, lo.layer_end)))
         out += self._source(t, SI.RANGE_READY, now)
         return out + self._settle(t, now)
+
+    def _refuse_reuse(self, key: Key) -> None:
+        """A use of an id whose KV this rank already had (remembered as a tombstone)
+        is never taken up again: a new request must come with a new incarnation."""
+        tomb = self._tombstones.get(key)
+        if tomb is not None and tomb.reported:
+            raise LocalProtocolError("transfer id and incarnation already used here",
+                                     transfer_id=key[0], incarnation=key[1])
 
     def prefill_aborted(
         self, transfer_id: str, now: float, *, incarnation: int = 0
@@ -282,12 +293,10 @@ class Producer(ProducerView, Endpoint):
 
     def write_completed(
         self, transfer_id: str, attempt: int, peer: Peer, ok: bool, now: float, *,
-        incarnation: int | None = None,
+        incarnation: int = 0,
     ) -> list[Action]:
-        """The transport finished (``ok``) or failed a write issued by IssueWrite.
-
-        ``incarnation`` is the IssueWrite's; None finds the one write in flight
-        for ``(transfer_id, attempt, peer)``."""
+        """The transport finished (``ok``) or failed a write issued by IssueWrite
+        for ``(transfer_id, incarnation)`` (the IssueWrite's; 0: the default use)."""
         t = self._writing(transfer_id, attempt, peer, incarnation)
         leg = t.legs[peer] if t is not None else None
         if t is None or leg is None:
@@ -306,19 +315,10 @@ class Producer(ProducerView, Endpoint):
         out += self._input(t, leg, done if ok else PI.WRITE_ERROR, now)
         return out + self._settle(t, now)
 
-    def _writing(
-        self, transfer_id: str, attempt: int, peer: Peer, inc: int | None
-    ) -> _Transfer | None:
-        def writes(t: _Transfer | None) -> bool:
-            leg = t.legs.get(peer) if t is not None else None
-            return leg is not None and leg.writing == attempt
-
-        t = self._transfers.get((transfer_id, 0 if inc is None else inc))
-        if writes(t) or inc is not None:
-            return t if writes(t) else None
-        found = [t for t in self._transfers.values()
-                 if t.transfer_id == transfer_id and writes(t)]
-        return found[0] if len(found) == 1 else None
+    def _writing(self, transfer_id: str, attempt: int, peer: Peer, inc: int) -> _Transfer | None:
+        t = self._transfers.get((transfer_id, inc))
+        leg = t.legs.get(peer) if t is not None else None
+        return t if leg is not None and leg.writing == attempt else None
 
     # ---------------------------------------------------------------- timers
 
@@ -438,6 +438,9 @@ class Producer(ProducerView, Endpoint):
             finished, leg.writing = leg.writing, None
             if inp is not PI.WRITE_ERROR:
                 leg.parts += 1
+            elif finished is not None:  # its bytes may still land, in part: say so
+                posted, failed = leg.history[finished]
+                leg.history[finished] = (posted, failed + 1)
         leg.state = nxt
         if nxt in _PARKED:
             leg.reg = None  # parked: no registration held
@@ -482,12 +485,11 @@ class Producer(ProducerView, Endpoint):
         if effect in (PE.ADOPT, PE.ADOPT_AND_WRITE, PE.ACK_AND_ADOPT):
             assert reg is not None
             old, leg.reg, leg.attempt = leg.reg, reg, reg.attempt
-            old_parts = self._parts_of(leg, old.attempt) if old is not None else 0
             self._fresh(leg)
             if effect is PE.ADOPT_AND_WRITE:
                 return self._write(t, leg, now)
             if effect is PE.ACK_AND_ADOPT and old is not None:
-                return [self._ack(leg.peer, key, old.attempt, old_parts)]
+                return [self._ack(leg.peer, key, old.attempt, leg)]
             return []
         if effect is PE.WRITE:
             return self._write(t, leg, now)
@@ -502,10 +504,10 @@ class Producer(ProducerView, Endpoint):
             elif leg.reg is not None:  # the registration dropped is fenced too
                 attempts.add(leg.reg.attempt)
                 leg.reg = None
-            return [self._ack(leg.peer, key, a, self._parts_of(leg, a)) for a in sorted(attempts)]
+            return [self._ack(leg.peer, key, a, leg) for a in sorted(attempts)]
         if effect in (PE.ACK_PARTS, PE.ACK_PARTS_AND_WRITE_STASHED):
-            assert finished is not None  # rule 9: the parts written are the fence
-            acks: list[Action] = [self._ack(leg.peer, key, finished, leg.parts)]
+            assert finished is not None  # rule 9: the writes posted are the fence
+            acks: list[Action] = [self._ack(leg.peer, key, finished, leg)]
             if effect is PE.ACK_PARTS:
                 return acks
             assert leg.stash is not None
@@ -514,34 +516,33 @@ class Producer(ProducerView, Endpoint):
             return acks + self._write(t, leg, now)
         if effect is PE.ACK_STALE:
             assert cancel is not None
-            return [] if cancel == leg.writing else [self._ack(leg.peer, key, cancel)]
+            return [] if cancel == leg.writing else [self._ack(leg.peer, key, cancel, leg)]
         if effect is PE.FAIL:
             assert reason is not None
             failed = finished if finished is not None else leg.attempt
-            return [self._fail(leg.peer, key, failed, reason, detail,
-                               self._parts_of(leg, failed))]
+            return [self._fail(leg.peer, key, failed, reason, detail, leg)]
         if effect is PE.FAIL_GONE:
             assert reg is not None
             leg.attempt = reg.attempt
             why = FailReason.PREFILL_ABORTED if t.kv is Kv.ABORTED else FailReason.SOURCE_RELEASED
             return [self._fail(leg.peer, key, reg.attempt, why,
                                "the source was released before this registration arrived"
-                               if why is FailReason.SOURCE_RELEASED else "")]
+                               if why is FailReason.SOURCE_RELEASED else "", leg)]
         if effect in (PE.STASH, PE.ACK_STASHED_AND_STASH):
             assert reg is not None
             old, leg.stash, leg.attempt = leg.stash, reg, reg.attempt
-            return [self._ack(leg.peer, key, old.attempt)] if old is not None else []
+            return [self._ack(leg.peer, key, old.attempt, leg)] if old is not None else []
         if effect is PE.FAIL_STASHED:
             assert leg.stash is not None and reason is not None
             stash, leg.stash = leg.stash, None
-            return [self._fail(leg.peer, key, stash.attempt, reason)]
+            return [self._fail(leg.peer, key, stash.attempt, reason, "", leg)]
         if effect in (PE.WRITE_STASHED, PE.FAIL_AND_WRITE_STASHED):
             assert leg.stash is not None
             out: list[Action] = []
             if effect is PE.FAIL_AND_WRITE_STASHED:
                 assert finished is not None
                 out.append(self._fail(leg.peer, key, finished, FailReason.WRITE_FAILED, "",
-                                      self._parts_of(leg, finished)))
+                                      leg))
             leg.reg, leg.stash = leg.stash, None
             self._fresh(leg)
             return out + self._write(t, leg, now)
@@ -601,6 +602,8 @@ class Producer(ProducerView, Endpoint):
             return []
         self.stats["writes_issued"] += 1
         leg.writing = reg.attempt
+        posted, failed = leg.history.get(reg.attempt, (0, 0))
+        leg.history[reg.attempt] = (posted + 1, failed)
         if rect is None:
             leg.last = True
             mark(leg.written, (reg.first_token, reg.num_tokens, assigned.layers.start,
@@ -666,11 +669,6 @@ class Producer(ProducerView, Endpoint):
         """A new registration on the leg: nothing of it written yet (rule 9)."""
         leg.written, leg.parts, leg.last = {}, 0, True
         leg.parts_of = leg.reg.attempt if leg.reg is not None else -1
-
-    @staticmethod
-    def _parts_of(leg: _Leg, attempt: int) -> int:
-        """Parts of ``attempt`` this leg finished writing (rule 9; 0 if none)."""
-        return leg.parts if attempt == leg.parts_of else 0
 
     def _forget(self, t: _Transfer, now: float) -> list[Action]:
         out: list[Action] = []

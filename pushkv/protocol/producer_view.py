@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from .events import Peer, SendMessage
 from .lending import StagingLedger
 from .messages import CancelAck, Fail, FailReason
-from .records import Key, Kv
+from .records import Key, Kv, Leg
 from .records import Source as _Transfer
 from .states import ProducerState
 
@@ -32,8 +32,10 @@ class ProducerView:
         t = self._transfers.get(key)
         return t if t is not None else self._tombstones.get(key)
 
-    def _ack(self, peer: Peer, key: Key, attempt: int, parts: int = 0) -> SendMessage:
+    def _ack(self, peer: Peer, key: Key, attempt: int, leg: Leg | None = None) -> SendMessage:
+        """CancelAck ``attempt``, with the writes of it ``leg`` posted (none if no leg)."""
         self.stats["acks"] += 1
+        posted, failed = leg.history.get(attempt, (0, 0)) if leg is not None else (0, 0)
         return SendMessage(
             peer=peer,
             message=CancelAck(
@@ -42,15 +44,18 @@ class ProducerView:
                 engine_id=self.peer.engine_id,
                 rank=self.peer.rank,
                 incarnation=key[1],
-                parts=parts,
+                posted=posted,
+                failed=failed,
             ),
         )
 
     def _fail(
         self, peer: Peer, key: Key, attempt: int, reason: FailReason, detail: str = "",
-        parts: int = 0,
+        leg: Leg | None = None,
     ) -> SendMessage:
+        """Fail ``attempt``, with the writes of it ``leg`` posted (none if no leg)."""
         self.stats["fails"] += 1
+        posted, failed = leg.history.get(attempt, (0, 0)) if leg is not None else (0, 0)
         return SendMessage(
             peer=peer,
             message=Fail(
@@ -61,7 +66,8 @@ class ProducerView:
                 reason=reason,
                 detail=detail[:1024],
                 incarnation=key[1],
-                parts=parts,
+                posted=posted,
+                failed=failed,
             ),
         )
 
@@ -73,13 +79,11 @@ class ProducerView:
     def pending_registrations(self) -> int:
         return self._pending_regs
 
-    def held_blocks(self) -> dict[str, tuple[int, ...]]:
-        """Source blocks currently held, by transfer id."""
-        return {t.transfer_id: t.src_ids for t in self._transfers.values() if t.kv is Kv.HELD}
-
-    def held(self) -> dict[Key, tuple[int, ...]]:
+    def held_blocks(self) -> dict[Key, tuple[int, ...]]:
         """Source blocks currently held, by (transfer id, incarnation)."""
         return {k: t.src_ids for k, t in self._transfers.items() if t.kv is Kv.HELD}
+
+    held = held_blocks
 
     def leg_state(
         self, transfer_id: str, peer: Peer, *, incarnation: int = 0

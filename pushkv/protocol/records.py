@@ -45,6 +45,10 @@ class Leg:
     last: bool = True
     parts_of: int = -1  # the attempt ``parts`` counts for
     staging_at: int | None = None  # own staging lent to the write in flight (packed)
+    # Per attempt ever written on this leg: (writes posted, writes failed). What a
+    # CancelAck or Fail of that attempt tells the consumer to wait for; kept for
+    # the leg's life (tombstones included), never reset by a newer attempt.
+    history: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -67,6 +71,7 @@ class Source:
     expired: bool = False
     aborted: bool = False
     dead: bool = False  # forgotten: kept only as a tombstone answering late messages
+    reported: bool = False  # the local engine reported KV for it (prefill or a range)
     # Rule 9, on a tombstone: blocks ranges handed after the transfer concluded
     # here, released when the local request ends (finished or aborted).
     late: tuple[int, ...] = ()
@@ -99,6 +104,9 @@ class Attempt:
     staging: tuple[int, int] | None = None
     scattering: dict[int, int] = field(default_factory=dict)
     chunks: dict[int, Chunks] = field(default_factory=dict)
+    # Rule 7: per producer rank whose word said a write of the attempt failed, until
+    # when its stray bytes may still land (None: that fence grace has passed).
+    stray: dict[int, float | None] = field(default_factory=dict)
 
     def all_fenced(self) -> bool:
         """No write of the attempt can land, and no scatter of it still writes."""
@@ -109,13 +117,15 @@ class Attempt:
         return len(self.got.get(rank, ())) >= self.need.get(rank, 0)
 
     def landed(self, rank: int) -> bool:
-        """Every part ``rank`` said it wrote has notified (rule 9), and every chunk of its
-        staged write unless its producer said the write did not finish (rule 10):
-        nothing of it lands any more."""
+        """Every write ``rank`` said it posted has notified (rules 7, 9) -- or, for one
+        that failed, its fence grace has passed -- and every chunk of its staged write
+        (rule 10): nothing of it lands any more."""
+        if rank in self.stray:  # a failed write or a dead producer: done once graced
+            return self.stray[rank] is None
         if not self.parts_in(rank):
             return False
         c = self.chunks.get(rank)
-        return c is None or self.need.get(rank) == 0 or len(c.got) >= c.need
+        return c is None or len(c.got) >= c.need
 
     def settled(self, rank: int) -> bool:
         """``rank`` may be fenced: its writes landed and no scatter of it still runs

@@ -79,10 +79,16 @@ incarnations, and duplicates, are the input ``STALE`` and never count;
 ranks that are not expected are rejected.
 
 Rule 7 -- **fences.** Destination blocks are released only when no write of
-the attempt can land any more: every expected producer rank has notified,
-acknowledged a cancel, reported a failure or been declared dead by the
-transport -- or the hard deadline (window + grace) has passed, which the
-producer honours by never starting a write after the window. The endpoint
+the attempt can land any more. A producer's local completion proves nothing
+at the destination: a write's bytes may land at any time, in pieces, until its
+notification is delivered, and a CancelAck or Fail may overtake them. So a
+rank's word (CancelAck, Fail) says how many writes of the attempt it *posted*
+and how many of those *failed*; the rank is fenced once the notifications of
+the others arrived and, when one failed (its bytes may land in part, and it
+may never notify), once the fence grace passed after that word (``GRACE``).
+A rank declared dead by the transport fences at once; the hard deadline
+(window + grace) fences every rank, which the producer honours by never
+starting a write after the window. The endpoint
 feeds ``FENCED`` when the last rank is fenced. An attempt abandoned by a
 reissue keeps its own fence (a *zombie*, ``ZOMBIE_TABLE``) and releases its
 blocks on its own.
@@ -286,6 +292,8 @@ class ConsumerInput(enum.Enum):
     DEADLINE_SCATTERING = "DEADLINE_SCATTERING"
     #: Rule 10: one chunk of a pipelined staged write scattered, not the rank's last.
     CHUNK_SCATTERED = "CHUNK_SCATTERED"
+    #: Rule 7: the fence grace of a rank's failed write passed: no stray byte lands now.
+    GRACE = "GRACE"
 
 
 class ConsumerEffect(enum.Enum):
@@ -481,7 +489,7 @@ CONSUMER_FENCING = frozenset(_C_FENCING)
 _fence_inputs = {
     (s, i): (CE.FENCE, s)
     for s in _C_FENCING
-    for i in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.PEER_DIED)
+    for i in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.PEER_DIED, CI.GRACE)
 }
 
 CONSUMER_TABLE: dict[
@@ -549,7 +557,8 @@ Z = ZombieState
 ZOMBIE_TABLE: dict[tuple[ZombieState, ConsumerInput], tuple[ConsumerEffect, ZombieState]] = {
     **{(Z.FENCING, i): (CE.FENCE, Z.FENCING)
        for i in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.PEER_DIED, CI.HARD_DEADLINE,
-                 CI.STAGED, CI.SCATTER_DONE, CI.SCATTER_FAILED, CI.CHUNK_SCATTERED)},
+                 CI.STAGED, CI.SCATTER_DONE, CI.SCATTER_FAILED, CI.CHUNK_SCATTERED,
+                 CI.GRACE)},
     (Z.FENCING, CI.STALE): (CE.DROP, Z.FENCING),
     (Z.FENCING, CI.PART): (CE.PART, Z.FENCING),
     (Z.FENCING, CI.FENCED): (CE.RELEASE, Z.RELEASED),

@@ -4,6 +4,8 @@ Each test drives the public endpoint API only: messages are routed by hand, so
 a delayed or duplicated message is simply delivered late, or twice.
 """
 
+import pytest
+
 from pushkv.protocol import (
     Cancel,
     CancelAck,
@@ -13,6 +15,7 @@ from pushkv.protocol import (
     Fail,
     FailReason,
     IssueWrite,
+    LocalProtocolError,
     Notify,
     Peer,
     ProducerConfig,
@@ -48,13 +51,13 @@ def test_a_late_notification_of_an_ended_use_never_completes_a_reused_id():
     (w,) = of(p.prefill_finished("t", [7, 8, 9], 40, 0.0, incarnation=11), IssueWrite)
     old_note = w.notify
     assert of(c.receive(old_note, 0.0), TransferReady)
-    p.write_completed("t", 0, D0, True, 0.0)
+    p.write_completed("t", 0, D0, True, 0.0, incarnation=11)
     # The id comes back at once for a new request, into other blocks.
     c.register("t", "P", [4, 5, 6], 40, 1.0, incarnation=12)
     # The old write's notification is delivered again (a duplicate, late).
     out = c.receive(old_note, 1.0)
     assert not of(out, TransferReady), "an old notification completed a new transfer"
-    assert c.state_of("t") is ConsumerState.REGISTERED
+    assert c.state_of("t", incarnation=12) is ConsumerState.REGISTERED
     assert c.stats["stale"] == 1
 
 
@@ -63,7 +66,7 @@ def test_a_reused_id_is_a_new_transfer_at_the_producer():
     (p,) = pair.p
     p.receive(reg(incarnation=11), 0.0)
     p.prefill_finished("t", [7, 8, 9], 40, 0.0, incarnation=11)
-    assert of(p.write_completed("t", 0, D0, True, 0.1), ReleaseSource)
+    assert of(p.write_completed("t", 0, D0, True, 0.1, incarnation=11), ReleaseSource)
     # A new request with the same id: its prefill holds new blocks, its
     # registration (attempt 0 again) is not "stale".
     out = p.prefill_finished("t", [10, 11, 12], 40, 1.0, incarnation=12)
@@ -88,7 +91,7 @@ def test_old_cancel_and_fail_never_touch_a_new_incarnation():
                    reason=FailReason.WRITE_FAILED, incarnation=11),
               CancelAck(transfer_id="t", attempt=0, engine_id="P", rank=0, incarnation=11)):
         assert c.receive(m, 0.2) == []
-    assert c.state_of("t") is ConsumerState.REGISTERED
+    assert c.state_of("t", incarnation=12) is ConsumerState.REGISTERED
     assert of(c.receive(w.notify, 0.3), TransferReady)
 
 
@@ -269,7 +272,7 @@ def test_an_overtaken_cancel_of_an_older_attempt_is_still_acknowledged():
     assert [m.attempt for m in msgs(answers, CancelAck)] == [0]
     out = pair.to_consumers(answers)
     assert [r.attempt for r in of(out, ReleaseDestination)] == [0]
-    assert c.lent_blocks() == {4: "t", 5: "t", 6: "t"}
+    assert c.lent_blocks() == {4: ("t", 0), 5: ("t", 0), 6: ("t", 0)}
 
 
 def test_a_newer_cancel_also_fences_the_older_registration_it_drops():
@@ -327,3 +330,40 @@ def test_a_rank_that_writes_nothing_and_handshakes_last_is_still_told():
     out = c.add_peer(pair.p[1].info, now=0.3)  # then the rank that writes nothing
     assert [(a.peer.rank, a.message.incarnation) for a in out
             if isinstance(a.message, Skip)] == [(1, 7)]
+
+
+# ------------------------------------------- uses of an id are named, never guessed
+
+
+def test_a_remembered_use_of_an_id_is_refused_with_a_typed_error():
+    pair = Pair()
+    (p,), (c,) = pair.p, pair.c
+    pair.to_producers(c.register("t", "P", [1, 2, 3], 40, 0.0))  # the default use, 0
+    with pytest.raises(LocalProtocolError, match="already in use") as err:
+        c.register("t", "P", [4, 5, 6], 40, 0.1)
+    assert err.value.incarnation == 0
+    (w,) = of(p.prefill_finished("t", [7, 8, 9], 40, 0.0), IssueWrite)
+    pair.complete([w])
+    assert c.state_of("t") is None and not p.held_blocks()  # ended and forgotten here
+    # The producer still remembers the use: the same id and incarnation again is
+    # refused, not silently released as a duplicate; another incarnation is a new use.
+    before = (p.num_transfers, dict(p.stats))
+    with pytest.raises(LocalProtocolError, match="already used"):
+        p.prefill_finished("t", [7, 8, 9], 40, 1.0)
+    assert (p.num_transfers, dict(p.stats)) == before
+    assert p.prefill_finished("t", [7, 8, 9], 40, 1.0, incarnation=5) == []
+
+
+def test_queries_and_completions_name_the_use():
+    pair = Pair()
+    (p,), (c,) = pair.p, pair.c
+    pair.to_producers(c.register("t", "P", [1, 2, 3], 40, 0.0, incarnation=7))
+    assert c.state_of("t") is None  # the default use (0) is not this one
+    assert c.state_of("t", incarnation=7) is ConsumerState.REGISTERED
+    assert c.attempt_of("t", incarnation=7) == 0 and c.live_use("t") == 7
+    assert c.lent_to(1) == ("t", 7) and c.lent_blocks()[2] == ("t", 7)
+    assert of(p.prefill_finished("t", [7, 8, 9], 40, 0.0, incarnation=7), IssueWrite)
+    assert p.held_blocks() == {("t", 7): (7, 8, 9)}
+    with pytest.raises(LocalProtocolError):  # the default use has no write in flight
+        p.write_completed("t", 0, D0, True, 0.1)
+    p.write_completed("t", 0, D0, True, 0.1, incarnation=7)

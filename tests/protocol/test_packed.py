@@ -104,7 +104,9 @@ def test_the_producer_dying_during_a_scatter_waits_for_it():
     _staged(pair)
     assert not of(c.peer_died("P", pair.now), ReleaseDestination)
     assert c.state_of("t") is CS.FAILING
-    out = c.scatter_done("t", 0, P0, True, pair.now)
+    # The scatter ends; the dead producer's writes may still land until the grace.
+    assert not of(c.scatter_done("t", 0, P0, True, pair.now), ReleaseDestination)
+    out = c.handle_timer(pair.now + c.config.fence_grace_s)
     assert of(out, ReleaseDestination) and of(out, TransferFailed)
 
 
@@ -127,11 +129,11 @@ def test_preempt_and_reissue_during_a_scatter_keep_its_blocks_and_staging():
     assert c.state_of("t") is CS.PREEMPTING  # fenced by the producer, not by the scatter
     regs = msgs(c.reissue("t", [20, 21, 22], pair.now), Register)
     assert regs and regs[0].staging_nbytes > 0 and regs[0].staging_offset != old.offset
-    assert {c.lent_to(b) for b in (3, 9, 1, 20, 21, 22)} == {"t"}
+    assert {c.lent_to(b) for b in (3, 9, 1, 20, 21, 22)} == {("t", 0)}
     out = c.scatter_done("t", 0, P0, True, pair.now)  # the zombie's fence
     assert {type(a) for a in out} == {ReleaseStaging, ReleaseDestination}
     assert of(out, ReleaseDestination)[0].attempt == 0
-    assert c.lent_to(3) is None and c.lent_to(20) == "t"
+    assert c.lent_to(3) is None and c.lent_to(20) == ("t", 0)
 
 
 def test_a_repeated_staged_notification_scatters_once():
@@ -418,14 +420,16 @@ def test_abort_between_chunks_waits_for_every_chunk_and_scatter():
 
 
 def test_a_write_failing_between_chunks_is_its_fence():
-    """The producer says the write did not finish (Fail, no part): the chunks that
-    never came are not waited for, once the scatter in flight ended."""
+    """The producer says the write failed (Fail, one posted, one failed): the chunks
+    that never came are not waited for once the scatter in flight ended and the
+    fence grace passed (their bytes may still land in staging until then)."""
     pair = _pair(pk=CHUNKED, ck=CHUNKED)
     c, p = pair.c[0], pair.p[0]
     w = _chunked(pair)
     assert of(c.receive(w.chunk_notify(0), pair.now), Scatter)
     fail = pair.to_consumers(p.write_completed("t", 0, w.peer, False, pair.now))
     assert not of(fail, ReleaseStaging) and c.staging_lent
-    out = c.scatter_done("t", 0, P0, True, pair.now)
+    assert not of(c.scatter_done("t", 0, P0, True, pair.now), ReleaseStaging)
+    out = c.handle_timer(pair.now + c.config.fence_grace_s)
     assert [type(a) for a in out] == [ReleaseStaging, ReleaseDestination, TransferFailed]
     assert c.staging_lent == 0 and p.staging_lent == 0

@@ -105,7 +105,7 @@ def test_cancel_between_parts_fences_only_after_the_parts_landed():
     p.write_completed("t", 0, w0.peer, True, 0.0)  # its notification is still on the way
     answers = pair.to_producers(c.abort("t", 0.0))
     (ack,) = msgs(answers, CancelAck)
-    assert ack.parts == 1
+    assert ack.posted == 1
     assert of(c.receive(ack, 0.0), ReleaseDestination) == []  # part 0 may still land
     assert of(_ready(pair, 16, 32), IssueWrite) == []  # ready after the cancel: not written
     out = c.receive(w0.notify, 0.0)
@@ -119,7 +119,7 @@ def test_cancel_with_a_part_in_flight_acks_its_count_when_it_finishes():
     (w0,) = of(_ready(pair, 0, 16), IssueWrite)
     assert msgs(pair.to_producers(c.abort("t", 0.0)), CancelAck) == []  # in flight
     (ack,) = msgs(p.write_completed("t", 0, w0.peer, True, 0.0), CancelAck)
-    assert ack.parts == 1
+    assert ack.posted == 1
     assert of(c.receive(ack, 0.0), ReleaseDestination) == []
     assert of(c.receive(w0.notify, 0.0), ReleaseDestination)
     assert of(p.prefill_finished("t", [7, 8, 9], 40, 0.0), ReleaseSource)
@@ -132,7 +132,7 @@ def test_preempt_and_reissue_write_every_ready_range_into_the_new_blocks():
     (w0,) = of(_ready(pair, 0, 16), IssueWrite)
     pair.to_producers(c.preempt("t", 0.0))
     (ack,) = msgs(p.write_completed("t", 0, w0.peer, True, 0.0), CancelAck)
-    assert ack.parts == 1
+    assert ack.posted == 1
     c.receive(ack, 0.0)
     _ready(pair, 16, 32)
     out = c.reissue("t", [20, 21, 22], 0.0)  # the old attempt is still fencing
@@ -159,7 +159,7 @@ def test_window_passing_between_parts_fails_with_the_count():
     (w0,) = of(_ready(pair, 0, 16), IssueWrite)
     p.write_completed("t", 0, w0.peer, True, 0.0)
     (fail,) = msgs(p.handle_timer(10_000.0), Fail)
-    assert fail.parts == 1
+    assert fail.posted == 1
 
 
 @pytest.mark.parametrize(("tokens", "layers"), [((5, 5), None), ((0, 49), None),
@@ -188,7 +188,7 @@ def test_an_unasked_cancel_ack_with_parts_is_refused_and_changes_nothing():
     _register(pair)
     c = pair.c[0]
     before = copy.deepcopy(c._transfers["t"].cur)
-    out = c.receive(CancelAck(transfer_id="t", attempt=0, engine_id="P", rank=0, parts=3), 0.0)
+    out = c.receive(CancelAck(transfer_id="t", attempt=0, engine_id="P", rank=0, posted=3), 0.0)
     assert of(out, Rejected)
     assert c._transfers["t"].cur == before
 
@@ -225,7 +225,7 @@ def test_a_parked_leg_preempted_then_reissued_writes_the_ready_range_at_once():
     pair.complete([w0])  # part 0 written; nothing more ready: the leg waits
     assert p.leg_state("t", w0.peer) is ProducerState.REGISTERED
     (ack,) = msgs(pair.to_producers(c.preempt("t", 0.0)), CancelAck)
-    assert ack.parts == 1
+    assert ack.posted == 1
     c.receive(ack, 0.0)
     (w1,) = of(pair.to_producers(c.reissue("t", [20, 21, 22], 0.0)), IssueWrite)
     assert w1.attempt == 1 and w1.plan.nbytes == 16 * TB * L * 2
@@ -258,7 +258,7 @@ def test_a_stash_failed_during_a_part_answers_the_old_attempt_with_its_parts():
     assert fail.attempt == 1
     out = p.write_completed("t", 0, w0.peer, True, 0.0)
     (ack,) = msgs(out, CancelAck)  # the old attempt's fence: one part was written
-    assert (ack.attempt, ack.parts) == (0, 1) and msgs(out, Fail) == []
+    assert (ack.attempt, ack.posted) == (0, 1) and msgs(out, Fail) == []
     assert len(of(out, ReleaseSource)) == 1
     assert of(c.receive(ack, 0.0), ReleaseDestination) == []
     assert of(c.receive(w0.notify, 0.0), ReleaseDestination)  # the zombie's fence

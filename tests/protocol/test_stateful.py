@@ -135,7 +135,7 @@ class Protocol(RuleBasedStateMachine):
         return got
 
     def _states(self, t):
-        return {c.endpoint.state_of(t.tid) for c in self.consumers}
+        return {c.endpoint.state_of(t.tid, incarnation=t.inc) for c in self.consumers}
 
     # -------------------------------------------------------------- rules
 
@@ -262,8 +262,8 @@ class Protocol(RuleBasedStateMachine):
 
     @rule(t=transfers)
     def abort(self, t):
-        live = [c for c in self.consumers if self._cur(t) and c.endpoint.state_of(t.tid)
-                not in _ENDED]
+        live = [c for c in self.consumers if self._cur(t) and c.endpoint.state_of(
+            t.tid, incarnation=t.inc) not in _ENDED]
         if live:
             note(f"abort {t.tid}")
         for c in live:
@@ -417,11 +417,11 @@ class Protocol(RuleBasedStateMachine):
             # Progress: everything ended except preempted requests, which wait for
             # their engine to reissue or abort them -- as it eventually does.
             assert c.endpoint.lent_blocks() == {}, c.endpoint.lent_blocks()
-            assert all(c.endpoint.state_of(t) in (None, ConsumerState.PREEMPTED)
-                       for t in self.current)
-            for t in self.current:
-                if c.endpoint.state_of(t) is ConsumerState.PREEMPTED:
-                    c.apply(c.endpoint.abort(t, self.net.now))
+            assert all(c.endpoint.state_of(t.tid, incarnation=t.inc) in (
+                None, ConsumerState.PREEMPTED) for t in self.current.values())
+            for t in self.current.values():
+                if c.endpoint.state_of(t.tid, incarnation=t.inc) is ConsumerState.PREEMPTED:
+                    c.apply(c.endpoint.abort(t.tid, self.net.now))
         self.net.run(until=self.net.now + horizon)
         self._free_blocks()
         self.no_violation()

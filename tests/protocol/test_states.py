@@ -484,7 +484,7 @@ def _consumer_calls(c, pair):
                                          rank=0, part=0, parts=0), 5.0),
         "ack owing a part, then the part": lambda: (
             c.receive(CancelAck(transfer_id="t", attempt=attempt, engine_id="P", rank=0,
-                                parts=1), 5.0),
+                                posted=1), 5.0),
             c.receive(Notify(transfer_id="t", attempt=attempt, engine_id="P", rank=0,
                              part=0, parts=0), 5.0)),
         "zombie part": lambda: c.receive(Notify(transfer_id="t", attempt=0, engine_id="P",
@@ -492,6 +492,17 @@ def _consumer_calls(c, pair):
         "zombie failed, then again": lambda: [c.receive(Fail(
             transfer_id="t", attempt=0, engine_id="P", rank=0,
             reason=FailReason.WRITE_FAILED), 5.0) for _ in range(2)],
+        # Rule 7: a failed write fences its rank once the grace after its Fail passed.
+        "write failed, grace passes": lambda: (c.receive(Fail(
+            transfer_id="t", attempt=attempt, engine_id="P", rank=0,
+            reason=FailReason.WRITE_FAILED, posted=1, failed=1), 5.0), c.handle_timer(10.0)),
+        "ranks failed, grace passes": lambda: [*(c.receive(Fail(
+            transfer_id="t", attempt=attempt, engine_id="P", rank=r,
+            reason=FailReason.WRITE_FAILED, posted=1, failed=1), 5.0) for r in (0, 1)),
+            c.handle_timer(10.0)],
+        "zombie write failed, grace passes": lambda: (c.receive(Fail(
+            transfer_id="t", attempt=0, engine_id="P", rank=0,
+            reason=FailReason.WRITE_FAILED, posted=1, failed=1), 5.0), c.handle_timer(10.0)),
         # Rule 10: staged writes and their scatters.
         "staged": lambda: c.receive(_staged(0, attempt), 5.0),
         "staged twice": lambda: (c.receive(_staged(0, attempt), 5.0),
