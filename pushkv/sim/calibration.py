@@ -1,14 +1,14 @@
 """The published figures the default profile must reproduce, and the comparison table.
 
-Targets are the vLLM blog's numbers as recorded in CALIBRATION.md ("The
-published result"). Each target is one point of one sweep (the default
-grid) -- the post's "TPOT at 4-8 QPS" is checked at 4 QPS and at 8 QPS
-separately -- so the table in ``docs/sim.md`` and the calibration test use
-the same points. A point's figure is the mean over every iteration (seed)
-found for it, at least :data:`MIN_SEEDS`, shown with its spread (sample
-standard deviation and range). The command exits with status 1 when any
-row is outside its tolerance, and with status 2 when a point has fewer
-iterations than that::
+Targets are the figures of the vLLM blog post "Push-Based KV Transfer to
+Improve TTFT and TPOT for Disaggregated Inference in vLLM" (2026-10-14). Each
+target is one point of one sweep (the default grid) -- the post's "TPOT at 4-8
+QPS" is checked at 4 QPS and at 8 QPS separately -- so the table in
+``docs/sim.md`` and the calibration test use the same points. A point's figure
+is the mean over every iteration (seed) found for it, at least
+:data:`MIN_SEEDS`, shown with its spread (sample standard deviation and
+range). The command exits with status 1 when any row is outside its tolerance,
+and with status 2 when a point has fewer iterations than that::
 
     python -m pushkv.sim.calibration --results-dir results/sim
 """

@@ -4,8 +4,8 @@ A :class:`Profile` says how long things take: prefill compute, a decode step,
 posting descriptors, moving bytes. The built-in :data:`DEFAULT` is Qwen3-32B
 in bf16, TP8 on one 8x H200 node per side, over EFA (p5en). Each field carries
 ``metadata["help"]`` and ``metadata["source"]``: the public figure it comes
-from (``CAL`` lines are ``/work/shared/CALIBRATION.md`` sections, quoted so
-they can be checked), or ``fit`` for the few parameters chosen so that the
+from (a public page, named so it can be checked: docs/sim.md's "Sources"
+lists them with links), or ``fit`` for the few parameters chosen so that the
 simulated sweep reproduces the published figures (see ``docs/sim.md``).
 
 A user profile is a TOML file whose tables override fields of the default,
@@ -44,11 +44,14 @@ def _f(default: Any, help: str, source: str) -> Any:
     return field(default=default, metadata={"help": help, "source": source})
 
 
-CAL_MODEL = "CAL 'Model: Qwen3-32B'"
-CAL_HW = "CAL 'Hardware'"
-CAL_POST = "CAL 'The published result' (vLLM blog 2026-10-14, launch flags)"
-CAL_DESC = "CAL 'Descriptor costs'"
-CAL_CHECK = "CAL 'consistency check'"
+CAL_MODEL = "Qwen3-32B model card (huggingface.co/Qwen/Qwen3-32B, config.json)"
+CAL_HW = ("NVIDIA H200 specifications; AWS P5 instances (p5en: 8x H200, 16 EFA x 200 Gb/s); "
+          "Mooncake efa_transport.md (p5en.48xlarge)")
+CAL_POST = "vLLM blog 'Push-Based KV Transfer ...' (2026-10-14), launch flags"
+CAL_DESC = ("NIXL issue 1514 (18,880 descriptors ~46 ms on LIBFABRIC); vLLM PR 55157 "
+            "(one descriptor per layer, K/V and block)")
+CAL_CHECK = ("derived: 2 x 31.2e9 matmul parameters x tokens against a TP8 H200 node's "
+             "peak (docs/sim.md, 'The assumptions the fit needed')")
 VLLM_DEFAULTS = "vLLM defaults (vllm/engine/arg_utils.py, vllm/config/cache.py)"
 VLLM_LEASE = (
     "vLLM docs/design/nixl_kv_cache_lease.md ('while a request is queued or in-flight on D, "
@@ -67,7 +70,7 @@ SKEWS = ("exponential", "fixed")
 ALLOCATORS = ("static", "history")
 PREEMPTIONS = ("recompute", "reissue", "off")
 MOONCAKE = (
-    "CAL 'Hardware': Mooncake EFA WRITE on p5en by block size (64 KB 97 GB/s ... 2 MB 367)"
+    "Mooncake efa_transport.md: EFA WRITE on p5en by block size (64 KB 97 GB/s ... 2 MB 367)"
 )
 #: Engine fields one side never reads: setting them would be silently ignored, so a
 #: profile that sets them is refused (the value must stay the default).
@@ -414,8 +417,8 @@ class NetworkProfile:
         "fraction of a background thread's posting during which it holds the Python "
         "interpreter lock, so that the engine loop of its process cannot start a step "
         "(0: posting never blocks the loop)",
-        "CAL 'Control plane and contention': NIXL's Python postXferReq holds the GIL "
-        "while it posts (NIXL PR 1190, a proposal to release it, was closed)",
+        "not yet sourced; a pessimistic bound: NIXL PRs 1232 and 1712 (merged) release the "
+        "GIL inside postXferReq and makeXferReq, PR 1190 (closed) had proposed it",
     )
     wire_model: str = _f(
         "measured-points",
@@ -441,7 +444,7 @@ class NetworkProfile:
         "rank_skew_dist with this mean; READY waits for the slowest rank, and an inline "
         "posting step for the slowest poster (the next forward's all-reduces line the "
         "ranks up)",
-        "CAL 'Descriptor costs' (one rank's post time measured; a TP8 step waits for "
+        "NIXL issue 1514 (one rank's post time measured; a TP8 step waits for "
         "its slowest rank); no public distribution: 0 by default",
     )
     rank_skew_dist: str = _f(
@@ -490,11 +493,12 @@ class NetworkProfile:
         "concurrent transfers on a node's NICs: 'fair' -- they share them equally "
         "(processor sharing, each flow at the share of its busiest link); 'fifo' -- one "
         "transfer at a time, first come first served",
-        "CAL 'Control plane and contention': concurrent flows on one rail share it",
+        "not yet sourced: concurrent flows on one rail share it",
     )
 
 
-VLLM_STEPS = "CAL 'Control plane and contention' (connectors act at engine-step boundaries)"
+VLLM_STEPS = ("vLLM 0.32 v1/core/sched/scheduler.py: connector metadata built once per step, "
+              "finished transfers reported by get_finished at the step's end")
 
 
 @dataclass(frozen=True, kw_only=True)
