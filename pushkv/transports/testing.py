@@ -76,7 +76,7 @@ class Snapshot:
     #: ("producer" | "consumer", rank) -> rejected frames
     rejected: dict[tuple[str, int], int]
     #: consumer rank -> blocks still lent to transfers
-    lent: dict[int, dict[int, str]]
+    lent: dict[int, dict[int, tuple[str, int]]]
     #: producer rank -> the transfers still holding source blocks: (transfer id,
     #: incarnation), or transfer ids where the endpoint keys them so
     held: dict[int, list[Any]]

@@ -66,8 +66,8 @@ producer's blocks are ready to be read)."""
 class RuntimeView:
     """A consistent picture of a runtime's state (diagnostics and tests)."""
 
-    lent: dict[int, str]  #: consumer: destination blocks a write may still land in
-    held: dict[str, tuple[int, ...]]  #: producer: source blocks held, by transfer
+    lent: dict[int, tuple[str, int]]  #: consumer: blocks a write may still land in, by use
+    held: dict[tuple[str, int], tuple[int, ...]]  #: producer: source blocks held, by use
     ready_engines: tuple[str, ...]
     writes_in_flight: int
     stats: dict[str, int]
