@@ -151,7 +151,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
     from modes import MODES as E2E_MODES
     from run import Deployment, Endpoint
 
-    from pushkv.sim import segments
+    from pushkv.fit import segments
     from pushkv.vllm.chaos import group_pids
     from pushkv.vllm.testing import (
         post_json,

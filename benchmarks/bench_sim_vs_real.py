@@ -10,7 +10,7 @@ tiny model, prefix caching off, every NIXL progress thread sleeping
 length, rate) point against each router; the deployments alternate each
 iteration (push, pull, push, ...), so slow drift of the shared machine's load
 reaches both modes. During each point a probe process on each core
-(:class:`pushkv.sim.cores.CoreProbe`) records its wake-up delay and share (each
+(:class:`pushkv.fit.cores.CoreProbe`) records its wake-up delay and share (each
 wake-up, with when it was due, in ``OUT/real/wakes/<point>.json``), and the
 two servers' vLLM metrics are read before and after (``OUT/real/cpu_probe.json``).
 Around each point, *gauges* (``--gauge N``): N lone requests through the same router
@@ -25,7 +25,7 @@ their last), each part's threads pinned to one core and floating apart: the core
 they kept busy, how many waited on a run queue, and how long a wake-up waited
 (:class:`SchedSamples`, every 0.25 s; ``threads`` in ``cpu_probe.json``). Over each
 point and each gauge, the share of each core its host took (a VM's steal time,
-:func:`pushkv.sim.cores.steal`; ``steal`` in ``cpu_probe.json`` and in each gauge's record).
+:func:`pushkv.fit.cores.steal`; ``steal`` in ``cpu_probe.json`` and in each gauge's record).
 While the point loaded the deployment, each part's garbage-collector pauses and the
 client's (:func:`gc_pauses`; ``gc`` in ``cpu_probe.json``): every process that records
 a timeline writes them down (:func:`pushkv.timeline.record_gc`).
@@ -58,7 +58,7 @@ writes has it from the machine's cores).
 each point's interval in ``time.monotonic()`` is kept in ``cpu_probe.json``), the
 simulated half records the same marks per point (``OUT/sim-timeline/<way>/<point>/``,
 :mod:`pushkv.sim.marks`); for every point both recorded, a table of each segment's
-real and simulated median / p90 (:mod:`pushkv.sim.segments`). Then, per mode and
+real and simulated median / p90 (:mod:`pushkv.fit.segments`). Then, per mode and
 rate, the points' requests grouped by how many others overlapped them on the way to
 their first token, real against the gauge way (:func:`overlap_tables`): where
 the two agree on requests served alone, a gap that grows with the overlap is the
@@ -81,14 +81,14 @@ beside the headline, so every run shows the mechanism's part. A point's keys fro
 two gauges are mostly sampling noise (a median of some 20 lone requests of a broad
 segment), so each is shrunk toward the mean over the run of its gauges' group (mode,
 length, rate) by how far the group's gauges one at a time tell points apart (:func:`gauge_noise`,
-:func:`pushkv.sim.measure_connector.shrink_keys`; the table is printed, ``noise`` in
+:func:`pushkv.fit.measure_connector.shrink_keys`; the table is printed, ``noise`` in
 the summary's ``gauge_keys``); the gauge way is simulated again with the keys as
 measured (``OUT/sim-gauge-unshrunk``, ``gauge_unshrunk`` in the summary). A gauge's
 step times are lone requests' wall times, which hold the work each request brought
 beside its steps (the loop holding it, its tokens' way out); on the shared cores the
 model adds that work again, so each point's steps are first made to give those wall
 times to a lone request simulated there
-(:func:`pushkv.sim.measure_connector.lone_steps`); the gauge way is simulated again
+(:func:`pushkv.fit.measure_connector.lone_steps`); the gauge way is simulated again
 with the steps as timed (``OUT/sim-gauge-wall-steps``, ``gauge_wall_steps``).
 
 **How far one run can tell** (:func:`precision`): per point and statistic, the
@@ -194,7 +194,7 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
     from modes import MODES as E2E_MODES  # benchmarks/e2e
     from run import Deployment, Endpoint, bench_serve
 
-    from pushkv.sim.cores import CoreProbe, cpu_times, steal
+    from pushkv.fit.cores import CoreProbe, cpu_times, steal
 
     for mode in args.modes:
         name, kind = MODES[mode]
@@ -442,7 +442,7 @@ def load_span(real: Path, mode: str, window: Sequence[float]) -> tuple[float, fl
     """From the first to the last timeline mark of the requests of ``mode``'s point
     recorded within ``window`` (``time.monotonic()``): when the point loaded the
     deployment (its window also holds the client's start). None without marks."""
-    from pushkv.sim import segments
+    from pushkv.fit import segments
 
     name, deployment = MODES[mode]
     dirs = [real / "timeline" / name, real / "timeline" / deployment]
@@ -485,12 +485,12 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
     recorded like a point (the router's and servers' marks, a result file in
     ``OUT/real/gauge/``, the core probe's wake-ups in ``OUT/real/wakes/gauge/``). The
     simulator takes the point's profile from the gauges just before and after it
-    (:func:`pushkv.sim.measure_connector.gauge_keys`): on this machine the engines'
+    (:func:`pushkv.fit.measure_connector.gauge_keys`): on this machine the engines'
     speed moves 2-3x between minutes, so a profile measured at another time cannot
     hold. Returns the gauge's record for ``cpu_probe.json``."""
     from run import bench_serve
 
-    from pushkv.sim.cores import CoreProbe, cpu_times, steal
+    from pushkv.fit.cores import CoreProbe, cpu_times, steal
 
     t0, ticks = time.monotonic(), cpu_times()
     name = f"{tag}.json"
@@ -516,7 +516,7 @@ def probe_speed(probe: Any) -> dict[str, float]:
 
 def gauge_speed(got: dict[str, Any]) -> dict[str, float]:
     """How fast each side's core ran during a point against during its gauges: the
-    probe's rate of fixed work per CPU second (:meth:`pushkv.sim.cores.CoreProbe.speed`)
+    probe's rate of fixed work per CPU second (:meth:`pushkv.fit.cores.CoreProbe.speed`)
     over the point, over the mean of the gauges' -- the profile's ``cpu_speed`` for a
     point simulated with its gauges' profile. Empty where the point or a gauge has no
     speed (runs before the gauges were probed)."""
@@ -530,7 +530,7 @@ def gauge_speed(got: dict[str, Any]) -> dict[str, float]:
 
 
 def steal_record(got: dict[int, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """:func:`pushkv.sim.cores.steal` for ``cpu_probe.json``: per core (its number as a
+    """:func:`pushkv.fit.cores.steal` for ``cpu_probe.json``: per core (its number as a
     string), the host's share of the wall and of the work, rounded."""
     return {str(c): {k: round(v, 4) for k, v in share.items()} for c, share in got.items()}
 
@@ -557,7 +557,7 @@ def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespa
 
     from client import Client
 
-    from pushkv.sim import segments
+    from pushkv.fit import segments
     from pushkv.vllm.chaos import group_cpu_s, process_cpu_s
 
     def cpu() -> dict[str, float]:
@@ -628,7 +628,7 @@ def warm_up(url: str, model: str, n: int, input_len: int) -> None:
 
 def server_metrics(dep: Any) -> dict[str, dict[str, float]]:
     """The vLLM metrics' sums and counts of the deployment's two servers."""
-    from pushkv.sim.measure import metric_sums
+    from pushkv.fit.measure import metric_sums
     from pushkv.vllm.testing import get_text
 
     return {side: metric_sums(get_text(srv.url + "/metrics"))
@@ -659,7 +659,7 @@ def write_wakes(real: Path, stem: str, probe: Any) -> Path:
     """The core probe's wake-ups of point ``stem``, each as [when it was due
     (``time.monotonic()``, the timelines' clock), its delay (s)], by core, into
     ``real/wakes/<stem>.json``: what the profile's ``control.wake_beside_s`` is taken
-    from, against the point's timeline (:func:`pushkv.sim.segments.wakes_by_flight`)."""
+    from, against the point's timeline (:func:`pushkv.fit.segments.wakes_by_flight`)."""
     out = real / WAKES / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({str(core): [[round(t, 6), round(w, 6)] for t, w in zip(
@@ -705,10 +705,10 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     its gauges' (:func:`gauge_speed`, from ``shares``). A point's gauged step times are
     its lone requests' wall times, the work they brought beside their steps in them, so
     on shared cores its steps are first made to give those wall times to a lone request
-    simulated there (:func:`pushkv.sim.measure_connector.lone_steps`; ``wall_steps``: the
+    simulated there (:func:`pushkv.fit.measure_connector.lone_steps`; ``wall_steps``: the
     gauged steps as they are, that work counted twice)."""
+    from pushkv.fit.measure_connector import lone_steps
     from pushkv.sim.marks import Timeline
-    from pushkv.sim.measure_connector import lone_steps
     from pushkv.sim.profile import MAX_SPEED, load_profile, profile_from_dict
     from pushkv.sim.runner import run
     from pushkv.sim.scenario import SimConfig, TransferMode
@@ -930,7 +930,7 @@ def compared_points(real: Path, timelines: Path, shares: dict[str, dict[str, Any
     """Each point both halves recorded, by result file name: the name, its match of
     :data:`NAME`, the real requests of its window (its router's and pair's marks) and
     the simulated ones."""
-    from pushkv.sim import segments
+    from pushkv.fit import segments
 
     for fname, got in sorted(shares.items()):
         m, window = NAME.match(fname), got.get("window")
@@ -949,7 +949,7 @@ def segment_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
                    ) -> tuple[str, dict[str, dict[str, list[float]]]]:
     """Per point both halves recorded: the segment table (real median / p90 against the
     simulated), and ``{point: {segment: [real median, sim median]}}`` (ms)."""
-    from pushkv.sim import segments
+    from pushkv.fit import segments
 
     texts, out = [], {}
     for fname, _, real_reqs, sim_reqs in compared_points(real, timelines, shares):
@@ -982,7 +982,7 @@ def grouped_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
     """Per mode and rate, the points' requests pooled over lengths and iterations:
     'legs out -> first token' grouped per point by ``group`` (its requests -> group ->
     times), real against simulated. The text and ``{"<mode>_qps<rate>": [row, ...]}``."""
-    from pushkv.sim import segments
+    from pushkv.fit import segments
 
     pooled = pooled_by_rate(real, timelines, shares, lambda _, reqs: group(reqs))
     texts, out = [], {}
@@ -996,9 +996,9 @@ def grouped_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
 def overlap_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]],
                    cap: int = 2) -> tuple[str, dict[str, list[dict[str, Any]]]]:
     """:func:`grouped_tables` by how many other requests overlapped each
-    (:func:`pushkv.sim.segments.by_overlap`) -- whether the two agree on a request
+    (:func:`pushkv.fit.segments.by_overlap`) -- whether the two agree on a request
     served alone and part ways on what a neighbour costs it."""
-    from pushkv.sim import segments
+    from pushkv.fit import segments
 
     return grouped_tables(real, timelines, shares,
                           functools.partial(segments.by_overlap, cap=cap), cap, "overlapped")
@@ -1007,11 +1007,11 @@ def overlap_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]
 def place_tables(real: Path, timelines: Path, shares: dict[str, dict[str, Any]],
                  cap: int = 3) -> tuple[str, dict[str, list[dict[str, Any]]]]:
     """:func:`grouped_tables` by each request's place in its point (1st, 2nd, 3rd on;
-    :func:`pushkv.sim.segments.by_place`) -- a point's first requests meet idle
+    :func:`pushkv.fit.segments.by_place`) -- a point's first requests meet idle
     engines, so a gap at the first places alone is something at the points' start in
     the real half (the core probe's own start did that, until entering it waited for
     it)."""
-    from pushkv.sim import segments
+    from pushkv.fit import segments
 
     return grouped_tables(real, timelines, shares,
                           functools.partial(segments.by_place, cap=cap), cap, "place")
@@ -1021,11 +1021,11 @@ def neighbour_tables(real: Path, timelines: Path, shares: dict[str, dict[str, An
                      ) -> tuple[str, dict[str, dict[str, Any]]]:
     """Per mode and rate, the points' requests pooled over lengths and iterations,
     grouped per point by what else they met on the way to their first token
-    (:func:`pushkv.sim.segments.by_neighbour`: alone, one other decoding, one before its
+    (:func:`pushkv.fit.segments.by_neighbour`: alone, one other decoding, one before its
     first token, one that came later, more): each group's segments, real against
     simulated -- where a neighbour's cost lands, and whether the model puts it there.
     The text and ``{"<mode>_qps<rate>": {group: {"real_n", "sim_n", "segments"}}}``."""
-    from pushkv.sim import segments
+    from pushkv.fit import segments
 
     def group(fname: str, reqs: Any) -> dict[str, list[tuple[str, Any]]]:
         return {g: [(f"{fname}/{k}", r) for k, r in got.items()]  # ids apart per point
@@ -1051,10 +1051,10 @@ LONE_GAP_SEGMENTS = ("legs out -> prefill sees", "prefill sees -> prefill finish
 def wakes_in_flight(path: Path, requests: dict[str, dict[str, float]], where: str
                     ) -> dict[str, list[float]]:
     """The probe's wake-ups in ``path`` (:func:`write_wakes`) by how many of
-    ``requests`` were in flight (:func:`pushkv.sim.segments.wakes_by_flight`), as
+    ``requests`` were in flight (:func:`pushkv.fit.segments.wakes_by_flight`), as
     ``"<where>, 1 in flight"`` and ``"<where>, 2+ in flight"``; idle ones left out, as
     they say nothing of a request's. Empty where the file is missing."""
-    from pushkv.sim import segments
+    from pushkv.fit import segments
 
     if not path.exists():
         return {}
@@ -1070,7 +1070,7 @@ def lone_gap(real: Path, shares: dict[str, dict[str, Any]]
              ) -> tuple[str, dict[str, dict[str, Any]]]:
     """What the gauges leave out: per mode, the lone requests of every gauge of the run
     (each gauge once) against those of the points at each rate
-    (:func:`pushkv.sim.segments.alone`), each segment's mean (:data:`LONE_GAP_SEGMENTS`,
+    (:func:`pushkv.fit.segments.alone`), each segment's mean (:data:`LONE_GAP_SEGMENTS`,
     ms); and the core probe's wake-ups with a request in flight, during the gauges and
     during the points, by how many were (:func:`write_wakes`; mean and p99, ms). The
     profile's keys are the gauges' lone requests, so a lone request of a point
@@ -1078,7 +1078,7 @@ def lone_gap(real: Path, shares: dict[str, dict[str, Any]]
     request in a point than in a gauge -- is a cost the keys do not hold. The text and
     ``{"<mode>": {"requests": {...}, "wakes": {...}}}``."""
     from pushkv import timeline
-    from pushkv.sim import segments
+    from pushkv.fit import segments
 
     def q(xs: list[float], p: float) -> float:
         got = sorted(xs)
@@ -1146,11 +1146,11 @@ def real_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     """The keys the real half's own marks measure (requests that ran alone, each point's
     figures scaled by the share of a core its probe met): ``network.client_hop_s`` from
     every point (the client's latencies against the router's marks,
-    :func:`pushkv.sim.measure_connector.client_hop`) and ``prefill.return_s`` from the
-    pull points (:func:`pushkv.sim.measure_connector.pull_keys`, against the profile's
+    :func:`pushkv.fit.measure_connector.client_hop`) and ``prefill.return_s`` from the
+    pull points (:func:`pushkv.fit.measure_connector.pull_keys`, against the profile's
     hops and ``decode.ingest_s``). A key whose marks the run lacks is left out."""
-    from pushkv.sim import segments
-    from pushkv.sim.measure_connector import client_hop, pull_keys
+    from pushkv.fit import segments
+    from pushkv.fit.measure_connector import client_hop, pull_keys
     from pushkv.sim.profile import load_profile
 
     points, pull, pull_shares = [], {}, []
@@ -1186,17 +1186,17 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     """Each point's profile from the gauges around it, and the run's.
 
     The run's (the second value): the pushkv gauges of the whole run pooled, per input
-    length (:func:`pushkv.sim.measure_connector.gauge_keys`, mode push), each key the
+    length (:func:`pushkv.fit.measure_connector.gauge_keys`, mode push), each key the
     mean over the lengths -- what a pull pair's timeline does not show (the push-only
     keys, ``decode.ingest_s``) -- and ``control.host_spread`` at up to ``quantiles``
-    quantiles of their lone requests (:func:`~pushkv.sim.measure_connector.host_spread`);
+    quantiles of their lone requests (:func:`~pushkv.fit.measure_connector.host_spread`);
     then the pull gauges' ``prefill.return_s`` likewise, which no push mark shows.
     A point's (the first, by result file name): the lone requests of its two gauges,
     its own pair's, just before and after it, at its lengths -- the step overheads and
     the keys its mode's timeline shows, against the profile with the run's keys, and
     ``network.client_hop_s`` and ``network.client_first_s`` from the gauges' own client
-    results (:func:`~pushkv.sim.measure_connector.client_hop`,
-    :func:`~pushkv.sim.measure_connector.client_first`), and each engine's
+    results (:func:`~pushkv.fit.measure_connector.client_hop`,
+    :func:`~pushkv.fit.measure_connector.client_first`), and each engine's
     ``cores_busy`` and decode's ``token_work_s`` as :func:`cores_busy` measured its
     deployment, the mean over the run's starts of it. Nothing comes from the
     points themselves.
@@ -1207,13 +1207,13 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     another differing as much as any two); so each is shrunk toward the run's mean of
     its gauges' group (mode, length and, where recorded, rate: :func:`gauge_group`) by
     how far the group's gauges, taken one at a time, tell points apart
-    (:func:`gauge_noise`, :func:`pushkv.sim.measure_connector.shrink_keys`), what
+    (:func:`gauge_noise`, :func:`pushkv.fit.measure_connector.shrink_keys`), what
     ``noise_out`` receives per group (:func:`noise_label`; ``shrink`` false: each
     point's own gauges' keys as measured). MeasurementError when a gauge lacks a segment."""
-    from pushkv.sim import segments
-    from pushkv.sim.measure import MeasurementError
-    from pushkv.sim.measure_connector import client_first, client_hop, host_spread, shrink_keys
-    from pushkv.sim.measure_connector import gauge_keys as keys_of
+    from pushkv.fit import segments
+    from pushkv.fit.measure import MeasurementError
+    from pushkv.fit.measure_connector import client_first, client_hop, host_spread, shrink_keys
+    from pushkv.fit.measure_connector import gauge_keys as keys_of
     from pushkv.sim.profile import load_profile, profile_from_dict
 
     base = load_profile(profile_path)
@@ -1342,14 +1342,14 @@ def gauge_noise(gauged: dict[str, dict[str, Any]],
                 marks: Callable[[str, bool, list[float]], dict[str, dict[str, float]]],
                 profile: Any, output_len: int) -> dict[GaugeGroup, dict[Any, Any]]:
     """Per group of gauges (:func:`gauge_group`: mode, input length, rate), each key's
-    :class:`~pushkv.sim.measure_connector.KeyNoise` over the run's gauges of it one at a
+    :class:`~pushkv.fit.measure_connector.KeyNoise` over the run's gauges of it one at a
     time, in the order they ran (a gauge two points share counted once):
-    :func:`pushkv.sim.measure_connector.gauge_keys` of each gauge's lone requests
+    :func:`pushkv.fit.measure_connector.gauge_keys` of each gauge's lone requests
     (``marks(point, False, window)``) against ``profile``; a gauge too thin for a key on
     its own is left out of that group's noise."""
-    from pushkv.sim.measure import MeasurementError
-    from pushkv.sim.measure_connector import gauge_keys as keys_of
-    from pushkv.sim.measure_connector import key_noise
+    from pushkv.fit.measure import MeasurementError
+    from pushkv.fit.measure_connector import gauge_keys as keys_of
+    from pushkv.fit.measure_connector import key_noise
 
     windows: dict[GaugeGroup, dict[tuple[float, ...], str]] = {}
     for fname, got in sorted(gauged.items()):
@@ -1374,7 +1374,7 @@ def noise_table(noise: dict[str, dict[str, dict[str, float]]]) -> str:
     """:func:`gauge_noise`'s estimates as a table: per mode and length and key, the
     gauges' mean, their noise's and drift's standard deviations and the share a point
     of two gauges keeps of its own deviation."""
-    from pushkv.sim.measure_connector import KeyNoise
+    from pushkv.fit.measure_connector import KeyNoise
 
     rows = ["| mode, input | key | mean (ms) | noise sd (ms) | drift sd (ms) | kept |",
             "|---|---|---|---|---|---|"]
@@ -1395,10 +1395,10 @@ def wake_beside_of(real: Path, points: dict[str, dict[str, Any]],
     """``control.wake_beside_s`` of the run: every point's probe wake-ups
     (:func:`write_wakes`; points without are skipped), both cores, by how many of the
     point's requests (``marks(point, False, window)``) were in flight when each was due
-    (:func:`pushkv.sim.segments.wakes_by_flight`), pooled over the points, then
-    :func:`pushkv.sim.measure_connector.wake_beside`. Empty without wake-ups."""
-    from pushkv.sim import segments
-    from pushkv.sim.measure_connector import wake_beside
+    (:func:`pushkv.fit.segments.wakes_by_flight`), pooled over the points, then
+    :func:`pushkv.fit.measure_connector.wake_beside`. Empty without wake-ups."""
+    from pushkv.fit import segments
+    from pushkv.fit.measure_connector import wake_beside
 
     pooled: dict[int, list[float]] = {}
     for fname, got in sorted(points.items()):
@@ -1475,7 +1475,7 @@ def main() -> int:
     p.add_argument("--profile", type=Path, default=PROFILE)
     p.add_argument("--measure", action="store_true",
                    help="first measure the profile on this machine (python -m "
-                   "pushkv.sim.measure) into OUT/cpu-tiny.toml and simulate with it, so "
+                   "pushkv.fit.measure) into OUT/cpu-tiny.toml and simulate with it, so "
                    "the profile and the real runs see the same load")
     p.add_argument("--sim-only", action="store_true",
                    help="skip the real runs: simulate the points of OUT/real's files")
@@ -1507,7 +1507,7 @@ def main() -> int:
     t0 = time.monotonic()
     load = os.getloadavg()
     if args.measure:
-        from pushkv.sim.measure import MeasurementError, measure, write_profile
+        from pushkv.fit.measure import MeasurementError, measure, write_profile
 
         try:
             write_profile(measure(args.out / "measure", reps=20, delay_us=args.delay_us),
@@ -1525,7 +1525,7 @@ def main() -> int:
     knobs: dict[str, Any] = {"arrivals": args.arrivals, "frontend_cores": args.frontend_cores,
                              "host_cores": args.host_cores, "keys": None}
     if args.real_keys:
-        from pushkv.sim.measure import MeasurementError
+        from pushkv.fit.measure import MeasurementError
 
         try:
             knobs["keys"] = real_keys(real, shares, args.profile)
@@ -1566,7 +1566,7 @@ def main() -> int:
     keys = ("ttft_ratio_min", "ttft_ratio_max", "tpot_ratio_min", "tpot_ratio_max")
     way = "probe" if args.cpu_share and shares else "own_cores"
     if any(v.get("gauges") for v in shares.values()):
-        from pushkv.sim.measure import MeasurementError
+        from pushkv.fit.measure import MeasurementError
 
         noise: dict[str, dict[str, dict[str, float]]] = {}
         try:

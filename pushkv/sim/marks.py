@@ -3,7 +3,7 @@
 The real connector, proxy and benchmark client record *marks* -- ``(transfer id,
 event, time)`` -- at every hop of a request (:data:`pushkv.timeline.EVENTS`); the
 simulator records the marks its model has at the simulated moment each happens, so
-that ``python -m pushkv.timeline`` and :mod:`pushkv.sim.segments` summarise a
+that ``python -m pushkv.timeline`` and :mod:`pushkv.fit.segments` summarise a
 simulated run and a real one alike:
 
 ==========================  ==========================================================

@@ -102,7 +102,7 @@ FIT = "fit: chosen once so the default sweep reproduces the post (docs/sim.md)"
 CONNECTOR_KEYS = ("ingest_s", "return_s", "order_handoff_s", "event_handoff_s", "admit_lag_s")
 #: ... and network.notify_wait_s, the one on the network table.
 CONNECTOR = (
-    "0 (off) by default; measured on a real pushkv pair by `python -m pushkv.sim.measure "
+    "0 (off) by default; measured on a real pushkv pair by `python -m pushkv.fit.measure "
     "--connector-timeline DIR` from its pushkv.timeline marks (docs/sim.md, 'Against real "
     "engines, segment by segment')"
 )
@@ -191,7 +191,7 @@ class EngineProfile:
         "sequence -- added to the step beside the roofline: on a CPU engine serving a tiny "
         "model the step is Python and small kernels, a fixed overhead plus a cost per "
         "token (0: none, the roofline covers a GPU's tokens)",
-        "0 on GPUs; measured on CPU by pushkv.sim.measure (profiles/cpu-tiny.toml)",
+        "0 on GPUs; measured on CPU by pushkv.fit.measure (profiles/cpu-tiny.toml)",
     )
     cpu_share: float = _f(
         1.0,
@@ -201,7 +201,7 @@ class EngineProfile:
         "posting, control messages and router hops, which run on both sides' cores, by "
         "the mean of the two sides' shares (1: a core of its own; see Profile.on_shared_cores)",
         "1 on dedicated hosts; on a shared CPU machine measured per run by a probe process "
-        "on each core (pushkv.sim.cores.CoreProbe: CPU time / wall time of 1 ms bursts), "
+        "on each core (pushkv.fit.cores.CoreProbe: CPU time / wall time of 1 ms bursts), "
         "see benchmarks/bench_sim_vs_real.py",
     )
     cpu_speed: float = _f(
@@ -262,7 +262,7 @@ class EngineProfile:
         "RETURN_WAKES (decode's API server, the relay, the client), a control message or "
         "notification, and a background posting thread's job, one (0: a core of its own)",
         "0 on dedicated hosts; on a shared CPU machine measured per run by a probe process "
-        "on each core (pushkv.sim.cores.CoreProbe), see benchmarks/bench_sim_vs_real.py",
+        "on each core (pushkv.fit.cores.CoreProbe), see benchmarks/bench_sim_vs_real.py",
     )
     ingest_s: float = _f(
         0.0,
@@ -283,7 +283,7 @@ class EngineProfile:
         CONNECTOR + ": decode: median('decode step -> first token') minus one decode step "
         "minus network.router_hop_s; prefill: from a pull pair's timeline, "
         "median('prefill finished -> decode sees') minus two router hops and "
-        "decode.ingest_s (pushkv.sim.measure_connector.pull_keys)",
+        "decode.ingest_s (pushkv.fit.measure_connector.pull_keys)",
     )
     order_handoff_s: float = _f(
         0.0,
@@ -463,7 +463,7 @@ class NetworkProfile:
         "is measured, so all of it is added to each token's way back)",
         "measured per real run through a router: median over the requests that ran "
         "alone of the client's end-to-end latency (its result file) minus the router's "
-        "'legs out -> answer sent' (pushkv.sim.measure_connector.client_hop; "
+        "'legs out -> answer sent' (pushkv.fit.measure_connector.client_hop; "
         "benchmarks/bench_sim_vs_real.py --client-hop)",
     )
     client_first_s: float = _f(
@@ -476,7 +476,7 @@ class NetworkProfile:
         "measured per real run through a router, on requests sent one at a time: the "
         "router's mean 'first token -> answer sent' less the client's mean 'first token "
         "-> last token' (its result file's mean end-to-end latency less its mean TTFT) "
-        "(pushkv.sim.measure_connector.client_first; bench_sim_vs_real.gauge_keys; "
+        "(pushkv.fit.measure_connector.client_first; bench_sim_vs_real.gauge_keys; "
         "docs/sim.md, 'The client's first token')",
     )
     notify_wait_s: float = _f(
@@ -558,9 +558,9 @@ class ControlProfile:
     probe_speed: float = _f(
         0.0,
         "the probe's rate of fixed work per CPU second on the engine's core while this "
-        "profile's engine times were measured (pushkv.sim.cores.CoreProbe.speed): the "
+        "profile's engine times were measured (pushkv.fit.cores.CoreProbe.speed): the "
         "reference a later run's cpu_speed is taken against; 0: not recorded",
-        "written by pushkv.sim.measure",
+        "written by pushkv.fit.measure",
     )
     host_spread: tuple[float, ...] = _f(
         (),
@@ -570,7 +570,7 @@ class ControlProfile:
         "one it pays it times a multiplier drawn at random (pushkv.sim.spread); empty: "
         "the median every time",
         "measured: a real pair's timeline, each request's keyed segment over its median, "
-        "pooled, at evenly spaced quantiles (pushkv.sim.measure_connector.host_spread; "
+        "pooled, at evenly spaced quantiles (pushkv.fit.measure_connector.host_spread; "
         "docs/sim.md, 'Host times around their medians')",
     )
     wake_beside_s: tuple[float, ...] = _f(
@@ -588,7 +588,7 @@ class ControlProfile:
         "measured: the core probe's wake-ups during a run's points against their "
         "timelines, the quantiles of those with two or more requests in flight less the "
         "same quantiles of those with one, pooled over the run "
-        "(pushkv.sim.segments.wakes_by_flight, measure_connector.wake_beside, "
+        "(pushkv.fit.segments.wakes_by_flight, measure_connector.wake_beside, "
         "bench_sim_vs_real.wake_beside_of; docs/sim.md, 'A woken frontend beside another "
         "request')",
     )

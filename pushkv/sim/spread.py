@@ -1,6 +1,6 @@
 """Host times around their medians: the spread of the frontends' and hand-offs' times.
 
-The connector keys (:mod:`pushkv.sim.measure_connector`) are medians: a leg's time in
+The connector keys (:mod:`pushkv.fit.measure_connector`) are medians: a leg's time in
 its API server, a prefill answer's way out, a scheduler-to-worker hand-off, the
 progress threads' polls. On shared CPU cores each is right-skewed -- most requests pay
 about the median, some pay several times it while their process waits for a core -- so
@@ -10,7 +10,7 @@ small a mean, and a sum of medians below the median of the sums.
 With ``control.host_spread`` (multipliers, equally likely) each time a request pays one
 of those host times it pays it times a multiplier drawn at random (one stream per run,
 seeded like the others); empty, it pays the median every time. The multipliers are
-measured (:func:`pushkv.sim.measure_connector.host_spread`): each request's time in each
+measured (:func:`pushkv.fit.measure_connector.host_spread`): each request's time in each
 keyed segment over that key's median, pooled over the keys, at evenly spaced quantiles.
 Draws are independent across segments and requests: a stall that holds a process for
 several segments of one request is not modelled as one.

@@ -16,9 +16,9 @@ pytest.importorskip("simpy")
 
 from sim_helpers import config, write_timeline
 
-from pushkv.sim.measure import MeasurementError
-from pushkv.sim.measure import main as measure_main
-from pushkv.sim.measure_connector import (
+from pushkv.fit.measure import MeasurementError
+from pushkv.fit.measure import main as measure_main
+from pushkv.fit.measure_connector import (
     connector_keys,
     connector_steps,
     gauge_keys,

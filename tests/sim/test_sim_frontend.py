@@ -133,8 +133,8 @@ def test_measure_writes_the_frontends_cores() -> None:
     the pair is pinned to, and one at least."""
     from test_sim_measure import GOOD
 
+    from pushkv.fit.measure import profile_data
     from pushkv.sim.frontend import frontend_cores
-    from pushkv.sim.measure import profile_data
 
     assert [frontend_cores(n) for n in (1, 2, 3, 16)] == [1, 1, 1, 14]
     assert "frontend_cores" not in profile_data(GOOD)["control"]  # not recorded: off
@@ -161,7 +161,7 @@ def test_the_cli_takes_vllms_send_times(tmp_path: Path) -> None:
 def test_the_probes_wake_up_tail() -> None:
     """What the probe keeps of its wake-ups besides the median: p90, p99, the largest and
     the share of stalls over 10 ms."""
-    from pushkv.sim.cores import CoreProbe
+    from pushkv.fit.cores import CoreProbe
 
     probe = CoreProbe(cores=())
     probe.wakes[0] = [0.0001] * 95 + [0.02] * 4 + [0.3]
@@ -174,7 +174,7 @@ def test_the_probes_wake_up_tail() -> None:
 def test_the_probes_wake_ups_at_quantiles() -> None:
     """Every core's wake-ups pooled, at evenly spaced quantiles: the midpoints of equal
     slices, so the tail a mean depends on is kept (not only the median)."""
-    from pushkv.sim.cores import quantiles
+    from pushkv.fit.cores import quantiles
 
     assert quantiles([float(i) for i in range(1000)], 10) == [50.0 + 100 * i
                                                               for i in range(10)]
@@ -189,7 +189,7 @@ def test_the_probes_wake_ups_at_quantiles() -> None:
 def test_steal_between_two_readings_of_proc_stat() -> None:
     """The host's share of each CPU from two ``/proc/stat`` texts, against the closed form:
     of the wall, steal / all ticks; of the work, steal / (steal + busy)."""
-    from pushkv.sim.cores import cpu_times, steal
+    from pushkv.fit.cores import cpu_times, steal
 
     before = cpu_times("cpu  9 9 9 9 9 9 9 9 0 0\n"
                        "cpu0 100 0 50 1000 10 0 5 20 0 0\n"
@@ -212,7 +212,7 @@ def test_steal_on_this_machine() -> None:
     """The real ``/proc/stat``: every CPU present, shares within [0, 1]."""
     import os
 
-    from pushkv.sim.cores import cpu_times, steal
+    from pushkv.fit.cores import cpu_times, steal
 
     a = cpu_times()
     if not a:

@@ -1,5 +1,5 @@
 """A point's gauge keys shrunk toward the run's mean by how far the gauges tell points
-apart (:class:`pushkv.sim.measure_connector.KeyNoise`): the estimator's closed forms,
+apart (:class:`pushkv.fit.measure_connector.KeyNoise`): the estimator's closed forms,
 its limits, and that it recovers a known drift and noise."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pushkv.sim.measure import MeasurementError
-from pushkv.sim.measure_connector import MIN_GAUGES, KeyNoise, key_noise, shrink_keys
+from pushkv.fit.measure import MeasurementError
+from pushkv.fit.measure_connector import MIN_GAUGES, KeyNoise, key_noise, shrink_keys
 
 
 def test_a_steady_drift_is_kept_and_noise_alone_is_shrunk_away() -> None:

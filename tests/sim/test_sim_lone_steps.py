@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("simpy")
 
-from pushkv.sim.measure import MeasurementError
-from pushkv.sim.measure_connector import LONE_TOLERANCE, _lone_gap, _lone_segments, lone_steps
+from pushkv.fit.measure import MeasurementError
+from pushkv.fit.measure_connector import LONE_TOLERANCE, _lone_gap, _lone_segments, lone_steps
 from pushkv.sim.profile import Profile, load_profile, profile_from_dict
 
 TINY = load_profile(Path(__file__).resolve().parents[2] / "pushkv" / "sim" / "profiles"

@@ -14,8 +14,7 @@ pytest.importorskip("simpy")
 
 from sim_helpers import config
 
-from pushkv.sim.costs import step_s
-from pushkv.sim.measure import (
+from pushkv.fit.measure import (
     Measured,
     MeasurementError,
     fit_line,
@@ -23,6 +22,7 @@ from pushkv.sim.measure import (
     to_toml,
     write_profile,
 )
+from pushkv.sim.costs import step_s
 from pushkv.sim.profile import (
     DEFAULT,
     Profile,
@@ -235,7 +235,7 @@ def test_the_probe_measures_the_cores_speed() -> None:
     import os
     import time
 
-    from pushkv.sim.cores import _probe, _unit
+    from pushkv.fit.cores import _probe, _unit
 
     class Stop:  # set after five bursts
         calls = 0
@@ -276,7 +276,7 @@ def test_a_core_probe_is_running_before_what_it_measures_starts() -> None:
     and each probe reports once the measurement ends."""
     import time
 
-    from pushkv.sim.cores import CoreProbe
+    from pushkv.fit.cores import CoreProbe
 
     called = time.monotonic()
     with CoreProbe(cores=(0, 1)) as probe:
@@ -301,7 +301,7 @@ def test_a_core_probe_that_dies_before_it_starts_is_an_error(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A probe whose process dies before its loop: ProbeError on entering, naming the
     core, and no probe process left behind; bad probe settings are refused."""
-    from pushkv.sim import cores
+    from pushkv.fit import cores
 
     monkeypatch.setattr(cores, "_probe", _dies_at_once)
     probe = cores.CoreProbe(cores=(0,), ready_s=60)

@@ -16,8 +16,8 @@ pytest.importorskip("simpy")
 
 from sim_helpers import bench_sim_vs_real, config
 
-from pushkv.sim.measure import MeasurementError
-from pushkv.sim.measure_connector import client_first, client_hop, pull_keys
+from pushkv.fit.measure import MeasurementError
+from pushkv.fit.measure_connector import client_first, client_hop, pull_keys
 from pushkv.sim.profile import DEFAULT, ProfileError, load_profile, profile_from_dict
 from pushkv.sim.runner import run
 
@@ -281,7 +281,7 @@ def test_the_benchmark_measures_both_from_its_real_half(tmp_path: Path) -> None:
 
 
 def test_measure_adds_the_router_keys_to_a_base_profile(tmp_path: Path) -> None:
-    from pushkv.sim.measure import main as measure_main
+    from pushkv.fit.measure import main as measure_main
 
     router, pull = tmp_path / "router", tmp_path / "pull"
     for d in (router, pull):

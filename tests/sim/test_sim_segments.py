@@ -13,7 +13,7 @@ pytest.importorskip("simpy")
 
 from sim_helpers import bench_sim_vs_real
 
-from pushkv.sim import segments
+from pushkv.fit import segments
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data" / "sim_vs_real" / "real"

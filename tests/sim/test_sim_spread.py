@@ -18,10 +18,10 @@ pytest.importorskip("simpy")
 import simpy
 from sim_helpers import config, write_timeline
 
+from pushkv.fit.measure import MeasurementError
+from pushkv.fit.measure import main as measure_main
+from pushkv.fit.measure_connector import SPREAD_KEYS, connector_keys, host_spread
 from pushkv.sim.frontend import Frontend
-from pushkv.sim.measure import MeasurementError
-from pushkv.sim.measure import main as measure_main
-from pushkv.sim.measure_connector import SPREAD_KEYS, connector_keys, host_spread
 from pushkv.sim.profile import MAX_SPREAD, ProfileError, load_profile, profile_from_dict
 from pushkv.sim.runner import run
 from pushkv.sim.scenario import Dispatch
@@ -198,7 +198,7 @@ def test_each_key_weighs_its_median_so_the_mean_is_the_mean_total_over_the_media
     keys = connector_keys(reqs, bare)
     totals = [0.0] * len(reqs)
     for side, key in SPREAD_KEYS:
-        from pushkv.sim.measure_connector import CONNECTOR_SEGMENTS
+        from pushkv.fit.measure_connector import CONNECTOR_SEGMENTS
 
         for i, r in enumerate(reqs.values()):
             segs = timeline.segments({"r": r})

@@ -271,7 +271,7 @@ def test_a_point_whose_cores_ran_slower_than_its_gauges_is_simulated_slower(
 
 
 def test_points_without_gauges_are_refused_in_a_line(tmp_path: Path) -> None:
-    from pushkv.sim.measure import MeasurementError
+    from pushkv.fit.measure import MeasurementError
 
     bench = bench_sim_vs_real()
     probe = json.loads((DATA / bench.SHARES).read_text())
@@ -488,9 +488,9 @@ def test_the_precision_table_pairs_each_points_iterations(tmp_path: Path) -> Non
 
 
 def test_the_hosts_share_of_each_core_is_recorded_per_core_rounded() -> None:
-    """What ``cpu_probe.json`` keeps of :func:`pushkv.sim.cores.steal` for a point and a
+    """What ``cpu_probe.json`` keeps of :func:`pushkv.fit.cores.steal` for a point and a
     gauge: JSON keys, four places."""
-    from pushkv.sim.cores import cpu_times, steal
+    from pushkv.fit.cores import cpu_times, steal
 
     bench = bench_sim_vs_real()
     assert bench.steal_record({0: {"of_wall": 0.123456, "of_work": 0.5}, 1: {

@@ -18,13 +18,13 @@ pytest.importorskip("simpy")
 import simpy
 from sim_helpers import bench_sim_vs_real, config
 
+from pushkv.fit.measure import MeasurementError
+from pushkv.fit.measure_connector import wake_beside
+from pushkv.fit.segments import wakes_by_flight
 from pushkv.sim.frontend import Frontend
-from pushkv.sim.measure import MeasurementError
-from pushkv.sim.measure_connector import wake_beside
 from pushkv.sim.profile import MAX_SPREAD, MAX_WAKE_S, ProfileError, load_profile, profile_from_dict
 from pushkv.sim.request import SimRequest
 from pushkv.sim.runner import run
-from pushkv.sim.segments import wakes_by_flight
 from pushkv.sim.spread import Spread
 
 ROOT = Path(__file__).resolve().parents[2]

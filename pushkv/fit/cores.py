@@ -1,7 +1,7 @@
 """What a process meets on each CPU core of a shared machine: a probe.
 
 :class:`CoreProbe` runs one small process pinned to each core for the length of a
-measurement; :mod:`pushkv.sim.measure` and ``benchmarks/bench_sim_vs_real.py`` turn
+measurement; :mod:`pushkv.fit.measure` and ``benchmarks/bench_sim_vs_real.py`` turn
 what it saw into the profile's ``cpu_share`` and ``wake_s``.
 
 A probe is a fresh interpreter (``spawn``): starting the two of a 2-core machine took

@@ -1,12 +1,12 @@
 """The simulator profile's connector keys, from a real pushkv pair's timeline.
 
-A plain vLLM server (what :mod:`pushkv.sim.measure` times otherwise) cannot show
+A plain vLLM server (what :mod:`pushkv.fit.measure` times otherwise) cannot show
 what a disaggregated request pays on the connector servers: each leg's way through
 its instance's API server while two servers and the client share the cores, a
 token's way back, the hand-offs between a step's scheduler and its worker. The
 :mod:`pushkv.timeline` marks of a real pushkv pair show them segment by segment;
 :func:`connector_keys` turns their medians into the engine keys of
-:data:`pushkv.sim.profile.CONNECTOR_KEYS` (``python -m pushkv.sim.measure
+:data:`pushkv.sim.profile.CONNECTOR_KEYS` (``python -m pushkv.fit.measure
 --connector-timeline DIR ... [--base PROFILE]``).
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..sim.profile import Profile, ProfileError, profile_from_dict
 from .measure import MeasurementError
-from .profile import Profile, ProfileError, profile_from_dict
 
 #: (profile key, segments whose medians it takes) -- see :func:`connector_keys`.
 CONNECTOR_SEGMENTS = {
@@ -58,7 +58,7 @@ def connector_steps(requests: dict[str, dict[str, float]], profile: Profile, *,
     prefill -- median('prefill sees -> prefill finished'), one step, less the profile's
     ``step_token_s`` per prompt token; decode -- median('first token -> last token') /
     (output_len - 1), less its ``step_token_s``; ``step_python_s`` the same (as
-    :func:`pushkv.sim.measure.profile_data` sets it); ``x share``."""
+    :func:`pushkv.fit.measure.profile_data` sets it); ``x share``."""
     from .. import timeline
 
     _check_share(share)
@@ -89,10 +89,10 @@ def _lone_segments(profile: Profile, *, mode: str, input_len: int, output_len: i
     """Medians of the step segments of :data:`LONE_REQUESTS` requests simulated alone
     with ``profile``, ``gap_s`` apart (evenly), in seconds."""
     from .. import timeline
-    from .marks import Timeline
-    from .runner import run
-    from .scenario import SimConfig, TransferMode
-    from .workload import WorkloadConfig
+    from ..sim.marks import Timeline
+    from ..sim.runner import run
+    from ..sim.scenario import SimConfig, TransferMode
+    from ..sim.workload import WorkloadConfig
 
     marks = Timeline()
     run(SimConfig(mode=TransferMode(mode), profile=profile, workload=WorkloadConfig(
@@ -182,7 +182,7 @@ def connector_keys(requests: dict[str, dict[str, float]], profile: Profile, *,
                    segments: dict[tuple[str, str], tuple[str, ...]] | None = None
                    ) -> dict[str, dict[str, float]]:
     """The connector keys from a real pair's timeline (``requests``: per request id, each
-    mark's time, :func:`pushkv.sim.segments.load`), against ``profile``, the plain-server
+    mark's time, :func:`pushkv.fit.segments.load`), against ``profile``, the plain-server
     profile they extend: a key is the median of its segments (summed), less what the
     profile already puts there -- ``network.router_hop_s`` for ``ingest_s``; one decode
     step of one sequence and the hop for ``return_s`` -- taken as 0 if that leaves less,
@@ -220,7 +220,7 @@ def host_spread(requests: dict[str, dict[str, float]], profile: Profile, *,
     quantiles). MeasurementError with fewer than two such times or ``quantiles``
     outside 1..MAX_SPREAD."""
     from .. import timeline
-    from .profile import MAX_SPREAD
+    from ..sim.profile import MAX_SPREAD
 
     if not 1 <= quantiles <= MAX_SPREAD:
         raise MeasurementError(f"host spread quantiles must be in 1..{MAX_SPREAD}, "
@@ -284,7 +284,7 @@ def gauge_keys(requests: dict[str, dict[str, float]], profile: Profile, *, mode:
     """A point's engine and host keys from the lone requests its own pair served just
     before and after it at the point's lengths (a *gauge*: on a machine whose speed
     moves between minutes, the profile the point ran under). ``requests``: per request
-    id its marks (the router's and the pair's, :func:`pushkv.sim.segments.load`), only
+    id its marks (the router's and the pair's, :func:`pushkv.fit.segments.load`), only
     those that ran alone are taken. The step overheads first (:func:`connector_steps`),
     then, for ``mode`` "push", every connector key (:func:`connector_keys`); for "pull",
     the keys its timeline shows (:data:`PULL_SEGMENTS`, against the same subtractions)
@@ -313,7 +313,7 @@ def gauge_keys(requests: dict[str, dict[str, float]], profile: Profile, *, mode:
 def client_hop(points: Sequence[tuple[dict[str, dict[str, float]], Sequence[float], float]]
                ) -> float:
     """``network.client_hop_s`` from runs through a router: per point, the router's
-    requests (per request id its marks, :func:`pushkv.sim.segments.load` of the router's
+    requests (per request id its marks, :func:`pushkv.fit.segments.load` of the router's
     directory for that point), the client's end-to-end latencies in the order it sent
     them (a ``vllm bench serve`` result file's ``latencies``) and the share of a core the
     point met. The router's requests, in the order they were ``received``, are the
@@ -386,7 +386,7 @@ def connector_header(dirs: Sequence[str | Path], n: int, share: float,
         "pair in", "  " + " ".join(str(d) for d in dirs) + f" (CPU share {share:g}):",
         "  " + ", ".join(f"{side}.{k} {v * 1e3:.3f} ms" for side, t in keys.items()
                          for k, v in t.items()) + ";",
-        "  see pushkv.sim.measure_connector.connector_keys for what each subtracts.",
+        "  see pushkv.fit.measure_connector.connector_keys for what each subtracts.",
     ]
 
 
@@ -412,7 +412,7 @@ def extend(data: dict[str, Any], head: Sequence[str], dirs: Sequence[str | Path]
                               output_len=steps[1], share=share)
         data = with_connector_keys(data, got)
         head.append("Engine step overheads replaced by the connector servers' "
-                    "(pushkv.sim.measure_connector.connector_steps): " + ", ".join(
+                    "(pushkv.fit.measure_connector.connector_steps): " + ", ".join(
                         f"{side}.{k} {v * 1e3:.3f} ms" for side, t in got.items()
                         for k, v in t.items() if k != "step_python_s") + ".")
     keys = connector_keys(reqs, profile_from_dict(data), share=share)
@@ -467,13 +467,13 @@ def extend_router(data: dict[str, Any], head: Sequence[str], *,
 def wake_beside(by_flight: dict[int, Sequence[float]], *, quantiles: int = 100
                 ) -> tuple[float, ...]:
     """``control.wake_beside_s`` from wake-ups by requests in flight
-    (:func:`pushkv.sim.segments.wakes_by_flight`): at ``quantiles`` evenly spaced
+    (:func:`pushkv.fit.segments.wakes_by_flight`): at ``quantiles`` evenly spaced
     quantiles, those with two or more in flight less those with exactly one -- the
     extra a woken process waits beside another request over what a lone request's own
     hand-offs met (which its keys hold) -- each at least 0. Empty where either group
     has no wake-up. MeasurementError for ``quantiles`` outside 1..MAX_SPREAD."""
+    from ..sim.profile import MAX_SPREAD
     from .cores import quantiles as at_quantiles
-    from .profile import MAX_SPREAD
 
     if not 1 <= quantiles <= MAX_SPREAD:
         raise MeasurementError(f"wake quantiles must be in 1..{MAX_SPREAD}, got {quantiles}")

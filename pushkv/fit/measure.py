@@ -1,6 +1,6 @@
 """Measure what a simulator profile needs on this machine; write it as a TOML profile.
 
-``python -m pushkv.sim.measure --out pushkv/sim/profiles/cpu-tiny.toml`` measures, on
+``python -m pushkv.fit.measure --out pushkv/sim/profiles/cpu-tiny.toml`` measures, on
 the machine it runs on, the figures of the ``cpu-tiny`` profile -- the tiny random
 Llama of :mod:`pushkv.vllm.testing` served by vLLM on CPU, one server per core --
 and writes them as a profile :func:`~pushkv.sim.profile.load_profile` reads:
@@ -26,7 +26,7 @@ and writes them as a profile :func:`~pushkv.sim.profile.load_profile` reads:
 * **Side channel**: a protocol frame (:func:`pushkv.protocol.encode`, msgspec)
   over pyzmq PUSH/PULL on loopback, echoed by another process: the sender's
   time, the receiver's time and the one-way latency.
-* **The cores meanwhile**: a :class:`~pushkv.sim.cores.CoreProbe` records the share
+* **The cores meanwhile**: a :class:`~pushkv.fit.cores.CoreProbe` records the share
   of a core a short burst gets; the profile holds every time scaled to a core of its
   own (``time x share``), so that ``cpu_share`` and ``wake_s`` of a later run start
   from it.
@@ -39,11 +39,11 @@ and writes them as a profile :func:`~pushkv.sim.profile.load_profile` reads:
   the step-boundary hand-offs of a push (``decode.order_handoff_s``,
   ``event_handoff_s``, ``admit_lag_s``) and a write's wait for its notification on
   busy cores (``network.notify_wait_s``) -- see
-  :func:`pushkv.sim.measure_connector.connector_keys`. ``--pull-timeline DIR ...``
+  :func:`pushkv.fit.measure_connector.connector_keys`. ``--pull-timeline DIR ...``
   (a pull pair's marks) adds the prefill answer's way out (``prefill.return_s``),
   ``--client-hop ROUTER_DIR RESULT`` (a router's marks and that run's ``vllm bench
   serve`` result) the client's way to and from the router (``network.client_hop_s``;
-  :func:`~pushkv.sim.measure_connector.extend_router`). With ``--base PROFILE``
+  :func:`~pushkv.fit.measure_connector.extend_router`). With ``--base PROFILE``
   nothing else is measured: the keys are added to that profile.
 
 :func:`profile_data` turns a :class:`Measured` into the profile's tables and
@@ -70,9 +70,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..sim.frontend import frontend_cores
+from ..sim.profile import Profile, ProfileError, profile_from_dict
 from .cores import CoreProbe
-from .frontend import frontend_cores
-from .profile import Profile, ProfileError, profile_from_dict
 
 
 class MeasurementError(ProfileError):
@@ -280,7 +280,7 @@ def to_toml(data: dict[str, Any], header: Sequence[str] = ()) -> str:
 def header(m: Measured) -> list[str]:
     return [
         "cpu-tiny: the tiny random Llama of pushkv.vllm.testing on vLLM CPU, one core per",
-        "server, NIXL over UCX on host memory. Written by `python -m pushkv.sim.measure`;",
+        "server, NIXL over UCX on host memory. Written by `python -m pushkv.fit.measure`;",
         f"measured {m.when} on {m.machine}, load average at the start "
         f"{m.load[0]:.2f}, {m.load[1]:.2f}, {m.load[2]:.2f} (shared machine).",
         "Raw medians (s): prefill step by prompt length "
@@ -304,7 +304,7 @@ def header(m: Measured) -> list[str]:
 
 def write_data(data: dict[str, Any], head: Sequence[str], path: str | Path) -> Profile:
     """Write a profile's tables to ``path``; return the profile as the simulator loads it."""
-    from .profile import load_profile
+    from ..sim.profile import load_profile
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -314,7 +314,7 @@ def write_data(data: dict[str, Any], head: Sequence[str], path: str | Path) -> P
 
 def write_profile(m: Measured, path: str | Path) -> Profile:
     """Validate, write ``path`` and return the profile as the simulator loads it."""
-    from .profile import load_profile
+    from ..sim.profile import load_profile
 
     text = to_toml(profile_data(m), header(m))
     out = Path(path)
@@ -685,13 +685,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--host-spread", type=int, default=0, metavar="N",
                    help="with --connector-timeline: also set control.host_spread, the "
                    "keyed host times' spread around their medians at N quantiles "
-                   "(pushkv.sim.measure_connector.host_spread; 0: none)")
+                   "(pushkv.fit.measure_connector.host_spread; 0: none)")
     c.add_argument("--timeline-share", type=float, default=1.0, metavar="F",
                    help="the share of a core the pair's processes got meanwhile (a probe's "
                    "figure): the keys are scaled to a core of one's own by it")
     c.add_argument("--pull-timeline", nargs="+", type=Path, metavar="DIR", default=[],
                    help="a real pull pair's timeline (the router's or client's first): add "
-                   "prefill.return_s (pushkv.sim.measure_connector.pull_keys)")
+                   "prefill.return_s (pushkv.fit.measure_connector.pull_keys)")
     c.add_argument("--client-hop", nargs=2, type=Path, metavar=("ROUTER_DIR", "RESULT"),
                    help="a router's timeline of one run and that run's vllm bench serve "
                    "result file: add network.client_hop_s (measure_connector.client_hop)")

@@ -6,7 +6,7 @@ into ``timeline-sim.jsonl`` (:mod:`pushkv.sim.marks`). :func:`compare` takes eac
 segment of :data:`pushkv.timeline.SEGMENTS` that both sides recorded and gives real
 median / p90, simulated median / p90 and their ratios (sim / real)::
 
-    python -m pushkv.sim.segments --real /tmp/run/timeline/push /tmp/run/timeline/pushkv \\
+    python -m pushkv.fit.segments --real /tmp/run/timeline/push /tmp/run/timeline/pushkv \\
         --sim /tmp/sim-timeline [--json]
 
 A real run's first directory is the router's or client's (it names the requests of
@@ -23,7 +23,7 @@ way to the first token (:func:`overlaps`), so a comparison can tell whether the
 two sides agree on a request served alone and part ways on how much a neighbour
 costs it (:func:`overlap_rows`)::
 
-    python -m pushkv.sim.segments --real ... --sim ... --by-overlap
+    python -m pushkv.fit.segments --real ... --sim ... --by-overlap
 
 :func:`by_neighbour` goes one step further for the requests that met exactly one
 other: it tells apart a neighbour that was decoding when their legs went out, one
@@ -324,7 +324,7 @@ def as_json(rows: Sequence[Row]) -> dict[str, dict[str, float | int | None]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pushkv.sim.segments", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pushkv.fit.segments", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--real", nargs="+", required=True, metavar="DIR",
                    help="the real run's timeline directories, the router's or client's first")

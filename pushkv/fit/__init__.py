@@ -1,0 +1,18 @@
+"""The fitting pipeline: measure real engines on this machine, fit the simulator to them.
+
+:mod:`pushkv.sim` is a model; this package is what ties it to a real deployment. It
+sits above both the simulator and the vLLM integration and imports either; neither
+imports it (the ``fit-above-sim-and-vllm`` contract in ``pyproject.toml``).
+
+* :mod:`.measure` -- ``python -m pushkv.fit.measure``: a CPU profile of this machine
+  (a real vLLM server's steps, a NIXL pair, the side channel), written as TOML;
+* :mod:`.measure_connector` -- the profile's connector keys from a real pushkv pair's
+  :mod:`pushkv.timeline` marks;
+* :mod:`.segments` -- ``python -m pushkv.fit.segments``: a simulated run against a
+  real one, segment by segment of their timelines;
+* :mod:`.cores` -- :class:`~.cores.CoreProbe`, what a process meets on each core while
+  a measurement runs.
+
+The ``/proc`` readings (CPU time, run-queue waits, steal) are :mod:`pushkv.hostprobe`,
+below this package, shared with the chaos harness of :mod:`pushkv.vllm.chaos`.
+"""
