@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import os
 import statistics
 import sys
 import threading
@@ -41,40 +40,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from pushkv.hostprobe import ThreadReader  # noqa: E402
+
 #: a sample: when, and per thread id (run ns, run-queue wait ns, slices)
 Sample = tuple[float, dict[str, tuple[int, int, int]]]
 #: the segment this measures (:data:`pushkv.timeline.SEGMENTS`)
 SEGMENT = ("legs_sent", "decode_arrived")
-
-
-class ThreadReader:
-    """Every thread's ``schedstat`` of ``parts`` (name -> pids), read on each call (a
-    :class:`bench_sim_vs_real.SchedSamples` sample); ``names[tid]`` is (part, thread
-    name)."""
-
-    def __init__(self, parts: Mapping[str, Sequence[int]]) -> None:
-        self.parts = parts
-        self.names: dict[str, tuple[str, str]] = {}
-
-    def __call__(self) -> dict[str, tuple[int, int, int]]:
-        row: dict[str, tuple[int, int, int]] = {}
-        for part, pids in self.parts.items():
-            for pid in pids:
-                try:
-                    tids = os.listdir(f"/proc/{pid}/task")
-                except OSError:
-                    continue
-                for tid in tids:
-                    try:
-                        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                            run, wait, slices = (int(x) for x in f.read().split()[:3])
-                        if tid not in self.names:
-                            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                                self.names[tid] = (part, f.read().strip())
-                    except (OSError, ValueError):
-                        continue
-                    row[tid] = (run, wait, slices)
-        return row
 
 
 def bracket(samples: Sequence[Sample], t0: float, t1: float) -> tuple[int, int]:
@@ -152,7 +123,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
     from run import Deployment, Endpoint
 
     from pushkv.fit import segments
-    from pushkv.vllm.chaos import group_pids
+    from pushkv.hostprobe import group_pids
     from pushkv.vllm.testing import (
         post_json,
         stream_token_ids,

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pushkv.vllm.chaos import process_cpu_s  # noqa: E402
+from pushkv.hostprobe import process_cpu_s  # noqa: E402
 from pushkv.vllm.params import ENDPOINT_KEY, POLICY_KEY, Endpoint  # noqa: E402
 from pushkv.vllm.testing import free_port, wait_up  # noqa: E402
 

@@ -25,7 +25,7 @@ their last), each part's threads pinned to one core and floating apart: the core
 they kept busy, how many waited on a run queue, and how long a wake-up waited
 (:class:`SchedSamples`, every 0.25 s; ``threads`` in ``cpu_probe.json``). Over each
 point and each gauge, the share of each core its host took (a VM's steal time,
-:func:`pushkv.fit.cores.steal`; ``steal`` in ``cpu_probe.json`` and in each gauge's record).
+:func:`pushkv.hostprobe.steal`; ``steal`` in ``cpu_probe.json`` and in each gauge's record).
 While the point loaded the deployment, each part's garbage-collector pauses and the
 client's (:func:`gc_pauses`; ``gc`` in ``cpu_probe.json``): every process that records
 a timeline writes them down (:func:`pushkv.timeline.record_gc`).
@@ -194,7 +194,8 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
     from modes import MODES as E2E_MODES  # benchmarks/e2e
     from run import Deployment, Endpoint, bench_serve
 
-    from pushkv.fit.cores import CoreProbe, cpu_times, steal
+    from pushkv.fit.cores import CoreProbe
+    from pushkv.hostprobe import cpu_times, steal
 
     for mode in args.modes:
         name, kind = MODES[mode]
@@ -313,7 +314,7 @@ def parts(dep: Any, ep: Any, of_process: Callable[[int], Any],
 
 def part_pids(dep: Any, ep: Any, client_pid: int | None) -> dict[str, list[int]]:
     """The processes of each of the deployment's :func:`parts` now, and the client's."""
-    from pushkv.vllm.chaos import group_pids
+    from pushkv.hostprobe import group_pids
 
     out = {part: sorted(pids) for part, pids in parts(
         dep, ep, lambda pid: frozenset({pid}), lambda pgids: frozenset(group_pids(pgids))
@@ -362,16 +363,16 @@ def gc_line(gc: dict[str, dict[str, float]]) -> str:
 
 def runq_waits(dep: Any, ep: Any) -> dict[str, float]:
     """Seconds the deployment's :func:`parts` have waited on a run queue so far,
-    runnable but not running (:func:`pushkv.vllm.chaos.runq_wait_s`)."""
-    from pushkv.vllm.chaos import group_runq_wait_s, runq_wait_s
+    runnable but not running (:func:`pushkv.hostprobe.runq_wait_s`)."""
+    from pushkv.hostprobe import group_runq_wait_s, runq_wait_s
 
     return parts(dep, ep, runq_wait_s, group_runq_wait_s)
 
 
 def sched_parts(dep: Any, ep: Any) -> dict[str, Any]:
     """How the threads of each of the deployment's :func:`parts` have been scheduled so
-    far, pinned and floating apart (:class:`pushkv.vllm.chaos.ThreadSched`)."""
-    from pushkv.vllm.chaos import ThreadSched, group_thread_sched, thread_sched
+    far, pinned and floating apart (:class:`pushkv.hostprobe.ThreadSched`)."""
+    from pushkv.hostprobe import ThreadSched, group_thread_sched, thread_sched
 
     return parts(dep, ep, lambda pid: thread_sched(pid) or ThreadSched(), group_thread_sched)
 
@@ -490,7 +491,8 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
     hold. Returns the gauge's record for ``cpu_probe.json``."""
     from run import bench_serve
 
-    from pushkv.fit.cores import CoreProbe, cpu_times, steal
+    from pushkv.fit.cores import CoreProbe
+    from pushkv.hostprobe import cpu_times, steal
 
     t0, ticks = time.monotonic(), cpu_times()
     name = f"{tag}.json"
@@ -530,7 +532,7 @@ def gauge_speed(got: dict[str, Any]) -> dict[str, float]:
 
 
 def steal_record(got: dict[int, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """:func:`pushkv.fit.cores.steal` for ``cpu_probe.json``: per core (its number as a
+    """:func:`pushkv.hostprobe.steal` for ``cpu_probe.json``: per core (its number as a
     string), the host's share of the wall and of the work, rounded."""
     return {str(c): {k: round(v, 4) for k, v in share.items()} for c, share in got.items()}
 
@@ -558,7 +560,7 @@ def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespa
     from client import Client
 
     from pushkv.fit import segments
-    from pushkv.vllm.chaos import group_cpu_s, process_cpu_s
+    from pushkv.hostprobe import group_cpu_s, process_cpu_s
 
     def cpu() -> dict[str, float]:
         p = parts(dep, ep, process_cpu_s, group_cpu_s)

@@ -30,7 +30,7 @@ import run as bench
 from client import Client
 from modes import MODES
 
-from pushkv.vllm.chaos import group_cpu_s
+from pushkv.hostprobe import group_cpu_s
 
 CLIENT_MODE = {"pushkv": "push-client", "nixl-push": "vllm-push-client",
                "nixl-pull": "pull-client"}

@@ -42,7 +42,7 @@ from modes import DEFAULT_MODES, MODES, SPIN_S, Mode, RouterArgs  # noqa: E402
 from router_modes import router_verdict  # noqa: E402
 
 from pushkv import timeline  # noqa: E402
-from pushkv.vllm.chaos import process_cpu_s  # noqa: E402
+from pushkv.hostprobe import process_cpu_s  # noqa: E402
 from pushkv.vllm.testing import (  # noqa: E402
     CPU_TUNING,
     Server,

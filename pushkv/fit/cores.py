@@ -18,7 +18,6 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 #: loop iterations of one unit of the probe's work (:func:`_unit`)
@@ -187,46 +186,3 @@ class CoreProbe:
     def share(self, core: int) -> float:
         got = self.shares.get(core)
         return min(1.0, statistics.median(got)) if got else 1.0
-
-
-#: the fields of a ``cpuN`` line of ``/proc/stat`` (proc(5)), in order
-STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-
-
-def cpu_times(stat: str | None = None) -> dict[int, dict[str, int]]:
-    """Each CPU's cumulative times in clock ticks from ``/proc/stat`` (or ``stat``, its
-    text): ``{cpu: {field: ticks}}`` for :data:`STAT_FIELDS`. On a virtual machine
-    ``steal`` counts the ticks the CPU had work but its host ran something else."""
-    if stat is None:
-        try:
-            stat = Path("/proc/stat").read_text()
-        except OSError:  # not Linux: no CPU is reported
-            return {}
-    got: dict[int, dict[str, int]] = {}
-    for line in stat.splitlines():
-        name, _, rest = line.partition(" ")
-        if not (name.startswith("cpu") and name[3:].isdigit()):
-            continue
-        ticks = [int(x) for x in rest.split()]
-        got[int(name[3:])] = {f: (ticks[i] if i < len(ticks) else 0)
-                              for i, f in enumerate(STAT_FIELDS)}
-    return got
-
-
-def steal(before: dict[int, dict[str, int]],
-          after: dict[int, dict[str, int]]) -> dict[int, dict[str, float]]:
-    """Between two :func:`cpu_times`, per CPU: ``of_wall``, the share of the interval the
-    host took (steal ticks / all ticks), and ``of_work``, the share of the time the CPU
-    wanted that it did not get (steal / (steal + busy ticks)): a step that needs the CPU
-    throughout runs ``1 / (1 - of_work)`` times as long. Zeros where nothing ticked."""
-    out: dict[int, dict[str, float]] = {}
-    for cpu, b in before.items():
-        a = after.get(cpu)
-        if a is None:
-            continue
-        d = {f: max(0, a[f] - b[f]) for f in STAT_FIELDS}
-        total = sum(d.values())
-        busy = total - d["idle"] - d["iowait"] - d["steal"]
-        out[cpu] = {"of_wall": d["steal"] / total if total else 0.0,
-                    "of_work": d["steal"] / (d["steal"] + busy) if d["steal"] + busy else 0.0}
-    return out

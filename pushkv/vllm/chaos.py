@@ -18,7 +18,8 @@ Used by ``tests/vllm/test_chaos.py`` and ``benchmarks/bench_chaos.py``.
   ``benchmarks/bench_chaos.py`` runs it with thousands of requests, the test
   suite with a few dozen.
 
-Only the standard library and :mod:`pushkv.vllm.testing` are used.
+Only the standard library, :mod:`pushkv.vllm.testing` and the ``/proc`` readings of
+:mod:`pushkv.hostprobe` are used.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..hostprobe import group_rss_kib, group_threads
 from .testing import (
     Server,
     ServerSpec,
@@ -431,154 +433,6 @@ def referenced_blocks(metrics_text: str) -> int:
     if found is None:
         raise AssertionError("no vllm:cache_config_info with num_gpu_blocks in /metrics")
     return round(usage * int(found.group(1)))
-
-
-def _proc_stat(pid: str) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()  # after the name: state, ppid, pgrp..
-    except OSError:
-        return None
-
-
-def group_threads(pgid: int) -> int:
-    total = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _proc_stat(entry)) and int(fields[2]) == pgid:
-            total += int(fields[17])  # num_threads
-    return total
-
-
-def group_pids(pgids: Sequence[int]) -> list[int]:
-    """The processes of the groups ``pgids`` now, by pid."""
-    groups = set(pgids)
-    return sorted(int(entry) for entry in os.listdir("/proc")
-                  if entry.isdigit() and (fields := _proc_stat(entry))
-                  and int(fields[2]) in groups)
-
-
-def group_cpu_s(pgids: Sequence[int]) -> float:
-    """CPU time (user + system, seconds) the processes of the groups ``pgids`` used so
-    far (a process that ended is no longer counted)."""
-    groups = set(pgids)
-    return sum(_cpu_s(fields) for entry in os.listdir("/proc")
-               if entry.isdigit() and (fields := _proc_stat(entry)) and int(fields[2]) in groups)
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU time (user + system, seconds, all threads) the process ``pid`` used so far;
-    NaN once it is gone."""
-    fields = _proc_stat(str(pid))
-    return float("nan") if fields is None else _cpu_s(fields)
-
-
-@dataclass(frozen=True, slots=True)
-class Sched:
-    """How threads have been scheduled so far (``/proc/PID/task/TID/schedstat``):
-    seconds on a CPU, seconds runnable on a run queue waiting for one, and how many
-    times they were put on a CPU (every wake-up is one)."""
-
-    run_s: float = 0.0
-    wait_s: float = 0.0
-    slices: int = 0
-
-    def __add__(self, other: Sched) -> Sched:
-        return Sched(self.run_s + other.run_s, self.wait_s + other.wait_s,
-                     self.slices + other.slices)
-
-    def __sub__(self, other: Sched) -> Sched:
-        return Sched(self.run_s - other.run_s, self.wait_s - other.wait_s,
-                     self.slices - other.slices)
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadSched:
-    """:class:`Sched` of a process's threads by placement: ``pinned``, the threads
-    allowed on one CPU only (vLLM CPU's worker, bound by ``VLLM_CPU_OMP_THREADS_BIND``,
-    and the threads it starts), and ``floating``, those the kernel may put on any of
-    several (the engine core, the API server, a router)."""
-
-    pinned: Sched = Sched()
-    floating: Sched = Sched()
-
-    def __add__(self, other: ThreadSched) -> ThreadSched:
-        return ThreadSched(self.pinned + other.pinned, self.floating + other.floating)
-
-    def __sub__(self, other: ThreadSched) -> ThreadSched:
-        return ThreadSched(self.pinned - other.pinned, self.floating - other.floating)
-
-
-def thread_sched(pid: int) -> ThreadSched | None:
-    """How the threads of process ``pid`` have been scheduled so far, pinned and
-    floating apart (:class:`ThreadSched`); a thread that ended is no longer counted;
-    None once the process is gone."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    pinned, floating = Sched(), Sched()
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                run, wait, slices = (int(x) for x in f.read().split()[:3])
-            one = len(os.sched_getaffinity(int(tid))) == 1
-        except (OSError, ValueError):  # the thread ended meanwhile
-            continue
-        got = Sched(run / 1e9, wait / 1e9, slices)
-        if one:
-            pinned += got
-        else:
-            floating += got
-    return ThreadSched(pinned, floating)
-
-
-def group_thread_sched(pgids: Sequence[int]) -> ThreadSched:
-    """:func:`thread_sched` summed over the processes of the groups ``pgids``."""
-    groups = set(pgids)
-    total = ThreadSched()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _proc_stat(entry)) and int(fields[2]) in groups:
-            got = thread_sched(int(entry))
-            if got is not None:
-                total += got
-    return total
-
-
-def runq_wait_s(pid: int) -> float:
-    """Seconds the threads of process ``pid`` have waited on a run queue so far, runnable
-    but not running (:func:`thread_sched`, pinned and floating together); a thread that
-    ended is no longer counted; NaN once the process is gone."""
-    got = thread_sched(pid)
-    return float("nan") if got is None else got.pinned.wait_s + got.floating.wait_s
-
-
-def group_runq_wait_s(pgids: Sequence[int]) -> float:
-    """:func:`runq_wait_s` summed over the processes of the groups ``pgids``."""
-    got = group_thread_sched(pgids)
-    return got.pinned.wait_s + got.floating.wait_s
-
-
-def _cpu_s(fields: list[str]) -> float:
-    """utime + stime of a /proc stat line (fields after the name), in seconds."""
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def group_rss_kib(pgids: Sequence[int]) -> dict[int, int]:
-    """Resident memory (KiB) of every process group of ``pgids``."""
-    out = dict.fromkeys(pgids, 0)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or not (fields := _proc_stat(entry)):
-            continue
-        if int(fields[2]) not in out:
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        out[int(fields[2])] += int(line.split()[1])
-        except (OSError, ValueError):
-            continue
-    return out
 
 
 def healthy(url: str) -> bool:

@@ -189,7 +189,7 @@ def test_the_probes_wake_ups_at_quantiles() -> None:
 def test_steal_between_two_readings_of_proc_stat() -> None:
     """The host's share of each CPU from two ``/proc/stat`` texts, against the closed form:
     of the wall, steal / all ticks; of the work, steal / (steal + busy)."""
-    from pushkv.fit.cores import cpu_times, steal
+    from pushkv.hostprobe import cpu_times, steal
 
     before = cpu_times("cpu  9 9 9 9 9 9 9 9 0 0\n"
                        "cpu0 100 0 50 1000 10 0 5 20 0 0\n"
@@ -212,7 +212,7 @@ def test_steal_on_this_machine() -> None:
     """The real ``/proc/stat``: every CPU present, shares within [0, 1]."""
     import os
 
-    from pushkv.fit.cores import cpu_times, steal
+    from pushkv.hostprobe import cpu_times, steal
 
     a = cpu_times()
     if not a:

@@ -376,7 +376,7 @@ def test_sched_samples_tell_each_parts_threads_between_the_samples_around_a_span
     """Over a point's load: the samples bracketing it, per part and placement, CPU
     seconds a second (cores busy), run-queue seconds a second (threads waiting) and the
     wait of each wake-up; the nearest samples where none brackets it."""
-    from pushkv.vllm.chaos import Sched, ThreadSched
+    from pushkv.hostprobe import Sched, ThreadSched
 
     bench = bench_sim_vs_real()
     s = bench.SchedSamples(lambda: {})
@@ -488,9 +488,9 @@ def test_the_precision_table_pairs_each_points_iterations(tmp_path: Path) -> Non
 
 
 def test_the_hosts_share_of_each_core_is_recorded_per_core_rounded() -> None:
-    """What ``cpu_probe.json`` keeps of :func:`pushkv.fit.cores.steal` for a point and a
+    """What ``cpu_probe.json`` keeps of :func:`pushkv.hostprobe.steal` for a point and a
     gauge: JSON keys, four places."""
-    from pushkv.fit.cores import cpu_times, steal
+    from pushkv.hostprobe import cpu_times, steal
 
     bench = bench_sim_vs_real()
     assert bench.steal_record({0: {"of_wall": 0.123456, "of_work": 0.5}, 1: {

@@ -218,7 +218,7 @@ def test_a_process_cpu_time_grows_while_it_works_and_is_nan_once_it_is_gone():
     import sys
     import time
 
-    from pushkv.vllm.chaos import process_cpu_s
+    from pushkv.hostprobe import process_cpu_s
 
     start = process_cpu_s(os.getpid())
     deadline = time.monotonic() + 60
@@ -238,7 +238,7 @@ def test_run_queue_wait_grows_for_processes_that_share_a_core_and_is_nan_once_go
     import subprocess
     import sys
 
-    from pushkv.vllm.chaos import group_runq_wait_s, runq_wait_s
+    from pushkv.hostprobe import group_runq_wait_s, runq_wait_s
     from pushkv.vllm.testing import poll
 
     core = min(os.sched_getaffinity(0))
@@ -269,7 +269,7 @@ def test_thread_sched_splits_pinned_from_floating_threads_and_sums_over_a_group(
     import subprocess
     import sys
 
-    from pushkv.vllm.chaos import Sched, ThreadSched, group_thread_sched, thread_sched
+    from pushkv.hostprobe import Sched, ThreadSched, group_thread_sched, thread_sched
     from pushkv.vllm.testing import poll
 
     assert Sched(1.0, 2.0, 3) + Sched(0.5, 0.5, 1) - Sched(0.5, 1.0, 2) == Sched(1.0, 1.5, 2)
@@ -307,7 +307,7 @@ def test_group_pids_lists_the_processes_of_a_group_while_they_live():
     import subprocess
     import sys
 
-    from pushkv.vllm.chaos import group_pids
+    from pushkv.hostprobe import group_pids
 
     wait = [sys.executable, "-c", "import sys; sys.stdin.read()"]
     leader = subprocess.Popen(wait, stdin=subprocess.PIPE, process_group=0)
