@@ -630,7 +630,7 @@ def warm_up(url: str, model: str, n: int, input_len: int) -> None:
 
 def server_metrics(dep: Any) -> dict[str, dict[str, float]]:
     """The vLLM metrics' sums and counts of the deployment's two servers."""
-    from pushkv.fit.measure import metric_sums
+    from pushkv.fit.timings import metric_sums
     from pushkv.vllm.testing import get_text
 
     return {side: metric_sums(get_text(srv.url + "/metrics"))
@@ -1213,7 +1213,7 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     ``noise_out`` receives per group (:func:`noise_label`; ``shrink`` false: each
     point's own gauges' keys as measured). MeasurementError when a gauge lacks a segment."""
     from pushkv.fit import segments
-    from pushkv.fit.measure import MeasurementError
+    from pushkv.fit.cpu_profile import MeasurementError
     from pushkv.fit.measure_connector import client_first, client_hop, host_spread, shrink_keys
     from pushkv.fit.measure_connector import gauge_keys as keys_of
     from pushkv.sim.profile import load_profile, profile_from_dict
@@ -1349,7 +1349,7 @@ def gauge_noise(gauged: dict[str, dict[str, Any]],
     :func:`pushkv.fit.measure_connector.gauge_keys` of each gauge's lone requests
     (``marks(point, False, window)``) against ``profile``; a gauge too thin for a key on
     its own is left out of that group's noise."""
-    from pushkv.fit.measure import MeasurementError
+    from pushkv.fit.cpu_profile import MeasurementError
     from pushkv.fit.measure_connector import gauge_keys as keys_of
     from pushkv.fit.measure_connector import key_noise
 
@@ -1509,7 +1509,8 @@ def main() -> int:
     t0 = time.monotonic()
     load = os.getloadavg()
     if args.measure:
-        from pushkv.fit.measure import MeasurementError, measure, write_profile
+        from pushkv.fit.cpu_profile import MeasurementError, write_profile
+        from pushkv.fit.measure import measure
 
         try:
             write_profile(measure(args.out / "measure", reps=20, delay_us=args.delay_us),
@@ -1527,7 +1528,7 @@ def main() -> int:
     knobs: dict[str, Any] = {"arrivals": args.arrivals, "frontend_cores": args.frontend_cores,
                              "host_cores": args.host_cores, "keys": None}
     if args.real_keys:
-        from pushkv.fit.measure import MeasurementError
+        from pushkv.fit.cpu_profile import MeasurementError
 
         try:
             knobs["keys"] = real_keys(real, shares, args.profile)
@@ -1568,7 +1569,7 @@ def main() -> int:
     keys = ("ttft_ratio_min", "ttft_ratio_max", "tpot_ratio_min", "tpot_ratio_max")
     way = "probe" if args.cpu_share and shares else "own_cores"
     if any(v.get("gauges") for v in shares.values()):
-        from pushkv.fit.measure import MeasurementError
+        from pushkv.fit.cpu_profile import MeasurementError
 
         noise: dict[str, dict[str, dict[str, float]]] = {}
         try:

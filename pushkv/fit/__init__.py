@@ -4,8 +4,9 @@
 sits above both the simulator and the vLLM integration and imports either; neither
 imports it (the ``fit-above-sim-and-vllm`` contract in ``pyproject.toml``).
 
-* :mod:`.measure` -- ``python -m pushkv.fit.measure``: a CPU profile of this machine
-  (a real vLLM server's steps, a NIXL pair, the side channel), written as TOML;
+* :mod:`.measure` -- ``python -m pushkv.fit.measure``: a CPU profile of this machine,
+  written as TOML: :mod:`.timings` times the real parts (a vLLM server's steps, a
+  NIXL pair, the side channel), :mod:`.cpu_profile` fits the profile's keys to them;
 * :mod:`.measure_connector` -- the profile's connector keys from a real pushkv pair's
   :mod:`pushkv.timeline` marks;
 * :mod:`.segments` -- ``python -m pushkv.fit.segments``: a simulated run against a

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..sim.profile import Profile, ProfileError, profile_from_dict
-from .measure import MeasurementError
+from .cpu_profile import MeasurementError
 
 #: (profile key, segments whose medians it takes) -- see :func:`connector_keys`.
 CONNECTOR_SEGMENTS = {
@@ -58,7 +58,7 @@ def connector_steps(requests: dict[str, dict[str, float]], profile: Profile, *,
     prefill -- median('prefill sees -> prefill finished'), one step, less the profile's
     ``step_token_s`` per prompt token; decode -- median('first token -> last token') /
     (output_len - 1), less its ``step_token_s``; ``step_python_s`` the same (as
-    :func:`pushkv.fit.measure.profile_data` sets it); ``x share``."""
+    :func:`pushkv.fit.cpu_profile.profile_data` sets it); ``x share``."""
     from .. import timeline
 
     _check_share(share)

@@ -16,7 +16,7 @@ pytest.importorskip("simpy")
 
 from sim_helpers import config, write_timeline
 
-from pushkv.fit.measure import MeasurementError
+from pushkv.fit.cpu_profile import MeasurementError
 from pushkv.fit.measure import main as measure_main
 from pushkv.fit.measure_connector import (
     connector_keys,

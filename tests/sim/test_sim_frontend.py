@@ -133,7 +133,7 @@ def test_measure_writes_the_frontends_cores() -> None:
     the pair is pinned to, and one at least."""
     from test_sim_measure import GOOD
 
-    from pushkv.fit.measure import profile_data
+    from pushkv.fit.cpu_profile import profile_data
     from pushkv.sim.frontend import frontend_cores
 
     assert [frontend_cores(n) for n in (1, 2, 3, 16)] == [1, 1, 1, 14]

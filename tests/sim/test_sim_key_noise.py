@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pushkv.fit.measure import MeasurementError
+from pushkv.fit.cpu_profile import MeasurementError
 from pushkv.fit.measure_connector import MIN_GAUGES, KeyNoise, key_noise, shrink_keys
 
 

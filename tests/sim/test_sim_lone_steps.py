@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("simpy")
 
-from pushkv.fit.measure import MeasurementError
+from pushkv.fit.cpu_profile import MeasurementError
 from pushkv.fit.measure_connector import LONE_TOLERANCE, _lone_gap, _lone_segments, lone_steps
 from pushkv.sim.profile import Profile, load_profile, profile_from_dict
 

@@ -14,7 +14,7 @@ pytest.importorskip("simpy")
 
 from sim_helpers import config
 
-from pushkv.fit.measure import (
+from pushkv.fit.cpu_profile import (
     Measured,
     MeasurementError,
     fit_line,

@@ -16,7 +16,7 @@ pytest.importorskip("simpy")
 
 from sim_helpers import bench_sim_vs_real, config
 
-from pushkv.fit.measure import MeasurementError
+from pushkv.fit.cpu_profile import MeasurementError
 from pushkv.fit.measure_connector import client_first, client_hop, pull_keys
 from pushkv.sim.profile import DEFAULT, ProfileError, load_profile, profile_from_dict
 from pushkv.sim.runner import run

@@ -18,7 +18,7 @@ pytest.importorskip("simpy")
 import simpy
 from sim_helpers import config, write_timeline
 
-from pushkv.fit.measure import MeasurementError
+from pushkv.fit.cpu_profile import MeasurementError
 from pushkv.fit.measure import main as measure_main
 from pushkv.fit.measure_connector import SPREAD_KEYS, connector_keys, host_spread
 from pushkv.sim.frontend import Frontend

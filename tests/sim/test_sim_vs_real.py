@@ -271,7 +271,7 @@ def test_a_point_whose_cores_ran_slower_than_its_gauges_is_simulated_slower(
 
 
 def test_points_without_gauges_are_refused_in_a_line(tmp_path: Path) -> None:
-    from pushkv.fit.measure import MeasurementError
+    from pushkv.fit.cpu_profile import MeasurementError
 
     bench = bench_sim_vs_real()
     probe = json.loads((DATA / bench.SHARES).read_text())

@@ -18,7 +18,7 @@ pytest.importorskip("simpy")
 import simpy
 from sim_helpers import bench_sim_vs_real, config
 
-from pushkv.fit.measure import MeasurementError
+from pushkv.fit.cpu_profile import MeasurementError
 from pushkv.fit.measure_connector import wake_beside
 from pushkv.fit.segments import wakes_by_flight
 from pushkv.sim.frontend import Frontend
