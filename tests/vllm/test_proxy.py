@@ -57,6 +57,7 @@ class FakeVllm:
     healthy: bool = True  #: False: /health answers 503
     hang: bool = False  #: True: /health and every leg wait forever (a stopped process)
     fail_legs: int = 0  #: the first this many legs are answered 500
+    drop_legs: int = 0  #: the first this many legs are read, then their connection closed
     policy: str = "fail"
     probes: int = 0
 
@@ -95,6 +96,10 @@ class FakeVllm:
             leg.cancelled = True
             raise
         leg.answered = time.monotonic()
+        if len(self.legs) <= self.drop_legs:  # accepted, then dropped (a crash)
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
         if len(self.legs) <= self.fail_legs:
             return web.json_response({"error": {"message": "Internal server error",
                                                 "type": "InternalServerError", "code": 500}},

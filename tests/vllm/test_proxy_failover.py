@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestServer
 
 from pushkv.vllm.params import parse_params
@@ -230,3 +231,65 @@ def test_a_generating_probe_catches_an_engine_stuck_behind_a_healthy_server():
     run([stuck, good], [d], scenario, health=HealthSettings(
         interval_s=0.05, timeout_s=0.5, unhealthy_after=2, backoff_max_s=0.2,
         generate_timeout_s=0.5))
+
+
+# ------------------------------------------- health is the probes' business
+
+#: Probes too slow to put an instance back within a test: a state seen is the
+#: request path's doing.
+SLOW_PROBES = HealthSettings(interval_s=30, timeout_s=5, unhealthy_after=2, backoff_max_s=30)
+
+
+def _record_downs(proxy: PushProxy) -> list[str]:
+    downs: list[str] = []
+    proxy.pool.listeners.append(lambda inst, up: None if up else downs.append(inst.role))
+    return downs
+
+
+@pytest.mark.parametrize(("role", "status"), [
+    ("prefill", 500), ("prefill", 503), ("decode", 500), ("decode", 503)])
+def test_an_engine_error_answer_leaves_its_instance_in_rotation(role, status):
+    p = FakeVllm("prefill", status=status if role == "prefill" else 200)
+    d = FakeVllm("decode", status=status if role == "decode" else 200,
+                 delay_s=0.5 if role == "prefill" else 0.0)
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        downs = _record_downs(proxy)
+        for _ in range(2):
+            got, _ = await post(s, url)
+            assert got >= 500
+        assert downs == [] and all(i.up for i in proxy.pool.all)
+        assert await counter(s, url, "pushkv_proxy_instance_up") == 2
+
+    run([p], [d], scenario, health=SLOW_PROBES)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_an_engine_dropping_one_request_leaves_its_instance_in_rotation(role):
+    p = FakeVllm("prefill", drop_legs=1 if role == "prefill" else 0)
+    d = FakeVllm("decode", drop_legs=1 if role == "decode" else 0,
+                 delay_s=0.5 if role == "prefill" else 0.0)
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        downs = _record_downs(proxy)
+        await post(s, url)
+        assert downs == [] and all(i.up for i in proxy.pool.all)
+        assert (await post(s, url))[0] == 200  # the instance serves the next request
+        assert p.legs and d.legs
+
+    run([p], [d], scenario, health=SLOW_PROBES)
+
+
+def test_probes_and_refused_connections_still_take_instances_out():
+    p, d = FakeVllm("prefill"), FakeVllm("decode", healthy=False)
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        await until(lambda: not proxy.decode[0].up)  # probes answered 503
+        proxy.prefill[0].url = "http://127.0.0.1:9"  # nothing listens: refused
+        d.healthy = True
+        await until(lambda: proxy.decode[0].up)
+        downs = _record_downs(proxy)
+        await post(s, url)
+        assert downs == ["prefill"] and not proxy.prefill[0].up
+
+    run([p], [d], scenario)

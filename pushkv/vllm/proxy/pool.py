@@ -7,7 +7,11 @@ when
   timed out, or answered with anything but 200; with ``generate_timeout_s``,
   also a one-token completion not answered in time: an engine loop that is
   stuck while its HTTP server still answers), or
-* a leg sent to it is refused, times out, breaks off, or is answered 503.
+* a connection to it is refused or times out (a leg, a discovery).
+
+What happens to one request (an error answer, a connection the instance
+accepted and then dropped) never takes an instance out: its health is the
+probes' business.
 
 A down instance is probed again after a back-off that doubles from
 ``health_interval_s`` up to ``backoff_max_s``; the first probe that succeeds

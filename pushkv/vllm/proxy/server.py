@@ -10,9 +10,11 @@ and streams the answer back to the client. Neither leg waits for the other.
   (:mod:`.input`): malformed bodies, a wrong model, absurd lengths and
   client-supplied ``kv_transfer_params`` get an OpenAI-style 4xx. Transfer ids
   are made here (random, 128 bits); a client never chooses one.
-* **Health.** Every instance is probed (:mod:`.pool`); one that refuses, times
-  out or fails leaves rotation and is probed again with back-off. Instances
-  are chosen by least outstanding work.
+* **Health.** Every instance is probed (:mod:`.pool`); one whose probes fail,
+  or that refuses a connection or times out, leaves rotation and is probed
+  again with back-off. What happens to one request (an error answer, a
+  request dropped after the instance accepted it) never takes an instance out.
+  Instances are chosen by least outstanding work.
 * **Failover.** A leg that fails in a way another instance might not (refused,
   broken, 5xx, its instance went out of rotation) before any output reached
   the client is sent again, once, as a **new transfer** on other instances
@@ -40,7 +42,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -131,13 +133,19 @@ class _Request:
     transfer_id: str = ""  #: the current attempt's (timeline marks)
 
 
+#: Turns an exception of a connection to an instance into the leg's error.
+_Failed = Callable[[Instance, BaseException], "LegError"]
+
+
 class _Watch:
     """What can end an attempt early: its prefill leg failing, or either of its
     instances going out of rotation (probes failed: it died or hangs)."""
 
-    def __init__(self, pool: Pool, decode: Instance, p_task: asyncio.Task[None] | None = None,
+    def __init__(self, pool: Pool, failed: _Failed, decode: Instance,
+                 p_task: asyncio.Task[None] | None = None,
                  prefill: Instance | None = None) -> None:
         self.pool = pool
+        self.failed = failed
         self.decode, self.d_down = decode, decode.down
         self.p_task, self.prefill = p_task, prefill
         self.p_down = prefill.down if prefill is not None else None
@@ -167,9 +175,7 @@ class _Watch:
             try:
                 return await task
             except (aiohttp.ClientError, TimeoutError) as exc:
-                self.pool.mark_down(self.decode, f"broke off: {exc!r}")
-                raise LegError("decode", 502, f"{self.decode.url} broke off: {exc!r}",
-                               retryable=True) from None
+                raise self.failed(self.decode, exc) from None
         finally:
             for w in watchers:
                 w.cancel()
@@ -279,9 +285,7 @@ class PushProxy:
             ) as resp:
                 return resp.status, await read_json(resp)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self.pool.mark_down(inst, f"unreachable: {exc!r}")
-            raise LegError(inst.role, 502, f"{inst.url} unreachable: {exc!r}",
-                           retryable=True) from None
+            raise self._failed(inst, exc) from None
 
     async def _post_json(self, inst: Instance, path: str, body: dict[str, Any],
                          headers: dict[str, str]) -> tuple[int, Any]:
@@ -292,18 +296,35 @@ class PushProxy:
             ) as resp:
                 return resp.status, await read_json(resp)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self.pool.mark_down(inst, f"failed: {exc!r}")
-            raise LegError(inst.role, 502, f"{inst.url} failed: {exc!r}",
-                           retryable=True) from None
+            raise self._failed(inst, exc) from None
+
+    def _failed(self, inst: Instance, exc: BaseException) -> LegError:
+        """The error of a request whose connection to ``inst`` failed.
+
+        An instance that cannot be reached (refused, no route, the connection or
+        the answer timed out) leaves rotation, as a failed probe would take it out;
+        one that accepted the request and then dropped it stays in: one request's
+        fate says nothing of the instance's health, which the probes judge."""
+        what = describe(exc)
+        if unreachable(exc):
+            self.pool.mark_down(inst, what)
+            return LegError(inst.role, 502, f"{inst.role} instance {inst.url} could not be "
+                            f"reached: {what}", retryable=True)
+        if isinstance(exc, TimeoutError):
+            self.pool.mark_down(inst, what)
+            return LegError(inst.role, 502, f"{inst.role} instance {inst.url} did not answer "
+                            f"in time: {what}", retryable=True)
+        return LegError(inst.role, 502, f"{inst.role} instance {inst.url} dropped the "
+                        f"request: {what}", retryable=True)
 
     def _leg_error(self, inst: Instance, status: int, answer: Any) -> LegError:
         """The error of a leg answered with ``status`` (not 200)."""
         if 400 <= status < 500:
             self.metrics.legs.labels(inst.role, "refused").inc()
             return LegError(inst.role, status, answer)
+        # One request's error says nothing of the instance's health (the probes do):
+        # it stays in rotation.
         self.metrics.legs.labels(inst.role, "failed").inc()
-        if status == 503:
-            self.pool.mark_down(inst, "answered 503")
         return LegError(inst.role, 502 if inst.role == "prefill" else status, answer,
                         retryable=True)
 
@@ -512,7 +533,8 @@ class PushProxy:
         logger.info("serving a request on decode instance %s alone: %s", decode.url, why)
         with self._busy(decode, req.checked.prompt_tokens + req.checked.max_tokens):
             return await self._relay(req, decode, dict(req.checked.body),
-                                     self._headers(req, None), _Watch(self.pool, decode))
+                                     self._headers(req, None),
+                                     _Watch(self.pool, self._failed, decode))
 
     def _headers(self, req: _Request, transfer_id: str | None) -> dict[str, str]:
         headers = {k: req.request.headers[k] for k in _FORWARDED if k in req.request.headers}
@@ -551,8 +573,9 @@ class PushProxy:
             timeline.mark(transfer_id, "legs_sent")
             p_task = asyncio.create_task(self._prefill_leg(prefill, req.path, p_body, headers))
             try:
-                return await self._relay(req, decode, d_body, headers,
-                                         _Watch(self.pool, decode, p_task, prefill))
+                return await self._relay(
+                    req, decode, d_body, headers,
+                    _Watch(self.pool, self._failed, decode, p_task, prefill))
             finally:
                 if not p_task.done():
                     p_task.cancel()
@@ -596,9 +619,7 @@ class PushProxy:
                 timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s))
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.metrics.legs.labels("decode", "failed").inc()
-            self.pool.mark_down(inst, f"failed: {exc!r}")
-            raise LegError("decode", 502, f"{inst.url} failed: {exc!r}", retryable=True) \
-                from None
+            raise self._failed(inst, exc) from None
         if resp.status != 200:
             answer = await read_json(resp)
             resp.close()
@@ -674,3 +695,16 @@ def _prefill_body(body: dict[str, Any], path: str, params: dict[str, Any]) -> di
     for key in ("stream_options", "min_tokens"):
         out.pop(key, None)
     return out
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether a connection error happened before an instance could accept the request:
+    no connection was made (refused, no route, unknown name) or making it timed out."""
+    return isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as one short line: its class and message, never a nested repr."""
+    text = " ".join(str(exc).split())
+    name = type(exc).__name__
+    return f"{name}: {text:.200}" if text else name
