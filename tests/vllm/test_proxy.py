@@ -246,7 +246,7 @@ def test_decode_stream_failing_before_its_first_token_is_an_http_error():
     async def scenario(url: str, p: FakeVllm, d: FakeVllm) -> None:
         status, body, headers = await post(url, dict(REQUEST, stream=True))
         assert status == 500 and headers["X-PushKV-Leg"] == "decode"
-        assert body["error"]["message"] == "Internal server error"
+        assert "Internal server error" in body["error"]["message"]
 
     run(FakeVllm("prefill"), FakeVllm("decode", stream_error=True), scenario)
 
@@ -256,7 +256,7 @@ def test_a_stream_error_event_with_an_odd_code_is_still_a_clear_http_error():
     async def scenario(url: str, p: FakeVllm, d: FakeVllm) -> None:
         status, body, headers = await post(url, dict(REQUEST, stream=True))
         assert status == 500 and headers["X-PushKV-Leg"] == "decode"
-        assert body["error"]["message"] == "Internal server error"
+        assert "Internal server error" in body["error"]["message"]
 
     run(FakeVllm("prefill"),
         FakeVllm("decode", stream_error=True, stream_error_code="overloaded"), scenario)

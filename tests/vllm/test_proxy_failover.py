@@ -22,6 +22,9 @@ from pushkv.vllm.testing import metric
 from .test_proxy import REQUEST, FakeVllm
 
 FAST = HealthSettings(interval_s=0.05, timeout_s=0.2, unhealthy_after=2, backoff_max_s=0.4)
+#: Probes too slow to change an instance's state within a test: a state seen is the
+#: request path's doing.
+SLOW_PROBES = HealthSettings(interval_s=30, timeout_s=5, unhealthy_after=2, backoff_max_s=30)
 
 
 async def until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
@@ -70,24 +73,29 @@ def transfer(leg: Any) -> str:
     return str(parsed.transfer_id)  # type: ignore[union-attr]
 
 
-def test_a_failed_prefill_is_retried_once_on_another_producer_as_a_new_transfer():
-    bad, good = FakeVllm("prefill", fail_legs=1, delay_s=0.05), FakeVllm("prefill")
+def test_a_refused_prefill_is_retried_once_on_another_producer_as_a_new_transfer():
+    # Refused: no engine accepted the request, so another may serve it (an engine
+    # that failed on it does not get it again: test_a_request_that_made_an_engine_...).
+    bad, good = FakeVllm("prefill"), FakeVllm("prefill")
     d = FakeVllm("decode", delay_s=1.0)
 
     async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
         # Make the failing producer the first choice: the other one looks busy.
         proxy.prefill[1].work = 10**6
+        proxy.prefill[0].url = "http://127.0.0.1:9"  # nothing listens: refused
         status, body = await post(s, url)
         proxy.prefill[1].work = 0
         assert status == 200 and body["choices"][0]["token_ids"] == [5, 6, 7]
         assert await counter(s, url, "pushkv_proxy_retries_total") == 1
         assert await counter(s, url, "pushkv_proxy_failovers_total", role="prefill") == 1
         assert await counter(s, url, "pushkv_proxy_requests_total", outcome="ok") == 1
+        assert not proxy.prefill[0].up
 
-    run([bad, good], [d], scenario)
-    (first,), (second,) = bad.legs, good.legs
-    assert len(d.legs) == 2 and d.legs[0].cancelled  # the first decode leg followed
-    assert transfer(first) == transfer(d.legs[0]) != transfer(second) == transfer(d.legs[1])
+    run([bad, good], [d], scenario, health=SLOW_PROBES)
+    (second,) = good.legs
+    assert bad.legs == [] and 1 <= len(d.legs) <= 2  # the first decode leg was cancelled
+    assert transfer(second) == transfer(d.legs[-1])  # a new transfer
+    assert len({transfer(leg) for leg in d.legs}) == len(d.legs)
 
 
 def test_a_hung_producer_leaves_rotation_and_its_requests_fail_over():
@@ -149,15 +157,20 @@ def test_no_producer_left_the_decode_policy_decides():
 
 
 def test_the_retry_budget_is_one_then_the_error_is_clear():
-    p1, p2 = FakeVllm("prefill", fail_legs=5), FakeVllm("prefill", fail_legs=5)
+    p1, p2, p3 = FakeVllm("prefill"), FakeVllm("prefill"), FakeVllm("prefill")
     d = FakeVllm("decode", delay_s=1.0)
 
     async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        for inst in proxy.prefill[:2]:
+            inst.url = "http://127.0.0.1:9"  # nothing listens: refused
+        proxy.prefill[2].work = 10**6  # the last choice: never reached
         status, body = await post(s, url)
-        assert status == 502 and body["error"]["message"]
+        assert status == 502 and "http://127.0.0.1:9" in body["error"]["message"]
+        assert [i.up for i in proxy.prefill] == [False, False, True]
+        assert await counter(s, url, "pushkv_proxy_retries_total") == 1
 
-    run([p1, p2], [d], scenario)
-    assert len(p1.legs) + len(p2.legs) == 2
+    run([p1, p2, p3], [d], scenario, health=SLOW_PROBES)
+    assert p1.legs == p2.legs == p3.legs == []
 
 
 def test_least_outstanding_work_wins():
@@ -235,11 +248,6 @@ def test_a_generating_probe_catches_an_engine_stuck_behind_a_healthy_server():
 
 # ------------------------------------------- health is the probes' business
 
-#: Probes too slow to put an instance back within a test: a state seen is the
-#: request path's doing.
-SLOW_PROBES = HealthSettings(interval_s=30, timeout_s=5, unhealthy_after=2, backoff_max_s=30)
-
-
 def _record_downs(proxy: PushProxy) -> list[str]:
     downs: list[str] = []
     proxy.pool.listeners.append(lambda inst, up: None if up else downs.append(inst.role))
@@ -293,3 +301,36 @@ def test_probes_and_refused_connections_still_take_instances_out():
         assert downs == ["prefill"] and not proxy.prefill[0].up
 
     run([p], [d], scenario)
+
+
+# ---------------------------------------------------------- poison requests
+
+@pytest.mark.parametrize(("role", "how"), [
+    ("prefill", "answer"), ("prefill", "drop"), ("decode", "answer"), ("decode", "drop"),
+    ("decode", "stream")])
+def test_a_request_that_made_an_engine_fail_is_not_sent_to_another(role, how):
+    """5xx, or accepted and dropped: the next instance could fail the same way."""
+    fail = {"answer": {"fail_legs": 9}, "drop": {"drop_legs": 9},
+            "stream": {"stream_error": True}}[how]
+    bad, good = FakeVllm(role, **fail), FakeVllm(role)
+    other = FakeVllm("decode" if role == "prefill" else "prefill",
+                     delay_s=0.5 if role == "prefill" else 0.0)
+    pools = ([bad, good], [other]) if role == "prefill" else ([other], [bad, good])
+    said = {"answer": "Internal server error", "drop": "dropped the request",
+            "stream": "Internal server error"}[how]
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        proxy.pool.of(role)[1].work = 10**6  # the failing instance is the first choice
+        bad_url = proxy.pool.of(role)[0].url
+        async with s.post(url + "/v1/completions",
+                          json=dict(REQUEST, stream=how == "stream")) as r:
+            status, body, leg = r.status, await r.json(), r.headers["X-PushKV-Leg"]
+        assert status >= 500 and leg == role
+        message = body["error"]["message"]
+        assert bad_url in message and said in message and "not sent to another" in message
+        assert body["error"]["code"] == status
+        assert await counter(s, url, "pushkv_proxy_retries_total") == 0
+        assert all(i.up for i in proxy.pool.all)
+
+    run(*pools, scenario, health=SLOW_PROBES)
+    assert len(bad.legs) == 1 and good.legs == []

@@ -15,10 +15,13 @@ and streams the answer back to the client. Neither leg waits for the other.
   again with back-off. What happens to one request (an error answer, a
   request dropped after the instance accepted it) never takes an instance out.
   Instances are chosen by least outstanding work.
-* **Failover.** A leg that fails in a way another instance might not (refused,
-  broken, 5xx, its instance went out of rotation) before any output reached
-  the client is sent again, once, as a **new transfer** on other instances
-  (the other leg is cancelled and follows). When no producer is left, the
+* **Failover.** A leg that no engine accepted (its instance could not be
+  reached, or went out of rotation while the leg waited) before any output
+  reached the client is sent again, once, as a **new transfer** on other
+  instances (the other leg is cancelled and follows). A request an engine
+  failed on (a 5xx, or accepted then dropped) is never sent to another: it
+  may be a poison request that would make the next engine fail too; the
+  client is told which instance failed and what it said. When no producer is left, the
   decode instance's ``kv_load_failure_policy`` decides: ``recompute`` serves
   the request on the decode instance alone; ``fail`` answers 503/502.
 * **Bound.** A client gets its answer or a clear error within
@@ -76,6 +79,9 @@ T = TypeVar("T")
 KEY_ENV: str = NixlConfig.key_env
 #: Draws incarnations; seeded from the OS, never from time.
 _RNG = random.Random(os.urandom(16))
+#: How long an idle connection to an instance is kept: below vLLM's own keep-alive
+#: (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default).
+_KEEPALIVE_S = 3.0
 #: Request headers passed on to both legs.
 _FORWARDED = ("Authorization", "X-Request-Priority")
 
@@ -102,22 +108,38 @@ class ProxySettings:
 class LegError(Exception):
     """One leg failed; carries the HTTP answer to give the client.
 
-    ``retryable``: another instance might succeed (refused, broken, 5xx, went
-    out of rotation), as opposed to a request the engine refused (4xx).
+    ``body``: an OpenAI-style error object to return as it is, or a message.
+    ``retryable``: the request never reached an engine that accepted it (the
+    instance could not be reached, or left rotation while the leg waited), so
+    another instance may serve it. A request an engine refused (4xx) or failed
+    on (5xx, or accepted and dropped) is not: see :meth:`PushProxy._poisoned`.
     """
 
-    def __init__(self, leg: str, status: int, body: Any, *, retryable: bool = False) -> None:
+    def __init__(self, leg: str, status: int, body: Any, *, retryable: bool = False,
+                 instance: str = "") -> None:
         super().__init__(f"{leg} leg failed with HTTP {status}")
         self.leg = leg
         self.status = status
         self.body = body
         self.retryable = retryable
+        self.instance = instance  #: the instance's URL, when one is to blame
+
+    @property
+    def message(self) -> str:
+        """What went wrong, in one line."""
+        body = self.body
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            body = body["error"].get("message", body)
+        return " ".join(str(body).split())
 
     def response(self) -> web.Response:
         body = self.body
         if not isinstance(body, dict) or "error" not in body:
-            body = _error_body(f"{self.leg} instance failed: {body}", self.status)
-        return web.json_response(body, status=self.status, headers={"X-PushKV-Leg": self.leg})
+            body = _error_body(self.message, self.status)
+        headers = {"X-PushKV-Leg": self.leg}
+        if self.instance:
+            headers["X-PushKV-Instance"] = self.instance
+        return web.json_response(body, status=self.status, headers=headers)
 
 
 @dataclass(eq=False)
@@ -170,8 +192,8 @@ class _Watch:
             if not task.done():
                 inst = self.decode if self.d_down.is_set() or self.prefill is None \
                     else self.prefill
-                raise LegError(inst.role, 502, f"{inst.url} went out of rotation",
-                               retryable=True)
+                raise LegError(inst.role, 502, f"{inst.role} instance {inst.url} went out "
+                               "of rotation", retryable=True)
             try:
                 return await task
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -231,8 +253,12 @@ class PushProxy:
     async def _start(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None,
                                         sock_connect=self.settings.connect_timeout_s)
+        # Idle connections are dropped before vLLM closes them (its keep-alive: 5 s), so
+        # a leg is never sent on a connection the instance is closing: that would look
+        # like a request the engine dropped, which is not retried.
         self._session = aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=False))
+            timeout=timeout, connector=aiohttp.TCPConnector(
+                limit=0, force_close=False, keepalive_timeout=_KEEPALIVE_S))
         self._watcher = asyncio.create_task(self.pool.watch(self._probe))
 
         async def learn(inst: Instance) -> None:
@@ -314,8 +340,7 @@ class PushProxy:
             self.pool.mark_down(inst, what)
             return LegError(inst.role, 502, f"{inst.role} instance {inst.url} did not answer "
                             f"in time: {what}", retryable=True)
-        return LegError(inst.role, 502, f"{inst.role} instance {inst.url} dropped the "
-                        f"request: {what}", retryable=True)
+        return self._poisoned(inst, 502, f"dropped the request after accepting it ({what})")
 
     def _leg_error(self, inst: Instance, status: int, answer: Any) -> LegError:
         """The error of a leg answered with ``status`` (not 200)."""
@@ -325,8 +350,19 @@ class PushProxy:
         # One request's error says nothing of the instance's health (the probes do):
         # it stays in rotation.
         self.metrics.legs.labels(inst.role, "failed").inc()
-        return LegError(inst.role, 502 if inst.role == "prefill" else status, answer,
-                        retryable=True)
+        said = LegError(inst.role, status, answer).message
+        return self._poisoned(inst, 502 if inst.role == "prefill" else status,
+                              f"answered HTTP {status}: {said:.300}")
+
+    def _poisoned(self, inst: Instance, status: int, what: str) -> LegError:
+        """An engine failed on a request it had accepted (a 5xx, or dropped it): the
+        client is told which instance and what it said, and the request is not sent
+        to another instance, which it might make fail too (a poison request: a token
+        id that crashes the model, an input that trips a bug)."""
+        return LegError(inst.role, status, f"{inst.role} instance {inst.url} failed this "
+                        f"request: {what}; it was not sent to another instance, as a request "
+                        "that makes an engine fail may make the next one fail too",
+                        instance=inst.url)
 
     async def _discover(self, inst: Instance) -> dict[str, Any]:
         """The instance's answer to a discovery request (its connector's parameters)."""
@@ -459,9 +495,9 @@ class PushProxy:
             outcome = "client_error" if 400 <= exc.status < 500 else (
                 "unavailable" if exc.status == 503 else "upstream_error")
             self.metrics.requests.labels(outcome).inc()
-            logger.warning("%s: %.300s", exc, exc.body)
+            logger.warning("request failed: %.500s", exc.message)
             if req.out is not None:  # the answer began: end it with an error event
-                await write_sse_error(req.out, f"{exc}: {exc.body!s:.300}", exc.status)
+                await write_sse_error(req.out, f"{exc.message:.500}", exc.status)
                 return req.out
             return exc.response()
         except ConnectionError:  # the client left while its answer was written
@@ -664,7 +700,7 @@ class PushProxy:
             raise gone.__cause__ from None  # type: ignore[misc]
         except LegError as exc:
             self.metrics.legs.labels("decode", "failed").inc()
-            await write_sse_error(out, f"decode stream broke: {exc.body}", 502)
+            await write_sse_error(out, f"decode stream broke: {exc.message:.500}", 502)
             return out
         self.metrics.legs.labels("decode", "ok").inc()
         timeline.mark(req.transfer_id, "last_token", last)
