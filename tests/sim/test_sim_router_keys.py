@@ -14,10 +14,11 @@ import pytest
 
 pytest.importorskip("simpy")
 
-from sim_helpers import bench_sim_vs_real, config
+from sim_helpers import config
 
 from pushkv.fit.cpu_profile import MeasurementError
 from pushkv.fit.measure_connector import client_first, client_hop, pull_keys
+from pushkv.fit.sim_vs_real.keys import real_keys
 from pushkv.sim.profile import DEFAULT, ProfileError, load_profile, profile_from_dict
 from pushkv.sim.runner import run
 
@@ -252,7 +253,6 @@ def test_pull_keys_take_the_hops_and_decode_ingest_off_the_answers_way() -> None
 def test_the_benchmark_measures_both_from_its_real_half(tmp_path: Path) -> None:
     """``--real-keys``: the client's latencies against the router's marks, the pull
     servers' marks, each point in its window."""
-    bench = bench_sim_vs_real()
     real = tmp_path / "real"
     shares: dict[str, object] = {}
     for mode, (router_dir, servers) in {"push": ("push", "pushkv"),
@@ -274,7 +274,7 @@ def test_the_benchmark_measures_both_from_its_real_half(tmp_path: Path) -> None:
         (real / fname).write_text(json.dumps({"latencies": [0.0217] * 3}))
         shares[fname] = {"prefill": {"cpu_share": 1.0}, "decode": {"cpu_share": 1.0},
                          "window": [t0, t0 + 10]}
-    keys = bench.real_keys(real, shares, TINY_PATH)
+    keys = real_keys(real, shares, TINY_PATH)
     assert keys["network"]["client_hop_s"] == pytest.approx(0.0017)
     less = 2 * TINY.network.router_hop_s + TINY.decode.ingest_s
     assert keys["prefill"]["return_s"] == pytest.approx(max(0.0, 0.011 - less))

@@ -1,19 +1,24 @@
 """The segment-by-segment comparison of a real and a simulated timeline, on small
-synthetic directories, and bench_sim_vs_real's use of it."""
+synthetic directories, and the sim-vs-real tables' use of it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("simpy")
 
-from sim_helpers import bench_sim_vs_real
-
 from pushkv.fit import segments
+from pushkv.fit.sim_vs_real.runs import PROFILE, real_points
+from pushkv.fit.sim_vs_real.simulate import run_sim
+from pushkv.fit.sim_vs_real.tables import (
+    neighbour_tables,
+    overlap_tables,
+    place_tables,
+    segment_tables,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data" / "sim_vs_real" / "real"
@@ -41,17 +46,16 @@ def _real(tmp: Path) -> tuple[Path, Path]:
     return router, server
 
 
-def _simulated_push_point(tmp_path: Path) -> tuple[Any, str, str, int]:
-    """bench_sim_vs_real, the committed push point's name, its simulated timeline (the
-    file's text, under ``tmp_path / "tl"``) and its number of prompts."""
-    bench = bench_sim_vs_real()
-    points, output_len, num_prompts = bench.real_points(DATA)
+def _simulated_push_point(tmp_path: Path) -> tuple[str, str, int]:
+    """The committed push point's name, its simulated timeline (the file's text, under
+    ``tmp_path / "tl"``) and its number of prompts."""
+    points, output_len, num_prompts = real_points(DATA)
     push = [p for p in points if p[0] == "push"]
-    bench.run_sim(bench.PROFILE, tmp_path / "sim", push, output_len, num_prompts,
-                  timelines=tmp_path / "tl")
+    run_sim(PROFILE, tmp_path / "sim", push, output_len, num_prompts,
+            timelines=tmp_path / "tl")
     fname = "push_qps2_in64_out24_iter0.json"
     lines = (tmp_path / "tl" / Path(fname).stem / "timeline-sim.jsonl").read_text()
-    return bench, fname, lines, num_prompts
+    return fname, lines, num_prompts
 
 
 def test_real_requests_are_those_of_the_first_directory(tmp_path: Path) -> None:
@@ -107,7 +111,7 @@ def test_bench_compares_each_points_timelines(tmp_path: Path) -> None:
     """The simulated timeline of the committed push point stands in for a real one (its
     router's marks in the mode's directory, the rest in the deployment's): every
     segment's ratio is 1."""
-    bench, fname, lines, _ = _simulated_push_point(tmp_path)
+    fname, lines, _ = _simulated_push_point(tmp_path)
     lines = lines.splitlines()
     real = tmp_path / "real"
     for sub, keep in (("push", True), ("pushkv", False)):
@@ -117,12 +121,12 @@ def test_bench_compares_each_points_timelines(tmp_path: Path) -> None:
             line + "\n" for line in lines
             if (json.loads(line)["p"] == "sim-router") == keep))
     shares = {fname: {"window": [0.0, 1e9]}, "pull_qps2_in64_out24_iter0.json": {}}
-    text, got = bench.segment_tables(real, tmp_path / "tl", shares)
+    text, got = segment_tables(real, tmp_path / "tl", shares)
     assert "push_qps2_in64_out24_iter0:" in text
     assert got["push_qps2_in64_out24_iter0"]["write posted -> notification"][1] > 0
     for real_ms, sim_ms in got["push_qps2_in64_out24_iter0"].values():
         assert real_ms == sim_ms
-    assert bench.segment_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
+    assert segment_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
 
 
 def test_alone_keeps_the_requests_nothing_overlapped() -> None:
@@ -279,49 +283,49 @@ def test_the_cli_by_neighbour(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert json.loads(capsys.readouterr().out)["alone"]["sim_n"] == 3
 
 
-def _point_as_its_own_real_half(tmp_path: Path) -> tuple[Any, str, Path, int]:
+def _point_as_its_own_real_half(tmp_path: Path) -> tuple[str, Path, int]:
     """The simulated push point, its timeline also written as a real run's router's and
-    pair's (``tmp_path/real``): the benchmark, the point's file name, the real
-    directory and the point's request count."""
-    bench, fname, lines, num_prompts = _simulated_push_point(tmp_path)
+    pair's (``tmp_path/real``): the point's file name, the real directory and the
+    point's request count."""
+    fname, lines, num_prompts = _simulated_push_point(tmp_path)
     real = tmp_path / "real"
     for sub in ("push", "pushkv"):
         (real / "timeline" / sub).mkdir(parents=True)
         (real / "timeline" / sub / "timeline-1.jsonl").write_text(lines)
-    return bench, fname, real, num_prompts
+    return fname, real, num_prompts
 
 
 def test_bench_pools_overlap_groups_per_mode_and_rate(tmp_path: Path) -> None:
     """The simulated timeline of the committed push point as its own real half: every
     group agrees, and the text names the point's mode and rate."""
-    bench, fname, real, num_prompts = _point_as_its_own_real_half(tmp_path)
-    text, got = bench.overlap_tables(real, tmp_path / "tl", {fname: {"window": [0.0, 1e9]}})
+    fname, real, num_prompts = _point_as_its_own_real_half(tmp_path)
+    text, got = overlap_tables(real, tmp_path / "tl", {fname: {"window": [0.0, 1e9]}})
     assert text.startswith("push_qps2:")
     rows = got["push_qps2"]
     assert sum(r["real_n"] for r in rows) == num_prompts
     assert all(r["real_n"] == r["sim_n"] and r["ratio_median"] == 1.0 for r in rows)
-    assert bench.overlap_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
+    assert overlap_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
 
 
 def test_bench_pools_place_groups_per_mode_and_rate(tmp_path: Path) -> None:
     """The same point as its own real half, by place: three groups (1st, 2nd, 3rd on)
     holding every request, each agreeing."""
-    bench, fname, real, num_prompts = _point_as_its_own_real_half(tmp_path)
-    text, got = bench.place_tables(real, tmp_path / "tl", {fname: {"window": [0.0, 1e9]}})
+    fname, real, num_prompts = _point_as_its_own_real_half(tmp_path)
+    text, got = place_tables(real, tmp_path / "tl", {fname: {"window": [0.0, 1e9]}})
     assert text.startswith("push_qps2:") and "| place |" in text and "| 3+ |" in text
     rows = got["push_qps2"]
     assert [r["group"] for r in rows] == [1, 2, 3]
     assert [r["real_n"] for r in rows] == [1, 1, num_prompts - 2]
     assert all(r["real_n"] == r["sim_n"] and r["ratio_mean"] == 1.0 for r in rows)
-    assert bench.place_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
+    assert place_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
 
 
 def test_bench_pools_neighbour_groups_per_mode_and_rate(tmp_path: Path) -> None:
     """The same point as its own real half, by what each request met: every request in
     one group, the groups agreeing segment by segment, ids of different points kept
     apart."""
-    bench, fname, real, num_prompts = _point_as_its_own_real_half(tmp_path)
-    text, got = bench.neighbour_tables(real, tmp_path / "tl", {fname: {"window": [0.0, 1e9]}})
+    fname, real, num_prompts = _point_as_its_own_real_half(tmp_path)
+    text, got = neighbour_tables(real, tmp_path / "tl", {fname: {"window": [0.0, 1e9]}})
     assert text.startswith("push_qps2:") and "| segment |" in text
     groups = got["push_qps2"]
     assert set(groups) <= set(segments.NEIGHBOURS)
@@ -329,4 +333,4 @@ def test_bench_pools_neighbour_groups_per_mode_and_rate(tmp_path: Path) -> None:
     for g in groups.values():
         assert g["real_n"] == g["sim_n"]
         assert all(row["ratio_median"] in (1.0, None) for row in g["segments"].values())
-    assert bench.neighbour_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})
+    assert neighbour_tables(real, tmp_path / "tl", {fname: {}}) == ("", {})

@@ -1,4 +1,5 @@
-"""bench_sim_vs_real's simulator half on a committed sample of real results.
+"""The sim-vs-real library's simulated half (:mod:`pushkv.fit.sim_vs_real`) on a committed
+sample of real results.
 
 ``data/sim_vs_real/real`` holds two ``vllm bench serve`` result files of one real run
 (pushkv push and vLLM pull, 24 prompts, 2 QPS, 64 tokens in, 24 out) and what the
@@ -15,26 +16,40 @@ import pytest
 
 pytest.importorskip("simpy")
 
-from sim_helpers import bench_sim_vs_real
+from pushkv.fit.sim_vs_real.deployment import (
+    SchedSamples,
+    active_s,
+    gc_line,
+    gc_pauses,
+    load_span,
+    part_pids,
+    parts,
+    per_request,
+    threads_line,
+)
+from pushkv.fit.sim_vs_real.keys import gauge_keys, gauge_rate, gauge_speed, noise_table
+from pushkv.fit.sim_vs_real.report import BAND, compare, interval, precision
+from pushkv.fit.sim_vs_real.runs import PROFILE, SHARES, file_name, real_points, steal_record
+from pushkv.fit.sim_vs_real.simulate import run_sim
+from pushkv.fit.sim_vs_real.tables import lone_gap
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data" / "sim_vs_real" / "real"
 
 
 def test_the_simulator_half_runs_on_real_results(tmp_path: Path) -> None:
-    bench = bench_sim_vs_real()
-    points, output_len, num_prompts = bench.real_points(DATA)
+    points, output_len, num_prompts = real_points(DATA)
     assert sorted(p[0] for p in points) == ["pull", "push"]
     assert (output_len, num_prompts) == (24, 24)
-    probe = json.loads((DATA / bench.SHARES).read_text())
+    probe = json.loads((DATA / SHARES).read_text())
     runs = {"own": {}, "probe": {"shares": probe},
             "steps": {"shares": probe, "server_steps": True}}
     summaries = {}
     for name, kw in runs.items():
         out = tmp_path / name
-        bench.run_sim(bench.PROFILE, out, points, output_len, num_prompts, **kw)
+        run_sim(PROFILE, out, points, output_len, num_prompts, **kw)
         assert len(list(out.glob("*_iter0.json"))) == 2
-        table, summaries[name] = bench.compare(DATA, out)
+        table, summaries[name] = compare(DATA, out)
         assert "| push | 64 | 2 |" in table and "| pull | 64 | 2 |" in table
         s = summaries[name]
         assert s["points"] == 2
@@ -139,12 +154,11 @@ def test_a_points_keys_are_shrunk_by_how_far_the_runs_gauges_tell_points_apart(
     0, 0.6, 0 -- noise variance 0.072 -- around a variance of 0.08, so drift 0.008 and a
     point of two gauges keeps 0.008 / (0.008 + 0.036) = 2/11 of its own deviation from
     the mean (scale 1.2); a key that is affine in the scale keeps 2/11 of its."""
-    bench = bench_sim_vs_real()
     real, shares = _gauged_run(tmp_path, iterations=3, scales=(1.0, 1.0, 1.6, 1.6, 1.0, 1.0))
-    _, output_len, _ = bench.real_points(real)
+    _, output_len, _ = real_points(real)
     noise: dict = {}
-    shrunk, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len, noise_out=noise)
-    raw, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len, shrink=False)
+    shrunk, _ = gauge_keys(real, shares, PROFILE, output_len, noise_out=noise)
+    raw, _ = gauge_keys(real, shares, PROFILE, output_len, shrink=False)
     assert set(noise) == {"push_in64", "pull_in64"}
     for mode, key in (("push", ("decode", "decode_step_overhead_s")),
                       ("pull", ("prefill", "return_s"))):
@@ -161,21 +175,20 @@ def test_a_points_keys_are_shrunk_by_how_far_the_runs_gauges_tell_points_apart(
             assert point == pytest.approx(mean + 2 / 11 * (own - mean))
     # with two gauges a mode, as every test above: nothing to estimate, nothing shrunk
     real1, shares1 = _gauged_run(tmp_path / "one")
-    one, _ = bench.gauge_keys(real1, shares1, bench.PROFILE, output_len)
-    as_measured, _ = bench.gauge_keys(real1, shares1, bench.PROFILE, output_len, shrink=False)
+    one, _ = gauge_keys(real1, shares1, PROFILE, output_len)
+    as_measured, _ = gauge_keys(real1, shares1, PROFILE, output_len, shrink=False)
     assert one == as_measured
-    table = bench.noise_table(noise)
+    table = noise_table(noise)
     assert "| push_in64 | decode.decode_step_overhead_s |" in table and "0.18 |" in table
 
 
 def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: Path) -> None:
-    """bench_sim_vs_real's gauge way: a point's steps and keys from the lone requests
+    """The gauge way: a point's steps and keys from the lone requests
     around it, the run's push-only keys and spread from the push gauges, the client's
     hop from the gauges' own latencies; the simulated points then run and compare."""
-    bench = bench_sim_vs_real()
     real, shares = _gauged_run(tmp_path)
-    points, output_len, num_prompts = bench.real_points(real)
-    per_point, run = bench.gauge_keys(real, shares, bench.PROFILE, output_len)
+    points, output_len, num_prompts = real_points(real)
+    per_point, run = gauge_keys(real, shares, PROFILE, output_len)
     push = per_point["push_qps2_in64_out24_iter0.json"]
     pull = per_point["pull_qps2_in64_out24_iter0.json"]
     assert push["decode"]["decode_step_overhead_s"] == pytest.approx(
@@ -193,15 +206,15 @@ def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: 
     assert push["control"]["host_cores"] == pull["control"]["host_cores"] == 2
     assert push["decode"]["token_work_s"] == pull["decode"]["token_work_s"] == 0.0004
     out = tmp_path / "sim-gauge"
-    bench.run_sim(bench.PROFILE, out, points, output_len, num_prompts, gauges=per_point)
-    _, summary = bench.compare(real, out)
+    run_sim(PROFILE, out, points, output_len, num_prompts, gauges=per_point)
+    _, summary = compare(real, out)
     assert summary["points"] == 2
     # a slower push pair in its gauges gives a slower simulated push point
     slow_real, slow_shares = _gauged_run(tmp_path / "slow", slow=2.0)
-    slow_points, _ = bench.gauge_keys(slow_real, slow_shares, bench.PROFILE, output_len)
+    slow_points, _ = gauge_keys(slow_real, slow_shares, PROFILE, output_len)
     slow_out = tmp_path / "sim-slow"
-    bench.run_sim(bench.PROFILE, slow_out, points, output_len, num_prompts,
-                  gauges=slow_points)
+    run_sim(PROFILE, slow_out, points, output_len, num_prompts,
+            gauges=slow_points)
     fast = json.loads((out / "push_qps2_in64_out24_iter0.json").read_text())
     slow = json.loads((slow_out / "push_qps2_in64_out24_iter0.json").read_text())
     assert slow["mean_ttft_ms"] > 1.5 * fast["mean_ttft_ms"]
@@ -215,16 +228,15 @@ def test_a_points_steps_are_its_gauges_lone_wall_times_not_counted_twice(
     its steps (decode keeping 1.9 cores busy, its tokens' way out through one frontend
     core) in that time; the gauge way's point at 2 QPS steps at that again, where the
     steps as timed, on the shared cores, count that work twice (``wall_steps``)."""
-    bench = bench_sim_vs_real()
     real, shares = _gauged_run(tmp_path)
-    points, output_len, num_prompts = bench.real_points(real)
-    per_point, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len)
+    points, output_len, num_prompts = real_points(real)
+    per_point, _ = gauge_keys(real, shares, PROFILE, output_len)
     name = "push_qps2_in64_out24_iter0.json"
     fitted, walls = tmp_path / "fitted", tmp_path / "walls"
-    bench.run_sim(bench.PROFILE, fitted, points, output_len, num_prompts, gauges=per_point,
-                  frontend_cores=1)
-    bench.run_sim(bench.PROFILE, walls, points, output_len, num_prompts, gauges=per_point,
-                  frontend_cores=1, wall_steps=True)
+    run_sim(PROFILE, fitted, points, output_len, num_prompts, gauges=per_point,
+            frontend_cores=1)
+    run_sim(PROFILE, walls, points, output_len, num_prompts, gauges=per_point,
+            frontend_cores=1, wall_steps=True)
     per_token_ms = 46.0 / 23
     got = json.loads((fitted / name).read_text())["median_tpot_ms"]
     twice = json.loads((walls / name).read_text())["median_tpot_ms"]
@@ -237,19 +249,18 @@ def test_a_point_whose_cores_ran_slower_than_its_gauges_is_simulated_slower(
     """The gauge way with ``speeds``: each side's ``cpu_speed`` is the probe's rate during
     the point over the mean of its gauges' (:func:`gauge_speed`); a point whose cores
     ran at half their gauges' speed is simulated slower, one at their speed as without."""
-    bench = bench_sim_vs_real()
-    assert bench.gauge_speed({"speed": {"prefill": 100.0, "decode": 90.0},
-                              "gauges": [{"speed": {"prefill": 200.0, "decode": 100.0}},
-                                         {"speed": {"prefill": 200.0, "decode": 80.0}}]}
-                             ) == {"prefill": 0.5, "decode": 1.0}
+    assert gauge_speed({"speed": {"prefill": 100.0, "decode": 90.0},
+                        "gauges": [{"speed": {"prefill": 200.0, "decode": 100.0}},
+                                   {"speed": {"prefill": 200.0, "decode": 80.0}}]}
+                       ) == {"prefill": 0.5, "decode": 1.0}
     # runs whose gauges were not probed, or a probe that saw nothing: no speed
-    assert bench.gauge_speed({"speed": {"prefill": 1.0, "decode": 1.0},
-                              "gauges": [{}, {}]}) == {}
-    assert bench.gauge_speed({"speed": {"prefill": 0.0, "decode": 1.0}, "gauges": [
+    assert gauge_speed({"speed": {"prefill": 1.0, "decode": 1.0},
+                        "gauges": [{}, {}]}) == {}
+    assert gauge_speed({"speed": {"prefill": 0.0, "decode": 1.0}, "gauges": [
         {"speed": {"prefill": 1.0, "decode": 1.0}}]}) == {}
     real, shares = _gauged_run(tmp_path)
-    points, output_len, num_prompts = bench.real_points(real)
-    per_point, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len)
+    points, output_len, num_prompts = real_points(real)
+    per_point, _ = gauge_keys(real, shares, PROFILE, output_len)
     name = "push_qps2_in64_out24_iter0.json"
 
     def simulated(speed: float, out: Path) -> dict[str, float]:
@@ -257,12 +268,12 @@ def test_a_point_whose_cores_ran_slower_than_its_gauges_is_simulated_slower(
         probed[name]["speed"] = {"prefill": 100.0 * speed, "decode": 100.0 * speed}
         probed[name]["gauges"] = [dict(g, speed={"prefill": 100.0, "decode": 100.0})
                                   for g in probed[name]["gauges"]]
-        bench.run_sim(bench.PROFILE, out, points, output_len, num_prompts,
-                      gauges=per_point, shares=probed, speeds=True)
+        run_sim(PROFILE, out, points, output_len, num_prompts,
+                gauges=per_point, shares=probed, speeds=True)
         return json.loads((out / name).read_text())
 
     plain = tmp_path / "plain"
-    bench.run_sim(bench.PROFILE, plain, points, output_len, num_prompts, gauges=per_point)
+    run_sim(PROFILE, plain, points, output_len, num_prompts, gauges=per_point)
     same = simulated(1.0, tmp_path / "same")
     half = simulated(0.5, tmp_path / "half")
     assert same["mean_ttft_ms"] == json.loads((plain / name).read_text())["mean_ttft_ms"]
@@ -273,22 +284,20 @@ def test_a_point_whose_cores_ran_slower_than_its_gauges_is_simulated_slower(
 def test_points_without_gauges_are_refused_in_a_line(tmp_path: Path) -> None:
     from pushkv.fit.cpu_profile import MeasurementError
 
-    bench = bench_sim_vs_real()
-    probe = json.loads((DATA / bench.SHARES).read_text())
+    probe = json.loads((DATA / SHARES).read_text())
     with pytest.raises(MeasurementError, match="--gauge"):
-        bench.gauge_keys(DATA, probe, bench.PROFILE, 24)
+        gauge_keys(DATA, probe, PROFILE, 24)
 
 
 def bench_profile():  # type: ignore[no-untyped-def]
     from pushkv.sim.profile import load_profile
 
-    return load_profile(bench_sim_vs_real().PROFILE)
+    return load_profile(PROFILE)
 
 
 def test_cores_busy_is_the_mean_over_the_runs_starts_of_a_deployment(tmp_path: Path) -> None:
     """Each start of a deployment measures what its processes burn while an engine steps
     (24 lone requests, noisy); every point of the mode gets the mean over the starts."""
-    bench = bench_sim_vs_real()
     real, shares = _gauged_run(tmp_path)
     for mode, prefill in (("push", 3.0), ("pull", 5.0)):
         first = f"{mode}_qps2_in64_out24_iter0.json"
@@ -299,8 +308,8 @@ def test_cores_busy_is_the_mean_over_the_runs_starts_of_a_deployment(tmp_path: P
                                        "token_work_s": 0.001}
         shares[second]["cores_busy"] = {"prefill": prefill + 1, "decode": 1.4,
                                         "token_work_s": 0.002}
-    _, output_len, _ = bench.real_points(real)
-    per_point, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len)
+    _, output_len, _ = real_points(real)
+    per_point, _ = gauge_keys(real, shares, PROFILE, output_len)
     for mode, prefill in (("push", 3.0), ("pull", 5.0)):
         for it in (0, 1):
             keys = per_point[f"{mode}_qps2_in64_out24_iter{it}.json"]
@@ -313,29 +322,27 @@ def test_an_engines_active_time_is_stepping_and_holding_a_lone_request() -> None
     """cores_busy is taken over the time an engine's loop has the request in hand: a
     prefill until its KV has left (push: the write completed; pull: decode knows the read
     done), a decode from its first look at the request to the last token."""
-    bench = bench_sim_vs_real()
     push = {"a": {"prefill_seen": 1.0, "prefill_finished": 1.008, "write_completed": 1.012,
                   "decode_seen": 0.999, "last_token": 1.2},
             "b": {"prefill_seen": 2.0, "prefill_finished": 2.01}}  # no end: not counted
-    assert bench.active_s(push, "prefill", "push") == pytest.approx(0.012)
-    assert bench.active_s(push, "decode", "push") == pytest.approx(0.201)
+    assert active_s(push, "prefill", "push") == pytest.approx(0.012)
+    assert active_s(push, "decode", "push") == pytest.approx(0.201)
     pull = {"a": {"prefill_seen": 1.0, "prefill_finished": 1.008, "ready_scheduled": 1.04,
                   "decode_seen": 1.012, "last_token": 1.2}}
-    assert bench.active_s(pull, "prefill", "pull") == pytest.approx(0.04)
-    assert bench.active_s(pull, "decode", "pull") == pytest.approx(0.188)
+    assert active_s(pull, "prefill", "pull") == pytest.approx(0.04)
+    assert active_s(pull, "decode", "pull") == pytest.approx(0.188)
 
 
 def test_cores_busy_over_the_active_time_makes_the_profile_step_while_holding(
         tmp_path: Path) -> None:
     """A start measured over the active time (``holding``) sets steps_while_holding on
     both sides; one measured over the stepping time alone (older runs) does not."""
-    bench = bench_sim_vs_real()
     real, shares = _gauged_run(tmp_path)
-    _, output_len, _ = bench.real_points(real)
-    old, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len)
+    _, output_len, _ = real_points(real)
+    old, _ = gauge_keys(real, shares, PROFILE, output_len)
     for got in shares.values():
         got["cores_busy"]["holding"] = True
-    new, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len)
+    new, _ = gauge_keys(real, shares, PROFILE, output_len)
     for fname in new:
         for side in ("prefill", "decode"):
             assert old[fname][side]["steps_while_holding"] is False
@@ -344,11 +351,10 @@ def test_cores_busy_over_the_active_time_makes_the_profile_step_while_holding(
 
 
 def test_per_request_run_queue_wait_is_each_parts_growth_in_ms_a_request() -> None:
-    bench = bench_sim_vs_real()
-    got = bench.per_request({"prefill": 1.0, "decode": 2.0, "router": 0.5},
-                            {"prefill": 1.024, "decode": 2.0, "decode_api": 9.0}, 24)
+    got = per_request({"prefill": 1.0, "decode": 2.0, "router": 0.5},
+                      {"prefill": 1.024, "decode": 2.0, "decode_api": 9.0}, 24)
     assert got == {"prefill": 1.0, "decode": 0.0}
-    assert bench.per_request({"a": 0.0}, {"a": 0.01}, 0) == {"a": 10.0}
+    assert per_request({"a": 0.0}, {"a": 0.01}, 0) == {"a": 10.0}
 
 
 def test_a_deployments_parts_split_decodes_group_at_its_api_server() -> None:
@@ -356,7 +362,6 @@ def test_a_deployments_parts_split_decodes_group_at_its_api_server() -> None:
     decode's instance is its process group less its API server (the group's leader)."""
     from types import SimpleNamespace
 
-    bench = bench_sim_vs_real()
     dep = SimpleNamespace(prefill=SimpleNamespace(proc=SimpleNamespace(pid=10)),
                           decode=SimpleNamespace(proc=SimpleNamespace(pid=20)))
     per_process = {10: 1.0, 20: 2.0, 30: 0.5}
@@ -366,10 +371,10 @@ def test_a_deployments_parts_split_decodes_group_at_its_api_server() -> None:
         return sum(per_group[g] for g in pgids)
 
     with_router = SimpleNamespace(router=SimpleNamespace(pid=30))
-    assert bench.parts(dep, with_router, per_process.__getitem__, groups) == {
+    assert parts(dep, with_router, per_process.__getitem__, groups) == {
         "prefill": 7.0, "decode": 7.0, "decode_api": 2.0, "router": 0.5}
-    assert "router" not in bench.parts(dep, SimpleNamespace(router=None),
-                                       per_process.__getitem__, groups)
+    assert "router" not in parts(dep, SimpleNamespace(router=None),
+                                 per_process.__getitem__, groups)
 
 
 def test_sched_samples_tell_each_parts_threads_between_the_samples_around_a_span() -> None:
@@ -378,8 +383,7 @@ def test_sched_samples_tell_each_parts_threads_between_the_samples_around_a_span
     wait of each wake-up; the nearest samples where none brackets it."""
     from pushkv.hostprobe import Sched, ThreadSched
 
-    bench = bench_sim_vs_real()
-    s = bench.SchedSamples(lambda: {})
+    s = SchedSamples(lambda: {})
     assert s.over(0.0, 1.0) == {}  # no samples yet
     zero = ThreadSched()
     mid = ThreadSched(Sched(0.5, 0.25, 10), Sched(0.1, 0.4, 4))
@@ -395,15 +399,14 @@ def test_sched_samples_tell_each_parts_threads_between_the_samples_around_a_span
     assert got["router"]["pinned"]["wait_per_wakeup_ms"] == 0.0  # never woke
     assert s.over(1.0, 1.0) == {}  # one sample on both sides: no interval
     assert s.over(-5.0, 9.0)["prefill"]["pinned"]["cores"] == 0.5  # the nearest ones
-    line = bench.threads_line(got)
+    line = threads_line(got)
     assert "prefill pinned 0.50/0.25/25.00 floating 0.10/0.40/100.00" in line
     assert "router ," in line + "," and "router pinned" not in line
 
 
 def test_sched_samples_sample_in_the_background_until_closed() -> None:
-    bench = bench_sim_vs_real()
     calls = iter(range(1_000_000))
-    with bench.SchedSamples(lambda: {"n": next(calls)}, period_s=0.001) as s:
+    with SchedSamples(lambda: {"n": next(calls)}, period_s=0.001) as s:
         assert len(s.samples) >= 1  # the first taken before the work it brackets
         from pushkv.vllm.testing import poll
         poll(lambda: len(s.samples), lambda n: n >= 3, timeout_s=30, interval_s=0.01)
@@ -414,11 +417,10 @@ def test_sched_samples_sample_in_the_background_until_closed() -> None:
 
 
 def test_a_points_load_span_runs_from_its_first_mark_to_its_last(tmp_path: Path) -> None:
-    bench = bench_sim_vs_real()
-    assert bench.load_span(tmp_path, "push", (0.0, 100.0)) is None  # no timelines
+    assert load_span(tmp_path, "push", (0.0, 100.0)) is None  # no timelines
     for d in ("push", "pushkv"):
         (tmp_path / "timeline" / d).mkdir(parents=True)
-    assert bench.load_span(tmp_path, "push", (0.0, 100.0)) is None  # no marks
+    assert load_span(tmp_path, "push", (0.0, 100.0)) is None  # no marks
     from pushkv.timeline import Recorder
 
     router = Recorder(tmp_path / "timeline" / "push", "router")
@@ -429,13 +431,12 @@ def test_a_points_load_span_runs_from_its_first_mark_to_its_last(tmp_path: Path)
         router.mark(tid * 32, event, t)
     router.close()
     Recorder(tmp_path / "timeline" / "pushkv", "decode").close()
-    assert bench.load_span(tmp_path, "push", (0.0, 100.0)) == (10.0, 12.25)
+    assert load_span(tmp_path, "push", (0.0, 100.0)) == (10.0, 12.25)
 
 
 def test_a_ratios_interval_and_verdict_against_the_closed_form() -> None:
     """Mean, Student's t interval and verdict of one point's iterations' ratios."""
-    bench = bench_sim_vs_real()
-    got = bench.interval([0.9, 1.0, 1.1, 1.0])
+    got = interval([0.9, 1.0, 1.1, 1.0])
     sd = math.sqrt(0.02 / 3)
     half = 3.182 * sd / 2  # t(0.975, 3 df) x sd / sqrt(4)
     assert got["mean"] == pytest.approx(1.0)
@@ -444,25 +445,24 @@ def test_a_ratios_interval_and_verdict_against_the_closed_form() -> None:
     # (1.96 x cv / (1 - 1 / 1.33))^2 iterations for an interval as narrow as the band
     assert got["iterations_needed"] == max(2, math.ceil((1.96 * sd / (1 - 1 / 1.33)) ** 2))
     # iterations that agree on a miss: out; iterations that disagree: unsure
-    assert bench.interval([0.60, 0.62, 0.58, 0.61])["verdict"] == "out"
-    assert bench.interval([1.50, 1.52, 1.48])["verdict"] == "out"
-    wide = bench.interval([0.4, 1.2, 0.6, 1.0])
+    assert interval([0.60, 0.62, 0.58, 0.61])["verdict"] == "out"
+    assert interval([1.50, 1.52, 1.48])["verdict"] == "out"
+    wide = interval([0.4, 1.2, 0.6, 1.0])
     assert wide["verdict"] == "unsure" and wide["iterations_needed"] > 4
-    assert bench.interval([0.7])["verdict"] == "unsure"  # one iteration: no interval
+    assert interval([0.7])["verdict"] == "unsure"  # one iteration: no interval
     with pytest.raises(ValueError):
-        bench.interval([])
+        interval([])
 
 
 def test_the_precision_table_pairs_each_points_iterations(tmp_path: Path) -> None:
     """Per point, the iterations both halves ran, as ratio intervals; verdicts counted
     over every statistic; an iteration only one half ran is left out."""
-    bench = bench_sim_vs_real()
     real, sim = tmp_path / "real", tmp_path / "sim"
     real.mkdir()
     sim.mkdir()
 
     def write(d: Path, it: int, ttft: float, tpot: float) -> None:
-        (d / bench.file_name("push", 2.0, 64, 24, it)).write_text(json.dumps(
+        (d / file_name("push", 2.0, 64, 24, it)).write_text(json.dumps(
             {"mean_ttft_ms": ttft, "median_ttft_ms": ttft, "mean_tpot_ms": tpot,
              "median_tpot_ms": tpot, "completed": 24}))
 
@@ -470,18 +470,18 @@ def test_the_precision_table_pairs_each_points_iterations(tmp_path: Path) -> Non
         write(real, it, r, 5.0)
         write(sim, it, s, 3.0)  # TPOT 0.6 in every iteration: out
     write(real, 3, 500.0, 5.0)  # no simulated twin
-    text, got = bench.precision(real, sim)
+    text, got = precision(real, sim)
     assert "| push | 64 | 2 | 3 |" in text
     point = got["points"]["push_in64_qps2"]
     assert point["mean_ttft_ms"]["mean"] == pytest.approx((1.0 + 0.9 + 1.05) / 3, abs=1e-3)
     assert point["mean_tpot_ms"]["verdict"] == "out"
     assert got["verdicts"] == {"in": 2, "out": 2, "unsure": 0}
-    assert got["band"] == list(bench.BAND)
+    assert got["band"] == list(BAND)
     # a statistic whose real value is 0 in every iteration has no ratio: a dash, no verdict
     for it in range(3):
-        path = real / bench.file_name("push", 2.0, 64, 24, it)
+        path = real / file_name("push", 2.0, 64, 24, it)
         path.write_text(json.dumps(json.loads(path.read_text()) | {"median_tpot_ms": 0.0}))
-    text, got = bench.precision(real, sim)
+    text, got = precision(real, sim)
     assert text.rstrip().endswith("| - |")
     assert "median_tpot_ms" not in got["points"]["push_in64_qps2"]
     assert got["verdicts"] == {"in": 2, "out": 1, "unsure": 0}
@@ -492,12 +492,11 @@ def test_the_hosts_share_of_each_core_is_recorded_per_core_rounded() -> None:
     gauge: JSON keys, four places."""
     from pushkv.hostprobe import cpu_times, steal
 
-    bench = bench_sim_vs_real()
-    assert bench.steal_record({0: {"of_wall": 0.123456, "of_work": 0.5}, 1: {
+    assert steal_record({0: {"of_wall": 0.123456, "of_work": 0.5}, 1: {
         "of_wall": 0.0, "of_work": 0.0}}) == {"0": {"of_wall": 0.1235, "of_work": 0.5},
                                               "1": {"of_wall": 0.0, "of_work": 0.0}}
     now = cpu_times()
-    assert json.loads(json.dumps(bench.steal_record(steal(now, now)))) == bench.steal_record(
+    assert json.loads(json.dumps(steal_record(steal(now, now)))) == steal_record(
         steal(now, now))
 
 
@@ -505,7 +504,6 @@ def test_each_parts_gc_pauses_within_a_span_are_summed_clipped_and_counted(
         tmp_path: Path) -> None:
     """gc_pauses: the pauses of a part's processes, wherever they were recorded, within
     the point's span (clipped to it); other processes' and other times' left out."""
-    bench = bench_sim_vs_real()
     router, servers = tmp_path / "push", tmp_path / "pushkv"
     for d in (router, servers):
         d.mkdir()
@@ -521,12 +519,12 @@ def test_each_parts_gc_pauses_within_a_span_are_summed_clipped_and_counted(
         line(11, 10.995, 11.010) + "\n" + line(12, 10.200, 10.203, "gc0") + "\n"
         + line(99, 10.1, 10.2) + "\n")
     pids = {"prefill": [11], "decode": [12], "router": [7], "client": [8]}
-    got = bench.gc_pauses([router, servers, tmp_path / "absent"], (10.0, 11.0), pids)
+    got = gc_pauses([router, servers, tmp_path / "absent"], (10.0, 11.0), pids)
     assert got == {"prefill": {"ms": 5.0, "n": 1, "max_ms": 5.0},
                    "decode": {"ms": 3.0, "n": 1, "max_ms": 3.0},
                    "router": {"ms": 10.0, "n": 1, "max_ms": 10.0},
                    "client": {"ms": 0.0, "n": 0, "max_ms": 0.0}}
-    assert bench.gc_line(got).endswith("router 10.0/1/10.0, client 0.0/0/0.0")
+    assert gc_line(got).endswith("router 10.0/1/10.0, client 0.0/0/0.0")
 
 
 def test_part_pids_are_the_parts_processes_by_the_one_definition() -> None:
@@ -535,7 +533,6 @@ def test_part_pids_are_the_parts_processes_by_the_one_definition() -> None:
     import sys
     from types import SimpleNamespace
 
-    bench = bench_sim_vs_real()
     wait = [sys.executable, "-c", "import sys; sys.stdin.read()"]
     api = subprocess.Popen(wait, stdin=subprocess.PIPE, process_group=0)
     engine = subprocess.Popen(wait, stdin=subprocess.PIPE, process_group=api.pid)
@@ -543,10 +540,10 @@ def test_part_pids_are_the_parts_processes_by_the_one_definition() -> None:
     try:
         dep = SimpleNamespace(prefill=SimpleNamespace(proc=prefill),
                               decode=SimpleNamespace(proc=api))
-        got = bench.part_pids(dep, SimpleNamespace(router=SimpleNamespace(pid=7)), 9)
+        got = part_pids(dep, SimpleNamespace(router=SimpleNamespace(pid=7)), 9)
         assert got == {"prefill": [prefill.pid], "decode": [engine.pid],
                        "decode_api": [api.pid], "router": [7], "client": [9]}
-        assert "client" not in bench.part_pids(dep, SimpleNamespace(router=None), None)
+        assert "client" not in part_pids(dep, SimpleNamespace(router=None), None)
     finally:
         for p in (api, engine, prefill):
             p.kill()
@@ -557,10 +554,9 @@ def test_part_pids_are_the_parts_processes_by_the_one_definition() -> None:
 def test_a_gauge_runs_at_its_points_rate_unless_told_otherwise() -> None:
     from types import SimpleNamespace
 
-    bench = bench_sim_vs_real()
-    assert bench.gauge_rate(SimpleNamespace(gauge_qps=None), 2.0) == 2.0
-    assert bench.gauge_rate(SimpleNamespace(gauge_qps=None), 8) == 8.0
-    assert bench.gauge_rate(SimpleNamespace(gauge_qps=5.0), 2.0) == 5.0
+    assert gauge_rate(SimpleNamespace(gauge_qps=None), 2.0) == 2.0
+    assert gauge_rate(SimpleNamespace(gauge_qps=None), 8) == 8.0
+    assert gauge_rate(SimpleNamespace(gauge_qps=5.0), 2.0) == 5.0
 
 
 def test_a_points_keys_are_shrunk_only_toward_gauges_at_its_own_rate(
@@ -571,13 +567,12 @@ def test_a_points_keys_are_shrunk_only_toward_gauges_at_its_own_rate(
     rate is its own group -- with no spread within either, every point keeps its own
     gauges' keys, where one group of all six would pull the slow point 9/11 of the way
     to the run's mean."""
-    bench = bench_sim_vs_real()
     real, shares = _gauged_run(tmp_path, iterations=3, scales=(1.0, 1.0, 1.6, 1.6, 1.0, 1.0),
                                rates={0: 2.0, 1: 8.0, 2: 2.0})
-    _, output_len, _ = bench.real_points(real)
+    _, output_len, _ = real_points(real)
     noise: dict = {}
-    shrunk, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len, noise_out=noise)
-    raw, _ = bench.gauge_keys(real, shares, bench.PROFILE, output_len, shrink=False)
+    shrunk, _ = gauge_keys(real, shares, PROFILE, output_len, noise_out=noise)
+    raw, _ = gauge_keys(real, shares, PROFILE, output_len, shrink=False)
     assert set(noise) == {f"{m}_in64_qps{q}" for m in ("push", "pull") for q in (2, 8)}
     assert noise["push_in64_qps2"]["decode.decode_step_overhead_s"]["noise_var"] == 0
     for name, keys in raw.items():
@@ -587,7 +582,7 @@ def test_a_points_keys_are_shrunk_only_toward_gauges_at_its_own_rate(
     slow_ = raw["pull_qps2_in64_out24_iter1.json"]["prefill"]["return_s"]
     assert slow_ > raw["pull_qps2_in64_out24_iter0.json"]["prefill"]["return_s"]
     assert noise["pull_in64_qps8"] == {}  # two gauges: too few to tell noise from drift
-    assert "| pull_in64_qps2 | prefill.return_s |" in bench.noise_table(noise)
+    assert "| pull_in64_qps2 | prefill.return_s |" in noise_table(noise)
 
 
 def test_lone_requests_of_the_gauges_are_set_against_those_of_the_points(
@@ -595,7 +590,6 @@ def test_lone_requests_of_the_gauges_are_set_against_those_of_the_points(
     """lone_gap: per mode, the lone requests of the gauges (by the rate they recorded)
     and of the points (by rate), each segment's mean; and the probe's wake-ups during
     the gauges and during the points by requests in flight (idle ones left out)."""
-    bench = bench_sim_vs_real()
     real = tmp_path / "real"
     pattern = {"legs_sent": 0.0, "prefill_seen": 4, "prefill_finished": 9,
                "decode_arrived": 12, "decode_seen": 17, "ready_scheduled": 21,
@@ -626,7 +620,7 @@ def test_lone_requests_of_the_gauges_are_set_against_those_of_the_points(
     (real / "wakes" / "pull_qps2_in64_out24_iter0.json").write_text(json.dumps(
         {"0": [[200.01, 0.010], [200.5, 0.5]], "1": [[202.02, 0.020]]}))
     shares = {"pull_qps2_in64_out24_iter0.json": {"window": point, "gauges": [gauge]}}
-    text, got = bench.lone_gap(real, shares)
+    text, got = lone_gap(real, shares)
     reqs = got["pull"]["requests"]
     assert list(reqs) == ["gauges qps2", "qps2"]
     assert (reqs["gauges qps2"]["n"], reqs["qps2"]["n"]) == (4, 6)
@@ -639,4 +633,4 @@ def test_lone_requests_of_the_gauges_are_set_against_those_of_the_points(
     assert wakes["points, 1 in flight"]["n"] == 2  # the ones at 100.5, 200.5 s found none
     assert wakes["points, 1 in flight"]["mean_ms"] == pytest.approx(15.0)
     assert "| decode arrives -> sees | 5.0 | 15.0 |" in text
-    assert bench.lone_gap(real, {}) == ("", {})
+    assert lone_gap(real, {}) == ("", {})

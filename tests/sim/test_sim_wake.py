@@ -16,11 +16,13 @@ import pytest
 pytest.importorskip("simpy")
 
 import simpy
-from sim_helpers import bench_sim_vs_real, config
+from sim_helpers import config
 
 from pushkv.fit.cpu_profile import MeasurementError
 from pushkv.fit.measure_connector import wake_beside
 from pushkv.fit.segments import wakes_by_flight
+from pushkv.fit.sim_vs_real.keys import WAKE_QUANTILES, wake_beside_of, without_wake
+from pushkv.fit.sim_vs_real.runs import WAKES
 from pushkv.sim.frontend import Frontend
 from pushkv.sim.profile import MAX_SPREAD, MAX_WAKE_S, ProfileError, load_profile, profile_from_dict
 from pushkv.sim.request import SimRequest
@@ -220,26 +222,24 @@ def test_the_extra_wait_is_beside_less_alone_at_each_quantile() -> None:
 
 
 def test_the_benchmark_pools_every_points_wake_ups(tmp_path: Path) -> None:
-    b = bench_sim_vs_real()
-    (tmp_path / b.WAKES).mkdir()
+    (tmp_path / WAKES).mkdir()
     reqs = {"a": {"legs_sent": 1.0, "last_token": 2.0},
             "b": {"legs_sent": 1.5, "last_token": 3.0}}
     for i, name in enumerate(("push_qps2_in64_out24_iter0", "pull_qps2_in64_out24_iter0")):
-        (tmp_path / b.WAKES / f"{name}.json").write_text(json.dumps(
+        (tmp_path / WAKES / f"{name}.json").write_text(json.dumps(
             {"0": [[1.2, 0.001 + i * 0.001]], "1": [[1.7, 0.011 + i * 0.001]]}))
     points = {f"{n}.json": {"window": [0.0, 9.0]} for n in
               ("push_qps2_in64_out24_iter0", "pull_qps2_in64_out24_iter0",
                "push_qps8_in64_out24_iter0")}  # the last has no wake-ups: skipped
-    got = b.wake_beside_of(tmp_path, points, lambda f, router, w: reqs)
+    got = wake_beside_of(tmp_path, points, lambda f, router, w: reqs)
     # alone 1 and 2 ms, beside 11 and 12 ms: 10 ms at every quantile
-    assert got == pytest.approx([0.010] * b.WAKE_QUANTILES)
-    assert b.wake_beside_of(tmp_path, {}, lambda f, router, w: reqs) == ()
+    assert got == pytest.approx([0.010] * WAKE_QUANTILES)
+    assert wake_beside_of(tmp_path, {}, lambda f, router, w: reqs) == ()
 
 
 def test_the_benchmark_simulates_without_it_too() -> None:
-    b = bench_sim_vs_real()
     points = {"p.json": {"control": {"host_cores": 2, "wake_beside_s": [0.001]},
                          "decode": {"ingest_s": 0.003}}}
-    assert b.without_wake(points) == {"p.json": {"control": {"host_cores": 2},
-                                                 "decode": {"ingest_s": 0.003}}}
+    assert without_wake(points) == {"p.json": {"control": {"host_cores": 2},
+                                               "decode": {"ingest_s": 0.003}}}
     assert points["p.json"]["control"]["wake_beside_s"] == [0.001]  # a copy

@@ -1,0 +1,113 @@
+"""The simulated half, one way: every point of a real run, simulated at its send times.
+
+:func:`run_sim` simulates ``(mode, input, rate, iteration)`` points with a profile --
+as measured, on the cores the probe met, with the servers' step times, or with each
+point's gauges' keys -- and writes the result files and, if asked, each point's
+timeline marks beside the real half's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ...sim.profile import MAX_SPEED, load_profile, profile_from_dict
+from ..measure_connector import lone_steps
+from .keys import gauge_speed
+from .runs import file_name
+
+
+def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, float, int]],
+            output_len: int, num_prompts: int, *, seed: int = 0,
+            shares: dict[str, dict[str, Any]] | None = None,
+            server_steps: bool = False, timelines: Path | None = None,
+            arrivals: str = "vllm", frontend_cores: int | None = None,
+            host_cores: int | None = None,
+            keys: dict[str, dict[str, float]] | None = None,
+            gauges: dict[str, dict[str, dict[str, float]]] | None = None,
+            speeds: bool = False, wall_steps: bool = False) -> None:
+    """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
+    ``shares`` (by result file name), each point's engines get the share of a core and
+    the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
+    core each. With ``server_steps`` the engines' step overheads are instead what the
+    real P/D servers' metrics gave at that point (wall times under the load, share 1),
+    per-token costs as profiled. With ``timelines``, each point's timeline marks go into
+    ``timelines/<point>/`` (:mod:`pushkv.sim.marks`). ``arrivals``: the send times'
+    generator (``"vllm"``: the very ones ``vllm bench serve --seed seed+iteration`` used
+    in the real half); ``frontend_cores`` replaces the profile's
+    ``control.frontend_cores`` (the frontends as a queue; 0 off), ``host_cores``
+    ``control.host_cores`` (engines and frontends on shared cores; 0 off); ``keys`` (per table,
+    key: value) replace the profile's (:func:`~.keys.real_keys`); ``gauges`` (by result file name,
+    per table, key: value) replace them again for that point alone (:func:`~.keys.gauge_keys`),
+    on a core each; with ``speeds`` too, each side's ``cpu_speed`` the point's against
+    its gauges' (:func:`~.keys.gauge_speed`, from ``shares``). A point's gauged step times are
+    its lone requests' wall times, the work they brought beside their steps in them, so
+    on shared cores its steps are first made to give those wall times to a lone request
+    simulated there (:func:`pushkv.fit.measure_connector.lone_steps`; ``wall_steps``: the
+    gauged steps as they are, that work counted twice)."""
+    from ...sim.marks import Timeline
+    from ...sim.runner import run
+    from ...sim.scenario import SimConfig, TransferMode
+    from ...sim.workload import WorkloadConfig
+
+    base = load_profile(profile_path)
+    for name, cores in (("frontend_cores", frontend_cores), ("host_cores", host_cores)):
+        if cores is not None:
+            base = dataclasses.replace(base, control=dataclasses.replace(
+                base.control, **{name: cores})).validate()
+    for table, values in (keys or {}).items():
+        base = dataclasses.replace(base, **{table: dataclasses.replace(
+            getattr(base, table), **values)}).validate()
+    sim.mkdir(parents=True, exist_ok=True)
+    for old in sim.glob("*_iter*.json"):
+        old.unlink()
+    for mode, input_len, rate, it in points:
+        profile = base
+        fname = file_name(mode, rate, input_len, output_len, it)
+        got = (shares or {}).get(fname)
+        if gauges is not None:
+            if fname not in gauges:
+                raise RuntimeError(f"{fname}: no gauge to simulate it with")
+            point = {t: dict(v) for t, v in gauges[fname].items()}
+            if host_cores is not None:  # the command line's cores, over the real run's
+                point.get("control", {}).pop("host_cores", None)
+            profile = profile_from_dict(point, base=base)
+            if not wall_steps:  # the gauges' lone wall times, the request's own work out
+                profile = lone_steps(profile, mode=mode, input_len=input_len,
+                                     output_len=output_len)
+            if speeds:
+                profile = profile_from_dict({side: {"cpu_speed": min(MAX_SPEED, speed)}
+                                             for side, speed in gauge_speed(got or {}).items()},
+                                            base=profile)
+        elif got:
+            pre, dec = dict(got["prefill"]), dict(got["decode"])  # cpu_share, wake_s
+            speed, ref = got.get("speed", {}), base.control.probe_speed
+            if ref > 0 and speed.get("prefill", 0) > 0 and speed.get("decode", 0) > 0:
+                # the cores' speed now against when the profile was measured
+                pre["cpu_speed"] = speed["prefill"] / ref
+                dec["cpu_speed"] = speed["decode"] / ref
+            eng = got.get("engine", {})
+            if server_steps and eng.get("prefill_step_s") and eng.get("decode_token_s"):
+                tok_p, tok_d = base.prefill.step_token_s, base.decode.step_token_s
+                pre |= {"cpu_share": 1.0, "cpu_speed": 1.0, "prefill_step_overhead_s": max(
+                    0.0, eng["prefill_step_s"] - tok_p * input_len)}
+                dec |= {"cpu_share": 1.0, "cpu_speed": 1.0, "decode_step_overhead_s": max(
+                    0.0, eng["decode_token_s"] - tok_d)}
+            profile = dataclasses.replace(
+                base, prefill=dataclasses.replace(base.prefill, **pre),
+                decode=dataclasses.replace(base.decode, **dec)).validate()
+        cfg = SimConfig(mode=TransferMode(mode), profile=profile, iteration=it,
+                        workload=WorkloadConfig(request_rate=rate, input_len=input_len,
+                                                output_len=output_len,
+                                                num_prompts=num_prompts, seed=seed,
+                                                arrivals=arrivals))
+        tl = Timeline() if timelines is not None else None
+        res = run(cfg, timeline=tl)
+        if tl is not None and timelines is not None:
+            tl.write(timelines / Path(cfg.file_name()).stem)
+        if res.result["completed"] != num_prompts or res.leaked_blocks:
+            raise RuntimeError(f"simulated {cfg.file_name()}: {res.result['completed']} of "
+                               f"{num_prompts} completed, {res.leaked_blocks} blocks leaked")
+        res.write(sim)
