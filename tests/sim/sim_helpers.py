@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,19 +44,3 @@ def write_timeline(directory: Path, requests: dict[str, dict[str, float]]) -> Pa
             for ev, t in marks.items():
                 f.write(json.dumps({"id": tid, "ev": ev, "t": t, "p": "x"}) + "\n")
     return directory
-
-
-def bench_script(name: str) -> Any:
-    """``benchmarks/<name>.py`` as a module (a script, not a package)."""
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location(name, root / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def bench_sim_vs_real() -> Any:
-    """``benchmarks/bench_sim_vs_real.py`` as a module."""
-    return bench_script("bench_sim_vs_real")

@@ -1,14 +1,20 @@
-"""benchmarks/bench_handoff_waits.py's accounting, on hand-written samples: which
-part's threads ran or waited on a run queue during a hand-off."""
+"""bench_handoff_waits' accounting (:mod:`pushkv.fit.handoff`), on hand-written samples:
+which part's threads ran or waited on a run queue during a hand-off; its command line's
+refusals; the ``/proc`` reader it samples with (:class:`pushkv.hostprobe.ThreadReader`)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
-from sim_helpers import bench_script
 
-B: Any = bench_script("bench_handoff_waits")
+from pushkv.fit.handoff import api_wait_share, bracket, by_part, handoffs, stats_ms
+from pushkv.hostprobe import ThreadReader
+
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = {"1": ("decode_api", "python"), "2": ("decode", "VLLM::Worker"),
          "3": ("router", "python")}
 MS = 1_000_000  # ns
@@ -26,32 +32,32 @@ def _samples() -> list[Any]:
 
 
 def test_by_part_brackets_the_interval_with_samples() -> None:
-    got = B.by_part(_samples(), NAMES, 0.025, 0.041)  # samples at 20 ms and 50 ms
+    got = by_part(_samples(), NAMES, 0.025, 0.041)  # samples at 20 ms and 50 ms
     assert got["decode"] == pytest.approx((0.030, 0.0))
     assert got["decode_api"] == pytest.approx((0.003, 0.024))
     assert "router" not in got  # it did nothing
     # a thread with no name (seen in no sample's listing) is skipped; no samples: nothing
-    assert B.by_part(_samples(), {"2": NAMES["2"]}, 0.0, 0.07) == {
+    assert by_part(_samples(), {"2": NAMES["2"]}, 0.0, 0.07) == {
         "decode": pytest.approx((0.070, 0.0))}
-    assert B.by_part([], NAMES, 0.0, 1.0) == {}
+    assert by_part([], NAMES, 0.0, 1.0) == {}
 
 
 def test_the_api_servers_share_of_slow_hand_offs() -> None:
     """Two hand-offs: 20-40 ms (samples at 20 and 40 ms: 16 ms waited of 20) and 0-10
     ms (none waited): 16 of 30 ms."""
-    share = B.api_wait_share([(0.020, 0.040), (0.000, 0.010)], _samples(), NAMES)
+    share = api_wait_share([(0.020, 0.040), (0.000, 0.010)], _samples(), NAMES)
     assert share == pytest.approx(16 / 30)
-    assert B.api_wait_share([], _samples(), NAMES) == 0.0
+    assert api_wait_share([], _samples(), NAMES) == 0.0
 
 
 def test_the_share_is_over_the_samples_around_a_hand_off() -> None:
     """A 1 ms hand-off between samples 10 ms apart: the wait over those 10 ms (8 ms),
     not over the hand-off alone, which would read as 800%."""
-    share = B.api_wait_share([(0.031, 0.032)], _samples(), NAMES)  # bracket 30-40 ms
+    share = api_wait_share([(0.031, 0.032)], _samples(), NAMES)  # bracket 30-40 ms
     assert share == pytest.approx(0.8)
-    assert B.bracket(_samples(), 0.031, 0.032) == (3, 4)
-    assert B.bracket(_samples(), -1.0, 9.0) == (0, 7)  # outside: the nearest samples
-    assert B.api_wait_share([(0.0, 0.01)], [], NAMES) == 0.0
+    assert bracket(_samples(), 0.031, 0.032) == (3, 4)
+    assert bracket(_samples(), -1.0, 9.0) == (0, 7)  # outside: the nearest samples
+    assert api_wait_share([(0.0, 0.01)], [], NAMES) == 0.0
 
 
 def test_hand_offs_are_matched_to_the_requests_sent() -> None:
@@ -62,19 +68,22 @@ def test_hand_offs_are_matched_to_the_requests_sent() -> None:
                 "e": {"legs_sent": 3.1, "decode_arrived": 3.11}}
     sent = [("alone", 0.99, 1.01), ("beside", 1.99, 2.2), ("beside", 2.99, 3.2),
             ("beside", 5.0, 6.0)]
-    assert B.handoffs(requests, sent) == {"alone": [(1.0, 1.004)], "beside": [(2.0, 2.030)]}
+    assert handoffs(requests, sent) == {"alone": [(1.0, 1.004)], "beside": [(2.0, 2.030)]}
 
 
 def test_stats_in_ms() -> None:
-    got = B.stats_ms([0.001 * i for i in range(1, 11)])
+    got = stats_ms([0.001 * i for i in range(1, 11)])
     assert got == {"n": 10, "mean": 5.5, "median": 5.5, "p90": 10.0, "max": 10.0}
-    assert B.stats_ms([]) == {"n": 0}
+    assert stats_ms([]) == {"n": 0}
 
 
-def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        B.main(["--alone", "0"])
-    assert "--alone and --streams must be >= 1" in capsys.readouterr().err
+def test_bad_arguments_are_refused() -> None:
+    """The command line, run as it is run: a bad argument ends it at once, with status 2
+    and a line saying why."""
+    got = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_handoff_waits.py"),
+                          "--alone", "0"], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2
+    assert "--alone and --streams must be >= 1" in got.stderr
 
 
 def test_the_reader_sees_this_process_threads() -> None:
@@ -82,7 +91,7 @@ def test_the_reader_sees_this_process_threads() -> None:
     that is gone reads as nothing."""
     import os
 
-    reader = B.ThreadReader({"me": [os.getpid()], "gone": [2 ** 22 + 1]})
+    reader = ThreadReader({"me": [os.getpid()], "gone": [2 ** 22 + 1]})
     first = reader()
     x = sum(i * i for i in range(200_000))  # some CPU time of this thread
     second = reader()
