@@ -12,7 +12,11 @@ imports it (the ``fit-above-sim-and-vllm`` contract in ``pyproject.toml``).
 * :mod:`.segments` -- ``python -m pushkv.fit.segments``: a simulated run against a
   real one, segment by segment of their timelines;
 * :mod:`.cores` -- :class:`~.cores.CoreProbe`, what a process meets on each core while
-  a measurement runs.
+  a measurement runs;
+* :mod:`.sim_vs_real` -- the simulator against real vLLM CPU engines, point by point:
+  the library ``benchmarks/bench_sim_vs_real.py`` is a command line over;
+* :mod:`.handoff` -- where a hand-off into decode's API server goes
+  (``benchmarks/bench_handoff_waits.py``).
 
 The ``/proc`` readings (CPU time, run-queue waits, steal) are :mod:`pushkv.hostprobe`,
 below this package, shared with the chaos harness of :mod:`pushkv.vllm.chaos`.
