@@ -109,6 +109,7 @@ class PushKVConnector(KVConnectorBase_V1):
                 policy=self.policy.value, key=self.settings.load_key(),
                 direction=self.settings.direction,
                 granularity=self.settings.push_granularity,
+                vocab_size=_vocab_size(vllm_config),
             )
         else:
             from .worker_side import WorkerSide  # the transport is needed here only
@@ -243,3 +244,13 @@ class PushKVConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+
+def _vocab_size(vllm_config: VllmConfig) -> int:
+    """The served model's vocabulary size (0 where it cannot be told), for the proxy's
+    check of token ids: vLLM skips that check when it has no tokenizer, and an id past
+    the embedding crashes the engine."""
+    try:
+        return max(int(vllm_config.model_config.get_vocab_size()), 0)
+    except Exception:  # a config without a model (tests) or an odd one: not known
+        return 0

@@ -16,8 +16,10 @@ uses four shapes:
                     "ranks": ["tcp://host:port", ...]}}
 
 * **discovery** (proxy -> any instance, once): ``{"pushkv_discover": true}``;
-  the answer's ``kv_transfer_params`` carry ``{"pushkv_endpoint": {...}}``
-  (:class:`Endpoint`), which is how the proxy learns a producer's side channel.
+  the answer's ``kv_transfer_params`` carry ``{"pushkv_endpoint": {...},
+  "pushkv_policy": ..., "pushkv_vocab_size": n}`` (:class:`Endpoint`, the failure
+  policy, the model's vocabulary size), which is how the proxy learns a
+  producer's side channel, checks each instance's role and checks token ids.
 
 * **prefill answer** (producer -> proxy): ``{"transfer_id": ..., "pushkv_endpoint": {...},
   "num_tokens": n}``, for logs.
@@ -78,6 +80,8 @@ DIRECTION_KEY = "pushkv_direction"
 ENDPOINT_KEY = "pushkv_endpoint"
 #: In a consumer's discovery answer: its ``kv_load_failure_policy``.
 POLICY_KEY = "pushkv_policy"
+#: In a discovery answer: the served model's vocabulary size (token ids are below it).
+VOCAB_KEY = "pushkv_vocab_size"
 
 
 class ParamsError(ConfigError):

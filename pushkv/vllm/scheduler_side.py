@@ -53,6 +53,7 @@ from .params import (
     MAX_ID_LEN,
     NIXL_SIGNED,
     POLICY_KEY,
+    VOCAB_KEY,
     DecodeLeg,
     Discover,
     Endpoint,
@@ -117,7 +118,8 @@ class SchedulerSide:
 
     def __init__(self, *, endpoint: Endpoint, block_size: int, is_producer: bool,
                  is_consumer: bool, policy: str = "fail", key: bytes | None = None,
-                 direction: str = "auto", granularity: str = "request") -> None:
+                 direction: str = "auto", granularity: str = "request",
+                 vocab_size: int = 0) -> None:
         if direction not in SETTINGS:
             raise ParamsError(f"direction must be one of {SETTINGS}, got {direction!r}")
         self.direction = direction
@@ -134,6 +136,7 @@ class SchedulerSide:
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.policy = policy
+        self.vocab_size = vocab_size  #: the model's, told to the proxy (0: not known)
         self._key = key
         self._replays = ReplayGuard()
         self.refused = 0  #: requests whose kv_transfer_params were refused
@@ -306,7 +309,10 @@ class SchedulerSide:
                 self._abandon(leg)
             return False, None
         if isinstance(leg, Discover):
-            return False, {ENDPOINT_KEY: self.endpoint.to_json(), POLICY_KEY: self.policy}
+            answer = {ENDPOINT_KEY: self.endpoint.to_json(), POLICY_KEY: self.policy}
+            if self.vocab_size:
+                answer[VOCAB_KEY] = self.vocab_size
+            return False, answer
         if not isinstance(leg, PrefillLeg | NixlPrefillLeg):
             return False, None
         if not self.is_producer:

@@ -350,7 +350,7 @@ def test_decode_server_restarted_mid_run(cluster, reference):
 
     def doomed(tokens: list[int]) -> int:
         status, _ = post_json(c.proxy_url + "/v1/completions",
-                              body(c.model, tokens, max_tokens=200), timeout=60)
+                              body(c.model, tokens, max_tokens=130), timeout=60)
         return status
 
     with cf.ThreadPoolExecutor(len(inflight)) as pool:

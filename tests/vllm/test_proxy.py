@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestServer
 from pushkv.vllm.params import (
     ENDPOINT_KEY,
     POLICY_KEY,
+    VOCAB_KEY,
     DecodeLeg,
     Endpoint,
     PrefillLeg,
@@ -84,7 +85,7 @@ class FakeVllm:
         if params and params.get("pushkv_discover"):
             self.discoveries += 1
             return web.json_response({"choices": [{"text": ""}], "kv_transfer_params": {
-                ENDPOINT_KEY: ENDPOINT.to_json(), POLICY_KEY: self.policy}})
+                ENDPOINT_KEY: ENDPOINT.to_json(), POLICY_KEY: self.policy, VOCAB_KEY: 1000}})
         leg = Leg(body=body, headers={k.lower(): v for k, v in request.headers.items()},
                   arrived=time.monotonic())
         self.legs.append(leg)

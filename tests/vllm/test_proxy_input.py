@@ -18,7 +18,7 @@ from pushkv.vllm.signing import SIG_KEY, verify
 
 from .test_proxy import REQUEST, FakeVllm
 
-MODELS = {"tiny": ModelInfo("tiny", 256)}
+MODELS = {"tiny": ModelInfo("tiny", 256, vocab_size=1000)}
 
 BAD: list[tuple[str, Any, int, str | None]] = [
     # (path, body, status, param)
@@ -39,6 +39,11 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (COMPLETIONS, {"model": "tiny", "prompt": [1], "max_tokens": "9"}, 400, "max_tokens"),
     (COMPLETIONS, {"model": "tiny", "prompt": [1], "max_tokens": 10**12}, 400, "max_tokens"),
     (COMPLETIONS, {"model": "tiny", "prompt": [1] * 256, "max_tokens": 1}, 400, "prompt"),
+    (COMPLETIONS, {"model": "tiny", "prompt": [1] * 200, "max_tokens": 57}, 400, "max_tokens"),
+    (COMPLETIONS, {"model": "tiny", "prompt": [[1] * 250], "max_tokens": 7}, 400, "max_tokens"),
+    (COMPLETIONS, {"model": "tiny", "prompt": [999999]}, 400, "prompt"),
+    (COMPLETIONS, {"model": "tiny", "prompt": [5, 1000, 6]}, 400, "prompt"),
+    (COMPLETIONS, {"model": "tiny", "prompt": [[1, 1000]]}, 400, "prompt"),
     (COMPLETIONS, {"model": "tiny", "prompt": [1], "n": 2}, 400, "n"),
     (COMPLETIONS, {"model": "tiny", "prompt": [1], "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"model": "tiny", "prompt": [1], "stream": "yes"}, 400, "stream"),
@@ -75,6 +80,10 @@ def test_good_requests_pass_with_their_sizes():
     ok = check_request(CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                               "max_tokens": 8, "max_completion_tokens": 4}, MODELS)
     assert ok.max_tokens == 4
+    ok = check_request(COMPLETIONS, {"prompt": [0, 999] * 100, "max_tokens": 56}, MODELS)
+    assert (ok.prompt_tokens, ok.max_tokens) == (200, 56)  # the whole length, every id
+    ok = check_request(COMPLETIONS, {"prompt": [999999]}, {"tiny": ModelInfo("tiny", 256)})
+    assert ok.prompt_tokens == 1  # no vocabulary known: not checked here
     with pytest.raises(ClientError):
         check_request(COMPLETIONS, {"prompt": [1], "max_tokens": 50}, MODELS, max_tokens_limit=20)
 

@@ -18,7 +18,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from pushkv.vllm.config import ConnectorConfigError
-from pushkv.vllm.params import ENDPOINT_KEY, DecodeLeg, Endpoint, PrefillLeg
+from pushkv.vllm.params import ENDPOINT_KEY, VOCAB_KEY, DecodeLeg, Endpoint, PrefillLeg
 
 from .harness import Engine, fresh_free, vllm_config
 
@@ -307,6 +307,7 @@ def test_discovery_request_returns_the_endpoint(producer):
     endpoint = Endpoint.from_json(e.outputs.params[req.request_id][ENDPOINT_KEY])
     assert (endpoint.engine_id, endpoint.port, endpoint.role) == ("prefill-0", 6123, "producer")
     assert endpoint.block_size == BS
+    assert e.outputs.params[req.request_id][VOCAB_KEY] == 1000  # the tiny model's
     assert_idle(e)
 
 

@@ -9,7 +9,12 @@ shape vLLM's own server uses) and no engine sees it:
   batch of prompts, ``n`` or ``best_of`` above 1 (one request is one transfer);
 * a ``model`` no decode instance serves (404);
 * ``max_tokens`` that is not a positive integer or exceeds the model's length,
-  or a token-id prompt that leaves no room for an output token (400);
+  a token-id prompt that leaves no room for an output token or whose length
+  plus ``max_tokens`` exceeds the model's length (400; vLLM would shorten the
+  answer silently);
+* a token id at or above the model's vocabulary size (400): vLLM checks token
+  ids only when it has a tokenizer, and without one an id past the model's
+  embedding crashes the engine;
 * any ``kv_transfer_params`` at all: transfer parameters are the proxy's to
   set. A client cannot choose a transfer id, a producer address, or anything
   else the connectors act on.
@@ -56,10 +61,12 @@ class ClientError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """A model the decode instances serve, and its context length (0: unknown)."""
+    """A model the decode instances serve, its context length and its vocabulary size
+    (0: unknown)."""
 
     name: str
     max_model_len: int = 0
+    vocab_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +89,9 @@ def _int(body: Mapping[str, Any], key: str) -> int | None:
     return value
 
 
-def _prompt_tokens(path: str, body: Mapping[str, Any]) -> tuple[int, bool]:
-    """(prompt length, exact?) after checking the prompt's shape."""
+def _prompt_tokens(path: str, body: Mapping[str, Any], vocab_size: int = 0) -> tuple[int, bool]:
+    """(prompt length, exact?) after checking the prompt's shape (and its token ids
+    against ``vocab_size``, when known)."""
     if path == COMPLETIONS:
         prompt = body.get("prompt")
         if prompt is None:
@@ -96,9 +104,12 @@ def _prompt_tokens(path: str, body: Mapping[str, Any]) -> tuple[int, bool]:
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not all(0 <= t <= _MAX_TOKEN_ID for t in prompt):
                 raise ClientError(400, "token ids in 'prompt' must be in [0, 2^31)", "prompt")
+            if vocab_size and (top := max(prompt)) >= vocab_size:
+                raise ClientError(400, f"token id {top} in 'prompt' is not in the model's "
+                                  f"vocabulary (ids 0 to {vocab_size - 1})", "prompt")
             return len(prompt), True
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            return _prompt_tokens(path, {"prompt": prompt[0]})
+            return _prompt_tokens(path, {"prompt": prompt[0]}, vocab_size)
         raise ClientError(400, "'prompt' must be one string or one non-empty list of token "
                           "ids (a batch of prompts is not routed: send one request each)",
                           "prompt")
@@ -145,7 +156,7 @@ def check_request(path: str, body: object, models: Mapping[str, ModelInfo],
         if value is not None and value != 1:
             raise ClientError(400, f"'{key}' must be 1: each choice would need its own "
                               "transfer", key)
-    tokens, exact = _prompt_tokens(path, body)
+    tokens, exact = _prompt_tokens(path, body, info.vocab_size)
     keys = ("max_tokens", "max_completion_tokens") if path == CHAT else ("max_tokens",)
     asked = {k: v for k in keys if (v := _int(body, k)) is not None}
     for key, value in asked.items():
@@ -158,9 +169,14 @@ def check_request(path: str, body: object, models: Mapping[str, ModelInfo],
     if bound and max_tokens > bound:
         raise ClientError(400, f"'max_tokens' ({max_tokens}) is above this deployment's "
                           f"limit of {bound}", keys[0])
-    if length and exact and tokens >= length:  # vLLM caps max_tokens to what is left
+    if length and exact and tokens >= length:
         raise ClientError(400, f"the prompt ({tokens} tokens) leaves no room for an output "
                           f"token in the model's length of {length}", "prompt")
+    if length and exact and max_tokens and tokens + max_tokens > length:
+        # vLLM would cap max_tokens to what is left: an answer shorter than asked.
+        raise ClientError(400, f"the prompt ({tokens} tokens) plus '{keys[0]}' ({max_tokens})"
+                          f" is {tokens + max_tokens} tokens, above the model's length of "
+                          f"{length}", keys[0])
     if not max_tokens:
         max_tokens = max(length - tokens, 1) if length else 16
     return Checked(body=body, model=str(model or ""), stream=bool(stream),

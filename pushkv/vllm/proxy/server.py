@@ -46,7 +46,7 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import aiohttp
@@ -59,6 +59,7 @@ from pushkv.transports.nixl.config import NixlConfig
 from ..params import (
     ENDPOINT_KEY,
     POLICY_KEY,
+    VOCAB_KEY,
     DecodeLeg,
     Discover,
     Endpoint,
@@ -226,6 +227,7 @@ class PushProxy:
         for inst in self.pool.all:
             self.metrics.instance(inst)
         self.models: dict[str, ModelInfo] = {}
+        self._vocab = 0  #: the served model's vocabulary size, once an instance told it
         self._session: aiohttp.ClientSession | None = None
         self._watcher: asyncio.Task[None] | None = None
 
@@ -372,7 +374,26 @@ class PushProxy:
         if status != 200:
             raise self._leg_error(inst, status, answer)
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-        return params if isinstance(params, dict) else {}
+        params = params if isinstance(params, dict) else {}
+        vocab = params.get(VOCAB_KEY)
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+            self._learn_vocab(vocab, inst)
+        return params
+
+    def _learn_vocab(self, vocab: int, inst: Instance) -> None:
+        """The served model's vocabulary size, as an instance's connector told it."""
+        if vocab == self._vocab:
+            return
+        if self._vocab:  # instances of two models: ids either one lacks are refused
+            logger.warning("%s instance %s serves a vocabulary of %d tokens, others %d: "
+                           "the smaller bounds token ids", inst.role, inst.url, vocab,
+                           self._vocab)
+            vocab = min(vocab, self._vocab)
+        else:
+            logger.info("token ids of prompts are checked against a vocabulary of %d tokens "
+                        "(told by %s)", vocab, inst.url)
+        self._vocab = vocab
+        self.models = {k: replace(m, vocab_size=vocab) for k, m in self.models.items()}
 
     async def _endpoint(self, inst: Instance) -> Endpoint:
         """A producer's side channel, asked for once with a discovery request."""
@@ -407,7 +428,8 @@ class PushProxy:
     async def _learn_models(self, inst: Instance) -> None:
         status, body = await self._get_json(inst, "/v1/models")
         try:
-            models = {str(m["id"]): ModelInfo(str(m["id"]), int(m.get("max_model_len") or 0))
+            models = {str(m["id"]): ModelInfo(str(m["id"]), int(m.get("max_model_len") or 0),
+                                              self._vocab)
                       for m in body["data"]}
         except (KeyError, TypeError, ValueError):
             models = {}

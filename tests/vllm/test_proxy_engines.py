@@ -1,0 +1,153 @@
+"""``pushkv proxy`` in front of real vLLM CPU servers: what it refuses before any
+engine sees it, and which instances it refuses to route to.
+
+A prefill server (``kv_producer``, core 0) and a decode server (``kv_consumer``,
+core 1) with PushKVConnector run for the module, with a proxy (the ``pushkv
+proxy`` command) in front. The recipe's servers have no tokenizer
+(``--skip-tokenizer-init``), and vLLM checks token ids only with one: a token id
+past the model's embedding crashes an engine that is sent it, so the proxy must
+refuse it, from the vocabulary size the connectors told it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .conftest import VLLM_MISSING
+
+if VLLM_MISSING:
+    pytest.skip(VLLM_MISSING, allow_module_level=True)
+
+from pushkv.vllm.testing import (
+    TINY_LLAMA,
+    Server,
+    ServerSpec,
+    free_port,
+    get_text,
+    kv_transfer_config,
+    post_json,
+    running,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]
+
+VOCAB = TINY_LLAMA["vocab_size"]
+LENGTH = 256  #: the servers' --max-model-len
+
+
+class Proxy:
+    """``pushkv proxy`` as a subprocess, logging to a file."""
+
+    def __init__(self, log: Path, *argv: str) -> None:
+        self.log = log
+        self.url = f"http://127.0.0.1:{free_port()}"
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pushkv.cli", "proxy", "--port",
+                 self.url.rsplit(":", 1)[1], "--timeout", "60", "--health-interval", "0.5",
+                 "--backoff-max", "1", *argv],
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def health(self) -> tuple[int, object]:
+        """(status, body) of the proxy's /health; (0, None) while it does not answer."""
+        import json
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+        except OSError:
+            return 0, None
+
+    def wait_answering(self, timeout_s: float = 60) -> None:
+        end = time.monotonic() + timeout_s
+        while self.health()[0] == 0:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < end, f"proxy silent: {self.log.read_text()[-3000:]}"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+@dataclass
+class Cluster:
+    model: str
+    prefill: Server
+    decode: Server
+    proxy: Proxy
+    logs: Path
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("proxy-engines-logs")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, logs: Path) -> Iterator[Cluster]:
+    model = str(tiny_model)
+    prefill = Server(ServerSpec(model=model, port=free_port(), cpu=0,
+                                kv_config=kv_transfer_config("kv_producer", "prefill-0")),
+                     logs / "prefill.log")
+    decode = Server(ServerSpec(model=model, port=free_port(), cpu=1,
+                               kv_config=kv_transfer_config("kv_consumer", "decode-0")),
+                    logs / "decode.log")
+    with running(prefill, decode):
+        proxy = Proxy(logs / "proxy.log", "--prefill", prefill.url, "--decode", decode.url)
+        try:
+            proxy.wait_answering()
+            yield Cluster(model, prefill, decode, proxy, logs)
+        finally:
+            proxy.stop()
+
+
+def completion(url: str, model: str, prompt: list[int], max_tokens: int = 4
+               ) -> tuple[int, dict[str, object]]:
+    return post_json(url + "/v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True}, timeout=60)
+
+
+def test_a_token_id_past_the_vocabulary_is_refused_and_no_engine_falls(cluster):
+    c = cluster
+    assert completion(c.proxy.url, c.model, [5, 6, 7])[0] == 200
+    for prompt in ([999999], [5, 6, VOCAB], [[VOCAB + 7]]):
+        status, answer = completion(c.proxy.url, c.model, prompt)  # type: ignore[arg-type]
+        assert status == 400, answer
+        error = answer["error"]
+        assert isinstance(error, dict) and "vocabulary" in error["message"], error
+        assert error["param"] == "prompt"
+    # The whole length is fine; a token more is refused, not shortened.
+    assert completion(c.proxy.url, c.model, [5] * (LENGTH - 4), max_tokens=4)[0] == 200
+    status, answer = completion(c.proxy.url, c.model, [5] * (LENGTH - 4), max_tokens=5)
+    assert status == 400 and answer["error"]["param"] == "max_tokens", answer  # type: ignore[index]
+    # Both engines are still up, in the proxy's rotation, and serve.
+    time.sleep(1.0)  # a crashing engine takes a moment to go
+    assert c.prefill.alive() and c.decode.alive()
+    for server in (c.prefill, c.decode):
+        get_text(server.url + "/health", timeout=5)
+    status, health = c.proxy.health()
+    assert status == 200 and all(health["instances"].values()), health  # type: ignore[index]
+    assert completion(c.proxy.url, c.model, [8, 9, 10])[0] == 200
