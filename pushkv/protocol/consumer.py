@@ -237,13 +237,32 @@ class Consumer(ConsumerView, Endpoint):
         first_token: int = 0,
         *,
         incarnation: int = 0,
+        lease_s: float | None = None,
     ) -> list[Action]:
-        """Pull: read the producer's published ``src_block_ids`` into ``block_ids``."""
+        """Pull: read the producer's published ``src_block_ids`` into ``block_ids``.
+
+        ``lease_s``: how long from now the source is known to stay held (the
+        :class:`~.events.Publish`'s ``lease_s`` less the relay's delay bound). A read
+        takes the source's bytes until it completes, so one that completes later
+        fails closed (``LEASE_EXPIRED``), and none starts once it is 0 or less.
+        None: no bound is known (the driver vouches for the source)."""
         src = block_tuple(src_block_ids)
-        return self._open(
+        if lease_s is not None and lease_s <= 0:
+            self._engine(producer_engine_id)
+            self._check_blocks(transfer_id, block_ids, num_tokens, first_token)
+            out = self._run_timers(now)
+            self.stats["failed"] += 1
+            return [*out, TransferFailed(
+                transfer_id=transfer_id, attempt=0, code=FailReason.LEASE_EXPIRED,
+                reason="the source's lease ended before the read could start",
+                policy=self.config.policy, incarnation=incarnation)]
+        out = self._open(
             transfer_id, producer_engine_id, Mode.PULL, src, block_ids, num_tokens, now,
             first_token, incarnation,
         )
+        if lease_s is not None:
+            self._transfers[transfer_id].lease_until = now + lease_s
+        return out
 
     def abandon(
         self, transfer_id: str, producer_engine_id: str, now: float, *, incarnation: int = 0
@@ -362,6 +381,11 @@ class Consumer(ConsumerView, Endpoint):
             raise LocalProtocolError("read completion for a transfer that reads nothing "
                                      "from that peer", transfer_id=transfer_id, attempt=attempt)
         out = self._run_timers(now)
+        if ok and now > t.lease_until:  # rule 4: the source may have gone under the read
+            ok = False
+            self.stats["reads_past_lease"] += 1
+            t.why(FailReason.LEASE_EXPIRED, f"the read from {peer} completed after the "
+                  "source's lease may have ended")
         self.stats["reads_ok" if ok else "reads_failed"] += 1
         if not ok:
             t.why(FailReason.READ_FAILED, f"read from {peer} failed")

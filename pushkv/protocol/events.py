@@ -162,12 +162,18 @@ class IssueRead:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Publish:
-    """Producer (pull): tell the consumer (through the router) where the KV is."""
+    """Producer (pull): tell the consumer (through the router) where the KV is.
+
+    ``lease_s``: how long from now the source stays held at least (its lease; a
+    heartbeat may extend it, an abort does not shorten it). Relay it to the
+    consumer's ``start_pull`` less the relay's own delay bound: a read that could
+    end after it fails closed (rule 4)."""
 
     transfer_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
     incarnation: int = 0  #: which use of the transfer id
+    lease_s: float = float("inf")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -361,13 +361,17 @@ class Producer(ProducerView, Endpoint):
             t.lease = now + self.config.lease_s  # armed by _settle while the source is held
             if t.mode is Mode.PULL:
                 own.append(Publish(transfer_id=t.transfer_id, block_ids=t.src_ids,
-                                   num_tokens=t.num_tokens, incarnation=t.inc))
+                                   num_tokens=t.num_tokens, incarnation=t.inc,
+                                   lease_s=self.config.lease_s))
             leg_input = PI.KV_READY
         elif effect is SE.ABORT:
             t.aborted = True
             if before is Kv.PENDING:
                 self._orphans -= 1
-            leg_input = PI.KV_ABORTED
+            # Rule 4: a published pull source may be under a READ, which takes its
+            # bytes any time until it completes: it stays held until it is read
+            # (ReadDone), given up (final Cancel) or its lease ends.
+            leg_input = None if t.mode is Mode.PULL and t.kv is Kv.HELD else PI.KV_ABORTED
         elif effect is SE.EXPIRE:
             t.expired = True
             self.stats["lease_expired"] += 1
@@ -641,7 +645,7 @@ class Producer(ProducerView, Endpoint):
             for leg in legs.values():
                 if leg.state in PRODUCER_WRITING:
                     return out  # settled again when the write completes
-            if t.final or t.expired or t.aborted:
+            if t.final or t.expired or (t.aborted and t.mode is not Mode.PULL):
                 finished = True
             elif t.consumer_engine is None:
                 finished = False

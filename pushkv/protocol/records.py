@@ -161,6 +161,8 @@ class Transfer:
     skipped: bool = False  # the producer ranks that write nothing were told (Skip)
     reason: str = ""
     code: FailReason = FailReason.WRITE_FAILED
+    #: Pull: until when the source is known held; a read completing later fails.
+    lease_until: float = float("inf")
 
     key: Key = field(init=False)  #: (transfer id, incarnation), set once
 

@@ -53,7 +53,11 @@ finished, a final cancel or a Skip arrived, the lease expired, or the local
 engine aborted the request (the derived input ``SETTLED``). A producer rank
 that writes nothing into the consumer engine (replicated heads, MLA, producer
 TP above consumer TP) learns so from one consumer rank's ``Skip`` and
-releases as soon as prefill finished. An *orphan* -- a source a peer spoke of
+releases as soon as prefill finished. A published pull source is read by its
+consumer with READs that take its bytes until they complete, so a local abort
+does not release it: it waits for the ReadDone, a final cancel or its lease;
+and the consumer, told the lease at publication, fails closed a read that
+completes after it (``LEASE_EXPIRED``). An *orphan* -- a source a peer spoke of
 before prefill finished -- is forgotten after ``orphan_ttl_s`` unless someone
 waits for it (``ORPHAN_EXPIRED``).
 

@@ -58,6 +58,7 @@ TOPOLOGIES = [
 ]
 _ENDED = (None, ConsumerState.READY, ConsumerState.CANCELLED, ConsumerState.FAILED)
 WINDOW, GRACE, LEASE = 4.0, 2.0, 6.0
+MAX_TRANSIT = 0.5
 
 
 def _plain(fn):
@@ -79,6 +80,7 @@ class Transfer:
         self.streamed = False  # some ranges were reported before prefill finished
         self.prefilled = False
         self.aborted = False  # the producer engine aborted the request
+        self.published = 0.0  # pull: when prefill published the source (its lease began)
 
 
 class Protocol(RuleBasedStateMachine):
@@ -94,14 +96,11 @@ class Protocol(RuleBasedStateMachine):
         base = {"num_blocks": 24, "block_size": 4, "head_dim": 4, "dtype_bytes": 2}
         self.pinfo = uniform_ranks("P", **(base | pkw))
         self.cinfo = uniform_ranks("D", **(base | ckw))
-        # Eager delivery (bytes land with their notification), not the transport's
-        # adversarial default: under adversarial delivery this machine finds a pull
-        # consumer reading a source the producer already released (a published source
-        # released by prefill_aborted or by its lease before the read), which the
-        # protocol does not prevent yet. Switch to the default once it does.
+        # The transport's adversarial delivery: bytes land in pieces, apart from the
+        # completions; a READ takes its source's bytes until it completes.
         self.net = pair(
-            self.pinfo, self.cinfo, seed=seed, hold=True, detect_s=0.5, delivery="eager",
-            max_transit_s=0.5, max_write_s=0.5, packing=self.PACKING,
+            self.pinfo, self.cinfo, seed=seed, hold=True, detect_s=0.5,
+            max_transit_s=MAX_TRANSIT, max_write_s=0.5, packing=self.PACKING,
             producer_config=ProducerConfig(lease_s=LEASE, max_pending_registrations=64),
             consumer_config=ConsumerConfig(window_s=WINDOW, fence_grace_s=GRACE,
                                            heartbeat_s=1.0),
@@ -174,6 +173,9 @@ class Protocol(RuleBasedStateMachine):
         """Pull: the router relays the published block ids; decode reads them."""
         if not t.pull or t.src is None or t.attempt >= 0 or self.dead or not self._cur(t):
             return
+        pub = [p.published.get(t.tid) for p in self.producers]
+        if not all(a is not None and a.incarnation == t.inc for a in pub):
+            return  # nothing was published (the request ended first): nothing to relay
         k = -(-t.n // self.cinfo[0].layout.block_size)
         blocks = self._take(self.c_free, k)
         if blocks is None:
@@ -181,8 +183,11 @@ class Protocol(RuleBasedStateMachine):
         t.attempt, t.dst[0] = 0, blocks
         note(f"pull {t.tid} -> {blocks}")
         for c in self.consumers:
+            # The router relays the publication's lease, less its own delay bound.
+            lease = t.published + LEASE - MAX_TRANSIT - self.net.now
             c.apply(c.endpoint.start_pull(t.tid, "P", t.src, blocks, t.n, self.net.now,
-                                          first_token=t.first, incarnation=t.inc))
+                                          first_token=t.first, incarnation=t.inc,
+                                          lease_s=lease))
 
     @rule(t=transfers)
     def register(self, t):
@@ -228,7 +233,7 @@ class Protocol(RuleBasedStateMachine):
             return
         if t.pull and t.attempt >= 0:
             return  # a pull transfer starts from what prefill published
-        t.src, t.prefilled = blocks, True
+        t.src, t.prefilled, t.published = blocks, True, self.net.now
         note(f"prefill {t.tid} <- {blocks}")
         mode = Mode.PULL if t.pull else Mode.PUSH
         for p in self.producers:

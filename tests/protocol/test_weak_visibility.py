@@ -182,3 +182,60 @@ def test_notify_and_cancel_ack_name_their_counts_apart():
     for m in (CancelAck, Fail):
         assert {"posted", "failed"} <= set(m.__struct_fields__)
         assert "parts" not in m.__struct_fields__
+
+
+# ------------------------------------------------ pull: a read takes its bytes late
+
+
+def test_a_prefill_abort_keeps_a_published_pull_source_until_it_is_read():
+    """A READ takes the source's bytes any time until it completes: the producer's
+    engine aborting the request must not free blocks a reader may be reading."""
+    from pushkv.protocol import Mode, ReadDone, ReleaseSource
+
+    pair = Pair()
+    (p,), (c,) = pair.p, pair.c
+    p.prefill_finished("t", [7, 8, 9], 40, 0.0, Mode.PULL, incarnation=1)
+    assert not of(p.prefill_aborted("t", 0.1, incarnation=1), ReleaseSource)
+    assert of(c.start_pull("t", "P", [7, 8, 9], [1, 2, 3], 40, 0.2, incarnation=1,
+                           lease_s=10.0), IssueRead)
+    out = c.read_completed("t", 0, P0, True, 0.3, incarnation=1)
+    assert of(out, TransferReady)
+    (done,) = msgs(out, ReadDone)
+    assert of(p.receive(done, 0.4), ReleaseSource) == [
+        ReleaseSource(transfer_id="t", block_ids=(7, 8, 9), incarnation=1)]
+
+
+def test_an_aborted_pull_source_nobody_reads_is_released_at_its_lease():
+    from pushkv.protocol import Mode, ProducerConfig, ReleaseSource
+
+    pair = Pair(pcfg=ProducerConfig(lease_s=10.0))
+    (p,) = pair.p
+    p.prefill_finished("t", [7, 8, 9], 40, 0.0, Mode.PULL, incarnation=1)
+    assert not of(p.prefill_aborted("t", 0.1, incarnation=1), ReleaseSource)
+    assert of(p.handle_timer(10.0), ReleaseSource)
+
+
+def test_a_read_that_completes_after_the_sources_lease_fails_closed():
+    from pushkv.protocol import FailReason, TransferFailed
+
+    pair = Pair()
+    (c,) = pair.c
+    assert of(c.start_pull("t", "P", [7, 8, 9], [1, 2, 3], 40, 0.0, incarnation=1,
+                           lease_s=10.0), IssueRead)
+    out = c.read_completed("t", 0, P0, True, 10.5, incarnation=1)
+    assert not of(out, TransferReady), "the source may have been freed under the read"
+    (f,) = of(out, TransferFailed)
+    assert f.code is FailReason.LEASE_EXPIRED and "lease" in f.reason
+    assert _released(out) == [1, 2, 3] and c.num_transfers == 0
+
+
+def test_a_pull_whose_source_lease_already_ended_reads_nothing():
+    from pushkv.protocol import FailReason, TransferFailed
+
+    pair = Pair()
+    (c,) = pair.c
+    out = c.start_pull("t", "P", [7, 8, 9], [1, 2, 3], 40, 5.0, incarnation=1, lease_s=0.0)
+    assert not of(out, IssueRead)
+    (f,) = of(out, TransferFailed)
+    assert f.code is FailReason.LEASE_EXPIRED
+    assert c.lent_blocks() == {} and c.num_transfers == 0
