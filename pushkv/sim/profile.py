@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..protocol.errors import ConfigError
+from ..protocol.packing import POST_PER_DESCRIPTOR_S
 
 
 class ProfileError(ConfigError):
@@ -408,7 +409,7 @@ class NetworkProfile:
         CAL_DESC + ": fit of 118 desc = 460 us and 18,880 desc = 46 ms",
     )
     post_per_descriptor_s: float = _f(
-        2.7e-6,
+        POST_PER_DESCRIPTOR_S,
         "cost per descriptor of preparing and posting, paid by the posting thread",
         FIT + ", inside " + CAL_DESC + " 2.4-3.9 us per descriptor",
     )
