@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -61,6 +61,15 @@ class FakeVllm:
     drop_legs: int = 0  #: the first this many legs are read, then their connection closed
     policy: str = "fail"
     probes: int = 0
+    #: The role its connector runs: "" (the fake's own), "kv_producer", "kv_consumer",
+    #: or "none" (no connector: discovery parameters come back null, as from vLLM).
+    kv_role: str = ""
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """What its connector tells a discovery request."""
+        role = self.kv_role or ("kv_producer" if self.role == "prefill" else "kv_consumer")
+        return replace(ENDPOINT, role=role.removeprefix("kv_"))
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -84,8 +93,12 @@ class FakeVllm:
         params = body.get("kv_transfer_params")
         if params and params.get("pushkv_discover"):
             self.discoveries += 1
+            if self.kv_role == "none":
+                return web.json_response({"choices": [{"text": ""}],
+                                          "kv_transfer_params": None})
             return web.json_response({"choices": [{"text": ""}], "kv_transfer_params": {
-                ENDPOINT_KEY: ENDPOINT.to_json(), POLICY_KEY: self.policy, VOCAB_KEY: 1000}})
+                ENDPOINT_KEY: self.endpoint.to_json(), POLICY_KEY: self.policy,
+                VOCAB_KEY: 1000}})
         leg = Leg(body=body, headers={k.lower(): v for k, v in request.headers.items()},
                   arrived=time.monotonic())
         self.legs.append(leg)

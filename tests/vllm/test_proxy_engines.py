@@ -3,10 +3,15 @@ engine sees it, and which instances it refuses to route to.
 
 A prefill server (``kv_producer``, core 0) and a decode server (``kv_consumer``,
 core 1) with PushKVConnector run for the module, with a proxy (the ``pushkv
-proxy`` command) in front. The recipe's servers have no tokenizer
-(``--skip-tokenizer-init``), and vLLM checks token ids only with one: a token id
-past the model's embedding crashes an engine that is sent it, so the proxy must
-refuse it, from the vocabulary size the connectors told it.
+proxy`` command) in front, and a plain server (no KV connector) beside them.
+
+* The recipe's servers have no tokenizer (``--skip-tokenizer-init``), and vLLM
+  checks token ids only with one: a token id past the model's embedding crashes
+  an engine that is sent it, so the proxy must refuse it, from the vocabulary
+  size the connectors told it.
+* A proxy given the plain server as its decode instance refuses it at start (one
+  log line naming the fix; ``/health`` says why), and so are instances given in
+  the other role.
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ class Cluster:
     model: str
     prefill: Server
     decode: Server
+    plain: Server
     proxy: Proxy
     logs: Path
 
@@ -114,11 +120,12 @@ def cluster(tiny_model: Path, logs: Path) -> Iterator[Cluster]:
     decode = Server(ServerSpec(model=model, port=free_port(), cpu=1,
                                kv_config=kv_transfer_config("kv_consumer", "decode-0")),
                     logs / "decode.log")
-    with running(prefill, decode):
+    plain = Server(ServerSpec(model=model, port=free_port(), cpu=1), logs / "plain.log")
+    with running(prefill, decode, plain):
         proxy = Proxy(logs / "proxy.log", "--prefill", prefill.url, "--decode", decode.url)
         try:
             proxy.wait_answering()
-            yield Cluster(model, prefill, decode, proxy, logs)
+            yield Cluster(model, prefill, decode, plain, proxy, logs)
         finally:
             proxy.stop()
 
@@ -151,3 +158,44 @@ def test_a_token_id_past_the_vocabulary_is_refused_and_no_engine_falls(cluster):
     status, health = c.proxy.health()
     assert status == 200 and all(health["instances"].values()), health  # type: ignore[index]
     assert completion(c.proxy.url, c.model, [8, 9, 10])[0] == 200
+
+
+def lines_naming(log: Path, url: str) -> list[str]:
+    return [line for line in log.read_text(errors="replace").splitlines() if url in line]
+
+
+def test_a_decode_server_without_the_connector_is_refused_at_start(cluster):
+    c = cluster
+    proxy = Proxy(c.logs / "proxy-plain.log", "--prefill", c.prefill.url, "--decode",
+                  c.plain.url)
+    try:
+        proxy.wait_answering()
+        status, health = proxy.health()
+        assert status == 503, health
+        assert isinstance(health, dict) and health["instances"] == {
+            c.prefill.url: True, c.plain.url: False}
+        why = health["out_of_rotation"][c.plain.url]
+        assert "does not run PushKVConnector" in why and '"kv_role":"kv_consumer"' in why
+        assert completion(proxy.url, c.model, [5, 6, 7])[0] == 503
+        time.sleep(2.0)  # a few probes more: the refusal is not logged again
+        (line,) = [ln for ln in lines_naming(proxy.log, c.plain.url) if "WARNING" in ln]
+        assert "--kv-transfer-config" in line and "out of rotation" in line
+    finally:
+        proxy.stop()
+
+
+def test_instances_given_in_the_other_role_are_refused(cluster):
+    c = cluster
+    proxy = Proxy(c.logs / "proxy-swapped.log", "--prefill", c.decode.url, "--decode",
+                  c.prefill.url)
+    try:
+        proxy.wait_answering()
+        status, health = proxy.health()
+        assert status == 503 and isinstance(health, dict), health
+        why = health["out_of_rotation"]
+        assert "as kv_consumer, but is given as --prefill" in why[c.decode.url]
+        assert "as kv_producer, but is given as --decode" in why[c.prefill.url]
+    finally:
+        proxy.stop()
+    # The module's proxy was not disturbed.
+    assert completion(c.proxy.url, c.model, [11, 12, 13])[0] == 200

@@ -6,6 +6,7 @@ Waits are on conditions (a leg arrived, an instance left rotation), never on tim
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -111,10 +112,11 @@ def test_a_hung_producer_leaves_rotation_and_its_requests_fail_over():
         assert not proxy.prefill[0].up and proxy.prefill[1].up
         assert await counter(s, url, "pushkv_proxy_instance_up", role="prefill") == 1
         # Thawed, it is probed back into rotation (with back-off), and asked again who
-        # it is (a restart may change its side channel).
+        # it is (a restart may change its side channel) before it is back.
+        assert hung.discoveries == 1 and proxy.prefill[0].endpoint is None
         hung.hang = False
         await until(lambda: proxy.prefill[0].up)
-        assert proxy.prefill[0].endpoint is None
+        assert hung.discoveries == 2 and proxy.prefill[0].endpoint is not None
 
     run([hung, good], [d], scenario)
     assert len(hung.legs) == 1 and hung.legs[0].cancelled and len(good.legs) == 1
@@ -334,3 +336,61 @@ def test_a_request_that_made_an_engine_fail_is_not_sent_to_another(role, how):
 
     run(*pools, scenario, health=SLOW_PROBES)
     assert len(bad.legs) == 1 and good.legs == []
+
+
+# ------------------------------------------- each instance runs pushkv in its role
+
+async def health(s: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    async with s.get(url + "/health") as r:
+        return r.status, await r.json()
+
+
+def test_a_decode_instance_without_the_connector_is_refused_until_it_runs_it(caplog):
+    p, d = FakeVllm("prefill"), FakeVllm("decode", kv_role="none")
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        (inst,) = proxy.decode
+        assert not inst.up  # refused at start, before any request
+        probes = d.probes
+        await until(lambda: d.probes >= probes + 3)  # probed again: still refused
+        status, body = await health(s, url)
+        assert status == 503 and body["reason"] == "no decode instance is in rotation"
+        why = body["out_of_rotation"][inst.url]
+        assert "does not run PushKVConnector" in why and '"kv_role":"kv_consumer"' in why
+        assert (await post(s, url))[0] == 503
+        assert d.legs == [] and p.legs == []
+        lines = [r.getMessage() for r in caplog.records
+                 if r.levelno >= logging.WARNING and inst.url in r.getMessage()]
+        assert len(lines) == 1 and "does not run PushKVConnector" in lines[0], lines
+        d.kv_role = ""  # restarted with the connector: the next probe lets it in
+        await until(lambda: inst.up)
+        assert (await health(s, url))[0] == 200 and (await post(s, url))[0] == 200
+
+    with caplog.at_level(logging.INFO, logger="pushkv.proxy"):
+        run([p], [d], scenario)
+
+
+def test_an_instance_in_the_other_role_is_refused_and_checked_again_when_it_returns():
+    p1, p2 = FakeVllm("prefill"), FakeVllm("prefill", kv_role="kv_consumer")
+    d = FakeVllm("decode")
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        good, wrong = proxy.prefill
+        assert good.up and not wrong.up
+        status, body = await health(s, url)
+        assert status == 200  # one producer is enough to serve
+        why = body["out_of_rotation"][wrong.url]
+        assert "as kv_consumer, but is given as --prefill" in why and "--decode" in why
+        for _ in range(3):
+            assert (await post(s, url))[0] == 200
+        assert p2.legs == [] and len(p1.legs) == 3
+        # The good one goes away and comes back in the wrong role: it stays out.
+        p1.healthy = False
+        await until(lambda: not good.up)
+        p1.kv_role, p1.healthy = "kv_consumer", True
+        discoveries = p1.discoveries
+        await until(lambda: p1.discoveries > discoveries + 1)
+        assert not good.up and "kv_consumer" in good.why
+        assert (await health(s, url))[0] == 503
+
+    run([p1, p2], [d], scenario)

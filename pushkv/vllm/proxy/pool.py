@@ -7,7 +7,9 @@ when
   timed out, or answered with anything but 200; with ``generate_timeout_s``,
   also a one-token completion not answered in time: an engine loop that is
   stuck while its HTTP server still answers), or
-* a connection to it is refused or times out (a leg, a discovery).
+* a connection to it is refused or times out (a leg, a discovery), or
+* it is refused (:meth:`Pool.refuse`): it answers, but is not what its role
+  needs (a decode instance without pushkv's connector as consumer, say).
 
 What happens to one request (an error answer, a connection the instance
 accepted and then dropped) never takes an instance out: its health is the
@@ -15,8 +17,9 @@ probes' business.
 
 A down instance is probed again after a back-off that doubles from
 ``health_interval_s`` up to ``backoff_max_s``; the first probe that succeeds
-puts it back in rotation, and what the proxy learnt about it (model, side
-channel) is asked again, since a restarted instance may have changed. Going
+puts it back in rotation. What the proxy learnt about an instance (side
+channel, failure policy) is forgotten when it goes down, and the probe that
+brings it back asks again (a restarted instance may have changed). Going
 down also wakes every leg still waiting on the instance (:attr:`Instance.down`),
 so a hung instance fails its requests over instead of holding them.
 
@@ -75,6 +78,9 @@ class Instance:
     served: int = 0
     endpoint: Endpoint | None = None  #: its pushkv side channel (producers)
     policy: str | None = None  #: decode: its kv_load_failure_policy, once discovered
+    #: Its connector was seen to run in the instance's role since it last came up.
+    verified: bool = False
+    why: str = ""  #: why it is out of rotation (empty while in)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     #: Set (and replaced when the instance comes back) when the instance goes down.
     down: asyncio.Event = field(default_factory=asyncio.Event)
@@ -83,10 +89,14 @@ class Instance:
         """Drop what was learnt from the instance; it is asked again on next use."""
         self.endpoint = None
         self.policy = None
+        self.verified = False
 
 
-#: A health probe: True when the instance answered healthy.
-Probe = Callable[[Instance], Awaitable[bool]]
+#: Begins the reason of an instance that is refused (:meth:`Pool.refuse`).
+_REFUSED = "refused: "
+#: A health probe: True when the instance answered healthy, False when it did not,
+#: or why it is refused (it answers, but must not serve: :meth:`Pool.refuse`).
+Probe = Callable[[Instance], Awaitable[bool | str]]
 #: Told about every change of an instance's state: (instance, up?).
 Listener = Callable[[Instance, bool], None]
 
@@ -133,12 +143,23 @@ class Pool:
         inst.backoff_s = (min(inst.backoff_s * 2, s.backoff_max_s) if inst.backoff_s
                           else s.interval_s)
         inst.next_probe = now + inst.backoff_s
+        inst.forget()
+        inst.why = why
         if inst.up:
             inst.up = False
             inst.down.set()
             logger.warning("%s instance %s is out of rotation: %s (next probe in %.1f s)",
                            inst.role, inst.url, why, inst.backoff_s)
             self._tell(inst, False)
+
+    def refuse(self, inst: Instance, why: str, now: float | None = None) -> None:
+        """Take ``inst`` out of rotation (or keep it out) because it must not serve:
+        ``why`` says what is wrong and how to fix it, logged once while it holds."""
+        was, up = inst.why, inst.up
+        self.mark_down(inst, f"{_REFUSED}{why}", now)
+        if not up and was != inst.why:  # mark_down logged it if it was in rotation
+            logger.warning("%s instance %s is out of rotation: %s (next probe in %.1f s)",
+                           inst.role, inst.url, inst.why, inst.backoff_s)
 
     def mark_up(self, inst: Instance, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -147,14 +168,17 @@ class Pool:
         inst.next_probe = now + self.settings.interval_s
         if not inst.up:
             inst.up = True
+            inst.why = ""
             inst.down = asyncio.Event()
-            inst.forget()
             logger.info("%s instance %s is back in rotation", inst.role, inst.url)
             self._tell(inst, True)
 
-    def probed(self, inst: Instance, ok: bool, now: float | None = None) -> None:
-        """Account for one health probe's result."""
+    def probed(self, inst: Instance, ok: bool | str, now: float | None = None) -> None:
+        """Account for one health probe's result (a string: why it is refused)."""
         now = time.monotonic() if now is None else now
+        if isinstance(ok, str):
+            self.refuse(inst, ok, now)
+            return
         if ok:
             self.mark_up(inst, now)
             return

@@ -15,6 +15,10 @@ and streams the answer back to the client. Neither leg waits for the other.
   again with back-off. What happens to one request (an error answer, a
   request dropped after the instance accepted it) never takes an instance out.
   Instances are chosen by least outstanding work.
+* **Roles.** At start and whenever an instance comes back into rotation, a
+  discovery request checks that it runs PushKVConnector in its role (producer
+  behind ``--prefill``, consumer behind ``--decode``); one that does not is
+  kept out with one log line naming the fix, and ``/health`` says why.
 * **Failover.** A leg that no engine accepted (its instance could not be
   reached, or went out of rotation while the leg waited) before any output
   reached the client is sent again, once, as a **new transfer** on other
@@ -83,6 +87,9 @@ _RNG = random.Random(os.urandom(16))
 #: How long an idle connection to an instance is kept: below vLLM's own keep-alive
 #: (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default).
 _KEEPALIVE_S = 3.0
+#: The longest a discovery request may take (an instance's check, at start and when
+#: it comes back): one token of a one-token prompt.
+_DISCOVERY_S = 30.0
 #: Request headers passed on to both legs.
 _FORWARDED = ("Authorization", "X-Request-Priority")
 
@@ -261,13 +268,20 @@ class PushProxy:
         self._session = aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(
                 limit=0, force_close=False, keepalive_timeout=_KEEPALIVE_S))
+        # Each instance must run pushkv's connector in its role before it serves;
+        # one that cannot be asked now is out of rotation until a probe can.
+        async def check(inst: Instance) -> None:
+            try:
+                why = await self._verify(inst)
+            except LegError as exc:
+                if inst.up:  # reachable (else it is out already), but it did not answer
+                    self.pool.mark_down(inst, f"a discovery request failed: {exc.message:.300}")
+                return
+            if why:
+                self.pool.refuse(inst, why)
+
+        await asyncio.gather(*(check(i) for i in self.pool.all))
         self._watcher = asyncio.create_task(self.pool.watch(self._probe))
-
-        async def learn(inst: Instance) -> None:
-            with contextlib.suppress(LegError):  # best effort: it may come up later
-                await self._endpoint(inst)
-
-        await asyncio.gather(*(learn(i) for i in self.prefill))
 
     async def _stop(self, app: web.Application) -> None:
         if self._watcher is not None:
@@ -288,22 +302,72 @@ class PushProxy:
 
     # ---------------------------------------------------- upstream I/O
 
-    async def _probe(self, inst: Instance) -> bool:
+    async def _probe(self, inst: Instance) -> bool | str:
+        """A health probe; an instance coming back into rotation is also checked for
+        pushkv's connector in its role (:meth:`_check`)."""
         h = self.settings.health
         try:
             async with self.session.get(
                     inst.url + "/health", timeout=aiohttp.ClientTimeout(total=h.timeout_s)) as r:
                 if r.status != 200:
                     return False
-            if not h.generate_timeout_s or not self.models:
-                return True
-            body = {"model": next(iter(self.models)), "prompt": [1], "max_tokens": 1}
-            async with self.session.post(
-                    inst.url + COMPLETIONS, json=body,
-                    timeout=aiohttp.ClientTimeout(total=h.generate_timeout_s)) as r:
-                return r.status == 200
+            if h.generate_timeout_s and self.models:
+                body = {"model": next(iter(self.models)), "prompt": [1], "max_tokens": 1}
+                async with self.session.post(
+                        inst.url + COMPLETIONS, json=body,
+                        timeout=aiohttp.ClientTimeout(total=h.generate_timeout_s)) as r:
+                    if r.status != 200:
+                        return False
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
+        if inst.up and inst.verified:
+            return True
+        return await self._check(inst)
+
+    async def _check(self, inst: Instance) -> bool | str:
+        """Whether ``inst`` runs pushkv's connector in its role, asked with a discovery
+        request: True (and what it told is kept), why it must not serve, or False when
+        it could not be asked (unreachable, an error answer)."""
+        try:
+            why = await self._verify(inst)
+        except LegError as exc:
+            logger.debug("%s instance %s: discovery failed: %s", inst.role, inst.url,
+                         exc.message)
+            return False
+        return why or True
+
+    async def _verify(self, inst: Instance) -> str:
+        """Ask ``inst`` who it is; '' when it runs pushkv's connector in its role (its
+        side channel, failure policy and vocabulary are kept), else why it must not
+        serve, with the fix. LegError when it cannot be asked."""
+        params = await self._discover(inst)
+        want = "kv_producer" if inst.role == "prefill" else "kv_consumer"
+        fix = ("start it with --kv-transfer-config '{\"kv_connector\":\"PushKVConnector\","
+               f"\"kv_connector_module_path\":\"pushkv.vllm.connector\",\"kv_role\":\"{want}\""
+               ", ...}'")
+        if ENDPOINT_KEY not in params:
+            return (f"it does not run PushKVConnector (its answer to a discovery request "
+                    f"carried no pushkv parameters): {fix}; if it does, its connector and the "
+                    "proxy hold different shared keys (--key-file, key_file)")
+        try:
+            endpoint = Endpoint.from_json(params[ENDPOINT_KEY], "discovery answer")
+        except ParamsError as exc:
+            return (f"its connector's discovery answer is not understood ({exc}): run the "
+                    "same pushkv version on the instances and the proxy")
+        has = f"kv_{endpoint.role}"
+        if has != want:
+            other = "decode" if inst.role == "prefill" else "prefill"
+            return (f"it runs PushKVConnector as {has}, but is given as --{inst.role}: give "
+                    f"it as --{other}, or start it with \"kv_role\":\"{want}\"")
+        if inst.role == "prefill":
+            if inst.endpoint != endpoint:
+                logger.info("producer %s: engine %s, side channel %s", inst.url,
+                            endpoint.engine_id, endpoint.addresses())
+            inst.endpoint = endpoint
+        else:
+            inst.policy = "recompute" if params.get(POLICY_KEY) == "recompute" else "fail"
+        inst.verified = True
+        return ""
 
     async def _get_json(self, inst: Instance, path: str) -> tuple[int, Any]:
         try:
@@ -316,12 +380,12 @@ class PushProxy:
             raise self._failed(inst, exc) from None
 
     async def _post_json(self, inst: Instance, path: str, body: dict[str, Any],
-                         headers: dict[str, str]) -> tuple[int, Any]:
+                         headers: dict[str, str], timeout_s: float | None = None
+                         ) -> tuple[int, Any]:
+        total = timeout_s or self.settings.request_timeout_s
         try:
-            async with self.session.post(
-                    inst.url + path, json=body, headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s)
-            ) as resp:
+            async with self.session.post(inst.url + path, json=body, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=total)) as resp:
                 return resp.status, await read_json(resp)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._failed(inst, exc) from None
@@ -370,7 +434,9 @@ class PushProxy:
         """The instance's answer to a discovery request (its connector's parameters)."""
         body = {"model": await self._model_name(inst), "prompt": [1], "max_tokens": 1,
                 "kv_transfer_params": self._sign(Discover().to_params())}
-        status, answer = await self._post_json(inst, COMPLETIONS, body, {})
+        status, answer = await self._post_json(
+            inst, COMPLETIONS, body, {},
+            timeout_s=min(_DISCOVERY_S, self.settings.request_timeout_s))
         if status != 200:
             raise self._leg_error(inst, status, answer)
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
@@ -396,29 +462,28 @@ class PushProxy:
         self.models = {k: replace(m, vocab_size=vocab) for k, m in self.models.items()}
 
     async def _endpoint(self, inst: Instance) -> Endpoint:
-        """A producer's side channel, asked for once with a discovery request."""
+        """A producer's side channel, learnt when it was checked (asked again if
+        forgotten)."""
         async with inst.lock:
-            if inst.endpoint is not None:
-                return inst.endpoint
-            params = await self._discover(inst)
-            try:
-                inst.endpoint = Endpoint.from_json(params.get(ENDPOINT_KEY), "discovery answer")
-            except ParamsError as exc:
-                raise LegError("prefill", 502, f"{inst.url} is not a pushkv producer "
-                               f"(discovery answered {params!r}: {exc})") from None
-            logger.info("producer %s: engine %s, side channel %s", inst.url,
-                        inst.endpoint.engine_id, inst.endpoint.addresses())
+            if inst.endpoint is None:
+                try:
+                    why = await self._verify(inst)
+                except LegError as exc:  # not the client's request that failed: retry it
+                    raise LegError("prefill", 502, f"prefill instance {inst.url} could not be "
+                                   f"asked for its side channel: {exc.message}",
+                                   retryable=True) from None
+                if why or inst.endpoint is None:
+                    self.pool.refuse(inst, why)
+                    raise LegError("prefill", 502, f"prefill instance {inst.url} is out of "
+                                   f"rotation: {why}", retryable=True)
             return inst.endpoint
 
     async def _policy(self, inst: Instance) -> str:
         """A decode instance's kv_load_failure_policy ("fail" if it cannot be learnt)."""
         if inst.policy is None:
-            try:
-                params = await self._discover(inst)
-            except LegError:
-                return "fail"
-            inst.policy = "recompute" if params.get(POLICY_KEY) == "recompute" else "fail"
-        return inst.policy
+            with contextlib.suppress(LegError):
+                await self._verify(inst)
+        return inst.policy or "fail"
 
     async def _model_name(self, inst: Instance) -> str:
         if not self.models:
@@ -455,11 +520,19 @@ class PushProxy:
         return web.json_response(body, status=status)
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 when requests can be served (an instance of each role in rotation)."""
-        status = {i.url: i.up for i in self.pool.all}
-        up = any(i.up for i in self.decode) and any(i.up for i in self.prefill)
-        return web.json_response({"healthy": up, "instances": status},
-                                 status=200 if up else 503)
+        """200 when requests can be served (an instance of each role in rotation); why
+        each instance out of rotation is out, and why the proxy cannot serve."""
+        body: dict[str, Any] = {"healthy": True,
+                                "instances": {i.url: i.up for i in self.pool.all}}
+        out = {i.url: i.why for i in self.pool.all if not i.up}
+        if out:
+            body["out_of_rotation"] = out
+        for role in ("decode", "prefill"):
+            if not any(i.up for i in self.pool.of(role)):
+                body["healthy"] = False
+                body["reason"] = f"no {role} instance is in rotation"
+                break
+        return web.json_response(body, status=200 if body["healthy"] else 503)
 
     async def serve_metrics(self, request: web.Request) -> web.Response:
         for inst in self.pool.all:
