@@ -252,10 +252,13 @@ class Consumer(ConsumerView, Endpoint):
             self._check_blocks(transfer_id, block_ids, num_tokens, first_token)
             out = self._run_timers(now)
             self.stats["failed"] += 1
-            return [*out, TransferFailed(
-                transfer_id=transfer_id, attempt=0, code=FailReason.LEASE_EXPIRED,
-                reason="the source's lease ended before the read could start",
-                policy=self.config.policy, incarnation=incarnation)]
+            # Nothing is read; the producer is told (final Cancel) to drop the source.
+            return [*out, *abandons(self, (transfer_id, incarnation), producer_engine_id,
+                                    self._writers.get(producer_engine_id, frozenset())),
+                    TransferFailed(
+                        transfer_id=transfer_id, attempt=0, code=FailReason.LEASE_EXPIRED,
+                        reason="the source's lease ended before the read could start",
+                        policy=self.config.policy, incarnation=incarnation)]
         out = self._open(
             transfer_id, producer_engine_id, Mode.PULL, src, block_ids, num_tokens, now,
             first_token, incarnation,

@@ -564,8 +564,9 @@ CHECKS: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
 #
 # A pull cluster also has ``publish(tid, src, n, *, incarnation=0)`` (prefill
 # finished, blocks published) and ``start_pull(tid, dst, n, first_token=0, *,
-# incarnation=0, src_block_ids=None)``, which waits for the publication, as a
-# sequential router does, then has every consumer rank read.
+# incarnation=0, src_block_ids=None, lease_s=None)``, which waits for the
+# publication, as a sequential router does, then has every consumer rank read
+# (``lease_s``: how long the source is known held, as the router relays it).
 
 
 def check_pull_transfer(make: MakeCluster, topo: Topology, *, num_tokens: int = 100,
@@ -737,6 +738,22 @@ def check_pull_lease(make: MakeCluster, topo: Topology | None = None) -> None:
         c.close()
 
 
+def check_pull_past_the_lease(make: MakeCluster, topo: Topology | None = None) -> None:
+    """Pull: the decode side is told the source's lease has ended before it reads
+    (``lease_s`` 0): it reads nothing, fails the transfer (LEASE_EXPIRED) and tells
+    the producer, which releases the source at once; no block stays lent."""
+    topo = topo or Topology()
+    c: Any = make(topo)
+    try:
+        c.publish("t", [7, 8, 9], 40)
+        c.start_pull("t", [4, 5, 6], 40, lease_s=0.0)
+        snap = c.wait(lambda s: _settled(s, topo, ["t"], "failed"), 30)
+        assert _settled(snap, topo, ["t"], "failed"), snap.outcomes
+        assert_clean(c, timeout_s=topo.producer_config.lease_s / 2)  # not its lease end
+    finally:
+        c.close()
+
+
 #: Checks of pull (the consumer reads): a transport that can pull opts in.
 PULL_CHECKS: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     **{
@@ -758,6 +775,7 @@ PULL_CHECKS: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     "pull_reused_id": (check_pull_reused_id, {}),
     "pull_reused_id_tp2-1": (check_pull_reused_id, {"topo": TOPOLOGIES["tp2-1"]}),
     "pull_lease": (check_pull_lease, {}),
+    "pull_past_the_lease": (check_pull_past_the_lease, {}),
 }
 
 

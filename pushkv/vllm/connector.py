@@ -110,6 +110,7 @@ class PushKVConnector(KVConnectorBase_V1):
                 direction=self.settings.direction,
                 granularity=self.settings.push_granularity,
                 vocab_size=_vocab_size(vllm_config),
+                lease_s=self.settings.lease_s,
             )
         else:
             from .worker_side import WorkerSide  # the transport is needed here only

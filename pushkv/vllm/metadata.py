@@ -40,6 +40,8 @@ class RecvOrder:
     incarnation: int = 0
     direction: str = "push"  #: "pull": read ``src_block_ids`` instead of registering
     src_block_ids: tuple[int, ...] = ()
+    #: Pull: the wall-clock time until which the source is known held (None: not said)
+    lease_until: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -216,6 +216,9 @@ class DecodeLeg:
     #: producer already published them: a sequential router's decode leg).
     direction: str = "push"
     src_block_ids: tuple[int, ...] = ()
+    #: Pull: how long the producer holds the source from when it answered (its
+    #: lease), None if the answer did not say.
+    lease_s: float | None = None
 
     def to_params(self) -> dict[str, Any]:
         return _with_incarnation({
@@ -239,11 +242,19 @@ Leg = PrefillLeg | NixlPrefillLeg | DecodeLeg | Discover
 #: The keys of a NIXL-style answer a producer signs (with a shared key): every one
 #: a consumer reads. Routers and vLLM may add others; they are dropped unread.
 NIXL_SIGNED = ("do_remote_prefill", "transfer_id", "incarnation", "pushkv_direction",
-               "transfer_mode", "remote_block_ids", "remote_engine_id", ENDPOINT_KEY)
+               "transfer_mode", "remote_block_ids", "remote_engine_id", ENDPOINT_KEY,
+               "pushkv_lease_ms")
+
+#: How long a producer's answer may take to reach the decode instance through the
+#: router, at most (pushkv's bound, not a measured one): a pulled source is known
+#: held until the decode request's arrival plus the lease the answer carries,
+#: less this. A read that could complete later fails closed (LEASE_EXPIRED).
+RELAY_BOUND_S = 2.0
 
 
 def nixl_answer(*, endpoint: Endpoint, transfer_id: str, incarnation: int, request_id: str,
-                block_ids: list[int], num_tokens: int, direction: str) -> dict[str, Any]:
+                block_ids: list[int], num_tokens: int, direction: str,
+                lease_s: float | None = None) -> dict[str, Any]:
     """A producer's answer to a :class:`NixlPrefillLeg`: vLLM NixlConnector's fields
     (what a router passes on to the decode leg) plus pushkv's own."""
     return {
@@ -265,6 +276,8 @@ def nixl_answer(*, endpoint: Endpoint, transfer_id: str, incarnation: int, reque
         "incarnation": incarnation,
         "num_tokens": num_tokens,
         ENDPOINT_KEY: endpoint.to_json(),
+        # Pull: the source's lease, so the decode side reads only while it is held.
+        **({"pushkv_lease_ms": int(lease_s * 1000)} if lease_s is not None else {}),
     }
 
 
@@ -297,8 +310,14 @@ def _nixl_decode(params: Mapping[str, Any], transfer_id: str, incarnation: int) 
     if incarnation == 0:
         raise ParamsError(f"{where}: 'incarnation' is missing (the producer draws one)")
     src = _block_ids(params.get("remote_block_ids"), where) if mode == "pull" else ()
+    lease = params.get("pushkv_lease_ms")
+    if lease is not None and (not isinstance(lease, int) or isinstance(lease, bool)
+                              or not 0 <= lease < 2**40):
+        raise ParamsError(f"{where}: 'pushkv_lease_ms' must be a whole number of "
+                          f"milliseconds >= 0, got {lease!r:.40}")
     return DecodeLeg(transfer_id=transfer_id, producer=producer, incarnation=incarnation,
-                     direction=mode, src_block_ids=src)
+                     direction=mode, src_block_ids=src,
+                     lease_s=None if lease is None else lease / 1000)
 
 
 def parse_params(params: object) -> Leg | None:

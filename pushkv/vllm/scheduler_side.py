@@ -39,6 +39,7 @@ import enum
 import hashlib
 import logging
 import random
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,7 @@ from .params import (
     MAX_ID_LEN,
     NIXL_SIGNED,
     POLICY_KEY,
+    RELAY_BOUND_S,
     VOCAB_KEY,
     DecodeLeg,
     Discover,
@@ -74,6 +76,16 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+def _lease_until(request: Request, leg: DecodeLeg) -> float | None:
+    """Pull: until when (wall clock) the producer is known to hold the source: from
+    the request's arrival here, the lease its answer announced less the relay's
+    bound (RELAY_BOUND_S). None: the answer announced none."""
+    if leg.direction != "pull" or leg.lease_s is None:
+        return None
+    arrival = getattr(request, "arrival_time", None) or time.time()
+    return float(arrival) + leg.lease_s - RELAY_BOUND_S
+
 
 def leg_direction(leg: PrefillLeg | NixlPrefillLeg, setting: str = "auto") -> str:
     """How a prefill's KV moves (:func:`pushkv.direction.choose_direction`): a leg of
@@ -119,7 +131,7 @@ class SchedulerSide:
     def __init__(self, *, endpoint: Endpoint, block_size: int, is_producer: bool,
                  is_consumer: bool, policy: str = "fail", key: bytes | None = None,
                  direction: str = "auto", granularity: str = "request",
-                 vocab_size: int = 0) -> None:
+                 vocab_size: int = 0, lease_s: float | None = None) -> None:
         if direction not in SETTINGS:
             raise ParamsError(f"direction must be one of {SETTINGS}, got {direction!r}")
         self.direction = direction
@@ -137,6 +149,7 @@ class SchedulerSide:
         self.is_consumer = is_consumer
         self.policy = policy
         self.vocab_size = vocab_size  #: the model's, told to the proxy (0: not known)
+        self.lease_s = lease_s  #: producer: the source lease its pull answers announce
         self._key = key
         self._replays = ReplayGuard()
         self.refused = 0  #: requests whose kv_transfer_params were refused
@@ -222,7 +235,8 @@ class SchedulerSide:
         order = RecvOrder(req_id=req_id, transfer_id=leg.transfer_id, producer=leg.producer,
                           block_ids=tuple(block_ids), num_tokens=num_tokens, first_token=first,
                           incarnation=leg.incarnation, direction=leg.direction,
-                          src_block_ids=leg.src_block_ids)
+                          src_block_ids=leg.src_block_ids,
+                          lease_until=_lease_until(request, leg))
         rec = self._recv[req_id] = _Recv(leg=leg, phase=Phase.DEFERRED, order=order)
         self._try_ship(req_id, rec)
 
@@ -378,7 +392,8 @@ class SchedulerSide:
                           ENDPOINT_KEY: self.endpoint.to_json()}
         answer = nixl_answer(endpoint=self.endpoint, transfer_id=tid, incarnation=incarnation,
                              request_id=req_id, block_ids=block_ids, num_tokens=n,
-                             direction=direction)
+                             direction=direction,
+                             lease_s=self.lease_s if direction == "pull" else None)
         if self._key is not None:
             answer = sign(answer, self._key, fields=NIXL_SIGNED)
         return True, answer

@@ -370,7 +370,9 @@ class WorkerSide:
         if order.direction == "pull":  # read by the runtime's reader thread
             rt.start_pull(order.transfer_id, order.producer.engine_id, order.src_block_ids,
                           order.block_ids, regions.units(order.num_tokens), first,
-                          incarnation=order.incarnation)
+                          incarnation=order.incarnation,
+                          lease_s=None if order.lease_until is None
+                          else order.lease_until - time.time())
             self._stats.add("transfers_pulled")
             return
         rt.register(order.transfer_id, order.producer.engine_id, order.block_ids,

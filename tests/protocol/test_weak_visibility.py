@@ -239,3 +239,6 @@ def test_a_pull_whose_source_lease_already_ended_reads_nothing():
     (f,) = of(out, TransferFailed)
     assert f.code is FailReason.LEASE_EXPIRED
     assert c.lent_blocks() == {} and c.num_transfers == 0
+    from pushkv.protocol import Cancel  # the producer is told to drop the source now
+
+    assert [(m.incarnation, m.final) for m in msgs(out, Cancel)] == [(1, True)]

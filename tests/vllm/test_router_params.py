@@ -17,6 +17,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from pushkv.vllm.params import (
     ENDPOINT_KEY,
     MAX_BLOCKS,
+    RELAY_BOUND_S,
     DecodeLeg,
     NixlPrefillLeg,
     ParamsError,
@@ -67,6 +68,8 @@ def test_the_router_prefill_leg_is_answered_with_a_pull(tiny_model):
     assert answer["transfer_id"] == send.transfer_id and answer["transfer_id"].startswith("nixl:")
     assert answer["incarnation"] == send.incarnation != 0
     assert answer[ENDPOINT_KEY]["engine_id"] == "prefill-0"
+    # the source's lease, so that the decode side reads only while it is held
+    assert answer["pushkv_lease_ms"] == 30_000
     p.step(kv=KVConnectorOutput(finished_sending={rid}))
     p.run(2)
     assert p.held() == set() and p.free_blocks == fresh_free(p)
@@ -103,6 +106,11 @@ def test_the_decode_leg_follows_the_answer(tiny_model, mode):
     assert order.producer.engine_id == "prefill-0"
     want = tuple(answer["remote_block_ids"]) if mode == "pull" else ()
     assert order.src_block_ids == want
+    if mode == "pull":  # held until the request's arrival + lease - the relay bound
+        assert order.lease_until == pytest.approx(
+            req.arrival_time + answer["pushkv_lease_ms"] / 1000 - RELAY_BOUND_S)
+    else:
+        assert order.lease_until is None and "pushkv_lease_ms" not in answer
     d.step(kv=KVConnectorOutput(finished_recving={req.request_id}))
     d.run_until(lambda: req.request_id in d.outputs.finish)
     assert d.held() == set() and d.free_blocks == fresh_free(d)
@@ -129,6 +137,7 @@ def test_a_good_answer_parses():
     assert isinstance(leg, DecodeLeg)
     assert (leg.direction, leg.src_block_ids, leg.incarnation) == ("pull", (3, 4), 5)
     assert parse_params(_answer(remote_block_ids=[[3, 4]])).src_block_ids == (3, 4)
+    assert leg.lease_s is None and parse_params(_answer(pushkv_lease_ms=1500)).lease_s == 1.5
 
 
 @pytest.mark.parametrize("changes", [
@@ -146,6 +155,10 @@ def test_a_good_answer_parses():
     {"incarnation": ...},
     {"incarnation": -1},
     {"transfer_id": "x" * 300},
+    {"pushkv_lease_ms": -1},
+    {"pushkv_lease_ms": 1.5},
+    {"pushkv_lease_ms": "30000"},
+    {"pushkv_lease_ms": True},
     {ENDPOINT_KEY: {"engine_id": "p", "host": "127.0.0.1", "port": 0}},
     {ENDPOINT_KEY: {"engine_id": "p", "host": "h", "port": 1, "ranks": ["file:///etc"]}},
 ])

@@ -400,7 +400,7 @@ class NixlCluster:
     def start_pull(self, transfer_id: str, dst_block_ids: Sequence[int], num_tokens: int,
                    first_token: int = 0, *, incarnation: int = 0,
                    src_block_ids: Sequence[int] | None = None,
-                   timeout_s: float = 20.0) -> None:
+                   timeout_s: float = 20.0, lease_s: float | None = None) -> None:
         """Pull, as a sequential router does it: wait until every producer rank
         published the transfer, then have every consumer rank read the published
         block ids (or ``src_block_ids``, when a test lies about them)."""
@@ -417,7 +417,8 @@ class NixlCluster:
             src_block_ids = got[0]
         self._consumer.call("each", "start_pull",
                             (transfer_id, PRODUCER, list(src_block_ids), list(dst_block_ids),
-                             num_tokens, first_token), {"incarnation": incarnation})
+                             num_tokens, first_token),
+                            {"incarnation": incarnation, "lease_s": lease_s})
 
     def preempt(self, transfer_id: str) -> None:
         self._consumer.call("each", "preempt", (transfer_id,))

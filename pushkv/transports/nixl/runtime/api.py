@@ -42,6 +42,7 @@ the protocol's own deadlines.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -200,14 +201,18 @@ class NixlRuntime:
     def start_pull(self, transfer_id: str, producer_engine_id: str,
                    src_block_ids: Sequence[int] | np.ndarray,
                    block_ids: Sequence[int] | np.ndarray, num_tokens: int,
-                   first_token: int = 0, *, incarnation: int = 0) -> None:
+                   first_token: int = 0, *, incarnation: int = 0,
+                   lease_s: float | None = None) -> None:
         """Pull: read tokens ``[first_token, num_tokens)`` of the producer's published
         ``src_block_ids`` into ``block_ids``. The reads are prepared and posted by this
         rank's reader thread; ``TransferReady`` (or ``TransferFailed``) and
         ``ReleaseDestination`` come back as for a push. Waits for the producer
-        engine's handshake if it has not completed (starting it)."""
+        engine's handshake if it has not completed (starting it). ``lease_s``: how
+        long from now the source is known held (the ``Publish``'s lease less the
+        relay's bound); a read that would complete later fails (``LEASE_EXPIRED``)."""
+        until = None if lease_s is None else time.monotonic() + lease_s
         self._submit(cmd.StartPull(transfer_id, producer_engine_id, src_block_ids, block_ids,
-                                   num_tokens, first_token, incarnation))
+                                   num_tokens, first_token, incarnation, until))
 
     def abandon(self, transfer_id: str, producer_engine_id: str, *,
                 incarnation: int = 0) -> None:

@@ -50,6 +50,7 @@ class StartPull(NamedTuple):
     num_tokens: int
     first_token: int = 0
     incarnation: int = 0
+    lease_until: float | None = None  #: monotonic: until when the source is known held
 
 
 class RangeReady(NamedTuple):

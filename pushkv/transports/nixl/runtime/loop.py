@@ -395,7 +395,9 @@ class IOLoop(CardExchange):
             return
         self._apply(consumer.start_pull(c.transfer_id, c.producer_engine_id, c.src_block_ids,
                                         c.block_ids, c.num_tokens, now, c.first_token,
-                                        incarnation=c.incarnation), now)
+                                        incarnation=c.incarnation,
+                                        lease_s=None if c.lease_until is None
+                                        else c.lease_until - now), now)
 
     def _pulls_settled(self, engine_id: str, now: float, error: str = "") -> None:
         """The handshake with ``engine_id`` ended: run (or refuse) the pulls that waited."""
