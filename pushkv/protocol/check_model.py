@@ -529,33 +529,17 @@ class Model(Invariants, Describe, Staging):
         return engine == "P"  # its completions are lost with it (eager: its writes too)
 
     def _land(self, w: World, item: Item, *, ok: bool) -> None:
-        _, p, d, attempt, inc, src, dst, notify, data, pieces, _status, _sent = item
-        k = data
+        """Eager visibility: the whole write lands (or fails), then completes."""
+        _, p, d, attempt, inc, _src, dst, notify, k, pieces, _status, _sent = item
+        self._check_source(w, item, POSTED)
         if item[0] == SWRITE:
-            pi = w.pinc[k]
-            if p in pi.released or any(w.p_owner[b] != k for b in src):
-                raise Violation("source", f"P{p} wrote t#{k} from source blocks {list(src)} "
-                                "after releasing them")
             self._land_staged(w, item, ok=ok)
             return
         cells = tuple(c for piece in pieces for c in piece)
         if self.log is not None:
             self._say(f"P{p}'s write of t#{k} a{attempt} into D{d} blocks {list(dst)} "
                       + ("lands" if ok else "fails (some bytes may land)"))
-        pi = w.pinc[k]
-        if p in pi.released or any(w.p_owner[b] != k for b in src):
-            raise Violation("source", f"P{p} wrote t#{k} from source blocks {list(src)} "
-                            "after releasing them")
-        ci = w.cinc[k] if k < len(w.cinc) else None
-        for b in dst:
-            owner = w.d_owner[b]
-            if owner != (k, attempt) or ci is None or (d, attempt) in ci.released:
-                what = ("free" if owner is None else
-                        f"released by D{d}" if owner == (k, attempt) else
-                        f"now holding t#{owner[0]} attempt {owner[1]}")
-                kind = "incarnation" if owner is not None and owner[0] != k else "reuse"
-                raise Violation(kind, f"P{p}'s write of t#{k} attempt {attempt} landed in "
-                                f"D{d} block {b}, which is {what}")
+        self._check_dest(w, item)
         for b, x in cells:
             w.content[d, b, p, x] = (k, attempt) if ok else (-1, attempt)
         if ok:

@@ -116,3 +116,33 @@ def test_command_line_lists_scopes_and_reports_json(capsys):
     assert main(["replicated", "--progress", "0", "--json", "--prefill-aborts", "0"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith('{"states_explored": ') and '"violations": 0' in last
+
+
+@pytest.mark.parametrize("name", ["handshake", "replicated", "packed-net"])
+def test_eager_visibility_still_explores_without_a_violation(name):
+    """The kinder world (a write lands whole, then completes) stays an option: it
+    explores no more states than the adversarial one and finds nothing either."""
+    from dataclasses import replace
+
+    eager = explore(replace(CI_SCOPES[name], visibility="eager"))
+    weak = explore(CI_SCOPES[name])
+    assert not eager.violations and eager.complete, eager.summary()
+    assert 0 < eager.states <= weak.states
+
+
+
+@pytest.mark.parametrize("argv", [["nosuch"], ["handshake", "--p-tp", "0"],
+                                  ["handshake", "--visibility", "psychic"]])
+def test_bad_command_lines_are_one_line_and_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--progress", "0"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m pushkv.protocol.check: error:")
+    assert "Traceback" not in err[0]
+
+
+def test_an_ok_run_names_the_invariants_it_checked(capsys):
+    assert main(["handshake", "--progress", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "invariants checked in every state: bytes" in out and "reuse" in out
