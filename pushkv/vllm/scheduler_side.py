@@ -323,7 +323,8 @@ class SchedulerSide:
                 self._abandon(leg)
             return False, None
         if isinstance(leg, Discover):
-            answer = {ENDPOINT_KEY: self.endpoint.to_json(), POLICY_KEY: self.policy}
+            answer: dict[str, Any] = {ENDPOINT_KEY: self.endpoint.to_json(),
+                                      POLICY_KEY: self.policy}
             if self.vocab_size:
                 answer[VOCAB_KEY] = self.vocab_size
             return False, answer
