@@ -150,14 +150,20 @@ def test_a_token_id_past_the_vocabulary_is_refused_and_no_engine_falls(cluster):
     assert completion(c.proxy.url, c.model, [5] * (LENGTH - 4), max_tokens=4)[0] == 200
     status, answer = completion(c.proxy.url, c.model, [5] * (LENGTH - 4), max_tokens=5)
     assert status == 400 and answer["error"]["param"] == "max_tokens", answer  # type: ignore[index]
-    # Both engines are still up, in the proxy's rotation, and serve.
-    time.sleep(1.0)  # a crashing engine takes a moment to go
+    # Both engines are still up, in the proxy's rotation, and serve: a request through
+    # both of them after the refused ones (an engine that had seen one would be gone).
+    assert completion(c.proxy.url, c.model, [8, 9, 10])[0] == 200
     assert c.prefill.alive() and c.decode.alive()
     for server in (c.prefill, c.decode):
         get_text(server.url + "/health", timeout=5)
     status, health = c.proxy.health()
     assert status == 200 and all(health["instances"].values()), health  # type: ignore[index]
-    assert completion(c.proxy.url, c.model, [8, 9, 10])[0] == 200
+
+
+def requests_answered(log: Path) -> int:
+    """HTTP requests a vLLM server logged answering (its access log)."""
+    return sum('" 200' in line or '" 503' in line
+               for line in log.read_text(errors="replace").splitlines() if "HTTP/1.1" in line)
 
 
 def lines_naming(log: Path, url: str) -> list[str]:
@@ -177,7 +183,13 @@ def test_a_decode_server_without_the_connector_is_refused_at_start(cluster):
         why = health["out_of_rotation"][c.plain.url]
         assert "does not run PushKVConnector" in why and '"kv_role":"kv_consumer"' in why
         assert completion(proxy.url, c.model, [5, 6, 7])[0] == 503
-        time.sleep(2.0)  # a few probes more: the refusal is not logged again
+        # A few probes more (the plain server logs each request it answers): the
+        # refusal is not logged again.
+        seen = requests_answered(c.plain.log_path)
+        end = time.monotonic() + 60
+        while requests_answered(c.plain.log_path) < seen + 3:
+            assert time.monotonic() < end, "the proxy stopped probing the refused instance"
+            time.sleep(0.1)
         (line,) = [ln for ln in lines_naming(proxy.log, c.plain.url) if "WARNING" in ln]
         assert "--kv-transfer-config" in line and "out of rotation" in line
     finally:
