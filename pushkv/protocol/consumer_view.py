@@ -71,8 +71,6 @@ class ConsumerView:
         """The (transfer id, incarnation) a write into ``block`` may still come from."""
         return self._lent.get(block)
 
-    lender = lent_to
-
     def lent_blocks(self) -> dict[int, Key]:
         """Blocks a write may still land in, with their (transfer id, incarnation)."""
         return dict(self._lent)

@@ -83,8 +83,6 @@ class ProducerView:
         """Source blocks currently held, by (transfer id, incarnation)."""
         return {k: t.src_ids for k, t in self._transfers.items() if t.kv is Kv.HELD}
 
-    held = held_blocks
-
     def leg_state(
         self, transfer_id: str, peer: Peer, *, incarnation: int = 0
     ) -> ProducerState | None:

@@ -177,7 +177,7 @@ class _Run:
         proc = self.env.process(self._prefill())
         self.env.run()
         assert proc.processed and self.ready_at >= 0, "the transfer never became ready"
-        assert self.c.lent_blocks() == {} and self.p.held() == {}
+        assert self.c.lent_blocks() == {} and self.p.held_blocks() == {}
         decode = step_s(prof, prof.decode, decode_contexts=self.n, num_decodes=1)
         hop = prof.network.router_hop_s
         ready = max(self.prefill_end, self.ready_at)

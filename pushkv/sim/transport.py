@@ -599,7 +599,8 @@ class SimTransport:
         yield self.env.timeout(skew * (self.env.now - started))  # the slowest rank's read
         if eid not in self.alive:
             return
-        ok = src in self.alive and (a.transfer_id, a.incarnation) in self.producers[src].held()
+        held = self.producers[src].held_blocks() if src in self.alive else {}
+        ok = (a.transfer_id, a.incarnation) in held
         c = self.consumers[eid]
         self._apply(eid, c.read_completed(a.transfer_id, a.attempt, a.peer, ok, self.env.now,
                                           incarnation=a.incarnation))

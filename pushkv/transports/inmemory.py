@@ -872,7 +872,7 @@ class InMemoryNetwork:
         assert p.plan is not None
         if not src.alive:
             return  # nothing to read from: the read fails at its completion
-        held = set(src.endpoint.held().get((a.transfer_id, a.incarnation), ()))
+        held = set(src.endpoint.held_blocks().get((a.transfer_id, a.incarnation), ()))
         for b in sorted(touched_blocks(p.plan, src.info.layout.stride, 0) - held):
             self.violations.append(f"read of {a.transfer_id}#{a.attempt} takes source block "
                                    f"{b} of {src.peer} after it was released")
@@ -947,7 +947,7 @@ class InMemoryNetwork:
         if dst is None or not dst.alive:
             return
         if src is None or not src.alive or (
-                (a.transfer_id, a.incarnation) not in src.endpoint.held()):
+                (a.transfer_id, a.incarnation) not in src.endpoint.held_blocks()):
             self._complete(item, ok=False)
             return
         self._check_destination(dst, a.transfer_id, a.incarnation, a.attempt, a.plan)
@@ -960,7 +960,7 @@ class InMemoryNetwork:
                            plan: TransferPlan) -> None:
         lo = dst.info.layout
         allowed = dst.endpoint.blocks_of(transfer_id, attempt, incarnation=inc)
-        key, lender = (transfer_id, inc), dst.endpoint.lender
+        key, lender = (transfer_id, inc), dst.endpoint.lent_to
         for b in touched_blocks(plan, lo.stride, 1):
             if lender(b) != key:
                 self.violations.append(

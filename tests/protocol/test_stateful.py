@@ -361,7 +361,7 @@ class Protocol(RuleBasedStateMachine):
         for c in self.consumers:
             lent = set(c.endpoint.lent_blocks())
             assert not (free & lent), f"blocks {free & lent} are free but may be written"
-        held = {b for p in self.producers for ids in p.endpoint.held().values() for b in ids}
+        held = {b for p in self.producers for ids in p.endpoint.held_blocks().values() for b in ids}
         assert not (set(self.p_free) & held)
 
     @invariant()

@@ -414,7 +414,7 @@ def test_a_read_of_a_source_released_before_it_completed_is_a_violation():
         p.apply(p.endpoint.prefill_finished("t", [1, 2, 3], 40, net.now, mode=Mode.PULL))
         c.apply(c.endpoint.start_pull("t", "P", [1, 2, 3], [4, 5, 6], 40, net.now))
         net.tick(1.5)  # the lease ends (no heartbeat is delivered): the source goes
-        assert p.released["t"] == 1 and not p.endpoint.held()
+        assert p.released["t"] == 1 and not p.endpoint.held_blocks()
         net.deliver(_index(net, "read"))
         net.run(until=net.now + 1.0)
         taken = [v for v in net.violations if v.startswith("read of t#0 takes source block")]
