@@ -30,21 +30,25 @@ from .endpoint import Endpoint, Step
 from .errors import (
     ConfigError,
     LocalProtocolError,
+    RemoteProtocolError,
     ValidationError,
 )
 from .events import (
     Action,
     Mode,
     Peer,
+    Rejected,
     ReleaseDestination,
     SendMessage,
     TransferCancelled,
     TransferFailed,
     TransferReady,
+    WriteScope,
+    sender_of,
 )
 from .layout import EngineSpec, RankInfo
 from .lending import StagingLedger
-from .mapping import expected_writers
+from .mapping import assignment, expected_writers
 from .messages import (
     CancelAck,
     Fail,
@@ -108,6 +112,8 @@ class Consumer(ConsumerView, Endpoint):
         # Rule 10: who holds which range of this rank's staging memory.
         pk = self.config.packing
         self._staging = StagingLedger(pk.staging_bytes if pk is not None else 0)
+        # Rule 11: why the landing being fed as CORRUPT failed its check (for t.why).
+        self._corrupt_detail = ""
 
     # ------------------------------------------------------------------ peers
 
@@ -394,6 +400,47 @@ class Consumer(ConsumerView, Endpoint):
             t.why(FailReason.READ_FAILED, f"read from {peer} failed")
         return out + self._report(t, attempt, peer.rank, CI.NOTIFY if ok else CI.FAIL, now)
 
+    def landed_scope(self, msg: Notify) -> WriteScope | None:
+        """Rule 11: the logical KV the write ``msg`` notifies may have landed in,
+        on this rank (the whole registration of the rank's slice: a part of a
+        progressive push covers a rectangle inside it) -- or None when the
+        notification cannot count towards READY (another use or attempt, a
+        transfer not registered, a rank not expected), so there is nothing to check."""
+        t = self._find(msg.transfer_id, msg.incarnation)
+        if (t is None or t.mode is not Mode.PUSH or t.state is not CS.REGISTERED
+                or msg.attempt != t.cur.attempt or msg.rank not in t.cur.expected
+                or msg.engine_id != t.producer):
+            return None
+        info = self._peers.get(Peer(t.producer, msg.rank))
+        if info is None:
+            return None
+        got = assignment(info.engine, self.info.engine, msg.rank, self.peer.rank)
+        return WriteScope(t.cur.block_ids, t.first_token, t.num_tokens, got.layers,
+                          tuple((d, d, n) for _, d, n in got.heads))
+
+    def corrupt(self, msg: Notify, now: float, *, detail: str = "") -> list[Action]:
+        """Rule 11: the driver received ``msg`` and found the bytes its write landed
+        failing their digest check (``detail`` says which range, both digests).
+
+        Handled as the notification it is -- a landing, counted for the fence --
+        except that it never counts towards READY: the registered attempt fails
+        with ``FailReason.CORRUPT`` (blocks released at its fence, nothing READY).
+        A staged write is checked after its scatter: see :meth:`scatter_done`."""
+        if not isinstance(msg, Notify) or msg.staged:
+            raise LocalProtocolError("corrupt() takes a direct write's Notify; a staged "
+                                     "write is checked at scatter_done(corrupt=)",
+                                     transfer_id=getattr(msg, "transfer_id", None))
+        out = self._run_timers(now)
+        self._corrupt_detail = detail or f"rank {msg.rank}'s write failed its digest check"
+        try:  # as receive(): what the peer got wrong is Rejected, never raised
+            out += self._from_producer(msg, CI.NOTIFY, now, corrupt=True)
+        except RemoteProtocolError as exc:
+            self.stats["rejected"] += 1
+            out.append(Rejected(peer=sender_of(msg), error=exc))
+        finally:
+            self._corrupt_detail = ""
+        return out
+
     def _get(self, transfer_id: str) -> _Transfer:
         t = self._transfers.get(transfer_id)
         if t is None:
@@ -403,7 +450,8 @@ class Consumer(ConsumerView, Endpoint):
     # ----------------------------------------------------------- peer input
 
     def _from_producer(
-        self, msg: Notify | CancelAck | Fail, inp: ConsumerInput, now: float
+        self, msg: Notify | CancelAck | Fail, inp: ConsumerInput, now: float,
+        corrupt: bool = False,
     ) -> list[Action]:
         t = self._find(msg.transfer_id, msg.incarnation)  # rule 6: other uses never count
         if t is None:
@@ -443,17 +491,27 @@ class Consumer(ConsumerView, Endpoint):
                 self._schedule(now + self.config.fence_grace_s, t.key)
             if staged and inp in (CI.NOTIFY, CI.PART):
                 inp = CI.STAGED  # rule 10: a chunk of a staged write landed
+            elif corrupt and inp in (CI.NOTIFY, CI.PART):
+                inp = CI.CORRUPT  # rule 11: a landing, never a count
+                self.stats["corrupt"] += 1
             elif inp is CI.PART:
                 self.stats["parts"] += 1
         return self._report(t, msg.attempt, msg.rank, inp, now, packed)
 
     def scatter_done(
         self, transfer_id: str, attempt: int, peer: Peer, ok: bool, now: float, *,
-        incarnation: int = 0,
+        incarnation: int = 0, corrupt: str = "",
     ) -> list[Action]:
         """Rule 10: the driver finished (``ok``) or failed a :class:`Scatter` of
-        ``(transfer_id, incarnation)`` (the Scatter's; 0: the default use)."""
-        return staging.scatter_done(self, transfer_id, attempt, peer, ok, now, incarnation)
+        ``(transfer_id, incarnation)`` (the Scatter's; 0: the default use).
+        ``corrupt`` (rule 11): the rank's write, scattered in full by this one, failed
+        its digest check -- what failed, both digests; fed as ``CORRUPT``."""
+        self._corrupt_detail = corrupt
+        try:
+            return staging.scatter_done(self, transfer_id, attempt, peer, ok, now,
+                                        incarnation, corrupt=bool(corrupt))
+        finally:
+            self._corrupt_detail = ""
 
     def _report(
         self, t: _Transfer, attempt: int, rank: int, inp: ConsumerInput, now: float,
@@ -555,6 +613,9 @@ class Consumer(ConsumerView, Endpoint):
             return []
         if effect is CE.FAIL_REST:
             cur.fenced |= {r for r in ranks if cur.settled(r)}
+            if inp is CI.CORRUPT:
+                t.why(FailReason.CORRUPT, self._corrupt_detail or "a landed range failed "
+                      "its digest check")
             if inp is CI.PEER_DIED:  # nobody is left to cancel: the grace fences (rule 7)
                 t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
                 return []

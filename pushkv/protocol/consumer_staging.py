@@ -155,7 +155,7 @@ def scatter(t: Transfer, a: Attempt, rank: int, got: StagedChunk) -> Scatter:
 
 
 def scatter_done(c: Consumer, transfer_id: str, attempt: int, peer: Peer, ok: bool,
-                 now: float, inc: int) -> list[Action]:
+                 now: float, inc: int, corrupt: bool = False) -> list[Action]:
     """The driver finished (``ok``) or failed a :class:`Scatter`: feed SCATTER_DONE (the
     rank's last chunk), CHUNK_SCATTERED (another) or SCATTER_FAILED to its attempt
     (current or zombie)."""
@@ -179,6 +179,9 @@ def scatter_done(c: Consumer, transfer_id: str, attempt: int, peer: Peer, ok: bo
         t.why(FailReason.WRITE_FAILED, f"scatter of rank {peer.rank}'s staged write failed")
     inp = CI.SCATTER_FAILED if not ok else (
         CI.SCATTER_DONE if ch.done >= ch.need else CI.CHUNK_SCATTERED)
+    if corrupt and inp is CI.SCATTER_DONE:  # rule 11: scattered in full, and wrong
+        inp = CI.CORRUPT
+        c.stats["corrupt"] += 1
     ranks = frozenset((peer.rank,))
     if a is not t.cur:
         return out + c._zombie(t, a, inp, now, ranks)

@@ -86,6 +86,23 @@ class PackedWrite:
         return self.bounds[k], self.bounds[k + 1]
 
 
+@dataclass(frozen=True, slots=True)
+class WriteScope:
+    """The logical rectangle of KV one write covers, as one side sees it: tokens
+    ``[first_token, num_tokens)`` of the request in ``block_ids`` (that side's
+    blocks), global layers ``layers``, and head runs ``(local head, logical head,
+    count)`` -- the logical head is the consumer rank's local index (the
+    mapping's ``(src, dst, n)`` runs on the producer, ``(dst, dst, n)`` on the
+    consumer). Pure data: what a digest of the write is computed over
+    (:mod:`pushkv.integrity`); the core computes none."""
+
+    block_ids: tuple[int, ...]
+    first_token: int
+    num_tokens: int
+    layers: range
+    heads: tuple[tuple[int, int, int], ...]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IssueWrite:
     """Producer: copy ``plan`` from local source blocks into ``peer``'s blocks,
@@ -100,6 +117,8 @@ class IssueWrite:
     notify: Notify
     incarnation: int = 0  #: which use of the transfer id
     packed: PackedWrite | None = None
+    #: The logical KV this write moves, on the producer's side (for a digest).
+    scope: WriteScope | None = None
 
     def chunk_notify(self, k: int) -> Notify:
         """The notification of chunk ``k`` of a pipelined packed write (``notify`` is

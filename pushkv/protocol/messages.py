@@ -59,6 +59,7 @@ class FailReason(enum.IntEnum):
     READ_FAILED = 8  #: pull: the consumer's own read failed (never on the wire)
     HANDSHAKE_FAILED = 9  #: the producer engine could not be reached (never on the wire)
     LEASE_EXPIRED = 10  #: the source's lease ended before this attempt could be written
+    CORRUPT = 11  #: a landed range failed its digest check (consumer-local, never on the wire)
 
     def __repr__(self) -> str:  # valid Python, so failing examples replay
         return f"FailReason.{self.name}"

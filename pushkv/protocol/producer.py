@@ -28,6 +28,7 @@ from .events import (
     Peer,
     Publish,
     ReleaseSource,
+    WriteScope,
 )
 from .layout import RankInfo
 from .lending import StagingLedger
@@ -627,6 +628,10 @@ class Producer(ProducerView, Endpoint):
             IssueWrite(
                 transfer_id=t.transfer_id, attempt=reg.attempt, peer=leg.peer, plan=plan,
                 notify=notify, incarnation=t.inc, packed=packed,
+                scope=WriteScope(
+                    t.src_ids, reg.first_token if rect is None else rect[0],
+                    reg.num_tokens if rect is None else rect[1], assigned.layers,
+                    assigned.heads),
             )
         ]
 

@@ -147,6 +147,16 @@ chunk notified -- or its producer said the write did not finish -- so a chunk
 that lands while the attempt is being fenced, or in a zombie, is recorded and
 never scattered, and the attempt is fenced only when no chunk scatter runs and no
 chunk of a finished write is still owed.
+
+Rule 11 -- **integrity.** A driver that checks digests (:mod:`pushkv.integrity`)
+verifies a write's landed bytes -- a direct write's at its notification, a staged
+write's once its last chunk is scattered -- before the core hears of it, and
+reports a mismatch instead (``Consumer.corrupt``, ``scatter_done(corrupt=)``).
+For the registered attempt that is ``CORRUPT``: the landing is recorded as a
+landing (it fences its rank once all its parts are in, like a notification), it
+never counts towards READY, and the transfer fails (``FailReason.CORRUPT``,
+blocks released at the fence, nothing READY). Where the attempt is already being
+fenced, or is a zombie, a corrupt landing is only a landing: its fence.
 """
 
 from __future__ import annotations
@@ -298,6 +308,8 @@ class ConsumerInput(enum.Enum):
     CHUNK_SCATTERED = "CHUNK_SCATTERED"
     #: Rule 7: the fence grace of a rank's failed write passed: no stray byte lands now.
     GRACE = "GRACE"
+    #: Rule 11: a rank's landed bytes failed their digest check.
+    CORRUPT = "CORRUPT"
 
 
 class ConsumerEffect(enum.Enum):
@@ -553,6 +565,11 @@ CONSUMER_TABLE: dict[
     # A pipelined staged write scatters chunk by chunk (STAGED per chunk); the rank
     # counts only when its last chunk is scattered (SCATTER_DONE).
     (C.REGISTERED, CI.CHUNK_SCATTERED): (CE.NONE, C.REGISTERED),
+    # Rule 11: a landing that fails its digest fails the transfer (the rank is
+    # fenced once all its parts landed, the others are cancelled); while fencing,
+    # it is only a landing.
+    (C.REGISTERED, CI.CORRUPT): (CE.FAIL_REST, C.FAILING),
+    **{(s, CI.CORRUPT): (CE.FENCE, s) for s in _C_FENCING},
 }
 
 
@@ -562,7 +579,7 @@ ZOMBIE_TABLE: dict[tuple[ZombieState, ConsumerInput], tuple[ConsumerEffect, Zomb
     **{(Z.FENCING, i): (CE.FENCE, Z.FENCING)
        for i in (CI.NOTIFY, CI.CANCEL_ACK, CI.FAIL, CI.PEER_DIED, CI.HARD_DEADLINE,
                  CI.STAGED, CI.SCATTER_DONE, CI.SCATTER_FAILED, CI.CHUNK_SCATTERED,
-                 CI.GRACE)},
+                 CI.GRACE, CI.CORRUPT)},
     (Z.FENCING, CI.STALE): (CE.DROP, Z.FENCING),
     (Z.FENCING, CI.PART): (CE.PART, Z.FENCING),
     (Z.FENCING, CI.FENCED): (CE.RELEASE, Z.RELEASED),

@@ -138,7 +138,9 @@ S_ACTIONS = {
 C_ACTIONS = {
     CE.NONE: {()}, CE.COUNT: {()}, CE.FENCE: {()},
     CE.READY: {("TransferReady",), ("ReleaseStaging", "TransferReady")},
-    CE.FAIL_REST: {(), ("Cancel",)}, CE.CANCEL_ALL: {(), ("Cancel",), ("Cancel", "Cancel")},
+    # Rule 11: a corrupt part leaves its own rank to cancel too.
+    CE.FAIL_REST: {(), ("Cancel",), ("Cancel", "Cancel")},
+    CE.CANCEL_ALL: {(), ("Cancel",), ("Cancel", "Cancel")},
     CE.PREEMPT_ALL: {(), ("Cancel",), ("Cancel", "Cancel")},
     # Rule 10: an attempt lent staging gives it back with its blocks.
     CE.RELEASE: {("ReleaseDestination",), ("ReleaseStaging", "ReleaseDestination")},
@@ -503,6 +505,18 @@ def _consumer_calls(c, pair):
         "zombie write failed, grace passes": lambda: (c.receive(Fail(
             transfer_id="t", attempt=0, engine_id="P", rank=0,
             reason=FailReason.WRITE_FAILED, posted=1, failed=1), 5.0), c.handle_timer(10.0)),
+        # Rule 11: a landing that failed its digest check, whole or a part.
+        "corrupt": lambda: c.corrupt(_note(0, attempt), 5.0, detail="digest"),
+        "corrupt part": lambda: c.corrupt(Notify(transfer_id="t", attempt=attempt,
+                                                 engine_id="P", rank=0, part=0, parts=0), 5.0),
+        "corrupt, other notifies": lambda: (c.corrupt(_note(0, attempt), 5.0),
+                                            c.receive(_note(1, attempt), 5.0)),
+        "zombie corrupt": lambda: c.corrupt(_note(0, 0), 5.0),
+        "staged both, scattered, one corrupt": lambda: _then(
+            c, lambda: c.receive(_staged(0, attempt), 5.0),
+            lambda: c.receive(_staged(1, attempt), 5.0),
+            lambda: c.scatter_done("t", attempt, Peer("P", 0), True, 5.0, corrupt="digest"),
+            _scattered(c, 1, attempt)),
         # Rule 10: staged writes and their scatters.
         "staged": lambda: c.receive(_staged(0, attempt), 5.0),
         "staged twice": lambda: (c.receive(_staged(0, attempt), 5.0),
