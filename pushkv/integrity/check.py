@@ -1,0 +1,182 @@
+"""Digests on the data path: what a transport does with them, in one place.
+
+A producer rank's transport asks :meth:`Integrity.tag` for each write it posts
+(over the exact source bytes, before they move) and sends the write's
+notification through :meth:`Integrity.notification` (sealed when it has a tag:
+:mod:`.envelope`). A consumer rank's transport hands every notification frame to
+:meth:`Integrity.deliver` instead of ``Consumer.receive_bytes``: it unseals it,
+lets the fault injector at the landed bytes when one is set, checks them against
+the tag, and tells the core -- ``receive`` when they match (or nothing is to be
+checked), ``corrupt`` when they do not (rule 11). A staged write is checked once
+its last chunk is scattered: :meth:`Integrity.scattered` gives ``scatter_done``
+its ``corrupt`` argument.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pushkv.protocol import decode, encode
+from pushkv.protocol.consumer import Consumer
+from pushkv.protocol.errors import DecodeError
+from pushkv.protocol.events import Action, IssueWrite, Scatter, WriteScope
+from pushkv.protocol.layout import KVLayout
+from pushkv.protocol.messages import Notify
+
+from .config import OFF, IntegrityConfig
+from .digest import digest
+from .envelope import Tag, seal, unseal
+from .inject import Injector
+
+#: Staged writes waiting for their last scatter, remembered at most (oldest dropped).
+MAX_STAGED = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Corruption:
+    """One landed range that failed its check: what the log line and metric name."""
+
+    transfer_id: str
+    incarnation: int
+    attempt: int
+    producer: str
+    producer_rank: int
+    consumer_rank: int
+    tag: Tag
+    expected: int  #: the producer's digest
+    got: int  #: the consumer's, over its landed bytes
+
+    def detail(self) -> str:
+        return (f"rank {self.producer_rank}'s write {self.tag.describe()} failed its digest "
+                f"check: producer {self.expected:016x}, landed {self.got:016x}")
+
+
+class Integrity:
+    """The integrity checks of one rank: its setting, memory, layout and counts.
+
+    ``regions()`` returns the rank's KV regions as the digest takes them (numpy
+    arrays or torch tensors), called when needed (memory may be bound late).
+    ``on_corrupt`` is called with each :class:`Corruption` (logs, metrics).
+    """
+
+    def __init__(self, config: IntegrityConfig | None, layout: KVLayout,
+                 regions: Callable[[], Sequence[Any]], *, injector: Injector | None = None,
+                 on_corrupt: Callable[[Corruption], None] | None = None,
+                 rank: int = 0) -> None:
+        self.config = config or OFF
+        self.layout = layout
+        self.regions = regions
+        self.injector = injector
+        self.on_corrupt = on_corrupt
+        self.rank = rank
+        self.stats: Counter[str] = Counter()
+        self.corruptions: list[Corruption] = []  # the latest ones, bounded
+        self._staged: OrderedDict[tuple[str, int, int, int], list[Any]] = OrderedDict()
+        #: (transfer id, incarnation, attempt) of writes the injector corrupted
+        self.injected_keys: set[tuple[str, int, int]] = set()
+
+    # -------------------------------------------------------------- producer
+
+    def tag(self, a: IssueWrite) -> Tag | None:
+        """The digest of a write about to be posted, over its source bytes now
+        (None: this transfer is not checked, or the write names no scope)."""
+        if a.scope is None or not self.config.checks(a.transfer_id, a.incarnation):
+            return None
+        s = a.scope
+        self.stats["sealed"] += 1
+        return Tag(s.first_token, s.num_tokens, s.layers,
+                   digest(self.regions(), self.layout, s))
+
+    @staticmethod
+    def notification(a: IssueWrite, k: int, tag: Tag | None) -> bytes:
+        """Chunk ``k``'s notification frame of write ``a``, sealed with ``tag``."""
+        frame = encode(a.chunk_notify(k))
+        return frame if tag is None else seal(frame, tag)
+
+    # -------------------------------------------------------------- consumer
+
+    def deliver(self, endpoint: Consumer, data: bytes, now: float) -> list[Action]:
+        """A notification frame (sealed or plain) reached this consumer rank."""
+        try:
+            frame, tag = unseal(data)
+        except DecodeError:
+            self.stats["bad_envelope"] += 1
+            return endpoint.receive_bytes(data, now)  # rejected there, and counted
+        try:
+            msg = decode(frame)
+        except DecodeError:
+            return endpoint.receive_bytes(frame, now)
+        if not isinstance(msg, Notify):
+            return endpoint.receive(msg, now)
+        scope = endpoint.landed_scope(msg)
+        if scope is None:
+            if tag is not None:
+                self.stats["unchecked"] += 1  # nothing it could count towards
+            return endpoint.receive(msg, now)
+        if msg.staged:  # rule 10: checked once its last chunk is scattered
+            key = (msg.transfer_id, msg.incarnation, msg.attempt, msg.rank)
+            self._staged[key] = [tag, msg, max(1, msg.chunks), 0]
+            self._staged.move_to_end(key)
+            while len(self._staged) > MAX_STAGED:
+                self._staged.popitem(last=False)
+            return endpoint.receive(msg, now)
+        self._inject(msg, scope)
+        bad = self._check(msg, scope, tag)
+        if bad is None:
+            return endpoint.receive(msg, now)
+        return endpoint.corrupt(msg, now, detail=bad.detail())
+
+    def scattered(self, endpoint: Consumer, a: Scatter) -> str:
+        """A scatter of ``a`` finished well: the ``corrupt`` argument for
+        ``scatter_done`` ("" unless it was the write's last and the bytes are wrong)."""
+        key = (a.transfer_id, a.incarnation, a.attempt, a.peer.rank)
+        got = self._staged.get(key)
+        if got is None:
+            return ""
+        got[3] += 1
+        if got[3] < got[2]:
+            return ""
+        del self._staged[key]
+        tag, msg = got[0], got[1]
+        scope = endpoint.landed_scope(msg)
+        if scope is None:
+            return ""
+        self._inject(msg, scope)
+        bad = self._check(msg, scope, tag)
+        return "" if bad is None else bad.detail()
+
+    def _inject(self, msg: Notify, scope: WriteScope) -> None:
+        if self.injector is None:
+            return
+        key = (msg.transfer_id, msg.incarnation, msg.attempt, msg.rank)
+        if self.injector.maybe(key, scope, self.regions(), self.layout):
+            self.injected_keys.add(key[:3])
+            self.stats["injected"] += 1
+
+    def _check(self, msg: Notify, scope: WriteScope, tag: Tag | None) -> Corruption | None:
+        if tag is None or not self.config.enabled:
+            return None
+        self.stats["checked"] += 1
+        inside = (scope.first_token <= tag.first_token <= tag.num_tokens <= scope.num_tokens
+                  and scope.layers.start <= tag.layers.start
+                  and tag.layers.stop <= scope.layers.stop)
+        got = -1
+        if inside:
+            got = digest(self.regions(), self.layout, WriteScope(
+                scope.block_ids, tag.first_token, tag.num_tokens, tag.layers, scope.heads))
+            if got == tag.digest:
+                self.stats["passed"] += 1
+                return None
+        bad = Corruption(msg.transfer_id, msg.incarnation, msg.attempt, msg.engine_id,
+                         msg.rank, self.rank, tag, tag.digest, got & ((1 << 64) - 1))
+        self.stats["corrupt"] += 1
+        self.corruptions = [*self.corruptions[-63:], bad]
+        if self.on_corrupt is not None:
+            self.on_corrupt(bad)
+        return bad
+
+
+__all__ = ["MAX_STAGED", "Corruption", "Integrity"]
