@@ -118,12 +118,13 @@ class Integrity:
             return endpoint.receive(msg, now)
         if msg.staged:  # rule 10: checked once its last chunk is scattered
             key = (msg.transfer_id, msg.incarnation, msg.attempt, msg.rank)
-            self._staged[key] = [tag, msg, max(1, msg.chunks), 0]
+            got = self._staged.setdefault(key, [tag, msg, max(1, msg.chunks), 0])
+            got[0] = got[0] or tag  # every chunk carries the write's tag
             self._staged.move_to_end(key)
             while len(self._staged) > MAX_STAGED:
                 self._staged.popitem(last=False)
             return endpoint.receive(msg, now)
-        self._inject(msg, scope)
+        self._inject(msg, scope, tag)
         bad = self._check(msg, scope, tag)
         if bad is None:
             return endpoint.receive(msg, now)
@@ -144,13 +145,15 @@ class Integrity:
         scope = endpoint.landed_scope(msg)
         if scope is None:
             return ""
-        self._inject(msg, scope)
+        self._inject(msg, scope, tag)
         bad = self._check(msg, scope, tag)
         return "" if bad is None else bad.detail()
 
-    def _inject(self, msg: Notify, scope: WriteScope) -> None:
+    def _inject(self, msg: Notify, scope: WriteScope, tag: Tag | None) -> None:
         if self.injector is None:
             return
+        if tag is not None:  # the part's own rectangle (a progressive push's parts)
+            scope = _within(scope, tag) or scope
         key = (msg.transfer_id, msg.incarnation, msg.attempt, msg.rank)
         if self.injector.maybe(key, scope, self.regions(), self.layout):
             self.injected_keys.add(key[:3])
@@ -160,13 +163,10 @@ class Integrity:
         if tag is None or not self.config.enabled:
             return None
         self.stats["checked"] += 1
-        inside = (scope.first_token <= tag.first_token <= tag.num_tokens <= scope.num_tokens
-                  and scope.layers.start <= tag.layers.start
-                  and tag.layers.stop <= scope.layers.stop)
+        part = _within(scope, tag)
         got = -1
-        if inside:
-            got = digest(self.regions(), self.layout, WriteScope(
-                scope.block_ids, tag.first_token, tag.num_tokens, tag.layers, scope.heads))
+        if part is not None:  # else: the tag claims a range outside the registration
+            got = digest(self.regions(), self.layout, part)
             if got == tag.digest:
                 self.stats["passed"] += 1
                 return None
@@ -177,6 +177,16 @@ class Integrity:
         if self.on_corrupt is not None:
             self.on_corrupt(bad)
         return bad
+
+
+def _within(scope: WriteScope, tag: Tag) -> WriteScope | None:
+    """The tag's rectangle of ``scope`` (None: it does not lie inside it)."""
+    if not (scope.first_token <= tag.first_token <= tag.num_tokens <= scope.num_tokens
+            and scope.layers.start <= tag.layers.start <= tag.layers.stop
+            <= scope.layers.stop):
+        return None
+    return WriteScope(scope.block_ids, tag.first_token, tag.num_tokens, tag.layers,
+                      scope.heads)
 
 
 __all__ = ["MAX_STAGED", "Corruption", "Integrity"]

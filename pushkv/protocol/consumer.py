@@ -491,8 +491,11 @@ class Consumer(ConsumerView, Endpoint):
                 self._schedule(now + self.config.fence_grace_s, t.key)
             if staged and inp in (CI.NOTIFY, CI.PART):
                 inp = CI.STAGED  # rule 10: a chunk of a staged write landed
-            elif corrupt and inp in (CI.NOTIFY, CI.PART):
-                inp = CI.CORRUPT  # rule 11: a landing, never a count
+            elif corrupt and (inp is CI.NOTIFY or (
+                    inp is CI.PART and a is t.cur and t.state is CS.REGISTERED)):
+                # Rule 11: a landing, never a count (while fencing, a part that does
+                # not finish its rank stays a part: nothing is to be decided by it).
+                inp = CI.CORRUPT
                 self.stats["corrupt"] += 1
             elif inp is CI.PART:
                 self.stats["parts"] += 1
@@ -612,7 +615,10 @@ class Consumer(ConsumerView, Endpoint):
             cur.fenced |= {r for r in ranks if cur.settled(r)}
             return []
         if effect is CE.FAIL_REST:
-            cur.fenced |= {r for r in ranks if cur.settled(r)}
+            # A corrupt part whose rank's count is not known yet (more parts to come)
+            # does not settle its rank: it is cancelled like the others (rule 11).
+            cur.fenced |= {r for r in ranks if cur.settled(r)
+                           and (inp is not CI.CORRUPT or r in cur.need)}
             if inp is CI.CORRUPT:
                 t.why(FailReason.CORRUPT, self._corrupt_detail or "a landed range failed "
                       "its digest check")

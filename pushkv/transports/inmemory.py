@@ -79,6 +79,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..integrity import Injector, Integrity, IntegrityConfig, Tag
 from ..protocol import (
     Action,
     Connect,
@@ -237,6 +238,9 @@ class Node:
         self.alive = True
         self.rejected: list[Rejected] = []
         self.log: list[tuple[float, Action]] = []
+        #: Digests (rule 11): sealed on the producer, checked on the consumer.
+        self.integrity = Integrity(net.integrity, info.layout, lambda: self.memory,
+                                   injector=net.injector, rank=info.rank)
 
     def apply(self, actions: list[Action]) -> None:
         for a in actions:
@@ -272,6 +276,9 @@ class ProducerNode(Node):
     def handle(self, a: Action) -> None:
         if isinstance(a, IssueWrite):
             self.writes += 1
+            tag = self.integrity.tag(a)  # over the source bytes as they are now
+            if tag is not None:
+                self.net.tags[id(a)] = (a, tag)
             if a.packed is not None:  # rule 10: gathered now, into the staging lent to it
                 pw = a.packed
                 gather_host(pw.packed, self.memory,
@@ -317,6 +324,8 @@ class ConsumerNode(Node):
     def handle(self, a: Action) -> None:
         if isinstance(a, TransferReady):
             self._outcome("ready", a)
+            if (a.transfer_id, a.incarnation, a.attempt) in self.integrity.injected_keys:
+                self.net.stats["served_from_corrupt"] += 1  # READY over injected bytes
         elif isinstance(a, TransferFailed):
             self._outcome("failed", a)
         elif isinstance(a, TransferCancelled):
@@ -336,7 +345,10 @@ class ConsumerNode(Node):
             raise AssertionError(f"unexpected consumer action {a!r}")
 
     def frame(self, data: bytes, now: float) -> None:
-        self.apply(self.endpoint.receive_bytes(data, now))
+        if self.net.integrity.enabled or self.net.injector is not None:
+            self.apply(self.integrity.deliver(self.endpoint, data, now))
+        else:
+            self.apply(self.endpoint.receive_bytes(data, now))
 
     def outcome(self, transfer_id: str) -> str | None:
         seen = self.outcomes.get(transfer_id)
@@ -374,6 +386,8 @@ class InMemoryNetwork:
         seed: int = 0,
         max_inflight_s: float | None = None,
         max_pieces: int = 4,
+        integrity: IntegrityConfig | None = None,
+        injector: Injector | None = None,
     ) -> None:
         if delivery not in DELIVERIES:
             raise ValueError(f"delivery must be one of {DELIVERIES}, got {delivery!r}")
@@ -391,6 +405,14 @@ class InMemoryNetwork:
         # Packed writes: every rank's endpoint gets this (its staging memory, the cost
         # model), unless its own config names one.
         self.packing = packing if packing is not None and packing.mode != "never" else None
+        # Rule 11: every producer rank seals its writes' notifications with a digest
+        # of the source bytes (as the setting says), every consumer rank checks the
+        # landed bytes first; ``injector`` corrupts landed writes before the check.
+        self.integrity = integrity or IntegrityConfig("off")
+        self.injector = injector
+        # The tag of each write in flight, by id() of its IssueWrite (kept with it, so
+        # the id cannot be reused while the entry lives).
+        self.tags: dict[int, tuple[IssueWrite, Tag]] = {}
         self.latency = latency
         self.write_latency = write_latency
         self.detect_s = detect_s
@@ -595,11 +617,16 @@ class InMemoryNetwork:
             self.stats["pieces_lost"] += 1
         f.pieces.clear()
 
+    def _tag(self, a: IssueWrite) -> Tag | None:
+        got = self.tags.get(id(a))
+        return got[1] if got is not None and got[0] is a else None
+
     def _fail(self, f: Flight, until: float | None = None) -> None:
         """A write failed: no notification, but each piece still on the wire may land
         (about half do), up to its max in-flight time after the write was posted
         (and before ``until``)."""
         f.failed = True
+        self.tags.pop(id(f.action), None)
         dst = self.consumers.get(f.dst)
         if dst is None or not dst.alive:
             self._discard(f)
@@ -803,9 +830,11 @@ class InMemoryNetwork:
             last = max([self.now, *(p.item.at for p in f.pieces
                                     if p.chunk == k and p.item is not None)])
             at = last + self.latency * self.rng.uniform(0.5, 1.5)
-            note = self._enqueue_at("frame", src.peer, dst.peer, encode(a.chunk_notify(k)),
+            note = self._enqueue_at("frame", src.peer, dst.peer,
+                                    Integrity.notification(a, k, self._tag(a)),
                                     at, self.now)
             self._waits[note.seq] = (f, k)
+        self.tags.pop(id(a), None)
         done = self.enqueue("done", None, src.peer, (a, True),
                             self.latency * self.rng.uniform(0.0, 2.0))
         self._done_of[done.seq] = f
@@ -902,7 +931,9 @@ class InMemoryNetwork:
         self.stats["writes"] += 1
         self.stats["bytes"] += a.plan.nbytes
         for k in range(a.packed.chunks if a.packed is not None else 1):  # rule 10: per chunk
-            self.enqueue("frame", src.peer, dst.peer, encode(a.chunk_notify(k)), self.latency)
+            self.enqueue("frame", src.peer, dst.peer,
+                         Integrity.notification(a, k, self._tag(a)), self.latency)
+        self.tags.pop(id(a), None)
         self._complete(item, ok=True)
 
     def _land_packed(self, a: IssueWrite, src: ProducerNode, dst: ConsumerNode) -> None:
@@ -937,8 +968,11 @@ class InMemoryNetwork:
     def _scattered(self, consumer: Peer | None, a: Scatter, ok: bool) -> None:
         node = self.consumers.get(consumer) if consumer is not None else None
         if node is not None and node.alive:
+            # Rule 11: a staged write is checked once its last chunk is scattered.
+            bad = node.integrity.scattered(node.endpoint, a) if ok else ""
             node.apply(node.endpoint.scatter_done(a.transfer_id, a.attempt, a.peer, ok,
-                                                  self.now, incarnation=a.incarnation))
+                                                  self.now, incarnation=a.incarnation,
+                                                  corrupt=bad))
 
     def _land_read(self, item: Item) -> None:
         a: IssueRead = item.payload
