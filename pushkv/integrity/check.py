@@ -111,6 +111,11 @@ class Integrity:
             return endpoint.receive_bytes(frame, now)
         if not isinstance(msg, Notify):
             return endpoint.receive(msg, now)
+        return self.deliver_notify(endpoint, msg, tag, now)
+
+    def deliver_notify(self, endpoint: Consumer, msg: Notify, tag: Tag | None,
+                       now: float) -> list[Action]:
+        """A decoded notification with its tag (None: unsealed) reached this rank."""
         scope = endpoint.landed_scope(msg)
         if scope is None:
             if tag is not None:

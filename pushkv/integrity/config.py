@@ -10,7 +10,8 @@ from pushkv.protocol.errors import ConfigError
 
 Mode = Literal["off", "sample", "on"]
 MODES: tuple[str, ...] = ("off", "sample", "on")
-#: The default mode (see docs/vllm.md, "Integrity": chosen from the measured cost).
+#: The vLLM connector's default mode (docs/vllm.md, "Integrity": chosen from the
+#: measured cost). A transport built without a setting checks nothing (``OFF``).
 DEFAULT_MODE: Mode = "on"
 #: ``sample``: one transfer in this many is checked.
 DEFAULT_SAMPLE_EVERY = 10
@@ -28,7 +29,7 @@ class IntegrityConfig:
     sealed notification it receives unless its own mode is ``off``.
     """
 
-    mode: Mode = DEFAULT_MODE
+    mode: Mode = "off"
     sample_every: int = DEFAULT_SAMPLE_EVERY
 
     def __post_init__(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pushkv.integrity import Injector, IntegrityConfig
 from pushkv.protocol.errors import ConfigError
 
 Backend = Literal["UCX", "LIBFABRIC"]
@@ -115,8 +116,24 @@ class NixlConfig:
         default=10.0,
         metadata={"help": "close(): how long to wait for writes in flight"},
     )
+    integrity: str = field(
+        default="off",
+        metadata={"help": "digests of written ranges (rule 11): off, on, sample or sample:N "
+                  "(one transfer in N); a producer seals its notifications with the digest "
+                  "of the source bytes, a consumer checks its landed bytes against it and "
+                  "fails a mismatch with CORRUPT. Off: the wire bytes are the plain frames"},
+    )
+    inject: str = field(
+        default="",
+        metadata={"help": "tests and the chaos benchmark only: corrupt landed writes on a "
+                  "consumer before they are checked, 'kind[,kind...][:N]' (flip, neighbour, "
+                  "stale, zero; one write in N); empty: never"},
+    )
 
     def __post_init__(self) -> None:
+        IntegrityConfig.parse(self.integrity)  # ConfigError now, not at the first write
+        if self.inject:
+            Injector.parse(self.inject)
         if self.backend not in ("UCX", "LIBFABRIC"):
             raise ConfigError(f"backend must be UCX or LIBFABRIC, not {self.backend!r}")
         if self.control_channel not in ("side", "nixl"):

@@ -166,6 +166,28 @@ class KVMemory:
         return np.frombuffer(buf, dtype=np.uint8)
 
 
+def region_views(memory: KVMemory) -> list[Any]:
+    """Every region as the digest (:mod:`pushkv.integrity`) reads it: uint8 numpy
+    views of host memory, uint8 torch views of CUDA memory (built from the tensors
+    the memory was made of: one per region, or one stacked K/V buffer per layer)."""
+    if memory.kind == "DRAM":
+        return [memory.view(i) for i in range(memory.num_regions)]
+    import torch
+
+    owners = list(memory.owners)
+    if len(owners) == memory.num_regions:
+        return [o.reshape(-1).view(torch.uint8) for o in owners]
+    if owners and 2 * len(owners) == memory.num_regions:
+        out = []
+        for o in owners:
+            flat = o.reshape(-1).view(torch.uint8)
+            half = flat.numel() // 2
+            out += [flat[:half], flat[half:]]
+        return out
+    raise ConfigError("CUDA memory given by address only cannot be digested: build it "
+                      "from its tensors (from_regions, from_kv, from_stacked)")
+
+
 def bind_device(memory: KVMemory) -> None:
     """Make ``memory``'s CUDA device current on the calling thread (no-op for DRAM).
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pushkv.integrity import Tag, seal, unseal
 from pushkv.protocol.errors import ConfigError
 from pushkv.protocol.events import PackedWrite, Peer, notify_chunk
 from pushkv.protocol.messages import Notify, decode, encode
@@ -62,6 +63,7 @@ class WriteJob:
     remote_device: int
     packed: PackedWrite | None = None  #: rule 10: gather, then write into remote staging
     remote_staging: int = 0  #: the peer's staging base address (0: it has none)
+    tag: Tag | None = None  #: rule 11: the digest every chunk's notification is sealed with
 
 
 class Writer(Poster):
@@ -107,7 +109,7 @@ class Writer(Poster):
         write's completion still means all of it landed; on any failure every earlier
         request is finished or cancelled first, so nothing of the write lands after its
         failure is reported (and its staging goes back)."""
-        first = decode(job.notif)
+        first = decode(unseal(job.notif)[0])
         assert isinstance(first, Notify)
         live: list[Any] = []
         last = None
@@ -118,6 +120,8 @@ class Writer(Poster):
                 local, remote = staging.chunk_descriptors(
                     pw, pw.packed.wire_between(a, b), job.remote_staging, job.remote_device)
                 notif = job.notif if k == 0 else encode(notify_chunk(first, k))
+                if k and job.tag is not None:
+                    notif = seal(notif, job.tag)
                 h = self._agent.prepare_write(local, remote, job.remote_agent, notif,
                                               job.remote_kind)
                 if k == pw.chunks - 1:

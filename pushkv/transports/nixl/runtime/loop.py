@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pushkv import timeline
+from pushkv.integrity import Corruption, Injector, Integrity, IntegrityConfig, unseal
 from pushkv.protocol import (
     Action,
     Connect,
@@ -52,7 +53,7 @@ from pushkv.protocol.events import Publish, sender_of
 from pushkv.protocol.messages import Notify, Register, Skip
 
 from ..agent import Agent
-from ..memory import KVMemory, bind_device
+from ..memory import KVMemory, bind_device, region_views
 from ..reader import Reader, ReadJob, ReadResult
 from ..sidechannel import channel as sc
 from ..staging import Scatterer, ScatterResult, StagingMemory
@@ -153,6 +154,13 @@ class IOLoop(CardExchange):
             cmd.Inspect: self._inspect,
             cmd.Inject: self._inject,
         }
+        # Rule 11: digests sealed on the producer, checked on the consumer.
+        self._integrity = Integrity(
+            IntegrityConfig.parse(config.integrity), endpoint.info.layout,
+            lambda: self._regions(), injector=Injector.parse(config.inject)
+            if config.inject and self.role == "consumer" else None,
+            on_corrupt=self._corrupt, rank=endpoint.info.rank)
+        self._region_cache: list[Any] | None = None
         self.thread = threading.Thread(target=self._run, name=f"pushkv-io-{name}", daemon=True)
         self.thread.start()
 
@@ -284,6 +292,8 @@ class IOLoop(CardExchange):
         stats["dropped_frames"] = self._side.dropped
         stats["bytes_written_early"] = self._early_bytes
         stats["staging_lent_bytes"] = self._endpoint.staging_lent  # a level, not a count
+        for k, n in self._integrity.stats.items():  # rule 11: totals, not increments
+            stats[f"integrity_{k}"] = n
         if self._authenticated:
             for reason, n in self._side.auth_dropped.items():  # totals, not increments
                 stats[reason] = n
@@ -489,6 +499,9 @@ class IOLoop(CardExchange):
                     self._stats["failed"] += 1
                 elif isinstance(a, TransferReady):
                     self._stats["ready"] += 1
+                    if (a.transfer_id, a.incarnation, a.attempt) in (
+                            self._integrity.injected_keys):
+                        self._stats["served_from_corrupt"] += 1  # READY over injected bytes
                 elif isinstance(a, ReleaseSource):
                     cost = self._cost.pop((a.transfer_id, a.incarnation), None)
                     if cost is not None:
@@ -522,6 +535,21 @@ class IOLoop(CardExchange):
             return None
         return link
 
+    def _regions(self) -> list[Any]:
+        if self._region_cache is None:
+            self._region_cache = region_views(self._memory)
+        return self._region_cache
+
+    def _corrupt(self, bad: Corruption) -> None:
+        """Rule 11: one structured line per landed range that failed its check."""
+        self._stats["corrupt"] += 1
+        log.warning("pushkv integrity: CORRUPT transfer=%s incarnation=%d attempt=%d "
+                    "producer=%s producer_rank=%d consumer_rank=%d tokens=[%d,%d) "
+                    "layers=[%d,%d) expected=%016x got=%016x", bad.transfer_id,
+                    bad.incarnation, bad.attempt, bad.producer, bad.producer_rank,
+                    bad.consumer_rank, bad.tag.first_token, bad.tag.num_tokens,
+                    bad.tag.layers.start, bad.tag.layers.stop, bad.expected, bad.got)
+
     def _issue(self, a: IssueWrite) -> None:
         writer = self._writer
         self._writes += 1
@@ -529,6 +557,13 @@ class IOLoop(CardExchange):
         link = self._usable_link(a, writer is not None, self._completions)
         if link is None or writer is None:
             return
+        try:  # rule 11: over the exact source bytes, before any of them moves
+            tag = self._integrity.tag(a)
+        except Exception:  # a digest that cannot be taken must not stop the write
+            log.exception("pushkv integrity: no digest for %s#%d", a.transfer_id, a.attempt)
+            tag = None
+        if tag is not None:
+            self._stats["sealed"] += 1
         assert link.agent_name is not None
         if self.config.nudge_window_s > 0:  # before the post: the consumer wakes meanwhile
             self._side.send(link.address, sc.NUDGE, b"")
@@ -536,7 +571,8 @@ class IOLoop(CardExchange):
             self._stats["writes_packed"] += 1
         writer.submit(WriteJob(
             transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, plan=a.plan,
-            incarnation=a.incarnation, notif=encode(a.notify), remote_agent=link.agent_name,
+            incarnation=a.incarnation, notif=Integrity.notification(a, 0, tag), tag=tag,
+            remote_agent=link.agent_name,
             remote_bases=link.bases,
             remote_kind="VRAM" if link.kind == "VRAM" else "DRAM", remote_device=link.device,
             packed=a.packed, remote_staging=link.staging_base,
@@ -566,8 +602,11 @@ class IOLoop(CardExchange):
             a = r.scatter
             self._scatters -= 1
             self._stats["scatters_ok" if r.ok else "scatters_failed"] += 1
-            self._guard(lambda a=a, ok=r.ok: self._apply(consumer.scatter_done(
-                a.transfer_id, a.attempt, a.peer, ok, now, incarnation=a.incarnation), now))
+            # Rule 11: a staged write is checked once its last chunk is scattered.
+            bad = self._integrity.scattered(consumer, a) if r.ok else ""
+            self._guard(lambda a=a, ok=r.ok, bad=bad: self._apply(consumer.scatter_done(
+                a.transfer_id, a.attempt, a.peer, ok, now, incarnation=a.incarnation,
+                corrupt=bad), now))
 
     def _read_done(self, result: ReadResult) -> None:  # reader thread
         self._read_completions.append(result)
@@ -664,7 +703,10 @@ class IOLoop(CardExchange):
         not authenticated).
         """
         try:
+            frame, tag = unseal(frame)  # rule 11: a digest rides in front of a Notify
             msg = decode(frame)
+            if tag is not None and not isinstance(msg, Notify):
+                raise DecodeError("a digest envelope around a message that is no Notify")
         except DecodeError:
             self._apply(self._endpoint.receive_bytes(frame, now), now)  # counts and rejects
             return
@@ -684,7 +726,12 @@ class IOLoop(CardExchange):
         if isinstance(msg, Register | Notify):
             timeline.mark(msg.transfer_id, "registration_received" if isinstance(msg, Register)
                           else "notify_received")
-        self._apply(self._endpoint.receive(msg, now), now)
+        consumer = self._endpoint
+        if isinstance(msg, Notify) and isinstance(consumer, Consumer) and (
+                self._integrity.config.enabled or self._integrity.injector is not None):
+            self._apply(self._integrity.deliver_notify(consumer, msg, tag, now), now)
+        else:
+            self._apply(self._endpoint.receive(msg, now), now)
         if isinstance(msg, Register | Skip):
             self._registrations.append((msg.transfer_id, msg.incarnation, msg.rank))
 
