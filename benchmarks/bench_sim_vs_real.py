@@ -361,12 +361,12 @@ def main() -> int:
                    "bench serve sent in the real half (its seed, its generator); "
                    "'pushkv', the simulator's own stream (same rate, other draws)")
     p.add_argument("--frontend-cores", type=int, default=None,
-                   help="replace the profile's control.frontend_cores: the API servers', "
+                   help="replace the profile's host.frontend_cores: the API servers', "
                    "router's and client's times as one queue on this many cores "
-                   "(pushkv.sim.frontend); 0: as delays")
+                   "(pushkv.sim.host.frontend); 0: as delays")
     p.add_argument("--host-cores", type=int, default=None,
-                   help="replace the profile's control.host_cores: the engines' steps and "
-                   "the frontends' jobs as work on this many shared cores (pushkv.sim.cpu; "
+                   help="replace the profile's host.cores: the engines' steps and "
+                   "the frontends' jobs as work on this many shared cores (pushkv.sim.host.cores; "
                    "a profile --measure writes has the machine's, and the gauge way takes "
                    "the real run's); 0: a core each")
     p.add_argument("--real-keys", action="store_true",

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..sim.frontend import frontend_cores
+from ..sim.host import SHARED_CPU
+from ..sim.host.frontend import frontend_cores
 from ..sim.profile import Profile, ProfileError, load_profile, profile_from_dict
 
 
@@ -64,7 +65,7 @@ class Measured:
     max_num_batched_tokens: int = 2048  #: vLLM's CPU default for the API server
     block_size: int = 32
     kv_cache_bytes: float = float(1 << 30)  #: VLLM_CPU_KVCACHE_SPACE=1
-    cpu_count: int = 0  #: os.cpu_count() (0: unknown, control.frontend_cores left at 0)
+    cpu_count: int = 0  #: os.cpu_count() (0: unknown, host.frontend_cores left at 0)
 
 
 
@@ -187,11 +188,14 @@ def profile_data(m: Measured) -> dict[str, Any]:
             "handshake_before_run": True,
         },
     }
+    host: dict[str, Any] = {}
     if m.engine_speed > 0:  # the reference a later run's cpu_speed is taken against
-        data["control"]["probe_speed"] = m.engine_speed
+        host["probe_speed"] = m.engine_speed
     if m.cpu_count > 0:
-        data["control"]["frontend_cores"] = frontend_cores(m.cpu_count)  # sim/frontend.py
-        data["control"]["host_cores"] = m.cpu_count  # engines and frontends share them
+        host["frontend_cores"] = frontend_cores(m.cpu_count)  # sim/host/frontend.py
+        host["cores"] = m.cpu_count  # engines and frontends share them
+    if host:  # the machine's cores, shared: the shared-CPU host model
+        data["host"] = {"model": SHARED_CPU, **host}
     try:
         profile_from_dict(data)
     except ProfileError as exc:
@@ -217,13 +221,21 @@ def _toml_value(v: Any) -> str:
 
 
 def to_toml(data: dict[str, Any], header: Sequence[str] = ()) -> str:
-    """A profile's tables as TOML, ``header`` lines as comments on top."""
+    """A profile's tables as TOML (sub-tables as ``[host.prefill]``), ``header`` lines
+    as comments on top."""
     lines = [f"# {h}" if h else "#" for h in header]
+
+    def table(name: str, t: dict[str, Any]) -> None:
+        subs = {k: v for k, v in t.items() if isinstance(v, dict)}
+        lines.extend(["", f"[{name}]"])
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in t.items() if k not in subs)
+        for k, v in subs.items():
+            table(f"{name}.{k}", v)
+
     tables = {k: v for k, v in data.items() if isinstance(v, dict)}
     lines += [f"{k} = {_toml_value(v)}" for k, v in data.items() if k not in tables]
-    for name, table in tables.items():
-        lines += ["", f"[{name}]"]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    for name, t in tables.items():
+        table(name, t)
     return "\n".join(lines) + "\n"
 
 

@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "servers ran (the timeline's requests had IN prompt and OUT output "
                    "tokens); the other keys are then taken against them")
     c.add_argument("--host-spread", type=int, default=0, metavar="N",
-                   help="with --connector-timeline: also set control.host_spread, the "
+                   help="with --connector-timeline: also set host.spread, the "
                    "keyed host times' spread around their medians at N quantiles "
                    "(pushkv.fit.measure_connector.host_spread; 0: none)")
     c.add_argument("--timeline-share", type=float, default=1.0, metavar="F",

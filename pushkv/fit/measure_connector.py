@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..sim.host import SHARED_CPU
 from ..sim.profile import Profile, ProfileError, profile_from_dict
 from .cpu_profile import MeasurementError
 
@@ -116,7 +117,7 @@ def _lone_gap(profile: Profile, *, mode: str, input_len: int, output_len: int) -
 
 def lone_steps(profile: Profile, *, mode: str, input_len: int, output_len: int) -> Profile:
     """``profile`` with its engines' step overheads set so that a request simulated alone
-    on the machine's shared cores (``control.host_cores``) steps as it does on cores of
+    on the machine's shared cores (``host.cores``) steps as it does on cores of
     its own: the same medians of 'prefill sees -> prefill finished' and 'first token ->
     last token'. A gauge's step keys (:func:`connector_steps`) are a lone request's wall
     times, which already hold the work the request itself brings beside its step (the
@@ -129,13 +130,13 @@ def lone_steps(profile: Profile, *, mode: str, input_len: int, output_len: int) 
     shared cores."""
     import dataclasses
 
-    if not profile.control.host_cores:
+    if not profile.host.cores:
         return profile
     if output_len < 2:
         raise MeasurementError(f"a lone decode step needs 2 output tokens or more, "
                                f"got {output_len}")
-    own = dataclasses.replace(profile, control=dataclasses.replace(
-        profile.control, host_cores=0)).validate()
+    own = dataclasses.replace(profile, host=dataclasses.replace(
+        profile.host, cores=0)).validate()
     gap = _lone_gap(own, mode=mode, input_len=input_len, output_len=output_len)
     target = _lone_segments(own, mode=mode, input_len=input_len, output_len=output_len,
                             gap_s=gap)
@@ -202,14 +203,14 @@ def connector_keys(requests: dict[str, dict[str, float]], profile: Profile, *,
     return out
 
 
-#: the keys ``control.host_spread`` acts on (a token's ``decode.return_s`` is paid once
+#: the keys ``host.spread`` acts on (a token's ``decode.return_s`` is paid once
 #: per token, not per request, and stays its median)
 SPREAD_KEYS = tuple(k for k in CONNECTOR_SEGMENTS if k != ("decode", "return_s"))
 
 
 def host_spread(requests: dict[str, dict[str, float]], profile: Profile, *,
                 quantiles: int = 20) -> tuple[float, ...]:
-    """``control.host_spread`` from a real pair's timeline: for each key of
+    """``host.spread`` from a real pair's timeline: for each key of
     :data:`SPREAD_KEYS` whose median is above 0 (the key of :func:`connector_keys`, as
     measured, share 1), each request's time in the key's segments, less what the model
     puts there besides, over that median; pooled over the keys, each key weighing its
@@ -220,7 +221,7 @@ def host_spread(requests: dict[str, dict[str, float]], profile: Profile, *,
     quantiles). MeasurementError with fewer than two such times or ``quantiles``
     outside 1..MAX_SPREAD."""
     from .. import timeline
-    from ..sim.profile import MAX_SPREAD
+    from ..sim.host.profile import MAX_SPREAD
 
     if not 1 <= quantiles <= MAX_SPREAD:
         raise MeasurementError(f"host spread quantiles must be in 1..{MAX_SPREAD}, "
@@ -419,8 +420,9 @@ def extend(data: dict[str, Any], head: Sequence[str], dirs: Sequence[str | Path]
     head = [*head, *connector_header(dirs, len(reqs), share, keys)]
     if spread:
         multipliers = host_spread(reqs, profile_from_dict(data), quantiles=spread)
-        keys = {**keys, "control": {"host_spread": list(multipliers)}}  # type: ignore[dict-item]
-        head.append(f"control.host_spread at {spread} quantiles from the same requests "
+        host: dict[str, Any] = {"model": SHARED_CPU, "spread": list(multipliers)}
+        keys = {**keys, "host": host}
+        head.append(f"host.spread at {spread} quantiles from the same requests "
                     f"(host_spread): mean {sum(multipliers) / spread:.2f}, median "
                     f"{multipliers[spread // 2]:.2f}, largest {multipliers[-1]:.2f}.")
     return with_connector_keys(data, keys), head
@@ -466,13 +468,13 @@ def extend_router(data: dict[str, Any], head: Sequence[str], *,
 
 def wake_beside(by_flight: dict[int, Sequence[float]], *, quantiles: int = 100
                 ) -> tuple[float, ...]:
-    """``control.wake_beside_s`` from wake-ups by requests in flight
+    """``host.wake_beside_s`` from wake-ups by requests in flight
     (:func:`pushkv.fit.segments.wakes_by_flight`): at ``quantiles`` evenly spaced
     quantiles, those with two or more in flight less those with exactly one -- the
     extra a woken process waits beside another request over what a lone request's own
     hand-offs met (which its keys hold) -- each at least 0. Empty where either group
     has no wake-up. MeasurementError for ``quantiles`` outside 1..MAX_SPREAD."""
-    from ..sim.profile import MAX_SPREAD
+    from ..sim.host.profile import MAX_SPREAD
     from .cores import quantiles as at_quantiles
 
     if not 1 <= quantiles <= MAX_SPREAD:

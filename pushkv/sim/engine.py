@@ -34,12 +34,10 @@ import simpy
 from ..protocol import FailurePolicy, Mode
 from .blocks import BlockPool, blocks_for
 from .costs import step_s
-from .frontend import Frontend
-from .profile import ENGINE_WAKES, EngineProfile, Profile
+from .host.model import HostModel
+from .profile import EngineProfile, Profile
 from .request import Outcome, SimRequest
 from .scenario import TransferMode
-from .spread import NONE as NO_SPREAD
-from .spread import Spread
 from .transport import SimTransport
 
 
@@ -63,13 +61,15 @@ class Recorder:
 
 
 class _Loop:
-    """A wakeable engine loop, behind its instance's API server."""
+    """A wakeable engine loop, behind its instance's API server, on its ``host``."""
 
     def __init__(self, env: simpy.Environment, engine_id: str, transport: SimTransport,
-                 side: str, eng: EngineProfile) -> None:
+                 side: str, eng: EngineProfile, host: HostModel) -> None:
         self.env = env
         self.eng = eng
         self.transport = transport
+        self.host = host
+        self.side = side
         self._arrived = f"{side}_arrived"  #: the timeline mark of a leg its API server takes
         self.engine_id = engine_id
         self.alive = True
@@ -77,57 +77,28 @@ class _Loop:
         self.steps = 0
         self.spun_s = 0.0  #: how long it stepped empty, holding (``steps_while_holding``)
         self._wake: simpy.Event | None = None
-        self.ingest_s = ingest_s = eng.ingest_s
-        #: the API server takes legs one at a time (only with ``ingest_s``)
-        self._api = simpy.Resource(env, capacity=1) if ingest_s else None
-        #: the frontends' shared CPU queue (``control.frontend_cores``), set by the runner
-        self.frontend: Frontend | None = None
-        #: host times around their medians (``control.host_spread``), set by the runner
-        self.spread: Spread = NO_SPREAD
+        self.ingest_s = eng.ingest_s
 
     def ingest(self, then: Callable[[SimRequest], None], req: SimRequest) -> None:
         """A leg reaches this instance's API server: ``then(req)`` (submit) once it has
-        spent ``ingest_s`` there, after the legs ahead of it (with a frontend queue, after
-        all the frontends' work ahead of it); at once without it."""
-        work_s, wait_s = self.spread.split(self.ingest_s)
-        ingest_s = work_s + wait_s
+        spent ``ingest_s`` there, as the host queues it behind the legs (or all the
+        frontends' work) ahead of it; at once without it."""
+        work_s, wait_s = self.host.split(self.ingest_s)
 
         def arrived() -> None:  # the API server gets to it (vLLM's ``arrival_time``)
             self.transport.mark(req.transfer_id, self._arrived)
 
-        if self.frontend is not None and self.ingest_s:
-            self.frontend.serve(work_s, lambda: then(req), wait_s, started=arrived,
-                                process=self.engine_id)  # this instance's API server
-            return
-        if self._api is None:
+        if not self.ingest_s:
             arrived()
             then(req)
             return
-        api = self._api
-
-        def serve() -> Generator[Any, Any, None]:
-            with api.request() as slot:
-                yield slot
-                arrived()
-                yield self.env.timeout(ingest_s)
-            then(req)
-
-        self.env.process(serve())
+        self.host.ingest(self.engine_id, work_s, wait_s, started=arrived,
+                         then=lambda: then(req))  # this instance's API server
 
     def _idle(self, holding: bool) -> Generator[Any, Any, None]:
-        """Nothing to compute: sleep until poked. A loop that holds a request on a
-        transfer (``holding``) steps empty meanwhile (``steps_while_holding``): it keeps
-        ``cores_busy`` cores of the host busy, and wakes without a sleeper's delay."""
-        eng = self.eng
-        spins = (self.transport.spin(eng.cores_busy)
-                 if holding and eng.steps_while_holding else [])
-        t0 = self.env.now
-        yield self._sleep()
-        self.transport.unspin(spins)
-        if spins:
-            self.spun_s += self.env.now - t0
-        if eng.wake_s and not spins:  # an idle engine's processes wake on a busy core
-            yield self.env.timeout(ENGINE_WAKES * eng.wake_s)
+        """Nothing to compute: sleep until poked; ``holding``: a request of this engine
+        waits on a transfer (the host may keep the loop stepping empty meanwhile)."""
+        self.spun_s += yield from self.host.idle(self.side, holding, self._sleep)
 
     def poke(self) -> None:
         if self._wake is not None and not self._wake.triggered:
@@ -157,8 +128,9 @@ class PrefillEngine(_Loop):
         transport: SimTransport,
         mode: TransferMode,
         on_done: Callable[[SimRequest, tuple[int, ...] | None], None],
+        host: HostModel,
     ) -> None:
-        super().__init__(env, engine_id, transport, "prefill", profile.prefill)
+        super().__init__(env, engine_id, transport, "prefill", profile.prefill, host)
         self.profile = profile
         self.pool = pool
         self.mode = mode
@@ -216,8 +188,7 @@ class PrefillEngine(_Loop):
                 yield from self._idle(bool(self.held))
                 continue
             dt = step_s(self.profile, eng, prefill_chunks=tuple((n, p.computed) for p, n in chunks))
-            dt = yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt,
-                                                    eng.cores_busy - 1)
+            dt = yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt)
             if not self.alive:
                 return
             self.busy_s += dt
@@ -276,8 +247,9 @@ class DecodeEngine(_Loop):
         transport: SimTransport,
         mode: TransferMode,
         recorder: Recorder,
+        host: HostModel,
     ) -> None:
-        super().__init__(env, engine_id, transport, "decode", profile.decode)
+        super().__init__(env, engine_id, transport, "decode", profile.decode, host)
         self.profile = profile
         self.pool = pool
         self.mode = mode
@@ -365,14 +337,14 @@ class DecodeEngine(_Loop):
             self.transport.mark(tid, "registration_shipped")
             if self.eng.order_handoff_s:  # the worker takes the order with the step
                 req.handing_off = True
-                self.env.timeout(self.spread(self.eng.order_handoff_s)).callbacks.append(
+                self.env.timeout(self.host.spread(self.eng.order_handoff_s)).callbacks.append(
                     lambda _: self._register(req))
             else:
                 self._register(req)
             return 0.0
         if self.eng.order_handoff_s:  # the worker reads when it takes the step's orders
             req.handing_off = True
-            self.env.timeout(self.spread(self.eng.order_handoff_s)).callbacks.append(
+            self.env.timeout(self.host.spread(self.eng.order_handoff_s)).callbacks.append(
                 lambda _: self._read(req))
             return 0.0
         inline = stall if self.mode is TransferMode.PULL else None
@@ -565,8 +537,7 @@ class DecodeEngine(_Loop):
             # Posting after the forward launch overlaps it (the GPU computes while the
             # CPU posts); posting before the forward delays it.
             dt = max(work, stall) if eng.inline_post == "after-forward" else stall + work
-            yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt,
-                                               eng.cores_busy - 1)
+            yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt)
             if not self.alive:
                 return
             self._account(dt, dt - work if stall > 0 else 0.0)
@@ -577,8 +548,7 @@ class DecodeEngine(_Loop):
                     decodes.append(r)  # the prompt's last chunk yields the next token
             for r in decodes:
                 r.token_times.append(now)
-                if self.frontend is not None:
-                    self.frontend.token(r)
+                self.host.token(r)
                 if len(r.token_times) >= r.output_len:
                     self._complete(r)
 
@@ -604,7 +574,8 @@ class DecodeEngine(_Loop):
         """The consumer endpoint's TransferReady: the worker takes it ``event_handoff_s``
         later, the scheduler can admit the request ``admit_lag_s`` after that."""
         req = self._by_tid[transfer_id]
-        handoff, lag = self.spread(self.eng.event_handoff_s), self.spread(self.eng.admit_lag_s)
+        handoff = self.host.spread(self.eng.event_handoff_s)
+        lag = self.host.spread(self.eng.admit_lag_s)
         if not handoff and not lag:
             self.transport.mark(transfer_id, "ready")
             self._ready(req)

@@ -19,8 +19,13 @@ e.g.::
     [network]
     post_per_descriptor_s = 3e-6
 
+The ``[host]`` section (:mod:`pushkv.sim.host.profile`) names the host model and
+holds its keys: ``dedicated`` hardware by default, or a ``shared-cpu`` machine whose
+cores the engines and frontends share.
+
 Unknown tables or keys, wrong types and out-of-range values raise
-:class:`ProfileError` with the offending key named.
+:class:`ProfileError` with the offending key named; a key that moved to ``[host]``
+is refused with its new place.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 
 from ..protocol.errors import ConfigError
 from ..protocol.packing import POST_PER_DESCRIPTOR_S
+from .host.profile import HostError, HostProfile, moved_message, validate_host
 
 
 class ProfileError(ConfigError):
@@ -86,18 +92,12 @@ UNUSED = {
         "waits for a step)",
         "event_handoff_s": "only decode waits for a transfer's readiness",
         "admit_lag_s": "only decode waits for a transfer's readiness",
-        "token_work_s": "output tokens leave from decode",
     },
     "decode": {
         "prefix_hit_fraction": "decode runs with --no-enable-prefix-caching; a request "
         "recomputed on decode computes its whole prompt",
     },
 }
-#: Processes woken on the way (see ``EngineProfile.wake_s``): vLLM V1 on CPU runs an
-#: API server, an engine core and a worker process per instance.
-ENGINE_WAKES = 2  #: a request or finished transfer reaching an idle engine: core, worker
-HOP_WAKES = 2  #: a router hop: the relay process and the receiving API server
-RETURN_WAKES = 3  #: a token to the client: decode's API server, the relay, the client
 FIT = "fit: chosen once so the default sweep reproduces the post (docs/sim.md)"
 #: Engine keys measured on a real connector pair's timeline (all 0 by default).
 CONNECTOR_KEYS = ("ingest_s", "return_s", "order_handoff_s", "event_handoff_s", "admit_lag_s")
@@ -193,77 +193,6 @@ class EngineProfile:
         "model the step is Python and small kernels, a fixed overhead plus a cost per "
         "token (0: none, the roofline covers a GPU's tokens)",
         "0 on GPUs; measured on CPU by pushkv.fit.measure (profiles/cpu-tiny.toml)",
-    )
-    cpu_share: float = _f(
-        1.0,
-        "fraction of a CPU core this engine's processes get while they are runnable (other "
-        "work on the same cores takes the rest): its host times -- step overheads, "
-        "step_token_s, step_python_s, the CONNECTOR_KEYS -- last 1 / cpu_share as long; "
-        "posting, control messages and router hops, which run on both sides' cores, by "
-        "the mean of the two sides' shares (1: a core of its own; see Profile.on_shared_cores)",
-        "1 on dedicated hosts; on a shared CPU machine measured per run by a probe process "
-        "on each core (pushkv.fit.cores.CoreProbe: CPU time / wall time of 1 ms bursts), "
-        "see benchmarks/bench_sim_vs_real.py",
-    )
-    cpu_speed: float = _f(
-        1.0,
-        "how fast this engine's cores run now against when the profile's host times were "
-        "measured (a probe's rate of fixed work per CPU second, now over then): the host "
-        "times cpu_share stretches last 1 / (cpu_share x cpu_speed) as long; the posting, "
-        "messages and hops by the mean of the two sides' products",
-        "1: as measured; on a shared machine whose host runs it slower or faster from one "
-        "minute to the next, measured per point by the same probe against the profile's "
-        "control.probe_speed (benchmarks/bench_sim_vs_real.py)",
-    )
-    cores_busy: float = _f(
-        1.0,
-        "cores an active engine keeps busy, its step's own included: beside the worker "
-        "that runs the step, vLLM's engine core polls for its result, transport threads "
-        "run (on prefill the API server too). With control.host_cores every step of dt "
-        "seconds adds (cores_busy - 1) x dt of work to the host's shared cores, which it "
-        "does not wait for, and with steps_while_holding a loop that holds a request keeps "
-        "this many cores busy (1: the step alone)",
-        "1 on dedicated hosts; on a shared CPU machine measured per deployment by "
-        "benchmarks/bench_sim_vs_real.py: the CPU time (/proc) of the instance's processes "
-        "(decode: but its API server, which token_work_s counts) over lone requests, less "
-        "what they use idle, over the time the engine had each in hand in the timeline "
-        "(stepping it or holding it for its transfer)",
-    )
-    steps_while_holding: bool = _f(
-        False,
-        "the engine loop keeps stepping while a request of its waits on a transfer -- "
-        "prefill holding a finished prompt's KV until it is pushed or read, decode "
-        "awaiting its KV -- so with control.host_cores an engine that has nothing to "
-        "compute but holds such a request keeps cores_busy cores of the host busy (as "
-        "spinners, pushkv.sim.cpu), and a real step takes the place of the empty ones "
-        "(false: an engine with nothing to compute sleeps)",
-        "vLLM 0.32 v1/engine/core.py steps while has_work(): the scheduler's "
-        "has_requests() counts a request waiting for remote KV and a finished one held "
-        "for the connector's delayed cleanup (v1/core/sched/scheduler.py "
-        "has_finished_requests); cores_busy then measured over lone requests' stepping "
-        "and holding time by benchmarks/bench_sim_vs_real.py",
-    )
-    token_work_s: float = _f(
-        0.0,
-        "frontend work one output token costs on its way out (decode's API server, the "
-        "router and the client passing it on): with control.frontend_cores a token's job "
-        "on the frontend queue takes this long, the rest of its way out (return_s, the "
-        "hops) is latency, so a lone token arrives as before; 0: the job takes return_s",
-        "0: return_s; on a shared CPU machine measured per deployment by "
-        "benchmarks/bench_sim_vs_real.py: the CPU time (/proc) of decode's API server, the "
-        "router and the client over lone requests, less their idle rate, per output token",
-    )
-    wake_s: float = _f(
-        0.0,
-        "run-queue delay of a woken process of this engine on an oversubscribed core: "
-        "between becoming runnable (a request, a message, a finished step's output) and "
-        "running. A request reaching an idle engine wakes ENGINE_WAKES processes (vLLM's "
-        "engine core and its worker), a router hop HOP_WAKES (the relay and the receiving "
-        "API server; the mean of both sides' delays), a token's way back to the client "
-        "RETURN_WAKES (decode's API server, the relay, the client), a control message or "
-        "notification, and a background posting thread's job, one (0: a core of its own)",
-        "0 on dedicated hosts; on a shared CPU machine measured per run by a probe process "
-        "on each core (pushkv.fit.cores.CoreProbe), see benchmarks/bench_sim_vs_real.py",
     )
     ingest_s: float = _f(
         0.0,
@@ -533,66 +462,6 @@ class ControlProfile:
         "handshake_s",
         "vLLM vllm/benchmarks/serve.py ('Starting initial single prompt test run')",
     )
-    frontend_cores: int = _f(
-        0,
-        "cores the frontend processes (each instance's API server, the router, the "
-        "client) share: with n >= 1 a leg's ingest_s and every output token's "
-        "decode.return_s are service times of one FIFO queue of n servers, so legs wait "
-        "behind the tokens still streaming and tokens pile up when they come faster than "
-        "the frontends pass them on (pushkv.sim.frontend); 0: those times are delays, the "
-        "frontends never busy",
-        "deployment: on this 2-core machine both cores are pinned to an engine and the "
-        "frontends float; 1 is the one core's worth they get while decode steps "
-        "(docs/sim.md, 'The frontends as a queue')",
-    )
-    host_cores: int = _f(
-        0,
-        "CPU cores the engines' steps and the frontends' jobs share on one host: with "
-        "c >= 1 each is work on one processor-sharing pool, every runnable piece "
-        "advancing at min(1, c / runnable), so a step that runs while the other engine "
-        "steps and a frontend streams lasts longer (pushkv.sim.cpu); 0: every piece at "
-        "full speed, a core each",
-        "deployment: the machine's cores (2 on this development machine, where a P/D "
-        "pair, its API servers, the router and the client all run); 0 where engines "
-        "have GPUs and hosts of their own",
-    )
-    probe_speed: float = _f(
-        0.0,
-        "the probe's rate of fixed work per CPU second on the engine's core while this "
-        "profile's engine times were measured (pushkv.fit.cores.CoreProbe.speed): the "
-        "reference a later run's cpu_speed is taken against; 0: not recorded",
-        "written by pushkv.fit.measure",
-    )
-    host_spread: tuple[float, ...] = _f(
-        (),
-        "multipliers, equally likely, of the host times the connector keys give as "
-        "medians (prefill/decode ingest_s, prefill.return_s, decode.order_handoff_s, "
-        "event_handoff_s, admit_lag_s, network.notify_wait_s): each time a request pays "
-        "one it pays it times a multiplier drawn at random (pushkv.sim.spread); empty: "
-        "the median every time",
-        "measured: a real pair's timeline, each request's keyed segment over its median, "
-        "pooled, at evenly spaced quantiles (pushkv.fit.measure_connector.host_spread; "
-        "docs/sim.md, 'Host times around their medians')",
-    )
-    wake_beside_s: tuple[float, ...] = _f(
-        (),
-        "extra run-queue waits (s), equally likely, of a frontend process woken while "
-        "other requests are in flight, over what one woken beside none meets (which the "
-        "keys, measured on lone requests, hold): a frontend job (a leg's ingest, a "
-        "prefill answer, a token's way out) that wakes its process (an instance's API "
-        "server, none of whose jobs is pending) while another request is in flight waits "
-        "one, drawn at random, before its turn on the frontend queue, holding no core; a "
-        "request's later tokens wait behind it; the router, woken by a request while "
-        "another is in flight, takes it up after one too, drawn from a stream of its "
-        "own, and requests reaching it meanwhile wait with it (pushkv.sim.frontend; "
-        "needs frontend_cores); empty: no extra wait",
-        "measured: the core probe's wake-ups during a run's points against their "
-        "timelines, the quantiles of those with two or more requests in flight less the "
-        "same quantiles of those with one, pooled over the run "
-        "(pushkv.fit.segments.wakes_by_flight, measure_connector.wake_beside, "
-        "bench_sim_vs_real.wake_beside_of; docs/sim.md, 'A woken frontend beside another "
-        "request')",
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -614,6 +483,10 @@ class Profile:
     )
     control: ControlProfile = field(
         default_factory=ControlProfile, metadata={"help": "control-plane costs"}
+    )
+    host: HostProfile = field(
+        default_factory=HostProfile,
+        metadata={"help": "the host the processes run on, and its model (pushkv.sim.host)"},
     )
 
     def validate(self) -> Profile:
@@ -640,21 +513,13 @@ class Profile:
             e: EngineProfile = getattr(self, side)
             for name in ("tp", "max_num_seqs", "max_num_batched_tokens", "block_size"):
                 _positive(f"{side}.{name}", getattr(e, name))
-            for name in ("step_python_s", "step_token_s", "wake_s", "token_work_s",
-                         *CONNECTOR_KEYS):
+            for name in ("step_python_s", "step_token_s", *CONNECTOR_KEYS):
                 if getattr(e, name) < 0:
                     raise ProfileError(f"{side}.{name} must be >= 0")
-            for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency",
-                         "cpu_share"):
+            for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency"):
                 v = getattr(e, name)
                 if not 0 < v <= 1:
                     raise ProfileError(f"{side}.{name} must be in (0, 1], got {v}")
-            if not 0 < e.cpu_speed <= MAX_SPEED:
-                raise ProfileError(f"{side}.cpu_speed must be in (0, {MAX_SPEED}], "
-                                   f"got {e.cpu_speed}")
-            if not 1 <= e.cores_busy <= MAX_CORES_BUSY:
-                raise ProfileError(f"{side}.cores_busy must be in [1, {MAX_CORES_BUSY}], "
-                                   f"got {e.cores_busy}")
             for name in ("prefix_hit_fraction", "fragmentation"):
                 v = getattr(e, name)
                 if not 0 <= v <= 1:
@@ -712,83 +577,16 @@ class Profile:
         for name in ("message_send_s", "message_recv_s", "handshake_s"):
             if getattr(c, name) < 0:
                 raise ProfileError(f"control.{name} must be >= 0")
-        for name in ("frontend_cores", "host_cores"):
-            v = getattr(c, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ProfileError(f"control.{name} must be an integer >= 0, got {v!r}")
-        if c.probe_speed < 0:
-            raise ProfileError(f"control.probe_speed must be >= 0, got {c.probe_speed}")
-        if len(c.host_spread) > MAX_SPREAD:
-            raise ProfileError(f"control.host_spread must hold at most {MAX_SPREAD} "
-                               f"multipliers, got {len(c.host_spread)}")
-        if any(m < 0 for m in c.host_spread):
-            raise ProfileError(f"control.host_spread multipliers must be >= 0, got "
-                               f"{min(c.host_spread)}")
-        if len(c.wake_beside_s) > MAX_SPREAD:
-            raise ProfileError(f"control.wake_beside_s must hold at most {MAX_SPREAD} "
-                               f"waits, got {len(c.wake_beside_s)}")
-        if bad := [w for w in c.wake_beside_s if not 0 <= w <= MAX_WAKE_S]:
-            raise ProfileError(f"control.wake_beside_s waits must be in [0, {MAX_WAKE_S}] "
-                               f"s, got {bad[0]}")
         for name in ("wire_latency_s", "control_latency_s", "router_hop_s", "client_hop_s",
                      "client_first_s", "post_fixed_s", "post_per_descriptor_s",
                      "notify_wait_s"):
             if getattr(n, name) < 0:
                 raise ProfileError(f"network.{name} must be >= 0")
+        try:
+            validate_host(self.host)
+        except HostError as exc:
+            raise ProfileError(str(exc)) from None
         return self
-
-
-    @property
-    def hop_wake_s(self) -> float:
-        """What wake-ups add to one router hop (0 unless ``wake_s`` is set)."""
-        w = (self.prefill.wake_s + self.decode.wake_s) / 2
-        return HOP_WAKES * w if w else 0.0
-
-    @property
-    def return_wake_s(self) -> float:
-        """What wake-ups add to a token's way from decode to the client."""
-        return RETURN_WAKES * self.decode.wake_s if self.decode.wake_s else 0.0
-
-    def on_shared_cores(self) -> Profile:
-        """The profile its engines run under when they share CPU cores: every host time
-        divided by the share of a core its processes get (``cpu_share``) times the cores'
-        speed against the profile's measurement (``cpu_speed``), both then 1. The same
-        profile when all four are 1 (the default)."""
-        sp = self.prefill.cpu_share * self.prefill.cpu_speed
-        sd = self.decode.cpu_share * self.decode.cpu_speed
-        if sp == 1 and sd == 1:
-            return self
-
-        def side(e: EngineProfile, share: float) -> EngineProfile:
-            return dataclasses.replace(
-                e, cpu_share=1.0, cpu_speed=1.0,
-                prefill_step_overhead_s=e.prefill_step_overhead_s / share,
-                decode_step_overhead_s=e.decode_step_overhead_s / share,
-                step_token_s=e.step_token_s / share, step_python_s=e.step_python_s / share,
-                **{k: getattr(e, k) / share for k in CONNECTOR_KEYS})
-
-        both = (sp + sd) / 2
-        n, c = self.network, self.control
-        return dataclasses.replace(
-            self, prefill=side(self.prefill, sp), decode=side(self.decode, sd),
-            network=dataclasses.replace(
-                n, post_fixed_s=n.post_fixed_s / both,
-                post_per_descriptor_s=n.post_per_descriptor_s / both,
-                router_hop_s=n.router_hop_s / both, client_hop_s=n.client_hop_s / both,
-                client_first_s=n.client_first_s / both, notify_wait_s=n.notify_wait_s / both),
-            control=dataclasses.replace(c, message_send_s=c.message_send_s / both,
-                                        message_recv_s=c.message_recv_s / both))
-
-
-#: the most multipliers ``control.host_spread`` may hold
-MAX_SPREAD = 1000
-#: the longest wait ``control.wake_beside_s`` may hold (s): a wake-up later than this is
-#: a process stopped, not one waiting for a core
-MAX_WAKE_S = 10.0
-#: the fastest ``cpu_speed`` against the profile's measurement a machine may have
-MAX_SPEED = 100.0
-#: the most cores one stepping engine may keep busy (``cores_busy``)
-MAX_CORES_BUSY = 64.0
 
 
 def _positive(name: str, value: float) -> None:
@@ -805,6 +603,7 @@ _SECTIONS = {
     "decode": EngineProfile,
     "network": NetworkProfile,
     "control": ControlProfile,
+    "host": HostProfile,
 }
 
 
@@ -847,13 +646,22 @@ def _override(obj: Any, table: dict[str, Any], where: str) -> Any:
     changes = {}
     for key, value in table.items():
         f = fields.get(key)
+        moved = moved_message(where, key)
+        if moved is not None:
+            raise ProfileError(moved)
         why = UNUSED.get(where, {}).get(key)
         if why is not None:
             raise ProfileError(f"{where}.{key} is not used ({why}); remove it")
         if f is None:
             known = ", ".join(sorted(fields))
             raise ProfileError(f"unknown key {where}.{key} (known: {known})")
-        changes[key] = _coerce(f"{where}.{key}", f, value, getattr(obj, key))
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):  # a sub-table: [host.prefill]
+            if not isinstance(value, dict):
+                raise ProfileError(f"[{where}.{key}] must be a table")
+            changes[key] = _override(current, value, f"{where}.{key}")
+        else:
+            changes[key] = _coerce(f"{where}.{key}", f, value, current)
     return dataclasses.replace(obj, **changes)
 
 

@@ -9,7 +9,7 @@
 
 Every leg costs one proxy hop (``network.router_hop_s``), then its instance's
 API-server time (``ingest_s``, one leg at a time); a prefill answer costs the
-prefill instance's ``return_s`` (a frontend job with ``control.frontend_cores``) and
+prefill instance's ``return_s`` (a frontend job with ``host.frontend_cores``) and
 a hop. The router learns
 of an instance's death when the transport reports it; prefill legs that were
 lost with an instance and whose decode leg was not sent yet are re-sent to a
@@ -28,11 +28,9 @@ import simpy
 
 from ..protocol import FailurePolicy, new_incarnation
 from .engine import DecodeEngine, PrefillEngine, Recorder
-from .frontend import Frontend
+from .host.model import HostModel
 from .request import Outcome, SimRequest
 from .scenario import Dispatch, RouterPolicy, SimConfig
-from .spread import NONE as NO_SPREAD
-from .spread import Spread
 from .transport import SimTransport
 
 E = TypeVar("E", PrefillEngine, DecodeEngine)
@@ -52,26 +50,24 @@ class Router:
         prefills: Sequence[PrefillEngine],
         decodes: Sequence[DecodeEngine],
         recorder: Recorder,
+        host: HostModel,
         rng: random.Random | None = None,
     ) -> None:
         self.env = env
         self.cfg = cfg
+        self.host = host
         self.transport = transport
         self.prefills = list(prefills)
         self.decodes = list(decodes)
         self.recorder = recorder
         self._rng = rng or random.Random(0)  #: draws each transfer's incarnation
-        self.hop = cfg.profile.network.router_hop_s
-        if cfg.profile.hop_wake_s:  # the relay and the receiving API server wake
-            self.hop += cfg.profile.hop_wake_s
+        #: a hop, with the wake-ups of the relay and the receiving API server
+        self.hop = cfg.profile.network.router_hop_s + host.hop_wake_s
         self.concurrent = cfg.effective_dispatch is Dispatch.CONCURRENT
         self._rr: dict[str, itertools.count[int]] = {"p": itertools.count(), "d": itertools.count()}
         self._awaiting: dict[str, SimRequest] = {}  # prefill legs not answered yet
         self._retries: dict[str, int] = {}
         self.rerouted = 0
-        #: the frontends' queue (``control.frontend_cores``), None: their times are delays
-        self.frontend: Frontend | None = None
-        self.spread: Spread = NO_SPREAD  #: ``control.host_spread``, set by the runner
         self.sent_local = 0
         transport.death_listeners.append(self._engine_died)
 
@@ -102,9 +98,9 @@ class Router:
 
     def arrive(self, req: SimRequest) -> None:
         """A client request reaches the proxy, which takes it up once awake: woken while
-        another request is in flight, it first waits for a core
-        (:meth:`Frontend.wake_wait`, ``control.wake_beside_s``)."""
-        wait = self.frontend.wake_wait(ROUTER) if self.frontend is not None else 0.0
+        another request is in flight, it may first wait for a core
+        (:meth:`HostModel.intake_wait`, ``host.wake_beside_s``)."""
+        wait = self.host.intake_wait(ROUTER)
         if wait > 0:
             self.env.timeout(wait).callbacks.append(lambda _: self._take(req))
         else:
@@ -131,14 +127,11 @@ class Router:
 
     def prefill_done(self, req: SimRequest, block_ids: tuple[int, ...] | None) -> None:
         """A prefill instance answers: its API server passes the answer out
-        (``prefill.return_s``; with a frontend queue, a job there behind the other
-        frontend work), then the hop back to the proxy."""
-        work, wait = self.spread.split(self.cfg.profile.prefill.return_s)
-        if self.frontend is not None and work + wait:
-            self.frontend.serve(work, lambda: self._later(self._answered, req, block_ids), wait,
-                                process=req.prefill or "")  # prefill's API server answers
-        else:
-            self._later(self._answered, req, block_ids, extra=work + wait)
+        (``prefill.return_s``; on a host with a frontend queue, a job there behind the
+        other frontend work), then the hop back to the proxy."""
+        work, wait = self.host.split(self.cfg.profile.prefill.return_s)
+        self.host.answer(req.prefill or "", work, wait,  # prefill's API server answers
+                         lambda extra: self._later(self._answered, req, block_ids, extra=extra))
 
     def _answered(self, req: SimRequest, block_ids: tuple[int, ...] | None) -> None:
         if req.prefill not in self.transport.alive or req.outcome is not Outcome.PENDING:

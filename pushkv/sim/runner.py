@@ -22,9 +22,9 @@ import simpy
 
 from ..protocol import uniform_ranks
 from .blocks import BlockPool
-from .cpu import SharedCores
 from .engine import DecodeEngine, PrefillEngine, Recorder
-from .frontend import Frontend
+from .host import host_model
+from .host.model import token_return_s
 from .marks import Timeline
 from .metrics import client_times, vllm_result
 from .network import Network
@@ -32,7 +32,6 @@ from .profile import EngineProfile, Profile
 from .request import Outcome, SimRequest
 from .router import Router
 from .scenario import SimConfig, TransferMode
-from .spread import Spread
 from .transport import SimTransport
 from .workload import generate
 
@@ -92,26 +91,26 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
     """Simulate ``cfg`` and return its results; with ``timeline``, record every
     request's marks into it (:mod:`pushkv.sim.marks`; the results do not change)."""
     wall0 = time.perf_counter()
-    shared = cfg.profile.on_shared_cores()  # host times stretched by the CPU share
-    if shared is not cfg.profile:
-        cfg = dataclasses.replace(cfg, profile=shared)
-    profile = cfg.profile
     seeds = np.random.SeedSequence([cfg.workload.seed, cfg.iteration])
     streams = seeds.spawn(4 + cfg.num_prefill + cfg.num_decode)
     arrival_seed, fault_seed, *pool_seeds, skew_seed, incarnation_seed = streams
     env = simpy.Environment()
+    specs = generate(cfg.workload, arrival_rng(cfg, arrival_seed))
+    recorder = Recorder(env, len(specs))
+    arrived = [0]
+    # the host the processes run on (profile.host.model); its streams, if it draws, are
+    # spawned after the run's own, so a profile without them draws nothing
+    host = host_model(cfg.profile, env, seeds, in_flight=lambda: arrived[0] - len(recorder.ended))
+    if host.profile is not cfg.profile:  # e.g. host times stretched by a share of a core
+        cfg = dataclasses.replace(cfg, profile=host.profile)
+    profile = cfg.profile
     network = Network(env, profile.network)
     transport = SimTransport(
         env, profile, network, cfg.protocol, cfg.faults,
-        random.Random(int(fault_seed.generate_state(1)[0])),
+        random.Random(int(fault_seed.generate_state(1)[0])), host,
         skew_rng=np.random.default_rng(skew_seed), packing=cfg.packing,
     )
     transport.timeline = timeline
-    # its own stream, spawned after the others: a profile without it draws nothing
-    spread = Spread(profile.control.host_spread, np.random.default_rng(seeds.spawn(1)[0]))
-    transport.spread = spread
-    specs = generate(cfg.workload, arrival_rng(cfg, arrival_seed))
-    recorder = Recorder(env, len(specs))
     router_ref: list[Router] = []
 
     def on_done(req: SimRequest, block_ids: tuple[int, ...] | None) -> None:
@@ -124,8 +123,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         eid = f"prefill-{i}"
         pool = BlockPool(profile.prefill.num_blocks(m, gpu), profile.prefill.fragmentation,
                          np.random.default_rng(pool_seeds[i]), profile.prefill.free_order)
-        eng = PrefillEngine(env, eid, profile, pool, transport, cfg.resolved_mode, on_done)
-        eng.spread = spread
+        eng = PrefillEngine(env, eid, profile, pool, transport, cfg.resolved_mode, on_done, host)
         transport.add_producer(_ranks(eid, profile, profile.prefill), eng)
         prefills.append(eng)
     for j in range(cfg.num_decode):
@@ -133,34 +131,18 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         pool = BlockPool(profile.decode.num_blocks(m, gpu), profile.decode.fragmentation,
                          np.random.default_rng(pool_seeds[cfg.num_prefill + j]),
                          profile.decode.free_order)
-        deng = DecodeEngine(env, eid, profile, pool, transport, cfg.resolved_mode, recorder)
-        deng.spread = spread
+        deng = DecodeEngine(env, eid, profile, pool, transport, cfg.resolved_mode, recorder,
+                            host)
         transport.add_consumer(_ranks(eid, profile, profile.decode), deng)
         decodes.append(deng)
     transport.handshake()
-    net = profile.network  # a token's way: the hop, the wake-ups, the API server, the client's
-    return_s = net.router_hop_s + net.client_hop_s + profile.return_wake_s + profile.decode.return_s
-    frontend = None
-    if profile.control.frontend_cores:  # the frontends' times queue on their cores
-        # A token's frontend work: as measured when known (token_work_s), else its whole
-        # way out (return_s); what is left of the way out is latency.
-        work = profile.decode.token_work_s
-        token_s = min(work, return_s) if work > 0 else profile.decode.return_s
-        frontend = Frontend(env, profile.control.frontend_cores, token_s, return_s - token_s)
-        for e in (*prefills, *decodes):
-            e.frontend = frontend
-    if profile.control.host_cores:  # engines and frontends share the host's cores
-        transport.cpu = SharedCores(env, profile.control.host_cores)
-        if frontend is not None:
-            frontend.host = transport.cpu
-    router = Router(env, cfg, transport, prefills, decodes, recorder,
+    # a token's way: the hop, the client's, the wake-ups, decode's API server
+    return_s = token_return_s(profile, host.return_wake_s)
+    router = Router(env, cfg, transport, prefills, decodes, recorder, host,
                     random.Random(int(incarnation_seed.generate_state(1)[0])))
-    router.frontend = frontend
-    router.spread = spread
     router_ref.append(router)
 
     reqs = [SimRequest(spec=s, transfer_id=f"req-{s.index}") for s in specs]
-    arrived = [0]
 
     def reach(req: SimRequest) -> None:
         arrived[0] += 1
@@ -169,24 +151,13 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
     def arrive_at(req: SimRequest) -> None:
         env.timeout(req.arrival).callbacks.append(lambda _: reach(req))
 
-    if frontend is not None and profile.control.wake_beside_s:
-        # its own stream, spawned after the others: a profile without it draws nothing
-        frontend.wakes = Spread(profile.control.wake_beside_s,
-                                np.random.default_rng(seeds.spawn(1)[0]))
-        # the router's wake-ups draw from a stream of their own: they take no draw of the
-        # jobs' stream
-        frontend.intake_wakes = Spread(profile.control.wake_beside_s,
-                                       np.random.default_rng(seeds.spawn(1)[0]))
-        frontend.in_flight = lambda: arrived[0] - len(recorder.ended)
-
     for r in reqs:
         arrive_at(r)
     _schedule_faults(env, cfg, transport, prefills, decodes)
 
     try:
         env.run(until=recorder.done)
-        if frontend is not None:  # the last tokens still on their way to the client
-            env.run(until=frontend.drained())
+        host.drain(env)  # what the host still does: the last tokens on their way out
     except RuntimeError as exc:
         pending = [r.transfer_id for r in reqs if r.outcome is Outcome.PENDING]
         raise SimulationError(
@@ -311,7 +282,7 @@ def _extra(
         "prefill_cached_tokens": sum(p.cached_tokens for p in prefills),
         "prefill_computed_tokens": sum(p.computed_tokens for p in prefills),
         "network_busy_s": transport.net.busy_s,
-        "host_busy_s": transport.cpu.busy_s if transport.cpu is not None else 0.0,
+        "host_busy_s": transport.host.busy_s,
         "gil_wait_ms_by_engine": {k: v * 1000 for k, v in sorted(transport.gil_wait_s.items())
                                   if v > 0},
         "rank_skew_mean": float(np.mean(transport.skews)) if transport.skews else 0.0,

@@ -64,14 +64,12 @@ from ..protocol import (
 from ..protocol.messages import MAX_HEARTBEAT_ITEMS
 from ..protocol.packing import PackingConfig
 from .costs import post_s
-from .cpu import SharedCores, work
+from .host.model import HostModel
 from .marks import Timeline
 from .network import Network
 from .packing import SIM_PACKING, StagingLedger
 from .profile import Profile
 from .scenario import FaultConfig, ProtocolSettings
-from .spread import NONE as NO_SPREAD
-from .spread import Spread
 
 
 class ProducerHost(Protocol):
@@ -92,7 +90,8 @@ class ConsumerHost(Protocol):
 
 
 class SimTransport:
-    """Endpoints of every engine, the control plane, the writer/reader threads and timers."""
+    """Endpoints of every engine, the control plane, the writer/reader threads and timers,
+    their processes on ``host`` (:mod:`pushkv.sim.host`)."""
 
     def __init__(
         self,
@@ -102,10 +101,12 @@ class SimTransport:
         settings: ProtocolSettings,
         faults: FaultConfig,
         fault_rng: random.Random,
+        host: HostModel,
         skew_rng: np.random.Generator | None = None,
         packing: PackingConfig = SIM_PACKING,
     ) -> None:
         self.env = env
+        self.host = host
         self.staging = StagingLedger(packing, profile.network)
         self.profile = profile
         self.net = network
@@ -114,7 +115,6 @@ class SimTransport:
         self._rng = fault_rng
         self._skew_rng = skew_rng or np.random.default_rng(0)
         self.skews: list[float] = []  #: the slowest rank's X of every transfer
-        self.spread: Spread = NO_SPREAD  #: ``control.host_spread``, set by the runner
         self.producers: dict[str, Producer] = {}
         self.consumers: dict[str, Consumer] = {}
         self._producer_hosts: dict[str, ProducerHost] = {}
@@ -123,8 +123,6 @@ class SimTransport:
         self._reader: dict[str, simpy.Resource] = {}  # decode background thread (pull-async)
         #: each engine process's interpreter lock: its loop and its posting thread share it
         self.gil: dict[str, simpy.Resource] = {}
-        #: the host's cores shared by engines and frontends (``control.host_cores``)
-        self.cpu: SharedCores | None = None
         self._loop_holds_until: defaultdict[str, float] = defaultdict(float)
         self.gil_wait_s: defaultdict[str, float] = defaultdict(float)
         self._connecting: set[tuple[str, str]] = set()
@@ -307,50 +305,30 @@ class SimTransport:
         if cost > held:
             yield self.env.timeout(cost - held)
 
-    def run_step(self, eid: str, python_s: float, dt: float,
-                 beside: float = 0.0) -> Generator[Any, Any, float]:
+    def run_step(self, eid: str, python_s: float, dt: float) -> Generator[Any, Any, float]:
         """An engine step of ``dt`` seconds whose first ``python_s`` need the interpreter
-        lock: it waits while a posting thread of the same process holds it. On the
-        host's shared cores the step brings ``beside x dt`` of work of the processes
-        around it (``cores_busy - 1``), which it does not wait for. Returns the seconds
-        the step took."""
+        lock: it waits while a posting thread of the same process holds it. The step is
+        work on the host, which also runs what the processes around it do meanwhile
+        (:meth:`HostModel.beside`). Returns the seconds the step took."""
         start = self.env.now
-        if beside > 0 and self.cpu is not None:
-            self.cpu.run(beside * dt)
+        host = self.host
+        host.beside(self._side(eid), dt)
         lock = self.gil[eid]
         if python_s > 0 and self._gil_contended and (lock.count or lock.queue):
             with lock.request() as req:
                 yield req
                 self.gil_wait_s[eid] += self.env.now - start
-                yield self._work(min(python_s, dt))
+                yield host.work(min(python_s, dt))
             if dt > python_s:
-                yield self._work(dt - python_s)
+                yield host.work(dt - python_s)
         else:  # the lock is free: hold it for python_s without queueing (the fast path)
             self._loop_holds_until[eid] = start + min(python_s, dt)
-            yield self._work(dt)
+            yield host.work(dt)
         return self.env.now - start
 
-    def spin(self, cores: float) -> list[int]:
-        """An engine loop stepping empty keeps ``cores`` of the host's shared cores busy
-        until :meth:`unspin`: one spinner a core, the last one the fraction left (none
-        without shared cores)."""
-        if self.cpu is None:
-            return []
-        spins = []
-        while cores > 1e-9:
-            spins.append(self.cpu.spin(min(1.0, cores)))
-            cores -= 1.0
-        return spins
-
-    def unspin(self, spins: list[int]) -> None:
-        if self.cpu is not None:
-            for k in spins:
-                self.cpu.unspin(k)
-
-    def _work(self, seconds: float) -> simpy.Event:
-        """``seconds`` of an engine's work: on the host's shared cores (``cpu``,
-        ``control.host_cores``), else that long."""
-        return work(self.env, self.cpu, seconds)
+    def _side(self, eid: str) -> str:
+        """The side engine ``eid`` is on: "prefill" or "decode"."""
+        return "prefill" if eid in self.producers else "decode"
 
     # ------------------------------------------------------------------ deaths
 
@@ -461,9 +439,7 @@ class SimTransport:
         both hold their process's interpreter lock. ``on_arrival`` (a timeline mark) is
         called as it reaches a live endpoint."""
         ctl = self.profile.control
-        wake = self._wake_s(peer.engine_id)
-        if wake:  # the receiving thread wakes on a busy core
-            delay += wake
+        delay += self.host.wake_s(self._side(peer.engine_id))  # its receiving thread wakes
         send = ctl.message_send_s if src is not None else 0.0
         if send == 0 and ctl.message_recv_s == 0:
             self.inflight += 1
@@ -506,11 +482,6 @@ class SimTransport:
             yield lock
             yield self.env.timeout(seconds)
 
-    def _wake_s(self, eid: str) -> float:
-        """``wake_s`` of the side engine ``eid`` is on."""
-        side = self.profile.prefill if eid in self.producers else self.profile.decode
-        return side.wake_s
-
     def _write(self, eid: str, a: IssueWrite) -> Generator[Any, Any, None]:
         """The prefill background thread posts while the fabric moves; the consumer is told."""
         net = self.profile.network
@@ -518,8 +489,7 @@ class SimTransport:
         nbytes = a.plan.nbytes
         with self._writer[eid].request() as slot:
             yield slot
-            if self.profile.prefill.wake_s:  # the writer thread wakes on a busy core
-                yield self.env.timeout(self.profile.prefill.wake_s)
+            yield from self.host.thread_wake("prefill")  # the writer thread wakes
             started = self.env.now
             pack = self.staging.decide(eid, dst, a.plan.descriptor_count, nbytes)
             if pack.packed:  # the gather runs on the device, issued by this thread
@@ -541,7 +511,7 @@ class SimTransport:
         yield self.env.timeout(  # READY waits for the slowest rank's write
             self._slowest_rank(self.profile.prefill.tp) * (self.env.now - started))
         if net.notify_wait_s:  # the progress threads' polls on busy cores
-            yield self.env.timeout(self.spread(net.notify_wait_s))
+            yield self.env.timeout(self.host.spread(net.notify_wait_s))
         if eid not in self.alive:
             self.stats["writes_lost"] += 1  # the producer died with its write
             return
@@ -577,8 +547,7 @@ class SimTransport:
         if inline is None:
             with self._reader[eid].request() as slot:
                 yield slot
-                if self.profile.decode.wake_s:  # the reader thread wakes on a busy core
-                    yield self.env.timeout(self.profile.decode.wake_s)
+                yield from self.host.thread_wake("decode")  # the reader thread wakes
                 started = self.env.now
                 skew = self._slowest_rank(self.profile.decode.tp)
                 cost = post_s(net, a.plan.descriptor_count)

@@ -33,6 +33,18 @@ def with_profile(**sections: dict[str, Any]) -> Profile:
     return dataclasses.replace(DEFAULT, **changes).validate()
 
 
+def on_host(profile: Profile, *, prefill: dict[str, Any] | None = None,
+            decode: dict[str, Any] | None = None, **host: Any) -> Profile:
+    """``profile`` on the shared-CPU host model with some ``[host]`` keys replaced
+    (``prefill``, ``decode``: those of ``[host.prefill]``, ``[host.decode]``)."""
+    h = profile.host
+    new = dataclasses.replace(
+        h, model="shared-cpu", **host,
+        prefill=dataclasses.replace(h.prefill, **(prefill or {})),
+        decode=dataclasses.replace(h.decode, **(decode or {})))
+    return dataclasses.replace(profile, host=new).validate()
+
+
 def write_timeline(directory: Path, requests: dict[str, dict[str, float]]) -> Path:
     """``requests`` (per id, each mark's time) as one process's pushkv.timeline file in
     ``directory``, which is made; returns ``directory``."""

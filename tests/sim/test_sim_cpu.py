@@ -1,4 +1,4 @@
-"""The host's cores as one processor-sharing pool (control.host_cores): the pool
+"""The host's cores as one processor-sharing pool (host.cores): the pool
 against closed forms and an independent fluid model, then in whole runs."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ pytest.importorskip("simpy")
 import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim_helpers import config
+from sim_helpers import config, on_host
 
-from pushkv.sim.cpu import SharedCores
+from pushkv.sim.host.cores import SharedCores
 from pushkv.sim.profile import ProfileError, load_profile, profile_from_dict
 from pushkv.sim.runner import run
 
@@ -124,22 +124,22 @@ def test_bad_pools_and_work_are_refused() -> None:
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_host_cores_must_be_a_count(bad: object) -> None:
-    with pytest.raises(ProfileError, match="host_cores"):
-        profile_from_dict({"control": {"host_cores": bad}})
+    with pytest.raises(ProfileError, match=r"host\.cores"):
+        profile_from_dict({"host": {"model": "shared-cpu", "cores": bad}})
 
 
-def _tiny(**control: object):  # type: ignore[no-untyped-def]
-    """cpu-tiny with frontend work to do (the API servers' keys as measured here)."""
-    return dataclasses.replace(
-        TINY, control=dataclasses.replace(TINY.control, **control),
-        prefill=dataclasses.replace(TINY.prefill, ingest_s=0.002, return_s=0.002),
+def _tiny(**host: object):  # type: ignore[no-untyped-def]
+    """cpu-tiny with frontend work to do (the API servers' keys as measured here), on a
+    shared CPU with ``host`` keys."""
+    return on_host(dataclasses.replace(
+        TINY, prefill=dataclasses.replace(TINY.prefill, ingest_s=0.002, return_s=0.002),
         decode=dataclasses.replace(TINY.decode, ingest_s=0.003, return_s=0.0005),
-    ).validate()
+    ), **host)
 
 
-def _result(mode: str, qps: float, n: int, **control: object) -> dict:  # type: ignore[type-arg]
+def _result(mode: str, qps: float, n: int, **host: object) -> dict:  # type: ignore[type-arg]
     cfg = dataclasses.replace(config(mode, qps=qps, input_len=128, output_len=16,
-                                     num_prompts=n), profile=_tiny(**control))
+                                     num_prompts=n), profile=_tiny(**host))
     return run(cfg).result
 
 
@@ -152,7 +152,7 @@ def test_a_lone_request_takes_as_long_on_two_shared_cores(mode: str) -> None:
     """The profile's times are lone requests' wall times: with the engines and one
     frontend job at a time, two cores are enough, nothing waits for a core."""
     alone = _result(mode, 1.0, 1, frontend_cores=1)
-    shared = _result(mode, 1.0, 1, frontend_cores=1, host_cores=2)
+    shared = _result(mode, 1.0, 1, frontend_cores=1, cores=2)
     assert shared["ttfts"] == pytest.approx(alone["ttfts"], rel=1e-9)
     assert _flat(shared["itls"]) == pytest.approx(_flat(alone["itls"]), rel=1e-9)
 
@@ -160,19 +160,19 @@ def test_a_lone_request_takes_as_long_on_two_shared_cores(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_enough_cores_change_nothing_and_fewer_slow_a_loaded_run(mode: str) -> None:
     off = _result(mode, 200.0, 24, frontend_cores=1)
-    many = _result(mode, 200.0, 24, frontend_cores=1, host_cores=3)  # >= engines + 1 job
+    many = _result(mode, 200.0, 24, frontend_cores=1, cores=3)  # >= engines + 1 job
     assert many["ttfts"] == pytest.approx(off["ttfts"], rel=1e-9)
     assert _flat(many["itls"]) == pytest.approx(_flat(off["itls"]), rel=1e-9)
-    two = _result(mode, 200.0, 24, frontend_cores=1, host_cores=2)
-    one = _result(mode, 200.0, 24, frontend_cores=1, host_cores=1)
+    two = _result(mode, 200.0, 24, frontend_cores=1, cores=2)
+    one = _result(mode, 200.0, 24, frontend_cores=1, cores=1)
     assert off["mean_ttft_ms"] < two["mean_ttft_ms"] < one["mean_ttft_ms"]
     assert off["mean_tpot_ms"] < two["mean_tpot_ms"] < one["mean_tpot_ms"]
     assert two["completed"] == one["completed"] == 24
 
 
 def test_deterministic_on_shared_cores() -> None:
-    a = _result("push", 100.0, 16, frontend_cores=1, host_cores=2)
-    b = _result("push", 100.0, 16, frontend_cores=1, host_cores=2)
+    a = _result("push", 100.0, 16, frontend_cores=1, cores=2)
+    b = _result("push", 100.0, 16, frontend_cores=1, cores=2)
     assert a["ttfts"] == b["ttfts"] and a["itls"] == b["itls"]
 
 
@@ -181,9 +181,7 @@ def test_the_work_beside_a_step_lengthens_it_only_when_the_cores_are_short() -> 
     exactly 1.5 times as long (its companion shares the core until done); on two,
     exactly as long as without it; cores_busy 1 changes nothing."""
     def tpot(host_cores: int, busy: float) -> float:
-        prof = dataclasses.replace(
-            TINY, control=dataclasses.replace(TINY.control, host_cores=host_cores),
-            decode=dataclasses.replace(TINY.decode, cores_busy=busy)).validate()
+        prof = on_host(TINY, cores=host_cores, decode={"cores_busy": busy})
         cfg = dataclasses.replace(config("push", qps=1.0, input_len=128, output_len=16,
                                          num_prompts=1), profile=prof)
         return run(cfg).result["mean_tpot_ms"]
@@ -198,17 +196,16 @@ def test_the_work_beside_a_step_lengthens_it_only_when_the_cores_are_short() -> 
 @pytest.mark.parametrize("bad", [0.5, math.nan, math.inf, 65.0])
 def test_cores_busy_must_be_at_least_one(bad: float) -> None:
     with pytest.raises(ProfileError, match="cores_busy"):
-        profile_from_dict({"decode": {"cores_busy": bad}})
+        profile_from_dict({"host": {"model": "shared-cpu", "decode": {"cores_busy": bad}}})
 
 
 def test_a_tokens_frontend_work_is_its_job_and_the_rest_of_its_way_a_latency() -> None:
-    """decode.token_work_s: a lone token still arrives return_s after decode emitted it;
+    """host.token_work_s: a lone token still arrives return_s after decode emitted it;
     under load less work a token queues less than return_s as the job."""
     def res(qps: float, n: int, work: float) -> dict:  # type: ignore[type-arg]
-        prof = _tiny(frontend_cores=1)  # no prefill answer job: a lone token never queues
-        prof = dataclasses.replace(
-            prof, decode=dataclasses.replace(prof.decode, token_work_s=work),
-            prefill=dataclasses.replace(prof.prefill, return_s=0.0)).validate()
+        prof = _tiny(frontend_cores=1, token_work_s=work)
+        prof = dataclasses.replace(  # no prefill answer job: a lone token never queues
+            prof, prefill=dataclasses.replace(prof.prefill, return_s=0.0)).validate()
         cfg = dataclasses.replace(config("push", qps=qps, input_len=128, output_len=16,
                                          num_prompts=n), profile=prof)
         return run(cfg).result
@@ -218,7 +215,8 @@ def test_a_tokens_frontend_work_is_its_job_and_the_rest_of_its_way_a_latency() -
     assert _flat(lone_work["itls"]) == pytest.approx(_flat(lone["itls"]), rel=1e-9)
     busy, light = res(300.0, 24, 0.0), res(300.0, 24, 0.0001)
     assert light["mean_ttft_ms"] < busy["mean_ttft_ms"]
-    for bad in ({"decode": {"token_work_s": -0.001}}, {"prefill": {"token_work_s": 0.001}}):
+    for bad in ({"host": {"model": "shared-cpu", "token_work_s": -0.001}},
+                {"host": {"model": "shared-cpu", "prefill": {"token_work_s": 0.001}}}):
         with pytest.raises(ProfileError, match="token_work_s"):
             profile_from_dict(bad)
 
@@ -316,11 +314,8 @@ def _steps(mode: str, host_cores: int, *, holding: bool, busy: float = 1.0,
     the host's busy core-seconds, with ``side`` stepping while it holds."""
     from pushkv.sim.marks import Timeline
 
-    eng = dataclasses.replace(getattr(TINY, side), steps_while_holding=holding,
-                              cores_busy=busy)
-    prof = dataclasses.replace(
-        TINY, control=dataclasses.replace(TINY.control, host_cores=host_cores),
-        **{side: eng}).validate()
+    prof = on_host(TINY, cores=host_cores,
+                   **{side: {"steps_while_holding": holding, "cores_busy": busy}})
     cfg = dataclasses.replace(config(mode, qps=1.0, input_len=128, output_len=4,
                                      num_prompts=1), profile=prof)
     tl = Timeline()
@@ -348,10 +343,8 @@ def test_a_prefill_holding_kv_for_a_read_keeps_a_core_busy_until_it_is_released(
     its end until decode's read releases it, and steps empty all that while: the host
     serves that much more, exactly cores_busy times the time it spun."""
     def hold_and_busy(holding: bool) -> tuple[float, float]:
-        eng = dataclasses.replace(TINY.prefill, steps_while_holding=holding, cores_busy=1.5)
-        prof = dataclasses.replace(
-            TINY, control=dataclasses.replace(TINY.control, host_cores=3),
-            prefill=eng).validate()
+        prof = on_host(TINY, cores=3,
+                       prefill={"steps_while_holding": holding, "cores_busy": 1.5})
         cfg = dataclasses.replace(config("pull", qps=1.0, input_len=128, output_len=4,
                                          num_prompts=1), profile=prof)
         res = run(cfg, keep_objects=True)

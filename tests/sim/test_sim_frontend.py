@@ -1,4 +1,4 @@
-"""The frontends as one queue (control.frontend_cores) and vLLM's arrival process."""
+"""The frontends as one queue (host.frontend_cores) and vLLM's arrival process."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import simpy
 from sim_helpers import config, with_profile
 
 from pushkv.sim import run
-from pushkv.sim.frontend import Frontend
+from pushkv.sim.host.frontend import Frontend
 from pushkv.sim.profile import ProfileError
 from pushkv.sim.workload import WorkloadConfig, WorkloadError
 
@@ -54,7 +54,7 @@ def test_frontend_needs_a_core() -> None:
 def _keys(return_s: float, cores: int) -> object:
     return with_profile(prefill={"ingest_s": 0.002}, decode={"ingest_s": 0.003,
                                                              "return_s": return_s},
-                        control={"frontend_cores": cores})
+                        host={"model": "shared-cpu", "frontend_cores": cores})
 
 
 def test_alone_the_queue_adds_nothing_to_ttft() -> None:
@@ -95,7 +95,7 @@ def test_deterministic() -> None:
 @pytest.mark.parametrize("bad", [-1, 1.5])
 def test_frontend_cores_must_be_a_count(bad: object) -> None:
     with pytest.raises(ProfileError, match="frontend_cores"):
-        with_profile(control={"frontend_cores": bad})
+        with_profile(host={"model": "shared-cpu", "frontend_cores": bad})
 
 
 def test_vllm_arrivals_are_the_real_runs_send_times() -> None:
@@ -134,12 +134,12 @@ def test_measure_writes_the_frontends_cores() -> None:
     from test_sim_measure import GOOD
 
     from pushkv.fit.cpu_profile import profile_data
-    from pushkv.sim.frontend import frontend_cores
+    from pushkv.sim.host.frontend import frontend_cores
 
     assert [frontend_cores(n) for n in (1, 2, 3, 16)] == [1, 1, 1, 14]
-    assert "frontend_cores" not in profile_data(GOOD)["control"]  # not recorded: off
+    assert "host" not in profile_data(GOOD)  # not recorded: off, dedicated
     got = profile_data(dataclasses.replace(GOOD, cpu_count=2))
-    assert got["control"]["frontend_cores"] == 1
+    assert got["host"]["frontend_cores"] == 1 and got["host"]["model"] == "shared-cpu"
 
 
 def test_the_cli_takes_vllms_send_times(tmp_path: Path) -> None:

@@ -25,16 +25,16 @@ def shared(*, busy: float = 1.4, token_work_s: float = 1e-3, host_cores: int = 2
     """cpu-tiny on two shared cores, each engine keeping ``busy`` cores busy while it
     steps or holds a request, each token ``token_work_s`` of frontend work."""
     return profile_from_dict({
-        "prefill": {"cores_busy": busy, "steps_while_holding": True,
-                    "prefill_step_overhead_s": 5e-3, "step_python_s": 2.5e-3},
-        "decode": {"cores_busy": busy, "steps_while_holding": True,
-                   "decode_step_overhead_s": 3e-3, "step_python_s": 3e-3,
-                   "token_work_s": token_work_s},
-        "control": {"host_cores": host_cores, "frontend_cores": 1}}, base=TINY)
+        "prefill": {"prefill_step_overhead_s": 5e-3, "step_python_s": 2.5e-3},
+        "decode": {"decode_step_overhead_s": 3e-3, "step_python_s": 3e-3},
+        "host": {"model": "shared-cpu", "cores": host_cores, "frontend_cores": 1,
+                 "token_work_s": token_work_s,
+                 "prefill": {"cores_busy": busy, "steps_while_holding": True},
+                 "decode": {"cores_busy": busy, "steps_while_holding": True}}}, base=TINY)
 
 
 def own_cores(p: Profile) -> Profile:
-    return dataclasses.replace(p, control=dataclasses.replace(p.control, host_cores=0))
+    return dataclasses.replace(p, host=dataclasses.replace(p.host, cores=0))
 
 
 def lone(p: Profile, mode: str) -> dict[str, float]:

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("simpy")
 
-from sim_helpers import config
+from sim_helpers import config, on_host
 
 from pushkv.fit.cpu_profile import (
     Measured,
@@ -23,6 +23,7 @@ from pushkv.fit.cpu_profile import (
     write_profile,
 )
 from pushkv.sim.costs import step_s
+from pushkv.sim.host.shared_cpu import SharedCpu, on_shared_cores
 from pushkv.sim.profile import (
     DEFAULT,
     Profile,
@@ -144,18 +145,16 @@ def test_the_committed_cpu_tiny_profile_loads() -> None:
 
 
 def test_a_core_of_its_own_changes_nothing() -> None:
-    assert DEFAULT.on_shared_cores() is DEFAULT
-    prof = profile_from_dict(profile_data(GOOD))
-    assert prof.on_shared_cores() is prof
+    assert on_shared_cores(DEFAULT) is DEFAULT
+    prof = on_host(profile_from_dict(profile_data(GOOD)))
+    assert on_shared_cores(prof) is prof
 
 
 def test_cpu_share_stretches_every_host_time_by_its_inverse() -> None:
     prof = profile_from_dict(profile_data(GOOD))
-    half = dataclasses.replace(
-        prof, prefill=dataclasses.replace(prof.prefill, cpu_share=0.5),
-        decode=dataclasses.replace(prof.decode, cpu_share=0.25)).validate()
-    s = half.on_shared_cores()
-    assert s.prefill.cpu_share == 1 and s.decode.cpu_share == 1
+    half = on_host(prof, prefill={"cpu_share": 0.5}, decode={"cpu_share": 0.25})
+    s = on_shared_cores(half)
+    assert s.host.prefill.cpu_share == 1 and s.host.decode.cpu_share == 1
     assert s.prefill.prefill_step_overhead_s == 2 * prof.prefill.prefill_step_overhead_s
     assert s.prefill.step_token_s == 2 * prof.prefill.step_token_s
     assert s.decode.decode_step_overhead_s == 4 * prof.decode.decode_step_overhead_s
@@ -173,8 +172,7 @@ def test_one_request_decodes_at_the_stretched_step(share: float) -> None:
     """Limiting case: one request alone, its TPOT is exactly one decode step of batch 1,
     (overhead + step_token_s) / cpu_share (the roofline adds nanoseconds here)."""
     prof = profile_from_dict(profile_data(GOOD))
-    slow = dataclasses.replace(prof, decode=dataclasses.replace(prof.decode,
-                                                                cpu_share=share)).validate()
+    slow = on_host(prof, decode={"cpu_share": share})
     res = run(config("push", qps=1.0, input_len=64, output_len=9, num_prompts=1,
                      profile=slow))
     step = (prof.decode.decode_step_overhead_s + prof.decode.step_token_s) / share
@@ -184,7 +182,7 @@ def test_one_request_decodes_at_the_stretched_step(share: float) -> None:
 @pytest.mark.parametrize("value", [0.0, 1.5, float("nan")])
 def test_cpu_share_must_be_a_share(value: float) -> None:
     with pytest.raises(ProfileError, match="cpu_share"):
-        profile_from_dict({"decode": {"cpu_share": value}})
+        profile_from_dict({"host": {"model": "shared-cpu", "decode": {"cpu_share": value}}})
 
 
 # ------------------------------------------------------------------- cpu_speed
@@ -196,13 +194,12 @@ def test_a_slower_machine_is_a_smaller_share_of_the_measured_one() -> None:
     prof = profile_from_dict(profile_data(GOOD))
 
     def sides(**kw: float) -> Profile:
-        return dataclasses.replace(prof, prefill=dataclasses.replace(prof.prefill, **kw),
-                                   decode=dataclasses.replace(prof.decode, **kw)).validate()
+        return on_host(prof, prefill=kw, decode=kw)
 
     same = sides(cpu_speed=1.0)
-    assert same.on_shared_cores() is same
-    assert sides(cpu_speed=0.5).on_shared_cores() == sides(cpu_share=0.5).on_shared_cores()
-    fast = sides(cpu_speed=2.0, cpu_share=0.5).on_shared_cores()  # the two cancel
+    assert on_shared_cores(same) is same
+    assert on_shared_cores(sides(cpu_speed=0.5)) == on_shared_cores(sides(cpu_share=0.5))
+    fast = on_shared_cores(sides(cpu_speed=2.0, cpu_share=0.5))  # the two cancel
     assert fast.decode.decode_step_overhead_s == prof.decode.decode_step_overhead_s
     assert fast.network.router_hop_s == prof.network.router_hop_s
     cfg = dict(qps=4.0, input_len=64, output_len=9, num_prompts=12)
@@ -210,23 +207,23 @@ def test_a_slower_machine_is_a_smaller_share_of_the_measured_one() -> None:
     assert slow == run(config("push", profile=sides(cpu_share=0.4), **cfg)).result
     step = (prof.decode.decode_step_overhead_s + prof.decode.step_token_s) / 0.4
     alone = run(config("push", qps=1.0, input_len=64, output_len=9, num_prompts=1,
-                       profile=dataclasses.replace(prof, decode=dataclasses.replace(
-                           prof.decode, cpu_speed=0.4)).validate())).result
+                       profile=on_host(prof, decode={"cpu_speed": 0.4}))).result
     assert alone["mean_tpot_ms"] == pytest.approx(step * 1e3, rel=1e-5)
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, 101.0, float("nan"), float("inf")])
 def test_cpu_speed_must_be_a_positive_finite_rate(value: float) -> None:
     with pytest.raises(ProfileError, match="cpu_speed"):
-        profile_from_dict({"prefill": {"cpu_speed": value}})
+        profile_from_dict({"host": {"model": "shared-cpu", "prefill": {"cpu_speed": value}}})
     with pytest.raises(ProfileError, match="probe_speed"):
-        profile_from_dict({"control": {"probe_speed": -1.0 if value >= 0 else value}})
+        profile_from_dict({"host": {"model": "shared-cpu",
+                                    "probe_speed": -1.0 if value >= 0 else value}})
 
 
 def test_the_profile_keeps_the_probe_speed_it_was_measured_at(tmp_path: Path) -> None:
-    assert "probe_speed" not in profile_data(GOOD)["control"]  # not probed: no reference
+    assert "host" not in profile_data(GOOD)  # not probed: no reference, dedicated
     prof = write_profile(dataclasses.replace(GOOD, engine_speed=123456.0), tmp_path / "p.toml")
-    assert prof.control.probe_speed == 123456.0
+    assert prof.host.probe_speed == 123456.0 and prof.host.model == "shared-cpu"
 
 
 def test_the_probe_measures_the_cores_speed() -> None:
@@ -319,9 +316,7 @@ def test_a_core_probe_that_dies_before_it_starts_is_an_error(
 
 def _with_wake(w: float) -> Profile:
     prof = profile_from_dict(profile_data(GOOD))
-    return dataclasses.replace(
-        prof, prefill=dataclasses.replace(prof.prefill, wake_s=w),
-        decode=dataclasses.replace(prof.decode, wake_s=w)).validate()
+    return on_host(prof, prefill={"wake_s": w}, decode={"wake_s": w})
 
 
 @pytest.mark.parametrize(("mode", "wakes"), [
@@ -345,14 +340,19 @@ def test_one_request_pays_each_wake_up_on_its_path(mode: str, wakes: int) -> Non
 
 
 def test_wake_s_zero_keeps_the_default_profile_as_it_was() -> None:
-    assert DEFAULT.prefill.wake_s == 0 and DEFAULT.decode.wake_s == 0
-    assert DEFAULT.hop_wake_s == 0 and DEFAULT.return_wake_s == 0
+    assert DEFAULT.host.prefill.wake_s == 0 and DEFAULT.host.decode.wake_s == 0
+    assert DEFAULT.host.model == "dedicated"
+    import numpy as np
+    import simpy
+
+    shared = SharedCpu(simpy.Environment(), on_host(DEFAULT), np.random.SeedSequence(0))
+    assert shared.hop_wake_s == 0 and shared.return_wake_s == 0
 
 
 @pytest.mark.parametrize("value", [-1e-3, float("inf")])
 def test_wake_s_must_be_finite_and_not_negative(value: float) -> None:
     with pytest.raises(ProfileError, match="wake_s"):
-        profile_from_dict({"decode": {"wake_s": value}})
+        profile_from_dict({"host": {"model": "shared-cpu", "decode": {"wake_s": value}}})
 
 
 def test_the_cpu_profile_has_no_prefix_hits() -> None:

@@ -55,6 +55,7 @@ def _gil_case(fraction: float, post: float, step_at: float, python_s: float,
 
     import simpy
 
+    from pushkv.sim.host.dedicated import Dedicated
     from pushkv.sim.network import Network
     from pushkv.sim.scenario import FaultConfig, ProtocolSettings
     from pushkv.sim.transport import SimTransport
@@ -62,7 +63,7 @@ def _gil_case(fraction: float, post: float, step_at: float, python_s: float,
     prof = with_profile(network={"post_gil_fraction": fraction})
     env = simpy.Environment()
     t = SimTransport(env, prof, Network(env, prof.network), ProtocolSettings(),
-                     FaultConfig(), random.Random(0))
+                     FaultConfig(), random.Random(0), Dedicated(env, prof))
     t._add_node("p")
     ended: list[float] = []
 

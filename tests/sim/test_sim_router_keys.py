@@ -14,11 +14,12 @@ import pytest
 
 pytest.importorskip("simpy")
 
-from sim_helpers import config
+from sim_helpers import config, on_host
 
 from pushkv.fit.cpu_profile import MeasurementError
 from pushkv.fit.measure_connector import client_first, client_hop, pull_keys
 from pushkv.fit.sim_vs_real.keys import real_keys
+from pushkv.sim.host.shared_cpu import on_shared_cores
 from pushkv.sim.profile import DEFAULT, ProfileError, load_profile, profile_from_dict
 from pushkv.sim.runner import run
 
@@ -31,15 +32,15 @@ KEYS = {"prefill": {"ingest_s": 0.002}, "decode": {
     "event_handoff_s": 0.0012, "admit_lag_s": 0.0015}}
 
 
-def _with(extra: dict[str, dict[str, float]] | None = None, **control: int):  # type: ignore[no-untyped-def]
+def _with(extra: dict[str, dict[str, float]] | None = None, **host: int):  # type: ignore[no-untyped-def]
     tables = {side: dict(fields) for side, fields in KEYS.items()}
     for side, fields in (extra or {}).items():
         tables.setdefault(side, {}).update(fields)
     prof = dataclasses.replace(TINY, **{
         side: dataclasses.replace(getattr(TINY, side), **fields)
         for side, fields in tables.items()})
-    if control:
-        prof = dataclasses.replace(prof, control=dataclasses.replace(prof.control, **control))
+    if host:  # the frontends as a queue: a shared CPU
+        return on_host(prof, **host)
     return prof.validate()
 
 
@@ -74,9 +75,9 @@ def test_client_hop_adds_exactly_itself_to_ttft_alone_not_to_tpot(mode: str,
 
 @pytest.mark.parametrize("key", ["client_hop_s", "client_first_s"])
 def test_the_clients_keys_scale_with_the_cores_share(key: str) -> None:
-    prof = _with({"network": {key: 0.002},
-                  "prefill": {"cpu_share": 0.5}, "decode": {"cpu_share": 0.5}})
-    assert getattr(prof.on_shared_cores().network, key) == pytest.approx(0.004)
+    prof = on_host(_with({"network": {key: 0.002}}), prefill={"cpu_share": 0.5},
+                   decode={"cpu_share": 0.5})
+    assert getattr(on_shared_cores(prof).network, key) == pytest.approx(0.004)
 
 
 # ----------------------------------------------------------------- client_first_s

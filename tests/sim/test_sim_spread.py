@@ -1,4 +1,4 @@
-"""control.host_spread: the connector keys' host times drawn around their medians --
+"""host.spread: the connector keys' host times drawn around their medians --
 validated like every key, off by default, its limiting cases, and measured from a real
 pair's timeline."""
 
@@ -16,16 +16,17 @@ import pytest
 pytest.importorskip("simpy")
 
 import simpy
-from sim_helpers import config, write_timeline
+from sim_helpers import config, on_host, write_timeline
 
 from pushkv.fit.cpu_profile import MeasurementError
 from pushkv.fit.measure import main as measure_main
 from pushkv.fit.measure_connector import SPREAD_KEYS, connector_keys, host_spread
-from pushkv.sim.frontend import Frontend
-from pushkv.sim.profile import MAX_SPREAD, ProfileError, load_profile, profile_from_dict
+from pushkv.sim.host.frontend import Frontend
+from pushkv.sim.host.profile import MAX_SPREAD
+from pushkv.sim.host.spread import Spread
+from pushkv.sim.profile import ProfileError, load_profile, profile_from_dict
 from pushkv.sim.runner import run
 from pushkv.sim.scenario import Dispatch
-from pushkv.sim.spread import Spread
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_PATH = ROOT / "pushkv" / "sim" / "profiles" / "cpu-tiny.toml"
@@ -35,8 +36,7 @@ TINY = load_profile(TINY_PATH)
 def _with(spread: tuple[float, ...] = (), **sides: dict[str, float]):  # type: ignore[no-untyped-def]
     changes = {side: dataclasses.replace(getattr(TINY, side), **fields)
                for side, fields in sides.items()}
-    changes["control"] = dataclasses.replace(TINY.control, host_spread=spread)
-    return dataclasses.replace(TINY, **changes).validate()
+    return on_host(dataclasses.replace(TINY, **changes), spread=spread)
 
 
 def _run(profile, mode: str = "pull", qps: float = 0.5, n: int = 12, **kw):  # type: ignore[no-untyped-def]
@@ -52,19 +52,19 @@ KEYED = {"prefill": {"ingest_s": 0.002, "return_s": 0.001},
 
 
 def test_it_is_off_by_default_and_bad_values_are_refused() -> None:
-    assert TINY.control.host_spread == ()
-    assert profile_from_dict({"control": {"host_spread": [0.5, 1, 2]}}).control.host_spread \
-        == (0.5, 1.0, 2.0)
+    assert TINY.host.spread == ()
+    assert profile_from_dict({"host": {"model": "shared-cpu", "spread": [0.5, 1, 2]}}
+                             ).host.spread == (0.5, 1.0, 2.0)
     for doc, words in [
-        ({"host_spread": [1.0, -0.5]}, "multipliers must be >= 0"),
-        ({"host_spread": [1.0, math.nan]}, "finite"),
-        ({"host_spread": [1.0, math.inf]}, "finite"),
-        ({"host_spread": ["x"]}, "must be a list of numbers"),
-        ({"host_spread": 1.5}, "must be a list of numbers"),
-        ({"host_spread": [1.0] * (MAX_SPREAD + 1)}, f"at most {MAX_SPREAD}"),
+        ({"spread": [1.0, -0.5]}, "multipliers must be >= 0"),
+        ({"spread": [1.0, math.nan]}, "finite"),
+        ({"spread": [1.0, math.inf]}, "finite"),
+        ({"spread": ["x"]}, "must be a list of numbers"),
+        ({"spread": 1.5}, "must be a list of numbers"),
+        ({"spread": [1.0] * (MAX_SPREAD + 1)}, f"at most {MAX_SPREAD}"),
     ]:
         with pytest.raises(ProfileError, match=words):
-            profile_from_dict({"control": doc})
+            profile_from_dict({"host": {"model": "shared-cpu", **doc}})
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -128,10 +128,8 @@ def test_a_stall_on_the_frontend_queue_holds_no_core() -> None:
 def test_on_the_frontend_queue_the_stall_delays_its_own_request() -> None:
     x = 0.004
     kw = {"prefill": {"ingest_s": x}, "decode": {"ingest_s": x}}
-    queued = dataclasses.replace(_with((3.0,), **kw), control=dataclasses.replace(
-        _with((3.0,), **kw).control, frontend_cores=1)).validate()
-    base = dataclasses.replace(_with(**kw), control=dataclasses.replace(
-        _with(**kw).control, frontend_cores=1)).validate()
+    queued = on_host(_with((3.0,), **kw), frontend_cores=1)
+    base = on_host(_with(**kw), frontend_cores=1)
     seq = Dispatch.SEQUENTIAL
     got, ref = _run(queued, dispatch=seq, qps=0.1), _run(base, dispatch=seq, qps=0.1)
     for a, b in zip(ref["ttfts"], got["ttfts"], strict=True):  # both legs, (3 - 1) x each
@@ -224,8 +222,8 @@ def test_measure_writes_it_with_the_connector_keys(tmp_path: Path) -> None:
     assert measure_main(["--out", str(out), "--base", str(TINY_PATH), "--connector-timeline",
                          str(tl), "--host-spread", "10"]) == 0
     prof = load_profile(out)
-    assert len(prof.control.host_spread) == 10
-    assert "control.host_spread at 10 quantiles" in out.read_text()
+    assert len(prof.host.spread) == 10 and prof.host.model == "shared-cpu"
+    assert "host.spread at 10 quantiles" in out.read_text()
     with pytest.raises(SystemExit):
         measure_main(["--out", str(out), "--base", str(TINY_PATH), "--pull-timeline",
                       str(tl), "--host-spread", "10"])

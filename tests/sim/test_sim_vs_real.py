@@ -201,10 +201,12 @@ def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: 
     assert pull["decode"]["ingest_s"] == pytest.approx(run["decode"]["ingest_s"])
     assert pull["prefill"]["ingest_s"] == pytest.approx(
         0.0028 - bench_profile().network.router_hop_s)
-    assert len(run["control"]["host_spread"]) == 10  # 10 lone push requests
-    assert push["decode"]["cores_busy"] == 1.9 and pull["prefill"]["cores_busy"] == 1.25
-    assert push["control"]["host_cores"] == pull["control"]["host_cores"] == 2
-    assert push["decode"]["token_work_s"] == pull["decode"]["token_work_s"] == 0.0004
+    assert len(run["host"]["spread"]) == 10  # 10 lone push requests
+    assert run["host"]["model"] == push["host"]["model"] == "shared-cpu"
+    assert push["host"]["decode"]["cores_busy"] == 1.9
+    assert pull["host"]["prefill"]["cores_busy"] == 1.25
+    assert push["host"]["cores"] == pull["host"]["cores"] == 2
+    assert push["host"]["token_work_s"] == pull["host"]["token_work_s"] == 0.0004
     out = tmp_path / "sim-gauge"
     run_sim(PROFILE, out, points, output_len, num_prompts, gauges=per_point)
     _, summary = compare(real, out)
@@ -313,9 +315,9 @@ def test_cores_busy_is_the_mean_over_the_runs_starts_of_a_deployment(tmp_path: P
     for mode, prefill in (("push", 3.0), ("pull", 5.0)):
         for it in (0, 1):
             keys = per_point[f"{mode}_qps2_in64_out24_iter{it}.json"]
-            assert keys["prefill"]["cores_busy"] == pytest.approx(prefill)
-            assert keys["decode"]["cores_busy"] == pytest.approx(1.3)
-            assert keys["decode"]["token_work_s"] == pytest.approx(0.0015)
+            assert keys["host"]["prefill"]["cores_busy"] == pytest.approx(prefill)
+            assert keys["host"]["decode"]["cores_busy"] == pytest.approx(1.3)
+            assert keys["host"]["token_work_s"] == pytest.approx(0.0015)
 
 
 def test_an_engines_active_time_is_stepping_and_holding_a_lone_request() -> None:
@@ -345,9 +347,10 @@ def test_cores_busy_over_the_active_time_makes_the_profile_step_while_holding(
     new, _ = gauge_keys(real, shares, PROFILE, output_len)
     for fname in new:
         for side in ("prefill", "decode"):
-            assert old[fname][side]["steps_while_holding"] is False
-            assert new[fname][side]["steps_while_holding"] is True
-            assert new[fname][side]["cores_busy"] == old[fname][side]["cores_busy"]
+            assert old[fname]["host"][side]["steps_while_holding"] is False
+            assert new[fname]["host"][side]["steps_while_holding"] is True
+            assert (new[fname]["host"][side]["cores_busy"]
+                    == old[fname]["host"][side]["cores_busy"])
 
 
 def test_per_request_run_queue_wait_is_each_parts_growth_in_ms_a_request() -> None:

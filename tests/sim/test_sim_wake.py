@@ -1,4 +1,4 @@
-"""control.wake_beside_s: a frontend woken while other requests are in flight waits on
+"""host.wake_beside_s: a frontend woken while other requests are in flight waits on
 a run queue first -- off by default, validated, its limiting cases, and measured from
 the core probe's wake-ups against a point's timeline."""
 
@@ -16,29 +16,28 @@ import pytest
 pytest.importorskip("simpy")
 
 import simpy
-from sim_helpers import config
+from sim_helpers import config, on_host
 
 from pushkv.fit.cpu_profile import MeasurementError
 from pushkv.fit.measure_connector import wake_beside
 from pushkv.fit.segments import wakes_by_flight
 from pushkv.fit.sim_vs_real.keys import WAKE_QUANTILES, wake_beside_of, without_wake
 from pushkv.fit.sim_vs_real.runs import WAKES
-from pushkv.sim.frontend import Frontend
-from pushkv.sim.profile import MAX_SPREAD, MAX_WAKE_S, ProfileError, load_profile, profile_from_dict
+from pushkv.sim.host.frontend import Frontend
+from pushkv.sim.host.profile import MAX_SPREAD, MAX_WAKE_S
+from pushkv.sim.host.spread import Spread
+from pushkv.sim.profile import ProfileError, load_profile, profile_from_dict
 from pushkv.sim.request import SimRequest
 from pushkv.sim.runner import run
-from pushkv.sim.spread import Spread
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = load_profile(ROOT / "pushkv" / "sim" / "profiles" / "cpu-tiny.toml")
 #: the frontends as a queue on the host's two shared cores, as the benchmark runs them
-SHARED = dataclasses.replace(TINY, control=dataclasses.replace(
-    TINY.control, frontend_cores=1, host_cores=2)).validate()
+SHARED = on_host(TINY, frontend_cores=1, cores=2)
 
 
 def _with(waits: tuple[float, ...]):  # type: ignore[no-untyped-def]
-    return dataclasses.replace(SHARED, control=dataclasses.replace(
-        SHARED.control, wake_beside_s=waits)).validate()
+    return on_host(SHARED, wake_beside_s=waits)
 
 
 def _run(profile, mode: str = "push", qps: float = 8.0, n: int = 40, **kw):  # type: ignore[no-untyped-def]
@@ -48,9 +47,9 @@ def _run(profile, mode: str = "push", qps: float = 8.0, n: int = 40, **kw):  # t
 
 
 def test_it_is_off_by_default_and_bad_values_are_refused() -> None:
-    assert TINY.control.wake_beside_s == ()
-    assert profile_from_dict({"control": {"wake_beside_s": [0, 0.001]}}) \
-        .control.wake_beside_s == (0.0, 0.001)
+    assert TINY.host.wake_beside_s == ()
+    assert profile_from_dict({"host": {"model": "shared-cpu", "wake_beside_s": [0, 0.001]}}
+                             ).host.wake_beside_s == (0.0, 0.001)
     for doc, words in [
         ({"wake_beside_s": [0.001, -0.001]}, r"must be in \[0"),
         ({"wake_beside_s": [MAX_WAKE_S * 2]}, r"must be in \[0"),
@@ -59,7 +58,7 @@ def test_it_is_off_by_default_and_bad_values_are_refused() -> None:
         ({"wake_beside_s": [0.001] * (MAX_SPREAD + 1)}, f"at most {MAX_SPREAD}"),
     ]:
         with pytest.raises(ProfileError, match=words):
-            profile_from_dict({"control": doc})
+            profile_from_dict({"host": {"model": "shared-cpu", **doc}})
 
 
 def _frontend(wait: float, in_flight: int) -> tuple[simpy.Environment, Frontend]:
@@ -238,8 +237,8 @@ def test_the_benchmark_pools_every_points_wake_ups(tmp_path: Path) -> None:
 
 
 def test_the_benchmark_simulates_without_it_too() -> None:
-    points = {"p.json": {"control": {"host_cores": 2, "wake_beside_s": [0.001]},
+    points = {"p.json": {"host": {"cores": 2, "wake_beside_s": [0.001]},
                          "decode": {"ingest_s": 0.003}}}
-    assert without_wake(points) == {"p.json": {"control": {"host_cores": 2},
+    assert without_wake(points) == {"p.json": {"host": {"cores": 2},
                                                "decode": {"ingest_s": 0.003}}}
-    assert points["p.json"]["control"]["wake_beside_s"] == [0.001]  # a copy
+    assert points["p.json"]["host"]["wake_beside_s"] == [0.001]  # a copy

@@ -64,8 +64,8 @@ engine (``OUT/sim-own-cores``), on the cores the probe met (``cpu_share``,
 machine's shared cores (``OUT/sim-gauge``, the headline when the run has gauges:
 :func:`.keys.gauge_keys`), and, as a diagnosis, with the engines' steps as the real
 servers' metrics gave them (``OUT/sim-server-steps``). ``--frontend-cores N``
-replaces the profile's ``control.frontend_cores`` (the API servers', router's and
-client's times as one queue, :mod:`pushkv.sim.frontend`; a profile ``--measure``
+replaces the profile's ``host.frontend_cores`` (the API servers', router's and
+client's times as one queue, :mod:`pushkv.sim.host.frontend`; a profile ``--measure``
 writes has it from the machine's cores).
 
 **Segment by segment**: the real half's router, client and servers record
@@ -89,7 +89,7 @@ measured on the gauges', do not hold.
 The gauges run with the core probe too, so a second gauge way (``OUT/sim-gauge-speed``)
 can simulate each point with its cores as fast against its gauges' as the probe saw
 (each side's ``cpu_speed``, :func:`.keys.gauge_speed`), printed beside the headline. The
-gauge way's ``control.wake_beside_s`` is the run's: the probe's wake-ups against the
+gauge way's ``host.wake_beside_s`` is the run's: the probe's wake-ups against the
 points' timelines (:func:`.keys.wake_beside_of`); the gauge way is simulated again
 without it (``OUT/sim-gauge-no-wake``, ``gauge_no_wake`` in the summary) and printed
 beside the headline, so every run shows the mechanism's part. A point's keys from its

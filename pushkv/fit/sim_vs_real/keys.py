@@ -5,7 +5,7 @@
 (:func:`pushkv.fit.measure_connector.gauge_keys` of their lone requests), over the
 run's keys from all its push gauges, each key shrunk toward its group's mean by how
 far the run's gauges one at a time tell points apart (:func:`gauge_noise`,
-:func:`noise_table`), with the run's ``control.wake_beside_s`` from the core probe's
+:func:`noise_table`), with the run's ``host.wake_beside_s`` from the core probe's
 wake-ups against the points' timelines (:func:`wake_beside_of`). :func:`real_keys`
 takes ``network.client_hop_s`` and ``prefill.return_s`` from the points' own marks
 instead (``--real-keys``). :func:`gauge_rate` and :func:`gauge_speed`: the rate a
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ...sim.host import SHARED_CPU
 from ...sim.profile import load_profile, profile_from_dict
 from .. import segments
 from ..cpu_profile import MeasurementError
@@ -39,7 +40,7 @@ from ..measure_connector import (
 from ..measure_connector import gauge_keys as keys_of
 from .runs import MODES, NAME, WAKES
 
-#: at how many quantiles ``control.wake_beside_s`` is taken (:func:`wake_beside_of`)
+#: at how many quantiles ``host.wake_beside_s`` is taken (:func:`wake_beside_of`)
 WAKE_QUANTILES = 100
 
 
@@ -112,7 +113,7 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
     The run's (the second value): the pushkv gauges of the whole run pooled, per input
     length (:func:`pushkv.fit.measure_connector.gauge_keys`, mode push), each key the
     mean over the lengths -- what a pull pair's timeline does not show (the push-only
-    keys, ``decode.ingest_s``) -- and ``control.host_spread`` at up to ``quantiles``
+    keys, ``decode.ingest_s``) -- and ``host.spread`` at up to ``quantiles``
     quantiles of their lone requests (:func:`~pushkv.fit.measure_connector.host_spread`);
     then the pull gauges' ``prefill.return_s`` likewise, which no push mark shows.
     A point's (the first, by result file name): the lone requests of its two gauges,
@@ -176,11 +177,11 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
         pooled = {k: r for reqs in push.values() for k, r in reqs.items()}
         lone = segments.alone(pooled)
         with_run = profile_from_dict(run, base=base)  # type: ignore[arg-type]
-        run["control"] = {"host_spread": list(host_spread(
+        run["host"] = {"model": SHARED_CPU, "spread": list(host_spread(
             lone, with_run, quantiles=max(1, min(quantiles, len(lone)))))}
     beside = wake_beside_of(real, gauged, marks)
     if beside:  # the machine's, the same for every point
-        run.setdefault("control", {})["wake_beside_s"] = list(beside)
+        run.setdefault("host", {"model": SHARED_CPU})["wake_beside_s"] = list(beside)
     profile = profile_from_dict(run, base=base) if run else base  # type: ignore[arg-type]
     if by_mode["pull"]:  # the prefill answer's way out, which no push mark shows
         run.setdefault("prefill", {})["return_s"] = statistics.fmean(
@@ -214,14 +215,17 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
                            noise.get(gauge_group(m, got["gauges"][0]), {}),
                            gauges=len(got["gauges"]))
         busy = dict(busy_of.get(m["mode"], {}))  # its deployment's, over the run's starts
+        host: dict[str, Any] = {}
         if "token_work_s" in busy:
-            keys.setdefault("decode", {})["token_work_s"] = float(busy.pop("token_work_s"))
+            host["token_work_s"] = float(busy.pop("token_work_s"))
         holding = bool(busy.pop("holding", 0))  # measured over the active time
         for side, cores in busy.items():
-            keys.setdefault(side, {}).update(cores_busy=max(1.0, float(cores)),
-                                             steps_while_holding=holding)
+            host[side] = {"cores_busy": max(1.0, float(cores)),
+                          "steps_while_holding": holding}
         if got.get("host_cores"):  # the machine the point and its gauges ran on
-            keys.setdefault("control", {})["host_cores"] = int(got["host_cores"])
+            host["cores"] = int(got["host_cores"])
+        if host:  # the shared CPU the point ran on
+            keys["host"] = {"model": SHARED_CPU, **host}  # type: ignore[dict-item]
         hops, firsts = [], []
         for g in got["gauges"]:
             router = marks(fname, True, g["window"])
@@ -307,7 +311,7 @@ def noise_table(noise: dict[str, dict[str, dict[str, float]]]) -> str:
 def wake_beside_of(real: Path, points: dict[str, dict[str, Any]],
                    marks: Callable[[str, bool, list[float]], dict[str, dict[str, float]]]
                    ) -> tuple[float, ...]:
-    """``control.wake_beside_s`` of the run: every point's probe wake-ups
+    """``host.wake_beside_s`` of the run: every point's probe wake-ups
     (:func:`~.runs.write_wakes`; points without are skipped), both cores, by how many of the
     point's requests (``marks(point, False, window)``) were in flight when each was due
     (:func:`pushkv.fit.segments.wakes_by_flight`), pooled over the points, then
@@ -328,6 +332,6 @@ def wake_beside_of(real: Path, points: dict[str, dict[str, Any]],
 
 def without_wake(points: dict[str, dict[str, dict[str, Any]]]
                  ) -> dict[str, dict[str, dict[str, Any]]]:
-    """:func:`gauge_keys`' point profiles without ``control.wake_beside_s`` (a copy)."""
-    return {f: {t: {k: v for k, v in kv.items() if (t, k) != ("control", "wake_beside_s")}
+    """:func:`gauge_keys`' point profiles without ``host.wake_beside_s`` (a copy)."""
+    return {f: {t: {k: v for k, v in kv.items() if (t, k) != ("host", "wake_beside_s")}
                 for t, kv in pt.items()} for f, pt in points.items()}

@@ -74,7 +74,7 @@ def real_points(real: Path) -> tuple[list[tuple[str, int, float, int]], int, int
 def write_wakes(real: Path, stem: str, probe: Any) -> Path:
     """The core probe's wake-ups of point ``stem``, each as [when it was due
     (``time.monotonic()``, the timelines' clock), its delay (s)], by core, into
-    ``real/wakes/<stem>.json``: what the profile's ``control.wake_beside_s`` is taken
+    ``real/wakes/<stem>.json``: what the profile's ``host.wake_beside_s`` is taken
     from, against the point's timeline (:func:`pushkv.fit.segments.wakes_by_flight`)."""
     out = real / WAKES / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -124,10 +124,10 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
         else:
             say("\nthe run's keys from its pushkv gauges: " + ", ".join(
                 f"{t}.{k} {v * 1e3:.3f} ms" for t, kv in run_keys.items() for k, v in
-                kv.items() if t != "control") + f"; host_spread mean "
-                f"{statistics.fmean(run_keys.get('control', {}).get('host_spread', [1])):.2f}"
+                kv.items() if t != "host") + f"; host_spread mean "
+                f"{statistics.fmean(run_keys.get('host', {}).get('spread', [1])):.2f}"
                 + (f"; wake_beside_s mean {statistics.fmean(beside) * 1e3:.2f} ms" if (
-                    beside := run_keys.get("control", {}).get("wake_beside_s")) else ""))
+                    beside := run_keys.get("host", {}).get("wake_beside_s")) else ""))
             if noise:
                 say("\nEach point's keys from its two gauges, shrunk toward the run's mean "
                     "by how far the gauges one at a time tell points apart (sd in ms; "
@@ -186,9 +186,9 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
                 beside("speed", "with each side's cores as fast against the gauges' as the "
                        "probe on them saw (cpu_speed: the point's rate of fixed work over its "
                        "gauges')", shares=shares, speeds=True)
-            if run_keys.get("control", {}).get("wake_beside_s"):  # the mechanism's part
+            if run_keys.get("host", {}).get("wake_beside_s"):  # the mechanism's part
                 beside("no-wake", "without a woken frontend's wait beside another request "
-                       "(control.wake_beside_s off)", gauges=without_wake(per_point))
+                       "(host.wake_beside_s off)", gauges=without_wake(per_point))
             if noise:  # the estimator's part: each point's own gauges' keys as measured
                 raw, _ = gauge_keys(real, shares, profile, output_len, shrink=False)
                 beside("unshrunk", "with each point's keys as its own two gauges measured "

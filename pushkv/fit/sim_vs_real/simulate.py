@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ...sim.profile import MAX_SPEED, load_profile, profile_from_dict
+from ...sim.host import SHARED_CPU
+from ...sim.host.profile import MAX_SPEED
+from ...sim.profile import load_profile, profile_from_dict
 from ..measure_connector import lone_steps
 from .keys import gauge_speed
 from .runs import file_name
@@ -37,8 +39,9 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     ``timelines/<point>/`` (:mod:`pushkv.sim.marks`). ``arrivals``: the send times'
     generator (``"vllm"``: the very ones ``vllm bench serve --seed seed+iteration`` used
     in the real half); ``frontend_cores`` replaces the profile's
-    ``control.frontend_cores`` (the frontends as a queue; 0 off), ``host_cores``
-    ``control.host_cores`` (engines and frontends on shared cores; 0 off); ``keys`` (per table,
+    ``host.frontend_cores`` (the frontends as a queue; 0 off), ``host_cores``
+    ``host.cores`` (engines and frontends on shared cores; 0 off); either, not 0, makes
+    the host the shared-CPU model (:mod:`pushkv.sim.host`); ``keys`` (per table,
     key: value) replace the profile's (:func:`~.keys.real_keys`); ``gauges`` (by result file name,
     per table, key: value) replace them again for that point alone (:func:`~.keys.gauge_keys`),
     on a core each; with ``speeds`` too, each side's ``cpu_speed`` the point's against
@@ -53,10 +56,12 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     from ...sim.workload import WorkloadConfig
 
     base = load_profile(profile_path)
-    for name, cores in (("frontend_cores", frontend_cores), ("host_cores", host_cores)):
+    for name, cores in (("frontend_cores", frontend_cores), ("cores", host_cores)):
         if cores is not None:
-            base = dataclasses.replace(base, control=dataclasses.replace(
-                base.control, **{name: cores})).validate()
+            model = SHARED_CPU if cores else base.host.model
+            host: dict[str, Any] = {"model": model, name: cores}
+            base = dataclasses.replace(base, host=dataclasses.replace(
+                base.host, **host)).validate()
     for table, values in (keys or {}).items():
         base = dataclasses.replace(base, **{table: dataclasses.replace(
             getattr(base, table), **values)}).validate()
@@ -72,18 +77,21 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
                 raise RuntimeError(f"{fname}: no gauge to simulate it with")
             point = {t: dict(v) for t, v in gauges[fname].items()}
             if host_cores is not None:  # the command line's cores, over the real run's
-                point.get("control", {}).pop("host_cores", None)
+                point.get("host", {}).pop("cores", None)
             profile = profile_from_dict(point, base=base)
             if not wall_steps:  # the gauges' lone wall times, the request's own work out
                 profile = lone_steps(profile, mode=mode, input_len=input_len,
                                      output_len=output_len)
             if speeds:
-                profile = profile_from_dict({side: {"cpu_speed": min(MAX_SPEED, speed)}
-                                             for side, speed in gauge_speed(got or {}).items()},
+                sides = {side: {"cpu_speed": min(MAX_SPEED, speed)}
+                         for side, speed in gauge_speed(got or {}).items()}
+                profile = profile_from_dict({"host": {"model": SHARED_CPU, **sides}},
                                             base=profile)
         elif got:
             pre, dec = dict(got["prefill"]), dict(got["decode"])  # cpu_share, wake_s
-            speed, ref = got.get("speed", {}), base.control.probe_speed
+            pre_steps: dict[str, Any] = {}
+            dec_steps: dict[str, Any] = {}
+            speed, ref = got.get("speed", {}), base.host.probe_speed
             if ref > 0 and speed.get("prefill", 0) > 0 and speed.get("decode", 0) > 0:
                 # the cores' speed now against when the profile was measured
                 pre["cpu_speed"] = speed["prefill"] / ref
@@ -91,13 +99,19 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             eng = got.get("engine", {})
             if server_steps and eng.get("prefill_step_s") and eng.get("decode_token_s"):
                 tok_p, tok_d = base.prefill.step_token_s, base.decode.step_token_s
-                pre |= {"cpu_share": 1.0, "cpu_speed": 1.0, "prefill_step_overhead_s": max(
+                pre |= {"cpu_share": 1.0, "cpu_speed": 1.0}
+                dec |= {"cpu_share": 1.0, "cpu_speed": 1.0}
+                pre_steps = {"prefill_step_overhead_s": max(
                     0.0, eng["prefill_step_s"] - tok_p * input_len)}
-                dec |= {"cpu_share": 1.0, "cpu_speed": 1.0, "decode_step_overhead_s": max(
-                    0.0, eng["decode_token_s"] - tok_d)}
+                dec_steps = {"decode_step_overhead_s": max(0.0, eng["decode_token_s"] - tok_d)}
+            h = base.host  # the probe's share of a core and wake-ups: a shared CPU
             profile = dataclasses.replace(
-                base, prefill=dataclasses.replace(base.prefill, **pre),
-                decode=dataclasses.replace(base.decode, **dec)).validate()
+                base, prefill=dataclasses.replace(base.prefill, **pre_steps),
+                decode=dataclasses.replace(base.decode, **dec_steps),
+                host=dataclasses.replace(h, model=SHARED_CPU,
+                                         prefill=dataclasses.replace(h.prefill, **pre),
+                                         decode=dataclasses.replace(h.decode, **dec)),
+            ).validate()
         cfg = SimConfig(mode=TransferMode(mode), profile=profile, iteration=it,
                         workload=WorkloadConfig(request_rate=rate, input_len=input_len,
                                                 output_len=output_len,

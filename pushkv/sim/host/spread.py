@@ -7,7 +7,7 @@ about the median, some pay several times it while their process waits for a core
 a model paying the median every time gives the right median of one segment but too
 small a mean, and a sum of medians below the median of the sums.
 
-With ``control.host_spread`` (multipliers, equally likely) each time a request pays one
+With ``host.spread`` (multipliers, equally likely) each time a request pays one
 of those host times it pays it times a multiplier drawn at random (one stream per run,
 seeded like the others); empty, it pays the median every time. The multipliers are
 measured (:func:`pushkv.fit.measure_connector.host_spread`): each request's time in each
@@ -15,7 +15,7 @@ keyed segment over that key's median, pooled over the keys, at evenly spaced qua
 Draws are independent across segments and requests: a stall that holds a process for
 several segments of one request is not modelled as one.
 
-Where a host time is a job on the frontends' shared CPU queue (``control.frontend_cores``)
+Where a host time is a job on the frontends' shared CPU queue (``host.frontend_cores``)
 only the part up to the median is work there (:meth:`Spread.split`); the part above it is
 waiting -- a process stalled for a core holds none -- paid after the job, outside the
 queue. So a long draw delays its own request, not every request queued behind it.

@@ -5,11 +5,11 @@ are processes of one machine. Each engine is pinned to a core, the frontends
 float, and when more of them are runnable than there are cores the kernel
 shares the cores among them: a decode step that runs while the prefill engine
 steps and an API server streams tokens gets two thirds of a core on a 2-core
-machine, and lasts half as long again. With ``control.host_cores = c`` the
+machine, and lasts half as long again. With ``host.cores = c`` the
 simulator runs every engine step and every frontend job as *work* on one pool of
 ``c`` cores under processor sharing: while ``n`` pieces of work are runnable each
 advances at ``min(1, c / n)`` seconds of work per second (a piece is one
-single-threaded process, so it never gets more than one core). ``host_cores = 0``
+single-threaded process, so it never gets more than one core). ``host.cores = 0``
 (the default): every piece runs at full speed, as before.
 
 The pool adds no parameter but the number of cores: the work itself is what the
@@ -149,5 +149,5 @@ class SharedCores:
 
 def work(env: simpy.Environment, cores: SharedCores | None, seconds: float) -> simpy.Event:
     """``seconds`` of one process's work: on the host's shared ``cores`` when the profile
-    has them (``control.host_cores``), else simply that long."""
+    has them (``host.cores``), else simply that long."""
     return cores.run(seconds) if cores is not None else env.timeout(seconds)

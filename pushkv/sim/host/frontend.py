@@ -4,7 +4,7 @@ On a CPU deployment the Python processes in front of the engines -- each
 instance's vLLM API server (one asyncio loop: HTTP, the hand-off to the engine
 core, every output token's SSE chunk), the router relaying every chunk, and the
 benchmark client parsing it -- are not pinned and share the machine's cores with
-the engines. Without this mechanism (``control.frontend_cores = 0``) their times are
+the engines. Without this mechanism (``host.frontend_cores = 0``) their times are
 delays: a leg waits ``ingest_s`` behind its own instance's legs only, a token
 reaches the client ``decode.return_s`` after decode emitted it, whatever else is
 going on. With ``frontend_cores = n`` they are *service times* of one FIFO queue of
@@ -17,7 +17,7 @@ faster than the frontends can pass them on reach the client late and together.
 The service times are the profile's measured connector keys (medians of requests
 that ran alone, where a hop's wall time is its processes' time); the queue adds
 no parameter but the number of cores the frontends share. With
-``control.host_cores`` (:mod:`pushkv.sim.cpu`) a job in service is work on the host's
+``host.cores`` (:mod:`pushkv.sim.host.cores`) a job in service is work on the host's
 cores, which the engines' steps share: ``frontend_cores`` is then how many frontend
 jobs run at once.
 
@@ -25,7 +25,7 @@ A process woken while other requests are in flight may wait on the kernel's run 
 before it runs -- on a shared CPU machine decode's API server waits tens to hundreds
 of milliseconds beside a streaming request (``benchmarks/bench_handoff_waits.py``) --
 and the keys, measured on lone requests, hold only what it meets alone. With
-``control.wake_beside_s`` a job that wakes its process (an instance's API server, none
+``host.wake_beside_s`` a job that wakes its process (an instance's API server, none
 of whose jobs is pending) while more than one request is in flight first waits one of
 those extra waits, drawn at random, holding no core; a request's later tokens queue
 behind a waiting one, in order.
@@ -38,8 +38,8 @@ from typing import Any
 
 import simpy
 
-from .cpu import SharedCores, work
-from .request import SimRequest
+from ..request import SimRequest
+from .cores import SharedCores, work
 from .spread import Spread
 
 #: cores a P/D pair of the measured deployment pins an engine to (one each)
@@ -50,7 +50,7 @@ def frontend_cores(cpu_count: int) -> int:
     """The cores the frontends (API servers, router, client) share on a machine of
     ``cpu_count`` cores with a P/D pair's engines pinned to one core each: the cores no
     engine holds, and at least one -- with every core pinned they float and get one
-    core's worth, the core whose engine is not stepping (``control.frontend_cores``)."""
+    core's worth, the core whose engine is not stepping (``host.frontend_cores``)."""
     return max(1, cpu_count - PAIR_ENGINE_CORES)
 
 
@@ -58,7 +58,9 @@ class Frontend:
     """One FIFO queue of ``cores`` servers for the frontends' work."""
 
     def __init__(self, env: simpy.Environment, cores: int, token_s: float,
-                 token_latency_s: float = 0.0) -> None:
+                 token_latency_s: float = 0.0, *, host: SharedCores | None = None,
+                 wakes: Spread | None = None, intake_wakes: Spread | None = None,
+                 in_flight: Callable[[], int] = lambda: 0) -> None:
         if cores < 1:
             raise ValueError(f"a frontend needs at least one core, got {cores}")
         self.env = env
@@ -70,15 +72,15 @@ class Frontend:
         self.waited_s = 0.0
         self.pending = 0
         self._drained: simpy.Event | None = None
-        #: the host's cores the frontends share with the engines (``control.host_cores``)
-        self.host: SharedCores | None = None
+        #: the host's cores the frontends share with the engines (``host.cores``)
+        self.host = host
         #: extra run-queue waits of a frontend woken beside other requests
-        #: (``control.wake_beside_s``) and the requests in flight now, set by the runner
-        self.wakes: Spread | None = None
+        #: (``host.wake_beside_s``), and the requests in flight now
+        self.wakes = wakes
         #: the same waits for a process that queues no work here (the router), drawn
         #: from a stream of their own (:meth:`wake_wait`)
-        self.intake_wakes: Spread | None = None
-        self.in_flight: Callable[[], int] = lambda: 0
+        self.intake_wakes = intake_wakes
+        self.in_flight = in_flight
         self.woken = 0  #: jobs that waited one
         self.woke_s = 0.0  #: and the time they waited
         self._gates: dict[str, simpy.Event] = {}  #: a request's token waiting for a core
@@ -103,7 +105,7 @@ class Frontend:
         """How long ``process``, one that queues no work here (the router), takes to
         take up a request that reaches it now: what is left of a wake-up already under
         way; else, woken while another request is in flight, a drawn run-queue wait
-        (``control.wake_beside_s``) that requests reaching it meanwhile wait out too;
+        (``host.wake_beside_s``) that requests reaching it meanwhile wait out too;
         else 0."""
         now = self.env.now
         until = self._waking.get(process)
