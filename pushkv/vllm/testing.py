@@ -2,7 +2,8 @@
 
 * :func:`write_tiny_llama` -- a tiny random ``LlamaForCausalLM`` (no download):
   2 layers, 2 attention heads, 1 KV head, head_dim 64, vocabulary 1000, weights
-  drawn from a seeded generator, saved as ``config.json`` + ``model.safetensors``.
+  drawn from a seeded generator, saved as ``config.json`` + ``model.safetensors``,
+  with the word tokenizer and chat template of :func:`write_word_tokenizer`.
 * :class:`ServerSpec` / :class:`Server` -- the command line, environment and
   life of one ``vllm.entrypoints.openai.api_server`` process (CPU recipe:
   ``--enforce-eager``, block size 32, token-id prompts without a tokenizer).
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TINY_LLAMA = {
+TINY_LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "vocab_size": 1000,
@@ -71,9 +72,10 @@ TINY_LLAMA_2KV = {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads":
 
 
 def write_tiny_llama(path: str | os.PathLike[str], seed: int = 0,
-                     config: dict[str, Any] | None = None) -> Path:
+                     config: dict[str, Any] | None = None, tokenizer: bool = True) -> Path:
     """Write the tiny random Llama (or ``config``, e.g. :data:`TINY_LLAMA_2KV`) to
-    ``path`` (idempotent for a given seed)."""
+    ``path`` (idempotent for a given seed), with its word tokenizer and chat template
+    (:func:`write_word_tokenizer`) unless ``tokenizer`` is false."""
     import torch
     from safetensors.torch import save_file
 
@@ -106,28 +108,61 @@ def write_tiny_llama(path: str | os.PathLike[str], seed: int = 0,
     weights["lm_head.weight"] = normal(vocab, h, std=0.2)
     save_file(weights, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    if tokenizer:
+        write_word_tokenizer(out, vocab_size=vocab)
     return out
 
 
-def write_word_tokenizer(path: str | os.PathLike[str]) -> Path:
-    """Give the tiny model a tokenizer: word ``w<i>`` is token ``i``.
+#: The tiny model's chat template (Jinja, as Hugging Face tokenizers carry it): every
+#: message is ``<s> ROLE CONTENT </s>``, where the role is a word of the vocabulary
+#: (:data:`CHAT_ROLES`); the generation prompt opens the assistant's message. A content
+#: given as a list of parts is its text parts joined by spaces.
+#: The words (token ids) that mark each role's messages in :data:`CHAT_TEMPLATE`.
+CHAT_ROLES = {"system": 3, "user": 4, "assistant": 5, "tool": 6}
+CHAT_TEMPLATE = (
+    "{%- set roles = " + json.dumps({r: f"w{i}" for r, i in CHAT_ROLES.items()}) + " -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] not in roles -%}"
+    "{{ raise_exception('unknown role ' ~ m['role'] ~ ': one of " + ", ".join(CHAT_ROLES)
+    + "') }}"
+    "{%- endif -%}"
+    "{%- if m['content'] is string -%}{%- set text = m['content'] -%}"
+    "{%- elif m['content'] is none -%}{%- set text = '' -%}"
+    "{%- else -%}{%- set text = m['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join(' ') -%}"
+    "{%- endif -%}"
+    "{{ '<s> ' ~ roles[m['role']] ~ ' ' ~ text ~ ' </s> ' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<s> " + f"w{CHAT_ROLES['assistant']}" + " ' }}"
+    "{%- endif -%}"
+)
 
-    Tokens 0-2 are ``<unk>``, ``<s>``, ``</s>``. Text is words separated by
-    spaces, so decoding and re-encoding any id sequence gives it back, which is
-    what ``vllm bench serve``'s random dataset needs.
+
+def write_word_tokenizer(path: str | os.PathLike[str],
+                         vocab_size: int = TINY_LLAMA["vocab_size"]) -> Path:
+    """Give the tiny model a tokenizer and a chat template: word ``w<i>`` is token ``i``.
+
+    Tokens 0-2 are ``<unk>``, ``<s>``, ``</s>``; any other word (plain English
+    included) reads as ``<unk>``. Text is words separated by spaces, so decoding
+    and re-encoding any id sequence gives it back, which is what ``vllm bench
+    serve``'s random dataset needs. The chat template (:data:`CHAT_TEMPLATE`, in
+    ``tokenizer_config.json``) lets ``/v1/chat/completions`` serve the model.
+    Built with the ``tokenizers`` package: nothing is downloaded.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab |= {f"w{i}": i for i in range(3, TINY_LLAMA["vocab_size"])}
+    vocab |= {f"w{i}": i for i in range(3, vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-        "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 2048}))
+        "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 2048,
+        "chat_template": CHAT_TEMPLATE}, indent=1))
     return out
 
 
