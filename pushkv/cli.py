@@ -12,6 +12,7 @@ from collections.abc import Sequence
 _PLUGINS = [
     ("pushkv.sim.cli", "register"),
     ("pushkv.vllm.proxy.cli", "register"),
+    ("pushkv.vllm.up", "register"),
 ]
 
 
