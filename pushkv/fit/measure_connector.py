@@ -6,7 +6,7 @@ its instance's API server while two servers and the client share the cores, a
 token's way back, the hand-offs between a step's scheduler and its worker. The
 :mod:`pushkv.timeline` marks of a real pushkv pair show them segment by segment;
 :func:`connector_keys` turns their medians into the engine keys of
-:data:`pushkv.sim.profile.CONNECTOR_KEYS` (``python -m pushkv.fit.measure
+:data:`pushkv.sim.sections.CONNECTOR_KEYS` (``python -m pushkv.fit.measure
 --connector-timeline DIR ... [--base PROFILE]``).
 """
 

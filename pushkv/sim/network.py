@@ -39,7 +39,7 @@ from typing import Any
 import simpy
 
 from .costs import pipelined_s, transfer_s
-from .profile import NetworkProfile
+from .sections import NetworkProfile
 
 
 @dataclass(eq=False)

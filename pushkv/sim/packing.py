@@ -16,7 +16,7 @@ import dataclasses
 from collections import defaultdict
 
 from ..protocol.packing import PackChoice, PackingConfig, choose
-from .profile import NetworkProfile
+from .sections import NetworkProfile
 
 #: The simulator's default: never pack (what every earlier result assumed).
 #: On GPUs gather and scatter run as device kernels; 1 TB/s is assumed for an

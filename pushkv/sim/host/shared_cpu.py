@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import simpy
 
-from ..profile import CONNECTOR_KEYS, EngineProfile, Profile
+from ..profile import Profile
+from ..sections import CONNECTOR_KEYS, EngineProfile
 from .cores import SharedCores, work
 from .dedicated import Dedicated
 from .frontend import Frontend
