@@ -17,6 +17,7 @@ import numpy as np
 
 from .testing import (
     MakeCluster,
+    Snapshot,
     Topology,
     _await,
     _element,
@@ -24,6 +25,7 @@ from .testing import (
     assert_clean,
     assert_destination,
     reference_destination,
+    registered,
 )
 
 #: A range: tokens [a, b) of layers [l0, l1).
@@ -73,6 +75,11 @@ class _Prefill:
         self.c.prefill_finished(tid, self.src, n)
 
 
+def _writes(s: Snapshot) -> int:
+    """Writes started so far, every producer rank's."""
+    return sum(s.writes.values())
+
+
 def chunks(n: int, size: int, layers: int) -> list[Range]:
     """Chunked prefill: each step makes all layers of its tokens final."""
     return [(a, min(n, a + size), 0, layers) for a in range(0, n, size)]
@@ -104,8 +111,15 @@ def check_progressive(make: MakeCluster, topo: Topology | None = None, *, n: int
         for i, rng in enumerate(ranges):
             if i == register_after:
                 c.register("t", dst, n, first_token)
+                _await(c, registered(topo, "t"), "the producer took the registration in")
+            before = _writes(c.snapshot())
             prefill.ready("t", rng)
-            c.wait(lambda s: False, 0.01)
+            if i >= register_after and rng[1] > first_token:
+                # Registered legs write a range at once (rule 9): let its write start
+                # before the next range is final. A producer that writes nothing new
+                # (one that took an earlier range for the whole prefill) is left to
+                # the byte check.
+                c.wait(lambda s, before=before: _writes(s) > before, 20)
         if register_after >= len(ranges):
             c.register("t", dst, n, first_token)
         prefill.finish("t", n)
