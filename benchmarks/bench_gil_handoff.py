@@ -11,51 +11,20 @@ that price on this machine, side by side, in one run::
     python benchmarks/bench_gil_handoff.py --switch-s 0.001
 
 The last line is one JSON object: the medians and p90s (ms) of both ways, and
-``busy_over_idle``, the ratio of the medians.
+``busy_over_idle``, the ratio of the medians. The measurement is
+:mod:`pushkv.fit.gil_handoff`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import queue
-import statistics
 import sys
-import threading
-import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def handoffs(n: int, gap_s: float, busy: bool) -> list[float]:
-    """Seconds from each ``put`` to the consumer thread's ``get`` returning, ``n``
-    times, ``gap_s`` apart; meanwhile the feeding thread spins in Python (``busy``)
-    or sleeps."""
-    q: queue.Queue[float | None] = queue.Queue()
-    got: list[float] = []
-
-    def consume() -> None:
-        while (t := q.get()) is not None:
-            got.append(time.perf_counter() - t)
-
-    th = threading.Thread(target=consume, name="consumer")
-    th.start()
-    x = 0
-    for _ in range(n):
-        q.put(time.perf_counter())
-        end = time.perf_counter() + gap_s
-        if busy:
-            while time.perf_counter() < end:
-                x += 1
-        else:
-            time.sleep(gap_s)
-    q.put(None)
-    th.join()
-    return got
-
-
-def summary(xs: list[float]) -> dict[str, float]:
-    xs = sorted(xs)
-    return {"median_ms": round(statistics.median(xs) * 1e3, 3),
-            "p90_ms": round(xs[int(0.9 * (len(xs) - 1))] * 1e3, 3)}
+from pushkv.fit.gil_handoff import WAYS, handoffs, summary, verdict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,13 +42,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--switch-s must be > 0")
         sys.setswitchinterval(args.switch_s)
     ways = {}
-    for way, busy in (("idle", False), ("busy", True)):
+    for way, busy in WAYS:
         ways[way] = s = summary(handoffs(args.n, args.gap_s, busy))
         print(f"feeder {'runs Python' if busy else 'sleeps'}: hand-off median "
               f"{s['median_ms']:.2f} ms, p90 {s['p90_ms']:.2f} ms", flush=True)
-    ratio = ways["busy"]["median_ms"] / max(ways["idle"]["median_ms"], 1e-6)
-    print(json.dumps({"switch_interval_s": sys.getswitchinterval(), **ways,
-                      "busy_over_idle": round(ratio, 1)}))
+    print(json.dumps(verdict(ways)))
     return 0
 
 

@@ -16,7 +16,9 @@ imports it (the ``fit-above-sim-and-vllm`` contract in ``pyproject.toml``).
 * :mod:`.sim_vs_real` -- the simulator against real vLLM CPU engines, point by point:
   the library ``benchmarks/bench_sim_vs_real.py`` is a command line over;
 * :mod:`.handoff` -- where a hand-off into decode's API server goes
-  (``benchmarks/bench_handoff_waits.py``).
+  (``benchmarks/bench_handoff_waits.py``);
+* :mod:`.gil_handoff` -- what a thread woken through a queue waits for the interpreter
+  lock while its feeder runs Python (``benchmarks/bench_gil_handoff.py``).
 
 The ``/proc`` readings (CPU time, run-queue waits, steal) are :mod:`pushkv.hostprobe`,
 below this package, shared with the chaos harness of :mod:`pushkv.vllm.chaos`.
