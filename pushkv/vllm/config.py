@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..direction import SETTINGS
+from ..integrity import DEFAULT_MODE, Injector, IntegrityConfig
 from ..protocol.config import ConsumerConfig, ProducerConfig
 from ..protocol.errors import ConfigError
 from ..protocol.events import FailurePolicy
@@ -165,6 +166,21 @@ class PushKVSettings:
         default_factory=dict,
         metadata={"help": "extra backend parameters passed to NIXL as strings"},
     )
+    integrity: str = field(
+        default=DEFAULT_MODE,
+        metadata={"help": "end-to-end check of pushed KV: 'on' (every write: the producer "
+                  "seals its notification with a digest of the source bytes, the consumer "
+                  "checks the landed bytes before the KV counts; a mismatch fails the "
+                  "transfer with CORRUPT and kv_load_failure_policy applies), 'sample' or "
+                  "'sample:N' (one transfer in N, default 10), 'off' (nothing computed, "
+                  "plain notifications). Set it alike on both sides"},
+    )
+    integrity_inject: str = field(
+        default="",
+        metadata={"help": "tests and chaos runs only: corrupt landed writes on this consumer "
+                  "before the check, 'kind[,kind...][:N]' (flip, neighbour, stale, zero; one "
+                  "write in N). Empty (default): never"},
+    )
     timeline_dir: str = field(
         default="",
         metadata={"help": "record a per-request timeline (pushkv.timeline) into this "
@@ -206,6 +222,15 @@ class PushKVSettings:
                 f"got {self.push_granularity!r}")
         if self.transport_cpus not in ("auto", "inherit"):
             parse_cpus(self.transport_cpus)
+        try:
+            IntegrityConfig.parse(self.integrity)
+            if self.integrity_inject:
+                Injector.parse(self.integrity_inject)
+        except ConfigError as exc:
+            raise ConnectorConfigError(
+                f"integrity / integrity_inject: {exc.message} (integrity is one of 'off', "
+                f"'sample', 'sample:N', 'on'; got integrity={self.integrity!r}, "
+                f"integrity_inject={self.integrity_inject!r})") from None
         try:
             self.packing()
         except ConfigError as exc:

@@ -50,6 +50,12 @@ COUNTERS: dict[str, str] = {
                         "blocks",
     "runs_scattered": "consumer: contiguous destination runs (per layer and plane) those "
                       "scatters wrote; above writes_scattered when the cache is fragmented",
+    "ranges_checked": "consumer: written ranges whose landed bytes were checked against the "
+                      "producer's digest (integrity)",
+    "ranges_corrupt": "consumer: checked ranges whose bytes differed: each failed its "
+                      "transfer with CORRUPT (the failure policy applied); alert on any",
+    "ranges_injected": "consumer: ranges corrupted on purpose by integrity_inject (tests and "
+                       "chaos runs only; 0 in service)",
 }
 #: Gauge name -> help. Workers report each as the change since their last report.
 GAUGES: dict[str, str] = {
@@ -58,7 +64,9 @@ GAUGES: dict[str, str] = {
 }
 #: The runtime's counters behind each counter or gauge kept in step with them.
 FROM_RUNTIME = {"writes_packed": "writes_packed", "writes_scattered": "scatters_ok",
-                "runs_scattered": "scatter_runs", "staging_bytes_lent": "staging_lent_bytes"}
+                "runs_scattered": "scatter_runs", "staging_bytes_lent": "staging_lent_bytes",
+                "ranges_checked": "integrity_checked", "ranges_corrupt": "integrity_corrupt",
+                "ranges_injected": "integrity_injected"}
 #: Counter of the KV bytes written while the prefill ran (the runtime's
 #: ``bytes_written_early``).
 EARLY_BYTES = "bytes_before_prefill_end"

@@ -217,6 +217,8 @@ class WorkerSide:
             progress_delay_us=s.progress_delay_us,
             write_timeout_s=s.write_timeout_s,
             peer_confirm_s=s.peer_confirm_s,
+            integrity=s.integrity,
+            inject=s.integrity_inject if self.role == "consumer" else "",
         )
         if self.role == "consumer":
             # While a transfer is live; a new registration switches the runtime to this

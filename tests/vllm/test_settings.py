@@ -34,7 +34,7 @@ def test_defaults_are_valid_and_documented():
         "fence_grace_s", "heartbeat_s", "handshake_timeout_s", "write_timeout_s",
         "peer_confirm_s", "max_pending_registrations", "notify_poll_ms", "progress_delay_us",
         "transport_cpus", "direction", "push_granularity", "pack", "staging_bytes",
-        "pipeline_bytes", "backend_options", "timeline_dir"}
+        "pipeline_bytes", "backend_options", "integrity", "integrity_inject", "timeline_dir"}
     assert all(PushKVSettings.help().values())
     assert s.packing() is not None and s.packing().pipeline_bytes == 4 << 20
 
@@ -204,4 +204,16 @@ def test_pack_is_the_packing_configs_setting():
     assert never.producer_config().packing is None and never.packing() is None
     for bad in ({"pack": "sometimes"}, {"staging_bytes": -1}):
         with pytest.raises(ConnectorConfigError, match="pack"):
+            PushKVSettings.from_extra_config(bad)
+
+
+def test_integrity_settings_are_checked_and_reach_the_transport():
+    from pushkv.integrity import DEFAULT_MODE
+
+    assert PushKVSettings.from_extra_config(None).integrity == DEFAULT_MODE
+    s = PushKVSettings.from_extra_config({"integrity": "sample:4", "integrity_inject": "flip:10"})
+    assert (s.integrity, s.integrity_inject) == ("sample:4", "flip:10")
+    for bad in ({"integrity": "always"}, {"integrity": "on:3"}, {"integrity": 1},
+                {"integrity_inject": "melt"}, {"integrity_inject": "flip:x"}):
+        with pytest.raises(ConnectorConfigError, match="integrity"):
             PushKVSettings.from_extra_config(bad)
