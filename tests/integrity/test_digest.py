@@ -187,3 +187,36 @@ def test_the_envelope_round_trips_and_a_plain_frame_passes_unchanged():
         unseal(seal(frame, tag)[:10])
     with pytest.raises(DecodeError, match="version"):
         unseal(b"PD\x09" + seal(frame, tag)[3:])
+
+
+def test_device_memory_is_viewed_through_its_tensors_whatever_the_layout():
+    """CUDA KV is digested with torch where it lies: the runtime views each region
+    by address inside the tensors the memory was built from. Checked here with
+    CPU tensors standing in (the same code path, the same bits): vLLM's
+    ``[num_blocks, 2, block, heads, dim]`` cache, K and V interleaved per block."""
+    import dataclasses
+
+    from pushkv.transports.nixl.memory import KVMemory, region_views
+
+    nb, bs, h, d = 8, 4, 2, 8
+    lay = KVLayout(num_blocks=nb, block_size=bs, num_heads=h, head_dim=d, dtype_bytes=4,
+                   layer_end=2, block_stride=2 * bs * h * d * 4)
+    gen = torch.Generator().manual_seed(0)
+    layers = [torch.randn(nb, 2, bs, h, d, generator=gen) for _ in range(2)]
+    bases = [t.data_ptr() + p * bs * h * d * 4 for t in layers for p in (0, 1)]
+    mem = dataclasses.replace(KVMemory.from_addresses(bases, lay.region_bytes, kind="VRAM"),
+                              owners=tuple(layers))
+    ref = []
+    for t in layers:
+        for p in (0, 1):
+            buf = np.zeros(lay.region_bytes, np.uint8)
+            for b in range(nb):
+                page = t[b, p].contiguous().numpy().view(np.uint8).reshape(-1)
+                buf[b * lay.stride:b * lay.stride + page.size] = page
+            ref.append(buf)
+    scope = Scope((3, 5), 0, 7, range(0, 2), ((0, 0, 2),))
+    views = region_views(mem)
+    assert digest(views, lay, scope) == digest(ref, lay, scope)
+    assert digest_torch(views, lay, scope) == digest(ref, lay, scope)
+    with pytest.raises(ConfigError, match="no tensor"):
+        region_views(dataclasses.replace(mem, owners=()))

@@ -168,24 +168,30 @@ class KVMemory:
 
 def region_views(memory: KVMemory) -> list[Any]:
     """Every region as the digest (:mod:`pushkv.integrity`) reads it: uint8 numpy
-    views of host memory, uint8 torch views of CUDA memory (built from the tensors
-    the memory was made of: one per region, or one stacked K/V buffer per layer)."""
+    views of host memory; for CUDA memory, uint8 torch views into the storage of
+    the tensors the memory was built from (``owners``), found by address, so any
+    layout (K and V apart, or interleaved per block) is viewed as registered."""
     if memory.kind == "DRAM":
         return [memory.view(i) for i in range(memory.num_regions)]
     import torch
 
-    owners = list(memory.owners)
-    if len(owners) == memory.num_regions:
-        return [o.reshape(-1).view(torch.uint8) for o in owners]
-    if owners and 2 * len(owners) == memory.num_regions:
-        out = []
-        for o in owners:
-            flat = o.reshape(-1).view(torch.uint8)
-            half = flat.numel() // 2
-            out += [flat[:half], flat[half:]]
-        return out
-    raise ConfigError("CUDA memory given by address only cannot be digested: build it "
-                      "from its tensors (from_regions, from_kv, from_stacked)")
+    stores = []
+    for o in memory.owners:
+        st = o.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8, device=o.device)
+        flat.set_(st)
+        stores.append((int(st.data_ptr()), int(st.nbytes()), flat))
+    out = []
+    for base, size in zip(memory.bases, memory.sizes, strict=True):
+        for start, n, flat in stores:
+            if start <= base and base + size <= start + n:
+                out.append(flat[base - start:base - start + size])
+                break
+        else:
+            raise ConfigError(f"the region at {base:#x} lies in no tensor this memory was "
+                              "built from: CUDA memory given by address alone cannot be "
+                              "digested (give the tensors as owners)")
+    return out
 
 
 def bind_device(memory: KVMemory) -> None:

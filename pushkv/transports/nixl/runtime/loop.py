@@ -543,7 +543,7 @@ class IOLoop(CardExchange):
     def _corrupt(self, bad: Corruption) -> None:
         """Rule 11: one structured line per landed range that failed its check."""
         self._stats["corrupt"] += 1
-        log.warning("pushkv integrity: CORRUPT transfer=%s incarnation=%d attempt=%d "
+        log.info("pushkv integrity: CORRUPT transfer=%s incarnation=%d attempt=%d "
                     "producer=%s producer_rank=%d consumer_rank=%d tokens=[%d,%d) "
                     "layers=[%d,%d) expected=%016x got=%016x", bad.transfer_id,
                     bad.incarnation, bad.attempt, bad.producer, bad.producer_rank,
@@ -560,7 +560,11 @@ class IOLoop(CardExchange):
         try:  # rule 11: over the exact source bytes, before any of them moves
             tag = self._integrity.tag(a)
         except Exception:  # a digest that cannot be taken must not stop the write
-            log.exception("pushkv integrity: no digest for %s#%d", a.transfer_id, a.attempt)
+            self._stats["digest_errors"] += 1
+            if self._stats["digest_errors"] == 1:
+                log.exception("pushkv integrity: no digest for %s#%d (sent unsealed; counted "
+                              "as digest_errors, further ones not logged)", a.transfer_id,
+                              a.attempt)
             tag = None
         if tag is not None:
             self._stats["sealed"] += 1
