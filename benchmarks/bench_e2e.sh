@@ -9,7 +9,7 @@
 # pairs taking turns each round).
 # Every NIXL progress thread sleeps --delay-us between polls and every
 # transport thread stays on its server's core (pushkv/vllm/cpu_tuning fixes vLLM's).
-# Modes (benchmarks/e2e/modes.py): each connector with both legs sent by the
+# Modes (pushkv/fit/e2e/modes.py): each connector with both legs sent by the
 # benchmark client itself (push-client, vllm-push-client, pull-client) and
 # behind its router (push: `pushkv proxy`; vllm-push, pull: vLLM's example
 # proxy logic). Modes alternate over --iters rounds; each round serves the same

@@ -38,17 +38,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
 
 from pushkv.fit.handoff import api_wait_share, bracket, by_part, handoffs, stats_ms  # noqa: E402
 from pushkv.hostprobe import ThreadReader  # noqa: E402
 
 
 def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
-    from modes import MODES as E2E_MODES
-    from run import Deployment, Endpoint
-
     from pushkv.fit import segments
+    from pushkv.fit.e2e.deployment import Deployment, Endpoint
+    from pushkv.fit.e2e.modes import MODES as E2E_MODES
     from pushkv.fit.sim_vs_real.deployment import SchedSamples
     from pushkv.hostprobe import group_pids
     from pushkv.vllm.testing import (

@@ -1,8 +1,8 @@
 """The simulator against real vLLM CPU engines on this machine, point by point.
 
 **Real half**: pushkv push (``PushKVConnector`` behind ``pushkv proxy``) and vLLM
-pull (vLLM's ``NixlConnector`` behind ``benchmarks/e2e/vllm_proxy.py``'s relay), each
-a prefill server on core 0 and a decode server on core 1 (``benchmarks/e2e/run.py``'s
+pull (vLLM's ``NixlConnector`` behind ``pushkv.fit.e2e.vllm_proxy``'s relay), each
+a prefill server on core 0 and a decode server on core 1 (:mod:`pushkv.fit.e2e`'s
 deployments); ``vllm bench serve`` runs every (input length, rate) point against each,
 the deployments alternating each iteration, with a core probe on each core, the
 servers' metrics, the parts' run-queue waits, threads and garbage-collector pauses
@@ -42,7 +42,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
 
 from pushkv.fit import segments  # noqa: E402
 from pushkv.fit.cores import CoreProbe  # noqa: E402
@@ -83,8 +82,7 @@ from pushkv.hostprobe import cpu_times, group_cpu_s, process_cpu_s, steal  # noq
 
 def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
     """``vllm bench serve`` at every point against both deployments; failures by name."""
-    from run import BenchClient
-
+    from pushkv.fit.e2e.bench_client import BenchClient
     from pushkv.vllm.testing import write_tiny_llama, write_word_tokenizer
 
     (real / "logs").mkdir(parents=True, exist_ok=True)
@@ -104,9 +102,11 @@ def run_real(args: argparse.Namespace, real: Path) -> dict[str, str]:
 def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: int, it: int,
                    client: Any, seeds: Iterator[int], failures: dict[str, str]) -> None:
     """Iteration ``it`` of :func:`run_real`: each mode's deployment started, its points
-    run with ``client`` (:class:`run.BenchClient`), stopped; failures added by name."""
-    from modes import MODES as E2E_MODES  # benchmarks/e2e
-    from run import Deployment, Endpoint, bench_serve
+    run with ``client`` (:class:`pushkv.fit.e2e.bench_client.BenchClient`), stopped;
+    failures added by name."""
+    from pushkv.fit.e2e.bench_client import bench_serve
+    from pushkv.fit.e2e.deployment import Deployment, Endpoint
+    from pushkv.fit.e2e.modes import MODES as E2E_MODES
 
     for mode in args.modes:
         name, kind = MODES[mode]
@@ -221,7 +221,7 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
     (:func:`pushkv.fit.measure_connector.gauge_keys`): on this machine the engines'
     speed moves 2-3x between minutes, so a profile measured at another time cannot
     hold. Returns the gauge's record for ``cpu_probe.json``."""
-    from run import bench_serve
+    from pushkv.fit.e2e.bench_client import bench_serve
 
     t0, ticks = time.monotonic(), cpu_times()
     name = f"{tag}.json"
@@ -258,7 +258,7 @@ def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespa
     prompt's KV until decode has read it (21-38 ms a request) was charged to its 7-9 ms
     of steps. Over the active time both are 1.0-1.6 (decode 1.0-1.4): a loop that has a
     request in hand keeps about one core busy, stepping or not."""
-    from client import Client
+    from pushkv.fit.e2e.client import Client
 
     def cpu() -> dict[str, float]:
         p = parts(dep, ep, process_cpu_s, group_cpu_s)
@@ -341,7 +341,7 @@ def main() -> int:
                    "own, so its gauges' lone requests meet engines as idle as its own do)")
     p.add_argument("--delay-us", type=int, default=100,
                    help="NIXL progress-thread sleep between polls, every connector alike")
-    from modes import SPIN_S  # benchmarks/e2e
+    from pushkv.fit.e2e.modes import SPIN_S
 
     p.add_argument("--spin-s", default=SPIN_S,
                    help="cap of vLLM's busy loop after each queue message in every server "

@@ -1,37 +1,23 @@
-"""bench_e2e's verdict: paired overheads per round and the ratio's interval over rounds."""
+"""bench_e2e's harness (:mod:`pushkv.fit.e2e`): paired overheads per round and the ratio's
+interval over rounds, the phases, the turns and their freezer, the kept client."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-E2E = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e"
+from pushkv.fit.e2e import bench_client, deployment, overheads, phases, rounds
+from pushkv.fit.e2e.client import Result
 
 
-@pytest.fixture(scope="module")
-def run() -> Any:
-    sys.path.insert(0, str(E2E))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_e2e_run", E2E / "run.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(E2E))
-
-
-def records(overheads: dict[str, list[float]], plain: list[float],
+def records(extra_ms: dict[str, list[float]], plain: list[float],
             load: str = "conc") -> list[dict[str, Any]]:
     """Rounds of 3 requests; each mode's latency is plain's plus its overhead that round."""
     out = []
     for it, base in enumerate(plain):
-        for mode, extra in [("plain", [0.0] * len(plain)), *overheads.items()]:
+        for mode, extra in [("plain", [0.0] * len(plain)), *extra_ms.items()]:
             for k in range(3):
                 lat = base + extra[it] + k  # the same spread inside every round
                 out.append({"mode": mode, "load": load, "phase": "p", "iter": it, "slot": -1,
@@ -40,87 +26,88 @@ def records(overheads: dict[str, list[float]], plain: list[float],
     return out
 
 
-def test_a_steady_ratio_has_a_tight_interval_whatever_the_machine_drift(run):
+def test_a_steady_ratio_has_a_tight_interval_whatever_the_machine_drift():
     plain = [100.0, 250.0, 120.0, 400.0, 90.0]  # the machine's speed swings by round
     recs = records({"push-client": [10.0] * 5, "vllm-push-client": [20.0] * 5}, plain)
-    assert run.bootstrap_ratio(recs, "push-client", "vllm-push-client", "plain",
+    assert overheads.bootstrap_ratio(recs, "push-client", "vllm-push-client", "plain",
                                "conc") == (0.5, 0.5)
-    v = run.verdict(recs, ["plain", "push-client", "vllm-push-client"])
+    v = overheads.verdict(recs, ["plain", "push-client", "vllm-push-client"])
     assert v["overhead_ratio_vs_vllm_push_conc"] == 0.5
     assert v["overhead_ratio_vs_vllm_push_conc_ci95"] == [0.5, 0.5]
     assert v["overhead_ratio_vs_vllm_push_seq_ci95"] is None  # no sequential rounds
 
 
-def test_noisy_rounds_give_an_interval_around_the_ratio(run):
+def test_noisy_rounds_give_an_interval_around_the_ratio():
     ours = [5.0, 30.0, 12.0, 0.0, 20.0, 8.0]
     theirs = [25.0, 10.0, 30.0, 18.0, 40.0, 22.0]
     recs = records({"push-client": ours, "vllm-push-client": theirs}, [100.0] * 6)
-    lo, hi = run.bootstrap_ratio(recs, "push-client", "vllm-push-client", "plain", "conc")
-    point = run.verdict(recs, ["plain", "push-client", "vllm-push-client"])[
+    lo, hi = overheads.bootstrap_ratio(recs, "push-client", "vllm-push-client", "plain", "conc")
+    point = overheads.verdict(recs, ["plain", "push-client", "vllm-push-client"])[
         "overhead_ratio_vs_vllm_push_conc"]
     assert lo < point < hi
     assert lo >= min(ours) / max(theirs) and hi <= max(ours) / min(theirs)
 
 
-def test_too_few_rounds_or_no_positive_baseline_give_no_interval(run):
+def test_too_few_rounds_or_no_positive_baseline_give_no_interval():
     two = records({"push-client": [1.0, 2.0], "vllm-push-client": [2.0, 3.0]}, [50.0, 60.0])
-    assert run.bootstrap_ratio(two, "push-client", "vllm-push-client", "plain", "conc") is None
+    assert overheads.bootstrap_ratio(two, "push-client", "vllm-push-client", "plain",
+                                     "conc") is None
     negative = records({"push-client": [1.0] * 4, "vllm-push-client": [-5.0] * 4}, [50.0] * 4)
-    assert run.bootstrap_ratio(negative, "push-client", "vllm-push-client", "plain",
+    assert overheads.bootstrap_ratio(negative, "push-client", "vllm-push-client", "plain",
                                "conc") is None
 
 
-def test_modes_of_different_phases_are_drawn_apart(run):
+def test_modes_of_different_phases_are_drawn_apart():
     recs = records({"push-client": [10.0, 12.0, 8.0, 11.0]}, [100.0] * 4)
     for r in records({"vllm-push-client": [20.0, 24.0, 16.0, 22.0]}, [300.0] * 4):
         recs.append(dict(r, phase="q"))  # another phase, its own plain rounds
-    lo, hi = run.bootstrap_ratio(recs, "push-client", "vllm-push-client", "plain", "conc")
+    lo, hi = overheads.bootstrap_ratio(recs, "push-client", "vllm-push-client", "plain", "conc")
     assert 8.0 / 24.0 <= lo <= 0.5 <= hi <= 12.0 / 16.0
 
 
-def test_cycles_alternate_the_phase_order(run):
-    phases = [["plain", "pushkv"], ["plain", "nixl-push"]]
-    assert run.cycle_phases(phases, 1) == [(0, phases[0]), (0, phases[1])]
-    assert run.cycle_phases(phases, 3) == [(0, phases[0]), (0, phases[1]), (1, phases[1]),
-                                           (1, phases[0]), (2, phases[0]), (2, phases[1])]
+def test_cycles_alternate_the_phase_order():
+    plan = [["plain", "pushkv"], ["plain", "nixl-push"]]
+    assert phases.cycle_phases(plan, 1) == [(0, plan[0]), (0, plan[1])]
+    assert phases.cycle_phases(plan, 3) == [(0, plan[0]), (0, plan[1]), (1, plan[1]),
+                                            (1, plan[0]), (2, plan[0]), (2, plan[1])]
     with pytest.raises(SystemExit, match="--cycles"):
-        run.cycle_phases(phases, 0)
+        phases.cycle_phases(plan, 0)
 
 
-def test_rounds_of_several_runs_pool_without_mixing_their_phases(run, tmp_path):
+def test_rounds_of_several_runs_pool_without_mixing_their_phases(tmp_path):
     import json
     a, b = tmp_path / "a", tmp_path / "b"
     for d, plain in ((a, [100.0] * 4), (b, [300.0] * 4)):
         d.mkdir()
         recs = records({"push-client": [10.0] * 4, "vllm-push-client": [20.0] * 4}, plain)
         (d / "latency.json").write_text(json.dumps(recs))
-    v = run.pooled_verdict([a, b])
+    v = overheads.pooled_verdict([a, b])
     assert v["rounds"] == 8 and v["overhead_ratio_vs_vllm_push_conc"] == 0.5
     assert v["overhead_ratio_vs_vllm_push_conc_ci95"] == [0.5, 0.5]
     with pytest.raises(SystemExit, match="does not exist"):
-        run.pooled_verdict([tmp_path / "missing"])
+        overheads.pooled_verdict([tmp_path / "missing"])
 
 
-def test_the_proxy_hop_has_an_interval_over_rounds(run):
+def test_the_proxy_hop_has_an_interval_over_rounds():
     recs = records({"push": [4.0, 6.0, 5.0, 30.0, 5.0]}, [100.0] * 5, load="seq")
     recs = [dict(r, mode="push-client") if r["mode"] == "plain" else r for r in recs]
-    lo, hi = run.bootstrap_overhead(recs, "push", "push-client", "seq")
+    lo, hi = overheads.bootstrap_overhead(recs, "push", "push-client", "seq")
     assert 4.0 <= lo <= 5.0 <= hi <= 30.0
-    v = run.verdict(recs, ["push-client", "push"])
+    v = overheads.verdict(recs, ["push-client", "push"])
     assert v["proxy_hop_ms"] == 5.0 and v["proxy_hop_ms_ci95"] == [lo, hi]
-    assert run.bootstrap_overhead(recs[:12], "push", "push-client", "seq") is None
+    assert overheads.bootstrap_overhead(recs[:12], "push", "push-client", "seq") is None
 
 
-def test_the_routers_cpu_per_request_is_a_mean_over_every_request_it_served(run):
+def test_the_routers_cpu_per_request_is_a_mean_over_every_request_it_served():
     recs = records({"push": [10.0] * 4, "push-asyncio": [12.0] * 4}, [100.0] * 4)
     for i, r in enumerate(recs):  # ticks of 10 ms: each request 0 or 10
         r["router_cpu_ms"] = {"push": 10.0 * (i % 4 == 0), "push-asyncio": 10.0 * (i % 2),
                               "plain": float("nan")}[r["mode"]]
-    v = run.verdict(recs, ["plain", "push", "push-asyncio"])
+    v = overheads.verdict(recs, ["plain", "push", "push-asyncio"])
     assert v["router_cpu_ms_per_request"] == {"push": 2.5, "push-asyncio": 5.0}
 
 
-def test_in_turns_each_connector_pairs_with_the_plain_requests_of_its_own_turn(run):
+def test_in_turns_each_connector_pairs_with_the_plain_requests_of_its_own_turn():
     """--phases turns: plain serves each deployment's turn of a round; a mode's overhead
     is taken against plain's requests of the same turn, and the two connectors' rounds
     are drawn together (one phase)."""
@@ -133,18 +120,18 @@ def test_in_turns_each_connector_pairs_with_the_plain_requests_of_its_own_turn(r
                     recs.append({"mode": m, "load": "conc", "phase": "turns", "iter": it,
                                  "slot": -1, "turn": turn, "latency_ms": lat + k,
                                  "ttft_ms": 1.0, "tpot_ms": 1.0, "same_as_plain": True})
-    over = run.paired_overheads(recs, "push-client", "plain", "conc")
+    over = overheads.paired_overheads(recs, "push-client", "plain", "conc")
     assert over == {("turns", 0): [10.0], ("turns", 1): [10.0], ("turns", 2): [10.0]}
-    v = run.verdict(recs, ["plain", "push-client", "vllm-push-client"])
+    v = overheads.verdict(recs, ["plain", "push-client", "vllm-push-client"])
     assert v["overhead_ratio_vs_vllm_push_conc"] == 0.5
     assert v["overhead_ratio_vs_vllm_push_conc_ci95"] == [0.5, 0.5]
     # without the turn, plain's two turns would be one pool and the overheads wrong
     mixed = [{k: v for k, v in r.items() if k != "turn"} for r in recs]
-    assert run.paired_overheads(mixed, "push-client", "plain", "conc") != over
+    assert overheads.paired_overheads(mixed, "push-client", "plain", "conc") != over
 
 
-def test_turns_put_every_deployment_up_in_one_phase(run):
-    assert run.plan_phases("turns", ["plain", "pushkv", "nixl-push"]) == [
+def test_turns_put_every_deployment_up_in_one_phase():
+    assert phases.plan_phases("turns", ["plain", "pushkv", "nixl-push"]) == [
         ["plain", "pushkv", "nixl-push"]]
 
 
@@ -161,14 +148,14 @@ class _Freezer:
         self.log.append(("thaw", self.kind))
 
 
-def _stage(run: Any, log: list[tuple[str, str]]) -> Any:
+def _stage(log: list[tuple[str, str]]) -> Any:
     modes = {"plain": ["plain"], "pushkv": ["push-client", "push"],
              "nixl-push": ["vllm-push-client"]}
 
     async def settle(name: str) -> None:
         log.append(("settle", name))
 
-    return run.Stage({k: _Freezer(k, log) for k in modes}, modes, settle)
+    return rounds.Stage({k: _Freezer(k, log) for k in modes}, modes, settle)
 
 
 def _running(log: list[tuple[str, str]]) -> set[str]:
@@ -182,11 +169,11 @@ def _running(log: list[tuple[str, str]]) -> set[str]:
     return up
 
 
-def test_a_stage_runs_one_deployment_and_settles_each_mode_after_its_thaw(run):
+def test_a_stage_runs_one_deployment_and_settles_each_mode_after_its_thaw():
     import asyncio
 
     log: list[tuple[str, str]] = []
-    stage = _stage(run, log)
+    stage = _stage(log)
     stage.freeze_all()
     log.clear()
     for kind in ["plain", "pushkv", "pushkv", "plain", "nixl-push"]:
@@ -203,8 +190,8 @@ def test_a_stage_runs_one_deployment_and_settles_each_mode_after_its_thaw(run):
     assert _running(log) == {"plain", "pushkv", "nixl-push"} and stage.running is None
 
 
-def test_a_stage_orders_modes_by_deployment_one_thaw_per_deployment(run):
-    stage = _stage(run, [])
+def test_a_stage_orders_modes_by_deployment_one_thaw_per_deployment():
+    stage = _stage([])
     names = ["plain", "push-client", "push"]
     assert stage.order(names, 0) == ["plain", "push-client", "push"]
     assert stage.order(names, 1) == ["push", "push-client", "plain"]
@@ -218,29 +205,29 @@ def test_a_stage_orders_modes_by_deployment_one_thaw_per_deployment(run):
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("load", ["seq", "conc"])
 def test_in_turns_every_request_runs_with_only_its_own_deployment_up(
-        run, monkeypatch, interleave, load):
+        monkeypatch, interleave, load):
     """serve_round with a stage: plain's requests run with every pair stopped, each
     pair's with plain stopped; outputs are still checked against plain's."""
     import asyncio
     from types import SimpleNamespace
 
     log: list[tuple[str, str]] = []
-    stage = _stage(run, log)
+    stage = _stage(log)
     stage.freeze_all()
     seen: list[tuple[str, frozenset[str]]] = []
 
     async def fake_run_mode(client, ep, batch, max_tokens, concurrent):
         seen.append((ep.mode.name, frozenset(_running(log))))
-        return [run.Result(0.1, 0.01, 0.001, tokens=list(p[:2])) for p in batch]
+        return [Result(0.1, 0.01, 0.001, tokens=list(p[:2])) for p in batch]
 
-    monkeypatch.setattr(run, "run_mode", fake_run_mode)
+    monkeypatch.setattr(rounds, "run_mode", fake_run_mode)
     kind = {"plain": "plain", "push-client": "pushkv", "push": "pushkv"}
     eps = {n: SimpleNamespace(mode=SimpleNamespace(name=n), dep=SimpleNamespace(kind=k))
            for n, k in kind.items()}
     args = SimpleNamespace(interleave=interleave, output_len=4)
     batch = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     failures: list[str] = []
-    recs = asyncio.run(run.serve_round(None, eps, stage.order(list(eps), 1), args, load,
+    recs = asyncio.run(rounds.serve_round(None, eps, stage.order(list(eps), 1), args, load,
                                        batch, 1, "turns", failures, turn="pushkv",
                                        stage=stage))
     assert not failures and len(recs) == 3 * len(batch)
@@ -278,7 +265,7 @@ def _wait_for(procs: list[Any], stopped: bool, timeout_s: float = 60.0) -> None:
         assert (_state(p.pid) == "T") == stopped
 
 
-def test_a_frozen_deployment_is_stopped_and_thaws_whole(run, tmp_path):
+def test_a_frozen_deployment_is_stopped_and_thaws_whole(tmp_path):
     """Freezer stops every process group of a deployment and its routers, and thaws
     them again, on real processes (each in a session of its own, as servers start)."""
     import signal
@@ -295,7 +282,7 @@ def test_a_frozen_deployment_is_stopped_and_thaws_whole(run, tmp_path):
     try:
         dep = SimpleNamespace(servers=[SimpleNamespace(proc=p) for p in procs[:2]])
         ep = SimpleNamespace(router=procs[2])
-        freezer = run.Freezer(dep, [ep])
+        freezer = deployment.Freezer(dep, [ep])
         freezer.freeze()
         _wait_for(procs, stopped=True)
         with freezer:
@@ -379,7 +366,7 @@ class _Completions:
         self.thread.join(60)
 
 
-def test_one_kept_client_runs_many_benchmarks_and_outlives_a_failed_one(run, tmp_path):
+def test_one_kept_client_runs_many_benchmarks_and_outlives_a_failed_one(tmp_path):
     """BenchClient runs vLLM's ``vllm bench serve`` again and again in one process
     (its import paid once); a run with bad flags fails alone, a client that died is
     replaced, and each run's output goes to its own log."""
@@ -390,9 +377,9 @@ def test_one_kept_client_runs_many_benchmarks_and_outlives_a_failed_one(run, tmp
     write_word_tokenizer(model)
     server = _Completions()
     try:
-        with run.BenchClient() as client:
+        with bench_client.BenchClient() as client:
             def bench(name: str, n: int, log: str) -> bool:
-                return run.bench_serve(server.url, str(model), tmp_path, name, qps="inf",
+                return bench_client.bench_serve(server.url, str(model), tmp_path, name, qps="inf",
                                        input_len=8, output_len=3, num_prompts=n, seed=1,
                                        log=tmp_path / log, client=client,
                                        extra=("--ready-check-timeout-sec", "0"))

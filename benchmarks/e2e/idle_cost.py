@@ -24,36 +24,38 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
-import run as bench
-from client import Client
-from modes import MODES
-
-from pushkv.hostprobe import group_cpu_s
+from pushkv.fit.e2e import rounds  # noqa: E402
+from pushkv.fit.e2e.client import Client  # noqa: E402
+from pushkv.fit.e2e.deployment import Deployment, Endpoint  # noqa: E402
+from pushkv.fit.e2e.modes import MODES  # noqa: E402
+from pushkv.hostprobe import group_cpu_s  # noqa: E402
+from pushkv.vllm.testing import write_tiny_llama, write_word_tokenizer  # noqa: E402
 
 CLIENT_MODE = {"pushkv": "push-client", "nixl-push": "vllm-push-client",
                "nixl-pull": "pull-client"}
 
 
-async def latencies(model: str, ep: bench.Endpoint, n: int, rng: random.Random) -> list[float]:
+async def latencies(model: str, ep: Endpoint, n: int, rng: random.Random) -> list[float]:
     async with Client(model) as client:
-        results = await bench.run_mode(client, ep, bench.prompts(n, 128, rng), 32, False)
+        results = await rounds.run_mode(client, ep, rounds.prompts(n, 128, rng), 32, False)
     return [r.latency_s * 1e3 for r in results]
 
 
-async def warm(model: str, ep: bench.Endpoint, rng: random.Random) -> None:
+async def warm(model: str, ep: Endpoint, rng: random.Random) -> None:
     async with Client(model) as client:
         if ep.target.dispatch == "pushkv":
             await client.discover(ep.target)
-        await bench.run_mode(client, ep, bench.prompts(4, 128, rng), 8, False)
-        await bench.run_mode(client, ep, bench.prompts(8, 128, rng), 8, True)
+        await rounds.run_mode(client, ep, rounds.prompts(4, 128, rng), 8, False)
+        await rounds.run_mode(client, ep, rounds.prompts(8, 128, rng), 8, True)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=bench.ROOT / "benchmarks" / "results" / "idle")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "idle")
     p.add_argument("--kinds", default="nixl-push,pushkv",
                    help=f"connectors' pairs, in turn ({', '.join(CLIENT_MODE)})")
     p.add_argument("--requests", type=int, default=30, help="plain requests per measurement")
@@ -67,25 +69,25 @@ def main() -> int:
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
     model = out / "tiny-llama"
-    bench.write_tiny_llama(model)
-    bench.write_word_tokenizer(model)
+    write_tiny_llama(model)
+    write_word_tokenizer(model)
     rng = random.Random(0)
-    plain = bench.Deployment("plain", str(model), out, max_model_len=256,
+    plain = Deployment("plain", str(model), out, max_model_len=256,
                              delay_us=args.delay_us)
     rows: dict[str, float] = {}
     verdict: dict[str, dict[str, float]] = {}
     try:
         plain.start()
-        pep = bench.Endpoint(MODES["plain"], plain, out)
+        pep = Endpoint(MODES["plain"], plain, out)
         asyncio.run(latencies(str(model), pep, 6, rng))  # warm-up
         before = statistics.median(asyncio.run(latencies(str(model), pep, args.requests, rng)))
         rows["plain alone"] = before
         for kind in kinds:
-            dep = bench.Deployment(kind, str(model), out, max_model_len=256,
+            dep = Deployment(kind, str(model), out, max_model_len=256,
                                    delay_us=args.delay_us)
             try:
                 dep.start()
-                asyncio.run(warm(str(model), bench.Endpoint(MODES[CLIENT_MODE[kind]], dep, out),
+                asyncio.run(warm(str(model), Endpoint(MODES[CLIENT_MODE[kind]], dep, out),
                                  rng))
                 groups = [s.proc.pid for s in dep.servers if s.proc is not None]
                 c0, t0 = group_cpu_s(groups), time.monotonic()

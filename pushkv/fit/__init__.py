@@ -15,6 +15,9 @@ imports it (the ``fit-above-sim-and-vllm`` contract in ``pyproject.toml``).
   a measurement runs;
 * :mod:`.sim_vs_real` -- the simulator against real vLLM CPU engines, point by point:
   the library ``benchmarks/bench_sim_vs_real.py`` is a command line over;
+* :mod:`.e2e` -- real vLLM deployments of every connector on this machine, the modes
+  that reach them and the verdict: the harness of ``benchmarks/bench_e2e.sh``, whose
+  deployments the sim-vs-real and hand-off benchmarks drive too;
 * :mod:`.handoff` -- where a hand-off into decode's API server goes
   (``benchmarks/bench_handoff_waits.py``);
 * :mod:`.gil_handoff` -- what a thread woken through a queue waits for the interpreter

@@ -1,7 +1,7 @@
 """The simulator against real vLLM CPU engines on this machine, point by point: the library.
 
 ``benchmarks/bench_sim_vs_real.py`` is the command line: it runs the real half (it
-drives ``benchmarks/e2e``'s deployments and ``vllm bench serve``) and then
+drives :mod:`pushkv.fit.e2e`'s deployments and ``vllm bench serve``) and then
 :func:`.sim_half.sim_half`, which is all ``--sim-only`` runs on a recorded real half.
 The modules, from the bottom:
 
@@ -17,8 +17,8 @@ The modules, from the bottom:
 
 **Real half**: pushkv push (``PushKVConnector`` behind ``pushkv proxy``, mode
 ``push``) and vLLM pull (vLLM's ``NixlConnector`` behind the pull relay of
-``benchmarks/e2e/vllm_proxy.py``, mode ``pull``), each a prefill server on core 0
-and a decode server on core 1 (the deployments of ``benchmarks/e2e/run.py``:
+``pushkv.fit.e2e.vllm_proxy``, mode ``pull``), each a prefill server on core 0
+and a decode server on core 1 (the deployments of :mod:`pushkv.fit.e2e`:
 tiny model, prefix caching off, every NIXL progress thread sleeping
 ``--delay-us`` between polls, every transport thread on its server's core).
 ``vllm bench serve`` (random dataset, ``--ignore-eos``) runs every (input
@@ -50,9 +50,9 @@ deployment failed to start, run again with the same ``--out`` and ``--profile``)
 Eight iterations by default: on this machine a few requests of a point stall for
 tens to hundreds of milliseconds, so one iteration's real mean TTFT can be several
 times the next one's at the same point. One ``vllm bench serve`` process
-(``benchmarks/e2e/run.py``'s ``BenchClient``) runs every point and gauge, so a point's window is its
-load, not the client's import (10-12 s each, which took most of the real half's time
-before), and eight iterations take about as long as four did.
+(:class:`pushkv.fit.e2e.bench_client.BenchClient`) runs every point and gauge, so a
+point's window is its load, not the client's import (10-12 s each, which took most of
+the real half's time before), and eight iterations take about as long as four did.
 
 **Simulated half**: ``pushkv.sim`` with the measured profile
 (``pushkv/sim/profiles/cpu-tiny.toml``) at the same points -- same modes, number

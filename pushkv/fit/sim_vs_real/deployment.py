@@ -1,6 +1,6 @@
 """What a running real deployment spends, measured from outside while a point runs.
 
-A deployment (``benchmarks/e2e/run.py``'s ``Deployment`` and ``Endpoint``, duck-typed
+A deployment (:mod:`pushkv.fit.e2e.deployment`'s ``Deployment`` and ``Endpoint``, duck-typed
 here: ``dep.prefill.proc``, ``dep.decode.proc``, ``ep.router``) is cut into its
 :func:`parts` -- prefill's instance, decode's without its API server, decode's API
 server, the router -- and each part read through :mod:`pushkv.hostprobe`: run-queue

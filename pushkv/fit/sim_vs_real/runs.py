@@ -21,7 +21,7 @@ from typing import Any
 
 #: the measured CPU profile the simulated half starts from
 PROFILE = Path(__file__).resolve().parents[2] / "sim" / "profiles" / "cpu-tiny.toml"
-#: sim mode -> (real mode of benchmarks/e2e/modes.py, its deployment)
+#: sim mode -> (real mode of pushkv.fit.e2e.modes, its deployment)
 MODES = {"push": ("push", "pushkv"), "pull": ("pull", "nixl-pull")}
 NAME = re.compile(r"^(?P<mode>[a-z-]+)_qps(?P<qps>[\d.]+)_in(?P<input>\d+)_out(?P<output>\d+)"
                   r"_iter(?P<iter>\d+)\.json$")

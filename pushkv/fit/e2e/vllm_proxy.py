@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pushkv import timeline
 
 

@@ -11,7 +11,7 @@ server's own core (vLLM's NIXL worker would pin itself to the machine's last
 core in both servers; the same sitecustomize keeps it on the server's core).
 
 A **mode** is a row of :data:`MODES`: a deployment plus a dispatch --
-``client`` (the benchmark client sends both legs itself, see :mod:`client`) or
+``client`` (the benchmark client sends both legs itself, see :mod:`.client`) or
 ``router`` (a router process in front; :attr:`Mode.router` builds its command
 line from a :class:`RouterArgs`). Modes sharing a deployment share its servers.
 To add a router mode, add a row::
@@ -26,10 +26,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-E2E = ROOT / "benchmarks" / "e2e"
+#: How long every vLLM server of a run may busy-loop on its shared-memory queues after
+#: a message: the tests' value (one definition, pushkv.vllm.testing.SPIN_S).
+from pushkv.vllm.testing import SPIN_S  # noqa: F401
+
+from .router_modes import ROUTER_ROWS, vllm_router
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +73,7 @@ def _pushkv_proxy(loop: str) -> Callable[[RouterArgs], list[str]]:
 
 def _vllm_example_proxy(kind: str) -> Callable[[RouterArgs], list[str]]:
     def cmd(a: RouterArgs) -> list[str]:
-        out = [sys.executable, str(E2E / "vllm_proxy.py"), "--mode", kind,
+        out = [sys.executable, "-m", "pushkv.fit.e2e.vllm_proxy", "--mode", kind,
                "--prefill", a.prefill_url, "--decode", a.decode_url, "--port", str(a.port),
                "--prefill-engine-id", a.prefill_engine_id,
                "--prefill-port", str(a.prefill_side_port)]
@@ -93,16 +95,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("pull", "nixl-pull", "router", router=_vllm_example_proxy("pull")),
 )}
 
-from router_modes import ROUTER_ROWS, vllm_router  # noqa: E402
-
 MODES |= {name: Mode(name, deployment, "router", router=vllm_router)
           for name, deployment in ROUTER_ROWS}
-
-#: How long every vLLM server of a run may busy-loop on its shared-memory queues after
-#: a message: the tests' value (one definition, pushkv.vllm.testing.SPIN_S).
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from pushkv.vllm.testing import SPIN_S  # noqa: E402,F401
 
 #: The modes run when none are named.
 DEFAULT_MODES = ("plain", "push-client", "push", "vllm-push-client", "vllm-push",

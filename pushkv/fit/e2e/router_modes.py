@@ -1,6 +1,6 @@
 """bench_e2e.sh modes behind vllm-router (PD mode, sequential dispatch).
 
-Three rows for :data:`modes.MODES`, one per connector, each behind the same
+Three rows for :data:`.modes.MODES`, one per connector, each behind the same
 ``vllm-router --vllm-pd-disaggregation --kv-connector nixl``:
 
 * ``router-pushkv``: ``PushKVConnector`` (its default ``direction: auto`` pulls
@@ -11,7 +11,7 @@ Three rows for :data:`modes.MODES`, one per connector, each behind the same
 
 :func:`router_verdict` adds ``router_pushkv_vs_pull`` (median latency of
 router-pushkv over router-pull; at most 1 means pushkv is no slower) to the
-run's last JSON line. No import of :mod:`modes`.
+run's last JSON line. No import of :mod:`.modes`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def router_binary() -> str:
 
 
 def vllm_router(a: Any) -> list[str]:
-    """The router's command line for a :class:`modes.RouterArgs` (each router its own
+    """The router's command line for a :class:`.modes.RouterArgs` (each router its own
     metrics port: by default they all bind 29000, so a second one would not start)."""
     from pushkv.vllm.testing import free_port
 
