@@ -21,9 +21,10 @@
 
 Last line: one JSON object: ``digest_gbps``, ``general_gbps``, ``copy_gbps``,
 ``digest_vs_copy``, ``general_vs_copy``, ``xxh3_gbps``, ``crc32c_gbps`` (null when
-not installed), ``injected``, ``detected``, ``served_from_corrupt``,
-``served_from_corrupt_off``, ``e2e_overhead_ratio`` (null without ``--e2e``),
-``load_average``.
+not installed), ``torch_device``, ``torch_gbps`` and ``torch_vs_copy`` (the torch
+path CUDA KV takes, on CUDA when there is one, else on the CPU), ``injected``,
+``detected``, ``served_from_corrupt``, ``served_from_corrupt_off``,
+``e2e_overhead_ratio`` (null without ``--e2e``), ``load_average``.
 
     PYTHONPATH=. python benchmarks/bench_integrity.py [--mib 64] [--rounds 7] [--e2e]
 """
@@ -104,9 +105,41 @@ def throughput(mib: int, rounds: int) -> dict[str, float | None]:
              "crc32c": "crc32c (contiguous)"}
     for k, v in gbps.items():
         print(f"  {names[k]:<34} {v:8.2f} {v / gbps['copy']:8.2f}")
-    return {"digest_gbps": gbps["digest"], "general_gbps": gbps["general"],
-            "copy_gbps": gbps["copy"], "xxh3_gbps": gbps.get("xxh3"),
-            "crc32c_gbps": gbps.get("crc32c")}
+    out: dict[str, Any] = {"digest_gbps": gbps["digest"], "general_gbps": gbps["general"],
+                           "copy_gbps": gbps["copy"], "xxh3_gbps": gbps.get("xxh3"),
+                           "crc32c_gbps": gbps.get("crc32c")}
+    out |= torch_throughput(regions, lay, whole, nbytes, rounds)
+    return out
+
+
+def torch_throughput(regions: list[Any], lay: KVLayout, scope: Any, nbytes: int,
+                     rounds: int) -> dict[str, Any]:
+    """The torch path (what CUDA KV goes through) on the device torch has: CUDA when
+    one is there, else the CPU (the same code, slower there than numpy's), against a
+    copy on that device; its digest must equal numpy's."""
+    try:
+        import torch
+    except ImportError:
+        return {"torch_device": None, "torch_gbps": None, "torch_vs_copy": None}
+    from pushkv.integrity import digest_torch
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    regs = [torch.from_numpy(r).to(dev) for r in regions]
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    fns = {"copy": lambda: (b.copy_(a), sync()),
+           "digest": lambda: (digest_torch(regs, lay, scope), sync())}
+    best = _best(fns, rounds)
+    assert digest_torch(regs, lay, scope) == digest(regions, lay, scope)  # same bits
+    t, c = nbytes / best["digest"] / 1e9, nbytes / best["copy"] / 1e9
+    print(f"  {'torch digest on ' + dev.type:<34} {t:8.2f} {t / c:8.2f}  (copy on {dev.type}: "
+          f"{c:.2f} GB/s)")
+    return {"torch_device": dev.type, "torch_gbps": t, "torch_vs_copy": t / c}
 
 
 def detection(transfers: int, integrity: str) -> dict[str, int]:

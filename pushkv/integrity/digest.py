@@ -64,6 +64,8 @@ MASK = (1 << 64) - 1
 
 #: Words mixed per numpy step: small enough to stay in the L2 cache.
 CHUNK_WORDS = 1 << 15
+#: Words per torch step (device memory: large steps, bounded temporaries).
+TORCH_CHUNK_WORDS = 1 << 24
 
 U64 = np.uint64
 HeadRun = tuple[int, int, int]  #: (local head, logical head, count)
@@ -287,27 +289,37 @@ def digest_torch(regions: Sequence[Any], layout: KVLayout, scope: Scope) -> int:
     dev = regions[0].device
     off, tok, first_word, nbytes = _cells(layout, scope)
     words = -(-nbytes // 8)
-    flat_off = torch.as_tensor(off.reshape(-1), device=dev)
+    flat = off.reshape(-1)
+    flat_off = torch.as_tensor(flat, device=dev)
     flat_tok = torch.as_tensor(np.ascontiguousarray(tok.reshape(-1)), device=dev)
     flat_first = torch.as_tensor(np.ascontiguousarray(first_word.reshape(-1)), device=dev)
-    byte_idx = flat_off[:, None] + torch.arange(nbytes, device=dev)[None, :]
-    col = torch.arange(words, device=dev, dtype=torch.int64)
+    col = torch.arange(words, device=dev, dtype=torch.int64) * _signed(C5)
+    tiled = nbytes % 8 == 0 and bool(np.all(flat % nbytes == 0))
+    step = max(1, TORCH_CHUNK_WORDS // words)
     total = 0
     for layer in scope.layers:
         for plane in range(layout.planes):
             mem = regions[layout.region_index(layer, plane)].reshape(-1).view(torch.uint8)
-            if flat_off.numel() and int(flat_off.max()) + nbytes > mem.numel():
+            if flat.size and int(flat.max()) + nbytes > mem.numel():
                 raise ConfigError("a region is smaller than the layout addresses")
-            cells = torch.zeros((flat_off.numel(), words * 8), dtype=torch.uint8, device=dev)
-            cells[:, :nbytes] = mem[byte_idx]
-            x = cells.view(torch.int64)
             base = (flat_tok * _signed(C3) + _signed(layer * C1 + plane * C2)
                     + flat_first * _signed(C5))
-            salt = base[:, None] + col[None, :] * _signed(C5)
-            y = (x ^ salt) * _signed(M1)
-            y = y ^ ((y >> 32) & 0xFFFFFFFF)
-            y = y * _signed(M2)
-            total += int(y.sum())
+            table = None
+            if tiled and mem.data_ptr() % 8 == 0:  # one row gather per cell, in place
+                n = mem.numel() // nbytes
+                table = mem[: n * nbytes].view(n, nbytes).view(torch.int64)
+            for lo in range(0, flat.size, step):
+                o = flat_off[lo: lo + step]
+                if table is not None:
+                    x = table.index_select(0, o // nbytes)
+                else:
+                    cells = torch.zeros((o.numel(), words * 8), dtype=torch.uint8, device=dev)
+                    cells[:, :nbytes] = mem[o[:, None] + torch.arange(nbytes, device=dev)]
+                    x = cells.view(torch.int64)
+                y = (x ^ (base[lo: lo + step, None] + col[None, :])) * _signed(M1)
+                y = y ^ ((y >> 32) & 0xFFFFFFFF)
+                y = y * _signed(M2)
+                total += int(y.sum())
     return total & MASK
 
 
