@@ -21,8 +21,8 @@ from .protocol import (
     uniform_ranks,
 )
 from .protocol.events import Action
+from .transports.conformance import reference_destination
 from .transports.inmemory import InMemoryNetwork, pair
-from .transports.testing import reference_destination
 
 
 def _describe(a: Action) -> str:

@@ -21,7 +21,7 @@ from pushkv.protocol import (
     uniform_ranks,
 )
 from pushkv.protocol.packing import PackingConfig
-from pushkv.transports import testing, testing_progressive
+from pushkv.transports import conformance
 from pushkv.transports.inmemory import InMemoryCluster, InMemoryNetwork, pair
 
 #: Delivery seeds every conformance check runs under (adversarial delivery).
@@ -29,31 +29,31 @@ SEEDS = (0, 1, 2)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("name", list(testing.CHECKS))
+@pytest.mark.parametrize("name", list(conformance.CHECKS))
 def test_conformance(name, seed):
-    fn, kwargs = testing.CHECKS[name]
+    fn, kwargs = conformance.CHECKS[name]
     fn(functools.partial(InMemoryCluster, seed=seed), **kwargs)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("name", list(testing.REUSED_ID_CHECKS))
+@pytest.mark.parametrize("name", list(conformance.REUSED_ID_CHECKS))
 def test_conformance_reused_ids(name, seed):
-    fn, kwargs = testing.REUSED_ID_CHECKS[name]
+    fn, kwargs = conformance.REUSED_ID_CHECKS[name]
     fn(functools.partial(InMemoryCluster, seed=seed), **kwargs)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("name", list(testing_progressive.PROGRESSIVE_CHECKS))
+@pytest.mark.parametrize("name", list(conformance.PROGRESSIVE_CHECKS))
 def test_conformance_progressive(name, seed):
-    fn, kwargs = testing_progressive.PROGRESSIVE_CHECKS[name]
+    fn, kwargs = conformance.PROGRESSIVE_CHECKS[name]
     fn(functools.partial(InMemoryCluster, seed=seed), **kwargs)
 
 
 def test_conformance_eager():
     """The kinder, eager delivery still passes the whole suite."""
     make = functools.partial(InMemoryCluster, delivery="eager")
-    for suite in (testing.CHECKS, testing.REUSED_ID_CHECKS,
-                  testing_progressive.PROGRESSIVE_CHECKS):
+    for suite in (conformance.CHECKS, conformance.REUSED_ID_CHECKS,
+                  conformance.PROGRESSIVE_CHECKS):
         for fn, kwargs in suite.values():
             fn(make, **kwargs)
 
@@ -71,7 +71,7 @@ def test_progressive_check_catches_a_write_before_its_range_is_ready(monkeypatch
 
     monkeypatch.setattr(Producer, "range_ready", too_early)
     with pytest.raises(AssertionError, match="bytes differ"):
-        testing_progressive.check_progressive(InMemoryCluster, register_after=0)
+        conformance.check_progressive(InMemoryCluster, register_after=0)
 
 
 def test_reused_id_check_catches_a_consumer_that_ignores_incarnations(monkeypatch):
@@ -83,7 +83,7 @@ def test_reused_id_check_catches_a_consumer_that_ignores_incarnations(monkeypatc
 
     monkeypatch.setattr(InMemoryCluster, "register", one_incarnation)
     with pytest.raises(AssertionError):
-        testing.check_reused_id(InMemoryCluster)
+        conformance.check_reused_id(InMemoryCluster)
 
 
 def test_conformance_suite_catches_a_corrupting_transport(monkeypatch):
@@ -98,7 +98,7 @@ def test_conformance_suite_catches_a_corrupting_transport(monkeypatch):
 
     monkeypatch.setattr(inmemory, "copy_plan", corrupting)
     with pytest.raises(AssertionError, match="bytes differ"):
-        testing.check_either_order(InMemoryCluster)
+        conformance.check_either_order(InMemoryCluster)
 
 
 def test_pull_moves_the_same_bytes_and_releases_once():
@@ -113,7 +113,7 @@ def test_pull_moves_the_same_bytes_and_releases_once():
     net.run()
     assert c.outcomes["t"] == [("ready", 0)]
     assert all(p.released["t"] == 1 for p in net.producers.values())
-    want = testing.reference_destination(prod, [p.memory for p in net.producers.values()],
+    want = conformance.reference_destination(prod, [p.memory for p in net.producers.values()],
                                          c.info, [([9, 3], [5, 6, 7, 8], 50, 0)])
     assert all(np.array_equal(w, g) for w, g in zip(want, c.memory, strict=True))
     assert not c.endpoint.lent_blocks() and not net.violations
@@ -153,7 +153,7 @@ ALWAYS = PackingConfig(mode="always", staging_bytes=64 << 20, chunk_bytes=4096)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("name", list(testing.CHECKS))
+@pytest.mark.parametrize("name", list(conformance.CHECKS))
 def test_conformance_packed(name, seed):
     """The whole suite with every write packed: same bytes, staging never leaked."""
     made = []
@@ -162,7 +162,7 @@ def test_conformance_packed(name, seed):
         made.append(InMemoryCluster(topology, packing=ALWAYS, seed=seed))
         return made[-1]
 
-    fn, kwargs = testing.CHECKS[name]
+    fn, kwargs = conformance.CHECKS[name]
     fn(make, **kwargs)
     for c in made:
         # Every whole-request write is packed (rule 10: parts of a progressive push,
@@ -184,8 +184,8 @@ def test_packed_writes_happen_in_the_conformance_transfers():
         made.append(InMemoryCluster(topology, packing=ALWAYS))
         return made[-1]
 
-    name = next(n for n in testing.CHECKS if "transfer" in n)
-    fn, kwargs = testing.CHECKS[name]
+    name = next(n for n in conformance.CHECKS if "transfer" in n)
+    fn, kwargs = conformance.CHECKS[name]
     fn(make, **kwargs)
     assert sum(c.net.stats["packed_writes"] for c in made) > 0
 
@@ -206,7 +206,7 @@ def test_auto_packs_only_over_the_budget():
         net.run()
         assert c.outcomes[tid] == [("ready", 0)]
     assert net.stats["writes"] == 2 and net.stats["packed_writes"] == 1
-    want = testing.reference_destination(
+    want = conformance.reference_destination(
         prod, [p.memory], c.info,
         [(s, d, 70, 0) for s, d in cases.values()])
     assert all(np.array_equal(w, g) for w, g in zip(want, c.memory, strict=True))
@@ -220,7 +220,7 @@ def test_progressive_check_catches_a_consumer_that_ignores_parts(monkeypatch):
 
     monkeypatch.setattr(consumer, "_parts", lambda a, rank, inp, msg: inp)
     with pytest.raises(AssertionError):
-        testing_progressive.check_progressive(InMemoryCluster, register_after=0)
+        conformance.check_progressive(InMemoryCluster, register_after=0)
 
 
 # --------------------------------------------------------- adversarial delivery
@@ -229,7 +229,7 @@ def test_progressive_check_catches_a_consumer_that_ignores_parts(monkeypatch):
 def _reference(net, transfers):
     (c,) = net.consumers.values()
     prod = [p.info for p in net.producers.values()]
-    return testing.reference_destination(prod, [p.memory for p in net.producers.values()],
+    return conformance.reference_destination(prod, [p.memory for p in net.producers.values()],
                                          c.info, transfers)
 
 

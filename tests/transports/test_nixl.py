@@ -1,7 +1,7 @@
 """The NIXL transport against the conformance suite, across two processes.
 
 Producer and consumer engines run in separate spawned processes with real
-NIXL agents (UCX, host memory). Every check of ``pushkv.transports.testing``
+NIXL agents (UCX, host memory). Every check of ``pushkv.transports.conformance``
 is one test; bytes that land are compared with the source.
 """
 
@@ -12,13 +12,13 @@ import pytest
 pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip install nixl)")
 pytest.importorskip("zmq", reason="pyzmq is not installed")
 
-from pushkv.transports import testing
+from pushkv.transports import conformance
 from pushkv.transports.nixl.testing import HostPool, NixlCluster
 
 pytestmark = pytest.mark.nixl
 
 
-@pytest.mark.parametrize("name", list(testing.CHECKS))
+@pytest.mark.parametrize("name", list(conformance.CHECKS))
 def test_conformance(pool: HostPool, name: str) -> None:
-    fn, kwargs = testing.CHECKS[name]
+    fn, kwargs = conformance.CHECKS[name]
     fn(lambda topo: NixlCluster(topo, pool), **kwargs)

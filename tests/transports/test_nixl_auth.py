@@ -18,12 +18,12 @@ pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip 
 pytest.importorskip("zmq", reason="pyzmq is not installed")
 
 from pushkv.protocol import ConfigError, ConsumerConfig, Fail, FailReason, Register, encode
-from pushkv.transports import testing
+from pushkv.transports import conformance
+from pushkv.transports.conformance import Topology, assert_clean, assert_destination
 from pushkv.transports.nixl import NixlConfig
 from pushkv.transports.nixl.sidechannel.auth import Signer, load_key
 from pushkv.transports.nixl.sidechannel.channel import PeerCard, encode_card
 from pushkv.transports.nixl.testing import HostPool, NixlCluster
-from pushkv.transports.testing import Topology, assert_clean, assert_destination
 
 pytestmark = pytest.mark.nixl
 
@@ -182,5 +182,5 @@ def test_key_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
                                   "transfer_tp2-1", "transfer_tp1-2"])
 def test_conformance_with_a_key(pool: HostPool, keyed: NixlConfig, name: str) -> None:
     """The protocol works unchanged over an authenticated side channel."""
-    fn, kwargs = testing.CHECKS[name]
+    fn, kwargs = conformance.CHECKS[name]
     fn(lambda topo: NixlCluster(topo, pool, keyed), **kwargs)

@@ -15,16 +15,16 @@ pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip 
 pytest.importorskip("zmq", reason="pyzmq is not installed")
 
 from pushkv.protocol import ConsumerConfig, Hello, Notify, Register, encode, uniform_ranks
-from pushkv.transports import testing
+from pushkv.transports import conformance
+from pushkv.transports.conformance import Topology, assert_clean, assert_destination
 from pushkv.transports.nixl import NixlConfig
 from pushkv.transports.nixl.sidechannel.channel import PeerCard, encode_card
 from pushkv.transports.nixl.testing import HostPool, NixlCluster
-from pushkv.transports.testing import Topology, assert_clean, assert_destination
 
 pytestmark = pytest.mark.nixl
 
 
-def _all(snap: testing.Snapshot, ranks: list[int], tid: str, want: str) -> bool:
+def _all(snap: conformance.Snapshot, ranks: list[int], tid: str, want: str) -> bool:
     return all(snap.outcome(r, tid) == want for r in ranks)
 
 
@@ -160,7 +160,7 @@ def test_lazy_handshake_runs_once(pool: HostPool) -> None:
                                   "transfer_tp2-1"])
 def test_control_over_nixl_notifications(pool: HostPool, name: str) -> None:
     """Registrations, cancels, acks and fails sent as NIXL notifications."""
-    fn, kwargs = testing.CHECKS[name]
+    fn, kwargs = conformance.CHECKS[name]
     cfg = NixlConfig(control_channel="nixl")
     fn(lambda topo: NixlCluster(topo, pool, cfg), **kwargs)
 

@@ -13,9 +13,9 @@ pytest.importorskip("zmq", reason="pyzmq is not installed")
 
 from pushkv.integrity import KINDS
 from pushkv.protocol import PackingConfig
+from pushkv.transports.conformance import Topology, assert_destination, reference_destination
 from pushkv.transports.nixl import NixlConfig
 from pushkv.transports.nixl.testing import HostPool, NixlCluster
-from pushkv.transports.testing import Topology, assert_destination, reference_destination
 
 pytestmark = pytest.mark.nixl
 

@@ -19,7 +19,7 @@ pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip 
 pytest.importorskip("zmq", reason="pyzmq is not installed")
 
 from pushkv.protocol import PackingConfig
-from pushkv.transports import testing
+from pushkv.transports import conformance
 from pushkv.transports.nixl.testing import HostPool, NixlCluster
 
 pytestmark = pytest.mark.nixl
@@ -33,7 +33,7 @@ class PackedCluster(NixlCluster):
 
     seen: list[dict[str, Any]] = []
 
-    def __init__(self, topology: testing.Topology, pool: HostPool) -> None:
+    def __init__(self, topology: conformance.Topology, pool: HostPool) -> None:
         super().__init__(topology, pool, packing=ALWAYS)
 
     def close(self) -> None:
@@ -41,9 +41,9 @@ class PackedCluster(NixlCluster):
         super().close()
 
 
-@pytest.mark.parametrize("name", list(testing.CHECKS))
+@pytest.mark.parametrize("name", list(conformance.CHECKS))
 def test_conformance_packed(pool: HostPool, name: str) -> None:
-    fn, kwargs = testing.CHECKS[name]
+    fn, kwargs = conformance.CHECKS[name]
     PackedCluster.seen = []
     fn(lambda topo: PackedCluster(topo, pool), **kwargs)
     for seen in PackedCluster.seen:
@@ -55,7 +55,7 @@ def test_conformance_packed(pool: HostPool, name: str) -> None:
 
 def test_a_fragmented_transfer_is_packed_and_lands_exactly(pool: HostPool) -> None:
     """Not vacuous: a scattered destination goes through gather, wire and scatter."""
-    topo = testing.Topology(producer={"tp": 2, "num_kv_heads": 2, "num_blocks": 64},
+    topo = conformance.Topology(producer={"tp": 2, "num_kv_heads": 2, "num_blocks": 64},
                             consumer={"num_kv_heads": 2, "num_blocks": 64})
     cluster = PackedCluster(topo, pool)
     PackedCluster.seen = []
@@ -66,7 +66,7 @@ def test_a_fragmented_transfer_is_packed_and_lands_exactly(pool: HostPool) -> No
         cluster.prefill_finished("t", src, n)
         snap = cluster.wait(lambda s: s.outcome(0, "t") is not None, 30.0)
         assert snap.outcome(0, "t") == "ready", snap.outcomes
-        want = testing.reference_destination(
+        want = conformance.reference_destination(
             topo.producer_ranks(), [cluster.source_memory(r) for r in range(2)],
             topo.consumer_ranks()[0], [(src, dst, n, 0)])
         got = cluster.destination_memory(0)
@@ -104,7 +104,7 @@ def test_one_side_without_staging_writes_directly(producer_staging: bool,
         while not any(isinstance(e, TransferReady) for e in seen):
             assert cons.wait(10.0), f"no TransferReady: {seen}"
             seen += cons.poll()
-        want = testing.reference_destination([p_info], [src], c_info, [(s_ids, d_ids, 60, 0)])
+        want = conformance.reference_destination([p_info], [src], c_info, [(s_ids, d_ids, 60, 0)])
         assert all(np.array_equal(w, g) for w, g in zip(want, dst, strict=True))
         packed = producer_staging and consumer_staging
         view = cons.inspect()

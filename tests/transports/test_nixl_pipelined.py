@@ -26,7 +26,7 @@ from pushkv.protocol import PackingConfig
 from pushkv.protocol.mapping import assignment
 from pushkv.protocol.packing import PackedPlan, chunk_bounds
 from pushkv.protocol.planner import plan_transfer
-from pushkv.transports import testing
+from pushkv.transports import conformance
 from pushkv.transports.nixl.testing import HostPool, NixlCluster
 
 pytestmark = pytest.mark.nixl
@@ -42,7 +42,7 @@ class ChunkedCluster(NixlCluster):
 
     seen: list[dict[str, Any]] = []
 
-    def __init__(self, topology: testing.Topology, pool: HostPool) -> None:
+    def __init__(self, topology: conformance.Topology, pool: HostPool) -> None:
         super().__init__(topology, pool, packing=CHUNKED)
 
     def close(self) -> None:
@@ -50,9 +50,9 @@ class ChunkedCluster(NixlCluster):
         super().close()
 
 
-@pytest.mark.parametrize("name", list(testing.CHECKS))
+@pytest.mark.parametrize("name", list(conformance.CHECKS))
 def test_conformance_pipelined(pool: HostPool, name: str) -> None:
-    fn, kwargs = testing.CHECKS[name]
+    fn, kwargs = conformance.CHECKS[name]
     ChunkedCluster.seen = []
     fn(lambda topo: ChunkedCluster(topo, pool), **kwargs)
     for seen in ChunkedCluster.seen:
@@ -131,7 +131,7 @@ def test_pipelined_write_lands_exactly(cut: str) -> None:
         prod.prefill_finished("t", S_IDS, TOKENS)
         seen: list[object] = []
         _until(cons, seen, (TransferReady,), "TransferReady")
-        want = testing.reference_destination([p_info], [src], c_info,
+        want = conformance.reference_destination([p_info], [src], c_info,
                                              [(S_IDS, D_IDS, TOKENS, 0)])
         assert all(np.array_equal(w, g) for w, g in zip(want, dst, strict=True))
         view = cons.inspect()

@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip install nixl)")
 pytest.importorskip("zmq", reason="pyzmq is not installed")
 
+from pushkv.transports.conformance import PROGRESSIVE_CHECKS
 from pushkv.transports.nixl.testing import HostPool, NixlCluster
-from pushkv.transports.testing_progressive import PROGRESSIVE_CHECKS
 
 pytestmark = pytest.mark.nixl
 

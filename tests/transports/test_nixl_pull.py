@@ -9,13 +9,13 @@ import pytest
 pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip install nixl)")
 pytest.importorskip("zmq", reason="pyzmq is not installed")
 
-from pushkv.transports import testing
+from pushkv.transports import conformance
 from pushkv.transports.nixl.testing import HostPool, NixlCluster
 
 pytestmark = pytest.mark.nixl
 
 
-@pytest.mark.parametrize("name", list(testing.PULL_CHECKS))
+@pytest.mark.parametrize("name", list(conformance.PULL_CHECKS))
 def test_pull_conformance(pool: HostPool, name: str) -> None:
-    fn, kwargs = testing.PULL_CHECKS[name]
+    fn, kwargs = conformance.PULL_CHECKS[name]
     fn(lambda topo: NixlCluster(topo, pool), **kwargs)

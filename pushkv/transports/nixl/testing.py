@@ -1,4 +1,4 @@
-"""The conformance-suite :class:`~pushkv.transports.testing.Cluster` over real NIXL.
+"""The conformance-suite :class:`~pushkv.transports.conformance.Cluster` over real NIXL.
 
 The producer engine and the consumer engine live in two **separate spawned
 processes** (:class:`Host`); every rank is a :class:`~.runtime.api.NixlRuntime` with
@@ -44,7 +44,7 @@ from pushkv.protocol import (
     TransferReady,
 )
 
-from ..testing import Snapshot, Topology
+from ..conformance import Snapshot, Topology
 
 PRODUCER, CONSUMER = "prefill-0", "decode-0"
 _SETUP_TIMEOUT = 60.0
@@ -334,7 +334,7 @@ class HostPool:
 
 
 class NixlCluster:
-    """A :class:`~pushkv.transports.testing.Cluster` whose engines are real processes."""
+    """A :class:`~pushkv.transports.conformance.Cluster` whose engines are real processes."""
 
     stages_source = False  # the source memory lives in the producer processes
 
