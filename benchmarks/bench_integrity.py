@@ -22,7 +22,8 @@
 Last line: one JSON object: ``digest_gbps``, ``general_gbps``, ``copy_gbps``,
 ``digest_vs_copy``, ``general_vs_copy``, ``xxh3_gbps``, ``crc32c_gbps`` (null when
 not installed), ``torch_device``, ``torch_gbps`` and ``torch_vs_copy`` (the torch
-path CUDA KV takes, on CUDA when there is one, else on the CPU), ``injected``,
+path CUDA KV takes, on CUDA when there is one, else on the CPU), ``request_ms`` (one
+side's digest of a 200-token request of the CPU recipe), ``injected``,
 ``detected``, ``served_from_corrupt``, ``served_from_corrupt_off``,
 ``e2e_overhead_ratio`` (null without ``--e2e``), ``load_average``.
 
@@ -109,7 +110,25 @@ def throughput(mib: int, rounds: int) -> dict[str, float | None]:
                            "copy_gbps": gbps["copy"], "xxh3_gbps": gbps.get("xxh3"),
                            "crc32c_gbps": gbps.get("crc32c")}
     out |= torch_throughput(regions, lay, whole, nbytes, rounds)
+    out["request_ms"] = small_request(rounds)
     return out
+
+
+def small_request(rounds: int) -> float:
+    """Milliseconds of one side's digest of a small request as the vLLM CPU backend
+    lays it out (a "token" is a whole (block, head) page: 13 pages of 8 KiB, two
+    layers, one KV head: a 200-token prompt of the CPU recipe's model)."""
+    lay = KVLayout(num_blocks=4096, block_size=1, num_heads=1, head_dim=16 * 128,
+                   dtype_bytes=4, layer_end=2, planes=1, order="HND")
+    rng = np.random.default_rng(1)
+    regions = [rng.integers(0, 256, lay.region_bytes, dtype=np.uint8) for _ in range(2)]
+    scope = Scope(tuple(rng.permutation(4096)[:13].tolist()), 0, 13, range(0, 2),
+                  ((0, 0, 1),))
+    best = _best({"d": lambda: [digest(regions, lay, scope) for _ in range(20)]}, rounds)
+    ms = best["d"] / 20 * 1000
+    print(f"  one side of a 200-token request of the CPU recipe (13 pages of 8 KiB x 2 "
+          f"layers): {ms:.2f} ms")
+    return ms
 
 
 def torch_throughput(regions: list[Any], lay: KVLayout, scope: Any, nbytes: int,
