@@ -276,8 +276,8 @@ class ProducerNode(Node):
     def handle(self, a: Action) -> None:
         if isinstance(a, IssueWrite):
             self.writes += 1
-            tag = self.integrity.tag(a)  # over the source bytes as they are now
-            if tag is not None:
+            tag = self.integrity.tag(a) if self.net.integrity.enabled else None
+            if tag is not None:  # over the source bytes as they are now
                 self.net.tags[id(a)] = (a, tag)
             if a.packed is not None:  # rule 10: gathered now, into the staging lent to it
                 pw = a.packed
@@ -618,6 +618,8 @@ class InMemoryNetwork:
         f.pieces.clear()
 
     def _tag(self, a: IssueWrite) -> Tag | None:
+        if not self.tags:
+            return None
         got = self.tags.get(id(a))
         return got[1] if got is not None and got[0] is a else None
 
