@@ -255,12 +255,16 @@ class Consumer(ConsumerView, Endpoint):
         src = block_tuple(src_block_ids)
         if lease_s is not None and lease_s <= 0:
             self._engine(producer_engine_id)
-            self._check_blocks(transfer_id, block_ids, num_tokens, first_token)
+            ids = self._check_blocks(transfer_id, block_ids, num_tokens, first_token)
             out = self._run_timers(now)
             self.stats["failed"] += 1
-            # Nothing is read; the producer is told (final Cancel) to drop the source.
+            # Nothing is read; the producer is told (final Cancel) to drop the source,
+            # and the blocks go back as from any other failure (none was written).
             return [*out, *abandons(self, (transfer_id, incarnation), producer_engine_id,
                                     self._writers.get(producer_engine_id, frozenset())),
+                    ReleaseDestination(transfer_id=transfer_id, attempt=0,
+                                       block_ids=ids,
+                                       incarnation=incarnation),
                     TransferFailed(
                         transfer_id=transfer_id, attempt=0, code=FailReason.LEASE_EXPIRED,
                         reason="the source's lease ended before the read could start",
@@ -390,7 +394,8 @@ class Consumer(ConsumerView, Endpoint):
             raise LocalProtocolError("read completion for a transfer that reads nothing "
                                      "from that peer", transfer_id=transfer_id, attempt=attempt)
         out = self._run_timers(now)
-        if ok and now > t.lease_until:  # rule 4: the source may have gone under the read
+        failed = not ok  # (a read past the lease completed: none of its bytes stray)
+        if ok and now >= t.lease_until:  # rule 4: the source may be gone under the read
             ok = False
             self.stats["reads_past_lease"] += 1
             t.why(FailReason.LEASE_EXPIRED, f"the read from {peer} completed after the "
@@ -398,6 +403,13 @@ class Consumer(ConsumerView, Endpoint):
         self.stats["reads_ok" if ok else "reads_failed"] += 1
         if not ok:
             t.why(FailReason.READ_FAILED, f"read from {peer} failed")
+            a = t.cur if attempt == t.cur.attempt else t.zombies.get(attempt)
+            if failed and a is not None and peer.rank not in a.stray and (
+                    peer.rank not in a.fenced):
+                # Rule 7, for reads: nothing says a failed READ stopped writing the
+                # blocks, so its stray bytes may land until the fence grace.
+                a.stray[peer.rank] = now + self.config.fence_grace_s
+                self._schedule(now + self.config.fence_grace_s, t.key)
         return out + self._report(t, attempt, peer.rank, CI.NOTIFY if ok else CI.FAIL, now)
 
     def landed_scope(self, msg: Notify) -> WriteScope | None:

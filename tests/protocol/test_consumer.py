@@ -223,6 +223,8 @@ def test_pull_read_failure_waits_for_the_other_read(two_writers):
     out = c.read_completed("t", 0, Peer("P", 0), False, 0.1)
     assert not of(out, TransferFailed)  # our other read may still land
     out = c.read_completed("t", 0, Peer("P", 1), True, 0.2)
+    assert not of(out, ReleaseDestination), "the failed read may still write the blocks"
+    out = c.handle_timer(0.1 + c.config.fence_grace_s)  # rule 7: until its grace passed
     assert of(out, TransferFailed) and of(out, ReleaseDestination)
     assert all(m.final for m in msgs(out, Cancel))  # producers may drop the source
 
@@ -249,6 +251,8 @@ def test_pull_reads_in_flight_are_not_fenced_by_the_producer_death(two_writers):
     assert not of(out, ReleaseDestination) and c.lent_blocks()
     c.read_completed("t", 0, Peer("P", 0), False, 0.3)
     out = c.read_completed("t", 0, Peer("P", 1), False, 0.3)
+    assert not of(out, ReleaseDestination), "failed reads may still write the blocks"
+    out = c.handle_timer(0.3 + c.config.fence_grace_s)  # rule 7: until their grace passed
     assert of(out, ReleaseDestination) and of(out, TransferCancelled)
     assert not c.lent_blocks()
 

@@ -144,6 +144,7 @@ class Protocol(RuleBasedStateMachine):
     def new_transfer(self, n, pull, first=0):
         self.count += 1
         if self.cinfo[0].layout.order == "BLOCK":  # opaque blocks: whole-block prefixes
+            first = min(first, n)  # (a prefix cut to the request must stay whole blocks)
             first -= first % self.cinfo[0].layout.block_size
         return self._add(f"t{self.count}", n, pull, first)
 

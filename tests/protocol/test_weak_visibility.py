@@ -239,6 +239,73 @@ def test_a_pull_whose_source_lease_already_ended_reads_nothing():
     (f,) = of(out, TransferFailed)
     assert f.code is FailReason.LEASE_EXPIRED
     assert c.lent_blocks() == {} and c.num_transfers == 0
+    assert _released(out) == [1, 2, 3], "its blocks come back as from any other failure"
     from pushkv.protocol import Cancel  # the producer is told to drop the source now
 
     assert [(m.incarnation, m.final) for m in msgs(out, Cancel)] == [(1, True)]
+
+
+# ------------------------------------------- pull, found by the checker's pull world
+
+
+def test_a_reissued_read_completing_as_the_lease_ends_fails_closed():
+    """Found by the checker (``pull`` with two attempts): the producer frees the source
+    the moment its lease ends, so a read of a reissued attempt completing at that very
+    moment may have copied freed blocks. Before the fix it was READY."""
+    from pushkv.protocol import (
+        FailReason,
+        Mode,
+        ProducerConfig,
+        Publish,
+        ReleaseSource,
+        TransferFailed,
+    )
+
+    pair = Pair(pcfg=ProducerConfig(lease_s=6.0))
+    (p,), (c,) = pair.p, pair.c
+    (pub,) = of(p.prefill_finished("t", [7, 8, 9], 40, 0.0, Mode.PULL, incarnation=1),
+                Publish)
+    assert of(c.start_pull("t", "P", [7, 8, 9], [1, 2, 3], 40, 0.0, incarnation=1,
+                           lease_s=pub.lease_s), IssueRead)
+    c.preempt("t", 0.0)
+    c.read_completed("t", 0, P0, True, 0.0, incarnation=1)  # the zombie's read lands
+    assert of(p.handle_timer(6.0), ReleaseSource)  # the lease ended: the source is freed
+    assert of(c.reissue("t", [4, 5, 6], 6.0), IssueRead)
+    out = c.read_completed("t", 1, P0, True, 6.0, incarnation=1)
+    assert not of(out, TransferReady), "the source was freed as the read completed"
+    (f,) = of(out, TransferFailed)
+    assert f.code is FailReason.LEASE_EXPIRED
+
+
+def test_a_failed_read_holds_its_blocks_for_the_fence_grace():
+    """Nothing NIXL or UCX states says a failed READ stopped writing its local
+    buffer, so (rule 7, the weaker assumption) its stray bytes may land until the
+    fence grace. Before the fix the blocks were released at once."""
+    grace = 5.0
+    pair = Pair(ccfg=ConsumerConfig(fence_grace_s=grace))
+    (c,) = pair.c
+    assert of(c.start_pull("t", "P", [7, 8, 9], [1, 2, 3], 40, 0.0, incarnation=1),
+              IssueRead)
+    out = c.read_completed("t", 0, P0, False, 1.0, incarnation=1)
+    assert not _released(out) and c.in_grace
+    assert not _released(c.handle_timer(1.0 + grace - 0.5))
+    assert _released(c.handle_timer(1.0 + grace)) == [1, 2, 3]
+
+
+def test_a_producer_death_while_preempting_fails_the_transfer():
+    """Found by the checker (two attempts, a producer death): the producer died while
+    the consumer fenced a preempted attempt; its source died with it, so no reissue
+    can be written. Before the fix the transfer waited in PREEMPTED for a reissue
+    that could only fail, heartbeating a dead engine."""
+    from pushkv.protocol import TransferFailed
+
+    grace = 3.0
+    pair = Pair(ccfg=ConsumerConfig(fence_grace_s=grace))
+    (c,) = pair.c
+    pair.to_producers(c.register("t", "P", [1, 2, 3], 40, 0.0, incarnation=1))
+    c.preempt("t", 0.1)
+    assert not c.peer_died("P", 0.2)  # what it posted may still land: the grace
+    assert c.state_of("t", incarnation=1) is ConsumerState.FAILING
+    out = c.handle_timer(0.2 + grace)
+    assert _released(out) == [1, 2, 3] and of(out, TransferFailed)
+    assert c.num_transfers == 0

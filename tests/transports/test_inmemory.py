@@ -126,7 +126,7 @@ def test_pull_read_from_a_dead_producer_fails_cleanly():
     p.apply(p.endpoint.prefill_finished("t", [1, 2], 20, net.now, mode=Mode.PULL))
     c.apply(c.endpoint.start_pull("t", "P", [1, 2], [3, 4], 20, net.now))
     net.kill("P")
-    net.run(until=5.0)
+    net.run(until=5.0 + c.endpoint.config.fence_grace_s)  # a failed read's grace (rule 7)
     assert c.outcomes["t"][-1][0] == "failed"
     assert not c.endpoint.lent_blocks()
 
@@ -416,7 +416,7 @@ def test_a_read_of_a_source_released_before_it_completed_is_a_violation():
         net.tick(1.5)  # the lease ends (no heartbeat is delivered): the source goes
         assert p.released["t"] == 1 and not p.endpoint.held_blocks()
         net.deliver(_index(net, "read"))
-        net.run(until=net.now + 1.0)
+        net.run(until=net.now + 1.0 + c.endpoint.config.fence_grace_s)
         taken = [v for v in net.violations if v.startswith("read of t#0 takes source block")]
         if delivery == "adversarial":
             assert taken and all("after it was released" in v for v in taken), net.violations
