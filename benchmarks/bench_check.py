@@ -1,12 +1,12 @@
 """How fast the model checker explores, on deep scopes.
 
-Runs the deep scopes of ``pushkv.protocol.check_scope`` depth-first (a set of
+Runs the deep scopes of ``pushkv.protocol.check.scope`` depth-first (a set of
 64-bit state hashes, so millions of states fit), two scopes at a time in two
 worker processes, each within a time budget, and keeps exploring past a
 violation (one trace per kind), every scope under adversarial write visibility
 (a write's bytes land in pieces, apart from its completion; see
 docs/protocol.md). Then runs every known injected bug of
-``pushkv.protocol.check_mutations`` and counts those the checker finds. Prints a
+``pushkv.protocol.check.mutations`` and counts those the checker finds. Prints a
 table, then as its last line one JSON object: ``states_explored``,
 ``states_per_s`` (all workers, over the wall time), ``max_depth``,
 ``violations``, ``visibility``, ``mutations_found`` / ``mutations_total``,
@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from pushkv.protocol.check import DEEP_SCOPES, Result, explore, scope
-from pushkv.protocol.check_mutations import MUTATIONS, Patcher
+from pushkv.protocol.check.mutations import MAX_STATES, MUTATIONS, Patcher
 
 
 def mutant(index: int) -> tuple[str, bool]:
@@ -32,8 +32,8 @@ def mutant(index: int) -> tuple[str, bool]:
     mutate, sc, kind = MUTATIONS[index]
     with Patcher() as patch:
         mutate(patch)
-        res = explore(sc, want=kind, max_states=400_000)
-    return mutate.__name__, bool(res.violations) and res.violations[0].kind == kind
+        res = explore(sc, want=kind, max_states=MAX_STATES)
+    return f"{mutate.__name__}-{sc.name}", bool(res.violations) and res.violations[0].kind == kind
 
 
 def run(name: str, budget_s: float) -> tuple[str, dict[str, object]]:

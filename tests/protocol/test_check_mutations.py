@@ -2,7 +2,7 @@
 endpoints (a table row or a method, patched for the test alone) and expects the
 checker to find it, on its own, with a trace.
 
-The catalogue lives in :mod:`pushkv.protocol.check_mutations`: each mutation
+The catalogue lives in :mod:`pushkv.protocol.check.mutations`: each mutation
 names the scope that can reach the bug and the kind of broken promise it must
 show; the search stops at the first violation of that kind.
 """
@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 
 from pushkv.protocol.check import explore
-from pushkv.protocol.check_mutations import MUTATIONS, Patcher
+from pushkv.protocol.check.mutations import MAX_STATES, MUTATIONS, Patcher
 
 
 @pytest.mark.parametrize(("mutate", "scope", "kind"), MUTATIONS,
-                         ids=[m[0].__name__ for m in MUTATIONS])
+                         ids=[f"{m[0].__name__}-{m[1].name}" for m in MUTATIONS])
 def test_the_checker_finds_an_injected_bug(monkeypatch, mutate, scope, kind):
     mutate(monkeypatch)
-    res = explore(scope, want=kind, max_states=400_000)
+    res = explore(scope, want=kind, max_states=MAX_STATES)
     assert res.violations, f"{mutate.__name__}: no {kind} violation in {res.summary()}"
     found = res.violations[0]
     assert found.kind == kind

@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from .check_scope import Scope
+from .scope import Scope
 
 TID = "t"
 
@@ -52,8 +52,9 @@ C_IDLE, C_LIVE, C_OVER = 0, 1, 2
 P_WAIT, P_PREFILL, P_HELD, P_OVER, P_PARTIAL = 0, 1, 2, 3, 4
 
 # Item kinds in flight (sorted first by kind); SWRITE: a packed write into staging,
-# SCATTER: a consumer's scatter out of staging into its blocks (rule 10)
-FRAME, WRITE, DONE, HELLO, SWRITE, SCATTER = 0, 1, 2, 3, 4, 5
+# SCATTER: a consumer's scatter out of staging into its blocks (rule 10); READ: a
+# consumer's read of a published source (pull)
+FRAME, WRITE, DONE, HELLO, SWRITE, SCATTER, READ = 0, 1, 2, 3, 4, 5, 6
 
 #: (kind, ...) -- see :func:`frame_item`, :func:`write_item`, :func:`done_item`.
 Item = tuple[Any, ...]
@@ -97,6 +98,18 @@ def scatter_item(d_rank: int, p_rank: int, attempt: int, inc: int, offset: int,
                  sent: float) -> Item:
     """A scatter in progress: staging share ``offset`` into ``cells`` of ``dst_blocks``."""
     return (SCATTER, d_rank, p_rank, attempt, inc, offset, dst_blocks, cells, gmap, sent)
+
+
+def read_item(p_rank: int, d_rank: int, attempt: int, inc: int, src_blocks: tuple[int, ...],
+              dst_blocks: tuple[int, ...], data: int,
+              pieces: tuple[tuple[tuple[int, int], ...], ...], sent: float,
+              status: int = POSTED) -> Item:
+    """A posted read (pull), laid out as :func:`write_item` without a notification: it
+    copies ``pieces`` of the source into the destination at any time until it completes,
+    each what the source blocks hold at that moment; ``status`` what the consumer has
+    been told (:data:`POSTED`, or :data:`FAILED` with stray pieces still to come)."""
+    return (READ, p_rank, d_rank, attempt, inc, src_blocks, dst_blocks, b"", data, pieces,
+            status, sent)
 
 
 def hello_item(d_rank: int, p_rank: int, sent: float) -> Item:
@@ -154,7 +167,7 @@ class World:
 
     __slots__ = ("_cinc", "_content", "_d_owner", "_leases", "_p_owner", "_pinc", "_s_content",
                  "_s_owner", "_windows", "cancelled", "dead", "drops", "dups", "f", "faulted",
-                 "flight", "lossy", "now", "shaken")
+                 "flight", "lossy", "now", "published", "shaken")
 
     def __init__(self, f: Frozen) -> None:
         self.f = f
@@ -173,6 +186,8 @@ class World:
         self.shaken: frozenset[tuple[int, int]] = f[14]
         #: (producer rank, consumer rank, attempt, incarnation) a Cancel reached
         self.cancelled: frozenset[tuple[int, int, int, int]] = f[15]
+        #: pull: (producer rank, incarnation, the end of the lease its Publish stated)
+        self.published: frozenset[tuple[int, int, float]] = f[18]
 
     def add(self, item: Item) -> None:
         bisect.insort(self.flight, item)
@@ -257,7 +272,8 @@ class World:
                 f[13] if self._windows is None else tuple(sorted(self._windows.items())),
                 self.shaken, self.cancelled,
                 f[16] if self._s_owner is None else tuple(sorted(self._s_owner.items())),
-                f[17] if self._s_content is None else tuple(sorted(self._s_content.items())))
+                f[17] if self._s_content is None else tuple(sorted(self._s_content.items())),
+                self.published)
 
 
 def initial(scope: Scope) -> Frozen:
@@ -265,8 +281,9 @@ def initial(scope: Scope) -> Frozen:
     cinc: tuple[Any, ...] = tuple(
         (C_IDLE, (), frozenset(), (None,) * scope.d_tp, False, frozenset()) for _ in range(n))
     pinc: tuple[Any, ...] = tuple(
-        ((P_PREFILL if k == 0 else P_WAIT), (), frozenset(), False, frozenset())
+        ((P_PREFILL if k == 0 or scope.distinct_ids else P_WAIT), (), frozenset(), False,
+         frozenset())
         for k in range(n))
     return (0.0, (), scope.dups, scope.drops, "", False, False, cinc, pinc,
             (None,) * scope.d_blocks, (None,) * scope.p_blocks, (), (), (), frozenset(),
-            frozenset(), (), ())
+            frozenset(), (), (), frozenset())

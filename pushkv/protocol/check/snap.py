@@ -26,10 +26,10 @@ import sys
 from collections import OrderedDict
 from typing import Any
 
-from .endpoint import Endpoint
-from .events import Peer
-from .layout import EngineSpec, KVLayout, RankInfo
-from .mapping import Assignment
+from ..endpoint import Endpoint
+from ..events import Peer
+from ..layout import EngineSpec, KVLayout, RankInfo
+from ..mapping import Assignment
 
 #: Attributes that never change after construction (or that do not affect
 #: behaviour: statistics and the timer sequence counter).
@@ -89,7 +89,7 @@ def _register_records() -> None:
                                      if "dict" in str(f.type) or "_" in str(f.type)[:1])
 
 
-from . import consumer, producer  # noqa: E402,F401  (the records they use are loaded)
+from .. import consumer, producer  # noqa: E402,F401  (the records they use are loaded)
 
 _register_records()
 

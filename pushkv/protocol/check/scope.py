@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .config import ConsumerConfig, ProducerConfig
-from .errors import ConfigError
-from .layout import RankInfo, uniform_ranks
-from .packing import PackingConfig
+from ..config import ConsumerConfig, ProducerConfig
+from ..errors import ConfigError
+from ..layout import RankInfo, uniform_ranks
+from ..packing import PackingConfig
 
 #: The write-visibility models a scope may use (see :attr:`Scope.visibility`).
 VISIBILITY = ("adversarial", "eager")
@@ -31,7 +31,9 @@ class Scope:
     kv_heads: int = field(
         default=0, metadata={"help": "KV heads of the model; 0: max(p_tp, d_tp) (split)"}
     )
-    incarnations: int = field(default=1, metadata={"help": "uses of the one transfer id"})
+    incarnations: int = field(
+        default=1, metadata={"help": "uses of the one transfer id (of distinct ids with "
+                             "distinct_ids)"})
     attempts: int = field(default=1, metadata={"help": "attempts per use (preempt+reissue)"})
     drops: int = field(default=0, metadata={"help": "frames the network may drop per path"})
     dups: int = field(default=0, metadata={"help": "frames the network may duplicate per path"})
@@ -42,6 +44,18 @@ class Scope:
     aborts: bool = field(default=True, metadata={"help": "the consumer engine may abort"})
     prefill_aborts: bool = field(
         default=False, metadata={"help": "the producer engine may abort a request"}
+    )
+    distinct_ids: bool = field(
+        default=False,
+        metadata={"help": "each use is its own transfer id (t0, t1, ...; incarnation 1), "
+                  "and a use may start while the one before it is live: the uses share "
+                  "the engines' block pools (blocks one frees are lent to another at once)"},
+    )
+    pull: bool = field(
+        default=False,
+        metadata={"help": "pull: the producer publishes its source, the consumer reads it "
+                  "(a read takes the source's bytes at any time until it completes, what "
+                  "they are at that moment); reads may fail with write_errors"},
     )
     abandons: bool = field(
         default=False,
@@ -115,6 +129,12 @@ class Scope:
             raise ConfigError("the fence grace must exceed transit plus the longest write")
         if self.d_blocks < 1 or self.p_blocks < 1:
             raise ConfigError("block pools must hold at least one block")
+        if self.distinct_ids and self.abandons:
+            raise ConfigError("abandons end a later use of one transfer id: they need "
+                              "distinct_ids off")
+        if self.pull and (self.staging_bytes or self.pieces or self.handshake):
+            raise ConfigError("pull reads whole requests directly: no staging, ranges or "
+                              "handshakes on demand")
         if self.visibility not in VISIBILITY:
             raise ConfigError(f"visibility must be one of {', '.join(VISIBILITY)}, got "
                               f"{self.visibility!r}")
@@ -180,6 +200,8 @@ class Scope:
                   "consumer aborts" if self.aborts else "",
                   "producer aborts" if self.prefill_aborts else "",
                   "abandons of a later use" if self.abandons else "",
+                  "distinct transfer ids at once" if self.distinct_ids else "",
+                  "pull (reads of a published source)" if self.pull else "",
                   "handshakes on demand" if self.handshake else "",
                   f"KV final in {self.pieces} {self.split} range(s)" if self.pieces else "",
                   f"packed writes ({self.staging_bytes} B staging)" if self.staging_bytes
@@ -187,8 +209,10 @@ class Scope:
                   f"pipelined in {self.pipeline_bytes} B chunks" if self.pipeline_bytes
                   else "",
                   "eager visibility" if self.visibility == "eager" else ""]
+        uses = (f"{self.incarnations} transfer id(s)" if self.distinct_ids
+                else f"{self.incarnations} incarnation(s)")
         return (f"P TP{self.p_tp} -> D TP{self.d_tp}, {self.heads} KV head(s), "
-                f"{self.incarnations} incarnation(s) x {self.attempts} attempt(s); "
+                f"{uses} x {self.attempts} attempt(s); "
                 + (", ".join(f for f in faults if f) or "no faults"))
 
 
@@ -202,7 +226,14 @@ CI_SCOPES = _scopes(
     Scope(name="1to1-net", dups=1, drops=1, prefill_aborts=True),
     Scope(name="1to1-faults", deaths=("P", "D"), write_errors=True, prefill_aborts=True),
     Scope(name="1to1-reuse", incarnations=2, dups=1, heartbeats=False, aborts=False),
+    # A preempted attempt still fencing when its producer dies: no reissue can follow.
+    Scope(name="1to1-preempt-death", attempts=2, deaths=("P",), heartbeats=False,
+          aborts=False),
     Scope(name="abandon", incarnations=2, abandons=True, heartbeats=False, aborts=False),
+    # Two transfer ids at once, one destination block: the second is lent the block the
+    # first frees, while a failed write of the first may still land stray bytes.
+    Scope(name="two-ids", incarnations=2, distinct_ids=True, d_blocks=1, write_errors=True,
+          heartbeats=False, aborts=False),
     Scope(name="1to2", d_tp=2, dups=1, heartbeats=False),
     Scope(name="2to1", p_tp=2, dups=1, heartbeats=False),
     Scope(name="replicated", p_tp=2, kv_heads=1, prefill_aborts=True, deaths=("D",),
@@ -210,6 +241,13 @@ CI_SCOPES = _scopes(
     Scope(name="replicated-reuse", p_tp=2, kv_heads=1, incarnations=2, heartbeats=False,
           aborts=False),
     Scope(name="handshake", p_tp=2, kv_heads=1, handshake=True, heartbeats=False),
+    # Pull: reads of a published source, which take its bytes until they complete;
+    # leases end, prefills abort, reads fail, either engine dies.
+    Scope(name="pull", pull=True, attempts=2, write_errors=True, deaths=("P", "D"),
+          prefill_aborts=True),
+    Scope(name="pull-net", pull=True, attempts=2, dups=1, drops=1, prefill_aborts=True),
+    Scope(name="pull-reuse", pull=True, incarnations=2, attempts=2, heartbeats=False,
+          aborts=False),
     # Rule 9: the KV becomes final in two ranges, in any order, before prefill ends.
     Scope(name="partial", pieces=2, attempts=2, aborts=False, heartbeats=False),
     Scope(name="partial-faults", pieces=2, prefill_aborts=True, write_errors=True,
@@ -241,6 +279,12 @@ DEEP_SCOPES = _scopes(
     Scope(name="1to1-deep", attempts=2, dups=1, drops=1, prefill_aborts=True,
           write_errors=True, deaths=("P", "D")),
     Scope(name="1to1-reuse-deep", incarnations=2, dups=1, drops=1, prefill_aborts=True),
+    Scope(name="two-ids-deep", incarnations=2, distinct_ids=True, write_errors=True,
+          heartbeats=False),
+    Scope(name="pull-reuse-deep", pull=True, incarnations=2, attempts=2, write_errors=True,
+          prefill_aborts=True, heartbeats=False),
+    Scope(name="pull-2to1-deep", pull=True, p_tp=2, attempts=2, write_errors=True,
+          prefill_aborts=True, heartbeats=False),
     Scope(name="2to1-deep", p_tp=2, attempts=2, dups=1, prefill_aborts=True),
     Scope(name="1to2-deep", d_tp=2, attempts=2, dups=1, prefill_aborts=True),
     Scope(name="replicated-reuse-deep", p_tp=2, kv_heads=1, incarnations=2, heartbeats=False),

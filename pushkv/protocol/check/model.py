@@ -1,7 +1,7 @@
 """The system the checker explores: real endpoints inside a modelled world.
 
 :class:`Model` owns one working endpoint per rank and a
-:class:`~.check_snap.Snapshots` store. A *state* is ``(snapshot ids, frozen
+:class:`~.snap.Snapshots` store. A *state* is ``(snapshot ids, frozen
 world)``; :meth:`Model.steps` lists every step enabled in a state and
 :meth:`Model.apply` runs one, calling the real endpoint methods and carrying
 out their actions in the world, checking the protocol's promises as it goes.
@@ -11,16 +11,40 @@ in every state and once nothing can happen any more.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from .check_bytes import Owed, touched, written
-from .check_describe import Describe, brief
-from .check_invariants import _TERMINAL, EpInfo, Invariants, State, Violation
-from .check_scope import Scope
-from .check_snap import Snapshots
-from .check_staging import Staging
-from .check_world import (
+from ..consumer import Consumer
+from ..endpoint import Endpoint
+from ..errors import PushKVError
+from ..events import (
+    Action,
+    IssueRead,
+    IssueWrite,
+    Mode,
+    Peer,
+    Publish,
+    Rejected,
+    ReleaseDestination,
+    ReleaseSource,
+    ReleaseStaging,
+    Scatter,
+    SendMessage,
+    TransferCancelled,
+    TransferFailed,
+    TransferReady,
+)
+from ..mapping import expected_writers
+from ..messages import Cancel, Heartbeat, Message, Register, decode, encode
+from ..producer import Producer
+from ..states import ConsumerState
+from .describe import Describe, brief
+from .invariants import _TERMINAL, EpInfo, Invariants, State, Violation
+from .owed import Owed, touched, written
+from .pull import Pull
+from .scope import Scope
+from .snap import Snapshots
+from .staging import Staging
+from .world import (
     C_IDLE,
     C_LIVE,
     C_OVER,
@@ -35,6 +59,7 @@ from .check_world import (
     P_PREFILL,
     P_WAIT,
     POSTED,
+    READ,
     SCATTER,
     SWRITE,
     TID,
@@ -47,46 +72,22 @@ from .check_world import (
     initial,
     write_item,
 )
-from .consumer import Consumer
-from .endpoint import Endpoint
-from .errors import PushKVError
-from .events import (
-    Action,
-    IssueWrite,
-    Peer,
-    Rejected,
-    ReleaseDestination,
-    ReleaseSource,
-    ReleaseStaging,
-    Scatter,
-    SendMessage,
-    TransferCancelled,
-    TransferFailed,
-    TransferReady,
-)
-from .mapping import expected_writers
-from .messages import Cancel, Heartbeat, Message, Register, decode, encode
-from .producer import Producer
-from .states import ConsumerState
 
 CS = ConsumerState
 Step = tuple[Any, ...]
 
-#: Whether the endpoints take the ``incarnation`` keyword (transfer incarnations).
-HAS_INCARNATION = "incarnation" in inspect.signature(Consumer.register).parameters
+__all__ = ["Model", "State", "Step", "Violation", "brief", "touched"]
 
 
-__all__ = ["HAS_INCARNATION", "Model", "State", "Step", "Violation", "brief", "touched"]
-
-
-class Model(Invariants, Describe, Staging):
+class Model(Invariants, Describe, Staging, Pull):
     """The real endpoints of one scope, and the rules of the world around them."""
 
     def __init__(self, scope: Scope, *, check_rejects: bool = True) -> None:
         self.scope = scope
         self.check_rejects = check_rejects
-        #: Eager visibility: a write lands whole, then completes (see check_world).
+        #: Eager visibility: a write lands whole, then completes (see .world).
         self.eager = scope.visibility == "eager"
+        self.distinct = scope.distinct_ids
         pinfo, dinfo = scope.ranks()
         self.np, self.nd = len(pinfo), len(dinfo)
         self.producers = [Producer(i, scope.producer_config()) for i in pinfo]
@@ -120,23 +121,34 @@ class Model(Invariants, Describe, Staging):
 
     # ---------------------------------------------------------------- helpers
 
-    def _inc(self, k: int) -> dict[str, int]:
-        return {"incarnation": k + 1} if HAS_INCARNATION else {}
+    # A *use* ``k`` (0, 1, ...) is incarnation ``k + 1`` of the one id ``t``, or with
+    # ``distinct_ids`` incarnation 1 of its own id ``t<k>``. Items in flight name it
+    # as ``k + 1`` (their ``inc`` field).
 
-    def _k_of(self, action: Any, w: World, blocks: tuple[int, ...] | None = None,
-              side: str = "D") -> int:
-        """Which incarnation (index) an action is about."""
-        if HAS_INCARNATION:
-            return int(action.incarnation) - 1
-        if side == "P":
-            for k, p in enumerate(w.pinc):
-                if p.blocks == blocks and p.status == P_HELD:
-                    return k
-            return -1
-        for k, c in enumerate(w.cinc):
-            if c.status == C_LIVE:
-                return k
-        return len([c for c in w.cinc if c.status != C_IDLE]) - 1
+    def _tid(self, k: int) -> str:
+        return f"{TID}{k}" if self.distinct else TID
+
+    def _inc(self, k: int) -> dict[str, int]:
+        return {"incarnation": 1 if self.distinct else k + 1}
+
+    def _use(self, transfer_id: str, incarnation: int) -> int:
+        """The use ``k`` a transfer id and incarnation name (-1: none of ours)."""
+        if not self.distinct:
+            return incarnation - 1 if transfer_id == TID else -1
+        tail = transfer_id[len(TID):]
+        return int(tail) if transfer_id.startswith(TID) and tail.isdigit() else -1
+
+    def _k_of(self, action: Any) -> int:
+        """Which use (index) an action or message is about."""
+        k = self._use(action.transfer_id, int(action.incarnation))
+        if not 0 <= k < self.scope.incarnations:
+            raise Violation("action", f"{type(action).__name__} names {action.transfer_id}#"
+                            f"{action.incarnation}, which is no use of this scope")
+        return k
+
+    def _call(self, k: int) -> tuple[str, dict[str, int]]:
+        """The transfer id and incarnation keyword of use ``k``, for an endpoint call."""
+        return self._tid(k), self._inc(k)
 
     def info(self, i: int, sid: int) -> EpInfo:
         """What the checker reads of endpoint ``i`` in snapshot ``sid`` (cached)."""
@@ -145,13 +157,16 @@ class Model(Invariants, Describe, Staging):
             self.snaps.load(i, sid)
             ep = self.endpoints[i]
             if isinstance(ep, Consumer):
-                live = ep.live_use(TID)
-                state = None if live is None else ep.state_of(TID, incarnation=live)
-                got = EpInfo(ep.next_deadline(), state, tuple(sorted(ep.lent_blocks())),
+                states = []
+                for k in range(self.scope.incarnations):  # each use's state while it is live
+                    tid, inc = self._tid(k), self._inc(k)["incarnation"]
+                    live = ep.live_use(tid) == inc
+                    states.append(ep.state_of(tid, incarnation=inc) if live else None)
+                got = EpInfo(ep.next_deadline(), tuple(states), tuple(sorted(ep.lent_blocks())),
                               (), 0, ep.num_transfers, 0, ep.staging_lent, ep.in_grace)
             else:
                 assert isinstance(ep, Producer)
-                got = EpInfo(ep.next_deadline(), None, (), tuple(ep.held_blocks().values()),
+                got = EpInfo(ep.next_deadline(), (), (), tuple(ep.held_blocks().values()),
                              ep.pending_registrations, ep.num_transfers,
                              len(ep.writes_in_flight()), ep.staging_lent)
             self._info[i, sid] = got
@@ -211,12 +226,15 @@ class Model(Invariants, Describe, Staging):
                         out.append(("wfail", item))
                 elif status == FAILED:
                     out.append(("vanish", item))
+            elif kind == READ:  # pull: the consumer's read of a published source
+                out.extend(self.read_steps(item, sc.write_errors))
             elif kind == SCATTER:  # rule 10: the consumer's own copy (within max_write_s)
                 out.append(("scatter", item))
                 if sc.write_errors:
                     out.append(("sfail", item))
             elif kind == HELLO:
-                out.append(("hello", item))
+                if dead != "P":  # (a handshake with a dead engine can only fail)
+                    out.append(("hello", item))
                 out.append(("hsfail", item))
             else:
                 out.append(("complete", item))
@@ -224,36 +242,35 @@ class Model(Invariants, Describe, Staging):
         free_d = sum(1 for o in d_owner if o is None)
         free_p = sum(1 for o in p_owner if o is None)
         if dead != "D":
-            states = [self.c_state(c, ids[self.np + c]) for c in range(self.nd)]
             for k, (status, allocs, _rel, outcomes, aborted, _freed) in enumerate(cinc):
                 if status == C_IDLE:
                     if sc.abandons and k and cinc[k - 1][0] == C_LIVE:
                         out.append(("abandon", k))  # ended before it was registered
-                    if (k == 0 or cinc[k - 1][0] == C_OVER) and dead != "P":
-                        obliged = True
-                        if free_d:
-                            out.append(("register", k))
+                    if (self.may_start(k, cinc) and dead != "P" and free_d
+                            and (not sc.pull or self.published_all(f[18], k))):
+                        obliged = True  # (with no free block, it waits for a timer)
+                        out.append(("register", k))
                     break
                 if status != C_LIVE:
                     continue
+                states = [self.c_state(c, ids[self.np + c], k) for c in range(self.nd)]
                 live = [s for s, o in zip(states, outcomes, strict=True) if o is None]
                 if (not aborted and len(allocs) < sc.attempts and states
                         and all(s is CS.REGISTERED for s in states)):
                     out.append(("preempt", k))
-                if live and all(s in (CS.PREEMPTING, CS.PREEMPTED) for s in states):
+                if (live and all(s in (CS.PREEMPTING, CS.PREEMPTED) for s in states)
+                        and free_d):  # (the engine reissues whether or not P is alive)
                     obliged = obliged or all(s is CS.PREEMPTED for s in states)
-                    if free_d and dead != "P":
-                        out.append(("reissue", k))
+                    out.append(("reissue", k))
                 if sc.aborts and not aborted and any(
                         s is not None and s not in _TERMINAL for s in states):
                     out.append(("abort", k))
         if dead != "P":
             for k, (status, _blocks, _rel, aborted, ready) in enumerate(pinc):
-                if status in (P_PREFILL, P_PARTIAL):
-                    obliged = True
-                    if free_p or status == P_PARTIAL:  # a range takes the blocks first
-                        out.append(("prefill", k))
-                        out.extend(("range", k, j) for j in range(sc.pieces) if j not in ready)
+                if status in (P_PREFILL, P_PARTIAL) and (free_p or status == P_PARTIAL):
+                    obliged = True  # (a range takes the blocks first; with none free, the
+                    out.append(("prefill", k))  # prefill waits for a timer to free one)
+                    out.extend(("range", k, j) for j in range(sc.pieces) if j not in ready)
                 if sc.prefill_aborts and not aborted and status in (P_PREFILL, P_HELD,
                                                                     P_PARTIAL):
                     out.append(("pabort", k))
@@ -300,6 +317,9 @@ class Model(Invariants, Describe, Staging):
         if kind in ("scatter", "sfail"):
             self._scatter(w, ids, step[1], ok=kind == "scatter")
             return
+        if kind in ("read", "readdone", "readfail"):
+            self._read(w, ids, step)
+            return
         if kind in ("piece", "vanish") or (kind in ("land", "wfail", "complete")
                                           and step[1][0] != DONE and not self.eager):
             self._weak(w, ids, step)
@@ -336,9 +356,9 @@ class Model(Invariants, Describe, Staging):
                 if self.log is not None:
                     self._say(f"P{p} learns its write of a{attempt} to D{d} "
                               + ("completed" if ok else "failed"))
-                kw = {"incarnation": inc} if HAS_INCARNATION else {}
+                tid, kw = self._call(inc - 1)
                 self._run(w, ids, p, ("c", attempt, inc, d, ok, w.now),
-                          lambda ep: ep.write_completed(TID, attempt, Peer("D", d), ok, w.now,
+                          lambda ep: ep.write_completed(tid, attempt, Peer("D", d), ok, w.now,
                                                         **kw))
             return
         if kind == "tick":
@@ -374,8 +394,8 @@ class Model(Invariants, Describe, Staging):
             if self.log is not None:
                 self._say(f"D preempts t#{k}")
             for c in range(self.nd):
-                self._run(w, ids, self.np + c, ("preempt", w.now),
-                          lambda ep: ep.preempt(TID, w.now))
+                self._run(w, ids, self.np + c, ("preempt", k, w.now),
+                          lambda ep: ep.preempt(self._tid(k), w.now))
         elif kind == "abandon":
             w.cinc[k].status = C_OVER
             w.faulted = True
@@ -383,7 +403,7 @@ class Model(Invariants, Describe, Staging):
                 self._say(f"D ends t#{k} before registering it")
             for c in range(self.nd):
                 self._run(w, ids, self.np + c, ("abandon", k, w.now),
-                          lambda ep: ep.abandon(TID, "P", w.now, **self._inc(k)))
+                          lambda ep: ep.abandon(self._tid(k), "P", w.now, **self._inc(k)))
         elif kind == "abort":
             w.cinc[k].aborted = True
             w.faulted = True
@@ -391,8 +411,9 @@ class Model(Invariants, Describe, Staging):
                 self._say(f"D aborts t#{k}")
             for c in range(self.nd):
                 i = self.np + c
-                if self.info(i, ids[i]).state not in (None, *_TERMINAL):
-                    self._run(w, ids, i, ("abort", w.now), lambda ep: ep.abort(TID, w.now))
+                if self.info(i, ids[i]).state[k] not in (None, *_TERMINAL):
+                    self._run(w, ids, i, ("abort", k, w.now),
+                              lambda ep: ep.abort(self._tid(k), w.now))
         elif kind == "prefill":
             pi = w.pinc[k]
             blocks = pi.blocks if pi.status == P_PARTIAL else self._take(w.p_owner, k)
@@ -402,9 +423,11 @@ class Model(Invariants, Describe, Staging):
             if self.log is not None:
                 self._say(f"P finishes the prefill of t#{k} into source blocks {list(blocks)}")
             n = sc.tokens
+            mode = Mode.PULL if sc.pull else Mode.PUSH
             for r in range(self.np):
                 self._run(w, ids, r, ("prefill", k, blocks, w.now),
-                          lambda ep: ep.prefill_finished(TID, blocks, n, w.now, **self._inc(k)))
+                          lambda ep: ep.prefill_finished(self._tid(k), blocks, n, w.now,
+                                                         mode, **self._inc(k)))
         elif kind == "range":
             self._range(w, k, step[2], ids)
         elif kind == "pabort":
@@ -419,7 +442,7 @@ class Model(Invariants, Describe, Staging):
                 self._say(f"P aborts the request of t#{k}")
             for r in range(self.np):
                 self._run(w, ids, r, ("pabort", k, w.now),
-                          lambda ep: ep.prefill_aborted(TID, w.now, **self._inc(k)))
+                          lambda ep: ep.prefill_aborted(self._tid(k), w.now, **self._inc(k)))
         else:  # pragma: no cover
             raise AssertionError(step)
 
@@ -438,8 +461,8 @@ class Model(Invariants, Describe, Staging):
                       f"{'all' if layers is None else list(layers)}, in blocks {list(blocks)}")
         for r in range(self.np):
             self._run(w, ids, r, ("range", k, j, blocks, w.now),
-                      lambda ep: ep.range_ready(TID, blocks, tokens, w.now, layers=layers,
-                                                **self._inc(k)))
+                      lambda ep: ep.range_ready(self._tid(k), blocks, tokens, w.now,
+                                                layers=layers, **self._inc(k)))
 
     @staticmethod
     def _take(owner: list[Any], tag: Any) -> tuple[int, ...]:
@@ -464,12 +487,14 @@ class Model(Invariants, Describe, Staging):
         for c in range(self.nd):
             i = self.np + c
             if reissue:
-                self._run(w, ids, i, ("reissue", blocks, w.now),
-                          lambda ep: ep.reissue(TID, blocks, w.now))
+                self._run(w, ids, i, ("reissue", k, blocks, w.now),
+                          lambda ep: ep.reissue(self._tid(k), blocks, w.now))
+            elif self.scope.pull:
+                self._start_pull(w, k, blocks, ids, c)
             else:
                 self._run(w, ids, i, ("register", k, blocks, w.now),
-                          lambda ep: ep.register(TID, "P", blocks, self.scope.tokens, w.now,
-                                                 **self._inc(k)))
+                          lambda ep: ep.register(self._tid(k), "P", blocks, self.scope.tokens,
+                                                 w.now, **self._inc(k)))
 
     def _kill(self, w: World, engine: str, ids: list[int]) -> None:
         w.dead = engine
@@ -509,7 +534,7 @@ class Model(Invariants, Describe, Staging):
 
     def _connect(self, w: World, d: int) -> None:
         """Consumer rank ``d`` asks for a handshake with every producer rank."""
-        if not self.scope.handshake:
+        if not self.scope.handshake and w.dead != "P":
             raise Violation("handshake", f"D{d} asks to connect to a peer it handshook with")
         busy = {it[2] for it in w.flight if it[0] == HELLO and it[1] == d}
         for p in range(self.np):
@@ -522,7 +547,7 @@ class Model(Invariants, Describe, Staging):
             return engine in (item[1], item[3])
         if item[0] == HELLO:
             return True
-        if item[0] == SCATTER:  # the consumer's own copy dies with it
+        if item[0] in (SCATTER, READ):  # the consumer's own copies die with it
             return engine == "D"
         if item[0] in (WRITE, SWRITE) and not eager:
             return False  # stray bytes of a dead producer may still land (see _kill)
@@ -565,9 +590,9 @@ class Model(Invariants, Describe, Staging):
             more = item[9] if item[0] == WRITE else item[6][3] < len(item[7])
             if more:
                 w.add((*item[:10], COMPLETED if ok else FAILED, item[-1]))
-            kw = {"incarnation": inc} if HAS_INCARNATION else {}
+            tid, kw = self._call(inc - 1)
             self._run(w, ids, p, ("c", attempt, inc, d, ok, w.now),
-                      lambda ep: ep.write_completed(TID, attempt, Peer("D", d), ok, w.now,
+                      lambda ep: ep.write_completed(tid, attempt, Peer("D", d), ok, w.now,
                                                     **kw))
             return
         if kind == "vanish":
@@ -613,8 +638,9 @@ class Model(Invariants, Describe, Staging):
                         f"released by D{d}" if owner == (k, attempt) else
                         f"now holding t#{owner[0]} attempt {owner[1]}")
                 kind = "incarnation" if owner is not None and owner[0] != k else "reuse"
-                raise Violation(kind, f"P{p}'s write of t#{k} attempt {attempt} landed in "
-                                f"D{d} block {b}, which is {what}")
+                op = (f"D{d}'s read of t#{k} attempt {attempt} from P{p}" if item[0] == READ
+                      else f"P{p}'s write of t#{k} attempt {attempt}")
+                raise Violation(kind, f"{op} landed in D{d} block {b}, which is {what}")
 
     # ---------------------------------------------------------------- actions
 
@@ -654,6 +680,10 @@ class Model(Invariants, Describe, Staging):
                     w.add(frame_item(a.peer, src, self._frame(a.message), w.now))
             elif isinstance(a, IssueWrite):
                 self._issue(w, i, a)
+            elif isinstance(a, IssueRead):
+                self._issue_read(w, i - self.np, a)
+            elif isinstance(a, Publish):
+                self._publish(w, i, a)
             elif isinstance(a, ReleaseSource):
                 self._release_source(w, i, a)
             elif isinstance(a, ReleaseDestination):
@@ -682,7 +712,7 @@ class Model(Invariants, Describe, Staging):
         if data < 0:
             raise Violation("source", f"P{p} started a write of attempt {a.attempt} from "
                             f"source blocks {list(src)} it does not hold")
-        inc = getattr(a, "incarnation", 0)
+        inc = self._k_of(a) + 1  # the use, as items in flight name it
         if (p, d, a.attempt, data) in w.cancelled:
             raise Violation("cancelled", f"P{p} started a write of t#{data} attempt "
                             f"{a.attempt} to D{d} after that attempt's Cancel reached it")
@@ -718,7 +748,7 @@ class Model(Invariants, Describe, Staging):
 
     def _release_source(self, w: World, p: int, a: ReleaseSource) -> None:
         blocks = tuple(a.block_ids)
-        k = self._k_of(a, w, blocks, side="P")
+        k = self._k_of(a)
         pi = w.pinc[k] if 0 <= k < len(w.pinc) else None
         if pi is None or pi.blocks != blocks or pi.status != P_HELD:
             raise Violation("source", f"P{p} released source blocks {list(blocks)} it does "
@@ -731,28 +761,24 @@ class Model(Invariants, Describe, Staging):
     def _timing(self, w: World, p: int, d: int, msg: Message) -> None:
         """Track, generously, when each lease and write window ends (rule 5)."""
         if isinstance(msg, Register):
-            k = msg.incarnation - 1 if HAS_INCARNATION else self._k_of(msg, w)
+            k = self._k_of(msg)
             key = (p, d, msg.attempt, k)
             if key not in w.windows:  # the first copy to arrive is the one adopted
                 w.windows[key] = w.now + msg.window_ms / 1000.0
         elif isinstance(msg, Cancel):  # that attempt may never be written again
-            k = msg.incarnation - 1 if HAS_INCARNATION else self._k_of(msg, w)
+            k = self._k_of(msg)
             w.cancelled = w.cancelled | {(p, d, msg.attempt, k)}
         elif isinstance(msg, Heartbeat):
             sc = self.scope
             for item in msg.transfers:
-                k = int(item[2]) - 1 if len(item) > 2 else self._k_of(msg, w)
+                k = self._use(item[0], int(item[2]))
                 lease = w.leases.get((p, k))
                 if lease is not None and w.now < lease:
                     w.leases[p, k] = max(lease, w.now + sc.lease_s * self.renew)
 
     def _release_destination(self, w: World, d: int, a: ReleaseDestination) -> None:
         blocks = tuple(a.block_ids)
-        k = self._k_of(a, w)
-        if not HAS_INCARNATION:  # the incarnation whose attempt holds these blocks
-            k = next((j for j, c in enumerate(w.cinc) if a.attempt < len(c.allocs)
-                      and c.allocs[a.attempt] == blocks and (d, a.attempt) not in c.released
-                      and a.attempt not in c.freed), k)
+        k = self._k_of(a)
         ci = w.cinc[k]
         if a.attempt >= len(ci.allocs) or ci.allocs[a.attempt] != blocks:
             raise Violation("destination", f"D{d} released blocks {list(blocks)} of t#{k} "
@@ -763,7 +789,7 @@ class Model(Invariants, Describe, Staging):
 
     def _outcome(self, w: World, d: int, a: TransferReady | TransferFailed | TransferCancelled
                  ) -> None:
-        k = self._k_of(a, w)
+        k = self._k_of(a)
         ci = w.cinc[k]
         kind = {TransferReady: "ready", TransferFailed: "failed",
                 TransferCancelled: "cancelled"}[type(a)]

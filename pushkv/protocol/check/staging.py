@@ -1,6 +1,6 @@
 """The checker's staging memory (rule 10): packed writes, scatters, releases.
 
-:class:`Staging` is the part of :class:`~.check_model.Model` that moves packed
+:class:`Staging` is the part of :class:`~.model.Model` that moves packed
 writes: the producer's :class:`~.events.PackedWrite` lands in the consumer's
 staging share (never in one released, or lent to another attempt), the
 consumer's :class:`~.events.Scatter` copies what landed there into its blocks
@@ -20,9 +20,11 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-from .check_bytes import touched, written
-from .check_invariants import Violation
-from .check_world import (
+from ..events import IssueWrite, Peer, ReleaseStaging, Scatter, SendMessage
+from ..messages import Register
+from .invariants import Violation
+from .owed import touched, written
+from .world import (
     FAILED,
     POSTED,
     SCATTER,
@@ -34,10 +36,6 @@ from .check_world import (
     scatter_item,
     swrite_item,
 )
-from .events import IssueWrite, Peer, ReleaseStaging, Scatter, SendMessage
-from .messages import Register
-
-TID = "t"
 
 
 def gather_map(scatter: Any) -> int:
@@ -46,7 +44,7 @@ def gather_map(scatter: Any) -> int:
 
 
 class Staging:
-    """Packed writes and scatters; :class:`~.check_model.Model` provides the rest."""
+    """Packed writes and scatters; :class:`~.model.Model` provides the rest."""
 
     np: int
     d_stride: int
@@ -63,7 +61,10 @@ class Staging:
     def _frame(self, msg: Any) -> bytes:  # pragma: no cover - provided by Model
         raise NotImplementedError
 
-    def _k_of(self, action: Any, w: World) -> int:  # pragma: no cover - provided by Model
+    def _k_of(self, action: Any) -> int:  # pragma: no cover - provided by Model
+        raise NotImplementedError
+
+    def _call(self, k: int) -> tuple[str, dict[str, int]]:  # pragma: no cover - by Model
         raise NotImplementedError
 
     # -------------------------------------------------------------- lending
@@ -73,7 +74,7 @@ class Staging:
         msg = m.message
         if not isinstance(msg, Register) or not msg.staging_nbytes:
             return
-        k = self._k_of(msg, w)
+        k = self._k_of(msg)
         key = (d, msg.staging_offset)
         owner = w.s_owner.get(key)
         if owner is None:
@@ -161,7 +162,7 @@ class Staging:
                                for x in range(off, off + n))
             cells = tuple(sorted(got))
             dst = tuple(sorted({b for b, _ in cells}))
-        w.add(scatter_item(d, a.peer.rank, a.attempt, a.incarnation, a.offset + start,
+        w.add(scatter_item(d, a.peer.rank, a.attempt, self._k_of(a) + 1, a.offset + start,
                            dst, cells, gather_map(a.packed.scatter), w.now))
 
     def _scatter(self, w: World, ids: list[int], item: Item, *, ok: bool) -> None:
@@ -172,7 +173,7 @@ class Staging:
         got = w.s_content.get((d, offset))
         owner = max(((key[1], o) for key, o in w.s_owner.items()
                      if key[0] == d and key[1] <= offset), default=(0, None))[1]
-        k = inc - 1  # the checker's incarnations are numbered from 1
+        k = inc - 1  # items name use k as k + 1
         if self.log is not None:
             self._say(f"D{d}'s scatter of P{p}'s a{attempt} write from staging {offset} "
                       + ("finishes" if ok else "fails (some bytes may be written)"))
@@ -190,6 +191,6 @@ class Staging:
         mark = (got[0], got[1]) if ok and got is not None else (-1, attempt)
         for b, x in cells:
             w.content[d, b, p, x] = mark
-        kw = {"incarnation": inc}
+        tid, kw = self._call(k)
         self._run(w, ids, self.np + d, ("s", attempt, inc, p, ok, w.now),
-                  lambda ep: ep.scatter_done(TID, attempt, Peer("P", p), ok, w.now, **kw))
+                  lambda ep: ep.scatter_done(tid, attempt, Peer("P", p), ok, w.now, **kw))

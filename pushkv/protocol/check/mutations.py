@@ -16,14 +16,13 @@ from typing import Any, Protocol
 
 import msgspec
 
-from . import consumer as consumer_module
-from . import producer as producer_module
-from . import producer_view as producer_view_module
-from . import records, states
-from .check_scope import Scope
-from .errors import LocalProtocolError
-from .messages import CancelAck, Fail
-from .states import (
+from .. import consumer as consumer_module
+from .. import producer as producer_module
+from .. import producer_view as producer_view_module
+from .. import records, states
+from ..errors import LocalProtocolError
+from ..messages import CancelAck, Fail
+from ..states import (
     ConsumerEffect,
     ConsumerInput,
     ConsumerState,
@@ -34,6 +33,7 @@ from .states import (
     SourceInput,
     SourceState,
 )
+from .scope import Scope
 
 
 class Patch(Protocol):
@@ -336,6 +336,71 @@ def abandon_refused_beside_another_use(mp: Patch) -> None:
     mp.setattr(consumer_module.Consumer, "abandon", abandon)
 
 
+#: Two uses of one id, each preempted and reissued once (eager visibility: the smallest
+#: world in which an older use's zombie outlives a newer use of its id).
+REUSE_REISSUE = Scope(name="reuse-reissue-1", incarnations=2, attempts=2, aborts=False,
+                      heartbeats=False, visibility="eager")
+
+
+def older_use_forgotten_with_the_newer(mp: Patch) -> None:
+    """When a use of an id ends and is forgotten, every other use of the id is forgotten
+    with it: an older use's zombie attempt, still owed a notification, is lost, and its
+    blocks stay lent until nothing can free them."""
+    orig = Consumer._maybe_forget
+
+    def forget(self, t):
+        orig(self, t)
+        if t.transfer_id not in self._transfers:
+            for key in [k for k in self._retired if k[0] == t.transfer_id]:
+                del self._retired[key]
+
+    mp.setattr(Consumer, "_maybe_forget", forget)
+
+
+#: Pull: two attempts, failed reads, prefill aborts.
+PULL = Scope(name="pull-1", pull=True, attempts=2, write_errors=True, prefill_aborts=True,
+             heartbeats=False)
+
+
+def read_at_the_lease_end_trusted(mp: Patch) -> None:
+    """A read completing at the very moment the source's lease ends counts: the
+    producer may have freed the source under it."""
+    orig = Consumer.read_completed
+
+    def read_completed(self, transfer_id, attempt, peer, ok, now, *, incarnation=0):
+        t = self._find(transfer_id, incarnation)
+        if t is not None and t.lease_until == now:
+            t.lease_until = now + 1e-9
+        return orig(self, transfer_id, attempt, peer, ok, now, incarnation=incarnation)
+
+    mp.setattr(Consumer, "read_completed", read_completed)
+
+
+def failed_read_fenced_at_once(mp: Patch) -> None:
+    """A failed read fences its rank at once: its stray bytes may land in blocks
+    released and lent again."""
+    orig = Consumer.read_completed
+
+    def read_completed(self, transfer_id, attempt, peer, ok, now, *, incarnation=0):
+        t = self._find(transfer_id, incarnation)
+        if t is not None and not ok:
+            a = t.cur if attempt == t.cur.attempt else t.zombies.get(attempt)
+            if a is not None:
+                a.stray.setdefault(peer.rank, None)  # as if its grace had passed
+        return orig(self, transfer_id, attempt, peer, ok, now, incarnation=incarnation)
+
+    mp.setattr(Consumer, "read_completed", read_completed)
+
+
+#: Two transfer ids at once and one destination block: the block one frees is the next's.
+TWO_IDS = Scope(name="two-ids-1", incarnations=2, distinct_ids=True, d_blocks=1,
+                write_errors=True, heartbeats=False, aborts=False)
+
+
+#: How far a search for a mutation's violation may go (breadth-first: the deepest one,
+#: an older use forgotten with the newer, is found at 528,587 states).
+MAX_STATES = 600_000
+
 MUTATIONS: list[tuple[Callable[[Patch], None], Scope, str]] = [
     (stale_incarnation_counted, REUSE, "bytes"),
     (silent_rank_holds_source, REPLICATED, "prompt"),
@@ -362,5 +427,11 @@ MUTATIONS: list[tuple[Callable[[Patch], None], Scope, str]] = [
     (failed_write_fenced_at_once, Scope(name="weak-faults-1", write_errors=True,
                                         heartbeats=False, aborts=False), "reuse"),
     (abandon_refused_beside_another_use, ABANDON, "refused"),
+    (older_use_forgotten_with_the_newer, REUSE_REISSUE, "prompt"),
+    (read_at_the_lease_end_trusted, PULL, "bytes"),
+    (failed_read_fenced_at_once, PULL, "reuse"),
+    # The same early fence, across transfer ids: the stray bytes land in the block the
+    # engine lent to the next id.
+    (failed_write_fenced_at_once, TWO_IDS, "incarnation"),
 ]
 """(mutation, the scope that reaches it, the kind of violation it must show)."""

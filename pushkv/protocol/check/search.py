@@ -1,4 +1,4 @@
-"""Exhaustive search over the states of a :class:`~.check_model.Model`.
+"""Exhaustive search over the states of a :class:`~.model.Model`.
 
 Breadth-first by default: every state is reached first by one of its shortest
 paths, and a parent pointer per state gives the shortest trace to any
@@ -18,8 +18,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .check_model import Model, State, Step, Violation
-from .check_scope import Scope
+from .model import Model, State, Step, Violation
+from .scope import Scope
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """What must hold: in every reachable state, and once nothing can happen any more.
 
-:class:`Invariants` is the part of :class:`~.check_model.Model` that reads a
+:class:`Invariants` is the part of :class:`~.model.Model` that reads a
 state and raises :class:`Violation` when a promise of docs/protocol.md is
 broken. It reads the endpoints only through :meth:`info` (cached per snapshot).
 """
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .check_bytes import Owed
-from .check_world import (
+from ..states import ConsumerState
+from .owed import Owed
+from .scope import Scope
+from .world import (
     C_IDLE,
     C_LIVE,
     C_OVER,
@@ -23,7 +25,6 @@ from .check_world import (
     WRITE,
     Frozen,
 )
-from .states import ConsumerState
 
 CS = ConsumerState
 #: A state of the whole system: (endpoint snapshot ids, frozen world).
@@ -37,7 +38,7 @@ _WAITING = frozenset(s for s in CS if s not in _TERMINAL and s.name != "PREEMPTE
 INVARIANTS = (
     "bytes (READY only when every owed byte holds this use and attempt's data)",
     "reuse (no byte lands in a block not lent to its attempt, however late)",
-    "incarnation (nothing of one use of an id touches another)",
+    "incarnation (nothing of one use touches another, of its id or of another id)",
     "source (no write reads a source released; each released once)",
     "staging (packed bytes land, scatter and free only in their own share)",
     "lease and window (no write starts after either)",
@@ -54,7 +55,7 @@ INVARIANTS = (
 
 class EpInfo(NamedTuple):
     deadline: float | None
-    state: Any  # consumer: state of the transfer
+    state: tuple[Any, ...]  # consumer: state of each use while it is live (else None)
     lent: tuple[int, ...]  # consumer: blocks a write may still land in
     held: tuple[tuple[int, ...], ...]  # producer: source blocks held
     pending: int  # producer: registrations waiting
@@ -75,18 +76,28 @@ class Violation(Exception):
 
 
 class Invariants:
-    """The checks; :class:`~.check_model.Model` provides the endpoints' views."""
+    """The checks; :class:`~.model.Model` provides the endpoints' views."""
 
     np: int
     nd: int
+    scope: Scope
     owed: Owed
     writers: list[frozenset[int]]
 
     def info(self, i: int, sid: int) -> EpInfo:  # pragma: no cover - provided by Model
         raise NotImplementedError
 
-    def c_state(self, c: int, sid: int) -> Any:
-        return self.info(self.np + c, sid).state
+    def c_state(self, c: int, sid: int, k: int) -> Any:
+        """The state of use ``k`` on consumer rank ``c`` (None: not live there)."""
+        return self.info(self.np + c, sid).state[k]
+
+    def may_start(self, k: int, cinc: Any) -> bool:
+        """Whether the consumer engine may register use ``k`` now: the first at once; with
+        distinct ids each once the one before it started, else once it ended."""
+        if k == 0:
+            return True
+        before = cinc[k - 1][0]
+        return bool(before != C_IDLE if self.scope.distinct_ids else before == C_OVER)
 
     def check_state(self, state: State) -> None:
         """What must hold in every reachable state."""
@@ -127,7 +138,8 @@ class Invariants:
                 continue
             cur = len(ci[1]) - 1
             for c in range(self.nd):
-                if ci[3][c] is not None or self.c_state(c, ids[self.np + c]) is not CS.REGISTERED:
+                if (ci[3][c] is not None
+                        or self.c_state(c, ids[self.np + c], k) is not CS.REGISTERED):
                     continue
                 for b in ci[1][cur]:
                     for p in sorted(self.writers[c]):
@@ -148,7 +160,7 @@ class Invariants:
                 continue  # the producer still owes its prefill
             if ci[0] == C_LIVE:
                 for c in range(self.nd):
-                    s = self.c_state(c, ids[self.np + c])
+                    s = self.c_state(c, ids[self.np + c], k)
                     if s in _WAITING and not self.info(self.np + c, ids[self.np + c]).grace:
                         raise Violation("prompt", f"D{c} waits in {s.name} for t#{k} with "
                                         "nothing in flight: only a timer can end the wait")
@@ -175,7 +187,10 @@ class Invariants:
                 if ci[0] == C_LIVE:
                     raise Violation("final", f"t#{k} never ended on the consumer: outcomes "
                                     f"{list(ci[3])}")
-                if ci[0] == C_IDLE and (k == 0 or cinc[k - 1][0] == C_OVER) and dead != "P":
+                if (ci[0] == C_IDLE and self.may_start(k, cinc) and dead != "P"
+                        and not (self.scope.pull and len({r for r, j, _ in f[18]
+                                                         if j == k}) < self.np)):
+                    # (pull: a source never published is never asked for)
                     raise Violation("final", f"t#{k} could never be registered: no free block")
                 if len(ci[5]) != len(ci[1]):
                     raise Violation("final", f"blocks of t#{k} never went back to the pool")

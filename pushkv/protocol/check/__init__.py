@@ -1,14 +1,16 @@
-"""An exhaustive model checker for the pushkv protocol.
+"""An exhaustive model checker for the pushkv protocol (a package: its world,
+scopes, invariants, search and injected bugs, one module each).
 
 It explores **every** interleaving of a small scope with the real
-:class:`~.producer.Producer` and :class:`~.consumer.Consumer` endpoints: a
-network that may deliver any item in flight next, duplicate or drop a frame;
-writes that land or fail; engines that die; every timer firing at every point
-it can; engines that abort, preempt, reissue, finish prefill and reuse freed
-blocks at once; a transfer id used again by a later incarnation. States are
-canonical snapshots, hashed to prune revisits; every promise of
-``docs/protocol.md`` is checked in every reachable state and once nothing can
-happen any more. A violation is printed as the shortest trace that reaches it.
+:class:`~pushkv.protocol.producer.Producer` and
+:class:`~pushkv.protocol.consumer.Consumer` endpoints: a network that may
+deliver any item in flight next, duplicate or drop a frame; writes that land or
+fail; engines that die; every timer firing at every point it can; engines that
+abort, preempt, reissue, finish prefill and reuse freed blocks at once; a
+transfer id used again by a later incarnation. States are canonical snapshots,
+hashed to prune revisits; every promise of ``docs/protocol.md`` is checked in
+every reachable state and once nothing can happen any more. A violation is
+printed as the shortest trace that reaches it.
 
 Run ``python -m pushkv.protocol.check --help``.
 """
@@ -17,17 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import fields, replace
 
-from .check_invariants import INVARIANTS
-from .check_model import HAS_INCARNATION, Model, Violation
-from .check_scope import CI_SCOPES, DEEP_SCOPES, SCOPES, Scope, scope
-from .check_search import Found, Result, explore, print_progress, replay
-from .errors import ConfigError
+from ..errors import ConfigError
+from .invariants import INVARIANTS
+from .model import Model, Violation
+from .scope import CI_SCOPES, DEEP_SCOPES, SCOPES, Scope, scope
+from .search import Found, Result, explore, print_progress, replay
 
-__all__ = ["CI_SCOPES", "DEEP_SCOPES", "HAS_INCARNATION", "INVARIANTS", "SCOPES", "Found",
+__all__ = ["CI_SCOPES", "DEEP_SCOPES", "INVARIANTS", "SCOPES", "Found",
            "Model", "Result",
            "Scope", "Violation", "explore", "main", "replay", "scope"]
 
@@ -89,6 +90,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         }))
     return 1 if any(r.violations or not r.complete for r in results) else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .check_bytes import touched
-from .check_world import FRAME, HELLO, SCATTER, SWRITE, WRITE, Item
-from .events import Action, IssueWrite, SendMessage
-from .messages import Message
+from ..events import Action, IssueWrite, SendMessage
+from ..messages import Message
+from .owed import touched
+from .world import FRAME, HELLO, READ, SCATTER, SWRITE, WRITE, Item
 
 
 def brief(msg: Message) -> str:
@@ -36,7 +36,7 @@ def brief(msg: Message) -> str:
 
 
 class Describe:
-    """The narrating part of :class:`~.check_model.Model`."""
+    """The narrating part of :class:`~.model.Model`."""
 
     d_stride: int
 
@@ -57,6 +57,8 @@ class Describe:
             return f"P{item[1]}'s packed write of t#{item[8]} a{item[3]} to D{item[2]}"
         if item[0] == SCATTER:
             return f"D{item[1]}'s scatter of P{item[2]}'s a{item[3]} write"
+        if item[0] == READ:
+            return f"D{item[2]}'s read of t#{item[8]} a{item[3]} from P{item[1]}"
         return f"the completion of P{item[1]}'s write of a{item[3]} to D{item[2]}"
 
     def _action(self, a: Action) -> str:
@@ -71,9 +73,9 @@ class Describe:
         """One line for a step, before it runs."""
         kind = step[0]
         if kind in ("deliver", "dup", "drop", "land", "wfail", "complete", "hello", "hsfail",
-                    "scatter", "sfail", "vanish"):
+                    "scatter", "sfail", "vanish", "readdone", "readfail"):
             return f"{kind} {self._item(step[1])}"
-        if kind == "piece":
+        if kind in ("piece", "read"):
             return f"piece {step[2]} of {self._item(step[1])}"
         if kind == "tick":
             return f"timer of {self._name(step[1])}"

@@ -1,7 +1,7 @@
 """Which bytes a write touches, and which bytes each writer owes each consumer rank.
 
 The checker's memory is kept per byte of a consumer block (see
-:mod:`.check_world`): a byte is named by its block and by ``region * stride +
+:mod:`.world`): a byte is named by its block and by ``region * stride +
 offset`` inside the block. :func:`written` reads the bytes a real
 :class:`~.planner.TransferPlan` copies; :class:`Owed` computes, once per
 scope and with the real planner, the bytes a whole request owes from each
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .check_scope import Scope
-from .layout import RankInfo
-from .mapping import Assignment, assignment, expected_writers
-from .planner import TransferPlan, plan_transfer
+from ..layout import RankInfo
+from ..mapping import Assignment, assignment, expected_writers
+from ..planner import TransferPlan, plan_transfer
+from .scope import Scope
 
 #: (block, byte inside the block's regions: region * stride + offset)
 Cell = tuple[int, int]
