@@ -19,7 +19,8 @@ from typing import Any
 
 from ..protocol import FailurePolicy
 from .packing import SIM_PACKING
-from .profile import DEFAULT, Profile, ProfileError, load_profile
+from .profile import DEFAULT, Profile, ProfileError
+from .provenance import Resolved, resolve, to_toml
 from .scenario import (
     ConfigError,
     Dispatch,
@@ -142,21 +143,26 @@ def _add_deployment(p: argparse.ArgumentParser) -> None:
                    help="seconds until peers and router learn of a death (default 1)")
 
 
-def _profile(args: argparse.Namespace) -> Profile:
-    profile = load_profile(args.profile) if args.profile else DEFAULT
+def _resolved(args: argparse.Namespace) -> Resolved:
+    """The profile in effect and where each value came from: the built-in default,
+    ``--profile``'s file, then the flags that override it."""
+    flags: dict[str, tuple[Any, str]] = {}
     if args.prefix_hit is not None:
-        profile = dataclasses.replace(profile, prefill=dataclasses.replace(
-            profile.prefill, prefix_hit_fraction=args.prefix_hit))
+        flags["prefill.prefix_hit_fraction"] = (args.prefix_hit, "--prefix-hit")
     if args.fragmentation is not None:
-        profile = dataclasses.replace(
-            profile,
-            prefill=dataclasses.replace(profile.prefill, fragmentation=args.fragmentation),
-            decode=dataclasses.replace(profile.decode, fragmentation=args.fragmentation),
-        )
+        for side in ("prefill", "decode"):
+            flags[f"{side}.fragmentation"] = (args.fragmentation, "--fragmentation")
     if args.post_per_descriptor_us is not None:
-        profile = dataclasses.replace(profile, network=dataclasses.replace(
-            profile.network, post_per_descriptor_s=args.post_per_descriptor_us * 1e-6))
-    return profile.validate()
+        flags["network.post_per_descriptor_s"] = (
+            args.post_per_descriptor_us * 1e-6, "--post-per-descriptor-us")
+    return resolve(args.profile, flags)
+
+
+def _profile(args: argparse.Namespace) -> Profile:
+    resolved = _resolved(args)
+    for line in resolved.warnings:
+        print(f"pushkv: warning: {line}", file=sys.stderr)
+    return resolved.profile
 
 
 def _base_config(args: argparse.Namespace) -> SimConfig:
@@ -186,6 +192,12 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     from .metrics import summary_table
     from .runner import run
 
+    if args.print_profile:
+        resolved = _resolved(args)
+        for line in resolved.warnings:
+            print(f"pushkv: warning: {line}", file=sys.stderr)
+        sys.stdout.write(to_toml(resolved))
+        return 0
     mode, default_dispatch = parse_mode(args.mode)
     base = _base_config(args)
     seq = args.mode.endswith("-seq")
@@ -279,6 +291,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeline-dir", metavar="DIR",
                    help="also write every request's timeline marks into DIR "
                    "(pushkv.timeline's JSON lines; python -m pushkv.timeline sim=DIR)")
+    p.add_argument("--print-profile", action="store_true",
+                   help="print the profile in effect as TOML -- every value, with where it "
+                   "came from (built-in default, the file, a flag) -- and exit; saved as a "
+                   "profile it gives the same run")
     _add_deployment(p)
     p.set_defaults(func=dispatch, _run=_cmd_sim, _parser=p)
 
@@ -318,8 +334,9 @@ def register(subparsers: Any) -> None:
     q.add_argument("--results-dir", required=True, metavar="DIR", help="result files")
     q.add_argument("--metric", choices=["ttft", "tpot", "itl", "e2el"], required=True,
                    help="which latency to plot")
-    q.add_argument("--stat", choices=["mean", "median", "p99"], default="mean",
-                   help="which statistic of the metric")
+    q.add_argument("--stat", choices=["mean", "median", "p50", "p90", "p99"], default="mean",
+                   help="which statistic of the metric (p50 = median; p90 from the files' "
+                   "per-request lists)")
     q.add_argument("--out", metavar="FILE", help="PNG path (default: DIR/METRIC.png)")
     q.add_argument("--output-len", type=_pos_int,
                    help="output length to plot when the directory mixes several")

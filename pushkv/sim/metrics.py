@@ -207,6 +207,9 @@ SUMMARY_ROWS = (
 def summary_table(result: dict[str, Any], title: str) -> str:
     """A text table in the style of ``vllm bench serve``'s printout."""
     lines = [f"{' ' + title + ' ':=^52}"]
+    profile = result.get("pushkv", {}).get("profile")
+    if profile is not None:
+        lines.append(f"{'Profile:':<40} {profile}")
     for key, name, fmt in SUMMARY_ROWS:
         lines.append(f"{name + ':':<40} {fmt.format(result[key])}")
     extra = result.get("pushkv", {})

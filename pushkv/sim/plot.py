@@ -24,7 +24,10 @@ FILE_RE = re.compile(
     r"_in(?P<input>\d+)_out(?P<output>\d+)_iter(?P<iter>\d+)\.json$"
 )
 METRICS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
-STATS = ("mean", "median", "p99")
+STATS = ("mean", "median", "p50", "p90", "p99")
+#: per-request lists of a result file (seconds) behind each metric, for percentiles
+#: the file's summary fields do not hold (p50 is the median, p90)
+_LISTS = {"ttft": "ttfts", "e2el": "latencies"}
 _STYLES = {"pull": "--", "push": "-", "pull-async": ":", "push-seq": "-."}
 _MARKERS = {"pull": "s", "push": "o", "pull-async": "^", "push-seq": "D"}
 
@@ -41,6 +44,38 @@ class Point:
     output_len: int
     iteration: int
     value: float
+    profile: str | None = None  #: the simulator's profile name (None: a real run)
+
+
+def request_values_ms(data: dict[str, Any], metric: str) -> list[float] | None:
+    """One value per successful request (ms) from a result file's per-request lists,
+    as vLLM's statistics count them; None when the file lacks the lists."""
+    errors = data.get("errors")
+    if metric in _LISTS:
+        vals = data.get(_LISTS[metric])
+        if not isinstance(vals, list):
+            return None
+        ok = [v for i, v in enumerate(vals) if not (errors and errors[i])]
+        return [v * 1000 for v in ok]
+    ttfts, lats, outs = data.get("ttfts"), data.get("latencies"), data.get("output_lens")
+    if metric == "tpot" and all(isinstance(x, list) for x in (ttfts, lats, outs)):
+        return [(lat - t) / (o - 1) * 1000 for i, (t, lat, o) in enumerate(
+            zip(ttfts, lats, outs, strict=True)) if o > 1 and not (errors and errors[i])]
+    itls = data.get("itls")
+    if metric == "itl" and isinstance(itls, list):
+        return [x * 1000 for i, r in enumerate(itls) if not (errors and errors[i]) for x in r]
+    return None
+
+
+def percentile_ms(data: dict[str, Any], metric: str, q: float) -> float | None:
+    """The ``q``-th percentile of ``metric`` (ms) over the file's requests (numpy's
+    linear interpolation, as vLLM's p99); 0 for no request, None without the lists."""
+    import numpy as np
+
+    vals = request_values_ms(data, metric)
+    if vals is None:
+        return None
+    return float(np.percentile(vals, q)) if vals else 0.0
 
 
 def load_points(results_dir: str | Path, metric: str, stat: str = "mean") -> list[Point]:
@@ -52,7 +87,7 @@ def load_points(results_dir: str | Path, metric: str, stat: str = "mean") -> lis
     d = Path(results_dir)
     if not d.is_dir():
         raise PlotError(f"results directory not found: {d}")
-    key = f"{stat}_{metric}_ms"
+    key = f"{'median' if stat == 'p50' else stat}_{metric}_ms"
     points = []
     for path in sorted(d.iterdir()):
         m = FILE_RE.match(path.name)
@@ -62,11 +97,17 @@ def load_points(results_dir: str | Path, metric: str, stat: str = "mean") -> lis
             data: dict[str, Any] = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise PlotError(f"cannot read {path.name}: {exc}") from exc
-        if not isinstance(data, dict) or key not in data:
+        if not isinstance(data, dict):
+            raise PlotError(f"{path.name} is not a result object")
+        value = data.get(key) if stat != "p90" else percentile_ms(data, metric, 90.0)
+        if value is None:
             raise PlotError(f"{path.name} has no {key!r} field")
+        profile = data.get("pushkv", {}).get("profile") if isinstance(
+            data.get("pushkv"), dict) else None
         points.append(Point(
             mode=m["mode"], qps=float(m["qps"]), input_len=int(m["input"]),
-            output_len=int(m["output"]), iteration=int(m["iter"]), value=float(data[key]),
+            output_len=int(m["output"]), iteration=int(m["iter"]), value=float(value),
+            profile=profile,
         ))
     if not points:
         raise PlotError(f"no result files named like mode_qpsQ_inI_outO_iterN.json in {d}")
@@ -139,9 +180,12 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sets = [(series(load_points(results_dir, metric, stat), output_len, modes), labels[0])]
+    pts_all = load_points(results_dir, metric, stat)
+    sets = [(series(pts_all, output_len, modes), labels[0])]
     if overlay is not None:
-        sets.append((series(load_points(overlay, metric, stat), output_len, modes), labels[1]))
+        more = load_points(overlay, metric, stat)
+        pts_all = pts_all + more
+        sets.append((series(more, output_len, modes), labels[1]))
     rates = sorted({q for lines, _ in sets for _, q in lines})
     mode_names = sorted({m for lines, _ in sets for m, _ in lines},
                         key=lambda m: (m not in _STYLES, m))
@@ -181,7 +225,10 @@ def plot(
     ax.grid(True, which="both", alpha=0.3)
     iters = max(p.count for lines, _ in sets for pts in lines.values() for p in pts)
     bars = f"; bars: 1 std over {iters} iterations" if iters > 1 else ""
-    ax.set_title(title or f"{stat.capitalize()} {METRICS[metric]} vs input length{bars}")
+    profiles = sorted({p.profile for p in pts_all if p.profile})
+    named = f" ({', '.join(profiles)})" if profiles else ""
+    ax.set_title(title or f"{stat.capitalize()} {METRICS[metric]} vs input length{named}{bars}",
+                 fontsize=10)
     ax.legend(fontsize=7 if overlay is not None else 8, ncol=2, frameon=False)
     fig.tight_layout()
     path = Path(out) if out is not None else Path(results_dir) / f"{metric}.png"
