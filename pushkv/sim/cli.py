@@ -31,6 +31,7 @@ from .scenario import (
     TransferMode,
 )
 from .sweep import MODE_LABELS, SweepSpec, default_jobs, parse_mode
+from .trace import Trace, TraceError, read_trace, trace_workload
 from .workload import ARRIVALS, WorkloadConfig, WorkloadError
 
 _ERRORS = (ConfigError, ProfileError, WorkloadError)
@@ -165,6 +166,21 @@ def _profile(args: argparse.Namespace) -> Profile:
     return resolved.profile
 
 
+def _trace(args: argparse.Namespace) -> Trace | None:
+    """The trace of ``--trace``, cut and scaled; None without one."""
+    if args.trace is None:
+        for flag, value in (("--trace-speed", args.trace_speed),
+                            ("--trace-window", args.trace_window)):
+            if value is not None:
+                raise TraceError(f"{flag} needs --trace FILE")
+        return None
+    if args.prefix_hit is not None:
+        raise TraceError("--prefix-hit and --trace exclude each other: with a trace the "
+                         "prompts' block hashes set the prefix hits")
+    window = tuple(args.trace_window) if args.trace_window is not None else None
+    return read_trace(args.trace, speed=args.trace_speed or 1.0, window=window)
+
+
 def _base_config(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         dispatch=Dispatch(args.dispatch),
@@ -199,18 +215,19 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         sys.stdout.write(to_toml(resolved))
         return 0
     mode, default_dispatch = parse_mode(args.mode)
+    trace = _trace(args)
     base = _base_config(args)
     seq = args.mode.endswith("-seq")
     dispatch = Dispatch.SEQUENTIAL if seq else base.dispatch
     free = mode in (TransferMode.PUSH, TransferMode.AUTO)  # the dispatch is a choice
+    workload = WorkloadConfig(
+        request_rate=args.qps, burstiness=args.burstiness, input_len=args.input_len,
+        output_len=args.output_len, num_prompts=args.num_prompts, seed=args.seed,
+        arrivals=args.arrivals,
+    ) if trace is None else trace_workload(trace, seed=args.seed)
     cfg = dataclasses.replace(
         base, mode=mode, dispatch=dispatch if free else default_dispatch,
-        iteration=args.iteration,
-        workload=WorkloadConfig(
-            request_rate=args.qps, burstiness=args.burstiness, input_len=args.input_len,
-            output_len=args.output_len, num_prompts=args.num_prompts, seed=args.seed,
-            arrivals=args.arrivals,
-        ),
+        iteration=args.iteration, workload=workload, trace=trace,
     )
     tl = None
     if args.timeline_dir:
@@ -219,8 +236,11 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         tl = Timeline()
     result = run(cfg, timeline=tl)
     w = cfg.workload
-    print(summary_table(result.result, f"{cfg.label()} {w.request_rate:g} QPS "
-                        f"in={w.input_len} out={w.output_len}"))
+    if trace is not None:
+        title = f"{cfg.label()} trace {trace.name} ({len(trace.requests)} requests)"
+    else:
+        title = f"{cfg.label()} {w.request_rate:g} QPS in={w.input_len} out={w.output_len}"
+    print(summary_table(result.result, title))
     if args.result_dir:
         print(f"wrote {result.write(args.result_dir)}")
     if tl is not None:
@@ -291,6 +311,20 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeline-dir", metavar="DIR",
                    help="also write every request's timeline marks into DIR "
                    "(pushkv.timeline's JSON lines; python -m pushkv.timeline sim=DIR)")
+    t = p.add_argument_group("trace replay (instead of the random workload)")
+    t.add_argument("--trace", metavar="FILE",
+                   help="replay the requests of a JSON-lines trace (Mooncake's FAST'25 "
+                   "format, or arrival_s / input_len / output_len / block_hashes): arrival "
+                   "times and lengths from the file, prefix hits from its block hashes "
+                   "through an LRU prefix cache on each prefill instance (instead of "
+                   "--prefix-hit); --qps, --input-len, --output-len, --num-prompts and "
+                   "--burstiness are not used")
+    t.add_argument("--trace-speed", type=_pos_float, metavar="X",
+                   help="divide the trace's arrival times by X (2: twice the rate; "
+                   "default 1)")
+    t.add_argument("--trace-window", type=_nonneg_float, nargs=2, metavar=("T0", "T1"),
+                   help="replay only the requests arriving in [T0, T1) seconds of trace "
+                   "time (before --trace-speed)")
     p.add_argument("--print-profile", action="store_true",
                    help="print the profile in effect as TOML -- every value, with where it "
                    "came from (built-in default, the file, a flag) -- and exit; saved as a "

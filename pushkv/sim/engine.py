@@ -38,6 +38,7 @@ from .host.model import HostModel
 from .profile import EngineProfile, Profile
 from .request import Outcome, SimRequest
 from .scenario import TransferMode
+from .trace import PrefixCache, cached_tokens
 from .transport import SimTransport
 
 
@@ -141,6 +142,9 @@ class PrefillEngine(_Loop):
         self._by_tid: dict[str, SimRequest] = {}
         self.cached_tokens = 0
         self.computed_tokens = 0
+        #: with a trace: the prefix cache its block hashes play (else the profile's
+        #: prefix_hit_fraction of every prompt)
+        self.prefix_cache: PrefixCache | None = None
         env.process(self._loop())
 
     @property
@@ -177,7 +181,11 @@ class PrefillEngine(_Loop):
                 if not self.pool.can_allocate(need):
                     break
                 self.waiting.popleft()
-                cached = self.cached_prefix(req.input_len)
+                if self.prefix_cache is None:
+                    cached = self.cached_prefix(req.input_len)
+                else:
+                    cached = cached_tokens(self.prefix_cache.admit(req.spec.block_hashes),
+                                           req.input_len, eng.block_size)
                 self.cached_tokens += cached
                 p = _Prefill(req, self.pool.allocate(need), cached)
                 self.running.append(p)

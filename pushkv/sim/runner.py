@@ -13,6 +13,7 @@ import dataclasses
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from .profile import EngineProfile, Profile
 from .request import Outcome, SimRequest
 from .router import Router
 from .scenario import SimConfig, TransferMode
+from .trace import BLOCK_TOKENS, PrefixCache
 from .transport import SimTransport
 from .workload import generate
 
@@ -76,6 +78,13 @@ def _ranks(engine_id: str, profile: Profile, side: EngineProfile) -> Any:
     )[0]  # rank 0 stands for the whole TP group
 
 
+def prefix_cache_blocks(profile: Profile) -> int:
+    """Hashed blocks a prefill instance's prefix cache holds: its KV memory (the
+    profile's blocks per rank, all ranks alike) in trace blocks of BLOCK_TOKENS."""
+    side = profile.prefill
+    return max(1, side.num_blocks(profile.model, profile.gpu) * side.block_size // BLOCK_TOKENS)
+
+
 def arrival_rng(cfg: SimConfig, seed: np.random.SeedSequence) -> Any:
     """The generator of the run's arrival gaps: the run's own stream, or with
     ``workload.arrivals = "vllm"`` the one ``vllm bench serve --seed S`` draws them from
@@ -87,15 +96,21 @@ def arrival_rng(cfg: SimConfig, seed: np.random.SeedSequence) -> Any:
 
 
 def run(cfg: SimConfig, *, keep_objects: bool = False,
-        timeline: Timeline | None = None) -> RunResult:
+        timeline: Timeline | None = None,
+        progress: Callable[[float, int, int], None] | None = None,
+        progress_every_s: float = 60.0) -> RunResult:
     """Simulate ``cfg`` and return its results; with ``timeline``, record every
-    request's marks into it (:mod:`pushkv.sim.marks`; the results do not change)."""
+    request's marks into it (:mod:`pushkv.sim.marks`; the results do not change).
+    ``progress(now_s, ended, total)`` is called every ``progress_every_s`` simulated
+    seconds until every request ended (it reads, schedules nothing: the results do
+    not change either)."""
     wall0 = time.perf_counter()
     seeds = np.random.SeedSequence([cfg.workload.seed, cfg.iteration])
     streams = seeds.spawn(4 + cfg.num_prefill + cfg.num_decode)
     arrival_seed, fault_seed, *pool_seeds, skew_seed, incarnation_seed = streams
     env = simpy.Environment()
-    specs = generate(cfg.workload, arrival_rng(cfg, arrival_seed))
+    specs = (list(cfg.trace.requests) if cfg.trace is not None
+             else generate(cfg.workload, arrival_rng(cfg, arrival_seed)))
     recorder = Recorder(env, len(specs))
     arrived = [0]
     # the host the processes run on (profile.host.model); its streams, if it draws, are
@@ -124,6 +139,8 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         pool = BlockPool(profile.prefill.num_blocks(m, gpu), profile.prefill.fragmentation,
                          np.random.default_rng(pool_seeds[i]), profile.prefill.free_order)
         eng = PrefillEngine(env, eid, profile, pool, transport, cfg.resolved_mode, on_done, host)
+        if cfg.trace is not None:  # the prompts' block hashes in a cache of this size
+            eng.prefix_cache = PrefixCache(prefix_cache_blocks(profile))
         transport.add_producer(_ranks(eid, profile, profile.prefill), eng)
         prefills.append(eng)
     for j in range(cfg.num_decode):
@@ -153,6 +170,12 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
 
     for r in reqs:
         arrive_at(r)
+    if progress is not None:
+        def report() -> Any:
+            while not recorder.done.triggered:
+                yield env.timeout(progress_every_s)
+                progress(env.now, len(recorder.ended), len(reqs))
+        env.process(report())
     _schedule_faults(env, cfg, transport, prefills, decodes)
 
     try:
@@ -169,6 +192,8 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
     leaks = _leaks(transport, prefills, decodes)
 
     extra = _extra(cfg, transport, prefills, decodes, router, reqs, leaks)
+    if cfg.trace is not None:
+        extra.update(_trace_extra(cfg, prefills, reqs))
     result = vllm_result(
         reqs, duration=end + profile.network.router_hop_s, model_id=profile.model.name,
         request_rate=cfg.workload.request_rate, burstiness=cfg.workload.burstiness,
@@ -233,6 +258,26 @@ def _drain(
         transport.inflight or sum(_leaks(transport, prefills, decodes).values())
     ):
         env.step()
+
+
+def _trace_extra(cfg: SimConfig, prefills: list[PrefillEngine],
+                 reqs: list[SimRequest]) -> dict[str, Any]:
+    """What a trace run adds to the extra key: the trace, and its prefix reuse."""
+    assert cfg.trace is not None
+    prompt = sum(r.input_len for r in reqs)
+    cached = sum(p.cached_tokens for p in prefills)
+    return {
+        "trace": cfg.trace.name,
+        "trace_speed": cfg.trace.speed,
+        "trace_window_s": list(cfg.trace.window) if cfg.trace.window else None,
+        "input_len": None,
+        "output_len": None,
+        "prefix_hit_fraction": None,
+        "prefix_hit_rate": cached / prompt if prompt else 0.0,
+        "prefix_cache_blocks": prefix_cache_blocks(cfg.profile),
+        "prefix_hit_blocks": sum(p.prefix_cache.hit_blocks for p in prefills
+                                 if p.prefix_cache is not None),
+    }
 
 
 def _extra(

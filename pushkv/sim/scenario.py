@@ -18,6 +18,7 @@ from ..protocol.errors import ConfigError as ProtocolConfigError
 from ..protocol.packing import PackingConfig
 from .packing import SIM_PACKING
 from .profile import DEFAULT, Profile
+from .trace import Trace
 from .workload import WorkloadConfig
 
 
@@ -134,6 +135,10 @@ class SimConfig:
     packing: PackingConfig = field(
         default=SIM_PACKING, metadata={"help": "packed writes: the transports' cost model"})
     iteration: int = field(default=0, metadata={"help": "iteration number (file name, seed)"})
+    trace: Trace | None = field(default=None, metadata={
+        "help": "requests replayed from a trace (pushkv.sim.trace) instead of the "
+                "workload's; their block hashes play a prefix cache on each prefill "
+                "instance in place of prefill.prefix_hit_fraction"})
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -182,6 +187,8 @@ class SimConfig:
     def file_name(self) -> str:
         """``{mode}_qps{q}_in{i}_out{o}_iter{n}.json``, as the post's benchmark script names it."""
         w = self.workload
+        if self.trace is not None:
+            return f"{self.label()}_trace-{self.trace.name}_iter{self.iteration}.json"
         q = w.request_rate
         qs = str(int(q)) if math.isfinite(q) and q == int(q) else str(q)
         return f"{self.label()}_qps{qs}_in{w.input_len}_out{w.output_len}_iter{self.iteration}.json"

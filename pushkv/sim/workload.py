@@ -70,6 +70,9 @@ class Request:
     arrival: float
     input_len: int
     output_len: int
+    #: ids of the prompt's hashed blocks (:data:`pushkv.sim.trace.BLOCK_TOKENS` tokens
+    #: each; equal ids, equal prefix KV); empty for generated requests
+    block_hashes: tuple[int, ...] = ()
 
 
 def arrivals(cfg: WorkloadConfig, rng: np.random.Generator | np.random.RandomState
