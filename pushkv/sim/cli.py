@@ -266,8 +266,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from .plot import plot
+    from .plot import PlotError, plot, plot_cdf
 
+    if args.cdf:
+        if args.overlay or args.stat != "mean":
+            raise PlotError("--cdf draws every request of each trace run: no --overlay "
+                            "or --stat")
+        print(f"wrote {plot_cdf(args.results_dir, args.metric, args.out, title=args.title)}")
+        return 0
     path = plot(args.results_dir, args.metric, args.out, stat=args.stat,
                 output_len=args.output_len, modes=args.modes, title=args.title,
                 overlay=args.overlay, labels=tuple(args.labels))
@@ -376,6 +382,10 @@ def register(subparsers: Any) -> None:
                    help="output length to plot when the directory mixes several")
     q.add_argument("--modes", nargs="+", metavar="MODE", help="only these modes")
     q.add_argument("--title", help="figure title")
+    q.add_argument("--cdf", action="store_true",
+                   help="trace runs (mode_trace-NAME_iterN.json): the metric's distribution "
+                   "over the requests, one line per file, p50/p90/p99 marked (default "
+                   "file: DIR/METRIC_cdf.png)")
     q.add_argument("--overlay", metavar="DIR", help="a second directory of result files "
                    "drawn on the same axes (e.g. measured runs over simulated ones)")
     q.add_argument("--labels", nargs=2, default=["simulated", "measured"],

@@ -236,3 +236,75 @@ def plot(
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+TRACE_RE = re.compile(r"^(?P<mode>[A-Za-z0-9][A-Za-z0-9-]*)_trace-(?P<trace>[A-Za-z0-9._-]+)"
+                      r"_iter(?P<iter>\d+)\.json$")
+
+
+def load_cdfs(results_dir: str | Path, metric: str) -> dict[str, tuple[list[float], Any]]:
+    """Label -> (sorted per-request values in ms, the file's profile name) of every
+    trace result file (``{mode}_trace-{name}_iter{n}.json``) in a directory."""
+    if metric not in METRICS:
+        raise PlotError(f"unknown metric {metric!r} (choose from {', '.join(METRICS)})")
+    d = Path(results_dir)
+    if not d.is_dir():
+        raise PlotError(f"results directory not found: {d}")
+    out = {}
+    for path in sorted(d.iterdir()):
+        m = TRACE_RE.match(path.name)
+        if m is None:
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise PlotError(f"cannot read {path.name}: {exc}") from exc
+        vals = request_values_ms(data, metric) if isinstance(data, dict) else None
+        if vals is None:
+            raise PlotError(f"{path.name} has no per-request lists for {metric}")
+        extra = data.get("pushkv") if isinstance(data.get("pushkv"), dict) else {}
+        label = f"{m['mode']} ({m['trace']}, iter {m['iter']})"
+        out[label] = (sorted(vals), extra.get("profile"))
+    if not out:
+        raise PlotError(f"no trace result files named like mode_trace-NAME_iterN.json in {d}")
+    return out
+
+
+def plot_cdf(results_dir: str | Path, metric: str, out: str | Path | None = None, *,
+             title: str | None = None) -> Path:
+    """The distribution of ``metric`` over a trace run's requests, one line per result
+    file (mode), p50 / p90 / p99 marked; return the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cdfs = load_cdfs(results_dir, metric)
+    fig, ax = plt.subplots(figsize=(8, 5.2), dpi=120)
+    for label, (vals, _profile) in cdfs.items():
+        if not vals:
+            continue
+        ys = np.arange(1, len(vals) + 1) / len(vals)
+        style = _STYLES.get(label.split(" ")[0], "-")
+        qs = {q: float(np.percentile(vals, q)) for q in (50, 90, 99)}
+        fmt = "{:.0f}" if qs[50] >= 10 else "{:.2f}"
+        label += ": " + ", ".join(f"p{q} {fmt.format(x)}" for q, x in qs.items()) + " ms"
+        (line,) = ax.plot(vals, ys, linestyle=style, linewidth=1.6, label=label)
+        ax.plot(list(qs.values()), [q / 100 for q in qs], linestyle="none", marker="o",
+                color=line.get_color(), markersize=4)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{METRICS[metric]} (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(True, which="both", alpha=0.3)
+    profiles = sorted({p for _, p in cdfs.values() if p})
+    named = f" ({', '.join(profiles)})" if profiles else ""
+    ax.set_title(title or f"{METRICS[metric]} distribution over the trace's requests{named}",
+                 fontsize=10)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    path = Path(out) if out is not None else Path(results_dir) / f"{metric}_cdf.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
