@@ -11,6 +11,7 @@ from collections.abc import Sequence
 #: Imported lazily so each works with only its own extra installed.
 _PLUGINS = [
     ("pushkv.sim.cli", "register"),
+    ("pushkv.sim.planner.cli", "register"),
     ("pushkv.vllm.proxy.cli", "register"),
     ("pushkv.vllm.up", "register"),
 ]

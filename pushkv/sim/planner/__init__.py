@@ -1,0 +1,14 @@
+"""``pushkv plan``: search prefill/decode configurations for goodput under SLOs.
+
+:mod:`.bounds` holds the closed-form floors and capacity, :mod:`.measure` one
+simulated point and its SLO attainment, :mod:`.search` the configurations, the
+pruning and the rate bisection, :mod:`.report` the table, JSON and Pareto plot,
+:mod:`.cli` the command. Searching needs ``simpy``, the plot ``matplotlib``
+(``pip install pushkv[sim]``), each imported where used.
+"""
+
+from .measure import SLO, Sample, Verdict, judge
+from .search import Candidate, Outcome, Plan, PlanError, PlanSpec, run_plan
+
+__all__ = ["SLO", "Candidate", "Outcome", "Plan", "PlanError", "PlanSpec", "Sample", "Verdict",
+           "judge", "run_plan"]

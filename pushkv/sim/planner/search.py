@@ -1,0 +1,416 @@
+"""The planner's search: configurations within a budget, the goodput of each.
+
+A configuration (:class:`Candidate`) is a transfer mode, ``x`` prefill and ``y``
+decode instances and one TP size for both sides (the simulator drives one
+representative rank per side, which needs equal TP). The search:
+
+1. **enumerates** every ``xPyD`` with ``(x + y) * tp`` within the GPU budget, for
+   each TP asked for, and each mode;
+2. **prunes** those that cannot meet the SLO at any rate: their closed-form
+   TTFT or TPOT floor (:mod:`.bounds`) is already above it, so every request
+   misses it whatever the load -- no simulation;
+3. **bisects** the rate of the others on a geometric ladder from the
+   configuration's capacity bound down by ``rate_range``, in steps of
+   ``1 + rate_tol``: one simulation at the bottom rung (failing: the
+   configuration misses the SLO even lightly loaded), one at the top (passing:
+   goodput is the capacity), then halving the bracket. Under a monotone
+   attainment (more load, no more requests within the SLO) it returns exactly
+   the highest rung the full ladder would, in at most ``2 + ceil(log2(rungs))``
+   simulations instead of ``rungs``.
+
+The simulator is seeded by ``(seed, iteration)``, and the arrivals of one seed at
+two rates are the same gaps scaled, so attainment is close to monotone in the
+rate; the search is deterministic: the same spec gives the same plan, on any
+number of worker processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from ...protocol.errors import ConfigError
+from ..profile import DEFAULT, Profile, ProfileError
+from ..scenario import SimConfig
+from ..sweep import MODE_LABELS, parse_mode
+from ..workload import WorkloadConfig
+from .bounds import Capacity, capacity, tpot_floor, ttft_floor
+from .measure import SLO, Sample, Verdict, judge, simulate
+
+#: a floor must exceed the SLO by this much to prune (result files round times to 0.1 us)
+PRUNE_MARGIN_S = 1e-6
+
+
+class PlanError(ConfigError):
+    """A plan cannot be made as asked (bad SLO, budget, TP or mode)."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Candidate:
+    """One deployment: a transfer mode, ``num_prefill`` P and ``num_decode`` D
+    instances of ``tp`` GPUs each."""
+
+    mode: str
+    num_prefill: int
+    num_decode: int
+    tp: int
+
+    @property
+    def gpus(self) -> int:
+        return (self.num_prefill + self.num_decode) * self.tp
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} {self.num_prefill}P{self.num_decode}D TP{self.tp}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSpec:
+    """What to plan: the profile, the workload (its rate is searched), the SLO, the
+    GPU budget and the search space."""
+
+    profile: Profile = field(default=DEFAULT, metadata={"help": "hardware and model"})
+    workload: WorkloadConfig = field(
+        default_factory=lambda: WorkloadConfig(input_len=4096, output_len=128, num_prompts=200),
+        metadata={"help": "lengths, burstiness, prompts per simulation, seed (rate ignored)"})
+    slo: SLO = field(default_factory=lambda: SLO(ttft_s=1.0, tpot_s=0.05))
+    gpus: int = field(default=16, metadata={"help": "GPU budget"})
+    modes: tuple[str, ...] = field(default=("pull", "push"), metadata={"help": "mode labels"})
+    tps: tuple[int, ...] | None = field(
+        default=None, metadata={"help": "TP sizes; None: the two largest the node allows"})
+    seeds: int = field(default=1, metadata={"help": "iterations (seeds) per simulated rate"})
+    rate_tol: float = field(default=0.1, metadata={"help": "ladder step: rungs 1+tol apart"})
+    rate_range: float = field(default=32.0, metadata={
+        "help": "the ladder spans capacity / rate_range .. capacity"})
+
+    def __post_init__(self) -> None:
+        s = self.slo
+        for name, v in (("TTFT SLO", s.ttft_s), ("TPOT SLO", s.tpot_s)):
+            if not (v > 0 and math.isfinite(v)):
+                raise PlanError(f"the {name} must be a positive number of seconds, got {v}")
+        if not 0 < s.percentile < 100:
+            raise PlanError(f"the percentile must be in (0, 100), got {s.percentile}")
+        if not 0 < s.attainment <= 1:
+            raise PlanError(f"the attainment target must be in (0, 1], got {s.attainment}")
+        if self.gpus < 1:
+            raise PlanError(f"the budget must be at least one GPU, got {self.gpus}")
+        if not self.modes:
+            raise PlanError("at least one mode is needed")
+        for m in self.modes:
+            if m not in MODE_LABELS:
+                raise PlanError(f"unknown mode {m!r} (choose from {', '.join(MODE_LABELS)})")
+        if self.seeds < 1:
+            raise PlanError(f"seeds must be >= 1, got {self.seeds}")
+        if not (self.rate_tol > 0 and math.isfinite(self.rate_tol)):
+            raise PlanError(f"the rate tolerance must be > 0, got {self.rate_tol}")
+        if not (self.rate_range > 1 and math.isfinite(self.rate_range)):
+            raise PlanError(f"the rate range must be > 1, got {self.rate_range}")
+
+
+# ------------------------------------------------------------------ space
+
+
+def profile_at(profile: Profile, tp: int) -> Profile:
+    """``profile`` with TP ``tp`` on both sides, validated (:class:`ProfileError` when
+    the model does not split ``tp`` ways or leaves no room for KV)."""
+    p = dataclasses.replace(profile, prefill=dataclasses.replace(profile.prefill, tp=tp),
+                            decode=dataclasses.replace(profile.decode, tp=tp))
+    return p.validate()
+
+
+def allowed_tps(profile: Profile) -> list[int]:
+    """TP sizes within one node for which the profile is valid (ascending)."""
+    out = []
+    for tp in range(1, profile.network.gpus_per_node + 1):
+        try:
+            profile_at(profile, tp)
+        except ProfileError:
+            continue
+        out.append(tp)
+    return out
+
+
+def resolve_tps(spec: PlanSpec) -> tuple[int, ...]:
+    """The TP sizes to search: those asked for (each checked), or the two largest the
+    node and model allow."""
+    node = spec.profile.network.gpus_per_node
+    if spec.tps is None:
+        ok = allowed_tps(spec.profile)
+        if not ok:
+            raise PlanError(f"no TP size up to the node's {node} GPUs fits profile "
+                            f"{spec.profile.name!r}")
+        return tuple(ok[-2:])
+    for tp in spec.tps:
+        if tp < 1 or tp > node:
+            raise PlanError(f"TP {tp} is outside one node (1 .. {node} GPUs, "
+                            "network.gpus_per_node)")
+        try:
+            profile_at(spec.profile, tp)
+        except ProfileError as exc:
+            raise PlanError(f"TP {tp} does not fit profile {spec.profile.name!r}: {exc}") from None
+    return tuple(sorted(set(spec.tps)))
+
+
+def candidates(spec: PlanSpec) -> list[Candidate]:
+    """Every configuration within the budget, in a fixed order."""
+    tps = resolve_tps(spec)
+    smallest = min(tps)
+    if 2 * smallest > spec.gpus:
+        raise PlanError(f"a budget of {spec.gpus} GPUs is smaller than one 1P1D deployment "
+                        f"(2 instances x TP {smallest} = {2 * smallest} GPUs)")
+    out = []
+    for mode in spec.modes:
+        for tp in tps:
+            most = spec.gpus // tp
+            for x in range(1, most):
+                for y in range(1, most - x + 1):
+                    out.append(Candidate(mode, x, y, tp))
+    return out
+
+
+def sim_config(spec: PlanSpec, cand: Candidate, rate: float) -> SimConfig:
+    """The simulator's config of ``cand`` at ``rate``."""
+    mode, dispatch = parse_mode(cand.mode)
+    return SimConfig(
+        mode=mode, dispatch=dispatch, num_prefill=cand.num_prefill,
+        num_decode=cand.num_decode, profile=profile_at(spec.profile, cand.tp),
+        workload=dataclasses.replace(spec.workload, request_rate=rate),
+    )
+
+
+# ----------------------------------------------------------------- bounds
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """A configuration's closed-form floors and capacity."""
+
+    ttft_floor: float
+    tpot_floor: float
+    capacity: Capacity
+
+    def prune_reason(self, slo: SLO) -> str | None:
+        """Why no rate can meet ``slo`` (None: a rate might)."""
+        if self.ttft_floor > slo.ttft_s + PRUNE_MARGIN_S:
+            return (f"TTFT floor {self.ttft_floor * 1e3:.1f} ms is above the "
+                    f"{slo.ttft_s * 1e3:g} ms SLO")
+        if self.tpot_floor > slo.tpot_s + PRUNE_MARGIN_S:
+            return (f"TPOT floor {self.tpot_floor * 1e3:.2f} ms is above the "
+                    f"{slo.tpot_s * 1e3:g} ms SLO")
+        return None
+
+
+def bounds(spec: PlanSpec, cand: Candidate) -> Bounds:
+    p = profile_at(spec.profile, cand.tp)
+    w = spec.workload
+    return Bounds(
+        ttft_floor=ttft_floor(p, w.input_len),
+        tpot_floor=tpot_floor(p, w.input_len, w.output_len),
+        capacity=capacity(p, w.input_len, w.output_len, cand.num_prefill, cand.num_decode),
+    )
+
+
+# ------------------------------------------------------------------ rates
+
+
+def ladder(top: float, rate_tol: float, rate_range: float) -> tuple[float, ...]:
+    """Rates from about ``top / rate_range`` up to ``top``, ``1 + rate_tol`` apart
+    (ascending; the last rung is ``top``)."""
+    if not (top > 0 and math.isfinite(top)):
+        raise PlanError(f"the capacity bound must be a positive rate, got {top}")
+    steps = math.ceil(math.log(rate_range) / math.log1p(rate_tol))
+    return tuple(top / (1 + rate_tol) ** (steps - k) for k in range(steps + 1))
+
+
+def highest_passing(n: int, passes: Callable[[int], bool]) -> tuple[int | None, int | None]:
+    """Bisect rungs ``0 .. n-1`` of a predicate that holds up to some rung and not
+    above it: returns (the highest rung that passes or None, the lowest evaluated rung
+    that fails or None). Evaluates rung 0, then rung ``n - 1``, then halves the
+    bracket: at most ``2 + ceil(log2(n))`` calls."""
+    if n < 1:
+        raise PlanError("an empty ladder")
+    if not passes(0):
+        return None, 0
+    if n == 1:
+        return 0, None
+    if passes(n - 1):
+        return n - 1, None
+    lo, hi = 0, n - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
+# ----------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the search found for one configuration."""
+
+    candidate: Candidate
+    bounds: Bounds
+    pruned: str | None  #: why it was never simulated (None: it was)
+    goodput: float  #: highest rung meeting the SLO (req/s; 0 if none)
+    at_goodput: Verdict | None  #: the point at the goodput rate
+    first_fail: Verdict | None  #: the lowest simulated rate that missed the SLO
+    points: tuple[Verdict, ...]  #: every simulated rate, in the order simulated
+    simulations: int  #: runs of the simulator (points x seeds)
+    wall_s: float
+
+    @property
+    def goodput_per_gpu(self) -> float:
+        return self.goodput / self.candidate.gpus
+
+    @property
+    def binding(self) -> str:
+        """What stops a higher rate: ``ttft``, ``tpot``, ``both`` (the SLO at the first
+        rate that missed it), ``capacity`` (met at the capacity bound) or ``pruned``."""
+        if self.pruned is not None:
+            return "pruned"
+        if self.first_fail is None:
+            return "capacity"
+        return self.first_fail.binding
+
+
+def search_candidate(spec: PlanSpec, cand: Candidate,
+                     evaluate: Callable[[SimConfig, int], Sample] = simulate) -> Outcome:
+    """Prune or bisect one configuration (``evaluate`` runs one point over the seeds)."""
+    t0 = time.perf_counter()
+    b = bounds(spec, cand)
+    reason = b.prune_reason(spec.slo)
+    if reason is not None:
+        return Outcome(cand, b, reason, 0.0, None, None, (), 0, time.perf_counter() - t0)
+    rates = ladder(b.capacity.rate, spec.rate_tol, spec.rate_range)
+    seen: dict[int, Verdict] = {}
+    order: list[Verdict] = []
+
+    def passes(k: int) -> bool:
+        v = judge(evaluate(sim_config(spec, cand, rates[k]), spec.seeds), spec.slo)
+        seen[k] = v
+        order.append(v)
+        return v.meets(spec.slo)
+
+    best, fail = highest_passing(len(rates), passes)
+    return Outcome(
+        candidate=cand, bounds=b, pruned=None,
+        goodput=rates[best] if best is not None else 0.0,
+        at_goodput=seen[best] if best is not None else None,
+        first_fail=seen[fail] if fail is not None else None,
+        points=tuple(order), simulations=len(order) * spec.seeds,
+        wall_s=time.perf_counter() - t0,
+    )
+
+
+def full_grid_simulations(spec: PlanSpec, cands: Sequence[Candidate]) -> int:
+    """Simulations the full grid would run: every configuration at every rung."""
+    total = 0
+    for c in cands:
+        total += len(ladder(bounds(spec, c).capacity.rate, spec.rate_tol, spec.rate_range))
+    return total * spec.seeds
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A finished search: every configuration's outcome, ranked."""
+
+    spec: PlanSpec
+    outcomes: tuple[Outcome, ...]  #: best first
+    simulations: int
+    full_grid: int
+    wall_s: float
+    jobs: int
+
+    @property
+    def feasible(self) -> tuple[Outcome, ...]:
+        return tuple(o for o in self.outcomes if o.goodput > 0)
+
+    @property
+    def best(self) -> Outcome | None:
+        f = self.feasible
+        return f[0] if f else None
+
+
+def rank_key(o: Outcome) -> tuple[Any, ...]:
+    """Best first: goodput per GPU, then a lower TTFT at it, fewer GPUs, the name."""
+    ttft = o.at_goodput.ttft_p if o.at_goodput is not None else math.inf
+    return (-o.goodput_per_gpu, ttft, o.candidate.gpus, o.candidate)
+
+
+def _task(args: tuple[PlanSpec, Candidate]) -> Outcome:
+    """A worker's job (top level, so ``spawn`` workers can import it)."""
+    spec, cand = args
+    return search_candidate(spec, cand)
+
+
+def _cost(spec: PlanSpec, cand: Candidate) -> float:
+    """Heavier first: more instances, and pull before push (its steps stall)."""
+    return cand.num_prefill + cand.num_decode + 0.5 * parse_mode(cand.mode)[0].is_pull
+
+
+def run_plan(spec: PlanSpec, *, jobs: int = 1, progress: TextIO | None = sys.stderr,
+             evaluate: Callable[[SimConfig, int], Sample] | None = None) -> Plan:
+    """Search every configuration of ``spec``; ``jobs`` worker processes (``spawn``)
+    each take whole configurations; with ``progress``, one line per configuration
+    done. ``evaluate`` replaces the simulator (one process only; for tests)."""
+    t0 = time.perf_counter()
+    cands = candidates(spec)
+    todo = sorted(cands, key=lambda c: (-_cost(spec, c), c))
+    results: Iterator[Outcome]
+    jobs = max(1, min(jobs, len(todo)))
+    pool: Any = None
+    if evaluate is not None:
+        ev = evaluate
+        results = (search_candidate(spec, c, ev) for c in todo)
+        jobs = 1
+    elif jobs == 1:
+        results = (search_candidate(spec, c) for c in todo)
+    else:
+        pool = multiprocessing.get_context("spawn").Pool(jobs)
+        results = pool.imap_unordered(_task, [(spec, c) for c in todo])
+    outcomes: list[Outcome] = []
+    sims = 0
+    try:
+        for i, o in enumerate(results, 1):
+            outcomes.append(o)
+            sims += o.simulations
+            if progress is not None:
+                progress.write(_progress_line(i, len(todo), o, sims, time.perf_counter() - t0))
+                progress.flush()
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    outcomes.sort(key=rank_key)
+    return Plan(spec=spec, outcomes=tuple(outcomes), simulations=sims,
+                full_grid=full_grid_simulations(spec, cands),
+                wall_s=time.perf_counter() - t0, jobs=jobs)
+
+
+def _progress_line(i: int, n: int, o: Outcome, sims: int, wall: float) -> str:
+    if o.pruned is not None:
+        what = f"pruned: {o.pruned}"
+    elif o.goodput > 0:
+        what = f"goodput {o.goodput:.3g} req/s ({o.goodput_per_gpu:.3g}/GPU, {o.binding})"
+    else:
+        what = "misses the SLO at every rate tried"
+    return (f"[{i}/{n}] {o.candidate.label}: {what}; {o.simulations} sims "
+            f"({sims} in all, {wall:.0f} s)\n")
+
+
+__all__ = [
+    "PRUNE_MARGIN_S", "Bounds", "Candidate", "Outcome", "Plan", "PlanError", "PlanSpec",
+    "allowed_tps", "bounds", "candidates", "full_grid_simulations", "highest_passing",
+    "ladder", "profile_at", "rank_key", "resolve_tps", "run_plan", "search_candidate",
+    "sim_config",
+]
