@@ -167,3 +167,9 @@ def test_the_docs_example_profile_earns_only_the_node_size_warning(tmp_path: Pat
     assert r.profile.network.wire_model == "two-limits"
     [line] = r.warnings  # 8 GPUs a node, like the built-in one: said, not refused
     assert "network.gpus_per_node = 8" in line and "prefill.tp" not in line
+
+
+def test_the_shipped_8b_example_earns_no_warning() -> None:
+    r = resolve(PROFILES / "llama-3.1-8b-h100-ib.toml")
+    assert r.warnings == ()
+    assert r.profile.prefill.tp == 1 and r.profile.network.wire_model == "two-limits"
