@@ -21,32 +21,12 @@ from typing import Any
 from ..events import IssueRead, Peer, Publish
 from .invariants import Violation
 from .owed import touched, written
+from .part import ModelPart
 from .world import FAILED, POSTED, Item, World, read_item
 
 
-class Pull:
+class Pull(ModelPart):
     """Published sources and reads; :class:`~.model.Model` provides the rest."""
-
-    np: int
-    p_stride: int
-    d_stride: int
-    log: list[str] | None
-
-    def _say(self, text: str) -> None:  # pragma: no cover - provided by Model
-        raise NotImplementedError
-
-    def _run(self, w: World, ids: list[int], i: int, key: tuple[Any, ...],
-             call: Any) -> None:  # pragma: no cover - provided by Model
-        raise NotImplementedError
-
-    def _k_of(self, action: Any) -> int:  # pragma: no cover - provided by Model
-        raise NotImplementedError
-
-    def _call(self, k: int) -> tuple[str, dict[str, int]]:  # pragma: no cover - by Model
-        raise NotImplementedError
-
-    def _check_dest(self, w: World, item: Item) -> None:  # pragma: no cover - by Model
-        raise NotImplementedError
 
     # ------------------------------------------------------------ publishing
 
@@ -67,7 +47,7 @@ class Pull:
         lease_s = min(until for _, j, until in w.published if j == k) - w.now
         src = w.pinc[k].blocks
         tid, kw = self._call(k)
-        n = self.scope.tokens  # type: ignore[attr-defined]
+        n = self.scope.tokens
         self._run(w, ids, self.np + c, ("pull", k, blocks, lease_s, w.now),
                   lambda ep: ep.start_pull(tid, "P", src, blocks, n, w.now, lease_s=lease_s,
                                            **kw))

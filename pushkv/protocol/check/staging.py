@@ -24,6 +24,7 @@ from ..events import IssueWrite, Peer, ReleaseStaging, Scatter, SendMessage
 from ..messages import Register
 from .invariants import Violation
 from .owed import touched, written
+from .part import ModelPart
 from .world import (
     FAILED,
     POSTED,
@@ -43,29 +44,8 @@ def gather_map(scatter: Any) -> int:
     return zlib.crc32(scatter.tobytes())
 
 
-class Staging:
+class Staging(ModelPart):
     """Packed writes and scatters; :class:`~.model.Model` provides the rest."""
-
-    np: int
-    d_stride: int
-    eager: bool
-    log: list[str] | None
-
-    def _say(self, text: str) -> None:  # pragma: no cover - provided by Model
-        raise NotImplementedError
-
-    def _run(self, w: World, ids: list[int], i: int, key: tuple[Any, ...],
-             call: Any) -> None:  # pragma: no cover - provided by Model
-        raise NotImplementedError
-
-    def _frame(self, msg: Any) -> bytes:  # pragma: no cover - provided by Model
-        raise NotImplementedError
-
-    def _k_of(self, action: Any) -> int:  # pragma: no cover - provided by Model
-        raise NotImplementedError
-
-    def _call(self, k: int) -> tuple[str, dict[str, int]]:  # pragma: no cover - by Model
-        raise NotImplementedError
 
     # -------------------------------------------------------------- lending
 
