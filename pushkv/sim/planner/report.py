@@ -92,12 +92,14 @@ def recommendation(plan: Plan) -> dict[str, Any] | None:
     if twin is not None:
         tv = twin.at_goodput
         if twin.goodput > 0 and tv is not None:
-            words = (f"{twin.candidate.label} reaches {twin.goodput_per_gpu:.3g}/GPU "
-                     f"(this one {best.goodput / twin.goodput:.2f}x its goodput)")
+            words = [] if twin is runner else [
+                f"{twin.candidate.label} reaches {twin.goodput_per_gpu:.3g}/GPU "
+                f"(this one {best.goodput / twin.goodput:.2f}x its goodput)"]
             if math.isfinite(tv.transfer_share) and math.isfinite(v.transfer_share):
-                words += (f"; the KV wait after prefill is {_pct(tv.transfer_share)} of its "
-                          f"TTFT at its goodput rate, {_pct(v.transfer_share)} here")
-            reasons.append(words)
+                words.append(f"with {twin.candidate.mode} the KV wait after prefill is "
+                             f"{_pct(tv.transfer_share)} of TTFT at its goodput rate, "
+                             f"{_pct(v.transfer_share)} here")
+            reasons.extend(words)
         elif twin.pruned is not None:
             reasons.append(f"{twin.candidate.label} cannot meet the SLO ({twin.pruned})")
         else:
