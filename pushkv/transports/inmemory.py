@@ -1117,7 +1117,7 @@ __all__ = [
 
 
 class InMemoryCluster:
-    """The conformance-suite :class:`~pushkv.transports.testing.Cluster` over this transport.
+    """The conformance-suite :class:`~pushkv.transports.conformance.Cluster` over this transport.
 
     Waits run the network in simulated time, so a 3-second window takes no
     wall-clock time at all. ``delivery`` and ``seed`` (None: the topology's)
@@ -1184,7 +1184,7 @@ class InMemoryCluster:
         self.net.kill("prefill-0")
 
     def snapshot(self) -> Any:
-        from .testing import Snapshot
+        from .conformance import Snapshot
 
         outcomes: dict[tuple[int, str], list[tuple[str, int]]] = {}
         dst_released: Counter[tuple[int, str, int]] = Counter()

@@ -11,7 +11,7 @@ import pytest
 from pushkv.integrity import KINDS, Injector, IntegrityConfig
 from pushkv.protocol import FailReason, TransferFailed, TransferReady, uniform_ranks
 from pushkv.protocol.packing import PackingConfig
-from pushkv.transports import testing
+from pushkv.transports import conformance
 from pushkv.transports.inmemory import pair
 
 ON = IntegrityConfig("on")
@@ -39,7 +39,7 @@ def _outcomes(net, tid):
 def _exact(net, transfers):
     prod = [p.info for p in net.producers.values()]
     for c in net.consumers.values():
-        want = testing.reference_destination(prod, [p.memory for p in net.producers.values()],
+        want = conformance.reference_destination(prod, [p.memory for p in net.producers.values()],
                                              c.info, transfers)
         assert all(np.array_equal(w, g) for w, g in zip(want, c.memory, strict=True))
 

@@ -43,8 +43,8 @@ from pushkv.protocol import (
     new_incarnation,
     uniform_ranks,
 )
+from pushkv.transports.conformance import reference_destination
 from pushkv.transports.inmemory import pair
-from pushkv.transports.testing import reference_destination
 
 TOPOLOGIES = [
     ({"num_kv_heads": 2}, {"num_kv_heads": 2}),
