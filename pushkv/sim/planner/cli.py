@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from ..profile import DEFAULT, ProfileError, load_profile
 from ..sweep import MODE_LABELS, default_jobs
 from ..workload import ARRIVALS, WorkloadConfig, WorkloadError
+from .backends import BACKENDS, BackendError, check_backend
 from .measure import SLO
 from .search import PlanError, PlanSpec
 
@@ -115,7 +116,14 @@ def register(subparsers: Any) -> None:
     se.add_argument("--rate-range", type=_pos_float, default=_DEFAULT.rate_range,
                     help="the ladder runs from the capacity bound down by this factor")
     se.add_argument("--jobs", type=_pos_int, default=default_jobs(),
-                    help="worker processes (default: the CPU count, at most 8)")
+                    help="worker processes, or the CPUs of a local Ray instance (default: "
+                    "the CPU count, at most 8)")
+    se.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0],
+                    help="where the simulations run: local worker processes, or Ray "
+                    "(pip install 'pushkv[ray]'; a local instance unless --ray-address)")
+    se.add_argument("--ray-address", metavar="ADDR",
+                    help="a running Ray cluster to use (ray://HOST:10001 or HOST:6379; "
+                    "'auto': the one this machine belongs to); only with --backend ray")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true",
                    help="print the plan as one JSON object instead of the table")
@@ -155,7 +163,8 @@ def _run(args: argparse.Namespace) -> int:
         from .search import candidates
 
         candidates(spec)  # refuse a budget or TP that fits nothing before any work
-    except (PlanError, ProfileError, WorkloadError) as exc:
+        check_backend(args.backend, args.ray_address)  # Ray missing: before any work
+    except (PlanError, ProfileError, WorkloadError, BackendError) as exc:
         parser.error(str(exc))
     except OSError as exc:
         parser.error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
@@ -163,8 +172,12 @@ def _run(args: argparse.Namespace) -> int:
         from .report import plot_pareto, recommendation, table, to_json
         from .search import run_plan
 
-        plan = run_plan(spec, jobs=args.jobs, progress=None if args.quiet else sys.stderr)
+        plan = run_plan(spec, jobs=args.jobs, backend=args.backend,
+                        ray_address=args.ray_address,
+                        progress=None if args.quiet else sys.stderr)
         plot_path = plot_pareto(plan, args.plot) if args.plot else None
+    except BackendError as exc:
+        parser.error(str(exc))
     except ModuleNotFoundError as exc:
         if exc.name not in ("simpy", "matplotlib"):
             raise
@@ -183,7 +196,8 @@ def _run(args: argparse.Namespace) -> int:
     pruned = sum(o.pruned is not None for o in plan.outcomes)
     print(f"\n{len(plan.outcomes)} configurations ({pruned} pruned by their floors), "
           f"{plan.simulations} simulations (the full ladder: {plan.full_grid}), "
-          f"{plan.wall_s:.1f} s on {plan.jobs} worker(s)")
+          f"{plan.wall_s:.1f} s on {plan.jobs} worker(s) ({plan.backend})"
+          + (f"; {plan.reruns} rerun after losing their worker" if plan.reruns else ""))
     rec = recommendation(plan)
     if rec is None:
         print("no configuration meets the SLO at any rate tried: loosen the SLO, "

@@ -156,6 +156,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "full_grid_simulations": plan.full_grid,
         "wall_s": plan.wall_s,
         "jobs": plan.jobs,
+        "backend": plan.backend,
+        "reruns": plan.reruns,
         "recommended": recommendation(plan),
         "ranked": [
             {**_config(o), "goodput_rps": o.goodput, "goodput_per_gpu": o.goodput_per_gpu,

@@ -21,14 +21,13 @@ representative rank per side, which needs equal TP). The search:
 The simulator is seeded by ``(seed, iteration)``, and the arrivals of one seed at
 two rates are the same gaps scaled, so attainment is close to monotone in the
 rate; the search is deterministic: the same spec gives the same plan, on any
-number of worker processes.
+backend (:mod:`.backends`: local processes or Ray) and any number of workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -329,7 +328,9 @@ class Plan:
     simulations: int
     full_grid: int
     wall_s: float
-    jobs: int
+    jobs: int  #: workers the backend ran on
+    backend: str = "process"  #: where the searches ran (:mod:`.backends`)
+    reruns: int = 0  #: configurations submitted again after losing their worker
 
     @property
     def feasible(self) -> tuple[Outcome, ...]:
@@ -347,8 +348,9 @@ def rank_key(o: Outcome) -> tuple[Any, ...]:
     return (-o.goodput_per_gpu, ttft, o.candidate.gpus, o.candidate)
 
 
-def _task(args: tuple[PlanSpec, Candidate]) -> Outcome:
-    """A worker's job (top level, so ``spawn`` workers can import it)."""
+def plan_configuration(args: tuple[PlanSpec, Candidate]) -> Outcome:
+    """One backend task: prune or bisect one configuration (top level, so worker
+    processes and Ray workers can import it)."""
     spec, cand = args
     return search_candidate(spec, cand)
 
@@ -358,59 +360,73 @@ def _cost(spec: PlanSpec, cand: Candidate) -> float:
     return cand.num_prefill + cand.num_decode + 0.5 * parse_mode(cand.mode)[0].is_pull
 
 
-def run_plan(spec: PlanSpec, *, jobs: int = 1, progress: TextIO | None = sys.stderr,
+def run_plan(spec: PlanSpec, *, jobs: int = 1, backend: str = "process",
+             ray_address: str | None = None, progress: TextIO | None = sys.stderr,
              evaluate: Callable[[SimConfig, int], Sample] | None = None) -> Plan:
-    """Search every configuration of ``spec``; ``jobs`` worker processes (``spawn``)
-    each take whole configurations; with ``progress``, one line per configuration
-    done. ``evaluate`` replaces the simulator (one process only; for tests)."""
+    """Search every configuration of ``spec`` on ``backend`` (:mod:`.backends`:
+    ``process``, ``jobs`` worker processes; ``ray``, the cluster at ``ray_address`` or
+    a local instance of ``jobs`` CPUs), each task one whole configuration; with
+    ``progress``, a tqdm bar there. ``evaluate`` replaces the simulator (this process
+    only; for tests). The plan is the same whatever the backend and the workers."""
+    from tqdm import tqdm
+
+    from .backends import open_backend
+
     t0 = time.perf_counter()
     cands = candidates(spec)
     todo = sorted(cands, key=lambda c: (-_cost(spec, c), c))
-    results: Iterator[Outcome]
+    full = full_grid_simulations(spec, cands)
     jobs = max(1, min(jobs, len(todo)))
-    pool: Any = None
     if evaluate is not None:
         ev = evaluate
-        results = (search_candidate(spec, c, ev) for c in todo)
-        jobs = 1
-    elif jobs == 1:
-        results = (search_candidate(spec, c) for c in todo)
+        backend, jobs = "process", 1
+        runner = None
+        results: Iterator[tuple[int, Outcome]] = (
+            (i, search_candidate(spec, c, ev)) for i, c in enumerate(todo))
     else:
-        pool = multiprocessing.get_context("spawn").Pool(jobs)
-        results = pool.imap_unordered(_task, [(spec, c) for c in todo])
+        runner = open_backend(backend, jobs=jobs, ray_address=ray_address)
+        jobs = runner.workers
+    bar = tqdm(total=len(todo), file=progress, disable=progress is None, unit="config",
+               desc=f"plan [{backend}, {jobs} worker{'s' if jobs > 1 else ''}]",
+               mininterval=0.5, dynamic_ncols=True)
+
+    def on_rerun(n: int, why: str) -> None:
+        bar.write(f"{why}: {n} configuration(s) submitted again")
+
     outcomes: list[Outcome] = []
     sims = 0
     try:
-        for i, o in enumerate(results, 1):
+        if runner is not None:
+            results = runner.run(plan_configuration, [(spec, c) for c in todo],
+                                 on_rerun=on_rerun, label=lambda i: todo[i].label)
+        for _, o in results:
             outcomes.append(o)
             sims += o.simulations
-            if progress is not None:
-                progress.write(_progress_line(i, len(todo), o, sims, time.perf_counter() - t0))
-                progress.flush()
+            bar.set_postfix_str(f"{sims} sims; {_status(o)}", refresh=False)
+            bar.update(1)
     finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+        bar.close()
+        if runner is not None:
+            runner.close()
+    if len(outcomes) != len(todo):  # a backend never drops one; guard the claim
+        raise RuntimeError(f"{len(todo) - len(outcomes)} configurations came back missing")
     outcomes.sort(key=rank_key)
-    return Plan(spec=spec, outcomes=tuple(outcomes), simulations=sims,
-                full_grid=full_grid_simulations(spec, cands),
-                wall_s=time.perf_counter() - t0, jobs=jobs)
+    return Plan(spec=spec, outcomes=tuple(outcomes), simulations=sims, full_grid=full,
+                wall_s=time.perf_counter() - t0, jobs=jobs, backend=backend,
+                reruns=runner.reruns if runner is not None else 0)
 
 
-def _progress_line(i: int, n: int, o: Outcome, sims: int, wall: float) -> str:
+def _status(o: Outcome) -> str:
     if o.pruned is not None:
-        what = f"pruned: {o.pruned}"
-    elif o.goodput > 0:
-        what = f"goodput {o.goodput:.3g} req/s ({o.goodput_per_gpu:.3g}/GPU, {o.binding})"
-    else:
-        what = "misses the SLO at every rate tried"
-    return (f"[{i}/{n}] {o.candidate.label}: {what}; {o.simulations} sims "
-            f"({sims} in all, {wall:.0f} s)\n")
+        return f"{o.candidate.label} pruned"
+    if o.goodput > 0:
+        return f"{o.candidate.label} {o.goodput:.3g} req/s"
+    return f"{o.candidate.label} misses the SLO"
 
 
 __all__ = [
     "PRUNE_MARGIN_S", "Bounds", "Candidate", "Outcome", "Plan", "PlanError", "PlanSpec",
     "allowed_tps", "bounds", "candidates", "full_grid_simulations", "highest_passing",
-    "ladder", "profile_at", "rank_key", "resolve_tps", "run_plan", "search_candidate",
-    "sim_config",
+    "ladder", "plan_configuration", "profile_at", "rank_key", "resolve_tps", "run_plan",
+    "search_candidate", "sim_config",
 ]
