@@ -115,6 +115,10 @@ def _add_deployment(p: argparse.ArgumentParser) -> None:
     w.add_argument("--burstiness", type=_pos_float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier")
     w.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
+    w.add_argument("--max-concurrency", type=_pos_int, metavar="N",
+                   help="closed loop, as vllm bench serve: at most N requests in flight; "
+                   "one due while N are is sent when one ends, its TTFT counted from "
+                   "then (default: open loop, every request at its arrival time)")
     w.add_argument("--arrivals", choices=ARRIVALS, default="pushkv",
                    help="gap generator: 'pushkv' (the run's own stream) or 'vllm' (the very "
                    "send times of vllm bench serve --seed SEED+ITERATION)")
@@ -219,12 +223,14 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     base = _base_config(args)
     seq = args.mode.endswith("-seq")
     dispatch = Dispatch.SEQUENTIAL if seq else base.dispatch
-    free = mode in (TransferMode.PUSH, TransferMode.AUTO)  # the dispatch is a choice
+    # the dispatch is a choice for every push
+    free = mode in (TransferMode.PUSH, TransferMode.AUTO) or mode.granularity != "request"
     workload = WorkloadConfig(
         request_rate=args.qps, burstiness=args.burstiness, input_len=args.input_len,
         output_len=args.output_len, num_prompts=args.num_prompts, seed=args.seed,
-        arrivals=args.arrivals,
-    ) if trace is None else trace_workload(trace, seed=args.seed)
+        arrivals=args.arrivals, max_concurrency=args.max_concurrency,
+    ) if trace is None else dataclasses.replace(trace_workload(trace, seed=args.seed),
+                                                max_concurrency=args.max_concurrency)
     cfg = dataclasses.replace(
         base, mode=mode, dispatch=dispatch if free else default_dispatch,
         iteration=args.iteration, workload=workload, trace=trace,
@@ -255,7 +261,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         modes=tuple(args.modes), input_lens=tuple(args.input_lens), rates=tuple(args.rates),
         output_len=args.output_len, num_prompts=args.num_prompts,
         iterations=args.iterations, seed=args.seed, burstiness=args.burstiness,
-        arrivals=args.arrivals,
+        arrivals=args.arrivals, max_concurrency=args.max_concurrency,
     )
     cfgs = configs(spec, _base_config(args))
     paths, wall = run_sweep(cfgs, args.out, jobs=args.jobs, progress=not args.no_progress)
@@ -305,7 +311,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--mode", type=_mode, default="push", help="pull: decode reads, posting "
                    "inline in its engine loop; push: prefill writes from a background thread; "
                    "pull-async: pull posted by a decode background thread; push-seq: push "
-                   "with a sequential router")
+                   "with a sequential router; push-chunk / push-layer: progressive push, "
+                   "each prefill step's (layer's) KV written as it is computed")
     p.add_argument("--qps", type=_rate, default=1.0, help="request rate (inf: all at once)")
     p.add_argument("--input-len", type=_pos_int, default=1024, help="prompt tokens")
     p.add_argument("--output-len", type=_pos_int, default=128, help="generated tokens")

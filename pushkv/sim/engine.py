@@ -39,7 +39,7 @@ from .profile import EngineProfile, Profile
 from .request import Outcome, SimRequest
 from .scenario import TransferMode
 from .trace import PrefixCache, cached_tokens
-from .transport import SimTransport
+from .transport import Layers, SimTransport
 
 
 class Recorder:
@@ -50,6 +50,8 @@ class Recorder:
         self.total = total
         self.ended: list[SimRequest] = []
         self.done = env.event()
+        #: called with each request as it ends (closed-loop load frees its slot)
+        self.listeners: list[Callable[[SimRequest], None]] = []
 
     def finish(self, req: SimRequest, error: str = "") -> None:
         if req.outcome is not Outcome.PENDING:
@@ -57,6 +59,8 @@ class Recorder:
         req.outcome = Outcome.FAILED if error else Outcome.OK
         req.error = error
         self.ended.append(req)
+        for listener in self.listeners:
+            listener(req)
         if len(self.ended) == self.total:
             self.done.succeed()
 
@@ -115,6 +119,7 @@ class _Prefill:
     req: SimRequest
     blocks: list[int]
     computed: int
+    reported: int = 0  #: progressive push: prompt tokens [0, reported) reported final
 
 
 class PrefillEngine(_Loop):
@@ -135,6 +140,9 @@ class PrefillEngine(_Loop):
         self.profile = profile
         self.pool = pool
         self.mode = mode
+        #: what the loop reports before a prompt ends (TransferMode.granularity):
+        #: "request" (nothing), "chunk" (each step's tokens), "layer" (each layer's)
+        self.granularity = "request"
         self.on_done = on_done  #: the prefill leg answers the router
         self.waiting: deque[SimRequest] = deque()
         self.running: list[_Prefill] = []
@@ -196,17 +204,61 @@ class PrefillEngine(_Loop):
                 yield from self._idle(bool(self.held))
                 continue
             dt = step_s(self.profile, eng, prefill_chunks=tuple((n, p.computed) for p, n in chunks))
-            dt = yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt)
+            ranges = self._ranges(chunks) if self.granularity != "request" else []
+            layers = self._layers(dt, ranges) if self.granularity == "layer" else None
+            dt = yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt,
+                                                    layers)
             if not self.alive:
                 return
             self.busy_s += dt
             self.steps += 1
+            final = {p: (a, b) for p, a, b in ranges}
             for p, n in chunks:
                 p.computed += n
                 self.computed_tokens += n
                 if p.computed >= p.req.input_len:
                     self.running.remove(p)
-                    self._finished(p)
+                    self._finished(p)  # ends the stream: every token final
+                elif p in final:
+                    a, b = final[p]
+                    if self.granularity == "chunk":
+                        self._report(p, a, b, None)
+                    p.reported = b
+
+    # ------------------------------------------------------ progressive push
+
+    def _ranges(self, chunks: list[tuple[_Prefill, int]]) -> list[tuple[_Prefill, int, int]]:
+        """What this step makes final, per prompt: ``(p, start, end)``, tokens from what
+        earlier steps reported (a prefix-cache hit with the first step) to the step's end
+        rounded down to a block, or the prompt's end (as the vLLM connector's feed)."""
+        bs = self.eng.block_size
+        out = []
+        for p, n in chunks:
+            end = min(p.computed + n, p.req.input_len)
+            if end < p.req.input_len:
+                end -= end % bs
+            if end > p.reported:
+                out.append((p, p.reported, end))
+        return out
+
+    def _report(self, p: _Prefill, a: int, b: int, layers: tuple[int, int] | None) -> None:
+        """Tokens ``[a, b)`` of ``p`` are final in ``layers`` (None: every layer)."""
+        self.transport.range_ready(
+            self.engine_id, p.req.transfer_id, p.blocks[:blocks_for(b, self.eng.block_size)],
+            (a, b), layers=layers, incarnation=p.req.incarnation)
+
+    def _layers(self, dt: float, ranges: list[tuple[_Prefill, int, int]]) -> Layers:
+        """The step cut at each layer's end (its roofline compute / layers), where the
+        step's ranges of every prompt in the batch are reported in that layer."""
+        eng, num = self.eng, self.profile.model.num_layers
+        head = min(eng.prefill_step_overhead_s, dt)
+
+        def done(layer: int) -> None:
+            if self.alive:
+                for p, a, b in ranges:
+                    self._report(p, a, b, (layer, layer + 1))
+
+        return Layers(head, (dt - head) / num, num, done)
 
     def _finished(self, p: _Prefill) -> None:
         req = p.req

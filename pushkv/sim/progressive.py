@@ -1,56 +1,48 @@
 """Progressive push in the simulator: what-if TTFT of one request, by push mode.
 
-One request of ``input_len`` tokens is prefilled on an idle prefill engine in
-chunked-prefill steps of ``max_num_batched_tokens``, while the decode engine
-has registered for it. The real :mod:`pushkv.protocol` endpoints decide every
-write; this module only feeds them the inputs an engine would:
+The one-request case of the cluster simulator (:func:`pushkv.sim.runner.run`):
+one request of ``input_len`` fresh tokens (no prefix-cache hit) reaches idle
+prefill and decode engines; the decode engine registers while prefill computes
+it in chunked-prefill steps of ``max_num_batched_tokens``. The real
+:mod:`pushkv.protocol` endpoints decide every write; the prefill engine loop feeds
+them what it has computed, by mode (:class:`~pushkv.sim.scenario.TransferMode`):
 
 * ``push`` -- whole-request push: ``prefill_finished`` at the end of the last
-  step (the one-range case; the same single write as the cluster simulator's);
-* ``chunk`` -- ``range_ready(tokens of the step, every layer)`` after each step;
-* ``layer`` -- ``range_ready(tokens of the step, layer l)`` after each layer of
-  each step (per-layer compute = the step's roofline compute / layers);
-* ``free`` -- the floor: the transfer costs nothing (READY at prefill end).
+  step (one write);
+* ``chunk`` (``push-chunk``) -- ``range_ready(tokens of the step, every layer)``
+  after each step;
+* ``layer`` (``push-layer``) -- ``range_ready(tokens of the step, layer l)``
+  after each layer of each step (per-layer compute = the step's roofline compute
+  / layers);
+* ``free`` -- the floor: the transfer costs nothing (READY at prefill end; the
+  push run's TTFT less its exposed transfer, as the decode engine is idle).
 
-Each ``IssueWrite`` costs what it costs in :mod:`.transport`: posting on the
-prefill node's background thread (fixed + per descriptor of the real plan,
-holding the interpreter lock for ``post_gil_fraction`` of it, which delays
-the engine's next step and its end-of-prefill hand-off), pipelined with the
-wire (:func:`.costs.pipelined_s`); the protocol keeps one write in flight per
-leg, so later ranges share the wire by waiting for it and are coalesced into
-the next write. READY needs every
-part's notification (one control latency after its bytes).
+Each ``IssueWrite`` costs what it costs in :mod:`.transport` (posting on the
+prefill node's background thread, holding the interpreter lock for
+``post_gil_fraction`` of it, which delays the engine's next step; the wire
+pipelined with the posting; the notification one control latency and its
+receipt later); the protocol keeps one write in flight per leg, so later ranges
+wait for it and are coalesced into the next write.
 
-TTFT = router hop + max(prefill end, READY) + one decode step + router hop.
-Only rank 0 of each engine is driven (ranks are symmetric).
+TTFT is the cluster simulator's: router hop, prefill, READY, one decode step,
+the token's way back to the client. Under load the same modes run in
+``pushkv sim --mode push-chunk|push-layer`` and ``pushkv sweep``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import simpy
-
-from ..protocol import (
-    Action,
-    Consumer,
-    ConsumerConfig,
-    IssueWrite,
-    Producer,
-    ProducerConfig,
-    SendMessage,
-    TransferReady,
-    encode,
-)
-from .blocks import BlockPool, blocks_for
-from .costs import pipelined_s, post_s, step_s
 from .profile import Profile, profile_from_dict
-from .runner import _ranks
+from .scenario import SimConfig, TransferMode
+from .workload import WorkloadConfig
 
 MODES = ("push", "chunk", "layer", "free")
+#: the cluster simulator's mode behind each of :data:`MODES`
+CLUSTER_MODES = {"push": TransferMode.PUSH, "chunk": TransferMode.PUSH_CHUNK,
+                 "layer": TransferMode.PUSH_LAYER, "free": TransferMode.PUSH}
 
 
 @dataclass(frozen=True)
@@ -70,124 +62,36 @@ class Outcome:
         return max(0.0, self.ready_s - self.prefill_s)
 
 
-class _Run:
-    def __init__(self, profile: Profile, input_len: int, mode: str, seed: int) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.profile, self.n, self.mode = profile, input_len, mode
-        self.env = simpy.Environment()
-        self.p = Producer(_ranks("P", profile, profile.prefill),
-                          ProducerConfig(lease_s=1e6, orphan_ttl_s=1e6))
-        self.c = Consumer(_ranks("D", profile, profile.decode),
-                          ConsumerConfig(window_s=1e6))
-        self.p.add_peer(self.c.info)
-        self.c.add_peer(self.p.info)
-        rng = np.random.default_rng(seed)
-        pool = {}
-        for side, info in (("P", self.p.info), ("D", self.c.info)):
-            eng = profile.prefill if side == "P" else profile.decode
-            need = blocks_for(input_len, eng.block_size)
-            size = max(info.layout.num_blocks, need)
-            pool[side] = BlockPool(size, eng.fragmentation, rng).allocate(need)
-        self.src, self.dst = pool["P"], pool["D"]
-        self.writer = simpy.Resource(self.env, 1)
-        self.gil_free_at = 0.0  # the writer holds the interpreter lock until then
-        self.prefill_end = -1.0
-        self.ready_at = -1.0
-        self.writes = self.descriptors = 0
-        self.posted = 0.0
-
-    # ------------------------------------------------------------ actions
-
-    def _apply(self, side: str, actions: list[Action]) -> None:
-        net = self.profile.network
-        for a in actions:
-            if isinstance(a, SendMessage):
-                frame = encode(a.message)
-                dest = self.p if a.peer.engine_id == "P" else self.c
-                self._later(net.control_latency_s, dest, frame)
-            elif isinstance(a, IssueWrite):
-                self.env.process(self._write(a))
-            elif isinstance(a, TransferReady):
-                self.ready_at = self.env.now
-
-    def _later(self, delay: float, dest: Producer | Consumer, frame: bytes) -> None:
-        side = "P" if dest is self.p else "D"
-
-        def deliver(_: Any) -> None:
-            self._apply(side, dest.receive_bytes(frame, self.env.now))
-
-        self.env.timeout(delay).callbacks.append(deliver)
-
-    def _write(self, a: IssueWrite) -> Generator[Any, Any, None]:
-        net = self.profile.network
-        with self.writer.request() as slot:
-            yield slot
-            desc, nbytes = a.plan.descriptor_count, a.plan.nbytes
-            cost = post_s(net, desc)
-            self.writes += 1
-            self.descriptors += desc
-            self.posted += cost
-            self.gil_free_at = self.env.now + cost * net.post_gil_fraction
-            yield self.env.timeout(pipelined_s(net, nbytes, desc, read=False,
-                                               posting_left_s=cost))
-        self._later(net.control_latency_s, self.c, encode(a.notify))
-        self._apply("P", self.p.write_completed(a.transfer_id, a.attempt, a.peer, True,
-                                                self.env.now, incarnation=a.incarnation))
-
-    # ------------------------------------------------------------ engines
-
-    def _stall(self) -> Generator[Any, Any, None]:
-        """At a step boundary, the engine thread waits while the writer holds the
-        interpreter lock (as in :mod:`.transport`: posting delays step starts; the
-        GPU runs the layers of a step already launched)."""
-        if self.gil_free_at > self.env.now:
-            yield self.env.timeout(self.gil_free_at - self.env.now)
-
-    def _prefill(self) -> Generator[Any, Any, None]:
-        prof, eng = self.profile, self.profile.prefill
-        layers = prof.model.num_layers
-        chunk = eng.max_num_batched_tokens
-        bs = eng.block_size
-        for a in range(0, self.n, chunk):
-            b = min(self.n, a + chunk)
-            step = step_s(prof, eng, prefill_chunks=((b - a, a),))
-            per_layer = (step - eng.prefill_step_overhead_s) / layers
-            yield from self._stall()  # a step starts only once the lock is free
-            yield self.env.timeout(eng.prefill_step_overhead_s)
-            ids = self.src[:blocks_for(b, bs)]
-            for layer in range(layers):
-                yield self.env.timeout(per_layer)
-                if self.mode == "layer":
-                    self._apply("P", self.p.range_ready("t", ids, (a, b), self.env.now,
-                                                        layers=(layer, layer + 1)))
-            if self.mode == "chunk" and b < self.n:
-                self._apply("P", self.p.range_ready("t", ids, (a, b), self.env.now))
-        yield from self._stall()
-        self.prefill_end = self.env.now
-        if self.mode == "free":
-            self.ready_at = self.env.now
-            return
-        self._apply("P", self.p.prefill_finished("t", self.src, self.n, self.env.now))
-
-    def run(self) -> Outcome:
-        prof = self.profile
-        if self.mode != "free":
-            self._apply("D", self.c.register("t", "P", self.dst, self.n, 0.0))
-        proc = self.env.process(self._prefill())
-        self.env.run()
-        assert proc.processed and self.ready_at >= 0, "the transfer never became ready"
-        assert self.c.lent_blocks() == {} and self.p.held_blocks() == {}
-        decode = step_s(prof, prof.decode, decode_contexts=self.n, num_decodes=1)
-        hop = prof.network.router_hop_s
-        ready = max(self.prefill_end, self.ready_at)
-        return Outcome(self.mode, self.n, self.prefill_end, self.ready_at,
-                       hop + ready + decode + hop, self.writes, self.descriptors, self.posted)
+def one_request(profile: Profile, input_len: int, mode: str, *, seed: int = 0) -> SimConfig:
+    """The cluster simulator's config of :func:`whatif`: one ``input_len``-token request
+    of fresh tokens (the profile's prefix-cache hit set to 0), one output token."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    fresh = dataclasses.replace(profile, prefill=dataclasses.replace(
+        profile.prefill, prefix_hit_fraction=0.0))
+    return SimConfig(mode=CLUSTER_MODES[mode], profile=fresh, workload=WorkloadConfig(
+        input_len=input_len, output_len=1, num_prompts=1, seed=seed))
 
 
 def whatif(profile: Profile, input_len: int, mode: str, *, seed: int = 0) -> Outcome:
     """TTFT of one ``input_len``-token request on idle engines, pushed in ``mode``."""
-    return _Run(profile, input_len, mode, seed).run()
+    from .marks import Timeline
+    from .runner import run
+
+    tl = Timeline()
+    out = run(one_request(profile, input_len, mode, seed=seed), keep_objects=True, timeline=tl)
+    (marks,) = tl.requests.values()
+    assert out.transport is not None and "ready" in marks, "the transfer never became ready"
+    assert out.leaked_blocks == 0
+    t0 = marks["prefill_seen"]
+    prefill, ready = marks["prefill_finished"] - t0, marks["ready"] - t0
+    ttft = out.result["ttfts"][0]
+    if mode == "free":  # READY at prefill end: the push's exposed transfer is gone
+        ttft -= max(0.0, ready - prefill)
+        return Outcome(mode, input_len, prefill, prefill, ttft, 0, 0, 0.0)
+    desc = out.transport.descriptors
+    return Outcome(mode, input_len, prefill, ready, ttft, len(desc), sum(desc),
+                   out.transport.post_s_by_thread.get("prefill-bg", 0.0))
 
 
 def hidden_share(push: Outcome, other: Outcome) -> float:

@@ -139,6 +139,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         pool = BlockPool(profile.prefill.num_blocks(m, gpu), profile.prefill.fragmentation,
                          np.random.default_rng(pool_seeds[i]), profile.prefill.free_order)
         eng = PrefillEngine(env, eid, profile, pool, transport, cfg.resolved_mode, on_done, host)
+        eng.granularity = cfg.mode.granularity
         if cfg.trace is not None:  # the prompts' block hashes in a cache of this size
             eng.prefix_cache = PrefixCache(prefix_cache_blocks(profile))
         transport.add_producer(_ranks(eid, profile, profile.prefill), eng)
@@ -168,8 +169,11 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
     def arrive_at(req: SimRequest) -> None:
         env.timeout(req.arrival).callbacks.append(lambda _: reach(req))
 
-    for r in reqs:
-        arrive_at(r)
+    if cfg.workload.max_concurrency is None:
+        for r in reqs:
+            arrive_at(r)
+    else:
+        _closed_loop(env, reqs, cfg.workload.max_concurrency, recorder, return_s, reach)
     if progress is not None:
         def report() -> Any:
             while not recorder.done.triggered:
@@ -197,6 +201,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
     result = vllm_result(
         reqs, duration=end + profile.network.router_hop_s, model_id=profile.model.name,
         request_rate=cfg.workload.request_rate, burstiness=cfg.workload.burstiness,
+        max_concurrency=cfg.workload.max_concurrency,
         label=cfg.label(), extra=extra, return_s=return_s,
         first_s=profile.network.client_first_s,
     )
@@ -214,6 +219,41 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
         out.prefills, out.decodes, out.transport = prefills, decodes, transport
     out.wall_s = time.perf_counter() - wall0
     return out
+
+
+def _closed_loop(env: simpy.Environment, reqs: list[SimRequest], limit: int,
+                 recorder: Recorder, return_s: float,
+                 send: Callable[[SimRequest], None]) -> None:
+    """``vllm bench serve --max-concurrency``: each request is due at its arrival time
+    but waits for one of ``limit`` slots; a slot frees when a request's last token (or
+    its error) reaches the client, ``return_s`` after it ended. A request is sent when
+    it has a slot, and its times count from then (the client starts its clock there)."""
+    due: list[SimRequest] = []
+    free = [limit]
+
+    def go() -> None:
+        while due and free[0] > 0:
+            free[0] -= 1
+            req = due.pop(0)
+            req.spec = dataclasses.replace(req.spec, arrival=env.now)
+            send(req)
+
+    def arrived(req: SimRequest) -> None:
+        due.append(req)
+        go()
+
+    def ended(_: SimRequest) -> None:
+        def freed(_: Any) -> None:
+            free[0] += 1
+            go()
+        env.timeout(return_s).callbacks.append(freed)
+
+    def due_at(req: SimRequest) -> None:
+        env.timeout(req.arrival).callbacks.append(lambda _: arrived(req))
+
+    recorder.listeners.append(ended)
+    for r in reqs:
+        due_at(r)
 
 
 def _schedule_faults(
@@ -332,4 +372,15 @@ def _extra(
                                   if v > 0},
         "rank_skew_mean": float(np.mean(transport.skews)) if transport.skews else 0.0,
         "mean_kv_ready_ms": float(np.mean(waits)) * 1000 if waits else 0.0,
+        **_progressive_extra(cfg, transport),
     }
+
+
+def _progressive_extra(cfg: SimConfig, transport: SimTransport) -> dict[str, Any]:
+    """Progressive push's own keys (none for the other modes, whose files stay as
+    they were): the granularity, ranges reported and writes issued."""
+    if cfg.mode.granularity == "request":
+        return {}
+    return {"granularity": cfg.mode.granularity,
+            "ranges_reported": transport.stats["ranges_reported"],
+            "writes": len(transport.descriptors)}

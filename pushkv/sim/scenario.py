@@ -35,10 +35,23 @@ class TransferMode(enum.Enum):
     #: chosen by the dispatch (:func:`pushkv.direction.choose_direction`), as the
     #: vLLM connector does: pull-async when sequential, push when concurrent
     AUTO = "auto"
+    #: progressive push: each prefill step's tokens are reported to the producer
+    #: endpoint (``range_ready``) as the step ends, every layer at once
+    PUSH_CHUNK = "push-chunk"
+    #: progressive push: each step's tokens are reported layer by layer, as each
+    #: layer's compute ends (the step's roofline time / layers)
+    PUSH_LAYER = "push-layer"
 
     @property
     def is_pull(self) -> bool:
         return self in (TransferMode.PULL, TransferMode.PULL_ASYNC)
+
+    @property
+    def granularity(self) -> str:
+        """What a push reports before prefill ends: ``request`` (nothing: the whole
+        prompt at its end), ``chunk`` or ``layer`` (vLLM's ``push_granularity``)."""
+        return {TransferMode.PUSH_CHUNK: "chunk",
+                TransferMode.PUSH_LAYER: "layer"}.get(self, "request")
 
 
 class Dispatch(enum.Enum):
@@ -116,7 +129,8 @@ class SimConfig:
 
     mode: TransferMode = field(
         default=TransferMode.PUSH,
-        metadata={"help": "pull, push, pull-async, or auto (chosen by the dispatch)"}
+        metadata={"help": "pull, push, pull-async, auto (chosen by the dispatch), or "
+                  "push-chunk / push-layer (progressive push)"}
     )
     dispatch: Dispatch = field(
         default=Dispatch.CONCURRENT,
@@ -172,6 +186,8 @@ class SimConfig:
     def resolved_mode(self) -> TransferMode:
         """The mode the engines run: ``auto`` resolved by the dispatch, the one rule
         the vLLM connector applies per request."""
+        if self.mode.granularity != "request":
+            return TransferMode.PUSH  # the engines push; the prefill loop reports ranges
         if self.mode is not TransferMode.AUTO:
             return self.mode
         chosen = choose_direction(self.dispatch.value)
@@ -179,16 +195,20 @@ class SimConfig:
 
     def label(self) -> str:
         """Mode label used in file names and legends (``push-seq`` for a sequential push)."""
-        if self.mode in (TransferMode.PUSH, TransferMode.AUTO) and (
-                self.dispatch is Dispatch.SEQUENTIAL):
+        pushes = self.mode in (TransferMode.PUSH, TransferMode.AUTO) or (
+            self.mode.granularity != "request")
+        if pushes and self.dispatch is Dispatch.SEQUENTIAL:
             return f"{self.mode.value}-seq"
         return self.mode.value
 
     def file_name(self) -> str:
-        """``{mode}_qps{q}_in{i}_out{o}_iter{n}.json``, as the post's benchmark script names it."""
+        """``{mode}_qps{q}_in{i}_out{o}_iter{n}.json``, as the post's benchmark script names it
+        (closed loop: ``{mode}_qps{q}_c{N}_in...``, N the maximum concurrency)."""
         w = self.workload
         if self.trace is not None:
             return f"{self.label()}_trace-{self.trace.name}_iter{self.iteration}.json"
         q = w.request_rate
         qs = str(int(q)) if math.isfinite(q) and q == int(q) else str(q)
-        return f"{self.label()}_qps{qs}_in{w.input_len}_out{w.output_len}_iter{self.iteration}.json"
+        conc = "" if w.max_concurrency is None else f"_c{w.max_concurrency}"
+        return (f"{self.label()}_qps{qs}{conc}_in{w.input_len}_out{w.output_len}"
+                f"_iter{self.iteration}.json")

@@ -21,8 +21,10 @@ from typing import Any
 from .scenario import ConfigError, Dispatch, SimConfig, TransferMode
 from .workload import WorkloadConfig
 
-#: Mode labels a sweep accepts: a transfer mode, or ``push-seq`` (push, sequential router).
-MODE_LABELS = ("pull", "push", "pull-async", "push-seq", "auto", "auto-seq")
+#: Mode labels a sweep accepts: a transfer mode, or ``push-seq`` (push, sequential router);
+#: ``push-chunk`` and ``push-layer`` are progressive push (concurrent router).
+MODE_LABELS = ("pull", "push", "pull-async", "push-seq", "auto", "auto-seq", "push-chunk",
+               "push-layer")
 
 
 def parse_mode(label: str) -> tuple[TransferMode, Dispatch]:
@@ -56,6 +58,8 @@ class SweepSpec:
     burstiness: float = field(default=1.0, metadata={"help": "gamma shape of the gaps"})
     arrivals: str = field(default="pushkv", metadata={
         "help": "gap generator (WorkloadConfig.arrivals)"})
+    max_concurrency: int | None = field(default=None, metadata={
+        "help": "closed loop: requests in flight at most (WorkloadConfig.max_concurrency)"})
 
     def __post_init__(self) -> None:
         for label in self.modes:
@@ -79,7 +83,7 @@ def configs(spec: SweepSpec, base: SimConfig | None = None) -> list[SimConfig]:
                         request_rate=float(rate), burstiness=spec.burstiness,
                         input_len=input_len, output_len=spec.output_len,
                         num_prompts=spec.num_prompts, seed=spec.seed,
-                        arrivals=spec.arrivals,
+                        arrivals=spec.arrivals, max_concurrency=spec.max_concurrency,
                     )
                     out.append(dataclasses.replace(
                         base, mode=mode, dispatch=dispatch, workload=workload, iteration=n,

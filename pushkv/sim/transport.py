@@ -32,6 +32,7 @@ from __future__ import annotations
 import random
 from collections import Counter, defaultdict
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -70,6 +71,28 @@ from .network import Network
 from .packing import SIM_PACKING, StagingLedger
 from .profile import Profile
 from .scenario import FaultConfig, ProtocolSettings
+
+
+@dataclass(frozen=True, slots=True)
+class Layers:
+    """A prefill step's compute cut layer by layer: ``head_s`` (the step's fixed
+    overhead) from its start, then ``count`` layers of ``per_layer_s`` each; ``done(l)``
+    is called as layer ``l`` ends."""
+
+    head_s: float
+    per_layer_s: float
+    count: int
+    done: Callable[[int], None]
+
+    def run(self, host: HostModel, elapsed: float) -> Generator[Any, Any, None]:
+        """The step's work after its first ``elapsed`` seconds, on ``host``."""
+        for i, seg in enumerate((self.head_s, *(self.per_layer_s,) * self.count)):
+            done = min(elapsed, seg)
+            elapsed -= done
+            if seg > done:
+                yield host.work(seg - done)
+            if i:
+                self.done(i - 1)
 
 
 class ProducerHost(Protocol):
@@ -137,6 +160,8 @@ class SimTransport:
         self.stats: Counter[str] = Counter()
         self.rejected: list[Rejected] = []
         self.descriptors: list[int] = []  #: descriptor count of every transfer issued
+        #: per transfer id: (time, bytes) of each write whose notification left
+        self.writes_done: defaultdict[str, list[tuple[float, int]]] = defaultdict(list)
         #: posting seconds by thread: "decode-loop", "decode-bg", "prefill-bg"
         self.post_s_by_thread: defaultdict[str, float] = defaultdict(float)
         self.timeline: Timeline | None = None  #: per-request marks, when recording
@@ -262,6 +287,20 @@ class SimTransport:
                                                 self.env.now, mode=mode,
                                                 incarnation=incarnation))
 
+    def range_ready(
+        self, prefill: str, transfer_id: str, block_ids: Sequence[int], tokens: tuple[int, int],
+        *, layers: tuple[int, int] | None = None, incarnation: int = 0,
+    ) -> None:
+        """Progressive push: tokens ``[a, b)`` of a prompt still prefilling are final in
+        ``layers`` (None: every layer); the producer endpoint writes them to registered
+        legs (one write in flight per leg; what comes meanwhile joins the next)."""
+        if prefill not in self.alive:
+            return
+        self.stats["ranges_reported"] += 1
+        self._apply(prefill, self.producers[prefill].range_ready(
+            transfer_id, block_ids, tokens, self.env.now, layers=layers,
+            incarnation=incarnation))
+
     def heartbeat_queued(
         self, decode: str, producer: str, transfers: Sequence[tuple[str, int]]
     ) -> None:
@@ -305,11 +344,14 @@ class SimTransport:
         if cost > held:
             yield self.env.timeout(cost - held)
 
-    def run_step(self, eid: str, python_s: float, dt: float) -> Generator[Any, Any, float]:
+    def run_step(self, eid: str, python_s: float, dt: float, layers: Layers | None = None
+                 ) -> Generator[Any, Any, float]:
         """An engine step of ``dt`` seconds whose first ``python_s`` need the interpreter
         lock: it waits while a posting thread of the same process holds it. The step is
         work on the host, which also runs what the processes around it do meanwhile
-        (:meth:`HostModel.beside`). Returns the seconds the step took."""
+        (:meth:`HostModel.beside`). With ``layers`` (layer-wise push) the step's compute
+        is cut at each layer's end, where ``layers.done(l)`` is called. Returns the
+        seconds the step took."""
         start = self.env.now
         host = self.host
         host.beside(self._side(eid), dt)
@@ -319,11 +361,16 @@ class SimTransport:
                 yield req
                 self.gil_wait_s[eid] += self.env.now - start
                 yield host.work(min(python_s, dt))
-            if dt > python_s:
+            if layers is not None:
+                yield from layers.run(host, min(python_s, dt))
+            elif dt > python_s:
                 yield host.work(dt - python_s)
         else:  # the lock is free: hold it for python_s without queueing (the fast path)
             self._loop_holds_until[eid] = start + min(python_s, dt)
-            yield host.work(dt)
+            if layers is not None:
+                yield from layers.run(host, 0.0)
+            else:
+                yield host.work(dt)
         return self.env.now - start
 
     def _side(self, eid: str) -> str:
@@ -521,6 +568,7 @@ class SimTransport:
                 self.stats["lost_Notify"] += 1
             else:
                 tid = a.transfer_id
+                self.writes_done[tid].append((self.env.now, nbytes))
                 arrival = (None if self.timeline is None else
                            lambda: self.mark(tid, "notify_received"))
                 self._deliver_later(a.peer, encode(a.notify), net.control_latency_s,

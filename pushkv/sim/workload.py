@@ -41,6 +41,10 @@ class WorkloadConfig:
     output_len: int = field(default=128, metadata={"help": "generated tokens per request"})
     num_prompts: int = field(default=100, metadata={"help": "requests in the run"})
     seed: int = field(default=0, metadata={"help": "seed of the arrival process"})
+    max_concurrency: int | None = field(default=None, metadata={
+        "help": "closed loop, as vllm bench serve --max-concurrency: at most this many "
+                "requests in flight; a request due while all are busy is sent when one "
+                "ends (its TTFT counts from then); None: open loop"})
     arrivals: str = field(default="pushkv", metadata={
         "help": "generator of the gaps: 'pushkv' (the run's own stream of (seed, "
                 "iteration)) or 'vllm' (the very gaps vllm bench serve --seed "
@@ -57,6 +61,10 @@ class WorkloadConfig:
             raise WorkloadError(f"output length must be >= 1, got {self.output_len}")
         if self.num_prompts < 1:
             raise WorkloadError(f"number of prompts must be >= 1, got {self.num_prompts}")
+        if self.max_concurrency is not None and not (
+                isinstance(self.max_concurrency, int) and self.max_concurrency >= 1):
+            raise WorkloadError(f"max concurrency must be an integer >= 1, "
+                                f"got {self.max_concurrency!r}")
         if self.arrivals not in ARRIVALS:
             raise WorkloadError(f"arrivals must be one of {', '.join(ARRIVALS)}, "
                                 f"got {self.arrivals!r}")

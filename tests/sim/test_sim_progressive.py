@@ -28,8 +28,13 @@ def test_whole_request_push_matches_the_closed_form():
     wire = costs.pipelined_s(net, n * DEFAULT.model.kv_bytes_per_token(eng.tp),
                              out.descriptors, read=False,
                              posting_left_s=costs.post_s(net, out.descriptors))
-    # READY: register is long in, the write starts at prefill end, one control hop
-    assert out.ready_s == pytest.approx(prefill + wire + net.control_latency_s)
+    # READY: register is long in, the write starts at prefill end, one control hop and
+    # the receiving thread's time
+    ready = prefill + wire + net.control_latency_s + DEFAULT.control.message_recv_s
+    assert out.ready_s == pytest.approx(ready)
+    # TTFT: a hop to the engines, READY, one decode step, a hop back
+    decode = costs.step_s(DEFAULT, DEFAULT.decode, decode_contexts=n, num_decodes=1)
+    assert out.ttft_s == pytest.approx(2 * net.router_hop_s + ready + decode, abs=1e-6)
 
 
 def test_modes_order_and_the_floor():
