@@ -102,6 +102,28 @@ SEGMENTS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+#: Protocol steps (:func:`step`), each with fields naming the use and ranks it
+#: belongs to: ``inc`` (incarnation), ``att`` (attempt), ``src`` and ``dst`` (the
+#: producer and consumer rank, ``"<engine id>:<rank>"``). The auditor
+#: (``python -m pushkv.audit DIR``) checks the protocol's invariants on them.
+#: ``write_posted``, ``write_completed`` and ``notify_received`` are the marks of
+#: :data:`EVENTS`, given fields.
+STEPS: dict[str, str] = {
+    "registration_sent": "consumer: Register of attempt att sent to producer rank src",
+    "write_posted": "producer: a write handed to the transport (part, parts, chunks)",
+    "write_completed": "producer: the endpoint learnt the write ended (ok)",
+    "answer_sent": "producer: CancelAck or Fail (reason) sent, with posted and failed",
+    "source_released": "producer: the source of the use released",
+    "notify_received": "consumer: a write's notification (part, parts, chunk, chunks, "
+                       "sealed: it carries a digest this rank checks)",
+    "digest_checked": "consumer: a landed write's digest checked (ok)",
+    "dest_released": "consumer: the attempt's destination blocks given back (grace: its "
+                     "fence_grace_s)",
+    "read_posted": "consumer (pull): a read from producer rank src posted",
+    "outcome": "consumer: the use's outcome on this rank (kind: ready, failed, cancelled)",
+}
+
+
 class Recorder:
     """Appends marks of this process to ``<directory>/timeline-<pid>.jsonl``."""
 
@@ -113,9 +135,13 @@ class Recorder:
         self._lock = threading.Lock()
         self._file: TextIO = self.path.open("a", buffering=1, encoding="utf-8")
 
-    def mark(self, transfer_id: str, event: str, t: float | None = None) -> None:
-        line = json.dumps({"id": transfer_id, "ev": event,
-                           "t": time.monotonic() if t is None else t, "p": self.process})
+    def mark(self, transfer_id: str, event: str, t: float | None = None,
+             fields: Mapping[str, object] | None = None) -> None:
+        d = {"id": transfer_id, "ev": event,
+             "t": time.monotonic() if t is None else t, "p": self.process}
+        if fields:
+            d["a"] = fields  # a protocol step's fields (:data:`STEPS`)
+        line = json.dumps(d)
         with self._lock:
             self._file.write(line + "\n")
 
@@ -165,6 +191,92 @@ def mark(transfer_id: str, event: str, t: float | None = None) -> None:
     rec = _recorder
     if rec is not None:
         rec.mark(transfer_id, event, t)
+
+
+def step(transfer_id: str, event: str, t: float | None = None, **fields: object) -> None:
+    """Record protocol step ``event`` (:data:`STEPS`) of ``transfer_id`` with its
+    ``fields`` (incarnation, attempt, ranks...); nothing when recording is off."""
+    rec = _recorder
+    if rec is not None:
+        rec.mark(transfer_id, event, t, fields)
+
+
+def node(engine_id: str, rank: int) -> str:
+    """A rank's name in :data:`STEPS` fields."""
+    return f"{engine_id}:{rank}"
+
+
+def actions(me: str, acts: Iterable[object], t: float | None = None,
+            grace: float | None = None) -> None:
+    """Record the protocol steps among endpoint ``me``'s actions ``acts`` (call it only
+    while :func:`enabled`); ``grace``: a consumer's ``fence_grace_s``, the bound it may
+    fence unlanded writes by (kept with each ``dest_released``)."""
+    from .protocol.events import (
+        IssueRead,
+        IssueWrite,
+        ReleaseDestination,
+        ReleaseSource,
+        SendMessage,
+        TransferCancelled,
+        TransferFailed,
+        TransferReady,
+    )
+    from .protocol.messages import CancelAck, Fail, Register
+
+    t = time.monotonic() if t is None else t
+    for a in acts:
+        if isinstance(a, IssueWrite):
+            n = a.notify
+            step(a.transfer_id, "write_posted", t, inc=a.incarnation, att=a.attempt, src=me,
+                 dst=node(*a.peer), part=n.part, parts=n.parts,
+                 chunks=a.packed.chunks if a.packed is not None else 1)
+        elif isinstance(a, SendMessage):
+            m = a.message
+            if isinstance(m, CancelAck | Fail):
+                step(m.transfer_id, "answer_sent", t, inc=m.incarnation, att=m.attempt, src=me,
+                     dst=node(*a.peer), posted=m.posted, failed=m.failed,
+                     reason=m.reason.name if isinstance(m, Fail) else "")
+            elif isinstance(m, Register):
+                step(m.transfer_id, "registration_sent", t, inc=m.incarnation, att=m.attempt,
+                     src=node(*a.peer), dst=me)
+        elif isinstance(a, ReleaseSource):
+            step(a.transfer_id, "source_released", t, inc=a.incarnation, src=me)
+        elif isinstance(a, ReleaseDestination):
+            step(a.transfer_id, "dest_released", t, inc=a.incarnation, att=a.attempt, dst=me,
+                 grace=grace)
+        elif isinstance(a, IssueRead):
+            step(a.transfer_id, "read_posted", t, inc=a.incarnation, att=a.attempt,
+                 src=node(*a.peer), dst=me)
+        elif isinstance(a, TransferReady | TransferFailed | TransferCancelled):
+            kind = ("ready" if isinstance(a, TransferReady) else
+                    "failed" if isinstance(a, TransferFailed) else "cancelled")
+            step(a.transfer_id, "outcome", t, inc=a.incarnation, att=a.attempt, dst=me,
+                 kind=kind)
+
+
+def completed(me: str, transfer_id: str, incarnation: int, attempt: int, peer: tuple[str, int],
+              ok: bool, t: float | None = None) -> None:
+    """Producer ``me`` learnt its write of ``transfer_id`` to ``peer`` ended."""
+    step(transfer_id, "write_completed", t, inc=incarnation, att=attempt, src=me,
+         dst=node(*peer), ok=ok)
+
+
+def notified(me: str, msg: object, sealed: bool, t: float | None = None) -> None:
+    """Consumer ``me`` received notification ``msg`` (a :class:`~pushkv.protocol.messages.Notify`;
+    ``sealed``: with a digest this rank checks)."""
+    from .protocol.messages import Notify
+
+    if isinstance(msg, Notify):
+        step(msg.transfer_id, "notify_received", t, inc=msg.incarnation, att=msg.attempt,
+             src=node(msg.engine_id, msg.rank), dst=me, part=msg.part, parts=msg.parts,
+             chunk=msg.chunk, chunks=msg.chunks, sealed=sealed)
+
+
+def checked(me: str, transfer_id: str, incarnation: int, attempt: int, src: tuple[str, int],
+            ok: bool, t: float | None = None) -> None:
+    """Consumer ``me`` checked the digest of producer rank ``src``'s landed write."""
+    step(transfer_id, "digest_checked", t, inc=incarnation, att=attempt, src=node(*src),
+         dst=me, ok=ok)
 
 
 def record_gc(min_s: float = GC_MIN_S) -> None:

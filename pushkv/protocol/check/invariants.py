@@ -53,6 +53,86 @@ INVARIANTS = (
 )
 
 
+# ------------------------------------------------------------------ the rules themselves
+#
+# Each promise below is decided by one function of the facts it is about, so that
+# every judge of it -- this checker over its world, the auditor (``python -m
+# pushkv.audit``) over a real run's timelines -- decides it by the same code. A rule
+# returns the kind it breaks (a key of :data:`RULES`) or None.
+
+#: The promises a run's recorded steps can show, by the kind a violation reports.
+RULES: dict[str, str] = {
+    "source": INVARIANTS[3],
+    "lease": "lease (no write starts at or after its source's lease ended)",
+    "window": "window (no write starts after its registration's window)",
+    "cancelled": "cancelled (no write of an attempt starts after its Cancel arrived or its "
+                 "producer answered it with CancelAck or Fail)",
+    "reuse": INVARIANTS[1],
+    "fence": "fence (blocks go back only once every write posted into them notified, or "
+             "the fence grace bounds it; an answer counts every write it posted)",
+    "outcome": "outcome (one outcome per use and rank)",
+    "stale": "stale (the outcome is the current attempt's)",
+    "bytes": "bytes (READY only after every part's notification, and its digest when "
+             "checked)",
+}
+
+
+def write_start_rule(now: float, *, held: bool, cancelled: bool, lease_end: float,
+                     window_end: float | None = None) -> str | None:
+    """A write starting at ``now``: its rank must still hold the source (``held``),
+    its attempt not be ``cancelled``, its source's lease not have ended (``now >=
+    lease_end`` has) and its registration's window not have passed."""
+    if not held:
+        return "source"
+    if cancelled:
+        return "cancelled"
+    if now >= lease_end:
+        return "lease"
+    if window_end is not None and now > window_end:
+        return "window"
+    return None
+
+
+def source_release_rule(in_flight: bool) -> str | None:
+    """A source released while a write of it may still read it (posted, its completion
+    not yet known to the producer)."""
+    return "source" if in_flight else None
+
+
+def landing_rule(lent: bool) -> str | None:
+    """A write's bytes (or its notification) land: only in blocks still lent to its
+    attempt, however late."""
+    return None if lent else "reuse"
+
+
+def fence_rule(unlanded: int, *, posted: int | None = None, answered: int | None = None
+               ) -> str | None:
+    """Destination blocks going back with ``unlanded`` writes posted into them that
+    neither notified nor can be bounded (the fence grace since they were posted); or a
+    producer's answer claiming ``answered`` writes posted where it had posted ``posted``."""
+    if unlanded:
+        return "fence"
+    if posted is not None and answered is not None and posted != answered:
+        return "fence"
+    return None
+
+
+def outcome_rule(previous: object, attempt: int, current: int) -> str | None:
+    """An outcome (ready, failed, cancelled) reported for ``attempt``: the first for its
+    use on its rank (``previous`` is None) and for the current attempt."""
+    if previous is not None:
+        return "outcome"
+    if attempt != current:
+        return "stale"
+    return None
+
+
+def ready_rule(missing: int) -> str | None:
+    """READY with ``missing`` owed things not there: a part not notified, a notified
+    part's digest not checked good, a posted write not landed."""
+    return "bytes" if missing else None
+
+
 class EpInfo(NamedTuple):
     deadline: float | None
     state: tuple[Any, ...]  # consumer: state of each use while it is live (else None)
@@ -120,7 +200,8 @@ class Invariants:
                         raise Violation("source", f"P{r} holds source blocks {list(blocks)} "
                                         "its engine already took back")
         for it in f[1]:
-            if it[0] in (WRITE, SWRITE) and it[10] == POSTED and it[1] in f[8][it[8]][2]:
+            if it[0] in (WRITE, SWRITE) and it[1] in f[8][it[8]][2] and source_release_rule(
+                    it[10] == POSTED):
                 raise Violation("source", f"P{it[1]} released the source of t#{it[8]} with "
                                 "its write still in flight")
         if not f[5] and not f[1]:

@@ -227,6 +227,14 @@ class _HostServer:
     def inject(self, rank: int, peer: Peer, frame: bytes, channel: str) -> None:
         self.ranks[rank].runtime.inject(peer, frame, channel)
 
+    def timeline(self, directory: str | None) -> None:
+        """Record this process's timeline (protocol steps too) under ``directory``
+        from now on (None: stop)."""
+        from pushkv import timeline
+
+        timeline.configure(None)
+        timeline.configure(directory, f"{self.role}-host")
+
     def close(self) -> list[str]:
         """Close every runtime; names of pushkv threads still alive afterwards."""
         for st in self.ranks.values():

@@ -85,6 +85,8 @@ class IOLoop(CardExchange):
         self._card = card
         self._authenticated = authenticated
         self.role = "producer" if isinstance(endpoint, Producer) else "consumer"
+        self._me = timeline.node(endpoint.info.engine_id, endpoint.info.rank)  # its steps
+        self._grace = getattr(endpoint.config, "fence_grace_s", None)
         # engine thread -> I/O thread
         self._commands: deque[cmd.Command] = deque()
         self._completions: deque[WriteResult] = deque()
@@ -467,13 +469,12 @@ class IOLoop(CardExchange):
     # ------------------------------------------------------------- actions
 
     def _apply(self, actions: list[Action], now: float) -> None:
+        if actions and timeline.enabled():  # the protocol steps (write_posted, ...)
+            timeline.actions(self._me, actions, grace=self._grace)
         for a in actions:
             if isinstance(a, SendMessage):
-                if isinstance(a.message, Register):
-                    timeline.mark(a.message.transfer_id, "registration_sent")
                 self._send(a.peer, encode(a.message))
             elif isinstance(a, IssueWrite):
-                timeline.mark(a.transfer_id, "write_posted")
                 self._issue(a)
             elif isinstance(a, Rejected):
                 self._stats["rejected"] += 1
@@ -607,7 +608,11 @@ class IOLoop(CardExchange):
             self._scatters -= 1
             self._stats["scatters_ok" if r.ok else "scatters_failed"] += 1
             # Rule 11: a staged write is checked once its last chunk is scattered.
+            checked = self._integrity.stats["checked"]
             bad = self._integrity.scattered(consumer, a) if r.ok else ""
+            if timeline.enabled() and self._integrity.stats["checked"] > checked:
+                timeline.checked(self._me, a.transfer_id, a.incarnation, a.attempt, a.peer,
+                                 not bad)
             self._guard(lambda a=a, ok=r.ok, bad=bad: self._apply(consumer.scatter_done(
                 a.transfer_id, a.attempt, a.peer, ok, now, incarnation=a.incarnation,
                 corrupt=bad), now))
@@ -630,7 +635,9 @@ class IOLoop(CardExchange):
         producer = self._endpoint
         while self._completions:
             r = self._completions.popleft()
-            timeline.mark(r.transfer_id, "write_completed")
+            if timeline.enabled():
+                timeline.completed(self._me, r.transfer_id, r.incarnation, r.attempt, r.peer,
+                                   r.ok)
             self._writes -= 1
             self._recent.append(r)
             key = (r.transfer_id, r.incarnation)
@@ -727,13 +734,20 @@ class IOLoop(CardExchange):
                 self._reject(claimed, f"notification from agent {agent!r} claims to be "
                              f"{claimed}", ValidationError)
                 return
-        if isinstance(msg, Register | Notify):
-            timeline.mark(msg.transfer_id, "registration_received" if isinstance(msg, Register)
-                          else "notify_received")
+        if isinstance(msg, Register):
+            timeline.mark(msg.transfer_id, "registration_received")
+        elif isinstance(msg, Notify) and timeline.enabled():
+            timeline.notified(self._me, msg, tag is not None and self._integrity.config.enabled)
         consumer = self._endpoint
         if isinstance(msg, Notify) and isinstance(consumer, Consumer) and (
                 self._integrity.config.enabled or self._integrity.injector is not None):
-            self._apply(self._integrity.deliver_notify(consumer, msg, tag, now), now)
+            integrity = self._integrity
+            checked, corrupt = integrity.stats["checked"], integrity.stats["corrupt"]
+            acts = integrity.deliver_notify(consumer, msg, tag, now)
+            if timeline.enabled() and integrity.stats["checked"] > checked:
+                timeline.checked(self._me, msg.transfer_id, msg.incarnation, msg.attempt,
+                                 (msg.engine_id, msg.rank), integrity.stats["corrupt"] == corrupt)
+            self._apply(acts, now)
         else:
             self._apply(self._endpoint.receive(msg, now), now)
         if isinstance(msg, Register | Skip):
