@@ -79,7 +79,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..integrity import Injector, Integrity, IntegrityConfig, Tag
+from .. import timeline
+from ..integrity import Injector, Integrity, IntegrityConfig, Tag, unseal
 from ..protocol import (
     Action,
     Connect,
@@ -89,6 +90,7 @@ from ..protocol import (
     Hello,
     IssueRead,
     IssueWrite,
+    Notify,
     Peer,
     Producer,
     ProducerConfig,
@@ -232,6 +234,8 @@ class Node:
         self.net = net
         self.info = info
         self.peer = Peer(info.engine_id, info.rank)
+        self.name = timeline.node(info.engine_id, info.rank)  # in its timeline steps
+        self.grace: float | None = None  # a consumer's fence_grace_s (timeline steps)
         self.memory = memory
         #: Staging memory (packed writes): ranges of it are lent by the endpoint.
         self.staging = np.zeros(net.packing.staging_bytes if net.packing else 0, np.uint8)
@@ -243,6 +247,8 @@ class Node:
                                    injector=net.injector, rank=info.rank)
 
     def apply(self, actions: list[Action]) -> None:
+        if actions and timeline.enabled():  # the protocol steps, at simulated time
+            timeline.actions(self.name, actions, self.net.now, self.grace)
         for a in actions:
             if self.net.keep_log:
                 self.log.append((self.net.now, a))
@@ -310,6 +316,7 @@ class ConsumerNode(Node):
     def __init__(self, net: InMemoryNetwork, endpoint: Consumer, memory: list[np.ndarray]):
         super().__init__(net, endpoint.info, memory)
         self.endpoint = endpoint
+        self.grace = endpoint.config.fence_grace_s
         self.outcomes: dict[str, list[tuple[str, int]]] = {}  # by id (every incarnation)
         self.outcomes_by_key: dict[tuple[str, int], list[tuple[str, int]]] = {}
         self.released: list[ReleaseDestination] = []
@@ -345,10 +352,29 @@ class ConsumerNode(Node):
             raise AssertionError(f"unexpected consumer action {a!r}")
 
     def frame(self, data: bytes, now: float) -> None:
+        note = self._notified(data, now) if timeline.enabled() else None
+        checked, corrupt = self.integrity.stats["checked"], self.integrity.stats["corrupt"]
         if self.net.integrity.enabled or self.net.injector is not None:
-            self.apply(self.integrity.deliver(self.endpoint, data, now))
+            actions = self.integrity.deliver(self.endpoint, data, now)
         else:
-            self.apply(self.endpoint.receive_bytes(data, now))
+            actions = self.endpoint.receive_bytes(data, now)
+        if note is not None and self.integrity.stats["checked"] > checked:
+            timeline.checked(self.name, note.transfer_id, note.incarnation, note.attempt,
+                             (note.engine_id, note.rank),
+                             self.integrity.stats["corrupt"] == corrupt, now)
+        self.apply(actions)
+
+    def _notified(self, data: bytes, now: float) -> Notify | None:
+        """Record a notification's arrival (timeline steps); the Notify, if it is one."""
+        try:
+            frame, tag = unseal(data)
+            msg = decode(frame)
+        except DecodeError:
+            return None
+        if not isinstance(msg, Notify):
+            return None
+        timeline.notified(self.name, msg, tag is not None and self.net.integrity.enabled, now)
+        return msg
 
     def outcome(self, transfer_id: str) -> str | None:
         seen = self.outcomes.get(transfer_id)
@@ -769,6 +795,9 @@ class InMemoryNetwork:
                 action, ok = item.payload
                 if isinstance(action, IssueWrite):
                     assert isinstance(node, ProducerNode)
+                    if timeline.enabled():
+                        timeline.completed(node.name, action.transfer_id, action.incarnation,
+                                           action.attempt, action.peer, ok, self.now)
                     node.apply(node.endpoint.write_completed(
                         action.transfer_id, action.attempt, action.peer, ok, self.now,
                         incarnation=action.incarnation))
@@ -971,7 +1000,11 @@ class InMemoryNetwork:
         node = self.consumers.get(consumer) if consumer is not None else None
         if node is not None and node.alive:
             # Rule 11: a staged write is checked once its last chunk is scattered.
+            checked = node.integrity.stats["checked"]
             bad = node.integrity.scattered(node.endpoint, a) if ok else ""
+            if timeline.enabled() and node.integrity.stats["checked"] > checked:
+                timeline.checked(node.name, a.transfer_id, a.incarnation, a.attempt, a.peer,
+                                 not bad, self.now)
             node.apply(node.endpoint.scatter_done(a.transfer_id, a.attempt, a.peer, ok,
                                                   self.now, incarnation=a.incarnation,
                                                   corrupt=bad))
