@@ -43,7 +43,9 @@ def test_every_mutation_is_a_real_bug_of_its_own():
 
 def test_the_patcher_undoes_every_mutation():
     """The library's patcher (used by the benchmark) leaves the endpoints as it found them."""
-    from pushkv.protocol import consumer, producer_view, records, states
+    from pushkv.protocol import records, states
+    from pushkv.protocol.consumer import endpoint as consumer
+    from pushkv.protocol.producer import view as producer_view
 
     before = (dict(states.CONSUMER_TABLE), dict(states.PRODUCER_TABLE),
               dict(states.SOURCE_TABLE), records.Attempt.landed, records.Attempt.all_fenced,

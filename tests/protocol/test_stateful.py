@@ -254,7 +254,7 @@ class Protocol(RuleBasedStateMachine):
         if not self._cur(t) or not states or not states <= {ConsumerState.PREEMPTING,
                                                             ConsumerState.PREEMPTED}:
             return
-        if any(c.endpoint._engines.get("P") is None for c in self.consumers):
+        if any(not c.endpoint.knows("P") for c in self.consumers):
             return
         k = -(-t.n // self.cinfo[0].layout.block_size)
         blocks = self._take(self.c_free, k)

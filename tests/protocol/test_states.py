@@ -30,8 +30,8 @@ from pushkv.protocol import (
     ReadDone,
     Register,
     SendMessage,
-    consumer_staging,
 )
+from pushkv.protocol.consumer import staging as consumer_staging
 from pushkv.protocol.diagram import page
 from pushkv.protocol.packing import chunk_bounds
 from pushkv.protocol.states import (
@@ -368,7 +368,10 @@ def _chunk(c, rank, attempt, k):
     elif known is not None:
         size, n = 1, known.need
     elif a is not None and a.staging is not None and rank in a.expected:
-        got = consumer_staging.staged_plan(c, t, a, _staged(rank, attempt))
+        got = consumer_staging.staged_plan(
+            c.info, c.producers.peers.get(Peer("P", rank)),
+            c.config.packing.chunk_bytes if c.config.packing else 1, t, a,
+            _staged(rank, attempt))
         size = max(1, got.packed.nbytes // 2)
         n = len(chunk_bounds(got.packed, size)) - 1
     return Notify(transfer_id="t", attempt=attempt, engine_id="P", rank=rank, staged=True,

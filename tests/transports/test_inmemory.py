@@ -88,15 +88,15 @@ def test_reused_id_check_catches_a_consumer_that_ignores_incarnations(monkeypatc
 
 def test_conformance_suite_catches_a_corrupting_transport(monkeypatch):
     """The suite is not vacuous: a transport that flips one byte per write fails it."""
-    from pushkv.transports import inmemory
+    from pushkv.transports.inmemory import landing
 
-    real = inmemory.copy_plan
+    real = landing.copy_plan
 
     def corrupting(plan, src, dst):
         real(plan, src, dst)
         dst[int(plan.dst_regions[0])][int(plan.runs[0, 1])] ^= 0xFF
 
-    monkeypatch.setattr(inmemory, "copy_plan", corrupting)
+    monkeypatch.setattr(landing, "copy_plan", corrupting)  # where the bytes land
     with pytest.raises(AssertionError, match="bytes differ"):
         conformance.check_either_order(InMemoryCluster)
 
@@ -216,7 +216,7 @@ def test_auto_packs_only_over_the_budget():
 def test_progressive_check_catches_a_consumer_that_ignores_parts(monkeypatch):
     """Not vacuous: READY on the first part's notification fails the suite (the
     later parts land in blocks no longer lent, or the bytes are short)."""
-    from pushkv.protocol import consumer
+    from pushkv.protocol.consumer import outcomes as consumer
 
     monkeypatch.setattr(consumer, "_parts", lambda a, rank, inp, msg: inp)
     with pytest.raises(AssertionError):

@@ -16,12 +16,13 @@ from typing import Any, Protocol
 
 import msgspec
 
-from .. import consumer as consumer_module
-from .. import producer as producer_module
-from .. import producer_view as producer_view_module
 from .. import records, states
+from ..consumer import endpoint as consumer_module
+from ..consumer import outcomes as outcomes_module
 from ..errors import LocalProtocolError
 from ..messages import CancelAck, Fail
+from ..producer import endpoint as producer_module
+from ..producer import view as producer_view_module
 from ..states import (
     ConsumerEffect,
     ConsumerInput,
@@ -103,7 +104,7 @@ def stale_incarnation_counted(mp: Patch) -> None:
 
 def silent_rank_holds_source(mp: Patch) -> None:
     """A producer rank that writes nothing ignores the consumer's Skip."""
-    mp.setattr(producer_module, "on_skip", lambda p, msg, now: [])
+    mp.setattr(Producer, "_on_skip", lambda self, msg, now: [])
 
 
 def write_after_lease(mp: Patch) -> None:
@@ -191,13 +192,13 @@ def source_released_twice(mp: Patch) -> None:
 
 def ready_after_the_first_part(mp: Patch) -> None:
     """The consumer takes any part's notification for the rank's last (rule 9)."""
-    orig = consumer_module._parts
+    orig = outcomes_module._parts
 
     def parts(a, rank, inp, msg):
         got = orig(a, rank, inp, msg)
         return CI.NOTIFY if isinstance(msg, consumer_module.Notify) else got
 
-    mp.setattr(consumer_module, "_parts", parts)
+    mp.setattr(outcomes_module, "_parts", parts)
 
 
 def range_before_registration_dropped(mp: Patch) -> None:
@@ -259,7 +260,7 @@ def staging_given_back_at_the_notification(mp: Patch) -> None:
         out = orig(self, msg, inp, now)
         t = self._transfers.get(msg.transfer_id)
         if t is not None and getattr(msg, "staged", False) and t.cur.staging is not None:
-            out += consumer_module.staging.unlend(self, t, t.cur)
+            out += consumer_module.staging.unlend(self._staging, t, t.cur)
         return out
 
     mp.setattr(Consumer, "_from_producer", mutated)

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
-from .events import Peer, SendMessage
-from .lending import StagingLedger
-from .messages import CancelAck, Fail, FailReason
-from .records import Key, Kv, Leg
-from .records import Source as _Transfer
-from .states import ProducerState
+from ..events import Peer, SendMessage
+from ..lending import StagingLedger
+from ..messages import CancelAck, Fail, FailReason
+from ..records import Key, Kv, Leg
+from ..records import Source as _Transfer
+from ..states import ProducerState
 
 
 class ProducerView:

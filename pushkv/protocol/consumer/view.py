@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .lending import StagingLedger
-from .records import Key
-from .records import Transfer as _Transfer
-from .states import ConsumerState
+from ..lending import StagingLedger
+from ..records import Key
+from ..records import Transfer as _Transfer
+from ..states import ConsumerState
+from .peers import Producers
 
 
 class ConsumerView:
@@ -18,9 +19,9 @@ class ConsumerView:
 
     _transfers: Mapping[str, _Transfer]
     _retired: Mapping[Key, _Transfer]
-    _engines: Mapping[str, object]
     _lent: Mapping[int, Key]
     _staging: StagingLedger
+    producers: Producers
 
     @property
     def num_transfers(self) -> int:
@@ -65,7 +66,7 @@ class ConsumerView:
 
     def knows(self, engine_id: str) -> bool:
         """Whether a producer engine is handshaken (and not declared dead)."""
-        return engine_id in self._engines
+        return engine_id in self.producers.engines
 
     def lent_to(self, block: int) -> Key | None:
         """The (transfer id, incarnation) a write into ``block`` may still come from."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .messages import CancelAck, Fail, Notify
-from .records import Attempt
-from .states import ConsumerInput
+from ..messages import CancelAck, Fail, Notify
+from ..records import Attempt
+from ..states import ConsumerInput
 
 CI = ConsumerInput
 

@@ -13,15 +13,14 @@ from dataclasses import replace
 
 import numpy.typing as npt
 
-from .config import ProducerConfig
-from .endpoint import Endpoint, Step
-from .errors import (
+from ..config import ProducerConfig
+from ..endpoint import Endpoint, Step
+from ..errors import (
     ConfigError,
     LocalProtocolError,
     PlanError,
-    ValidationError,
 )
-from .events import (
+from ..events import (
     Action,
     IssueWrite,
     Mode,
@@ -30,10 +29,9 @@ from .events import (
     ReleaseSource,
     WriteScope,
 )
-from .layout import RankInfo
-from .lending import StagingLedger
-from .mapping import Assignment, expected_writers, targets_of
-from .messages import (
+from ..layout import RankInfo
+from ..lending import StagingLedger
+from ..messages import (
     Cancel,
     FailReason,
     Heartbeat,
@@ -42,16 +40,13 @@ from .messages import (
     Register,
     Skip,
 )
-from .planner import block_tuple, plan_transfer
-from .producer_messages import on_cancel, on_heartbeat, on_read_done, on_register, on_skip
-from .producer_staging import pack, staged_fields
-from .producer_view import ProducerView
-from .ranges import mark, next_rect, todo
-from .records import Key
-from .records import Leg as _Leg
-from .records import Registration as _Registration
-from .records import Source as _Transfer
-from .states import (
+from ..planner import block_tuple, plan_transfer
+from ..ranges import mark, next_rect, todo
+from ..records import Key
+from ..records import Leg as _Leg
+from ..records import Registration as _Registration
+from ..records import Source as _Transfer
+from ..states import (
     PRODUCER_TABLE,
     PRODUCER_TERMINAL,
     PRODUCER_WRITING,
@@ -64,6 +59,9 @@ from .states import (
     SourceState,
     producer_step,
 )
+from .answers import ProducerAnswers
+from .staging import pack, staged_fields
+from .targets import Targets
 
 PS, PI, PE = ProducerState, ProducerInput, ProducerEffect
 
@@ -82,7 +80,7 @@ _FROM_RANGES = frozenset((PI.RANGE_READY, PI.NOTHING_READY))
 SI, SE = SourceInput, SourceEffect
 
 
-class Producer(ProducerView, Endpoint):
+class Producer(ProducerAnswers, Endpoint):
     """Sans-IO endpoint of one producer rank. Every method takes ``now``."""
 
     role = "producer"
@@ -91,16 +89,13 @@ class Producer(ProducerView, Endpoint):
         super().__init__(info)
         self.config = config or ProducerConfig()
         self._handlers.update({
-            Register: lambda m, now: on_register(self, m, now),
-            Cancel: lambda m, now: on_cancel(self, m, now),
-            Heartbeat: lambda m, now: on_heartbeat(self, m, now),
-            ReadDone: lambda m, now: on_read_done(self, m, now),
-            Skip: lambda m, now: on_skip(self, m, now),
+            Register: lambda m, now: self._on_register(m, now),
+            Cancel: lambda m, now: self._on_cancel(m, now),
+            Heartbeat: lambda m, now: self._on_heartbeat(m, now),
+            ReadDone: lambda m, now: self._on_read_done(m, now),
+            Skip: lambda m, now: self._on_skip(m, now),
         })
-        self._peers: dict[Peer, RankInfo] = {}
-        self._targets: dict[str, tuple[Peer, ...]] = {}  # consumer engine -> legs to write
-        self._target_set: set[Peer] = set()
-        self._assigned: dict[Peer, Assignment] = {}  # what this rank writes into each
+        self.targets = Targets()  # the consumer ranks handshaken, the legs to write
         self._transfers: dict[Key, _Transfer] = {}
         # Forgotten transfers, per incarnation, with their legs in GONE: late
         # messages are answered by the same table rows as live ones.
@@ -115,48 +110,19 @@ class Producer(ProducerView, Endpoint):
 
     def add_peer(self, info: RankInfo, *, now: float | None = None) -> list[Action]:
         """Accept a consumer rank's handshake. Raises ConfigError if incompatible."""
-        info.validate()
-        expected_writers(self.info.engine, info.engine, info.rank)  # compatibility
-        known = self._peers.get(Peer(info.engine_id, info.rank))
-        if known is not None and known != info:
-            # Same name, other memory: a restarted engine must use a new engine id, or
-            # old registrations could land in the new incarnation's memory.
-            raise ConfigError(f"{info.engine_id!r} rank {info.rank} changed its layout")
-        if info.layout.head_dim != self.info.layout.head_dim or (
-            info.layout.dtype_bytes != self.info.layout.dtype_bytes
-        ):
-            raise ConfigError("consumer KV element shape differs from the producer's")
-        self._peers[Peer(info.engine_id, info.rank)] = info
-        assigned = targets_of(self.info.engine, info.engine, self.peer.rank)
-        self._targets[info.engine_id] = targets = tuple(
-            Peer(info.engine_id, a.dst_rank) for a in assigned
-        )
-        self._target_set.update(targets)
-        self._assigned.update(zip(targets, assigned, strict=True))
+        self.targets.add(self.info, info)
         return []
 
     def peer_died(self, engine_id: str, now: float) -> list[Action]:
         """The transport lost ``engine_id``: its legs end, its writes fence themselves."""
         out = self._run_timers(now)
-        for peer in [p for p in self._peers if p.engine_id == engine_id]:
-            del self._peers[peer]
-        for p in self._targets.pop(engine_id, ()):
-            self._target_set.discard(p)
-            self._assigned.pop(p, None)
+        self.targets.drop(engine_id)
         for t in list(self._transfers.values()):
             for leg in list(t.legs.values()):
                 if leg.peer.engine_id == engine_id:
                     out += self._input(t, leg, PI.PEER_DIED, now)
             out += self._settle(t, now)
         return out
-
-    # ----------------------------------------------------------- peer input
-
-    def _known(self, engine_id: str, rank: int) -> RankInfo:
-        info = self._peers.get(Peer(engine_id, rank))
-        if info is None:
-            raise ValidationError(f"no handshake with {engine_id!r} rank {rank}")
-        return info
 
     # ---------------------------------------------------------- local input
 
@@ -557,7 +523,7 @@ class Producer(ProducerView, Endpoint):
         """Rendezvous reached (rule 1): plan and issue the write of ``leg.reg``."""
         reg = leg.reg
         assert reg is not None and t.kv in (Kv.HELD, Kv.PARTIAL)
-        info = self._peers.get(leg.peer)
+        info = self.targets.peers.get(leg.peer)
         if now > reg.deadline or t.expired or now >= t.lease or t.aborted:
             # Rule 5: never start after the window, nor after the source's lease
             # (or the local request) ended: the endpoint feeds WRITE_REFUSED.
@@ -573,7 +539,7 @@ class Producer(ProducerView, Endpoint):
                 raise PlanError(
                     f"registration wants {reg.num_tokens} tokens, prefill produced {t.num_tokens}"
                 )
-            assigned = self._assigned[leg.peer]
+            assigned = self.targets.assigned[leg.peer]
             if leg.parts_of != reg.attempt:
                 self._fresh(leg)
             if not leg.written and t.kv is Kv.HELD:
@@ -613,7 +579,8 @@ class Producer(ProducerView, Endpoint):
             leg.last = True
             mark(leg.written, (reg.first_token, reg.num_tokens, assigned.layers.start,
                                assigned.layers.stop))
-        packed = pack(self, leg, reg, plan) if rect is None and leg.parts == 0 else None
+        packed = pack(self.config.packing, self._staging, self.stats, leg, reg,
+                      plan) if rect is None and leg.parts == 0 else None
         notify = Notify(
             transfer_id=t.transfer_id,
             attempt=reg.attempt,
@@ -655,7 +622,7 @@ class Producer(ProducerView, Endpoint):
             elif t.consumer_engine is None:
                 finished = False
             else:
-                targets = self._targets.get(t.consumer_engine)
+                targets = self.targets.legs(t.consumer_engine)
                 finished = True
                 if targets is None:  # the consumer engine is gone
                     targets = tuple(legs)

@@ -11,56 +11,37 @@ from __future__ import annotations
 
 import numpy.typing as npt
 
-from . import consumer_staging as staging
-from .config import ConsumerConfig
-from .consumer_handshake import connect, fail_handshake, learn_rank
-from .consumer_messages import (
-    abandons,
-    cancels,
-    final_cancels,
-    heartbeats,
-    reads,
-    registers,
-    skips,
-)
-from .consumer_parts import count_parts as _parts
-from .consumer_parts import written_blocks as _written
-from .consumer_view import ConsumerView
-from .endpoint import Endpoint, Step
-from .errors import (
+from ..config import ConsumerConfig
+from ..endpoint import Endpoint, Step
+from ..errors import (
     ConfigError,
     LocalProtocolError,
-    RemoteProtocolError,
-    ValidationError,
 )
-from .events import (
+from ..events import (
     Action,
+    Connect,
     Mode,
     Peer,
-    Rejected,
     ReleaseDestination,
     SendMessage,
     TransferCancelled,
     TransferFailed,
     TransferReady,
-    WriteScope,
-    sender_of,
 )
-from .layout import EngineSpec, RankInfo
-from .lending import StagingLedger
-from .mapping import assignment, expected_writers
-from .messages import (
+from ..layout import RankInfo
+from ..lending import StagingLedger
+from ..messages import (
     CancelAck,
     Fail,
     FailReason,
     Notify,
     ReadDone,
 )
-from .planner import block_tuple
-from .records import Attempt as _Attempt
-from .records import Key
-from .records import Transfer as _Transfer
-from .states import (
+from ..planner import block_tuple
+from ..records import Attempt as _Attempt
+from ..records import Key
+from ..records import Transfer as _Transfer
+from ..states import (
     CONSUMER_FENCING,
     CONSUMER_TABLE,
     CONSUMER_TERMINAL,
@@ -71,13 +52,16 @@ from .states import (
     ZombieState,
     consumer_step,
 )
+from . import staging as staging
+from .outcomes import ConsumerOutcomes
+from .parts import written_blocks as _written
+from .peers import Producers
+from .requests import cancels, final_cancels, heartbeats, reads, registers
 
 CS, CI, CE = ConsumerState, ConsumerInput, ConsumerEffect
-#: States in which producer outcomes for the current attempt still matter.
-_LISTENING = frozenset({CS.REGISTERED, *CONSUMER_FENCING})
 
 
-class Consumer(ConsumerView, Endpoint):
+class Consumer(ConsumerOutcomes, Endpoint):
     """Sans-IO endpoint of one consumer rank. Every method takes ``now``."""
 
     role = "consumer"
@@ -90,25 +74,13 @@ class Consumer(ConsumerView, Endpoint):
             CancelAck: lambda m, now: self._from_producer(m, CI.CANCEL_ACK, now),
             Fail: lambda m, now: self._from_producer(m, CI.FAIL, now),
         })
-        self._peers: dict[Peer, RankInfo] = {}
-        self._engines: dict[str, EngineSpec] = {}
-        self._writers: dict[str, frozenset[int]] = {}  # producer engine -> expected ranks
+        self.producers = Producers()  # the producer engines handshaken (rule 8)
         self._transfers: dict[str, _Transfer] = {}  # the live use of each id
         # Ended uses of an id that came back while their old attempts may still be
         # written (zombies): they keep their fences, by (id, incarnation).
         self._retired: dict[Key, _Transfer] = {}
-        self._silent: dict[str, tuple[int, ...]] = {}  # producer ranks we Skip, by engine
         self._lent: dict[int, Key] = {}  # block id -> transfer that may still be written
         self._next_heartbeat: float | None = None
-        self._connecting: dict[str, float] = {}  # engine -> handshake deadline (Connect sent)
-        self._ready_engines: set[str] = set()  # every rank writing into us is handshaken
-        # Transfers cancelled while their registration waited for the handshake, by
-        # engine: abandoned (final Cancel, Skip) once it is usable; bounded by the
-        # handshake timeout, which forgets them.
-        self._abandoned: dict[str, list[Key]] = {}
-        # Transfers whose Skip could not reach a rank that writes nothing (no
-        # handshake yet), by engine, oldest first; bounded by ``max_untold``.
-        self._untold: dict[str, dict[Key, None]] = {}
         # Rule 10: who holds which range of this rank's staging memory.
         pk = self.config.packing
         self._staging = StagingLedger(pk.staging_bytes if pk is not None else 0)
@@ -118,47 +90,63 @@ class Consumer(ConsumerView, Endpoint):
     # ------------------------------------------------------------------ peers
 
     def add_peer(self, info: RankInfo, *, now: float | None = None) -> list[Action]:
-        """Accept a producer rank's handshake. Raises ConfigError if incompatible."""
-        info.validate()
-        expected_writers(info.engine, self.info.engine, self.peer.rank)  # compatibility
-        known = self._engines.get(info.engine_id)
-        if known is not None and known != info.engine:
-            raise ConfigError(f"engine {info.engine_id!r} changed its spec")
-        self._peers[Peer(info.engine_id, info.rank)] = info
-        self._engines[info.engine_id] = info.engine
-        self._writers[info.engine_id] = expected_writers(
-            info.engine, self.info.engine, self.peer.rank
-        )
-        return learn_rank(self, info, now)
+        """Accept a producer rank's handshake. Raises ConfigError if incompatible.
+
+        Then the ranks it was owed Skips by are told, and once its engine is usable
+        (rule 8) the registrations held for it go out and it learns of the transfers
+        that ended while they waited."""
+        p = self.producers
+        p.add(self.info, info)
+        eid = info.engine_id
+        when = self._now if now is None else now
+        out = self._run_timers(when) if now is not None else []
+        out += p.told_late(self.peer, info, self.config.max_untold)
+        if not p.usable(eid):
+            return out
+        for key in p.connected(eid):
+            out += p.abandons(self.peer, key, eid, self.config.max_untold)
+        for t in list(self._transfers.values()):
+            if t.state is CS.CONNECTING and t.producer == eid:
+                out += self._input(t, CI.CONNECTED, max(when, 0.0))
+        return out
+
+    def _connect(self, engine_id: str, now: float) -> list[Action]:
+        """Ask the driver for a handshake, once per engine; a core timer bounds it."""
+        deadline = now + self.config.handshake_timeout_s
+        if not self.producers.ask(engine_id, deadline):
+            return []
+        self._schedule(deadline, engine_id)
+        self.stats["connects"] += 1
+        return [Connect(engine_id=engine_id)]
 
     def _abandon_later(self, t: _Transfer) -> None:
         """A transfer cancelled before any registration went out (it waited for the
         handshake): tell the producer when the engine becomes usable."""
         if not t.skipped and t.mode is Mode.PUSH:
-            self._abandoned.setdefault(t.producer, []).append(t.key)
-
-    def _usable(self, engine_id: str) -> bool:
-        """Every producer rank that writes into this rank is handshaken (ranks that
-        write nothing are told with Skip if known, never waited for)."""
-        return engine_id in self._ready_engines
+            self.producers.abandon_later(t.producer, t.key)
 
     def handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
         """The driver could not handshake with ``engine_id``: every transfer waiting
         for it fails (HANDSHAKE_FAILED) and releases its blocks. A later
         registration asks for the engine again."""
         out = self._run_timers(now)
-        return out + fail_handshake(self, engine_id, reason, now)
+        return out + self._handshake_failed(engine_id, reason, now)
+
+    def _handshake_failed(self, engine_id: str, reason: str, now: float) -> list[Action]:
+        self.producers.failed(engine_id)
+        self.stats["handshakes_failed"] += 1
+        out: list[Action] = []
+        for t in list(self._transfers.values()):
+            if t.state is CS.CONNECTING and t.producer == engine_id:
+                t.why(FailReason.HANDSHAKE_FAILED,
+                      f"handshake with producer engine {engine_id!r} failed: {reason}")
+                out += self._input(t, CI.HANDSHAKE_FAILED, now)
+        return out
 
     def peer_died(self, engine_id: str, now: float) -> list[Action]:
         """The transport confirmed ``engine_id`` dead: it fences every attempt it owed."""
         out = self._run_timers(now)
-        for p in [p for p in self._peers if p.engine_id == engine_id]:
-            del self._peers[p]
-        self._engines.pop(engine_id, None)
-        self._writers.pop(engine_id, None)
-        self._silent.pop(engine_id, None)
-        self._ready_engines.discard(engine_id)
-        self._untold.pop(engine_id, None)
+        self.producers.drop(engine_id)
         for t in [*self._transfers.values(), *self._retired.values()]:
             if t.producer != engine_id:
                 continue
@@ -206,12 +194,6 @@ class Consumer(ConsumerView, Endpoint):
             )
         return ids
 
-    def _engine(self, engine_id: str) -> EngineSpec:
-        spec = self._engines.get(engine_id)
-        if spec is None:
-            raise LocalProtocolError(f"no handshake with producer engine {engine_id!r}")
-        return spec
-
     def register(
         self,
         transfer_id: str,
@@ -254,14 +236,14 @@ class Consumer(ConsumerView, Endpoint):
         None: no bound is known (the driver vouches for the source)."""
         src = block_tuple(src_block_ids)
         if lease_s is not None and lease_s <= 0:
-            self._engine(producer_engine_id)
+            self.producers.engine(producer_engine_id)
             ids = self._check_blocks(transfer_id, block_ids, num_tokens, first_token)
             out = self._run_timers(now)
             self.stats["failed"] += 1
             # Nothing is read; the producer is told (final Cancel) to drop the source,
             # and the blocks go back as from any other failure (none was written).
-            return [*out, *abandons(self, (transfer_id, incarnation), producer_engine_id,
-                                    self._writers.get(producer_engine_id, frozenset())),
+            return [*out, *self.producers.abandons(self.peer, (transfer_id, incarnation),
+                                                   producer_engine_id, self.config.max_untold),
                     ReleaseDestination(transfer_id=transfer_id, attempt=0,
                                        block_ids=ids,
                                        incarnation=incarnation),
@@ -289,13 +271,14 @@ class Consumer(ConsumerView, Endpoint):
             raise LocalProtocolError("transfer is live on this rank: abort it",
                                      transfer_id=transfer_id, state=t.state.value)
         out = self._run_timers(now)
-        writers = self._writers.get(producer_engine_id)
-        if writers is None:  # never handshaken: nothing went out anywhere
+        if producer_engine_id not in self.producers.writers:
+            # never handshaken: nothing went out anywhere
             self.stats["abandoned_unknown_engine"] += 1
             return out
         self.stats["abandoned"] += 1
         key = (transfer_id, incarnation)
-        return out + abandons(self, key, producer_engine_id, writers)
+        return out + self.producers.abandons(self.peer, key, producer_engine_id,
+                                             self.config.max_untold)
 
     def _open(
         self,
@@ -318,15 +301,16 @@ class Consumer(ConsumerView, Endpoint):
             raise LocalProtocolError("transfer id and incarnation already in use here",
                                      transfer_id=transfer_id, incarnation=inc)
         if mode is Mode.PULL:
-            self._engine(producer)  # pull reads are planned now: they need the handshake
+            self.producers.engine(producer)  # pull reads are planned now: they need the handshake
         ids = self._check_blocks(transfer_id, block_ids, num_tokens, first_token)
         if mode is Mode.PULL:  # plan first: a plan that cannot be made changes nothing
-            reads(self, transfer_id, producer, src, ids, num_tokens, first_token, 0)
+            reads(self.info, self.producers, transfer_id, producer, src, ids, num_tokens,
+                  first_token, 0)
         out = self._run_timers(now)
         old = self._transfers.pop(transfer_id, None)
         if old is not None:  # (the timers may have ended it meanwhile)
             self._retired[old.key] = old
-        usable = self._usable(producer)
+        usable = self.producers.usable(producer)
         cur = self._attempt(0, ids, producer, now)
         t = _Transfer(
             transfer_id=transfer_id, inc=inc, producer=producer, mode=mode,
@@ -337,15 +321,17 @@ class Consumer(ConsumerView, Endpoint):
         self._lend(t, cur)
         self.stats["registered"] += 1
         if not usable:  # rule 8: wait in CONNECTING for the handshake
-            return out + connect(self, producer, now)
+            return out + self._connect(producer, now)
         t.skipped = True
         out += self._start_attempt(t, now)
-        return out + skips(self, t.key, producer) if self._silent[producer] else out
+        if not self.producers.silent[producer]:
+            return out
+        return out + self.producers.skips(self.peer, t.key, producer, self.config.max_untold)
 
     def reissue(self, transfer_id: str, block_ids: npt.ArrayLike, now: float) -> list[Action]:
         """Register a preempted transfer again, with a new attempt, into ``block_ids``."""
         t = self._get(transfer_id)
-        inp = CI.REISSUE if self._usable(t.producer) else CI.REISSUE_CONNECTING
+        inp = CI.REISSUE if self.producers.usable(t.producer) else CI.REISSUE_CONNECTING
         if (t.state, inp) not in CONSUMER_TABLE:
             raise LocalProtocolError(
                 "reissue needs a preempted transfer", transfer_id=transfer_id,
@@ -378,81 +364,6 @@ class Consumer(ConsumerView, Endpoint):
             return out  # a deadline ended it first
         return out + self._input(t, inp, now)
 
-    def read_completed(
-        self, transfer_id: str, attempt: int, peer: Peer, ok: bool, now: float, *,
-        incarnation: int = 0,
-    ) -> list[Action]:
-        """Pull: the transport finished (``ok``) or failed a read issued by IssueRead
-        for ``(transfer_id, incarnation)`` (the IssueRead's; 0: the default use)."""
-        t = self._find(transfer_id, incarnation)
-        if t is None:
-            # Only possible when the read outlived the hard deadline (window + grace)
-            # and its blocks were released: counted, as it breaks the timing assumption.
-            self.stats["late_read"] += 1
-            return self._run_timers(now)
-        if t.mode is not Mode.PULL or peer.engine_id != t.producer:
-            raise LocalProtocolError("read completion for a transfer that reads nothing "
-                                     "from that peer", transfer_id=transfer_id, attempt=attempt)
-        out = self._run_timers(now)
-        failed = not ok  # (a read past the lease completed: none of its bytes stray)
-        if ok and now >= t.lease_until:  # rule 4: the source may be gone under the read
-            ok = False
-            self.stats["reads_past_lease"] += 1
-            t.why(FailReason.LEASE_EXPIRED, f"the read from {peer} completed after the "
-                  "source's lease may have ended")
-        self.stats["reads_ok" if ok else "reads_failed"] += 1
-        if not ok:
-            t.why(FailReason.READ_FAILED, f"read from {peer} failed")
-            a = t.cur if attempt == t.cur.attempt else t.zombies.get(attempt)
-            if failed and a is not None and peer.rank not in a.stray and (
-                    peer.rank not in a.fenced):
-                # Rule 7, for reads: nothing says a failed READ stopped writing the
-                # blocks, so its stray bytes may land until the fence grace.
-                a.stray[peer.rank] = now + self.config.fence_grace_s
-                self._schedule(now + self.config.fence_grace_s, t.key)
-        return out + self._report(t, attempt, peer.rank, CI.NOTIFY if ok else CI.FAIL, now)
-
-    def landed_scope(self, msg: Notify) -> WriteScope | None:
-        """Rule 11: the logical KV the write ``msg`` notifies may have landed in,
-        on this rank (the whole registration of the rank's slice: a part of a
-        progressive push covers a rectangle inside it) -- or None when the
-        notification cannot count towards READY (another use or attempt, a
-        transfer not registered, a rank not expected), so there is nothing to check."""
-        t = self._find(msg.transfer_id, msg.incarnation)
-        if (t is None or t.mode is not Mode.PUSH or t.state is not CS.REGISTERED
-                or msg.attempt != t.cur.attempt or msg.rank not in t.cur.expected
-                or msg.engine_id != t.producer):
-            return None
-        info = self._peers.get(Peer(t.producer, msg.rank))
-        if info is None:
-            return None
-        got = assignment(info.engine, self.info.engine, msg.rank, self.peer.rank)
-        return WriteScope(t.cur.block_ids, t.first_token, t.num_tokens, got.layers,
-                          tuple((d, d, n) for _, d, n in got.heads))
-
-    def corrupt(self, msg: Notify, now: float, *, detail: str = "") -> list[Action]:
-        """Rule 11: the driver received ``msg`` and found the bytes its write landed
-        failing their digest check (``detail`` says which range, both digests).
-
-        Handled as the notification it is -- a landing, counted for the fence --
-        except that it never counts towards READY: the registered attempt fails
-        with ``FailReason.CORRUPT`` (blocks released at its fence, nothing READY).
-        A staged write is checked after its scatter: see :meth:`scatter_done`."""
-        if not isinstance(msg, Notify) or msg.staged:
-            raise LocalProtocolError("corrupt() takes a direct write's Notify; a staged "
-                                     "write is checked at scatter_done(corrupt=)",
-                                     transfer_id=getattr(msg, "transfer_id", None))
-        out = self._run_timers(now)
-        self._corrupt_detail = detail or f"rank {msg.rank}'s write failed its digest check"
-        try:  # as receive(): what the peer got wrong is Rejected, never raised
-            out += self._from_producer(msg, CI.NOTIFY, now, corrupt=True)
-        except RemoteProtocolError as exc:
-            self.stats["rejected"] += 1
-            out.append(Rejected(peer=sender_of(msg), error=exc))
-        finally:
-            self._corrupt_detail = ""
-        return out
-
     def _get(self, transfer_id: str) -> _Transfer:
         t = self._transfers.get(transfer_id)
         if t is None:
@@ -460,98 +371,6 @@ class Consumer(ConsumerView, Endpoint):
         return t
 
     # ----------------------------------------------------------- peer input
-
-    def _from_producer(
-        self, msg: Notify | CancelAck | Fail, inp: ConsumerInput, now: float,
-        corrupt: bool = False,
-    ) -> list[Action]:
-        t = self._find(msg.transfer_id, msg.incarnation)  # rule 6: other uses never count
-        if t is None:
-            self.stats["stale"] += 1
-            return []
-        if msg.engine_id != t.producer:
-            raise _invalid(f"{msg.engine_id!r} is not this transfer's producer",
-                           t.transfer_id, msg.attempt, inp)
-        if t.mode is Mode.PULL:
-            if inp is CI.CANCEL_ACK:  # late answer to our final cancel
-                self.stats["stale"] += 1
-                return []
-            raise _invalid("producer message for a pull transfer", t.transfer_id, msg.attempt,
-                           inp)
-        if isinstance(msg, Fail):
-            t.why(msg.reason, f"{msg.reason.name} from rank {msg.rank}: {msg.detail}")
-        a = t.cur if msg.attempt == t.cur.attempt else t.zombies.get(msg.attempt)
-        packed = None
-        staged = isinstance(msg, Notify) and msg.staged
-        if isinstance(msg, Notify) and staged and a is t.cur and t.state is CS.REGISTERED and (
-                msg.rank in a.expected and msg.rank not in a.fenced
-                and not staging.repeated(a, msg)):
-            # Rule 10: only a staged chunk of the registered attempt is scattered; its
-            # plan is checked before any change. Elsewhere its landing only fences.
-            packed = staging.staged_plan(self, t, a, msg)
-        if a is not None and msg.rank in a.expected and msg.rank not in a.fenced and (
-            a is not t.cur or t.state in _LISTENING
-        ) and not (inp is CI.CANCEL_ACK and a is t.cur and t.state is CS.REGISTERED):
-            if isinstance(msg, Notify) and staged and not staging.count_chunk(a, msg):
-                self.stats["duplicate"] += 1  # rule 10: its staged chunk already landed
-                return self._input(t, CI.STALE, now) if a is t.cur else self._zombie(
-                    t, a, CI.STALE, now)
-            inp = _parts(a, msg.rank, inp, msg)
-            if isinstance(msg, CancelAck | Fail) and msg.failed and msg.rank not in a.stray:
-                # Rule 7: a failed write may still land bytes until the fence grace.
-                a.stray[msg.rank] = now + self.config.fence_grace_s
-                self._schedule(now + self.config.fence_grace_s, t.key)
-            if staged and inp in (CI.NOTIFY, CI.PART):
-                inp = CI.STAGED  # rule 10: a chunk of a staged write landed
-            elif corrupt and (inp is CI.NOTIFY or (
-                    inp is CI.PART and a is t.cur and t.state is CS.REGISTERED)):
-                # Rule 11: a landing, never a count (while fencing, a part that does
-                # not finish its rank stays a part: nothing is to be decided by it).
-                inp = CI.CORRUPT
-                self.stats["corrupt"] += 1
-            elif inp is CI.PART:
-                self.stats["parts"] += 1
-        return self._report(t, msg.attempt, msg.rank, inp, now, packed)
-
-    def scatter_done(
-        self, transfer_id: str, attempt: int, peer: Peer, ok: bool, now: float, *,
-        incarnation: int = 0, corrupt: str = "",
-    ) -> list[Action]:
-        """Rule 10: the driver finished (``ok``) or failed a :class:`Scatter` of
-        ``(transfer_id, incarnation)`` (the Scatter's; 0: the default use).
-        ``corrupt`` (rule 11): the rank's write, scattered in full by this one, failed
-        its digest check -- what failed, both digests; fed as ``CORRUPT``."""
-        self._corrupt_detail = corrupt
-        try:
-            return staging.scatter_done(self, transfer_id, attempt, peer, ok, now,
-                                        incarnation, corrupt=bool(corrupt))
-        finally:
-            self._corrupt_detail = ""
-
-    def _report(
-        self, t: _Transfer, attempt: int, rank: int, inp: ConsumerInput, now: float,
-        packed: staging.StagedChunk | None = None,
-    ) -> list[Action]:
-        """Route one producer rank's outcome to the current attempt or a zombie."""
-        z = t.zombies.get(attempt)
-        a = t.cur if attempt == t.cur.attempt else z
-        if a is None:
-            self.stats["stale"] += 1  # rule 6: other attempts never count
-            return self._input(t, CI.STALE, now)
-        if rank not in a.expected:
-            raise _invalid(f"rank {rank} is not an expected writer", t.transfer_id, attempt, inp)
-        if rank in a.fenced:
-            self.stats["duplicate"] += 1
-            return self._zombie(t, z, CI.STALE, now) if z else self._input(t, CI.STALE, now)
-        if z is not None:
-            return self._zombie(t, z, inp, now, frozenset((rank,)))
-        if t.state not in _LISTENING:
-            self.stats["stale"] += 1
-            return self._input(t, CI.STALE, now)
-        if inp is CI.CANCEL_ACK and t.state is CS.REGISTERED:
-            raise _invalid("CancelAck for an attempt that was not cancelled", t.transfer_id,
-                           attempt, inp)
-        return self._input(t, inp, now, ranks=frozenset((rank,)), packed=packed)
 
     # ---------------------------------------------------------- transitions
 
@@ -637,13 +456,13 @@ class Consumer(ConsumerView, Endpoint):
             if inp is CI.PEER_DIED:  # nobody is left to cancel: the grace fences (rule 7)
                 t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
                 return []
-            return cancels(self, t, final=True, skip=ranks if inp is CI.FAIL else frozenset())
+            return cancels(self.peer, t, final=True, skip=ranks if inp is CI.FAIL else frozenset())
         if effect is CE.CANCEL_ALL:
             if inp is CI.DEADLINE:
                 t.why(FailReason.DEADLINE, "no write within the registration window")
-            return cancels(self, t, final=True)
+            return cancels(self.peer, t, final=True)
         if effect is CE.PREEMPT_ALL:
-            return cancels(self, t, final=False)
+            return cancels(self.peer, t, final=False)
         if effect in (CE.RELEASE, CE.RELEASE_CANCELLED, CE.RELEASE_FAILED):
             if inp is CI.PEER_DIED:
                 t.why(FailReason.PEER_DIED, f"producer engine {t.producer!r} died")
@@ -651,7 +470,7 @@ class Consumer(ConsumerView, Endpoint):
                 self.stats["forced_release"] += 1
             out = self._release(t, cur)
             if effect is not CE.RELEASE and t.mode is Mode.PULL:
-                out += final_cancels(self, t)
+                out += final_cancels(self.peer, t)
             if effect is CE.RELEASE_CANCELLED:
                 self._abandon_later(t)
                 self.stats["cancelled"] += 1
@@ -671,14 +490,14 @@ class Consumer(ConsumerView, Endpoint):
             if t.skipped:
                 return out
             t.skipped = True
-            return out + skips(self, t.key, t.producer)
+            return out + self.producers.skips(self.peer, t.key, t.producer, self.config.max_untold)
         if effect is CE.HOLD:
             t.cur = self._attempt(cur.attempt + 1, block_ids, t.producer, now)
             t.reason, t.code = "", FailReason.WRITE_FAILED
             self._lend(t, t.cur)
-            return connect(self, t.producer, now)
+            return self._connect(t.producer, now)
         if effect in (CE.REGISTER, CE.ZOMBIFY_AND_REGISTER):
-            spec = self._engines.get(t.producer)
+            spec = self.producers.engines.get(t.producer)
             if spec is None:  # the producer left while we were preempted
                 raise LocalProtocolError("producer engine is gone", transfer_id=tid)
             if effect is CE.ZOMBIFY_AND_REGISTER:
@@ -696,13 +515,13 @@ class Consumer(ConsumerView, Endpoint):
         if effect is CE.FINAL_CANCEL_RELEASED:
             self._abandon_later(t)
             self.stats["cancelled"] += 1
-            return [*final_cancels(self, t),
+            return [*final_cancels(self.peer, t),
                     TransferCancelled(transfer_id=tid, attempt=cur.attempt, incarnation=inc)]
         raise AssertionError(f"unhandled effect {effect}")  # pragma: no cover
 
     def _attempt(self, attempt: int, ids: tuple[int, ...], producer: str, now: float) -> _Attempt:
-        writers = self._writers.get(producer)
-        if writers is None or not self._usable(producer):
+        writers = self.producers.writers.get(producer)
+        if writers is None or not self.producers.usable(producer):
             # Waiting for the handshake: no writer known, no window running yet.
             return _Attempt(attempt=attempt, block_ids=ids, expected=frozenset(),
                             deadline=float("inf"), hard=float("inf"))
@@ -718,9 +537,9 @@ class Consumer(ConsumerView, Endpoint):
         if self._next_heartbeat is None:
             self._next_heartbeat = now + self.config.heartbeat_s
         if t.mode is Mode.PUSH:
-            return registers(self, t)
-        return list(reads(self, t.transfer_id, t.producer, t.src_ids, cur.block_ids,
-                          t.num_tokens, t.first_token, cur.attempt, t.inc))
+            return registers(self.peer, t, self.config.window_s)
+        return list(reads(self.info, self.producers, t.transfer_id, t.producer, t.src_ids,
+                          cur.block_ids, t.num_tokens, t.first_token, cur.attempt, t.inc))
 
     def _release(self, t: _Transfer, a: _Attempt) -> list[Action]:
         out = self._unlend(t, a)
@@ -763,14 +582,18 @@ class Consumer(ConsumerView, Endpoint):
                            t.num_tokens)
         for b in written:
             self._lent[b] = key
-        staging.lend(self, t, a, len(written))  # rule 10: lent and fenced with them
+        # Rule 10: staging lent with the blocks, and fenced with them.
+        book = staging.ledger(self.config.packing, self._staging)
+        writers = len(self.producers.writers.get(t.producer) or ())
+        if not staging.lend(book, self.info.layout, writers, t, a, len(written)):
+            self.stats["staging_unavailable"] += 1
 
     def _unlend(self, t: _Transfer, a: _Attempt) -> list[Action]:
         key, lent = t.key, self._lent
         for b in a.block_ids:
             if lent.get(b) == key:  # only what this transfer lent
                 del lent[b]
-        return staging.unlend(self, t, a)
+        return staging.unlend(self._staging, t, a)
 
     def _maybe_forget(self, t: _Transfer) -> None:
         if t.state in CONSUMER_TERMINAL and not t.zombies:
@@ -792,17 +615,17 @@ class Consumer(ConsumerView, Endpoint):
     def _run_timers(self, now: float) -> list[Action]:
         out = super()._run_timers(now)
         if self._next_heartbeat is not None and self._next_heartbeat <= now:
-            out += heartbeats(self)
+            out += heartbeats(self.peer, self._transfers.values())
             live = any(t.state not in CONSUMER_TERMINAL for t in self._transfers.values())
             self._next_heartbeat = now + self.config.heartbeat_s if live else None
         return out
 
     def _expire(self, key: Key | str, now: float) -> list[Action]:
         if isinstance(key, str):  # a producer engine's handshake deadline
-            due = self._connecting.get(key)
+            due = self.producers.connecting.get(key)
             if due is None or due > now:
                 return []
-            return fail_handshake(self, key, "handshake timed out", now)
+            return self._handshake_failed(key, "handshake timed out", now)
         t = self._find(*key)
         if t is None:
             return []
@@ -833,5 +656,3 @@ class Consumer(ConsumerView, Endpoint):
         return out
 
 
-def _invalid(why: str, transfer_id: str, attempt: int, inp: ConsumerInput) -> ValidationError:
-    return ValidationError(why, transfer_id=transfer_id, attempt=attempt, input=inp.value)

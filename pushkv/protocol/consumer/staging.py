@@ -8,56 +8,52 @@ block ids its notification carries).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-from .errors import ConfigError, LocalProtocolError, PlanError, ValidationError
-from .events import Action, Mode, Peer, ReleaseStaging, Scatter
-from .lending import StagingLedger, align_up, share
-from .mapping import assignment
-from .messages import FailReason, Notify
-from .packing import PackedPlan, chunk_bounds
-from .planner import plan_transfer
-from .records import Attempt, Chunks, Transfer
-from .states import ConsumerInput
+from ..errors import ConfigError, PlanError, ValidationError
+from ..events import Action, Mode, Peer, ReleaseStaging, Scatter
+from ..layout import KVLayout, RankInfo
+from ..lending import StagingLedger, align_up, share
+from ..mapping import assignment
+from ..messages import Notify
+from ..packing import PackedPlan, PackingConfig, chunk_bounds
+from ..planner import plan_transfer
+from ..records import Attempt, Chunks, Transfer
+from ..states import ConsumerInput
 
 CI = ConsumerInput
 
-if TYPE_CHECKING:
-    from .consumer import Consumer
-
-
-def ledger(c: Consumer) -> StagingLedger | None:
-    """The rank's staging ledger, if it lends staging at all."""
-    p = c.config.packing
-    if p is None or p.mode == "never" or p.staging_bytes <= 0:
+def ledger(pk: PackingConfig | None, book: StagingLedger) -> StagingLedger | None:
+    """The rank's staging ledger ``book``, if the rank lends staging at all."""
+    if pk is None or pk.mode == "never" or pk.staging_bytes <= 0:
         return None
-    return c._staging
+    return book
 
 
-def lend(c: Consumer, t: Transfer, a: Attempt, written: int) -> None:
-    """Lend a new push attempt the staging its ``written`` blocks could need,
-    when that much is free (else its producers write directly)."""
-    book = ledger(c)
+def lend(book: StagingLedger | None, layout: KVLayout, writers: int, t: Transfer, a: Attempt,
+         written: int) -> bool:
+    """Lend a new push attempt the staging its ``written`` blocks could need (an
+    aligned share for each of its ``writers`` producer ranks), when that much is
+    free in ``book``; False when it is not (its producers then write directly)."""
     if book is None or t.mode is not Mode.PUSH or written <= 0:
-        return
-    lo = c.info.layout
+        return True
     # Each producer rank writing into us gets an aligned share (see lending.share).
-    ranks = len(c._writers.get(t.producer) or ()) or 1
-    need = written * lo.block_bytes * lo.num_regions
+    ranks = writers or 1
+    need = written * layout.block_bytes * layout.num_regions
     at = book.lend(ranks * align_up(-(-need // ranks)), (t.key, a.attempt))
     if at is None:
-        c.stats["staging_unavailable"] += 1
-        return
+        return False
     a.staging = (at, book.size_of(at))
+    return True
 
 
-def unlend(c: Consumer, t: Transfer, a: Attempt) -> list[Action]:
+def unlend(book: StagingLedger, t: Transfer, a: Attempt) -> list[Action]:
     """Give an attempt's staging back (its fence, or READY, passed)."""
     if a.staging is None:
         return []
     at, n = a.staging
     a.staging = None
-    c._staging.give_back(at)
+    book.give_back(at)
     return [ReleaseStaging(transfer_id=t.transfer_id, attempt=a.attempt, offset=at, nbytes=n,
                            incarnation=t.inc)]
 
@@ -78,10 +74,13 @@ class StagedChunk(NamedTuple):
     src: tuple[int, ...]  #: the source block ids it was planned from
     size: int  #: the chunk size it was cut at
 
-def staged_plan(c: Consumer, t: Transfer, a: Attempt, msg: Notify) -> StagedChunk:
-    """The byte maps of chunk ``msg.chunk`` of a staged write, checked against what
-    this attempt lent and against the rank's earlier chunks. Raises ValidationError
-    (nothing changed) for a notification that cannot be one."""
+def staged_plan(me: RankInfo, writer: RankInfo | None, chunk_bytes: int, t: Transfer,
+                a: Attempt, msg: Notify) -> StagedChunk:
+    """The byte maps of chunk ``msg.chunk`` of a staged write by producer rank
+    ``writer`` (None: not handshaken) into this rank ``me``, checked against what
+    this attempt lent and against the rank's earlier chunks (packed in
+    ``chunk_bytes``). Raises ValidationError (nothing changed) for a notification
+    that cannot be one."""
     def invalid(why: str) -> ValidationError:
         return ValidationError(why, transfer_id=t.transfer_id, attempt=msg.attempt,
                                input="STAGED")
@@ -102,14 +101,14 @@ def staged_plan(c: Consumer, t: Transfer, a: Attempt, msg: Notify) -> StagedChun
     room = rank_share(a, msg.rank)[1]
     if room <= 0:
         raise invalid(f"rank {msg.rank} was lent no staging for this attempt")
-    info = c._peers.get(Peer(t.producer, msg.rank))
+    info = writer
     if info is None:
         raise invalid(f"no handshake with producer rank {msg.rank}")
     try:
-        plan = plan_transfer(info.layout, c.info.layout,
-                             assignment(info.engine, c.info.engine, msg.rank, c.peer.rank),
+        plan = plan_transfer(info.layout, me.layout,
+                             assignment(info.engine, me.engine, msg.rank, me.rank),
                              msg.src_block_ids, a.block_ids, t.num_tokens, t.first_token)
-        packed = PackedPlan(plan, c.config.packing.chunk_bytes if c.config.packing else 1)
+        packed = PackedPlan(plan, chunk_bytes)
     except (PlanError, ConfigError) as exc:
         raise invalid(f"staged write cannot be planned: {exc.message}") from exc
     if packed.nbytes > room:
@@ -154,39 +153,5 @@ def scatter(t: Transfer, a: Attempt, rank: int, got: StagedChunk) -> Scatter:
                    chunk=got.chunk, start=start, stop=stop)
 
 
-def scatter_done(c: Consumer, transfer_id: str, attempt: int, peer: Peer, ok: bool,
-                 now: float, inc: int, corrupt: bool = False) -> list[Action]:
-    """The driver finished (``ok``) or failed a :class:`Scatter`: feed SCATTER_DONE (the
-    rank's last chunk), CHUNK_SCATTERED (another) or SCATTER_FAILED to its attempt
-    (current or zombie)."""
-    t = c._find(transfer_id, inc)
-    a = None if t is None else (t.cur if t.cur.attempt == attempt else t.zombies.get(attempt))
-    if t is None or a is None or peer.engine_id != t.producer or (
-            a.scattering.get(peer.rank, 0) <= 0):
-        raise LocalProtocolError("scatter completion for no scatter in flight",
-                                 transfer_id=transfer_id, attempt=attempt)
-    out = c._run_timers(now)
-    left = a.scattering[peer.rank] - 1
-    if left:
-        a.scattering[peer.rank] = left
-    else:
-        del a.scattering[peer.rank]
-    c.stats["scatters_ok" if ok else "scatters_failed"] += 1
-    ch = a.chunks[peer.rank]
-    if ok:
-        ch.done += 1
-    else:
-        t.why(FailReason.WRITE_FAILED, f"scatter of rank {peer.rank}'s staged write failed")
-    inp = CI.SCATTER_FAILED if not ok else (
-        CI.SCATTER_DONE if ch.done >= ch.need else CI.CHUNK_SCATTERED)
-    if corrupt and inp is CI.SCATTER_DONE:  # rule 11: scattered in full, and wrong
-        inp = CI.CORRUPT
-        c.stats["corrupt"] += 1
-    ranks = frozenset((peer.rank,))
-    if a is not t.cur:
-        return out + c._zombie(t, a, inp, now, ranks)
-    return out + c._input(t, inp, now, ranks=ranks)
-
-
 __all__ = ["StagedChunk", "count_chunk", "ledger", "lend", "rank_share", "repeated",
-           "scatter", "scatter_done", "staged_plan", "unlend"]
+           "scatter", "staged_plan", "unlend"]

@@ -1,0 +1,185 @@
+"""The producer's answers to peer messages: each message becomes table inputs.
+
+Rule 2's stale and repeated filtering, rule 3's reopen and the tombstones
+that answer late messages are decided here and fed to :data:`~.states.PRODUCER_TABLE`
+as inputs; nothing here changes a leg's state directly.
+
+A mixin of :class:`~.endpoint.Producer` holding no state: what it needs of the
+endpoint is declared on :class:`ProducerAnswers` (the table driver, the source
+book, the targets), so this module imports nothing above it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..config import ProducerConfig
+from ..errors import ValidationError
+from ..events import Action, Mode, Peer
+from ..layout import RankInfo
+from ..messages import Cancel, FailReason, Heartbeat, ReadDone, Register, Skip
+from ..records import Key, Kv, Leg, Source
+from ..records import Registration as _Registration
+from ..states import PRODUCER_FINISHED, PRODUCER_TERMINAL, ProducerInput, ProducerState
+from .targets import Targets
+from .view import ProducerView
+
+PS, PI = ProducerState, ProducerInput
+
+
+class ProducerAnswers(ProducerView):
+    """The message handlers of a :class:`~.endpoint.Producer`."""
+
+    info: RankInfo
+    config: ProducerConfig
+    targets: Targets
+    _transfers: dict[Key, Source]
+
+    if TYPE_CHECKING:  # provided by the endpoint
+        def _input(self, t: Source, leg: Leg, inp: ProducerInput, now: float, *,
+                   reg: _Registration | None = None, cancel: int | None = None,
+                   fail: tuple[FailReason, str] | None = None) -> list[Action]: ...
+        def _settle(self, t: Source, now: float) -> list[Action]: ...
+        def _leg(self, t: Source, peer: Peer) -> Leg: ...
+        def _new_orphan(self, key: Key, now: float, *, arm: bool = True) -> Source | None: ...
+        def _schedule(self, when: float, key: object) -> None: ...
+
+
+    def _on_register(self, msg: Register, now: float) -> list[Action]:
+        peer = Peer(msg.engine_id, msg.rank)
+        info = self.targets.known(msg.engine_id, msg.rank)
+
+        def invalid(why: str) -> ValidationError:
+            return ValidationError(why, transfer_id=msg.transfer_id, attempt=msg.attempt)
+
+        if msg.producer_engine_id != self.info.engine_id:
+            raise invalid("registration addressed to another engine")
+        if not self.targets.writes_into(peer):
+            raise invalid(f"rank {self.peer.rank} does not write into {peer}")
+        lo = info.layout
+        ids = msg.block_ids  # each >= 0, checked by the decoder
+        if ids and max(ids) >= lo.num_blocks:
+            raise invalid(f"block id {max(ids)} outside the {lo.num_blocks} registered blocks")
+        if len(ids) * lo.block_size < msg.num_tokens or msg.first_token > msg.num_tokens:
+            raise invalid(
+                f"{len(ids)} blocks of {lo.block_size} tokens cannot hold tokens "
+                f"[{msg.first_token}, {msg.num_tokens})"
+            )
+        key = (msg.transfer_id, msg.incarnation)
+        t = self._find(key)
+        if t is None:
+            # The registration's own deadline bounds this entry, so no orphan timer.
+            t = self._new_orphan(key, now, arm=False)
+            if t is None:
+                return [self._fail(peer, key, msg.attempt, FailReason.OVERLOADED)]
+        if t.mode is Mode.PULL:
+            raise invalid("registration for a pull transfer")
+        if t.consumer_engine is not None and t.consumer_engine != msg.engine_id:
+            raise invalid("transfer already bound to another consumer engine")
+        t.consumer_engine = msg.engine_id
+        leg = self._leg(t, peer)
+        if msg.attempt <= leg.attempt:  # rule 2
+            self.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
+            return self._input(t, leg, PI.REGISTER_STALE, now)
+        reg = _Registration(
+            attempt=msg.attempt,
+            block_ids=ids,
+            num_tokens=msg.num_tokens,
+            first_token=msg.first_token,
+            deadline=now + msg.window_ms / 1000.0,
+            staging=(msg.staging_offset, msg.staging_nbytes) if msg.staging_nbytes else None,
+        )
+        out: list[Action] = []
+        if leg.state in PRODUCER_FINISHED:  # rule 3: reopen as a new leg would start
+            if t.kv in (Kv.PENDING, Kv.PARTIAL, Kv.HELD):
+                out += self._input(t, leg, PI.REOPEN, now)
+                if t.kv is not Kv.PENDING:
+                    ready = PI.KV_READY if t.kv is Kv.HELD else PI.RANGE_READY
+                    out += self._input(t, leg, ready, now)
+            else:
+                out += self._input(t, leg, PI.SOURCE_GONE, now)
+        out += self._input(t, leg, PI.REGISTER, now, reg=reg)
+        if not t.dead:
+            self._schedule(reg.deadline, t.key)
+            out += self._settle(t, now)
+        return out
+
+    def _on_cancel(self, msg: Cancel, now: float) -> list[Action]:
+        peer = Peer(msg.engine_id, msg.rank)
+        self.targets.known(msg.engine_id, msg.rank)
+        key = (msg.transfer_id, msg.incarnation)
+        t = self._find(key)
+        if t is None:
+            # A cancel overtook its registration: remember it, bounded in time.
+            t = self._new_orphan(key, now)
+            if t is None:
+                return [self._ack(peer, key, msg.attempt)]
+        leg = self._leg(t, peer)
+        # A repeat of a cancel already taken; a final cancel after a preempt of the
+        # same attempt is not a repeat: it ends the transfer (the source goes).
+        repeat = leg.state in (PS.CANCELLING, *PRODUCER_TERMINAL) or (
+            leg.state is PS.PREEMPTING and not msg.final)
+        if msg.attempt < leg.attempt or (msg.attempt == leg.attempt and repeat):
+            self.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
+            return self._input(t, leg, PI.CANCEL_STALE, now, cancel=msg.attempt)
+        if msg.final and not t.dead:
+            t.final = True
+        out = self._input(t, leg, PI.CANCEL if msg.final else PI.PREEMPT, now, cancel=msg.attempt)
+        leg.attempt = max(leg.attempt, msg.attempt)
+        return out if t.dead else out + self._settle(t, now)
+
+    def _on_skip(self, msg: Skip, now: float) -> list[Action]:
+        self.targets.known(msg.engine_id, msg.rank)
+        if msg.producer_engine_id != self.info.engine_id:
+            raise ValidationError("skip addressed to another engine", transfer_id=msg.transfer_id)
+        if self.targets.legs(msg.engine_id):
+            raise ValidationError(f"rank {self.peer.rank} writes into {msg.engine_id!r}",
+                                  transfer_id=msg.transfer_id)
+        key = (msg.transfer_id, msg.incarnation)
+        t = self._find(key)
+        if t is None:
+            t = self._new_orphan(key, now)
+            if t is None:
+                return []
+        if t.dead or t.consumer_engine not in (None, msg.engine_id):
+            self.stats["stale"] += 1
+            return []
+        # This rank writes nothing for the transfer: the source is not needed.
+        t.consumer_engine, t.final = msg.engine_id, True
+        self.stats["skipped"] += 1
+        return self._settle(t, now)
+
+    def _on_heartbeat(self, msg: Heartbeat, now: float) -> list[Action]:
+        self.targets.known(msg.engine_id, msg.rank)
+        for transfer_id, _attempt, inc in msg.transfers:
+            t = self._transfers.get((transfer_id, inc))
+            if t is None or t.consumer_engine not in (None, msg.engine_id):
+                continue
+            self.stats["renewed"] += 1
+            if t.kv is Kv.HELD:  # the armed timer finds the later lease and re-arms
+                if not t.expired:
+                    t.lease = max(t.lease, now + self.config.lease_s * self.config.renew_fraction)
+            elif t.kv is Kv.PENDING:
+                t.orphan = max(t.orphan, now + self.config.orphan_ttl_s)
+        return []
+
+    def _on_read_done(self, msg: ReadDone, now: float) -> list[Action]:
+        peer = Peer(msg.engine_id, msg.rank)
+        self.targets.known(msg.engine_id, msg.rank)
+        if msg.producer_engine_id != self.info.engine_id:
+            raise ValidationError("read report addressed to another engine")
+        t = self._transfers.get((msg.transfer_id, msg.incarnation))
+        if t is None or t.mode is not Mode.PULL or t.kv is not Kv.HELD:
+            self.stats["stale"] += 1
+            return []
+        if not self.targets.writes_into(peer):
+            raise ValidationError(f"{peer} does not read from rank {self.peer.rank}")
+        if t.consumer_engine not in (None, msg.engine_id):
+            raise ValidationError("pull transfer already bound to another consumer engine")
+        t.consumer_engine = msg.engine_id
+        leg = self._leg(t, peer)
+        if leg.state is not PS.KV_READY:
+            self.stats["duplicate"] += 1
+            return []
+        leg.attempt = max(leg.attempt, msg.attempt)
+        return self._input(t, leg, PI.READ_DONE, now) + self._settle(t, now)
