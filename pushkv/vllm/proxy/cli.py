@@ -14,6 +14,7 @@ from aiohttp import web
 
 from pushkv import timeline
 
+from .failover import POLICIES
 from .pool import HealthSettings
 from .server import KEY_ENV, ProxySettings, PushProxy, logger
 
@@ -49,6 +50,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="times a request is sent again, as a new transfer, after a leg no "
                    "engine accepted (refused, timed out, its instance left rotation); a "
                    "request an engine failed on is never sent again")
+    p.add_argument("--failover", choices=POLICIES, default=d.failover,
+                   help="what a leg failing before the answer began leads to: retry (a new "
+                   "transfer; prefill computes the prompt again) or retarget (the same decode "
+                   "leg to another decode instance; refused until the producers support it)")
+    p.add_argument("--resumes", type=_count, default=d.resumes, metavar="N",
+                   help="times a streamed completion whose decode instance died is resumed "
+                   "on another (the prompt plus the tokens streamed as the new prompt); 0: "
+                   "never, the stream ends with an error event")
     p.add_argument("--health-interval", type=_positive, default=h.interval_s,
                    metavar="SECONDS", help="between health probes of an instance in "
                    "rotation; also the first back-off of one out of rotation")
@@ -216,7 +225,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         raise ValueError(f"--key-file: {exc}") from None
     return ProxySettings(
         request_timeout_s=args.timeout, connect_timeout_s=args.connect_timeout,
-        retries=args.retries, max_body_bytes=args.max_body_bytes,
+        retries=args.retries, failover=args.failover, resumes=args.resumes,
+        max_body_bytes=args.max_body_bytes,
         max_tokens_limit=args.max_tokens_limit, key=key,
         health=HealthSettings(interval_s=args.health_interval, timeout_s=args.health_timeout,
                               unhealthy_after=args.unhealthy_after,

@@ -12,9 +12,20 @@ collide. Names, for dashboards and alerts:
 * ``pushkv_proxy_retries_total``: requests sent again as a new transfer after a
   leg failed before any output; ``pushkv_proxy_failovers_total{role}``: the
   retry went to another instance of that role.
+* ``pushkv_proxy_failover_causes_total{stage, role, cause}``: failovers by
+  stage (``before_answer``: a retry; ``mid_stream``: a resumed stream), the
+  failed leg's role, and cause (``unreachable``, ``timeout``, ``out_of_rotation``,
+  ``drained``, ``gone``: see :mod:`.failover`).
+* ``pushkv_proxy_failover_prompt_tokens_total{stage}``: prompt tokens a failover
+  sent to a prefill instance again (a retry: the prompt; a resume: the prompt
+  plus the tokens already streamed). The prefill's prefix cache may serve part
+  of them (vLLM's ``vllm:prefix_cache_hits`` on that instance).
+* ``pushkv_proxy_resume_seconds``: the gap a client of a resumed stream saw,
+  from its last token before the break to the first one after.
 * ``pushkv_proxy_recomputed_total``: requests served by a decode instance
   alone (no producer left, ``kv_load_failure_policy=recompute``).
 * ``pushkv_proxy_instance_up{role, url}`` (1 in rotation, 0 out),
+  ``pushkv_proxy_instance_drained{role, url}`` (1 while drained),
   ``pushkv_proxy_instance_outstanding{role, url}`` (legs in flight).
 * ``pushkv_proxy_ttft_seconds``, ``pushkv_proxy_request_seconds``: time to the
   first byte of the answer, and to its end, of successful requests.
@@ -47,6 +58,18 @@ class ProxyMetrics:
                                  registry=r)
         self.recomputed = Counter("pushkv_proxy_recomputed",
                                   "requests a decode instance served alone", registry=r)
+        self.failover_causes = Counter(
+            "pushkv_proxy_failover_causes", "failovers by stage, failed leg and cause",
+            ["stage", "role", "cause"], registry=r)
+        self.failover_prompt_tokens = Counter(
+            "pushkv_proxy_failover_prompt_tokens",
+            "prompt tokens sent to a prefill instance again because of a failover",
+            ["stage"], registry=r)
+        self.resume_gap = Histogram(
+            "pushkv_proxy_resume_seconds", "a resumed stream's gap: the last token before "
+            "the break to the first after", buckets=_BUCKETS, registry=r)
+        self.drained = Gauge("pushkv_proxy_instance_drained", "1 while the instance is "
+                             "drained", ["role", "url"], registry=r)
         self.up = Gauge("pushkv_proxy_instance_up", "1 when the instance is in rotation",
                         ["role", "url"], registry=r)
         self.outstanding = Gauge("pushkv_proxy_instance_outstanding", "legs in flight",
@@ -60,6 +83,7 @@ class ProxyMetrics:
 
     def instance(self, inst: Instance) -> None:
         self.up.labels(inst.role, inst.url).set(1 if inst.up else 0)
+        self.drained.labels(inst.role, inst.url).set(1 if inst.drained else 0)
         self.outstanding.labels(inst.role, inst.url).set(inst.inflight)
 
     def render(self) -> bytes:

@@ -23,7 +23,11 @@ brings it back asks again (a restarted instance may have changed). Going
 down also wakes every leg still waiting on the instance (:attr:`Instance.down`),
 so a hung instance fails its requests over instead of holding them.
 
-:meth:`Pool.pick` chooses the up instance with the least outstanding work
+An operator may *drain* an instance (:meth:`Pool.drain`): it is given no new
+leg while its probes go on, and the legs waiting on it whose answer has not
+begun are woken (:attr:`Instance.draining`) to move elsewhere.
+
+:meth:`Pool.pick` chooses the up, undrained instance with the least outstanding work
 (prompt tokens for prefill, prompt plus output tokens for decode), ties
 broken in rotation. Only the standard library and asyncio are used.
 """
@@ -84,6 +88,15 @@ class Instance:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     #: Set (and replaced when the instance comes back) when the instance goes down.
     down: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Taken out by an operator (:meth:`Pool.drain`): given no new leg, probed as ever.
+    drained: bool = False
+    #: Set (and replaced when it is undrained) when the instance is drained.
+    draining: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def serving(self) -> bool:
+        """In rotation and not drained: it may be given new legs."""
+        return self.up and not self.drained
 
     def forget(self) -> None:
         """Drop what was learnt from the instance; it is asked again on next use."""
@@ -122,9 +135,9 @@ class Pool:
     # ----------------------------------------------------------- choosing
 
     def pick(self, role: str, avoid: Iterable[Instance] = ()) -> Instance | None:
-        """The up instance of ``role`` with the least outstanding work, preferring
-        ones not in ``avoid``; None when none is up."""
-        up = [i for i in self.of(role) if i.up]
+        """The serving instance of ``role`` (up, not drained) with the least
+        outstanding work, preferring ones not in ``avoid``; None when none serves."""
+        up = [i for i in self.of(role) if i.serving]
         avoided = set(avoid)
         fresh = [i for i in up if i not in avoided] or up
         if not fresh:
@@ -132,6 +145,31 @@ class Pool:
         low = min(i.work for i in fresh)
         tied = [i for i in fresh if i.work == low]
         return tied[next(self._rr) % len(tied)]
+
+    def find(self, url: str) -> Instance | None:
+        """The instance whose base URL is ``url`` (a trailing slash ignored)."""
+        url = url.rstrip("/")
+        return next((i for i in self.all if i.url == url), None)
+
+    # ------------------------------------------------------------- drain
+
+    def drain(self, inst: Instance) -> None:
+        """Give ``inst`` no new leg; wake the legs waiting on it whose answer has not
+        begun (they move to other instances). Probes go on; it stays drained until
+        :meth:`undrain`."""
+        if not inst.drained:
+            inst.drained = True
+            inst.draining.set()
+            logger.info("%s instance %s is drained", inst.role, inst.url)
+            self._tell(inst, inst.up)
+
+    def undrain(self, inst: Instance) -> None:
+        """Give ``inst`` legs again (once its probes say it is up)."""
+        if inst.drained:
+            inst.drained = False
+            inst.draining = asyncio.Event()
+            logger.info("%s instance %s is no longer drained", inst.role, inst.url)
+            self._tell(inst, inst.up)
 
     # ------------------------------------------------------------ health
 

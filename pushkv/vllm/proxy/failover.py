@@ -1,0 +1,123 @@
+"""What ``pushkv proxy`` does when a leg's instance fails: the failover policies.
+
+Two stages, each with its own rule:
+
+* **Before the answer began** (no byte of it reached the client; a non-streamed
+  request is in this stage until its whole answer came): the policy named by
+  ``failover`` decides.
+
+  - ``retry`` (the default): the request is sent again as a **new transfer**
+    (new transfer id and incarnation; both legs, on other instances when there
+    are), at most ``retries`` times. The prefill side computes the prompt again
+    (its prefix cache may serve the prompt's full blocks).
+  - ``retarget``: the **same decode leg**, with the same ``kv_transfer_params``
+    the first decode instance got, goes to another decode instance while the
+    prefill leg goes on; the producer writes its held source to the new consumer
+    and the prompt is computed once. This needs producers that re-target a held
+    source to a new consumer engine; until pushkv's do
+    (:data:`PRODUCERS_RETARGET`), asking for it is refused with
+    :class:`RetargetUnsupported`.
+
+* **Mid-stream** (a streamed completion whose client holds k tokens): the stream
+  is **resumed** on another decode instance, at most ``resumes`` times
+  (:mod:`.resume`).
+
+Which failures fail over at all (:meth:`Failover.cause`): a leg that no engine
+accepted (refused, timed out, its instance left rotation or was drained while
+the leg waited) always may. A leg an engine accepted and then failed (a 5xx, a
+dropped connection, a stream cut short) may only when the instance is then found
+gone: its ``/health`` does not answer 200 within the probe timeout (a process
+killed, stopped or shutting down). An instance that is still healthy failed on
+this request alone, which may be a poison request that would make the next
+engine fail too: the client gets the error. A request that crashes whole
+engines is therefore sent to at most ``retries`` + ``resumes`` more instances.
+
+Failovers are counted by stage, role and cause
+(``pushkv_proxy_failover_causes_total``), with the prompt tokens they send to a
+prefill instance again (``pushkv_proxy_failover_prompt_tokens_total``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import aiohttp
+
+from .legs import GONE, LegError
+from .metrics import ProxyMetrics
+from .pool import Instance, Pool
+
+logger = logging.getLogger("pushkv.proxy")
+
+RETRY = "retry"
+RETARGET = "retarget"
+#: The policies ``failover`` may name.
+POLICIES = (RETRY, RETARGET)
+#: Stages of a failover (the ``stage`` label of the failover metrics).
+BEFORE_ANSWER = "before_answer"
+MID_STREAM = "mid_stream"
+
+#: Whether pushkv's producers write a held source to a new consumer engine (the
+#: protocol rule ``retarget`` needs). Not yet: ``retarget`` is refused.
+PRODUCERS_RETARGET = False
+
+
+class RetargetUnsupported(ValueError):
+    """``failover = "retarget"`` was asked for, but the producers cannot re-target."""
+
+
+def check_policy(name: str) -> str:
+    """``name`` if it is a failover policy this proxy can run; ValueError (or
+    :class:`RetargetUnsupported`) saying why not."""
+    if name not in POLICIES:
+        raise ValueError(f"failover policy {name!r} is not one of {', '.join(POLICIES)}")
+    if name == RETARGET and not PRODUCERS_RETARGET:
+        raise RetargetUnsupported(
+            "failover policy 'retarget' sends the same decode leg to another decode instance "
+            "and needs producers that write a held source to a new consumer engine; this "
+            "pushkv version's producers do not: use 'retry'")
+    return name
+
+
+class Failover:
+    """Decides whether a failed leg fails over, and counts what failovers cost."""
+
+    def __init__(self, policy: str, pool: Pool, metrics: ProxyMetrics,
+                 probe_timeout_s: float) -> None:
+        self.policy = check_policy(policy)
+        self.pool = pool
+        self.metrics = metrics
+        self.probe_timeout_s = probe_timeout_s
+
+    async def cause(self, exc: LegError, inst: Instance,
+                    session: aiohttp.ClientSession) -> str:
+        """Why the leg ``exc`` may be served elsewhere, or '' when it must not be."""
+        if exc.cause:
+            return exc.cause
+        if exc.dropped and await self.gone(inst, session):
+            self.pool.mark_down(inst, f"it broke a leg off and its /health then failed "
+                                f"({exc.message:.200})")
+            return GONE
+        return ""
+
+    async def gone(self, inst: Instance, session: aiohttp.ClientSession) -> bool:
+        """Whether ``inst`` fails a health check now (refused, no 200 in time)."""
+        if not inst.up:
+            return True
+        try:
+            async with session.get(inst.url + "/health", timeout=aiohttp.ClientTimeout(
+                    total=self.probe_timeout_s)) as resp:
+                return resp.status != 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return True
+
+    def retargets(self, exc: LegError, answer_began: bool) -> bool:
+        """Whether a decode leg that failed before the answer began goes, unchanged, to
+        another decode instance (``retarget``) rather than a new transfer."""
+        return self.policy == RETARGET and exc.leg == "decode" and not answer_began
+
+    def record(self, stage: str, exc: LegError, cause: str, prompt_tokens: int) -> None:
+        """Count one failover and the prompt tokens it sends to a prefill instance."""
+        self.metrics.failover_causes.labels(stage, exc.leg, cause).inc()
+        self.metrics.failover_prompt_tokens.labels(stage).inc(prompt_tokens)
+        logger.info("%s failover (%s leg, %s): %s", stage, exc.leg, cause, exc.message)
