@@ -19,7 +19,7 @@ from pushkv.sim import DEFAULT, WorkloadConfig, load_profile
 from pushkv.sim.planner import SLO, PlanSpec, Sample, judge, run_plan
 from pushkv.sim.planner.measure import simulate
 from pushkv.sim.planner.report import recommendation
-from pushkv.sim.planner.search import bounds, candidates, ladder, sim_config
+from pushkv.sim.planner.search import bounds, candidates, grid_best, ladder, sim_config
 from pushkv.sim.scenario import SimConfig
 
 TINY = Path(__file__).parents[2] / "pushkv" / "sim" / "profiles" / "cpu-tiny.toml"
@@ -59,6 +59,8 @@ def test_search_returns_the_full_grids_answer() -> None:
     best = max(plan.outcomes, key=lambda o: brute[o.candidate.label] / o.candidate.gpus)
     assert plan.best is not None and plan.best.goodput_per_gpu == pytest.approx(
         best.goodput_per_gpu)
+    # the benchmark's shortcut to the grid's best (only rungs that could beat it) agrees
+    assert grid_best(plan, _memo)[0] == plan.best.candidate
     # a case with something to find: several answers, some below capacity; fewer simulations
     assert len({g for g in brute.values() if g > 0}) > 1 and plan.simulations < plan.full_grid
     assert any(0 < o.goodput < o.bounds.capacity.rate for o in plan.outcomes)

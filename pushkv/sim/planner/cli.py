@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from ..profile import DEFAULT, ProfileError, load_profile
 from ..sweep import MODE_LABELS, default_jobs
+from ..trace import read_trace, trace_workload
 from ..workload import ARRIVALS, WorkloadConfig, WorkloadError
 from .backends import BACKENDS, BackendError, check_backend
 from .measure import SLO
@@ -100,6 +101,14 @@ def register(subparsers: Any) -> None:
     wl.add_argument("--seed", type=_nonneg_int, default=w.seed, help="workload seed")
     wl.add_argument("--seeds", type=_pos_int, default=_DEFAULT.seeds,
                     help="iterations (random streams) per simulated rate, requests pooled")
+    wl.add_argument("--trace", metavar="FILE",
+                    help="replay a JSON-lines trace (Mooncake's FAST'25 format or pushkv's, "
+                    "as pushkv sim --trace) instead of the generated workload: its lengths, "
+                    "prefix hashes and arrival pattern, scaled to each rate tried; "
+                    "--input-len, --output-len, --burstiness, --arrivals and --num-prompts "
+                    "are then not used")
+    wl.add_argument("--trace-window", type=float, nargs=2, metavar=("T0", "T1"),
+                    help="replay only the trace's requests arriving in [T0, T1) seconds")
     sl = p.add_argument_group("SLO")
     sl.add_argument("--ttft-slo", type=float, default=s.ttft_s, metavar="S",
                     help="time to first token, seconds")
@@ -139,6 +148,12 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
     """The :class:`PlanSpec` the flags describe (:class:`PlanError` and the profile's
     and workload's errors on bad values)."""
     profile = (load_profile(args.profile) if args.profile else DEFAULT).validate()
+    trace = None
+    if args.trace is not None:
+        window = tuple(args.trace_window) if args.trace_window is not None else None
+        trace = read_trace(args.trace, window=window)  # type: ignore[arg-type]
+    elif args.trace_window is not None:
+        raise PlanError("--trace-window needs --trace FILE")
     gpus = (args.nodes * profile.network.gpus_per_node if args.nodes is not None
             else args.gpus if args.gpus is not None else _DEFAULT.gpus)
     attainment = args.attainment if args.attainment is not None else args.percentile / 100
@@ -147,12 +162,13 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         workload=WorkloadConfig(
             input_len=args.input_len, output_len=args.output_len,
             burstiness=args.burstiness, arrivals=args.arrivals,
-            num_prompts=args.num_prompts, seed=args.seed),
+            num_prompts=args.num_prompts, seed=args.seed) if trace is None
+        else trace_workload(trace, seed=args.seed),  # its mean lengths, for the report
         slo=SLO(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo, percentile=args.percentile,
                 attainment=attainment),
         gpus=gpus, modes=tuple(args.modes),
         tps=tuple(args.tp) if args.tp else None, seeds=args.seeds,
-        rate_tol=args.rate_tol, rate_range=args.rate_range,
+        rate_tol=args.rate_tol, rate_range=args.rate_range, trace=trace,
     )
 
 
@@ -189,9 +205,13 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=1))
         return 0
     slo = spec.slo
-    print(f"{spec.profile.name}: in={spec.workload.input_len} out={spec.workload.output_len}"
-          f", {spec.gpus} GPUs; SLO p{slo.percentile:g} TTFT <= {slo.ttft_s:g} s, "
-          f"TPOT <= {slo.tpot_s:g} s, met by >= {100 * slo.attainment:g}% of requests")
+    what = (f"in={spec.workload.input_len} out={spec.workload.output_len}"
+            if spec.trace is None else
+            f"trace {spec.trace.name} ({len(spec.trace.requests)} requests, mean "
+            f"{spec.trace.mean_rate:.3g} req/s as recorded)")
+    print(f"{spec.profile.name}: {what}, {spec.gpus} GPUs; SLO p{slo.percentile:g} "
+          f"TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s, met by >= "
+          f"{100 * slo.attainment:g}% of requests")
     print(table(plan, args.top or None))
     pruned = sum(o.pruned is not None for o in plan.outcomes)
     print(f"\n{len(plan.outcomes)} configurations ({pruned} pruned by their floors), "

@@ -144,7 +144,10 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "profile": s.profile.name,
         "workload": {"input_len": w.input_len, "output_len": w.output_len,
                      "num_prompts": w.num_prompts, "burstiness": w.burstiness,
-                     "arrivals": w.arrivals, "seed": w.seed, "seeds": s.seeds},
+                     "arrivals": w.arrivals, "seed": w.seed, "seeds": s.seeds,
+                     "trace": None if s.trace is None else {
+                         "name": s.trace.name, "requests": len(s.trace.requests),
+                         "mean_rate_rps": s.trace.mean_rate}},
         "slo": {"ttft_s": s.slo.ttft_s, "tpot_s": s.slo.tpot_s,
                 "percentile": s.slo.percentile, "attainment": s.slo.attainment},
         "budget_gpus": s.gpus,

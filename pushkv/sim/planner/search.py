@@ -38,6 +38,7 @@ from ...protocol.errors import ConfigError
 from ..profile import DEFAULT, Profile, ProfileError
 from ..scenario import SimConfig
 from ..sweep import MODE_LABELS, parse_mode
+from ..trace import Trace, trace_workload
 from ..workload import WorkloadConfig
 from .bounds import Capacity, capacity, tpot_floor, ttft_floor
 from .measure import SLO, Sample, Verdict, judge, simulate
@@ -87,6 +88,9 @@ class PlanSpec:
     rate_tol: float = field(default=0.1, metadata={"help": "ladder step: rungs 1+tol apart"})
     rate_range: float = field(default=32.0, metadata={
         "help": "the ladder spans capacity / rate_range .. capacity"})
+    trace: Trace | None = field(default=None, metadata={
+        "help": "requests replayed from a trace instead of the workload's (its lengths, "
+                "prefix hashes and arrival pattern); the rate searched scales its arrivals"})
 
     def __post_init__(self) -> None:
         s = self.slo
@@ -110,6 +114,10 @@ class PlanSpec:
             raise PlanError(f"the rate tolerance must be > 0, got {self.rate_tol}")
         if not (self.rate_range > 1 and math.isfinite(self.rate_range)):
             raise PlanError(f"the rate range must be > 1, got {self.rate_range}")
+        if self.trace is not None and not (
+                0 < self.trace.mean_rate < math.inf and len(self.trace.requests) > 1):
+            raise PlanError(f"trace {self.trace.name!r} has no rate to scale: it needs two "
+                            "requests or more, not all arriving at once")
 
 
 # ------------------------------------------------------------------ space
@@ -173,13 +181,25 @@ def candidates(spec: PlanSpec) -> list[Candidate]:
     return out
 
 
+def scaled_trace(trace: Trace, rate: float) -> Trace:
+    """``trace`` replayed at a mean rate of ``rate`` requests per second: its arrival
+    times divided by ``rate / trace.mean_rate`` (lengths and hashes kept)."""
+    k = rate / trace.mean_rate
+    return dataclasses.replace(trace, speed=trace.speed * k, requests=tuple(
+        dataclasses.replace(r, arrival=r.arrival / k) for r in trace.requests))
+
+
 def sim_config(spec: PlanSpec, cand: Candidate, rate: float) -> SimConfig:
-    """The simulator's config of ``cand`` at ``rate``."""
+    """The simulator's config of ``cand`` at ``rate`` (with a trace: the trace scaled
+    to that mean rate)."""
     mode, dispatch = parse_mode(cand.mode)
+    trace = None if spec.trace is None else scaled_trace(spec.trace, rate)
+    workload = (dataclasses.replace(spec.workload, request_rate=rate) if trace is None
+                else trace_workload(trace, seed=spec.workload.seed))
     return SimConfig(
         mode=mode, dispatch=dispatch, num_prefill=cand.num_prefill,
         num_decode=cand.num_decode, profile=profile_at(spec.profile, cand.tp),
-        workload=dataclasses.replace(spec.workload, request_rate=rate),
+        workload=workload, trace=trace,
     )
 
 
@@ -205,13 +225,38 @@ class Bounds:
         return None
 
 
+#: with a trace the ladder's top is this many times the capacity of its mean lengths
+TRACE_HEADROOM = 2.0
+
+
 def bounds(spec: PlanSpec, cand: Candidate) -> Bounds:
     p = profile_at(spec.profile, cand.tp)
+    if spec.trace is not None:
+        return _trace_bounds(p, spec.trace, cand)
     w = spec.workload
     return Bounds(
         ttft_floor=ttft_floor(p, w.input_len),
         tpot_floor=tpot_floor(p, w.input_len, w.output_len),
         capacity=capacity(p, w.input_len, w.output_len, cand.num_prefill, cand.num_decode),
+    )
+
+
+def _trace_bounds(p: Profile, trace: Trace, cand: Candidate) -> Bounds:
+    """A trace's requests differ in length and hit the prefix cache as their hashes
+    say: the floors are the least over its requests with every whole block of each
+    prompt cached (the most a cache can give), so they still hold for every request;
+    the capacity is that of the mean lengths, as cached, times :data:`TRACE_HEADROOM`
+    -- an estimate, not a bound, since lengths vary."""
+    cached = dataclasses.replace(p, prefill=dataclasses.replace(p.prefill,
+                                                                prefix_hit_fraction=1.0))
+    lengths = sorted({(r.input_len, r.output_len) for r in trace.requests})
+    w = trace_workload(trace)
+    cap = capacity(cached, w.input_len, w.output_len, cand.num_prefill, cand.num_decode)
+    return Bounds(
+        ttft_floor=min(ttft_floor(cached, i) for i, _ in lengths),
+        tpot_floor=min(tpot_floor(cached, i, o) for i, o in lengths),
+        capacity=Capacity(prefill=cap.prefill * TRACE_HEADROOM,
+                          decode=cap.decode * TRACE_HEADROOM),
     )
 
 
@@ -416,6 +461,36 @@ def run_plan(spec: PlanSpec, *, jobs: int = 1, backend: str = "process",
                 reruns=runner.reruns if runner is not None else 0)
 
 
+def grid_best(plan: Plan, evaluate: Callable[[SimConfig, int], Sample] = simulate
+              ) -> tuple[Candidate | None, int]:
+    """The best configuration the full grid would find -- every configuration at every
+    rung of its ladder, goodput the highest rung that meets the SLO, ranked as
+    :func:`rank_key` ranks -- and the simulations it took to find it.
+
+    Only rungs that could decide it are simulated: a rung whose rate per GPU is below
+    ``plan``'s best goodput per GPU cannot beat it, and a pruned configuration meets
+    the SLO at no rate. Each configuration's rungs are tried from the top down to that
+    level, stopping at the first that passes (its grid goodput). Checks a search
+    against the brute force without paying for all of it."""
+    spec = plan.spec
+    floor = plan.best.goodput_per_gpu if plan.best is not None else 0.0
+    sims = 0
+    found: list[tuple[Any, ...]] = []
+    for o in plan.outcomes:
+        if o.pruned is not None:
+            continue
+        c = o.candidate
+        for r in reversed(ladder(o.bounds.capacity.rate, spec.rate_tol, spec.rate_range)):
+            if r / c.gpus < floor * (1 - 1e-12):
+                break
+            v = judge(evaluate(sim_config(spec, c, r), spec.seeds), spec.slo)
+            sims += spec.seeds
+            if v.meets(spec.slo):
+                found.append((-r / c.gpus, v.ttft_p, c.gpus, c))
+                break
+    return (min(found)[-1] if found else None), sims
+
+
 def _status(o: Outcome) -> str:
     if o.pruned is not None:
         return f"{o.candidate.label} pruned"
@@ -425,8 +500,8 @@ def _status(o: Outcome) -> str:
 
 
 __all__ = [
-    "PRUNE_MARGIN_S", "Bounds", "Candidate", "Outcome", "Plan", "PlanError", "PlanSpec",
-    "allowed_tps", "bounds", "candidates", "full_grid_simulations", "highest_passing",
-    "ladder", "plan_configuration", "profile_at", "rank_key", "resolve_tps", "run_plan",
-    "search_candidate", "sim_config",
+    "PRUNE_MARGIN_S", "TRACE_HEADROOM", "Bounds", "Candidate", "Outcome", "Plan", "PlanError",
+    "PlanSpec", "allowed_tps", "bounds", "candidates", "full_grid_simulations", "grid_best",
+    "highest_passing", "ladder", "plan_configuration", "profile_at", "rank_key",
+    "resolve_tps", "run_plan", "scaled_trace", "search_candidate", "sim_config",
 ]
