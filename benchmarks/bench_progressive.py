@@ -6,6 +6,13 @@
     input: TTFT of each mode, its ratio to whole-request push, and the share
     of push's exposed transfer each mode hides behind prefill (1: at the
     free-transfer floor).
+(a') Simulator under load (:func:`pushkv.sim.progressive.loaded_table`): the
+    same profiles in the cluster simulator, closed loop (``vllm bench serve
+    --max-concurrency``) at concurrency 1, 8 and 32, input 1k, 4k, 8k and 16k
+    (4 x concurrency fresh prompts, 128 output tokens): mean TTFT of push,
+    chunk and layer, their ratios, the absolute saving of layer-wise push, and
+    the mean exposed transfer (READY after prefill end) of push and layer.
+    ``--quick``: 4k only, 1 x concurrency prompts of 16 output tokens.
 (b) Real vLLM CPU engines (tiny model, this machine): one decode server for
     the run; for each granularity a prefill server (chunked prefill of
     ``--budget`` tokens a step, prefix caching off on both) and ``pushkv proxy``
@@ -19,10 +26,13 @@
 
 The last line is one JSON object: ``sim_hidden_share_16k`` (layer-wise, the
 smallest over the profiles), ``sim_ttft_ratio_layer_16k`` (the largest over
-the profiles), ``real_ttft_ratio_layer``, ``real_ttft_ratio_chunk``.
+the profiles), ``sim_loaded_ttft_ratio_layer_c32_4k`` (per profile: layer over
+push at concurrency 32, 4k input), ``real_ttft_ratio_layer``,
+``real_ttft_ratio_chunk``.
 
     PYTHONPATH=. python benchmarks/bench_progressive.py [--sim-only | --real-only]
-        [--short] [--rounds N] [--requests K] [--length L] [--budget B]
+        [--quick] [--profiles P ...] [--jobs J] [--short] [--rounds N] [--requests K] [--length L]
+        [--budget B]
 """
 
 from __future__ import annotations
@@ -31,13 +41,38 @@ import argparse
 import json
 from typing import Any
 
-from pushkv.sim.progressive import PROFILES, named_profile, table
+from pushkv.sim.progressive import PROFILES, loaded_table, named_profile, table
 
 LENGTHS = (1024, 4096, 8192, 16384)
+CONCURRENCIES = (1, 8, 32)
 
 
-def simulate() -> dict[str, list[dict[str, float]]]:
-    return {name: table(named_profile(name), LENGTHS) for name in PROFILES}
+def simulate(profiles: tuple[str, ...] = tuple(PROFILES)) -> dict[str, list[dict[str, float]]]:
+    return {name: table(named_profile(name), LENGTHS) for name in profiles}
+
+
+def simulate_loaded(*, quick: bool, jobs: int, profiles: tuple[str, ...] = tuple(PROFILES)
+                    ) -> dict[str, list[dict[str, Any]]]:
+    """Part (a'): each profile's closed-loop table."""
+    lengths, per_slot, out_len = ((4096,), 1, 16) if quick else (LENGTHS, 4, 128)
+    return {name: loaded_table(named_profile(name), lengths, CONCURRENCIES,
+                               prompts_per_slot=per_slot, output_len=out_len, jobs=jobs)
+            for name in profiles}
+
+
+def print_loaded(results: dict[str, list[dict[str, Any]]]) -> None:
+    print("simulator under load: mean TTFT (ms) by push mode, closed loop")
+    print(f"{'profile':<9} {'conc':>4} {'input':>6} {'push':>9} {'chunk':>9} {'layer':>9}"
+          f" {'chunk/push':>10} {'layer/push':>10} {'saved ms':>8} {'exp push':>8}"
+          f" {'exp layer':>9} {'writes':>6}")
+    for name, rows in results.items():
+        for r in rows:
+            print(f"{name:<9} {r['concurrency']:>4} {r['input_len']:>6}"
+                  f" {r['ttft_push_ms']:>9.1f} {r['ttft_chunk_ms']:>9.1f}"
+                  f" {r['ttft_layer_ms']:>9.1f} {r['ratio_chunk']:>10.3f}"
+                  f" {r['ratio_layer']:>10.3f} {r['saved_layer_ms']:>8.1f}"
+                  f" {r['exposed_push_ms']:>8.1f} {r['exposed_layer_ms']:>9.1f}"
+                  f" {r['writes_layer']:>6.0f}")
 
 
 def print_sim(results: dict[str, list[dict[str, float]]]) -> None:
@@ -228,6 +263,12 @@ def main() -> None:
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--sim-only", action="store_true", help="part (a) only")
     only.add_argument("--real-only", action="store_true", help="part (b) only")
+    ap.add_argument("--quick", action="store_true",
+                    help="a short loaded simulation: 4k input only, fewer, shorter requests")
+    ap.add_argument("--profiles", nargs="+", choices=list(PROFILES), default=list(PROFILES),
+                    help="simulated profiles (default: all)")
+    ap.add_argument("--jobs", type=int, default=2,
+                    help="processes for the loaded simulation (default 2)")
     ap.add_argument("--short", action="store_true",
                     help="a quick real run: 1 round, 2 requests, 1000-token prompts")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (real)")
@@ -248,7 +289,7 @@ def main() -> None:
         "real_ttft_ratio_chunk": None,
     }
     if not args.real_only:
-        sim = simulate()
+        sim = simulate(tuple(args.profiles))
         print_sim(sim)
         at16 = {name: rows[-1] for name, rows in sim.items()}
         out |= {
@@ -256,6 +297,18 @@ def main() -> None:
             "sim_ttft_ratio_layer_16k": round(max(r["ratio_layer"] for r in at16.values()), 4),
             "sim_hidden_share_16k_by_profile": {n: round(r["hidden_layer"], 4)
                                                 for n, r in at16.items()},
+        }
+        loaded = simulate_loaded(quick=args.quick, jobs=args.jobs,
+                                 profiles=tuple(args.profiles))
+        print_loaded(loaded)
+        out |= {
+            "sim_loaded_ttft_ratio_layer_c32_4k": {
+                n: round(r["ratio_layer"], 4) for n, rows in loaded.items() for r in rows
+                if r["concurrency"] == 32 and r["input_len"] == 4096},
+            "sim_loaded_saved_layer_ms_4k": {
+                n: {r["concurrency"]: round(r["saved_layer_ms"], 2) for r in rows
+                    if r["input_len"] == 4096} for n, rows in loaded.items()},
+            "sim_loaded_quick": args.quick,
         }
     if not args.sim_only:
         got = real(rounds=args.rounds, requests=args.requests, length=args.length,

@@ -21,15 +21,22 @@ from typing import Any
 
 FILE_RE = re.compile(
     r"^(?P<mode>[A-Za-z0-9][A-Za-z0-9-]*)_qps(?P<qps>inf|\d+(?:\.\d+)?)"
-    r"_in(?P<input>\d+)_out(?P<output>\d+)_iter(?P<iter>\d+)\.json$"
+    r"(?:_c(?P<conc>\d+))?_in(?P<input>\d+)_out(?P<output>\d+)_iter(?P<iter>\d+)\.json$"
 )
 METRICS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
 STATS = ("mean", "median", "p50", "p90", "p99")
 #: per-request lists of a result file (seconds) behind each metric, for percentiles
 #: the file's summary fields do not hold (p50 is the median, p90)
 _LISTS = {"ttft": "ttfts", "e2el": "latencies"}
-_STYLES = {"pull": "--", "push": "-", "pull-async": ":", "push-seq": "-."}
-_MARKERS = {"pull": "s", "push": "o", "pull-async": "^", "push-seq": "D"}
+_STYLES: dict[str, Any] = {"pull": "--", "push": "-", "pull-async": ":", "push-seq": "-.",
+                           "push-chunk": (0, (6, 2, 1, 2, 1, 2)), "push-layer": (0, (1, 1))}
+_MARKERS = {"pull": "s", "push": "o", "pull-async": "^", "push-seq": "D", "push-chunk": "v",
+            "push-layer": "P"}
+
+
+def _base(mode: str) -> str:
+    """A series' mode label without its closed-loop concurrency (``push-layer c8``)."""
+    return mode.split(" ")[0]
 
 
 class PlotError(ValueError):
@@ -104,8 +111,9 @@ def load_points(results_dir: str | Path, metric: str, stat: str = "mean") -> lis
             raise PlotError(f"{path.name} has no {key!r} field")
         profile = data.get("pushkv", {}).get("profile") if isinstance(
             data.get("pushkv"), dict) else None
-        points.append(Point(
-            mode=m["mode"], qps=float(m["qps"]), input_len=int(m["input"]),
+        points.append(Point(  # closed loop: the concurrency joins the mode's label
+            mode=m["mode"] + (f" c{m['conc']}" if m["conc"] else ""), qps=float(m["qps"]),
+            input_len=int(m["input"]),
             output_len=int(m["output"]), iteration=int(m["iter"]), value=float(value),
             profile=profile,
         ))
@@ -143,7 +151,7 @@ def series(
             raise PlotError(f"results mix output lengths {outs}: choose one with --output-len")
         output_len = outs[0]
     chosen = [p for p in points if p.output_len == output_len
-              and (modes is None or p.mode in modes)]
+              and (modes is None or p.mode in modes or _base(p.mode) in modes)]
     if not chosen:
         raise PlotError(f"no results for output length {output_len} and modes {modes}")
     acc: dict[tuple[str, float, int], list[float]] = defaultdict(list)
@@ -188,7 +196,7 @@ def plot(
         sets.append((series(more, output_len, modes), labels[1]))
     rates = sorted({q for lines, _ in sets for _, q in lines})
     mode_names = sorted({m for lines, _ in sets for m, _ in lines},
-                        key=lambda m: (m not in _STYLES, m))
+                        key=lambda m: (_base(m) not in _STYLES, m))
     cmap = plt.get_cmap("viridis")
     colours = {q: cmap(0.1 + 0.8 * i / max(1, len(rates) - 1)) for i, q in enumerate(rates)}
     fig, ax = plt.subplots(figsize=(8, 5.2), dpi=120)
@@ -209,7 +217,8 @@ def plot(
                 yerr = [p.std for p in pts] if any(p.count > 1 for p in pts) else None
                 ax.errorbar(
                     xs, ys, yerr=yerr, capsize=3 if yerr else 0,
-                    linestyle=_STYLES.get(mode, "-"), marker=_MARKERS.get(mode, "x"),
+                    linestyle=_STYLES.get(_base(mode), "-"),
+                    marker=_MARKERS.get(_base(mode), "x"),
                     color=colours[q], linewidth=0.9 if second else 1.8,
                     markersize=6 if second else 5,
                     markerfacecolor="none" if second else colours[q],

@@ -174,3 +174,78 @@ def table(profile: Profile, lengths: tuple[int, ...] = (1024, 4096, 8192, 16384)
             "push_exposed_ms": push.exposed_s * 1e3,
         })
     return rows
+
+
+#: the cluster modes the loaded table compares, by column name
+LOADED_MODES = {"push": "push", "chunk": "push-chunk", "layer": "push-layer"}
+
+
+def loaded_config(profile: Profile, input_len: int, mode: str, concurrency: int, *,
+                  prompts_per_slot: int = 4, output_len: int = 128, seed: int = 0
+                  ) -> SimConfig:
+    """A closed-loop point: ``concurrency`` requests in flight (``vllm bench serve
+    --max-concurrency``, every request due at once), ``prompts_per_slot`` x
+    ``concurrency`` fresh prompts (no prefix-cache hit, as :func:`whatif`) pushed in
+    ``mode`` (a key of :data:`LOADED_MODES`)."""
+    one = one_request(profile, input_len, "push", seed=seed)
+    return dataclasses.replace(one, mode=TransferMode(LOADED_MODES[mode]), workload=(
+        WorkloadConfig(request_rate=float("inf"), input_len=input_len, output_len=output_len,
+                       num_prompts=max(8, prompts_per_slot * concurrency), seed=seed,
+                       max_concurrency=concurrency)))
+
+
+def loaded_point(cfg: SimConfig) -> dict[str, float]:
+    """One closed-loop point (a top-level function, for ``spawn`` workers): mean TTFT;
+    mean exposed transfer (READY after prefill end); the share of requests whose
+    registration reached prefill before their prefill ended (only those can overlap);
+    writes issued."""
+    from .marks import Timeline
+    from .runner import run
+
+    tl = Timeline()
+    out = run(cfg, timeline=tl)
+    marks = list(tl.requests.values())
+    exposed = [max(0.0, m["ready"] - m["prefill_finished"]) for m in marks
+               if "ready" in m and "prefill_finished" in m]
+    early = [m.get("registration_received", float("inf")) < m["prefill_finished"]
+             for m in marks if "prefill_finished" in m]
+    return {"ttft_ms": out.result["mean_ttft_ms"],
+            "exposed_ms": 1e3 * sum(exposed) / max(1, len(exposed)),
+            "registered_early": sum(early) / max(1, len(early)),
+            "writes": out.result["pushkv"]["transfers"]}
+
+
+def loaded_table(profile: Profile, lengths: tuple[int, ...] = (1024, 4096, 8192, 16384),
+                 concurrencies: tuple[int, ...] = (1, 8, 32), *, prompts_per_slot: int = 4,
+                 output_len: int = 128, jobs: int = 1) -> list[dict[str, Any]]:
+    """Per concurrency and input length: mean TTFT of push, chunk and layer under
+    closed-loop load, layer's and chunk's ratio to push, and what decode's KV wait and
+    the prefill writer's posting were (the cluster simulator; ``jobs`` processes)."""
+    points = [(c, n, m) for c in concurrencies for n in lengths for m in LOADED_MODES]
+    cfgs = [loaded_config(profile, n, m, c, prompts_per_slot=prompts_per_slot,
+                          output_len=output_len) for c, n, m in points]
+    if jobs > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            outs = pool.map(loaded_point, cfgs)
+    else:
+        outs = [loaded_point(c) for c in cfgs]
+    got = dict(zip(points, outs, strict=True))
+    rows = []
+    for c in concurrencies:
+        for n in lengths:
+            r = {m: got[c, n, m] for m in LOADED_MODES}
+            ttft = {m: r[m]["ttft_ms"] for m in LOADED_MODES}
+            rows.append({
+                "concurrency": c, "input_len": n,
+                **{f"ttft_{m}_ms": v for m, v in ttft.items()},
+                "ratio_chunk": ttft["chunk"] / ttft["push"],
+                "ratio_layer": ttft["layer"] / ttft["push"],
+                "saved_layer_ms": ttft["push"] - ttft["layer"],
+                "exposed_push_ms": r["push"]["exposed_ms"],
+                "exposed_layer_ms": r["layer"]["exposed_ms"],
+                "registered_early": r["layer"]["registered_early"],
+                "writes_layer": r["layer"]["writes"],
+            })
+    return rows

@@ -121,3 +121,20 @@ def test_bad_concurrency_is_refused():
     for bad in (0, -1, 2.5):
         with pytest.raises(WorkloadError):
             WorkloadConfig(max_concurrency=bad)
+
+
+def test_plot_draws_progressive_and_closed_loop_results(tmp_path):
+    """Result files of the new modes, open and closed loop, are read and drawn."""
+    from pushkv.sim.plot import load_points, plot
+
+    def tiny(mode: str, conc: int | None) -> SimConfig:
+        return dataclasses.replace(config(mode), workload=WorkloadConfig(
+            request_rate=8.0, input_len=1024, output_len=2, num_prompts=4,
+            max_concurrency=conc))
+
+    names = [run(tiny(m, c)).write(tmp_path).name
+             for m, c in (("push-chunk", None), ("push-layer", 2))]
+    assert names == ["push-chunk_qps8_in1024_out2_iter0.json",
+                     "push-layer_qps8_c2_in1024_out2_iter0.json"]
+    assert {p.mode for p in load_points(tmp_path, "ttft")} == {"push-chunk", "push-layer c2"}
+    assert plot(tmp_path, "ttft", tmp_path / "t.png", modes=["push-layer"]).stat().st_size > 0
