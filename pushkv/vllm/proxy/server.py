@@ -517,7 +517,10 @@ class PushProxy:
             req.out, req.first_byte = out, now
             timeline.mark(req.transfer_id, "first_token", req.first_byte)
         else:
-            self.metrics.resume_gap.observe(now - tap.last_token_at)
+            gap = now - tap.last_token_at
+            self.metrics.resume_gap.observe(gap)
+            logger.info("stream resumed on %s after %d tokens: a %.1f ms gap", watch.decode.url,
+                        len(tap.tokens), 1000 * gap)
         out = req.out
         tap.begin()
         await out.write(tap.feed(head, now))
