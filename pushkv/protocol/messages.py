@@ -60,6 +60,7 @@ class FailReason(enum.IntEnum):
     HANDSHAKE_FAILED = 9  #: the producer engine could not be reached (never on the wire)
     LEASE_EXPIRED = 10  #: the source's lease ended before this attempt could be written
     CORRUPT = 11  #: a landed range failed its digest check (consumer-local, never on the wire)
+    RETARGETED = 12  #: rule 12: the source now goes to another consumer engine
 
     def __repr__(self) -> str:  # valid Python, so failing examples replay
         return f"FailReason.{self.name}"
@@ -89,6 +90,9 @@ class Register(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=2
     #: for this attempt (``staging_nbytes`` 0: none; write directly).
     staging_offset: StagingBytes = 0
     staging_nbytes: StagingBytes = 0
+    #: Rule 12: this consumer engine's turn at the source (0: the first engine
+    #: chosen; a router re-targeting the source to another engine counts up).
+    target: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=3):
@@ -206,6 +210,8 @@ class Skip(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=9):
     rank: Rank
     producer_engine_id: EngineId
     incarnation: Incarnation = 0
+    #: Rule 12: the consumer engine's turn at the source (see :class:`Register`).
+    target: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
 
 
 Message = Hello | Register | Cancel | CancelAck | Fail | Heartbeat | Notify | ReadDone | Skip

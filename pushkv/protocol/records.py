@@ -67,6 +67,7 @@ class Source:
     orphan: float = float("inf")  # while KV is pending: forget after this
     legs: dict[Peer, Leg] = field(default_factory=dict)
     consumer_engine: str | None = None
+    target: int = 0  # rule 12: the bound consumer engine's turn
     final: bool = False
     expired: bool = False
     aborted: bool = False
@@ -163,6 +164,8 @@ class Transfer:
     code: FailReason = FailReason.WRITE_FAILED
     #: Pull: until when the source is known held; a read completing later fails.
     lease_until: float = float("inf")
+    #: Rule 12: this engine's turn at the source (Register.target, Skip.target).
+    target: int = 0
 
     key: Key = field(init=False)  #: (transfer id, incarnation), set once
 

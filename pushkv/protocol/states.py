@@ -157,6 +157,20 @@ landing (it fences its rank once all its parts are in, like a notification), it
 never counts towards READY, and the transfer fails (``FailReason.CORRUPT``,
 blocks released at the fence, nothing READY). Where the attempt is already being
 fenced, or is a zombie, a corrupt landing is only a landing: its fence.
+
+Rule 12 -- **re-target a held source.** A source is bound to the consumer
+engine that first registered (or skipped) it, at that engine's *turn*
+(``Register.target``, 0 for the first choice). A Register from another engine
+with a later turn re-targets the source: every leg of the engine bound before
+takes ``RETARGET`` -- a leg not written yet ends at once (a registered one is
+failed with ``RETARGETED``, the counts of its attempt), a leg whose write is in
+flight is failed the same way and waits in ``CANCELLING`` for its completion
+(its fence: the source is released only after it, rule 4) -- and the new
+engine's legs proceed as any first registration would (rule 1). A Register or
+Cancel from an engine that is no longer (or never was) bound changes nothing:
+an earlier turn's Register is failed with ``RETARGETED``, a Cancel is answered
+from the leg's history; neither reopens a leg nor releases the source. The
+source is written once per turn; prefill computes it once.
 """
 
 from __future__ import annotations
@@ -206,6 +220,7 @@ class ProducerInput(enum.Enum):
     RANGE_READY = "RANGE_READY"  #: rule 9: part of the KV became final before prefill finished
     PART_OK = "PART_OK"  #: rule 9: a write that is not the leg's last finished
     NOTHING_READY = "NOTHING_READY"  #: rule 9: a write would start, nothing new is ready yet
+    RETARGET = "RETARGET"  #: rule 12: the source was re-targeted to another consumer engine
 
 
 class ProducerEffect(enum.Enum):
@@ -409,6 +424,21 @@ _ranges = {
        if (s, i) not in ((P.CANCELLED, PI.KV_READY), (P.EXPIRED, PI.KV_READY))},
 }
 
+# Rule 12: the legs of the engine a source was re-targeted away from. A leg with
+# a write in flight is failed now (the counts of its attempt, the write in flight
+# among them) and fences at the write's completion; a finished leg stays as it is.
+_retarget = {
+    (P.EMPTY, PI.RETARGET): (PE.NONE, P.CANCELLED),
+    (P.REGISTERED, PI.RETARGET): (PE.FAIL, P.FAILED),
+    (P.KV_READY, PI.RETARGET): (PE.NONE, P.CANCELLED),
+    (P.WRITING, PI.RETARGET): (PE.FAIL, P.CANCELLING),
+    (P.SUPERSEDED, PI.RETARGET): (PE.FAIL_STASHED, P.CANCELLING),
+    (P.CANCELLING, PI.RETARGET): (PE.NONE, P.CANCELLING),
+    (P.PREEMPTING, PI.RETARGET): (PE.NONE, P.CANCELLING),
+    # (GONE legs belong to forgotten sources, which are never re-targeted.)
+    **{(s, PI.RETARGET): (PE.NONE, s) for s in _P_FINISHED},
+}
+
 S, SI, SE = SourceState, SourceInput, SourceEffect
 #: The source of one transfer on one producer rank (rule 4; orphans are PENDING).
 SOURCE_TABLE: dict[tuple[SourceState, SourceInput], tuple[SourceEffect, SourceState]] = {
@@ -494,6 +524,7 @@ PRODUCER_TABLE: dict[
     # A source that is gone answers every newer registration at once (rule 3).
     (P.GONE, PI.REGISTER): (PE.FAIL_GONE, P.GONE),
     **_ranges,
+    **_retarget,
 }
 
 _C_TERMINAL = (C.READY, C.CANCELLED, C.FAILED)

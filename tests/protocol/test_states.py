@@ -33,6 +33,7 @@ from pushkv.protocol import (
 )
 from pushkv.protocol.consumer import staging as consumer_staging
 from pushkv.protocol.diagram import page
+from pushkv.protocol.layout import uniform_ranks
 from pushkv.protocol.packing import chunk_bounds
 from pushkv.protocol.states import (
     CONSUMER_TABLE,
@@ -177,8 +178,12 @@ WINDOW_MS, LEASE = 50_000, 100.0
 
 
 def _pair():
-    return Pair(producer={"num_kv_heads": 2}, consumer={"tp": 2, "num_kv_heads": 2},
+    pair = Pair(producer={"num_kv_heads": 2}, consumer={"tp": 2, "num_kv_heads": 2},
                 pcfg=ProducerConfig(lease_s=LEASE))
+    for info in uniform_ranks("E", tp=2, num_kv_heads=2):  # rule 12: a second engine
+        for p in pair.p:
+            p.add_peer(info)
+    return pair
 
 
 def _reg(attempt, blocks=(1, 2, 3), rank=0, window_ms=WINDOW_MS):
@@ -239,6 +244,12 @@ PRODUCER_RECIPES = {  # label -> (state of the leg into consumer rank 0, recipe)
                                                     p.handle_timer(LEASE + 11))),
     "GONE (forgotten)": (PS.GONE, lambda p: (p.receive(_reg(1), 0.0),
                                              p.prefill_aborted("t", 0.0))),
+    # Rule 12: legs of a source bound to engine D (rank 1 registered) that a
+    # re-target reaches before they were written.
+    "EMPTY, engine bound": (PS.EMPTY, lambda p: (p.receive(_reg(0, rank=1), 0.0),
+                                                 p.receive(_cancel(1, final=False), 0.0))),
+    "KV_READY, other writing": (PS.KV_READY, lambda p: (
+        _other_writing(p), p.receive(_cancel(1, final=False), 0.0))),
     "WRITING, request aborted": (PS.WRITING, lambda p: (_writing(p),
                                                           p.prefill_aborted("t", 0.0))),
     # Rule 9: the source is partly ready (prefill still running).
@@ -287,6 +298,10 @@ def _producer_calls(p):
         "peer died": lambda: p.peer_died("D", 1.0),
         "read done": lambda: p.receive(ReadDone(transfer_id="t", attempt=0, engine_id="D",
                                                 rank=0, producer_engine_id="P"), 1.0),
+        "re-targeted (rule 12)": lambda: p.receive(
+            Register(transfer_id="t", attempt=0, engine_id="E", rank=0,
+                     producer_engine_id="P", block_ids=(1, 2, 3), num_tokens=40,
+                     window_ms=WINDOW_MS, target=1), 1.0),
         "window passes": lambda: p.handle_timer(WINDOW_MS / 1000 + 1),
         "lease passes": lambda: p.handle_timer(LEASE + 10),
     }

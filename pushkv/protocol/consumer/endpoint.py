@@ -204,15 +204,23 @@ class Consumer(ConsumerOutcomes, Endpoint):
         first_token: int = 0,
         *,
         incarnation: int = 0,
+        target: int = 0,
     ) -> list[Action]:
         """Push: have the producer write tokens ``[first_token, num_tokens)`` into ``block_ids``.
 
         ``incarnation`` tells this use of ``transfer_id`` from any other: give
-        every rank of both engines the same one (see :mod:`.incarnation`)."""
-        return self._open(
+        every rank of both engines the same one (see :mod:`.incarnation`).
+        ``target`` (rule 12): this engine's turn at the source -- 0 for the engine
+        chosen first; a router that re-targets a held source to this engine after
+        losing the one before gives each later engine a higher turn."""
+        if not 0 <= target <= 1 << 16:
+            raise ConfigError(f"target must be in [0, 65536], got {target}",
+                              transfer_id=transfer_id)
+        out = self._open(
             transfer_id, producer_engine_id, Mode.PUSH, (), block_ids, num_tokens, now,
-            first_token, incarnation,
+            first_token, incarnation, target,
         )
+        return out
 
     def start_pull(
         self,
@@ -291,6 +299,7 @@ class Consumer(ConsumerOutcomes, Endpoint):
         now: float,
         first_token: int,
         inc: int,
+        target: int = 0,
     ) -> list[Action]:
         old = self._transfers.get(transfer_id)
         if (old is not None and (old.state not in CONSUMER_TERMINAL or old.inc == inc)) or (
@@ -315,7 +324,7 @@ class Consumer(ConsumerOutcomes, Endpoint):
         t = _Transfer(
             transfer_id=transfer_id, inc=inc, producer=producer, mode=mode,
             state=CS.REGISTERED if usable else CS.CONNECTING, cur=cur, num_tokens=num_tokens,
-            first_token=first_token, src_ids=src,
+            first_token=first_token, src_ids=src, target=target,
         )
         self._transfers[transfer_id] = t
         self._lend(t, cur)
@@ -326,7 +335,8 @@ class Consumer(ConsumerOutcomes, Endpoint):
         out += self._start_attempt(t, now)
         if not self.producers.silent[producer]:
             return out
-        return out + self.producers.skips(self.peer, t.key, producer, self.config.max_untold)
+        return out + self.producers.skips(self.peer, t.key, producer, self.config.max_untold,
+                                          target=t.target)
 
     def reissue(self, transfer_id: str, block_ids: npt.ArrayLike, now: float) -> list[Action]:
         """Register a preempted transfer again, with a new attempt, into ``block_ids``."""
@@ -490,7 +500,8 @@ class Consumer(ConsumerOutcomes, Endpoint):
             if t.skipped:
                 return out
             t.skipped = True
-            return out + self.producers.skips(self.peer, t.key, t.producer, self.config.max_untold)
+            return out + self.producers.skips(self.peer, t.key, t.producer, self.config.max_untold,
+                                          target=t.target)
         if effect is CE.HOLD:
             t.cur = self._attempt(cur.attempt + 1, block_ids, t.producer, now)
             t.reason, t.code = "", FailReason.WRITE_FAILED

@@ -38,7 +38,7 @@ class Producers:
     abandoned: dict[str, list[Key]] = field(default_factory=dict)
     # Transfers whose Skip could not reach a rank that writes nothing (no
     # handshake yet), by engine, oldest first; bounded by ``max_untold``.
-    untold: dict[str, dict[Key, None]] = field(default_factory=dict)
+    untold: dict[str, dict[Key, int]] = field(default_factory=dict)  # -> its turn (rule 12)
 
     # ------------------------------------------------------------ learning
 
@@ -122,20 +122,20 @@ class Producers:
         ] + self.skips(me, key, producer, max_untold)
 
     def skips(self, me: Peer, key: Key, producer: str, max_untold: int,
-              only: int | None = None) -> list[Action]:
+              only: int | None = None, target: int = 0) -> list[Action]:
         """Skip to the producer ranks this rank speaks for that write nothing (and
         has handshaken with; ``only``: to that rank alone). A silent rank not
         handshaken yet is told when it is (:meth:`told_late`)."""
         silent = self.silent.get(producer, ())
         if only is None and any(Peer(producer, r) not in self.peers for r in silent):
             untold = self.untold.setdefault(producer, {})
-            untold[key] = None
+            untold[key] = target
             while len(untold) > max_untold:
                 del untold[next(iter(untold))]
         return [
             SendMessage(peer=Peer(producer, r), message=Skip(
                 transfer_id=key[0], engine_id=me.engine_id, rank=me.rank,
-                producer_engine_id=producer, incarnation=key[1]))
+                producer_engine_id=producer, incarnation=key[1], target=target))
             for r in silent
             if Peer(producer, r) in self.peers and only in (None, r)
         ]
@@ -147,8 +147,8 @@ class Producers:
         if info.rank not in silent:
             return []
         untold = self.untold.get(eid, {})
-        out = [a for key in untold for a in self.skips(me, key, eid, max_untold,
-                                                        only=info.rank)]
+        out = [a for key, target in untold.items()
+               for a in self.skips(me, key, eid, max_untold, only=info.rank, target=target)]
         if all(Peer(eid, r) in self.peers for r in silent):
             self.untold.pop(eid, None)
         return out

@@ -34,7 +34,8 @@ def registers(me: Peer, t: Transfer, window_s: float) -> list[Action]:
             transfer_id=t.transfer_id, attempt=cur.attempt, engine_id=me.engine_id,
             rank=me.rank, producer_engine_id=t.producer, block_ids=cur.block_ids,
             num_tokens=t.num_tokens, first_token=t.first_token, window_ms=window_ms,
-            incarnation=t.inc, staging_offset=at if n else 0, staging_nbytes=n)))
+            incarnation=t.inc, staging_offset=at if n else 0, staging_nbytes=n,
+            target=t.target)))
     return out
 
 

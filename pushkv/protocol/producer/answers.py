@@ -74,9 +74,26 @@ class ProducerAnswers(ProducerView):
                 return [self._fail(peer, key, msg.attempt, FailReason.OVERLOADED)]
         if t.mode is Mode.PULL:
             raise invalid("registration for a pull transfer")
-        if t.consumer_engine is not None and t.consumer_engine != msg.engine_id:
-            raise invalid("transfer already bound to another consumer engine")
-        t.consumer_engine = msg.engine_id
+        retarget: list[Action] = []
+        bound = t.consumer_engine
+        if t.dead:
+            pass  # a tombstone answers every engine from its GONE legs (rule 3)
+        elif bound is None:
+            t.target = msg.target
+        elif bound == msg.engine_id:
+            if msg.target != t.target:
+                raise invalid(f"turn {msg.target} from the engine bound at turn {t.target}")
+        elif msg.target <= t.target:  # rule 12: an engine the source left (or never had)
+            self.stats["stale"] += 1
+            return [self._fail(peer, key, msg.attempt, FailReason.RETARGETED,
+                               f"the source went to {bound!r} (turn {t.target})",
+                               t.legs.get(peer))]
+        elif any(p.engine_id == msg.engine_id for p in t.legs):
+            raise invalid("re-target to an engine the source was bound to before")
+        else:
+            retarget = self._retarget(t, msg.target, now)
+        if not t.dead:
+            t.consumer_engine = msg.engine_id
         leg = self._leg(t, peer)
         if msg.attempt <= leg.attempt:  # rule 2
             self.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
@@ -89,7 +106,7 @@ class ProducerAnswers(ProducerView):
             deadline=now + msg.window_ms / 1000.0,
             staging=(msg.staging_offset, msg.staging_nbytes) if msg.staging_nbytes else None,
         )
-        out: list[Action] = []
+        out: list[Action] = retarget
         if leg.state in PRODUCER_FINISHED:  # rule 3: reopen as a new leg would start
             if t.kv in (Kv.PENDING, Kv.PARTIAL, Kv.HELD):
                 out += self._input(t, leg, PI.REOPEN, now)
@@ -114,6 +131,11 @@ class ProducerAnswers(ProducerView):
             t = self._new_orphan(key, now)
             if t is None:
                 return [self._ack(peer, key, msg.attempt)]
+        if t.consumer_engine is not None and t.consumer_engine != msg.engine_id:
+            # Rule 12: not the engine the source is bound to (re-targeted away, or a
+            # stranger): answered from the leg's history; nothing reopens or releases.
+            self.stats["stale"] += 1
+            return [self._ack(peer, key, msg.attempt, t.legs.get(peer))]
         leg = self._leg(t, peer)
         # A repeat of a cancel already taken; a final cancel after a preempt of the
         # same attempt is not a repeat: it ends the transfer (the source goes).
@@ -141,13 +163,19 @@ class ProducerAnswers(ProducerView):
             t = self._new_orphan(key, now)
             if t is None:
                 return []
-        if t.dead or t.consumer_engine not in (None, msg.engine_id):
+        bound = t.consumer_engine
+        out: list[Action] = []
+        if bound is None:
+            t.target = msg.target
+        elif bound != msg.engine_id and msg.target > t.target and not t.dead:
+            out = self._retarget(t, msg.target, now)  # rule 12: the new engine skips too
+        elif t.dead or bound != msg.engine_id or msg.target != t.target:
             self.stats["stale"] += 1
             return []
         # This rank writes nothing for the transfer: the source is not needed.
         t.consumer_engine, t.final = msg.engine_id, True
         self.stats["skipped"] += 1
-        return self._settle(t, now)
+        return out + self._settle(t, now)
 
     def _on_heartbeat(self, msg: Heartbeat, now: float) -> list[Action]:
         self.targets.known(msg.engine_id, msg.rank)
@@ -183,3 +211,14 @@ class ProducerAnswers(ProducerView):
             return []
         leg.attempt = max(leg.attempt, msg.attempt)
         return self._input(t, leg, PI.READ_DONE, now) + self._settle(t, now)
+
+    def _retarget(self, t: Source, target: int, now: float) -> list[Action]:
+        """Rule 12: the legs of the engine ``t`` was bound to take RETARGET; the source
+        is wanted again, by the engine at turn ``target``."""
+        old = t.consumer_engine
+        out: list[Action] = []
+        for leg in [g for g in t.legs.values() if g.peer.engine_id == old]:
+            out += self._input(t, leg, PI.RETARGET, now)
+        t.target, t.final = target, False
+        self.stats["retargeted"] += 1
+        return out

@@ -1,0 +1,207 @@
+"""Rule 12: a held source re-targeted to another consumer engine.
+
+The decode engine a request was sent to (``D``) is lost -- it died, froze, or a
+router gave up on it -- and the router sends the decode leg to another engine
+(``E``) at a later turn. The producer writes its held source to ``E``; prefill
+is not repeated; nothing of ``D``'s attempt may land in blocks ``D`` no longer
+lends to it, even if ``D`` comes back. The property test drives real endpoints
+over the in-memory transport's adversarial delivery (a write's bytes land in
+pieces, apart from its completion, as NIXL states), at every moment of the
+transfer's life a re-target can come.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from pushkv.protocol import (
+    Cancel,
+    ConfigError,
+    ConsumerConfig,
+    Fail,
+    FailReason,
+    Peer,
+    ProducerConfig,
+    Register,
+    Rejected,
+    SendMessage,
+    Skip,
+)
+from pushkv.protocol.layout import uniform_ranks
+from pushkv.transports.conformance import reference_destination
+from pushkv.transports.inmemory import InMemoryNetwork, region_memory
+
+from .helpers import Pair
+
+SRC, DST_D, DST_E, N = (9, 3, 17), (5, 6, 7), (1, 2, 4), 40
+
+
+def _pair_with_e():
+    pair = Pair(producer={"num_kv_heads": 2}, consumer={"num_kv_heads": 2},
+                pcfg=ProducerConfig(lease_s=100.0))
+    for info in uniform_ranks("E", num_kv_heads=2):
+        pair.p[0].add_peer(info)
+    return pair
+
+
+def _reg(engine, attempt=0, target=0, blocks=DST_D):
+    return Register(transfer_id="t", attempt=attempt, engine_id=engine, rank=0,
+                    producer_engine_id="P", block_ids=blocks, num_tokens=N, target=target)
+
+
+def _fails(actions, engine):
+    return [a.message for a in actions if isinstance(a, SendMessage)
+            and isinstance(a.message, Fail) and a.peer.engine_id == engine]
+
+
+def test_a_registered_leg_is_failed_and_the_new_engine_written():
+    pair = _pair_with_e()
+    p = pair.p[0]
+    p.receive(_reg("D"), 0.0)
+    out = p.receive(_reg("E", target=1, blocks=DST_E), 1.0)
+    (fail,) = _fails(out, "D")
+    assert fail.reason is FailReason.RETARGETED and (fail.posted, fail.failed) == (0, 0)
+    out = p.prefill_finished("t", list(SRC), N, 2.0)
+    assert [a.peer for a in out if type(a).__name__ == "IssueWrite"] == [Peer("E", 0)]
+    assert p.stats["retargeted"] == 1
+
+
+def test_a_write_in_flight_is_failed_with_its_count_and_holds_the_source():
+    pair = _pair_with_e()
+    p = pair.p[0]
+    p.receive(_reg("D"), 0.0)
+    p.prefill_finished("t", list(SRC), N, 0.0)  # the write into D is posted
+    out = p.receive(_reg("E", target=1, blocks=DST_E), 1.0)
+    (fail,) = _fails(out, "D")
+    assert fail.posted == 1, "D must wait for the write in flight (its fence)"
+    # E is written only now; the source stays held until D's write completed too.
+    out = p.write_completed("t", 0, Peer("E", 0), True, 2.0)
+    assert not any(type(a).__name__ == "ReleaseSource" for a in out)
+    out = p.write_completed("t", 0, Peer("D", 0), True, 3.0)
+    assert any(type(a).__name__ == "ReleaseSource" for a in out)
+
+
+def test_the_engine_left_behind_cannot_take_the_source_back():
+    pair = _pair_with_e()
+    p = pair.p[0]
+    p.receive(_reg("D"), 0.0)
+    p.receive(_reg("E", target=1, blocks=DST_E), 0.0)
+    # D comes back (a freeze) and reissues, or cancels for good: neither reopens
+    # its leg nor releases the source E is waiting for.
+    (fail,) = _fails(p.receive(_reg("D", attempt=1), 1.0), "D")
+    assert fail.reason is FailReason.RETARGETED
+    p.receive(Cancel(transfer_id="t", attempt=1, engine_id="D", rank=0, final=True), 1.0)
+    p.receive(Skip(transfer_id="t", engine_id="D", rank=0, producer_engine_id="P"), 1.0)
+    out = p.prefill_finished("t", list(SRC), N, 2.0)
+    assert [a.peer for a in out if type(a).__name__ == "IssueWrite"] == [Peer("E", 0)]
+
+
+def _rejected(actions):
+    return [str(a.error) for a in actions if isinstance(a, Rejected)]
+
+
+def test_a_turn_that_does_not_follow_the_rule_is_refused_and_changes_nothing():
+    pair = _pair_with_e()
+    p = pair.p[0]
+    p.receive(_reg("D"), 0.0)
+    before = p.leg_state("t", Peer("D", 0))
+    (why,) = _rejected(p.receive(_reg("D", attempt=1, target=3), 1.0))
+    assert "turn 3 from the engine bound at turn 0" in why
+    assert p.leg_state("t", Peer("D", 0)) is before
+    p.receive(_reg("E", target=1, blocks=DST_E), 1.0)
+    (why,) = _rejected(p.receive(_reg("D", attempt=2, target=2), 1.0))
+    assert "bound to before" in why
+    assert p.leg_state("t", Peer("E", 0)) is not None
+
+
+def test_the_consumer_sends_its_turn():
+    pair = Pair(producer={"num_kv_heads": 2}, consumer={"num_kv_heads": 2})
+    out = pair.c[0].register("t", "P", list(DST_E), N, 0.0, target=2)
+    (reg,) = [a.message for a in out if isinstance(a, SendMessage)]
+    assert reg.target == 2
+    with pytest.raises(ConfigError, match="target"):
+        pair.c[0].register("u", "P", [9], N, 0.0, target=-1)
+
+
+# ----------------------------------------------------- under weak visibility
+
+
+def _network(seed, e_tp):
+    net = InMemoryNetwork(seed=seed, latency=0.001, write_latency=0.002, keep_log=True)
+    rng = np.random.default_rng(seed)
+    (prod,) = uniform_ranks("P", num_kv_heads=2, block_size=16)
+    net.add_producer(prod, ProducerConfig(lease_s=30.0),
+                     region_memory(prod.layout, rng=rng))
+    cfg = ConsumerConfig(window_s=5.0, fence_grace_s=2.0)
+    for info in [*uniform_ranks("D", num_kv_heads=2, block_size=16),
+                 *uniform_ranks("E", tp=e_tp, num_kv_heads=2, block_size=16)]:
+        net.add_consumer(info, cfg)
+    net.handshake()
+    return net
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), prefill_at=st.integers(0, 12),
+       retarget_at=st.integers(0, 12), after=st.sampled_from(["nothing", "abort", "kill"]),
+       e_tp=st.sampled_from([1, 2]))
+def test_a_retarget_at_any_moment_writes_the_new_engine_and_spares_the_old(
+        seed, prefill_at, retarget_at, after, e_tp):
+    net = _network(seed, e_tp)
+    (p,) = net.producers.values()
+    d = net.consumers[Peer("D", 0)]
+    es = [n for peer, n in net.consumers.items() if peer.engine_id == "E"]
+    d.apply(d.endpoint.register("t", "P", list(DST_D), N, net.now))
+    for step in range(max(prefill_at, retarget_at) + 2):
+        if step == prefill_at:
+            p.apply(p.endpoint.prefill_finished("t", list(SRC), N, net.now))
+        if step == retarget_at:  # the router lost D: the same source goes to E
+            for e in es:
+                e.apply(e.endpoint.register("t", "P", list(DST_E), N, net.now, target=1))
+            if after == "kill":
+                net.kill("D")
+        if step == retarget_at + 1 and after == "abort" and d.outcome("t") is None:
+            # D was only frozen: once E's registration is out, the router ends the
+            # request there too (its final Cancel must not take the source from E).
+            d.apply(d.endpoint.abort("t", net.now))
+        net.advance(0.0007)
+    net.run()
+    net.advance(60.0)  # every deadline, grace and lease passes
+    assert not net.violations, net.violations
+    p_log = [a for _, a in p.log]
+    for e in es:
+        if e.outcome("t") != "ready":
+            # Only because the source was released for D (its write done, or its
+            # final Cancel in) before E's registration reached the producer: E fails
+            # at once (SOURCE_RELEASED) and the router recomputes; nothing stays lent.
+            (failed,) = [a for _, a in e.log if type(a).__name__ == "TransferFailed"]
+            assert failed.code is FailReason.SOURCE_RELEASED
+            released = next(i for i, a in enumerate(p_log)
+                            if type(a).__name__ == "ReleaseSource")
+            answered = next(i for i, a in enumerate(p_log) if isinstance(a, SendMessage)
+                            and a.peer == e.peer and isinstance(a.message, Fail))
+            assert released < answered
+            assert not _fails([a for a in p_log if isinstance(a, SendMessage)], "D")
+            assert not e.endpoint.lent_blocks()
+            event("the source was released before the re-target arrived")
+            continue
+        event("re-targeted while held: E written")
+        # E was written, exactly the source's bytes.
+        assert e.outcome("t") == "ready", (e.peer, e.outcomes)
+        want = reference_destination([p.info], [p.memory], e.info, [(SRC, DST_E, N, 0)])
+        got = e.memory
+        for b in DST_E:
+            lo = e.info.layout
+            for w, g in zip(want, got, strict=True):
+                assert np.array_equal(w[b * lo.stride:(b + 1) * lo.stride],
+                                      g[b * lo.stride:(b + 1) * lo.stride])
+        assert not e.endpoint.lent_blocks()
+    # D ended one way or another and lends nothing any more; prefill ran once and
+    # the source was released once (a second release is a violation above).
+    if after != "kill":
+        assert d.outcome("t") in ("ready", "failed", "cancelled")
+        assert not d.endpoint.lent_blocks()
+    assert not p.endpoint.held_blocks()
