@@ -11,7 +11,9 @@
     --max-concurrency``) at concurrency 1, 8 and 32, input 1k, 4k, 8k and 16k
     (4 x concurrency fresh prompts, 128 output tokens): mean TTFT of push,
     chunk and layer, their ratios, the absolute saving of layer-wise push, and
-    the mean exposed transfer (READY after prefill end) of push and layer.
+    the mean exposed transfer (READY after prefill end) of push and layer, the
+    share of requests whose registration reached prefill before their prefill
+    ended (only those can overlap; layer-wise runs) and layer-wise's writes.
     ``--quick``: 4k only, 1 x concurrency prompts of 16 output tokens.
 (b) Real vLLM CPU engines (tiny model, this machine): one decode server for
     the run; for each granularity a prefill server (chunked prefill of
@@ -64,7 +66,7 @@ def print_loaded(results: dict[str, list[dict[str, Any]]]) -> None:
     print("simulator under load: mean TTFT (ms) by push mode, closed loop")
     print(f"{'profile':<9} {'conc':>4} {'input':>6} {'push':>9} {'chunk':>9} {'layer':>9}"
           f" {'chunk/push':>10} {'layer/push':>10} {'saved ms':>8} {'exp push':>8}"
-          f" {'exp layer':>9} {'writes':>6}")
+          f" {'exp layer':>9} {'reg early':>9} {'writes':>6}")
     for name, rows in results.items():
         for r in rows:
             print(f"{name:<9} {r['concurrency']:>4} {r['input_len']:>6}"
@@ -72,7 +74,7 @@ def print_loaded(results: dict[str, list[dict[str, Any]]]) -> None:
                   f" {r['ttft_layer_ms']:>9.1f} {r['ratio_chunk']:>10.3f}"
                   f" {r['ratio_layer']:>10.3f} {r['saved_layer_ms']:>8.1f}"
                   f" {r['exposed_push_ms']:>8.1f} {r['exposed_layer_ms']:>9.1f}"
-                  f" {r['writes_layer']:>6.0f}")
+                  f" {r['registered_early']:>9.2f} {r['writes_layer']:>6.0f}")
 
 
 def print_sim(results: dict[str, list[dict[str, float]]]) -> None:
