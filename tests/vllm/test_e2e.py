@@ -32,6 +32,7 @@ if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)
 
 from pushkv import timeline
+from pushkv.audit import audit
 from pushkv.vllm.testing import (
     Server,
     ServerSpec,
@@ -382,3 +383,13 @@ def test_decode_server_restarted_mid_run(cluster, reference):
     ext = c.counter(c.decode, "vllm:prompt_tokens_by_source_total",
                     source="external_kv_transfer")
     assert ext == sum(LENGTHS)  # the new server's counters start at zero
+
+
+def test_every_transfer_of_the_run_passes_the_audit(cluster):
+    """Last: the protocol steps every process of this module's run recorded (faults
+    included: a frozen prefill, a cancelled and a killed decode) break no promise
+    (python -m pushkv.audit)."""
+    cluster.wait_idle()
+    report = audit(cluster.logs / "timeline", grace_s=FAST["fence_grace_s"])
+    assert len(report.run.uses) >= 2 * len(LENGTHS), report.summary()  # two batches at least
+    assert report.clean, "\n".join(report.lines())
