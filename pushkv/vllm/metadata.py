@@ -38,6 +38,7 @@ class RecvOrder:
     num_tokens: int
     first_token: int
     incarnation: int = 0
+    target: int = 0  #: rule 12: this engine's turn at the source (a re-target's > 0)
     direction: str = "push"  #: "pull": read ``src_block_ids`` instead of registering
     src_block_ids: tuple[int, ...] = ()
     #: Pull: the wall-clock time until which the source is known held (None: not said)

@@ -78,6 +78,8 @@ DISCOVER_KEY = "pushkv_discover"
 #: In a NIXL-style answer: "pull" or "push", how this transfer's KV moves.
 DIRECTION_KEY = "pushkv_direction"
 ENDPOINT_KEY = "pushkv_endpoint"
+#: Rule 12: a decode leg's turn at its held source (set by a router that re-targets).
+TARGET_KEY = "pushkv_target"
 #: In a consumer's discovery answer: its ``kv_load_failure_policy``.
 POLICY_KEY = "pushkv_policy"
 #: In a discovery answer: the served model's vocabulary size (token ids are below it).
@@ -219,13 +221,19 @@ class DecodeLeg:
     #: Pull: how long the producer holds the source from when it answered (its
     #: lease), None if the answer did not say.
     lease_s: float | None = None
+    #: Rule 12: this decode engine's turn at the source (``pushkv_target``): 0 for
+    #: the engine chosen first; a router re-targeting the held source counts up.
+    target: int = 0
 
     def to_params(self) -> dict[str, Any]:
-        return _with_incarnation({
+        out = _with_incarnation({
             "do_remote_prefill": True,
             "transfer_id": self.transfer_id,
             "producer": self.producer.to_json(),
         }, self.incarnation)
+        if self.target:
+            out[TARGET_KEY] = self.target
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -295,6 +303,15 @@ def _block_ids(value: object, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _target(params: Mapping[str, Any], where: str) -> int:
+    """The decode leg's turn at its source (rule 12), 0 when not given."""
+    target = params.get(TARGET_KEY, 0)
+    if not (isinstance(target, int) and not isinstance(target, bool) and 0 <= target <= 1 << 16):
+        raise ParamsError(f"{where}: {TARGET_KEY!r} must be an integer in [0, 65536], got "
+                          f"{target!r:.40}")
+    return target
+
+
 def _nixl_decode(params: Mapping[str, Any], transfer_id: str, incarnation: int) -> DecodeLeg:
     """A decode leg carrying a pushkv producer's NIXL-style answer."""
     where = "decode leg"
@@ -317,7 +334,8 @@ def _nixl_decode(params: Mapping[str, Any], transfer_id: str, incarnation: int) 
                           f"milliseconds >= 0, got {lease!r:.40}")
     return DecodeLeg(transfer_id=transfer_id, producer=producer, incarnation=incarnation,
                      direction=mode, src_block_ids=src,
-                     lease_s=None if lease is None else lease / 1000)
+                     lease_s=None if lease is None else lease / 1000,
+                     target=_target(params, where))
 
 
 def parse_params(params: object) -> Leg | None:
@@ -355,4 +373,5 @@ def parse_params(params: object) -> Leg | None:
             return _nixl_decode(params, transfer_id, incarnation)
         raise ParamsError("decode leg: 'producer' (the prefill endpoint) is missing")
     producer = Endpoint.from_json(params["producer"], "decode leg: 'producer'")
-    return DecodeLeg(transfer_id=transfer_id, producer=producer, incarnation=incarnation)
+    return DecodeLeg(transfer_id=transfer_id, producer=producer, incarnation=incarnation,
+                     target=_target(params, "decode leg"))

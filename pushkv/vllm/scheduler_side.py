@@ -234,8 +234,8 @@ class SchedulerSide:
         first = num_tokens - num_external_tokens  # the local prefix hit, block aligned
         order = RecvOrder(req_id=req_id, transfer_id=leg.transfer_id, producer=leg.producer,
                           block_ids=tuple(block_ids), num_tokens=num_tokens, first_token=first,
-                          incarnation=leg.incarnation, direction=leg.direction,
-                          src_block_ids=leg.src_block_ids,
+                          incarnation=leg.incarnation, target=leg.target,
+                          direction=leg.direction, src_block_ids=leg.src_block_ids,
                           lease_until=_lease_until(request, leg))
         rec = self._recv[req_id] = _Recv(leg=leg, phase=Phase.DEFERRED, order=order)
         self._try_ship(req_id, rec)

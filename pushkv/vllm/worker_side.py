@@ -378,7 +378,8 @@ class WorkerSide:
             self._stats.add("transfers_pulled")
             return
         rt.register(order.transfer_id, order.producer.engine_id, order.block_ids,
-                    regions.units(order.num_tokens), first, incarnation=order.incarnation)
+                    regions.units(order.num_tokens), first, incarnation=order.incarnation,
+                    target=order.target)
         self._stats.add("transfers_registered")
 
     # ----------------------------------------------------------- results

@@ -187,16 +187,17 @@ class NixlRuntime:
 
     def register(self, transfer_id: str, producer_engine_id: str,
                  block_ids: Sequence[int] | np.ndarray, num_tokens: int,
-                 first_token: int = 0, *, incarnation: int = 0) -> None:
+                 first_token: int = 0, *, incarnation: int = 0, target: int = 0) -> None:
         """Have ``producer_engine_id`` push tokens ``[first_token, num_tokens)`` into
         ``block_ids``. The blocks stay lent until ``ReleaseDestination``.
 
         ``incarnation`` tells this use of ``transfer_id`` from any other; every rank
         of both engines must be given the same one (see
-        :func:`pushkv.protocol.new_incarnation`)."""
+        :func:`pushkv.protocol.new_incarnation`). ``target``: this engine's turn at
+        the source (rule 12; 0 unless a router re-targeted the source here)."""
         # Commands are built positionally: keywords triple the cost on this hot path.
         self._submit(cmd.Register(transfer_id, producer_engine_id, block_ids, num_tokens,
-                                  first_token, incarnation))
+                                  first_token, incarnation, target))
 
     def start_pull(self, transfer_id: str, producer_engine_id: str,
                    src_block_ids: Sequence[int] | np.ndarray,

@@ -77,6 +77,7 @@ class Register(NamedTuple):
     num_tokens: int
     first_token: int = 0
     incarnation: int = 0
+    target: int = 0  #: rule 12: this engine's turn at the source
 
 
 class Abandon(NamedTuple):

@@ -391,7 +391,7 @@ class IOLoop(CardExchange):
                               "call connect()", transfer_id=c.transfer_id)
         self._apply(consumer.register(c.transfer_id, c.producer_engine_id, c.block_ids,
                                       c.num_tokens, now, c.first_token,
-                                      incarnation=c.incarnation), now)
+                                      incarnation=c.incarnation, target=c.target), now)
 
     def _start_pull(self, c: cmd.StartPull, now: float) -> None:
         """Pull: the core plans the reads at once, so it needs the engine handshaken;
