@@ -117,8 +117,9 @@ def _add_deployment(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
     w.add_argument("--max-concurrency", type=_pos_int, metavar="N",
                    help="closed loop, as vllm bench serve: at most N requests in flight; "
-                   "one due while N are is sent when one ends, its TTFT counted from "
-                   "then (default: open loop, every request at its arrival time)")
+                   "a request due while N are in flight is sent when one ends, its TTFT "
+                   "counted from then (default: open loop, every request at its arrival "
+                   "time)")
     w.add_argument("--arrivals", choices=ARRIVALS, default="pushkv",
                    help="gap generator: 'pushkv' (the run's own stream) or 'vllm' (the very "
                    "send times of vllm bench serve --seed SEED+ITERATION)")

@@ -5,9 +5,8 @@ processes, one per mode up to ``jobs``) on one profile and returns, per mode, th
 TTFT and TPOT percentiles, the prefix-cache hit rate the trace's hashes gave and the
 run's wall time. ``benchmarks/bench_trace.py`` is its command line.
 
-Progressive push is not among the modes: in the cluster simulator a write starts
-only once the whole prompt is prefilled; progressive push is a single-request
-what-if (:mod:`pushkv.sim.progressive`).
+Progressive push is not among the default modes; ``modes`` may name
+``push-chunk`` and ``push-layer`` like any other (docs/sim-progressive.md).
 """
 
 from __future__ import annotations
@@ -24,9 +23,9 @@ from .sweep import parse_mode
 from .trace import Trace, trace_workload
 
 NOT_MODELLED = {
-    "progressive": "not modelled by the cluster simulator (a write starts once the whole "
-                   "prompt is prefilled); progressive push is a single-request what-if, "
-                   "pushkv.sim.progressive",
+    "progressive": "not in the default comparison: modes push-chunk and push-layer run "
+                   "progressive push (each prefill step's or layer's KV written as it is "
+                   "computed)",
 }
 
 
