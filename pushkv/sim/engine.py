@@ -34,12 +34,13 @@ import simpy
 from ..protocol import FailurePolicy, Mode
 from .blocks import BlockPool, blocks_for
 from .costs import step_s
+from .feed import Layers, step_end
 from .host.model import HostModel
 from .profile import EngineProfile, Profile
 from .request import Outcome, SimRequest
 from .scenario import TransferMode
 from .trace import PrefixCache, cached_tokens
-from .transport import Layers, SimTransport
+from .transport import SimTransport
 
 
 class Recorder:
@@ -228,18 +229,11 @@ class PrefillEngine(_Loop):
     # ------------------------------------------------------ progressive push
 
     def _ranges(self, chunks: list[tuple[_Prefill, int]]) -> list[tuple[_Prefill, int, int]]:
-        """What this step makes final, per prompt: ``(p, start, end)``, tokens from what
-        earlier steps reported (a prefix-cache hit with the first step) to the step's end
-        rounded down to a block, or the prompt's end (as the vLLM connector's feed)."""
+        """What this step makes final, per prompt: ``(p, start, end)``, from what earlier
+        steps reported (a prefix-cache hit goes with the first step) to :func:`step_end`."""
         bs = self.eng.block_size
-        out = []
-        for p, n in chunks:
-            end = min(p.computed + n, p.req.input_len)
-            if end < p.req.input_len:
-                end -= end % bs
-            if end > p.reported:
-                out.append((p, p.reported, end))
-        return out
+        return [(p, p.reported, end) for p, n in chunks
+                if (end := step_end(p.computed, n, p.req.input_len, bs)) > p.reported]
 
     def _report(self, p: _Prefill, a: int, b: int, layers: tuple[int, int] | None) -> None:
         """Tokens ``[a, b)`` of ``p`` are final in ``layers`` (None: every layer)."""

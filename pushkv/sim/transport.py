@@ -32,7 +32,6 @@ from __future__ import annotations
 import random
 from collections import Counter, defaultdict
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -65,34 +64,13 @@ from ..protocol import (
 from ..protocol.messages import MAX_HEARTBEAT_ITEMS
 from ..protocol.packing import PackingConfig
 from .costs import post_s
+from .feed import Layers
 from .host.model import HostModel
 from .marks import Timeline
 from .network import Network
 from .packing import SIM_PACKING, StagingLedger
 from .profile import Profile
 from .scenario import FaultConfig, ProtocolSettings
-
-
-@dataclass(frozen=True, slots=True)
-class Layers:
-    """A prefill step's compute cut layer by layer: ``head_s`` (the step's fixed
-    overhead) from its start, then ``count`` layers of ``per_layer_s`` each; ``done(l)``
-    is called as layer ``l`` ends."""
-
-    head_s: float
-    per_layer_s: float
-    count: int
-    done: Callable[[int], None]
-
-    def run(self, host: HostModel, elapsed: float) -> Generator[Any, Any, None]:
-        """The step's work after its first ``elapsed`` seconds, on ``host``."""
-        for i, seg in enumerate((self.head_s, *(self.per_layer_s,) * self.count)):
-            done = min(elapsed, seg)
-            elapsed -= done
-            if seg > done:
-                yield host.work(seg - done)
-            if i:
-                self.done(i - 1)
 
 
 class ProducerHost(Protocol):
