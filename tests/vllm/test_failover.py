@@ -293,3 +293,27 @@ def test_continuation_carries_the_prompt_and_tokens_and_refuses_what_it_cannot()
     blind.feed(b'data: {"choices": [{"text": "x"}]}\n\n', 0.0)
     with pytest.raises(NotResumable, match="prompt token ids"):
         continuation(body, "/v1/completions", blind)
+
+
+def test_the_drill_spreads_its_kills_and_counts_what_clients_saw():
+    import random
+
+    from pushkv.fit.e2e.failover import DrillReport, DrillSettings, kill_points
+    from pushkv.vllm.chaos import Outcome
+
+    points = kill_points(1000, 10, random.Random(3))
+    share = 1000 / 11
+    assert len(points) == 10 and points == sorted(points)
+    assert all(abs(p - share * (i + 1)) <= share / 4 for i, p in enumerate(points))
+    with pytest.raises(ValueError, match="fewer than requests"):
+        DrillSettings(requests=5, kills=5)
+    report = DrillReport(
+        outcomes=[Outcome("correct"), Outcome("wrong"), Outcome("clear_error"),
+                  Outcome("hung"), Outcome("correct")],
+        kills=2, prompt_tokens=1000,
+        proxy={"failovers": 3, "before_answer": 2, "mid_stream": 1,
+               "prompt_tokens_before_answer": 50, "prompt_tokens_mid_stream": 70},
+        resume_gaps_ms=[120.0])
+    fig = report.figures()
+    assert (fig["client_errors"], fig["wrong_tokens"], fig["failovers"]) == (2, 1, 3)
+    assert fig["prompt_recompute_share"] == 0.05 and fig["resume_p99_ms"] == 120.0

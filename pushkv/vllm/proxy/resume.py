@@ -59,6 +59,7 @@ class Tap:
     legs: int = 0  #: decode legs relayed so far (the first is 1)
     resumed_at: int = 0  #: tokens the client held when the current leg began
     last_token_at: float = 0.0  #: time.monotonic() of the last event carrying tokens
+    broken_at: float = 0.0  #: time.monotonic() when the proxy last saw the stream break
     _raw: list[bytes] = field(default_factory=list)  #: first-leg events not parsed yet
     _tail: bytes = b""
     _head: dict[str, Any] = field(default_factory=dict)  #: the first event's id, created

@@ -364,6 +364,7 @@ class PushProxy:
             raise exc from None
         req.resumes += 1
         req.body = body
+        req.tap.broken_at = time.monotonic()
         self.failover.record(MID_STREAM, exc, cause, len(body["prompt"]))
         return True
 
@@ -519,8 +520,9 @@ class PushProxy:
         else:
             gap = now - tap.last_token_at
             self.metrics.resume_gap.observe(gap)
-            logger.info("stream resumed on %s after %d tokens: a %.1f ms gap", watch.decode.url,
-                        len(tap.tokens), 1000 * gap)
+            logger.info("stream resumed on %s after %d tokens: a %.1f ms gap, %.1f ms after "
+                        "the break was seen", watch.decode.url, len(tap.tokens), 1000 * gap,
+                        1000 * (now - tap.broken_at))
         out = req.out
         tap.begin()
         await out.write(tap.feed(head, now))
