@@ -12,8 +12,9 @@ when
   needs (a decode instance without pushkv's connector as consumer, say).
 
 What happens to one request (an error answer, a connection the instance
-accepted and then dropped) never takes an instance out: its health is the
-probes' business.
+accepted and then dropped) does not take an instance out by itself: its
+health is the probes' business, or a health check asked right then
+(:mod:`.failover`: the instance is found gone).
 
 A down instance is probed again after a back-off that doubles from
 ``health_interval_s`` up to ``backoff_max_s``; the first probe that succeeds

@@ -13,8 +13,9 @@ and streams the answer back to the client. Neither leg waits for the other.
 * **Health.** Every instance is probed (:mod:`.pool`); one whose probes fail,
   or that refuses a connection or times out, leaves rotation and is probed
   again with back-off. What happens to one request (an error answer, a
-  request dropped after the instance accepted it) never takes an instance out.
-  Instances are chosen by least outstanding work.
+  request dropped after the instance accepted it) takes an instance out only
+  when a health check asked then fails too (:mod:`.failover`). Instances are
+  chosen by least outstanding work.
 * **Roles.** At start and whenever an instance comes back into rotation, a
   discovery request checks that it runs PushKVConnector in its role (producer
   behind ``--prefill``, consumer behind ``--decode``); one that does not is

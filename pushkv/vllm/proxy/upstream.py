@@ -9,8 +9,8 @@
   name and length.
 * The errors of calls (:meth:`Upstream.failed`, :meth:`Upstream.leg_error`):
   an instance that cannot be reached leaves rotation; one that accepted a
-  request and failed it stays in (its probes judge it), and the error says
-  which instance failed and what it said.
+  request and failed it stays in (its probes judge it, or :mod:`.failover`
+  finds it gone), and the error says which instance failed and what it said.
 
 Only aiohttp and the standard library (and pushkv's parameters and signing).
 """
