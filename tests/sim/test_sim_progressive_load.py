@@ -138,3 +138,22 @@ def test_plot_draws_progressive_and_closed_loop_results(tmp_path):
                      "push-layer_qps8_c2_in1024_out2_iter0.json"]
     assert {p.mode for p in load_points(tmp_path, "ttft")} == {"push-chunk", "push-layer c2"}
     assert plot(tmp_path, "ttft", tmp_path / "t.png", modes=["push-layer"]).stat().st_size > 0
+
+
+def test_a_prefill_death_mid_stream_ends_every_request_once_without_leaks():
+    """Two prefill instances push layer-wise and one dies while streaming: its prompts'
+    transfers fail (recomputed on decode) or are re-sent; every request ends exactly once
+    (the recorder refuses a second end), no block stays held, no message is refused."""
+    from pushkv.protocol import FailurePolicy
+    from pushkv.sim.scenario import FaultConfig, ProtocolSettings
+
+    cfg = SimConfig(mode=TransferMode.PUSH_LAYER, num_prefill=2, num_decode=2,
+                    faults=FaultConfig(kill_prefill_at=0.5),
+                    protocol=ProtocolSettings(policy=FailurePolicy.RECOMPUTE),
+                    workload=WorkloadConfig(request_rate=8, input_len=16384, output_len=4,
+                                            num_prompts=16))
+    out = run(cfg)
+    extra = out.result["pushkv"]
+    assert out.result["completed"] == 16 and out.leaked_blocks == 0 and out.rejected == 0
+    assert extra["recomputed"] + extra["rerouted"] > 0  # the death touched some requests
+    assert extra["ranges_reported"] > extra["writes"] > 16
