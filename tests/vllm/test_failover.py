@@ -317,3 +317,23 @@ def test_the_drill_spreads_its_kills_and_counts_what_clients_saw():
     fig = report.figures()
     assert (fig["client_errors"], fig["wrong_tokens"], fig["failovers"]) == (2, 1, 3)
     assert fig["prompt_recompute_share"] == 0.05 and fig["resume_p99_ms"] == 120.0
+
+
+def test_a_decode_shutting_down_503_and_unhealthy_is_left_for_another():
+    """A decode instance going away (SIGTERM) answers 503 and fails its health check:
+    the request goes to the other one, no client error; a 503 from an instance that
+    stays healthy is passed on as before (test_proxy_failover)."""
+    closing = FakeVllm("decode", status=503, healthy=False)
+    other = StreamingDecode("decode")
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        proxy.decode[1].work = 10**6  # the closing instance is the first choice
+        events = await stream(s, url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
+                                       "stream": True})
+        assert words_of(events) == greedy(PROMPT, 3)
+        assert len(closing.legs) == 1 and len(other.legs) == 1
+        assert not proxy.decode[0].up
+        assert await counter(s, url, "pushkv_proxy_failover_causes_total",
+                             stage="before_answer", cause="gone") == 1
+
+    run([FakeVllm("prefill")], [closing, other], scenario, health=SLOW_PROBES)
