@@ -110,7 +110,7 @@ class ProcessBackend:
         while todo:
             pool = ProcessPoolExecutor(min(self.workers, len(todo)), mp_context=ctx)
             futures: dict[Future[Any], int] = {pool.submit(fn, a): i for i, a in todo.items()}
-            broken = False
+            broken = finished = False
             try:
                 pending = set(futures)
                 while pending and not broken:
@@ -129,8 +129,12 @@ class ProcessBackend:
                                 and f.exception() is None:
                             del todo[i]
                             yield i, f.result()
+                finished = True
             finally:
-                pool.shutdown(wait=True, cancel_futures=True)
+                if not finished:  # interrupted, or a task raised: stop the workers now
+                    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                        proc.terminate()
+                pool.shutdown(wait=finished, cancel_futures=True)
             if broken:
                 reruns.again(sorted(todo), "a worker process died")
                 self.reruns = reruns.count
@@ -165,7 +169,8 @@ class RayBackend:
                                    f"{str(exc).splitlines()[0] if str(exc) else exc!r}"
                                    ) from None
             self._owned = True
-        self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        cpus = ray.cluster_resources().get("CPU", 1)  # type: ignore[no-untyped-call]
+        self.workers = max(1, int(cpus))
         self.reruns = 0
 
     def run(self, fn: Callable[[Any], Any], args: Sequence[Any], *,

@@ -151,7 +151,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
     trace = None
     if args.trace is not None:
         window = tuple(args.trace_window) if args.trace_window is not None else None
-        trace = read_trace(args.trace, window=window)  # type: ignore[arg-type]
+        trace = read_trace(args.trace, window=window)
     elif args.trace_window is not None:
         raise PlanError("--trace-window needs --trace FILE")
     gpus = (args.nodes * profile.network.gpus_per_node if args.nodes is not None

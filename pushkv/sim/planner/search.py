@@ -413,7 +413,7 @@ def run_plan(spec: PlanSpec, *, jobs: int = 1, backend: str = "process",
     a local instance of ``jobs`` CPUs), each task one whole configuration; with
     ``progress``, a tqdm bar there. ``evaluate`` replaces the simulator (this process
     only; for tests). The plan is the same whatever the backend and the workers."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     from .backends import open_backend
 
