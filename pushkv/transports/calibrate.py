@@ -30,14 +30,17 @@ device assumption, not a profile key), then one JSON line of every figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import multiprocessing as mp
 import os
 import platform
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,13 +69,14 @@ def _target(conn: Any, size: int) -> None:
     agent.close()
 
 
-def measure_post(descriptors: int, each: int, chunk: int, reps: int) -> dict[str, float]:
-    """Posting-thread time of direct NIXL writes between two processes (seconds)."""
+@contextlib.contextmanager
+def _pair(size: int) -> Iterator[tuple[Any, str, int, int]]:
+    """A NIXL agent of this process with ``size`` bytes registered, and a peer agent of
+    another process with as many: ``(agent, peer, local_base, remote_base)``."""
     from .nixl.agent import Agent
     from .nixl.config import NixlConfig
     from .nixl.memory import KVMemory
 
-    size = 2 * descriptors * each  # room for descriptors that are not adjacent
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_target, args=(child, size), daemon=True)
@@ -85,18 +89,47 @@ def measure_post(descriptors: int, each: int, chunk: int, reps: int) -> dict[str
         mem = KVMemory.from_regions([src])
         agent.register(mem)
         peer = agent.add_peer(meta)
-        local_base = mem.bases[0]
+        yield agent, peer, mem.bases[0], remote_base
+    finally:
+        if agent is not None:
+            agent.close()
+        parent.send(None)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
 
-        def rows(base: int, n: int, length: int, gap: int) -> np.ndarray:
-            out = np.zeros((n, 3), np.int64)
-            out[:, 0] = base + np.arange(n, dtype=np.int64) * gap
-            out[:, 1] = length
-            return out
+
+def _rows(base: int, n: int, length: int, gap: int) -> np.ndarray:
+    """``n`` Nx3 ``(addr, len, dev)`` descriptor rows of ``length`` bytes, ``gap`` apart."""
+    out = np.zeros((n, 3), np.int64)
+    out[:, 0] = base + np.arange(n, dtype=np.int64) * gap
+    out[:, 1] = length
+    return out
+
+
+def _finish(agent: Any, handle: Any, n: int) -> None:
+    """Wait for a posted request to end (``DONE``), release it; raise on ``ERR``."""
+    state = agent.state(handle)
+    while state == "PROC":
+        state = agent.state(handle)
+    agent.release(handle)
+    if state != "DONE":
+        raise CalibrationError(f"NIXL WRITE of {n} descriptors ended {state}")
+
+
+def measure_post(descriptors: int, each: int, chunk: int, reps: int,
+                 pair: tuple[Any, str, int, int] | None = None) -> dict[str, float]:
+    """Posting-thread time of direct NIXL writes between two processes (seconds);
+    ``pair``: a :func:`_pair` of ``2 x descriptors x each`` bytes to use."""
+    with contextlib.ExitStack() as stack:
+        if pair is None:  # room for descriptors that are not adjacent
+            pair = stack.enter_context(_pair(2 * descriptors * each))
+        agent, peer, local_base, remote_base = pair
 
         def write(n: int, length: int, gap: int) -> float:
             t0 = time.perf_counter()
-            h = agent.prepare_write(rows(local_base, n, length, gap),
-                                    rows(remote_base, n, length, gap), peer, b"", "DRAM")
+            h = agent.prepare_write(_rows(local_base, n, length, gap),
+                                    _rows(remote_base, n, length, gap), peer, b"", "DRAM")
             state = agent.post(h)
             while state == "PROC":
                 state = agent.state(h)
@@ -129,13 +162,190 @@ def measure_post(descriptors: int, each: int, chunk: int, reps: int) -> dict[str
             "wire_bytes_per_s": total / med["chunks"],
             "one_descriptor_bytes_per_s": total / med["one_large"],
         }
-    finally:
-        if agent is not None:
-            agent.close()
-        parent.send(None)
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+
+
+# ------------------------------------------------------- the post and the GIL
+
+
+class _Counter:
+    """A Python thread that wakes from a short sleep again and again and counts its
+    wake-ups: each needs the interpreter lock, so it counts only while no other thread
+    keeps the lock, and what another thread's call costs it is the time that call kept
+    the lock. It sleeps rather than spins so that it needs little CPU: on a busy
+    machine a waking thread gets a core quickly, while a spinning one would get only
+    its share of the cores."""
+
+    TICK_S = 50e-6
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._spin, name="gil-counter", daemon=True)
+
+    def _spin(self) -> None:
+        n = 0
+        while not self._stop:
+            time.sleep(self.TICK_S)
+            n += 1
+            self.count = n
+
+    def __enter__(self) -> _Counter:
+        self._thread.start()
+        while self.count == 0:  # running: its first iterations are counted
+            time.sleep(0.001)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join()
+
+    def during(self, fn: Callable[[], Any]) -> tuple[float, int]:
+        """Run ``fn`` on this thread: its wall time and the counter's iterations meanwhile."""
+        c0 = self.count
+        t0 = time.perf_counter()
+        fn()
+        took = time.perf_counter() - t0
+        return took, self.count - c0
+
+
+def _held_calibrators(seconds: float) -> dict[str, Callable[[], Any]]:
+    """Two calls of about ``seconds`` in C each that the counter's rate is read against:
+    ``released`` hashes a buffer (hashlib releases the lock and keeps a core busy, as a
+    post that copies does), ``sleep`` is ``time.sleep`` (releases it, idle), ``held``
+    sums a range (one C call that never lets the lock go)."""
+    buf = os.urandom(1 << 20)
+    t0 = time.perf_counter()
+    hashlib.sha256(buf).digest()
+    mib = max(1, round(seconds / max(time.perf_counter() - t0, 1e-6)))
+    big = buf * min(mib, 256)
+    n = 1 << 20
+    t0 = time.perf_counter()
+    sum(range(n))
+    n = max(n, int(n * seconds / max(time.perf_counter() - t0, 1e-6)))
+    return {"released": lambda: hashlib.sha256(big).digest(),
+            "sleep": lambda: time.sleep(seconds),
+            "held": lambda: sum(range(n))}
+
+
+def held_share(took: float, counted: int, free_rate: float, alone: float) -> float:
+    """The share of a call's own time (``alone``, timed without the counter) that it
+    kept the counter from running: the wall time it took beside the counter less the
+    time the counter's ``counted`` iterations need at its ``free_rate``, over
+    ``alone`` (not clipped: a busy machine's noise shows)."""
+    if not (alone > 0 and free_rate > 0):
+        raise CalibrationError(f"cannot weigh a call of {alone} s at a rate of {free_rate}/s "
+                               "(the counter thread never ran: raise --reps on a busy machine)")
+    return (took - counted / free_rate) / alone
+
+
+def measure_post_gil(descriptors: int, each: int, reps: int, window_s: float = 0.05,
+                     pair: tuple[Any, str, int, int] | None = None) -> dict[str, float]:
+    """How much of a NIXL post keeps the interpreter lock, on the NIXL installed here.
+
+    Direct WRITEs of ``descriptors`` x ``each`` bytes between two processes (UCX,
+    host memory), prepared (``initialize_xfer``: makeXferReq) and posted
+    (``transfer``: postXferReq) by this thread while a :class:`_Counter` thread runs,
+    as many in a row as fill about ``window_s``; the counter's rate while this thread
+    runs a C call that releases the lock (:func:`_held_calibrators` ``released``) is
+    its free rate. For each part, :func:`held_share` of the medians of ``reps``
+    interleaved rounds, scaled so that a C call that never releases the lock
+    (``held``, measured the same way in the same rounds) reads 1 -- on a busy machine
+    the counter runs faster while this thread waits for the lock than while it keeps a
+    core busy, so the raw share of a held call comes out below 1 (``gil_*_raw``, and
+    ``gil_control_held_raw`` for the held call, are the unscaled figures); clipped
+    to [0, 1]. The post's share (``post_gil_fraction``) weighs the two parts by
+    their time alone; a sleep's share (``gil_control_sleep_fraction``, near 0) is
+    reported beside it."""
+    with contextlib.ExitStack() as stack:
+        if pair is None:
+            pair = stack.enter_context(_pair(2 * descriptors * each))
+        agent, peer, local_base, remote_base = pair
+        local = _rows(local_base, descriptors, each, 2 * each)
+        remote = _rows(remote_base, descriptors, each, 2 * each)
+        handles: list[Any] = []
+        kp = kt = 1  # requests prepared, and posted, in a round
+
+        def prepare() -> None:
+            for _ in range(kp):
+                handles.append(agent.prepare_write(local, remote, peer, b"", "DRAM"))
+
+        def post() -> None:
+            for h in handles[:kt]:
+                agent.post(h)
+
+        def finish() -> None:
+            for h in handles[:kt]:
+                _finish(agent, h, descriptors)
+            for h in handles[kt:]:
+                agent.release(h)
+            handles.clear()
+
+        def alone() -> tuple[float, float]:  # a round alone: (prepare, post) times
+            times = (_wall(prepare), _wall(post))
+            finish()
+            return times
+
+        alone()  # connection set-up, first touches
+        prep1, post1 = alone()
+        kt = max(1, min(1000, round(window_s / max(post1, 1e-6))))
+        kp = max(kt, min(1000, round(window_s / max(prep1, 1e-6))))
+        solo = [alone() for _ in range(reps)]
+        prep_alone = statistics.median(a for a, _ in solo)
+        post_alone = statistics.median(b for _, b in solo)
+        calib = _held_calibrators(max(min(prep_alone, post_alone), window_s))
+        calib_alone = {c: statistics.median(_wall(fn) for _ in range(reps))
+                       for c, fn in calib.items()}
+        runs: dict[str, list[tuple[float, int]]] = {c: [] for c in ("prepare", "post", *calib)}
+        with _Counter() as counter:
+            for _ in range(reps):
+                for c, fn in calib.items():
+                    runs[c].append(counter.during(fn))
+                runs["prepare"].append(counter.during(prepare))
+                runs["post"].append(counter.during(post))
+                finish()
+        rate = {c: statistics.median(n / t for t, n in v) for c, v in runs.items()}
+        free = rate["released"]
+
+        def share(c: str, alone_s: float) -> float:
+            took = statistics.median(t for t, _ in runs[c])
+            counted = statistics.median(n for _, n in runs[c])
+            return held_share(took, int(counted), free, alone_s)
+
+        held = share("held", calib_alone["held"])
+        if not held > 0:
+            raise CalibrationError(f"a call that holds the lock measured a held share of "
+                                   f"{held:.3g}: the counter cannot tell here (raise --reps)")
+
+        def scaled(raw: float) -> float:  # a call that never releases the lock reads 1
+            return min(1.0, max(0.0, raw / held))
+
+        prep_raw, post_raw = share("prepare", prep_alone), share("post", post_alone)
+        prep_share, post_share = scaled(prep_raw), scaled(post_raw)
+        prep_one, post_one = prep_alone / kp, post_alone / kt  # one write's parts
+        whole = (prep_share * prep_one + post_share * post_one) / (prep_one + post_one)
+        return {
+            "post_gil_fraction": whole,
+            "prepare_gil_fraction": prep_share,
+            "transfer_gil_fraction": post_share,
+            "gil_prepare_raw": prep_raw,
+            "gil_transfer_raw": post_raw,
+            "gil_prepare_s": prep_alone / kp,
+            "gil_transfer_s": post_alone / kt,
+            "gil_held_per_descriptor_s": (prep_share * prep_one + post_share * post_one)
+            / descriptors,
+            "gil_prepared_per_round": float(kp),
+            "gil_posted_per_round": float(kt),
+            "gil_control_held_raw": held,
+            "gil_control_sleep_fraction": scaled(share("sleep", calib_alone["sleep"])),
+            "gil_counter_free_per_s": free,
+            "gil_counter_sleep_per_s": rate["sleep"],
+        }
+
+
+def _wall(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 # ------------------------------------------------------------- gather/scatter
@@ -241,27 +451,54 @@ def measure_device(mib: float, reps: int, device: str) -> dict[str, float]:
 # ------------------------------------------------------------------ output
 
 
+def network_table(figures: dict[str, float]) -> dict[str, float]:
+    """The ``[network]`` table of a simulator profile fragment: the posting costs and,
+    when measured, the share of a post that holds the interpreter lock."""
+    network = {"post_per_descriptor_s": figures["post_per_descriptor_s"],
+               "post_fixed_s": figures["post_fixed_s"]}
+    if "post_gil_fraction" in figures:
+        share = figures["post_gil_fraction"]
+        if not 0 <= share <= 1:
+            raise CalibrationError(f"post_gil_fraction measured {share}: not in [0, 1]")
+        network["post_gil_fraction"] = share
+    _check_positive(network, skip=("post_gil_fraction",))
+    return network
+
+
+def _check_positive(table: dict[str, float], skip: tuple[str, ...] = ()) -> None:
+    for name, value in table.items():
+        if name not in skip and not (np.isfinite(value) and value > 0):
+            raise CalibrationError(f"{name} measured {value}: not a positive time or rate "
+                                   "(too small a measurement on a busy machine? raise "
+                                   "--descriptors / --mib / --reps)")
+
+
 def settings(figures: dict[str, float], device: str | None) -> dict[str, dict[str, float]]:
-    """The ``[packing]`` (PackingConfig fields) and ``[network]`` (simulator profile)
-    tables of a calibration."""
+    """The ``[packing]`` (PackingConfig fields) and ``[network]`` (simulator profile,
+    :func:`network_table`) tables of a calibration."""
     key = "device_" if device else ""
     packing = {
         "post_per_descriptor_s": figures["post_per_descriptor_s"],
         "gather_bytes_per_s": figures[f"{key}gather_bytes_per_s"],
         "scatter_bytes_per_s": figures[f"{key}scatter_bytes_per_s"],
     }
-    network = {"post_per_descriptor_s": figures["post_per_descriptor_s"],
-               "post_fixed_s": figures["post_fixed_s"]}
-    for table in (packing, network):
-        for name, value in table.items():
-            if not (np.isfinite(value) and value > 0):
-                raise CalibrationError(f"{name} measured {value}: not a positive time or rate "
-                                       "(too small a measurement on a busy machine? raise "
-                                       "--descriptors / --mib / --reps)")
-    return {"packing": packing, "network": network}
+    _check_positive(packing)
+    return {"packing": packing, "network": network_table(figures)}
+
+
+def nixl_version() -> str:
+    """The installed NIXL's version (``pip show nixl``), or ``unknown``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nixl")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def render(tables: dict[str, dict[str, float]], header: Sequence[str]) -> str:
+    """The tables as TOML under ``header``'s comment lines; a ``{"network": ...}``
+    alone is a profile fragment ``pushkv sim --profile`` reads."""
     lines = [f"# {h}" for h in header]
     notes = {"packing": "PackingConfig fields: the NIXL transport's packing settings",
              "network": "a simulator profile override (pushkv sim --profile FILE)"}
@@ -287,15 +524,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--device", default=None,
                     help="also measure the torch gather/scatter on this device (cuda, cpu)")
     ap.add_argument("--out", default=None, help="also write the TOML snippet here")
+    ap.add_argument("--profile-out", default=None,
+                    help="also write the [network] table alone here: a profile fragment "
+                    "pushkv sim --profile reads")
+    ap.add_argument("--gil-window-ms", type=float, default=50.0,
+                    help="posts timed together in each round of the interpreter-lock "
+                    "measurement (default 50)")
     args = ap.parse_args(argv)
     if args.descriptors < 2 or args.descriptor_bytes < 1 or args.reps < 1 or args.mib <= 0 \
-            or args.chunk_mib <= 0:
+            or args.chunk_mib <= 0 or not args.gil_window_ms > 0:
         raise ConfigError("need --descriptors >= 2, --descriptor-bytes >= 1, --reps >= 1, "
-                          "--mib > 0 and --chunk-mib > 0")
+                          "--mib > 0, --chunk-mib > 0 and --gil-window-ms > 0")
     load = os.getloadavg()
     figures: dict[str, float] = {}
-    figures.update(measure_post(args.descriptors, args.descriptor_bytes,
-                                int(args.chunk_mib * 2**20), args.reps))
+    with _pair(2 * args.descriptors * args.descriptor_bytes) as pair:
+        figures.update(measure_post(args.descriptors, args.descriptor_bytes,
+                                    int(args.chunk_mib * 2**20), args.reps, pair))
+        figures.update(measure_post_gil(args.descriptors, args.descriptor_bytes, args.reps,
+                                        args.gil_window_ms / 1e3, pair))
     figures.update(measure_host(args.mib, args.reps))
     if args.device:
         figures.update(measure_device(args.mib, args.reps, args.device))
@@ -304,11 +550,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"pushkv packing calibration, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"{platform.node()}: {os.cpu_count()} CPUs, load average {load[0]:.2f} "
         f"{load[1]:.2f} {load[2]:.2f}",
-        f"NIXL UCX host memory, two processes: {args.descriptors} x "
+        f"NIXL {nixl_version()} UCX host memory, two processes: {args.descriptors} x "
         f"{args.descriptor_bytes} B direct {figures['direct_s'] * 1e3:.1f} ms "
         f"({figures['direct_bytes_per_s'] / 1e9:.2f} GB/s), one descriptor "
         f"{figures['one_descriptor_bytes_per_s'] / 1e9:.2f} GB/s, "
         f"{args.chunk_mib:g} MiB chunks {figures['wire_bytes_per_s'] / 1e9:.2f} GB/s",
+        f"interpreter lock held for {figures['post_gil_fraction']:.1%} of a post: "
+        f"prepare (makeXferReq) {figures['prepare_gil_fraction']:.0%} of "
+        f"{figures['gil_prepare_s'] * 1e3:.2f} ms, transfer (postXferReq) "
+        f"{figures['transfer_gil_fraction']:.0%} of {figures['gil_transfer_s'] * 1e3:.2f} ms "
+        f"(a call that holds it: raw {figures['gil_control_held_raw']:.2f}, read as 1)",
         f"host ({args.mib:g} MiB fragmented): gather {figures['gather_bytes_per_s'] / 1e9:.2f}"
         f" GB/s, scatter {figures['scatter_bytes_per_s'] / 1e9:.2f} GB/s, numpy copy "
         f"{figures['copy_bytes_per_s'] / 1e9:.2f} GB/s",
@@ -321,6 +572,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)
+    if args.profile_out:
+        with open(args.profile_out, "w", encoding="utf-8") as f:
+            f.write(render({"network": tables["network"]}, header))
     sys.stdout.write(text)
     print(json.dumps({**tables, "figures": figures}))
     return 0
