@@ -337,3 +337,17 @@ def test_a_decode_shutting_down_503_and_unhealthy_is_left_for_another():
                              stage="before_answer", cause="gone") == 1
 
     run([FakeVllm("prefill")], [closing, other], scenario, health=SLOW_PROBES)
+
+
+def test_with_no_instance_left_to_take_over_the_client_is_told_its_instance_went_away():
+    only = StreamingDecode("decode", name="only", die_after=2)
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        raw = await raw_stream(s, url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 6,
+                                        "stream": True}, tell=only)
+        (error,) = [json.loads(line[6:])["error"] for line in raw.split("\n\n")
+                    if line.startswith('data: {"error"')]
+        assert "went away while serving this request" in error["message"]
+        assert "not sent to another" not in error["message"]
+
+    run([FakeVllm("prefill")], [only], scenario, health=SLOW_PROBES)

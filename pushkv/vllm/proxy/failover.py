@@ -96,9 +96,16 @@ class Failover:
             return exc.cause
         if exc.dropped and await self.gone(inst, session):
             self.pool.mark_down(inst, f"it broke a leg off and its /health then failed "
-                                f"({exc.message:.200})")
+                                f"({exc.what:.200})")
             return GONE
         return ""
+
+    @staticmethod
+    def gone_error(exc: LegError, inst: Instance) -> LegError:
+        """The error a client gets when no other instance took over from ``inst``,
+        found gone after it broke ``exc``'s leg off."""
+        return LegError(exc.leg, 502, f"{inst.role} instance {inst.url} went away while "
+                        f"serving this request ({exc.what})", cause=GONE, instance=inst.url)
 
     async def gone(self, inst: Instance, session: aiohttp.ClientSession) -> bool:
         """Whether ``inst`` fails a health check now (refused, no 200 in time)."""

@@ -51,7 +51,7 @@ class LegError(Exception):
     """
 
     def __init__(self, leg: str, status: int, body: Any, *, cause: str = "",
-                 dropped: bool = False, instance: str = "") -> None:
+                 dropped: bool = False, instance: str = "", what: str = "") -> None:
         super().__init__(f"{leg} leg failed with HTTP {status}")
         self.leg = leg
         self.status = status
@@ -59,6 +59,7 @@ class LegError(Exception):
         self.cause = cause
         self.dropped = dropped
         self.instance = instance  #: the instance's URL, when one is to blame
+        self.what = what  #: what the instance did, in a few words (a dropped leg)
 
     @property
     def retryable(self) -> bool:

@@ -331,6 +331,8 @@ class PushProxy:
                 cause = await self.failover.cause(exc, failed, self.upstream.session)
                 if not cause:
                     raise
+                if exc.dropped:  # found gone: not the request's fault
+                    exc = self.failover.gone_error(exc, failed)
                 last = exc
                 avoid[exc.leg].append(failed)
                 if req.out is not None:  # the answer began: resume the stream or end it
@@ -340,7 +342,7 @@ class PushProxy:
                 if req.retries >= self.settings.retries:
                     if exc.leg == "prefill":
                         return await self._decode_alone(req, decode, str(exc), exc)
-                    raise
+                    raise exc from None
                 req.retries += 1
                 self.metrics.retries.inc()
                 self.failover.record(BEFORE, exc, cause, req.checked.prompt_tokens)

@@ -204,7 +204,7 @@ class Upstream:
         return LegError(inst.role, status, f"{inst.role} instance {inst.url} failed this "
                         f"request: {what}; it was not sent to another instance, as a request "
                         "that makes an engine fail may make the next one fail too",
-                        instance=inst.url, dropped=True)
+                        instance=inst.url, dropped=True, what=what)
 
     async def discover(self, inst: Instance) -> dict[str, Any]:
         """The instance's answer to a discovery request (its connector's parameters)."""
