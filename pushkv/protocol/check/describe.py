@@ -7,7 +7,7 @@ from typing import Any
 from ..events import Action, IssueWrite, SendMessage
 from ..messages import Message
 from .owed import touched
-from .world import FRAME, HELLO, READ, SCATTER, SWRITE, WRITE, Item
+from .world import DONE, FRAME, HELLO, READ, SCATTER, SWRITE, WRITE, Item
 
 
 def brief(msg: Message) -> str:
@@ -49,8 +49,9 @@ class Describe:
     def _item(self, item: Item) -> str:
         if item[0] == FRAME:
             return f"{brief(self.message(item[5]))} {item[3]}{item[4]} -> {item[1]}{item[2]}"
+        to = "E0" if item[0] in (WRITE, DONE) and item[2] < 0 else f"D{item[2]}"
         if item[0] == WRITE:
-            return f"P{item[1]}'s write of t#{item[8]} a{item[3]} to D{item[2]}"
+            return f"P{item[1]}'s write of t#{item[8]} a{item[3]} to {to}"
         if item[0] == HELLO:
             return f"the handshake of D{item[1]} with P{item[2]}"
         if item[0] == SWRITE:
@@ -59,12 +60,14 @@ class Describe:
             return f"D{item[1]}'s scatter of P{item[2]}'s a{item[3]} write"
         if item[0] == READ:
             return f"D{item[2]}'s read of t#{item[8]} a{item[3]} from P{item[1]}"
-        return f"the completion of P{item[1]}'s write of a{item[3]} to D{item[2]}"
+        return f"the completion of P{item[1]}'s write of a{item[3]} to {to}"
 
     def _action(self, a: Action) -> str:
         if isinstance(a, SendMessage):
             return f"send {brief(a.message)} to {a.peer.engine_id}{a.peer.rank}"
         if isinstance(a, IssueWrite):
+            if a.peer.engine_id == "E":  # rule 12's engine (its memory is not modelled)
+                return f"IssueWrite(a{a.attempt} to E0)"
             return (f"IssueWrite(a{a.attempt} to D{a.peer.rank} blocks "
                     f"{list(touched(a.plan, self.d_stride, 1))})")
         return repr(a)

@@ -33,8 +33,8 @@ from ..events import (
     TransferFailed,
     TransferReady,
 )
-from ..mapping import expected_writers
-from ..messages import Cancel, Heartbeat, Message, Register, decode, encode
+from ..mapping import expected_writers, targets_of
+from ..messages import Cancel, Heartbeat, Message, Register, Skip, decode, encode
 from ..producer import Producer
 from ..states import ConsumerState
 from .describe import Describe, brief
@@ -98,6 +98,11 @@ class Model(Invariants, Describe, Staging, Pull):
                 if not scope.handshake:  # else on demand, when a consumer asks (Connect)
                     p.add_peer(c.info)
                     c.add_peer(p.info)
+        # Rule 12: the engine E a router may re-target a held source to (a sink).
+        self.e_info = scope.retarget_rank() if scope.retarget else None
+        if self.e_info is not None:
+            for p in self.producers:
+                p.add_peer(self.e_info)
         self.endpoints: list[Endpoint] = [*self.producers, *self.consumers]
         self.renew = self.producers[0].config.renew_fraction
         self.snaps = Snapshots(self.endpoints)
@@ -206,6 +211,8 @@ class Model(Invariants, Describe, Staging, Pull):
             kind = item[0]
             if kind == FRAME:
                 out.append(("deliver", item))
+                if item[3] == "E":  # rule 12: the router's re-target is not lost
+                    continue
                 if dups:
                     out.append(("dup", item))
                 if drops:
@@ -274,6 +281,9 @@ class Model(Invariants, Describe, Staging, Pull):
                 if sc.prefill_aborts and not aborted and status in (P_PREFILL, P_HELD,
                                                                     P_PARTIAL):
                     out.append(("pabort", k))
+        if sc.retarget and dead != "P":  # rule 12: once per use, while it is live on D
+            out.extend(("retarget", k) for k, ci in enumerate(cinc)
+                       if ci[0] == C_LIVE and k not in f[19])
         if not dead:
             out.extend(("kill", e) for e in sc.deaths)
         # Timers fire in time order: only the endpoints due first may fire.
@@ -345,7 +355,7 @@ class Model(Invariants, Describe, Staging, Pull):
                 if self.log is not None:
                     self._say(f"{dst_e}{dst_r} receives {brief(msg)} from {src_e}{src_r}")
                 if dst_e == "P":
-                    self._timing(w, dst_r, src_r, msg)
+                    self._timing(w, dst_r, -1 if src_e == "E" else src_r, msg)
                 self._run(w, ids, i, ("m", frame, w.now), lambda ep: ep.receive(msg, w.now))
             elif kind in ("land", "wfail"):
                 if kind == "wfail":
@@ -354,11 +364,12 @@ class Model(Invariants, Describe, Staging, Pull):
             else:
                 _, p, d, attempt, inc, ok, _sent = item
                 if self.log is not None:
-                    self._say(f"P{p} learns its write of a{attempt} to D{d} "
+                    self._say(f"P{p} learns its write of a{attempt} to {self._peer(d).engine_id}"
+                          f"{self._peer(d).rank} "
                               + ("completed" if ok else "failed"))
                 tid, kw = self._call(inc - 1)
                 self._run(w, ids, p, ("c", attempt, inc, d, ok, w.now),
-                          lambda ep: ep.write_completed(tid, attempt, Peer("D", d), ok, w.now,
+                          lambda ep: ep.write_completed(tid, attempt, self._peer(d), ok, w.now,
                                                         **kw))
             return
         if kind == "tick":
@@ -385,6 +396,9 @@ class Model(Invariants, Describe, Staging, Pull):
             return
         if kind == "kill":
             self._kill(w, step[1], ids)
+            return
+        if kind == "retarget":
+            self._retarget(w, step[1])
             return
         k = step[1]
         if kind in ("register", "reissue"):
@@ -557,6 +571,9 @@ class Model(Invariants, Describe, Staging, Pull):
         """Eager visibility: the whole write lands (or fails), then completes."""
         _, p, d, attempt, inc, _src, dst, notify, k, pieces, _status, _sent = item
         self._check_source(w, item, POSTED)
+        if d < 0:  # rule 12: a write into E (a sink) completes
+            w.add(done_item(p, d, attempt, inc, ok, w.now))
+            return
         if item[0] == SWRITE:
             self._land_staged(w, item, ok=ok)
             return
@@ -585,14 +602,15 @@ class Model(Invariants, Describe, Staging, Pull):
             if not ok:
                 w.faulted = True
             if self.log is not None:
-                self._say(f"P{p} learns its write of a{attempt} to D{d} "
+                self._say(f"P{p} learns its write of a{attempt} to {self._peer(d).engine_id}"
+                          f"{self._peer(d).rank} "
                           + ("completed" if ok else "failed (its bytes may still land)"))
             more = item[9] if item[0] == WRITE else item[6][3] < len(item[7])
             if more:
                 w.add((*item[:10], COMPLETED if ok else FAILED, item[-1]))
             tid, kw = self._call(inc - 1)
             self._run(w, ids, p, ("c", attempt, inc, d, ok, w.now),
-                      lambda ep: ep.write_completed(tid, attempt, Peer("D", d), ok, w.now,
+                      lambda ep: ep.write_completed(tid, attempt, self._peer(d), ok, w.now,
                                                     **kw))
             return
         if kind == "vanish":
@@ -676,6 +694,8 @@ class Model(Invariants, Describe, Staging, Pull):
             if isinstance(a, SendMessage):
                 if i >= self.np:
                     self._lent_by_register(w, i - self.np, a)
+                if a.peer.engine_id == "E":
+                    continue  # rule 12: E is a sink
                 if a.peer.engine_id != w.dead:
                     w.add(frame_item(a.peer, src, self._frame(a.message), w.now))
             elif isinstance(a, IssueWrite):
@@ -704,7 +724,7 @@ class Model(Invariants, Describe, Staging, Pull):
                 raise Violation("action", f"{self._name(i)} emitted unexpected {a!r}")
 
     def _issue(self, w: World, p: int, a: IssueWrite) -> None:
-        d = a.peer.rank
+        d = -1 if a.peer.engine_id == "E" else a.peer.rank  # (-1: rule 12's engine E)
         src = touched(a.plan, self.p_stride, 0)
         dst = touched(a.plan, self.d_stride, 1)
         data = next((k for k, pi in enumerate(w.pinc) if pi.status in (P_HELD, P_PARTIAL)
@@ -732,6 +752,10 @@ class Model(Invariants, Describe, Staging, Pull):
         if w.now > w.windows.get((p, d, a.attempt, data), w.now):
             raise Violation("window", f"P{p} started a write of t#{data} attempt {a.attempt} "
                             f"at t={w.now:g}, after the registration's window")
+        if d < 0:  # rule 12: into E, whose memory is not modelled: it completes or fails
+            w.add(write_item(p, d, a.attempt, inc, src, (), self._frame(a.notify), data, (),
+                             w.now))
+            return
         if w.dead == "D":
             w.add(done_item(p, d, a.attempt, inc, False, w.now))
             return
@@ -745,6 +769,33 @@ class Model(Invariants, Describe, Staging, Pull):
             pieces = (cells[:half], cells[half:])
         w.add(write_item(p, d, a.attempt, inc, src, dst, self._frame(a.notify), data, pieces,
                          w.now))
+
+    @staticmethod
+    def _peer(d: int) -> Peer:
+        """The consumer rank a write goes to: D's rank ``d``, or (-1) rule 12's E."""
+        return Peer("E", 0) if d < 0 else Peer("D", d)
+
+    def _retarget(self, w: World, k: int) -> None:
+        """Rule 12: a router gives up on D for use ``k`` and sends its decode leg to E,
+        turn 1: E registers one block with every producer rank that writes into it
+        (a Skip to the others), frames no network loses."""
+        assert self.e_info is not None
+        w.retargeted = w.retargeted | {k}
+        w.faulted = True  # D's attempt fails (RETARGETED): expected now
+        if self.log is not None:
+            self._say(f"a router re-targets t#{k} to engine E")
+        tid, kw = self._call(k)
+        src = ("E", 0)
+        for r, pinfo in enumerate(self.pinfo):
+            if targets_of(pinfo.engine, self.e_info.engine, r):
+                msg: Message = Register(
+                    transfer_id=tid, attempt=0, engine_id="E", rank=0, producer_engine_id="P",
+                    block_ids=(0,), num_tokens=self.scope.tokens,
+                    window_ms=int(self.scope.window_s * 1000), target=1, **kw)
+            else:
+                msg = Skip(transfer_id=tid, engine_id="E", rank=0, producer_engine_id="P",
+                           target=1, **kw)
+            w.add(frame_item(("P", r), src, self._frame(msg), w.now))
 
     def _release_source(self, w: World, p: int, a: ReleaseSource) -> None:
         blocks = tuple(a.block_ids)

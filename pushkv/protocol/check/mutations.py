@@ -20,7 +20,7 @@ from .. import records, states
 from ..consumer import endpoint as consumer_module
 from ..consumer import outcomes as outcomes_module
 from ..errors import LocalProtocolError
-from ..messages import CancelAck, Fail
+from ..messages import CancelAck, Fail, FailReason
 from ..producer import endpoint as producer_module
 from ..producer import view as producer_view_module
 from ..states import (
@@ -398,6 +398,28 @@ TWO_IDS = Scope(name="two-ids-1", incarnations=2, distinct_ids=True, d_blocks=1,
                 write_errors=True, heartbeats=False, aborts=False)
 
 
+#: Rule 12: a router may re-target the held source to engine E at any moment.
+RETARGET = Scope(name="retarget-1", retarget=True, heartbeats=False)
+
+
+def retarget_forgets_the_write_in_flight(mp: Patch) -> None:
+    """A re-target ends a leg whose write is in flight as if it were finished: the
+    source goes while that write still reads it."""
+    mp.setitem(states.PRODUCER_TABLE, (P.WRITING, PI.RETARGET), (PE.FAIL, P.FAILED))
+
+
+def retarget_fail_counts_nothing(mp: Patch) -> None:
+    """The Fail a re-target sends the engine left behind counts no write: it fences
+    and lends its blocks again while the write in flight may still land in them."""
+    orig = producer_view_module.ProducerView._fail
+
+    def fail(self, peer, key, attempt, reason, detail="", leg=None):
+        drop = reason is FailReason.RETARGETED
+        return orig(self, peer, key, attempt, reason, detail, None if drop else leg)
+
+    mp.setattr(producer_view_module.ProducerView, "_fail", fail)
+
+
 #: How far a search for a mutation's violation may go (breadth-first: the deepest one,
 #: an older use forgotten with the newer, is found at 528,587 states).
 MAX_STATES = 600_000
@@ -434,5 +456,7 @@ MUTATIONS: list[tuple[Callable[[Patch], None], Scope, str]] = [
     # The same early fence, across transfer ids: the stray bytes land in the block the
     # engine lent to the next id.
     (failed_write_fenced_at_once, TWO_IDS, "incarnation"),
+    (retarget_forgets_the_write_in_flight, RETARGET, "source"),
+    (retarget_fail_counts_nothing, RETARGET, "reuse"),
 ]
 """(mutation, the scope that reaches it, the kind of violation it must show)."""

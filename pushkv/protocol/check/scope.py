@@ -62,6 +62,13 @@ class Scope:
         metadata={"help": "the consumer engine may end a later use of the id before "
                   "registering it, while the earlier use is live (abandon)"},
     )
+    retarget: bool = field(
+        default=False,
+        metadata={"help": "rule 12: a router may re-target each use's held source, once, at "
+                  "any moment, to a second decode engine E (one rank, turn 1; a sink: "
+                  "its writes are checked against the source, its own memory is not "
+                  "modelled). D stays the engine whose memory is checked"},
+    )
     heartbeats: bool = field(default=True, metadata={"help": "consumers renew leases"})
     handshake: bool = field(
         default=False,
@@ -141,6 +148,8 @@ class Scope:
         if self.p_tp < 1 or self.d_tp < 1 or self.kv_heads < 0:
             raise ConfigError(f"TP sizes must be >= 1 and kv_heads >= 0, got p_tp="
                               f"{self.p_tp}, d_tp={self.d_tp}, kv_heads={self.kv_heads}")
+        if self.retarget and (self.pull or self.staging_bytes or self.pieces or self.handshake):
+            raise ConfigError("retarget is modelled for whole-request direct push writes")
         if self.pieces < 0 or self.split not in ("tokens", "layers"):
             raise ConfigError(f"pieces must be >= 0 and split 'tokens' or 'layers', got "
                               f"{self.pieces!r} and {self.split!r}")
@@ -176,6 +185,13 @@ class Scope:
 
         return ranks("P", self.p_tp, self.p_blocks), ranks("D", self.d_tp, self.d_blocks)
 
+    def retarget_rank(self) -> RankInfo:
+        """Rule 12: the one rank of the engine E a held source may be re-targeted to."""
+        (e,) = uniform_ranks("E", tp=1, num_blocks=1, num_layers=self.layers,
+                             num_kv_heads=self.heads, head_dim=1, dtype_bytes=1,
+                             block_size=self.tokens)
+        return e
+
     def packing(self) -> PackingConfig | None:
         if not self.staging_bytes:
             return None
@@ -208,7 +224,8 @@ class Scope:
                   else "",
                   f"pipelined in {self.pipeline_bytes} B chunks" if self.pipeline_bytes
                   else "",
-                  "eager visibility" if self.visibility == "eager" else ""]
+                  "eager visibility" if self.visibility == "eager" else "",
+                  "re-targeted to engine E (rule 12)" if self.retarget else ""]
         uses = (f"{self.incarnations} transfer id(s)" if self.distinct_ids
                 else f"{self.incarnations} incarnation(s)")
         return (f"P TP{self.p_tp} -> D TP{self.d_tp}, {self.heads} KV head(s), "
@@ -270,12 +287,19 @@ CI_SCOPES = _scopes(
     # scattered on its own while later chunks are still on their way.
     Scope(name="packed-chunked", attempts=2, dups=1, staging_bytes=128, pipeline_bytes=1,
           max_scatter_s=4.0, heartbeats=False),
+    # Rule 12: the held source re-targeted to another engine at any moment, D dead or
+    # alive (aborting), writes failing, prefill aborted.
+    Scope(name="retarget", retarget=True, deaths=("D",), write_errors=True,
+          prefill_aborts=True, heartbeats=False),
     Scope(name="packed-chunked-faults", attempts=2, deaths=("P", "D"), write_errors=True,
           staging_bytes=64, pipeline_bytes=1, max_scatter_s=4.0, heartbeats=False),
 )
 
 #: Deeper scopes for the benchmark and for people with time.
 DEEP_SCOPES = _scopes(
+    Scope(name="retarget-2to1-deep", retarget=True, p_tp=2, dups=1, heartbeats=False),
+    Scope(name="retarget-reuse-deep", retarget=True, incarnations=2, heartbeats=False,
+          aborts=False),
     Scope(name="1to1-deep", attempts=2, dups=1, drops=1, prefill_aborts=True,
           write_errors=True, deaths=("P", "D")),
     Scope(name="1to1-reuse-deep", incarnations=2, dups=1, drops=1, prefill_aborts=True),

@@ -167,7 +167,7 @@ class World:
 
     __slots__ = ("_cinc", "_content", "_d_owner", "_leases", "_p_owner", "_pinc", "_s_content",
                  "_s_owner", "_windows", "cancelled", "dead", "drops", "dups", "f", "faulted",
-                 "flight", "lossy", "now", "published", "shaken")
+                 "flight", "lossy", "now", "published", "retargeted", "shaken")
 
     def __init__(self, f: Frozen) -> None:
         self.f = f
@@ -188,6 +188,8 @@ class World:
         self.cancelled: frozenset[tuple[int, int, int, int]] = f[15]
         #: pull: (producer rank, incarnation, the end of the lease its Publish stated)
         self.published: frozenset[tuple[int, int, float]] = f[18]
+        #: rule 12: the uses whose source a router re-targeted to engine E
+        self.retargeted: frozenset[int] = f[19]
 
     def add(self, item: Item) -> None:
         bisect.insort(self.flight, item)
@@ -273,7 +275,7 @@ class World:
                 self.shaken, self.cancelled,
                 f[16] if self._s_owner is None else tuple(sorted(self._s_owner.items())),
                 f[17] if self._s_content is None else tuple(sorted(self._s_content.items())),
-                self.published)
+                self.published, self.retargeted)
 
 
 def initial(scope: Scope) -> Frozen:
@@ -286,4 +288,4 @@ def initial(scope: Scope) -> Frozen:
         for k in range(n))
     return (0.0, (), scope.dups, scope.drops, "", False, False, cinc, pinc,
             (None,) * scope.d_blocks, (None,) * scope.p_blocks, (), (), (), frozenset(),
-            frozenset(), (), (), frozenset())
+            frozenset(), (), (), frozenset(), frozenset())
