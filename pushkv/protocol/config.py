@@ -41,8 +41,16 @@ class ProducerConfig:
         metadata={"help": "packed writes: the rank's staging memory and when to use it "
                   "(None: no staging memory, every write is direct)"},
     )
+    retarget_hold_s: float = field(
+        default=0.0,
+        metadata={"help": "rule 12: when the consumer engine a held source is bound to "
+                  "dies, keep the source this long (never past its lease) for a router "
+                  "to re-target it to another engine; 0: release it at once"},
+    )
 
     def __post_init__(self) -> None:
+        if not self.retarget_hold_s >= 0:
+            raise ConfigError(f"retarget_hold_s must be >= 0, got {self.retarget_hold_s}")
         if not self.lease_s > 0:
             raise ConfigError(f"lease_s must be > 0, got {self.lease_s}")
         if not 0 < self.renew_fraction <= 1:

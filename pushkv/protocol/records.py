@@ -68,6 +68,7 @@ class Source:
     legs: dict[Peer, Leg] = field(default_factory=dict)
     consumer_engine: str | None = None
     target: int = 0  # rule 12: the bound consumer engine's turn
+    hold_until: float = 0.0  # rule 12: its engine died; held for a re-target until then
     final: bool = False
     expired: bool = False
     aborted: bool = False

@@ -99,6 +99,38 @@ def test_the_engine_left_behind_cannot_take_the_source_back():
     assert [a.peer for a in out if type(a).__name__ == "IssueWrite"] == [Peer("E", 0)]
 
 
+def _kinds(actions):
+    return [type(a).__name__ for a in actions]
+
+
+@pytest.mark.parametrize("hold", [0.0, 5.0])
+def test_a_dead_engines_source_is_held_for_a_retarget_only_when_asked(hold):
+    pair = Pair(producer={"num_kv_heads": 2}, consumer={"num_kv_heads": 2},
+                pcfg=ProducerConfig(lease_s=100.0, retarget_hold_s=hold))
+    p = pair.p[0]
+    for info in uniform_ranks("E", num_kv_heads=2):
+        p.add_peer(info)
+    p.receive(_reg("D"), 0.0)
+    p.peer_died("D", 1.0)
+    out = p.prefill_finished("t", list(SRC), N, 1.5)
+    if not hold:  # today's default: the source goes with its engine
+        assert "ReleaseSource" in _kinds(out)
+        (fail,) = _fails(p.receive(_reg("E", target=1, blocks=DST_E), 2.0), "E")
+        assert fail.reason is FailReason.SOURCE_RELEASED
+        return
+    assert "ReleaseSource" not in _kinds(out)
+    assert p.next_deadline() == pytest.approx(6.0)  # death + hold
+    out = p.receive(_reg("E", target=1, blocks=DST_E), 2.0)
+    assert [a.peer for a in out if type(a).__name__ == "IssueWrite"] == [Peer("E", 0)]
+    # Unclaimed, a held source goes when the hold ends.
+    q = Pair(producer={"num_kv_heads": 2}, consumer={"num_kv_heads": 2},
+             pcfg=ProducerConfig(lease_s=100.0, retarget_hold_s=hold)).p[0]
+    q.receive(_reg("D"), 0.0)
+    q.peer_died("D", 1.0)
+    assert "ReleaseSource" not in _kinds(q.prefill_finished("t", list(SRC), N, 1.5))
+    assert "ReleaseSource" in _kinds(q.handle_timer(6.0))
+
+
 def _rejected(actions):
     return [str(a.error) for a in actions if isinstance(a, Rejected)]
 

@@ -118,7 +118,10 @@ class Producer(ProducerAnswers, Endpoint):
         """The transport lost ``engine_id``: its legs end, its writes fence themselves."""
         out = self._run_timers(now)
         self.targets.drop(engine_id)
+        hold = self.config.retarget_hold_s
         for t in list(self._transfers.values()):
+            if hold and t.consumer_engine == engine_id:
+                t.hold_until = now + hold  # rule 12: a router may re-target it meanwhile
             for leg in list(t.legs.values()):
                 if leg.peer.engine_id == engine_id:
                     out += self._input(t, leg, PI.PEER_DIED, now)
@@ -626,6 +629,9 @@ class Producer(ProducerAnswers, Endpoint):
                 targets = self.targets.legs(t.consumer_engine)
                 finished = True
                 if targets is None:  # the consumer engine is gone
+                    if now < min(t.hold_until, t.lease):  # rule 12: wait for a re-target
+                        self._schedule(min(t.hold_until, t.lease), t.key)
+                        return out
                     targets = tuple(legs)
                 for p in targets:
                     target = legs.get(p)
