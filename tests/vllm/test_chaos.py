@@ -43,8 +43,10 @@ from .conftest import VLLM_MISSING
 if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)
 
+from pushkv.audit import audit
 from pushkv.vllm.chaos import (
     FAILED_KEYS,
+    FAST,
     STARTUP_S,
     Fleet,
     Job,
@@ -92,8 +94,8 @@ class Refs:
 def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[tuple[Fleet, Refs]]:
     f = Fleet(str(tiny_model), tmp_path_factory.mktemp("chaos-logs"))
-    for name, cpu in zip(NAMES, (0, 1, 1, 0), strict=True):
-        f.add(name, name.split("-")[0], cpu)
+    for name, cpu in zip(NAMES, (0, 1, 1, 0), strict=True):  # steps for the audit
+        f.add(name, name.split("-")[0], cpu, timeline_dir=str(f.logs / "timeline"))
     plain = f.plain(cpu=0)
     try:
         plain.start()
@@ -209,6 +211,16 @@ def test_short_soak_with_clients_leaving_leaves_nothing_behind(fleet):
     assert all(report.threads_end[k] <= v for k, v in report.threads_idle.items()), (
         report.threads_idle, report.threads_end)
     f.close_proxy(url)
+
+
+def test_every_transfer_of_the_chaos_passes_the_audit(fleet):
+    """After the kills, restarts, freezes and the soak: the protocol steps every
+    instance recorded break no promise (python -m pushkv.audit)."""
+    f, _ = fleet
+    f.wait_idle()
+    report = audit(f.logs / "timeline", grace_s=FAST["fence_grace_s"])
+    assert report.run.uses, report.summary()
+    assert report.clean, "\n".join(report.lines())
 
 
 def test_a_process_cpu_time_grows_while_it_works_and_is_nan_once_it_is_gone():
