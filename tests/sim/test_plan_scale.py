@@ -30,10 +30,10 @@ DEADLINE_S = 120.0
 SMALL = PlanSpec(profile=load_profile(TINY), gpus=3, modes=("push", "pull"),
                  workload=WorkloadConfig(input_len=512, output_len=8, num_prompts=12),
                  slo=SLO(ttft_s=0.03, tpot_s=0.01), rate_tol=0.5, rate_range=8)
-# the same six, each long enough (a few seconds) to be killed while it runs
-SLOW = PlanSpec(profile=load_profile(TINY), gpus=3, modes=("push", "pull"),
-                workload=WorkloadConfig(input_len=512, output_len=8, num_prompts=400),
-                slo=SLO(ttft_s=0.03, tpot_s=0.01), rate_tol=0.25, rate_range=8)
+# 1P1D in each mode, each long enough (about a second) to be seen running and killed
+SLOW = PlanSpec(profile=load_profile(TINY), gpus=2, modes=("push", "pull"),
+                workload=WorkloadConfig(input_len=512, output_len=8, num_prompts=200),
+                slo=SLO(ttft_s=0.03, tpot_s=0.01), rate_tol=0.5, rate_range=8)
 
 
 def _doc(plan: Plan) -> dict[str, Any]:
@@ -118,7 +118,7 @@ def test_a_killed_ray_worker_has_its_configuration_rerun(ray_local: Any) -> None
     assert not thread.is_alive() and "error" not in box, box.get("error")
     plan: Plan = box["plan"]
     assert plan.reruns >= 1, f"worker {victim} killed, nothing rerun"
-    assert len(plan.outcomes) == 6
+    assert len(plan.outcomes) == 2
     # the rerun configuration's result is the one an undisturbed search finds
     assert _doc(plan) == _doc(run_plan(SLOW, jobs=1, progress=None))
 

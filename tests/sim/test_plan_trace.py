@@ -29,7 +29,7 @@ def _write_trace(path: Path, n: int = 30) -> Path:
     t, lines, prev = 0.0, [], [1]
     for i in range(n):
         t += float(rng.exponential(0.05))
-        blocks = prev + [100 + i] if i % 2 and len(prev) < 3 else [1000 + i]
+        blocks = [*prev, 100 + i] if i % 2 and len(prev) < 3 else [1000 + i]
         prev = blocks
         tokens = 512 * (len(blocks) - 1) + int(rng.integers(1, 512))
         lines.append(json.dumps({"arrival_s": round(t, 4), "input_len": tokens,

@@ -436,7 +436,8 @@ def run_plan(spec: PlanSpec, *, jobs: int = 1, backend: str = "process",
                mininterval=0.5, dynamic_ncols=True)
 
     def on_rerun(n: int, why: str) -> None:
-        bar.write(f"{why}: {n} configuration(s) submitted again")
+        if progress is not None:
+            bar.write(f"{why}: {n} configuration(s) submitted again", file=progress)
 
     outcomes: list[Outcome] = []
     sims = 0
