@@ -56,8 +56,8 @@ from .sections import (
 
 __all__ = [
     "CONNECTOR_KEYS", "DEFAULT", "ControlProfile", "EngineProfile", "GPUProfile",
-    "ModelProfile", "NetworkProfile", "Profile", "ProfileError", "describe", "load_profile",
-    "markdown", "profile_from_dict",
+    "ModelProfile", "NetworkProfile", "Profile", "ProfileError", "derived_keys", "describe",
+    "load_profile", "markdown", "profile_from_dict",
 ]
 
 
@@ -115,7 +115,7 @@ class Profile:
             e: EngineProfile = getattr(self, side)
             for name in ("tp", "max_num_seqs", "max_num_batched_tokens", "block_size"):
                 _positive(f"{side}.{name}", getattr(e, name))
-            for name in ("step_python_s", "step_token_s", *CONNECTOR_KEYS):
+            for name in ("step_python_s", "step_token_s", "allreduce_s", *CONNECTOR_KEYS):
                 if getattr(e, name) < 0:
                     raise ProfileError(f"{side}.{name} must be >= 0")
             for name in ("gpu_memory_utilization", "compute_efficiency", "kv_read_efficiency"):
@@ -267,8 +267,43 @@ def _override(obj: Any, table: dict[str, Any], where: str) -> Any:
     return dataclasses.replace(obj, **changes)
 
 
+#: what a derived step overhead depends on (besides its side's tp and allreduce_s)
+OVERHEAD_INPUTS = ("model.num_layers",)
+
+
+def derived_keys(data: dict[str, Any]) -> list[str]:
+    """The step-overhead keys a profile document ``data`` leaves to be derived: those an
+    engine side reads (not :data:`UNUSED`) and the document does not set, on a side
+    whose inputs it changes (``model.num_layers``, the side's ``tp`` or
+    ``allreduce_s``). See :meth:`EngineProfile.derived_step_overheads`."""
+    model: dict[str, Any] = data["model"] if isinstance(data.get("model"), dict) else {}
+    out = []
+    for side in ("prefill", "decode"):
+        table: dict[str, Any] = data[side] if isinstance(data.get(side), dict) else {}
+        if not ("num_layers" in model or "tp" in table or "allreduce_s" in table):
+            continue
+        for key in ("prefill_step_overhead_s", "decode_step_overhead_s"):
+            if key not in table and key not in UNUSED.get(side, {}):
+                out.append(f"{side}.{key}")
+    return out
+
+
+def _derive(profile: Profile, keys: list[str]) -> Profile:
+    changes: dict[str, Any] = {}
+    for side in ("prefill", "decode"):
+        e: EngineProfile = getattr(profile, side)
+        values = e.derived_step_overheads(profile.model)
+        mine: dict[str, Any] = {k.partition(".")[2]: values[k.partition(".")[2]] for k in keys
+                if k.startswith(side + ".")}
+        if mine:
+            changes[side] = dataclasses.replace(e, **mine)
+    return dataclasses.replace(profile, **changes)
+
+
 def profile_from_dict(data: dict[str, Any], base: Profile = DEFAULT) -> Profile:
-    """Apply a parsed TOML document to ``base`` (the built-in default)."""
+    """Apply a parsed TOML document to ``base`` (the built-in default); step overheads
+    it leaves unset while changing what they depend on are derived
+    (:func:`derived_keys`)."""
     changes: dict[str, Any] = {}
     for key, value in data.items():
         if key == "name":
@@ -283,7 +318,8 @@ def profile_from_dict(data: dict[str, Any], base: Profile = DEFAULT) -> Profile:
             raise ProfileError(
                 f"unknown table or key {key!r} (known: name, {', '.join(_SECTIONS)})"
             )
-    return dataclasses.replace(base, **changes).validate()
+    profile = dataclasses.replace(base, **changes)
+    return _derive(profile, derived_keys(data)).validate()
 
 
 def load_profile(path: str | Path) -> Profile:

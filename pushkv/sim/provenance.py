@@ -15,7 +15,9 @@ skew) is kept and named in a warning with the setting that would use it: a profi
 may carry both wire models' data to compare them by switching ``wire_model`` alone.
 A profile that changes the model or the accelerator but inherits the built-in
 Qwen3-32B TP8 node's parallelism, node size, step overheads and batch limits gets a
-warning naming them (:data:`HARDWARE_BOUND`).
+warning naming them (:data:`HARDWARE_BOUND`); step overheads the file leaves to be
+derived from the model's layers and the side's TP
+(:func:`~pushkv.sim.profile.derived_keys`) are not inherited, and their origin says so.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .profile import DEFAULT, Profile, ProfileError, describe, profile_from_dict
+from .profile import (
+    DEFAULT,
+    Profile,
+    ProfileError,
+    derived_keys,
+    describe,
+    profile_from_dict,
+)
 from .sections import UNUSED
 
 BUILTIN = "built-in default"
@@ -132,7 +141,12 @@ def resolve(path: str | Path | None = None,
         keys = _leaf_keys(data)
         for k in keys:
             origins[k] = where
-        warnings.extend(warnings_for(profile, keys, where))
+        derived = derived_keys(data)
+        for k in derived:
+            side = k.partition(".")[0]
+            origins[k] = (f"derived from model.num_layers, {side}.tp and {side}.allreduce_s "
+                          f"({where})")
+        warnings.extend(warnings_for(profile, keys + derived, where))
     for key, (value, flag) in (flags or {}).items():
         profile = _set(profile, key, value)
         origins[key] = f"flag {flag}"

@@ -77,6 +77,26 @@ CONNECTOR = (
     "engines, segment by segment')"
 )
 ASSUMED = "assumed (no public measurement; small effect, see docs/sim.md)"
+MEGATRON = ("Megatron-LM tensor parallelism: two all-reduces per transformer layer in the "
+            "forward pass, after attention and after the MLP (Shoeybi et al. 2019, "
+            "https://arxiv.org/abs/1909.08053, section 3)")
+#: all-reduces per layer of a tensor-parallel forward (none at TP1)
+ALLREDUCES_PER_LAYER = 2
+#: what a step costs besides its layers: the scheduler and the step's Python (the
+#: built-in profile's step_python_s)
+STEP_FIXED_S = 0.0015
+#: one all-reduce of a step at TP > 1: the built-in decode step overhead (3.8 ms) less
+#: STEP_FIXED_S over its 2 x 64 all-reduces (Qwen3-32B at TP8)
+ALLREDUCE_S = (0.0038 - STEP_FIXED_S) / (ALLREDUCES_PER_LAYER * 64)
+#: eager kernel launches of one layer of a prefill step: the built-in prefill step
+#: overhead (20 ms) less the decode step's (fixed part and all-reduces) over 64 layers
+PREFILL_LAYER_S = (0.020 - 0.0038) / 64
+ALLREDUCE_SOURCE = (
+    "fit: the built-in profile's decode step overhead (3.8 ms, " + CAL_POST + ") less "
+    "STEP_FIXED_S (1.5 ms, the step's Python, assumed) over its 128 all-reduces (64 layers "
+    "x 2 at TP8, " + MEGATRON + "): 18 us; no public per-all-reduce figure is used -- "
+    "measure yours (e.g. nccl-tests all_reduce_perf, https://github.com/NVIDIA/nccl-tests, "
+    "at your TP and the hidden size x tokens of a step) and set it")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,10 +157,21 @@ class EngineProfile:
         0.55, "fraction of peak FLOP/s that prefill matmuls and attention reach", FIT
     )
     prefill_step_overhead_s: float = _f(
-        0.020, "fixed cost of a step that prefills (launches, all-reduces, scheduler)", FIT
+        0.020, "fixed cost of a step that prefills (launches, all-reduces, scheduler); a "
+        "profile that changes model.num_layers, tp or allreduce_s without setting it gets "
+        "STEP_FIXED_S + layers x PREFILL_LAYER_S + all-reduces x allreduce_s "
+        "(derived_step_overheads)", FIT
     )
     decode_step_overhead_s: float = _f(
-        0.0038, "fixed cost of a decode step (128 all-reduces at TP8, scheduler)", FIT
+        0.0038, "fixed cost of a decode step (128 all-reduces at TP8, scheduler); a profile "
+        "that changes model.num_layers, tp or allreduce_s without setting it gets "
+        "STEP_FIXED_S + all-reduces x allreduce_s (derived_step_overheads)", FIT
+    )
+    allreduce_s: float = _f(
+        ALLREDUCE_S,
+        "one all-reduce of a step at tp > 1 (2 per layer; none at TP1): what derived step "
+        "overheads charge per all-reduce",
+        ALLREDUCE_SOURCE,
     )
     kv_read_efficiency: float = _f(
         0.5,
@@ -276,6 +307,22 @@ class EngineProfile:
         per_block = model.kv_bytes_per_token(self.tp) * self.block_size
         return max(1, int(free // per_block))
 
+    def allreduces_per_step(self, model: ModelProfile) -> int:
+        """All-reduces of one forward: 2 per layer under tensor parallelism, 0 at TP1."""
+        return ALLREDUCES_PER_LAYER * model.num_layers if self.tp > 1 else 0
+
+    def derived_step_overheads(self, model: ModelProfile) -> dict[str, float]:
+        """The step overheads this engine's TP and ``model``'s shape imply: a decode step
+        STEP_FIXED_S + all-reduces x allreduce_s, a prefill step that plus
+        layers x PREFILL_LAYER_S (eager launches); the built-in Qwen3-32B TP8 profile's
+        20 ms and 3.8 ms exactly (to the nanosecond)."""
+        reduce = self.allreduces_per_step(model) * self.allreduce_s
+        return {
+            "prefill_step_overhead_s": round(
+                STEP_FIXED_S + model.num_layers * PREFILL_LAYER_S + reduce, 9),
+            "decode_step_overhead_s": round(STEP_FIXED_S + reduce, 9),
+        }
+
 
 @dataclass(frozen=True, kw_only=True)
 class NetworkProfile:
@@ -312,12 +359,16 @@ class NetworkProfile:
         FIT + ", inside " + CAL_DESC + " 2.4-3.9 us per descriptor",
     )
     post_gil_fraction: float = _f(
-        1.0,
+        0.003,
         "fraction of a background thread's posting during which it holds the Python "
         "interpreter lock, so that the engine loop of its process cannot start a step "
-        "(0: posting never blocks the loop)",
-        "not yet sourced; a pessimistic bound: NIXL PRs 1232 and 1712 (merged) release the "
-        "GIL inside postXferReq and makeXferReq, PR 1190 (closed) had proposed it",
+        "(0: posting never blocks the loop; 1: the whole post does)",
+        "measured on NIXL 1.5.1 (pip show nixl), UCX, host memory, two processes, "
+        "16,384 x 4 KiB WRITEs: 0.24-0.29% of a post over three runs "
+        "(`python -m pushkv.transports.calibrate`; docs/validation/"
+        "2026-12-06-posting-gil.md): transfer() (postXferReq) releases the lock, "
+        "initialize_xfer (makeXferReq) and the descriptor lists hold it for ~10% of "
+        "their 2-3 ms",
     )
     wire_model: str = _f(
         "measured-points",

@@ -95,11 +95,18 @@ def test_the_docs_bandwidth_only_profile_changes_nothing_and_says_so(tmp_path: P
 
 
 def test_a_new_model_inheriting_the_tp8_node_is_warned(tmp_path: Path) -> None:
-    r = resolve(_write(tmp_path, 'name = "llama8b"\n[model]\nnum_layers = 32\n'))
+    r = resolve(_write(tmp_path, 'name = "h100"\n[gpu]\nmemory_bytes = 80e9\n'))
     [line] = r.warnings
     for key in HARDWARE_BOUND:
         assert key in line
     assert "decode.decode_step_overhead_s = 0.0038" in line
+    # a new layer count derives the step overheads (not inherited); the rest is named
+    r = resolve(_write(tmp_path, 'name = "llama8b"\n[model]\nnum_layers = 32\n'))
+    [line] = r.warnings
+    overheads = {"prefill.prefill_step_overhead_s", "decode.decode_step_overhead_s"}
+    for key in HARDWARE_BOUND:
+        assert (key in line) == (key not in overheads)
+    assert r.origin("decode.decode_step_overhead_s").startswith("derived from")
     full = ('name = "llama8b"\n[model]\nnum_layers = 32\n[network]\ngpus_per_node = 1\n'
             + "".join(f"[{s}]\ntp = 1\nmax_num_seqs = 64\nprefill_step_overhead_s = 0.01\n"
                       for s in ("prefill",))

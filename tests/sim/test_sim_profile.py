@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,10 @@ def test_toml_overrides_only_what_it_names(tmp_path: Path) -> None:
     assert p.model.num_layers == 80
     assert p.prefill.prefix_hit_fraction == 0.5
     assert p.network.post_per_descriptor_s == 3e-6
-    assert p.decode == DEFAULT.decode
+    # ... and the step overheads its new layer count implies (derived_step_overheads)
+    assert p.decode == dataclasses.replace(
+        DEFAULT.decode, **DEFAULT.decode.derived_step_overheads(p.model))
+    assert p.decode.decode_step_overhead_s > DEFAULT.decode.decode_step_overhead_s
     assert p.model.head_dim == DEFAULT.model.head_dim
 
 

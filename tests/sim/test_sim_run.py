@@ -148,13 +148,17 @@ def test_pull_stalls_decode_and_push_does_not() -> None:
     assert pull["p99_itl_ms"] > 4 * push["p99_itl_ms"]
     # ... which holds the 8 decode slots longer, so new requests wait: TTFT explodes.
     assert pull["mean_ttft_ms"] > 2 * push["mean_ttft_ms"]
-    # A decode background thread that posts holding the interpreter lock stalls the decode
-    # loop almost as much (NIXL's postXferReq keeps the GIL) ...
-    assert pasync["mean_ttft_ms"] > 2 * push["mean_ttft_ms"]
-    # ... and recovers most of push's gain only if posting released the lock.
+    # A decode background thread that posts holding the interpreter lock throughout
+    # stalls the decode loop almost as much ...
+    held = _point("pull-async", 8, 16384,
+                  profile=with_profile(network={"post_gil_fraction": 1.0}))
+    assert held["mean_ttft_ms"] > 2 * push["mean_ttft_ms"]
+    # ... and recovers most of push's gain when posting releases the lock: the default,
+    # measured on NIXL 1.5.1 (0.3% of a post holds it), and none at all.
     free = _point("pull-async", 8, 16384, profile=with_profile(network={"post_gil_fraction": 0}))
-    assert free["mean_tpot_ms"] < 1.05 * push["mean_tpot_ms"]
-    assert free["mean_ttft_ms"] < 0.5 * pull["mean_ttft_ms"]
+    for run_ in (pasync, free):
+        assert run_["mean_tpot_ms"] < 1.05 * push["mean_tpot_ms"]
+        assert run_["mean_ttft_ms"] < 0.5 * pull["mean_ttft_ms"]
 
 
 def test_more_decode_slots_remove_the_slot_queue() -> None:
