@@ -52,6 +52,7 @@ class Tap:
     """What the client received of one streamed answer, across its legs."""
 
     client_ids: bool  #: the client asked for token ids (``return_token_ids``)
+    keep: bool = True  #: remember what was written (False: the stream is not resumable)
     prompt_ids: list[int] | None = None
     tokens: list[int] = field(default_factory=list)  #: generated ids the client holds
     finished: bool = False  #: an event carried a finish_reason
@@ -86,7 +87,8 @@ class Tap:
             return b""
         whole, self._tail = buf[: cut + 2], buf[cut + 2:]
         if not self.rewrites:
-            self._raw.append(whole)
+            if self.keep:
+                self._raw.append(whole)
             if whole.replace(_DONE, b"").strip():
                 self.last_token_at = now
             if whole.rstrip().endswith(_DONE):

@@ -255,7 +255,8 @@ class PushProxy:
         req = _Request(request, path, checked, started, body=checked.body)
         if checked.stream:  # token ids asked for where a break can be resumed
             resumable = bool(self.settings.resumes) and path == COMPLETIONS
-            req.tap = Tap(client_ids=not resumable or bool(checked.body.get("return_token_ids")))
+            req.tap = Tap(client_ids=not resumable or bool(checked.body.get("return_token_ids")),
+                          keep=resumable)
         task = asyncio.create_task(self._route(req))
         try:
             done, _ = await asyncio.wait({task}, timeout=self.settings.request_timeout_s)
