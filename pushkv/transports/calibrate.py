@@ -16,6 +16,10 @@
   block per region) of ``--mib`` MiB; with ``--device`` (``cuda``, ``cuda:1``,
   ``cpu``) also the torch path on that device, and those figures become the
   settings (the gather runs where the KV lives).
+* **post_gil_fraction**: how much of that write's preparing and posting keeps the
+  Python interpreter lock (:func:`measure_post_gil`: a thread counting its wake-ups
+  beside the post, read against C calls that release and that hold the lock) -- the
+  share a background posting thread blocks its engine's loop for, in the simulator.
 * for reference: a numpy copy of the same bytes, and the wire of a packed write
   (``--chunk-mib`` descriptors).
 
@@ -24,7 +28,8 @@ Medians of ``--reps`` interleaved rounds. The output is a TOML snippet: a
 settings) and a ``[network]`` table a simulator profile takes
 (``pushkv sim --profile FILE``; the simulator's gather/scatter bandwidth is its
 device assumption, not a profile key), then one JSON line of every figure.
-``--out FILE`` also writes the snippet to a file.
+``--out FILE`` also writes the snippet to a file, ``--profile-out FILE`` the
+``[network]`` table alone: a profile fragment ``pushkv sim --profile FILE`` reads.
 """
 
 from __future__ import annotations
