@@ -101,13 +101,23 @@ def _ray_task_pids() -> list[int]:
     return out
 
 
-def test_ray_gives_the_process_pools_json(ray_local: Any, pool_plans: dict[str, Plan]
-                                          ) -> None:
+def test_ray_gives_the_process_pools_json(ray_local: Any, pool_plans: dict[str, Plan],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
     plan = run_plan(SMALL, backend="ray", progress=None)
     assert plan.backend == "ray" and plan.jobs == 2 and plan.reruns == 0
     assert ray_local.is_initialized()  # an instance started before is left running
     assert _doc(plan) == _doc(pool_plans["small"])
     assert plan.best is not None  # the case has an answer to agree on
+    # the command line, the same plan as flags
+    assert main(["plan", "--profile", str(TINY), "--gpus", "3", "--modes", "push", "pull",
+                 "--input-len", "512", "--output-len", "8", "--num-prompts", "12",
+                 "--ttft-slo", "0.03", "--tpot-slo", "0.01", "--rate-tol", "0.5",
+                 "--rate-range", "8", "--backend", "ray", "--json", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["backend"] == "ray" and doc["reruns"] == 0
+    for key in ("wall_s", "jobs", "backend", "reruns"):
+        doc.pop(key)
+    assert doc == _doc(pool_plans["small"])
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads worker titles from /proc")
