@@ -80,6 +80,12 @@ class PushKVSettings:
         metadata={"help": "producer: how long prefilled KV is held without a heartbeat "
                   "from its consumer"},
     )
+    retarget_hold_s: float = field(
+        default=_PRODUCER["retarget_hold_s"],
+        metadata={"help": "producer: when the decode instance a prefilled request's KV "
+                  "is bound to dies, keep the KV this long (within lease_s) so a proxy can "
+                  "re-target it to another decode instance; 0: release it at once"},
+    )
     window_s: float = field(
         default=_CONSUMER["window_s"],
         metadata={"help": "consumer: a producer may start writing a registration up to "
@@ -209,6 +215,9 @@ class PushKVSettings:
                 f"heartbeat_s ({self.heartbeat_s}) must be shorter than lease_s "
                 f"({self.lease_s}), or leases expire between heartbeats"
             )
+        if not (self.retarget_hold_s >= 0 and math.isfinite(self.retarget_hold_s)):
+            raise ConnectorConfigError(
+                f"retarget_hold_s must be a number >= 0, got {self.retarget_hold_s!r}")
         if self.max_pending_registrations < 1:
             raise ConnectorConfigError("max_pending_registrations must be >= 1")
         if not 0 <= self.progress_delay_us <= 1_000_000:
@@ -266,7 +275,7 @@ class PushKVSettings:
     def producer_config(self) -> ProducerConfig:
         return ProducerConfig(lease_s=self.lease_s,
                               max_pending_registrations=self.max_pending_registrations,
-                              packing=self.packing())
+                              packing=self.packing(), retarget_hold_s=self.retarget_hold_s)
 
     def consumer_config(self, policy: FailurePolicy) -> ConsumerConfig:
         return ConsumerConfig(window_s=self.window_s, fence_grace_s=self.fence_grace_s,

@@ -30,7 +30,7 @@ def test_defaults_are_valid_and_documented():
     assert (s.backend, s.side_channel_port, s.key_file) == ("UCX", 0, "")
     assert set(PushKVSettings.help()) == {
         "backend", "side_channel_host", "side_channel_port", "key_file", "key_env",
-        "lease_s", "window_s",
+        "lease_s", "retarget_hold_s", "window_s",
         "fence_grace_s", "heartbeat_s", "handshake_timeout_s", "write_timeout_s",
         "peer_confirm_s", "max_pending_registrations", "notify_poll_ms", "progress_delay_us",
         "transport_cpus", "direction", "push_granularity", "pack", "staging_bytes",
