@@ -22,6 +22,7 @@ from .packing import SIM_PACKING
 from .profile import DEFAULT, Profile, ProfileError
 from .provenance import Resolved, resolve, to_toml
 from .scenario import (
+    DECODE_FAILOVERS,
     ConfigError,
     Dispatch,
     FaultConfig,
@@ -136,6 +137,9 @@ def _add_deployment(p: argparse.ArgumentParser) -> None:
                     help="decode gives up waiting for KV after this long")
     pr.add_argument("--fence-grace-s", type=_pos_float, default=d.fence_grace_s,
                     help="after the window, blocks are released without a fence")
+    pr.add_argument("--retarget-hold-s", type=_nonneg_float, default=d.retarget_hold_s,
+                    help="prefill holds the KV of a dead decode instance this long for a "
+                         "re-target (rule 12; default 0: released at once)")
     f = p.add_argument_group("faults (what-if)")
     f.add_argument("--drop-register", type=_fraction, default=0.0, metavar="P",
                    help="probability that a registration message is lost")
@@ -147,6 +151,10 @@ def _add_deployment(p: argparse.ArgumentParser) -> None:
                    help="decode instance 0 dies at T seconds")
     f.add_argument("--detect-s", type=_pos_float, default=1.0,
                    help="seconds until peers and router learn of a death (default 1)")
+    f.add_argument("--decode-failover", choices=DECODE_FAILOVERS, default="fail",
+                   help="a request whose decode instance dies before its first token: "
+                        "fail it, retry it from scratch (prefill again), or retarget its "
+                        "held KV to another decode instance (default fail)")
 
 
 def _resolved(args: argparse.Namespace) -> Resolved:
@@ -195,11 +203,12 @@ def _base_config(args: argparse.Namespace) -> SimConfig:
         protocol=ProtocolSettings(
             lease_s=args.lease_s, heartbeat_s=args.heartbeat_s, window_s=args.window_s,
             fence_grace_s=args.fence_grace_s, policy=FailurePolicy(args.policy),
+            retarget_hold_s=args.retarget_hold_s,
         ),
         faults=FaultConfig(
             drop_register=args.drop_register, drop_notify=args.drop_notify,
             kill_prefill_at=args.kill_prefill_at, kill_decode_at=args.kill_decode_at,
-            detect_s=args.detect_s,
+            detect_s=args.detect_s, decode_failover=args.decode_failover,
         ),
         profile=_profile(args),
         packing=dataclasses.replace(SIM_PACKING, mode=args.pack),

@@ -55,6 +55,13 @@ class Recorder:
         self.listeners: list[Callable[[SimRequest], None]] = []
 
     def finish(self, req: SimRequest, error: str = "") -> None:
+        if req.parent is not None:  # a retry's leg: the client request it stands for ends
+            parent, req.outcome, req.error = req.parent, Outcome.FAILED if error else (
+                Outcome.OK), error
+            for name in ("prefill", "decode", "prefill_done_at", "kv_ready_at", "token_times",
+                         "client_times", "recomputed", "preempted", "failovers"):
+                setattr(parent, name, getattr(req, name))
+            req = parent
         if req.outcome is not Outcome.PENDING:
             raise AssertionError(f"request {req.transfer_id} ended twice")
         req.outcome = Outcome.FAILED if error else Outcome.OK
@@ -317,6 +324,8 @@ class DecodeEngine(_Loop):
         self.recomputed = 0
         self.preempted = 0  #: requests preempted under memory pressure
         self.failed_transfers = 0
+        #: the router's failover for requests this instance can no longer serve
+        self._hand_over: Callable[[SimRequest], bool] | None = None
         self._queued = env.event()  #: fires when a request is queued (heartbeats)
         env.process(self._loop())
         if self.eng.heartbeat_queued:
@@ -329,7 +338,8 @@ class DecodeEngine(_Loop):
     def submit(self, req: SimRequest) -> None:
         req.decode = self.engine_id
         if not self.alive:  # the connection is refused
-            self.recorder.finish(req, error=f"decode instance {self.engine_id} is down")
+            if self._hand_over is None or not self._hand_over(req):
+                self.recorder.finish(req, error=f"decode instance {self.engine_id} is down")
             return
         self._by_tid[req.transfer_id] = req
         self.waiting.append(req)
@@ -443,7 +453,7 @@ class DecodeEngine(_Loop):
             return
         self.transport.mark(req.transfer_id, "registration_handed")
         self.transport.register(self.engine_id, req.transfer_id, producer, req.dst_blocks,
-                                req.input_len, incarnation=req.incarnation)
+                                req.input_len, incarnation=req.incarnation, target=req.target)
 
     def connected(self, producer: str) -> None:
         """A handshake finished: held pulls to ``producer`` start at the next step."""
@@ -690,11 +700,15 @@ class DecodeEngine(_Loop):
             self.waiting.appendleft(req)
         self.poke()  # freed blocks may admit a request that waits for room
 
-    def kill(self) -> None:
-        """Die now: every request here fails (the client's connection drops)."""
+    def kill(self, hand_over: Callable[[SimRequest], bool] | None = None) -> None:
+        """Die now: every request here fails (the client's connection drops), unless
+        ``hand_over`` (the router's failover) takes it elsewhere."""
         self.alive = False
+        self._hand_over = hand_over
         self.poke()
         for req in [*self.waiting, *self.holding, *self.running]:
+            if hand_over is not None and hand_over(req):
+                continue
             self.recorder.finish(req, error=f"decode instance {self.engine_id} died")
         self.waiting.clear()
         self.holding.clear()

@@ -45,6 +45,11 @@ class SimRequest:
     outcome: Outcome = Outcome.PENDING
     error: str = ""
     recomputed: bool = False
+    #: Rule 12: the decode engine's turn at the held source (a re-target counts up)
+    target: int = 0
+    failovers: int = 0  #: decode instances this request lost before its first token
+    #: a retry's leg stands for this client request (its outcome and timeline are copied)
+    parent: SimRequest | None = None
 
     @property
     def input_len(self) -> int:

@@ -69,6 +69,11 @@ class Router:
         self._retries: dict[str, int] = {}
         self.rerouted = 0
         self.sent_local = 0
+        #: decode failover (``faults.decode_failover``): requests moved, prompt tokens
+        #: sent to prefill again, instances whose connections reset (not picked again)
+        self.failovers = 0
+        self.prompt_tokens_recomputed = 0
+        self._down: set[str] = set()
         transport.death_listeners.append(self._engine_died)
 
     # ---------------------------------------------------------------- helpers
@@ -83,7 +88,8 @@ class Router:
         self._later(engine.ingest, submit, req)
 
     def _pick(self, engines: list[E], key: str) -> E | None:
-        live = [e for e in engines if e.engine_id not in self.transport.known_dead]
+        live = [e for e in engines if e.engine_id not in self.transport.known_dead
+                and e.engine_id not in self._down]
         if not live:
             return None
         if self.cfg.router_policy is RouterPolicy.ROUND_ROBIN:
@@ -159,6 +165,34 @@ class Router:
 
     # ----------------------------------------------------------------- deaths
 
+    def hand_over(self, req: SimRequest) -> bool:
+        """The decode instance of ``req`` died under it (its connection reset, so the
+        router knows at once): the failover policy. True if the request goes on."""
+        policy = self.cfg.faults.decode_failover
+        if req.decode is not None:
+            self._down.add(req.decode)
+        if policy == "fail" or req.token_times or req.outcome is not Outcome.PENDING:
+            return False  # (a request already streaming is not resumed here)
+        d = self._pick(self.decodes, "d")
+        if d is None:
+            return False
+        req.failovers += 1
+        self.failovers += 1
+        if policy == "retarget":  # rule 12: the held source, to the next engine's turn
+            req.target += 1
+            _reset_decode_side(req)
+            req.decode = d.engine_id
+            self._send(d, d.submit, req)
+            return True
+        # retry: a new transfer for the same client request; prefill computes it again
+        base = req.transfer_id.split("~")[0]
+        n = self._retries[base] = self._retries.get(base, 0) + 1
+        leg = SimRequest(spec=req.spec, transfer_id=f"{base}~{n}", failovers=req.failovers,
+                         parent=req.parent or req)
+        self.prompt_tokens_recomputed += req.input_len
+        self.arrive(leg)
+        return True
+
     def _engine_died(self, engine_id: str) -> None:
         lost = [
             r for r in self._awaiting.values()
@@ -175,3 +209,11 @@ class Router:
         for tid, r in list(self._awaiting.items()):
             if r.prefill == engine_id:
                 del self._awaiting[tid]
+
+
+def _reset_decode_side(req: SimRequest) -> None:
+    """What a decode instance held of ``req`` went with it."""
+    req.dst_blocks, req.reserved = [], []
+    req.kv_ready, req.kv_ready_at = False, None
+    req.awaiting_handshake = req.handing_off = req.reissue = req.local_prefill = False
+    req.prefilled = req.recompute_len = 0

@@ -180,7 +180,7 @@ def run(cfg: SimConfig, *, keep_objects: bool = False,
                 yield env.timeout(progress_every_s)
                 progress(env.now, len(recorder.ended), len(reqs))
         env.process(report())
-    _schedule_faults(env, cfg, transport, prefills, decodes)
+    _schedule_faults(env, cfg, transport, prefills, decodes, router)
 
     try:
         env.run(until=recorder.done)
@@ -258,7 +258,7 @@ def _closed_loop(env: simpy.Environment, reqs: list[SimRequest], limit: int,
 
 def _schedule_faults(
     env: simpy.Environment, cfg: SimConfig, transport: SimTransport,
-    prefills: list[PrefillEngine], decodes: list[DecodeEngine],
+    prefills: list[PrefillEngine], decodes: list[DecodeEngine], router: Router,
 ) -> None:
     f = cfg.faults
     if f.kill_prefill_at is not None:
@@ -268,7 +268,8 @@ def _schedule_faults(
         env.timeout(f.kill_prefill_at).callbacks.append(kill_p)
     if f.kill_decode_at is not None:
         def kill_d(_: Any) -> None:
-            decodes[0].kill()
+            failover = cfg.faults.decode_failover != "fail"
+            decodes[0].kill(router.hand_over if failover else None)
             transport.kill(decodes[0].engine_id)
         env.timeout(f.kill_decode_at).callbacks.append(kill_d)
 
@@ -348,6 +349,10 @@ def _extra(
         "recomputed_ok": sum(1 for r in ok if r.recomputed),
         "transfer_failures": sum(d.failed_transfers for d in decodes),
         "rerouted": router.rerouted,
+        **({"decode_failover": cfg.faults.decode_failover, "failovers": router.failovers,
+            "prompt_tokens_recomputed": router.prompt_tokens_recomputed + sum(
+                r.input_len for r in reqs if r.failovers and r.recomputed)}
+           if cfg.faults.decode_failover != "fail" else {}),
         "leaked_blocks": sum(leaks.values()),
         "rejected_messages": len(transport.rejected),
         "lost_registrations": transport.stats["lost_Register"],

@@ -84,15 +84,20 @@ class ProtocolSettings:
     window_s: float = field(**_core(ConsumerConfig, "window_s"))
     fence_grace_s: float = field(**_core(ConsumerConfig, "fence_grace_s"))
     policy: FailurePolicy = field(**_core(ConsumerConfig, "policy"))
+    retarget_hold_s: float = field(**_core(ProducerConfig, "retarget_hold_s"))
 
     def producer_config(self) -> ProducerConfig:
-        return ProducerConfig(lease_s=self.lease_s)
+        return ProducerConfig(lease_s=self.lease_s, retarget_hold_s=self.retarget_hold_s)
 
     def consumer_config(self) -> ConsumerConfig:
         return ConsumerConfig(
             window_s=self.window_s, fence_grace_s=self.fence_grace_s,
             heartbeat_s=self.heartbeat_s, policy=self.policy,
         )
+
+
+#: The router's policies for a decode instance lost before a request's first token.
+DECODE_FAILOVERS = ("fail", "retry", "retarget")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +119,19 @@ class FaultConfig:
     detect_s: float = field(
         default=1.0, metadata={"help": "time until peers and router learn of a death"}
     )
+    decode_failover: str = field(
+        default="fail",
+        metadata={"help": "what the router does with a request whose decode instance dies "
+                  "before its first token: 'fail' it, 'retry' it from scratch (a new "
+                  "transfer: prefill computes the prompt again), or 'retarget' its held "
+                  "source to another decode instance (protocol rule 12; prefill computes "
+                  "nothing). A request already streaming fails under every policy"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.decode_failover not in DECODE_FAILOVERS:
+            raise ValueError(f"decode_failover must be one of {', '.join(DECODE_FAILOVERS)}, "
+                             f"got {self.decode_failover!r}")
 
     @property
     def any(self) -> bool:

@@ -23,7 +23,14 @@ from ..protocol import FailurePolicy
 from .packing import SIM_PACKING
 from .profile import DEFAULT, Profile
 from .profile import markdown as profile_markdown
-from .scenario import Dispatch, FaultConfig, ProtocolSettings, SimConfig, TransferMode
+from .scenario import (
+    DECODE_FAILOVERS,
+    Dispatch,
+    FaultConfig,
+    ProtocolSettings,
+    SimConfig,
+    TransferMode,
+)
 from .sweep import default_jobs, run_point
 from .workload import WorkloadConfig
 
@@ -229,6 +236,31 @@ def faults() -> Scenario:
     return Scenario("faults", _doc(faults), ("pull", "push"), rows, _outcome)
 
 
+def _failover(res: dict[str, Any]) -> str:
+    e = res["pushkv"]
+    return (f"{res['completed']} ok, {res['failed']} failed, {e.get('failovers', 0)} moved, "
+            f"{e.get('prompt_tokens_recomputed', 0):,} prompt tokens again; "
+            f"TTFT {res['mean_ttft_ms']:,.0f} / p99 {res['p99_ttft_ms']:,.0f}")
+
+
+def failover() -> Scenario:
+    """Decode failover: decode-0 of 2 dies at 20 s and the router fails its requests,
+    retries them from scratch (prefill computes the prompt again), or re-targets their
+    held KV to decode-1 (protocol rule 12, ``retarget_hold_s`` 5 s). 1P2D push on the
+    published profile, 8 QPS, 300 prompts of 16k input and 64 output tokens, deaths
+    noticed after 1 s; a request already streaming fails under every policy. Cells:
+    outcomes, requests moved, prompt tokens prefill computed again, TTFT mean and p99
+    (ms)."""
+    wl = WorkloadConfig(request_rate=8, input_len=16384, output_len=64, num_prompts=300)
+    rows = tuple(
+        (policy, (_point("push", 8, 16384, workload=wl, num_decode=2,
+                         faults=FaultConfig(kill_decode_at=20.0, decode_failover=policy),
+                         protocol=ProtocolSettings(policy=FailurePolicy.RECOMPUTE,
+                                                   retarget_hold_s=5.0)),))
+        for policy in DECODE_FAILOVERS)
+    return Scenario("failover", _doc(failover), ("1P2D push",), rows, _failover)
+
+
 def xpyd() -> Scenario:
     """Several instances: the router spreads requests; rates scale with the pairs. 16k input."""
     rows = tuple(
@@ -373,6 +405,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "prefix-hit": prefix_hit, "fragmentation": fragmentation, "post-cost": post_cost,
     "rate-coupling": rate_coupling, "decode-slots": decode_slots,
     "num-prompts": num_prompts, "modes": modes, "router": router, "faults": faults,
+    "failover": failover,
     "xpyd": xpyd, "gil": gil, "rank-skew": rank_skew, "allocator": allocator,
     "control": control, "memory": memory, "sharing": sharing, "packing": packing,
 }

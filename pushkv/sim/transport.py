@@ -219,12 +219,12 @@ class SimTransport:
 
     def register(
         self, decode: str, transfer_id: str, producer: str, block_ids: Sequence[int],
-        num_tokens: int, *, incarnation: int = 0,
+        num_tokens: int, *, incarnation: int = 0, target: int = 0,
     ) -> None:
         """Push: the decode engine allocated blocks; the registration is born."""
         c = self.consumers[decode]
         self._apply(decode, c.register(transfer_id, producer, block_ids, num_tokens,
-                                       self.env.now, incarnation=incarnation))
+                                       self.env.now, incarnation=incarnation, target=target))
 
     def preempt(self, decode: str, transfer_id: str) -> None:
         """Decode preempted a request whose transfer is in flight: fence, then release."""
