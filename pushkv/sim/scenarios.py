@@ -175,10 +175,12 @@ def num_prompts() -> Scenario:
 def modes() -> Scenario:
     """Pull, pull with a background poster, push, and push behind a sequential router.
 
-    Moving pull's posting to a decode background thread recovers little of
-    push's gain while the poster holds the interpreter lock (NIXL's
-    postXferReq keeps the GIL; see the gil table): the decode loop waits for
-    it almost as long as it posted itself. Push's poster lives on prefill. A
+    Moving pull's posting to a decode background thread recovers nearly all of
+    push's gain: on the installed NIXL the poster holds the interpreter lock for
+    a small share of a post (``network.post_gil_fraction``, measured by
+    ``python -m pushkv.transports.calibrate``; transfer() releases it), so the
+    decode loop hardly waits for it; one holding the lock throughout would
+    recover little (the gil table). Push's poster lives on prefill. A
     sequential router costs push the overlap of decode's admission and
     registration with prefill -- a few ms where decode has free slots, little
     behind a full slot queue -- because the protocol writes only once the
@@ -271,9 +273,10 @@ def xpyd() -> Scenario:
 
 
 def gil() -> Scenario:
-    """The price of a background poster: it holds its process's interpreter lock while it
-    posts (NIXL's postXferReq keeps the GIL), so pull-async's decode reader stalls the
-    decode loop almost as pull does, while push's writer, on prefill, costs decode
+    """The price of a background poster, by the share of a post that holds its process's
+    interpreter lock (measured on NIXL 1.5.1: about 0.3%; transfer() releases it): near
+    0, pull-async's decode reader costs the decode loop little; held throughout, it
+    stalls the loop almost as pull does. Push's writer, on prefill, costs decode
     nothing. 8 QPS, 16k input; cells are TTFT / TPOT in ms."""
     modes = ("pull", "pull-async", "push")
     return Scenario(

@@ -315,7 +315,8 @@ class SimTransport:
 
     def _post_holding_gil(self, eid: str, cost: float) -> Generator[Any, Any, None]:
         """A background thread posts for ``cost`` seconds, holding ``eid``'s interpreter
-        lock for ``post_gil_fraction`` of them (NIXL's postXferReq keeps the GIL)."""
+        lock for ``post_gil_fraction`` of them (measured: NIXL's transfer() releases the
+        lock; preparing the request holds it, about 0.3% of a post in all)."""
         held = cost * self.profile.network.post_gil_fraction
         if held > 0:
             yield from self._hold_gil(eid, held)
