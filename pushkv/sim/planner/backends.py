@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -99,7 +99,7 @@ class ProcessBackend:
 
     def run(self, fn: Callable[[Any], Any], args: Sequence[Any], *,
             on_rerun: OnRerun | None = None,
-            label: Callable[[int], str] = str) -> Iterator[tuple[int, Any]]:
+            label: Callable[[int], str] = str) -> Generator[tuple[int, Any], None, None]:
         if self.workers == 1:
             for i, a in enumerate(args):
                 yield i, fn(a)
@@ -175,7 +175,7 @@ class RayBackend:
 
     def run(self, fn: Callable[[Any], Any], args: Sequence[Any], *,
             on_rerun: OnRerun | None = None,
-            label: Callable[[int], str] = str) -> Iterator[tuple[int, Any]]:
+            label: Callable[[int], str] = str) -> Generator[tuple[int, Any], None, None]:
         ray = self._ray
         from ray import exceptions as rex
 
@@ -185,19 +185,23 @@ class RayBackend:
         remote = ray.remote(num_cpus=1, max_retries=0)(fn).options(name=RAY_TASK_NAME)
         reruns = _Reruns(on_rerun, label)
         pending = {remote.remote(a): i for i, a in enumerate(args)}
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            ref = ready[0]
-            i = pending.pop(ref)
-            try:
-                result = ray.get(ref)
-            except lost as exc:
-                why = f"its Ray worker was lost: {type(exc).__name__}"
-                reruns.again([i], why)
-                self.reruns = reruns.count
-                pending[remote.remote(args[i])] = i
-                continue
-            yield i, result
+        try:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                ref = ready[0]
+                i = pending.pop(ref)
+                try:
+                    result = ray.get(ref)
+                except lost as exc:
+                    why = f"its Ray worker was lost: {type(exc).__name__}"
+                    reruns.again([i], why)
+                    self.reruns = reruns.count
+                    pending[remote.remote(args[i])] = i
+                    continue
+                yield i, result
+        finally:
+            for ref in pending:  # interrupted, or a task raised: cancel the others
+                ray.cancel(ref, force=True)
 
     def close(self) -> None:
         if self._owned:

@@ -30,7 +30,7 @@ import dataclasses
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -422,15 +422,12 @@ def run_plan(spec: PlanSpec, *, jobs: int = 1, backend: str = "process",
     todo = sorted(cands, key=lambda c: (-_cost(spec, c), c))
     full = full_grid_simulations(spec, cands)
     jobs = max(1, min(jobs, len(todo)))
-    if evaluate is not None:
-        ev = evaluate
-        backend, jobs = "process", 1
-        runner = None
-        results: Iterator[tuple[int, Outcome]] = (
-            (i, search_candidate(spec, c, ev)) for i, c in enumerate(todo))
-    else:
+    runner = None
+    if evaluate is None:
         runner = open_backend(backend, jobs=jobs, ray_address=ray_address)
         jobs = runner.workers
+    else:
+        backend, jobs = "process", 1
     bar = tqdm(total=len(todo), file=progress, disable=progress is None, unit="config",
                desc=f"plan [{backend}, {jobs} worker{'s' if jobs > 1 else ''}]",
                mininterval=0.5, dynamic_ncols=True)
@@ -439,12 +436,17 @@ def run_plan(spec: PlanSpec, *, jobs: int = 1, backend: str = "process",
         if progress is not None:
             bar.write(f"{why}: {n} configuration(s) submitted again", file=progress)
 
+    results: Generator[tuple[int, Outcome], None, None]
+    if runner is not None:
+        results = runner.run(plan_configuration, [(spec, c) for c in todo],
+                             on_rerun=on_rerun, label=lambda i: todo[i].label)
+    else:
+        ev = evaluate
+        assert ev is not None
+        results = ((i, search_candidate(spec, c, ev)) for i, c in enumerate(todo))
     outcomes: list[Outcome] = []
     sims = 0
     try:
-        if runner is not None:
-            results = runner.run(plan_configuration, [(spec, c) for c in todo],
-                                 on_rerun=on_rerun, label=lambda i: todo[i].label)
         for _, o in results:
             outcomes.append(o)
             sims += o.simulations
@@ -452,6 +454,7 @@ def run_plan(spec: PlanSpec, *, jobs: int = 1, backend: str = "process",
             bar.update(1)
     finally:
         bar.close()
+        results.close()  # interrupted: the backend stops its workers and tasks first
         if runner is not None:
             runner.close()
     if len(outcomes) != len(todo):  # a backend never drops one; guard the claim
