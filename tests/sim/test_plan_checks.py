@@ -131,3 +131,21 @@ def test_on_short_prompts_push_and_pull_are_equal_within_a_rung() -> None:
     assert all(o.binding != "capacity" for o in plan.outcomes)  # found, not capped
     # the ladder resolves rates 1 + rate_tol apart: within one rung is equal
     assert abs(math.log(g["push"] / g["pull"])) <= math.log1p(spec.rate_tol) + 1e-9
+
+
+def test_a_tp_the_planner_tries_gets_the_step_overheads_its_shape_implies():
+    """Overheads derived from the model's shape follow the TP the search tries (TP 1
+    has no all-reduce); overheads a profile sets otherwise are kept."""
+    import dataclasses
+
+    from pushkv.sim.planner.search import profile_at
+    from pushkv.sim.profile import DEFAULT
+
+    one = profile_at(DEFAULT, 1)
+    assert one.decode.decode_step_overhead_s < DEFAULT.decode.decode_step_overhead_s
+    assert one.decode.decode_step_overhead_s == pytest.approx(
+        one.decode.derived_step_overheads(DEFAULT.model)["decode_step_overhead_s"])
+    assert profile_at(DEFAULT, 8) == DEFAULT.validate()
+    custom = dataclasses.replace(DEFAULT, decode=dataclasses.replace(
+        DEFAULT.decode, decode_step_overhead_s=0.01))
+    assert profile_at(custom, 1).decode.decode_step_overhead_s == 0.01

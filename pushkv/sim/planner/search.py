@@ -125,9 +125,20 @@ class PlanSpec:
 
 def profile_at(profile: Profile, tp: int) -> Profile:
     """``profile`` with TP ``tp`` on both sides, validated (:class:`ProfileError` when
-    the model does not split ``tp`` ways or leaves no room for KV)."""
-    p = dataclasses.replace(profile, prefill=dataclasses.replace(profile.prefill, tp=tp),
-                            decode=dataclasses.replace(profile.decode, tp=tp))
+    the model does not split ``tp`` ways or leaves no room for KV). Step overheads
+    that follow from the model's shape and TP (the profile's equal their derivation)
+    are derived again for ``tp``; overheads a profile set otherwise are kept."""
+    def at(engine: Any, keys: tuple[str, ...]) -> Any:
+        derived = engine.derived_step_overheads(profile.model)
+        follows = all(abs(getattr(engine, k) - derived[k]) < 1e-12 for k in keys)
+        engine = dataclasses.replace(engine, tp=tp)
+        if follows:
+            again = engine.derived_step_overheads(profile.model)
+            engine = dataclasses.replace(engine, **{k: again[k] for k in keys})
+        return engine
+    p = dataclasses.replace(
+        profile, prefill=at(profile.prefill, ("prefill_step_overhead_s",)),
+        decode=at(profile.decode, ("prefill_step_overhead_s", "decode_step_overhead_s")))
     return p.validate()
 
 
