@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from pushkv.vllm.proxy import cli as proxy_cli
-from pushkv.vllm.proxy.failover import RETARGET, RetargetUnsupported
+from pushkv.vllm.proxy.failover import RETARGET
 from pushkv.vllm.proxy.resume import NotResumable, Tap, continuation
 from pushkv.vllm.proxy.server import ProxySettings, PushProxy
 from pushkv.vllm.testing import metric
@@ -257,20 +257,18 @@ def test_a_bad_drain_call_is_refused_and_changes_nothing(query, status):
     run([FakeVllm("prefill")], [FakeVllm("decode")], scenario, health=FAST)
 
 
-def test_retarget_is_refused_with_a_typed_error_until_producers_support_it(capsys):
-    with pytest.raises(RetargetUnsupported, match="retarget"):
-        ProxySettings(failover=RETARGET)
+def test_a_bad_policy_is_refused_and_retarget_is_accepted(capsys):
+    assert ProxySettings(failover=RETARGET).failover == RETARGET
     with pytest.raises(ValueError, match="not one of"):
         ProxySettings(failover="hope")
     import argparse
 
     parser = argparse.ArgumentParser()
     proxy_cli.register(parser.add_subparsers())
-    args = parser.parse_args(["proxy", "--prefill", "http://a:1", "--decode", "http://b:2",
-                              "--failover", "retarget"])
     with pytest.raises(SystemExit) as exit_:
-        args.func(args)
-    assert exit_.value.code == 2 and "retarget" in capsys.readouterr().err
+        parser.parse_args(["proxy", "--prefill", "http://a:1", "--decode", "http://b:2",
+                           "--failover", "hope"])
+    assert exit_.value.code == 2 and "hope" in capsys.readouterr().err
 
 
 def test_continuation_carries_the_prompt_and_tokens_and_refuses_what_it_cannot():

@@ -394,3 +394,25 @@ def test_an_instance_in_the_other_role_is_refused_and_checked_again_when_it_retu
         assert (await health(s, url))[0] == 503
 
     run([p1, p2], [d], scenario)
+
+
+def test_retarget_sends_the_same_decode_leg_a_turn_later_and_prefills_once():
+    """failover = "retarget": the decode leg a refused instance never took goes, for the
+    same transfer (same id and incarnation), to another decode instance at turn 1
+    (protocol rule 12); the prompt is prefilled once."""
+    p = FakeVllm("prefill", delay_s=0.05)
+    d1, d2 = FakeVllm("decode"), FakeVllm("decode")
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        proxy.decode[0].url = "http://127.0.0.1:9"  # nothing listens: refused
+        proxy.decode[1].work = 10**6
+        status, _ = await post(s, url)
+        assert status == 200
+        assert not proxy.decode[0].up
+
+    run([p], [d1, d2], scenario, failover="retarget")
+    assert len(p.legs) == 1 and len(d2.legs) == 1
+    leg = parse_params(d2.legs[0].body["kv_transfer_params"])
+    first = parse_params(p.legs[0].body["kv_transfer_params"])
+    assert (leg.transfer_id, leg.incarnation) == (first.transfer_id, first.incarnation)
+    assert leg.target == 1

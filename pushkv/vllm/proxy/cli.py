@@ -53,7 +53,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--failover", choices=POLICIES, default=d.failover,
                    help="what a leg failing before the answer began leads to: retry (a new "
                    "transfer; prefill computes the prompt again) or retarget (the same decode "
-                   "leg to another decode instance; refused until the producers support it)")
+                   "leg, at the next turn, to another decode instance: the prefill instance "
+                   "writes the KV it holds there; protocol rule 12)")
     p.add_argument("--resumes", type=_count, default=d.resumes, metavar="N",
                    help="times a streamed completion whose decode instance died is resumed "
                    "on another (the prompt plus the tokens streamed as the new prompt); 0: "

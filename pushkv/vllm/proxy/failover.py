@@ -10,13 +10,15 @@ Two stages, each with its own rule:
     (new transfer id and incarnation; both legs, on other instances when there
     are), at most ``retries`` times. The prefill side computes the prompt again
     (its prefix cache may serve the prompt's full blocks).
-  - ``retarget``: the **same decode leg**, with the same ``kv_transfer_params``
-    the first decode instance got, goes to another decode instance while the
-    prefill leg goes on; the producer writes its held source to the new consumer
-    and the prompt is computed once. This needs producers that re-target a held
-    source to a new consumer engine; until pushkv's do
-    (:data:`PRODUCERS_RETARGET`), asking for it is refused with
-    :class:`RetargetUnsupported`.
+  - ``retarget``: the **same decode leg** -- the same transfer id and
+    incarnation, at the next turn (``pushkv_target``: protocol rule 12) -- goes
+    to another decode instance while the prefill leg goes on; the producer
+    writes its held source to the new consumer, fails the old one's legs (their
+    blocks are fenced as on any failure), and the prompt is computed once. A
+    source already released (the first decode instance had its whole KV, or
+    its death was known before the new leg registered and the producer's
+    ``retarget_hold_s`` is 0) fails the new leg, which then follows its
+    ``kv_load_failure_policy``.
 
 * **Mid-stream** (a streamed completion whose client holds k tokens): the stream
   is **resumed** on another decode instance, at most ``resumes`` times
@@ -57,25 +59,10 @@ POLICIES = (RETRY, RETARGET)
 BEFORE_ANSWER = "before_answer"
 MID_STREAM = "mid_stream"
 
-#: Whether pushkv's producers write a held source to a new consumer engine (the
-#: protocol rule ``retarget`` needs). Not yet: ``retarget`` is refused.
-PRODUCERS_RETARGET = False
-
-
-class RetargetUnsupported(ValueError):
-    """``failover = "retarget"`` was asked for, but the producers cannot re-target."""
-
-
 def check_policy(name: str) -> str:
-    """``name`` if it is a failover policy this proxy can run; ValueError (or
-    :class:`RetargetUnsupported`) saying why not."""
+    """``name`` if it is a failover policy; ValueError saying why not."""
     if name not in POLICIES:
         raise ValueError(f"failover policy {name!r} is not one of {', '.join(POLICIES)}")
-    if name == RETARGET and not PRODUCERS_RETARGET:
-        raise RetargetUnsupported(
-            "failover policy 'retarget' sends the same decode leg to another decode instance "
-            "and needs producers that write a held source to a new consumer engine; this "
-            "pushkv version's producers do not: use 'retry'")
     return name
 
 

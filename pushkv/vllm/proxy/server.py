@@ -447,6 +447,10 @@ class PushProxy:
                         self.failover.record(BEFORE, exc, cause, 0)
                         decode = other
                         tried.append(other)
+                        # rule 12: the same transfer, at the next engine's turn
+                        d_body = self._decode_body(req, self.upstream.sign(DecodeLeg(
+                            transfer_id=transfer_id, producer=endpoint,
+                            incarnation=incarnation, target=len(tried) - 1).to_params()))
             finally:
                 if not p_task.done():
                     p_task.cancel()
