@@ -248,3 +248,20 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "pruned: TTFT floor" in out
     assert "no configuration meets the SLO" in out
+
+
+# -------------------------------------------------------------------- packing
+
+
+def test_packing_is_searched_for_pushes_and_reaches_the_simulator() -> None:
+    spec = PlanSpec(gpus=16, tps=(8,), modes=("pull", "push"), packs=("never", "auto"))
+    cands = candidates(spec)
+    assert {c.pack for c in cands if c.mode == "pull"} == {"never"}
+    assert {c.pack for c in cands if c.mode == "push"} == {"never", "auto"}
+    packed = next(c for c in cands if c.pack == "auto")
+    assert "packed-auto" in packed.label
+    assert sim_config(spec, packed, 1.0).packing.mode == "auto"
+    plan = run_plan(spec, evaluate=_fake(threshold=3.0), progress=None)
+    assert len(plan.outcomes) == len(cands) == 3
+    with pytest.raises(PlanError, match="packs"):
+        PlanSpec(packs=("sometimes",))

@@ -20,7 +20,7 @@ from ..trace import read_trace, trace_workload
 from ..workload import ARRIVALS, WorkloadConfig, WorkloadError
 from .backends import BACKENDS, BackendError, check_backend
 from .measure import SLO
-from .search import PlanError, PlanSpec
+from .search import PACKS, PlanError, PlanSpec
 
 _DEFAULT = PlanSpec()
 
@@ -88,6 +88,9 @@ def register(subparsers: Any) -> None:
                    "largest that fit one node and the model)")
     g.add_argument("--modes", type=_mode, nargs="+", default=list(_DEFAULT.modes),
                    help=f"transfer modes ({', '.join(MODE_LABELS)})")
+    g.add_argument("--packing", choices=PACKS, nargs="+", default=list(_DEFAULT.packs),
+                   help="packed-write settings to search for push modes (as pushkv sim "
+                   "--pack; default: never)")
     wl = p.add_argument_group("workload (as pushkv sim takes it; the rate is searched)")
     wl.add_argument("--input-len", type=_pos_int, default=w.input_len, help="prompt tokens")
     wl.add_argument("--output-len", type=_pos_int, default=w.output_len,
@@ -166,7 +169,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         else trace_workload(trace, seed=args.seed),  # its mean lengths, for the report
         slo=SLO(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo, percentile=args.percentile,
                 attainment=attainment),
-        gpus=gpus, modes=tuple(args.modes),
+        gpus=gpus, modes=tuple(args.modes), packs=tuple(args.packing),
         tps=tuple(args.tp) if args.tp else None, seeds=args.seeds,
         rate_tol=args.rate_tol, rate_range=args.rate_range, trace=trace,
     )

@@ -118,7 +118,7 @@ def recommendation(plan: Plan) -> dict[str, Any] | None:
 
 def _config(o: Outcome) -> dict[str, Any]:
     c = o.candidate
-    return {"label": c.label, "mode": c.mode, "num_prefill": c.num_prefill,
+    return {"label": c.label, "mode": c.mode, "pack": c.pack, "num_prefill": c.num_prefill,
             "num_decode": c.num_decode, "tp": c.tp, "gpus": c.gpus}
 
 

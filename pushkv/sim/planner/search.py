@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ...protocol.errors import ConfigError
+from ..packing import SIM_PACKING
 from ..profile import DEFAULT, Profile, ProfileError
 from ..scenario import SimConfig
 from ..sweep import MODE_LABELS, parse_mode
@@ -43,6 +44,8 @@ from ..workload import WorkloadConfig
 from .bounds import Capacity, capacity, tpot_floor, ttft_floor
 from .measure import SLO, Sample, Verdict, judge, simulate
 
+#: The packed-write settings a plan may search (``pushkv sim --pack``).
+PACKS = ("never", "auto", "always")
 #: a floor must exceed the SLO by this much to prune (result files round times to 0.1 us)
 PRUNE_MARGIN_S = 1e-6
 
@@ -60,6 +63,9 @@ class Candidate:
     num_prefill: int
     num_decode: int
     tp: int
+    #: packed writes (``pushkv sim --pack``): "never", "auto" (per write, by the
+    #: transports' cost model) or "always"; pushes only
+    pack: str = "never"
 
     @property
     def gpus(self) -> int:
@@ -67,7 +73,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return f"{self.mode} {self.num_prefill}P{self.num_decode}D TP{self.tp}"
+        packed = "" if self.pack == "never" else f" packed-{self.pack}"
+        return f"{self.mode}{packed} {self.num_prefill}P{self.num_decode}D TP{self.tp}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +89,8 @@ class PlanSpec:
     slo: SLO = field(default_factory=lambda: SLO(ttft_s=1.0, tpot_s=0.05))
     gpus: int = field(default=16, metadata={"help": "GPU budget"})
     modes: tuple[str, ...] = field(default=("pull", "push"), metadata={"help": "mode labels"})
+    packs: tuple[str, ...] = field(default=("never",), metadata={
+        "help": "packed-write settings searched for push modes (never, auto, always)"})
     tps: tuple[int, ...] | None = field(
         default=None, metadata={"help": "TP sizes; None: the two largest the node allows"})
     seeds: int = field(default=1, metadata={"help": "iterations (seeds) per simulated rate"})
@@ -108,6 +117,9 @@ class PlanSpec:
         for m in self.modes:
             if m not in MODE_LABELS:
                 raise PlanError(f"unknown mode {m!r} (choose from {', '.join(MODE_LABELS)})")
+        if not self.packs or any(p not in PACKS for p in self.packs):
+            raise PlanError(f"packs must name some of {', '.join(PACKS)}, got "
+                            f"{list(self.packs)}")
         if self.seeds < 1:
             raise PlanError(f"seeds must be >= 1, got {self.seeds}")
         if not (self.rate_tol > 0 and math.isfinite(self.rate_tol)):
@@ -184,11 +196,14 @@ def candidates(spec: PlanSpec) -> list[Candidate]:
                         f"(2 instances x TP {smallest} = {2 * smallest} GPUs)")
     out = []
     for mode in spec.modes:
-        for tp in tps:
-            most = spec.gpus // tp
-            for x in range(1, most):
-                for y in range(1, most - x + 1):
-                    out.append(Candidate(mode, x, y, tp))
+        # packing changes only how a push writes (a pull reads what was published)
+        packs = spec.packs if parse_mode(mode)[0].value.startswith("push") else ("never",)
+        for pack in dict.fromkeys(packs):
+            for tp in tps:
+                most = spec.gpus // tp
+                for x in range(1, most):
+                    for y in range(1, most - x + 1):
+                        out.append(Candidate(mode, x, y, tp, pack))
     return out
 
 
@@ -211,6 +226,7 @@ def sim_config(spec: PlanSpec, cand: Candidate, rate: float) -> SimConfig:
         mode=mode, dispatch=dispatch, num_prefill=cand.num_prefill,
         num_decode=cand.num_decode, profile=profile_at(spec.profile, cand.tp),
         workload=workload, trace=trace,
+        packing=dataclasses.replace(SIM_PACKING, mode=cand.pack),
     )
 
 
