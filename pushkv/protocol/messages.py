@@ -31,6 +31,8 @@ VERSION: Final = 3
 MAX_FRAME: Final = 4 << 20
 MAX_BLOCK_IDS: Final = 1 << 19
 MAX_HEARTBEAT_ITEMS: Final = 1 << 16
+#: Rule 12: the highest turn a consumer engine may have at a source.
+MAX_TARGET: Final = 1 << 16
 MAX_TOKENS: Final = 1 << 31
 
 TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
@@ -92,7 +94,7 @@ class Register(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=2
     staging_nbytes: StagingBytes = 0
     #: Rule 12: this consumer engine's turn at the source (0: the first engine
     #: chosen; a router re-targeting the source to another engine counts up).
-    target: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+    target: Annotated[int, msgspec.Meta(ge=0, le=MAX_TARGET)] = 0
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=3):
@@ -211,7 +213,7 @@ class Skip(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=9):
     producer_engine_id: EngineId
     incarnation: Incarnation = 0
     #: Rule 12: the consumer engine's turn at the source (see :class:`Register`).
-    target: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+    target: Annotated[int, msgspec.Meta(ge=0, le=MAX_TARGET)] = 0
 
 
 Message = Hello | Register | Cancel | CancelAck | Fail | Heartbeat | Notify | ReadDone | Skip

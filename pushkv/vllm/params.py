@@ -64,6 +64,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..protocol.errors import ConfigError
+from ..protocol.messages import MAX_TARGET
 
 #: Longest transfer or engine id accepted (the protocol's wire limit).
 MAX_ID_LEN = 256
@@ -306,8 +307,9 @@ def _block_ids(value: object, where: str) -> tuple[int, ...]:
 def _target(params: Mapping[str, Any], where: str) -> int:
     """The decode leg's turn at its source (rule 12), 0 when not given."""
     target = params.get(TARGET_KEY, 0)
-    if not (isinstance(target, int) and not isinstance(target, bool) and 0 <= target <= 1 << 16):
-        raise ParamsError(f"{where}: {TARGET_KEY!r} must be an integer in [0, 65536], got "
+    if not (isinstance(target, int) and not isinstance(target, bool)
+            and 0 <= target <= MAX_TARGET):
+        raise ParamsError(f"{where}: {TARGET_KEY!r} must be an integer in [0, {MAX_TARGET}], got "
                           f"{target!r:.40}")
     return target
 

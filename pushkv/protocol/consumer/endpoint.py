@@ -31,6 +31,7 @@ from ..events import (
 from ..layout import RankInfo
 from ..lending import StagingLedger
 from ..messages import (
+    MAX_TARGET,
     CancelAck,
     Fail,
     FailReason,
@@ -213,14 +214,13 @@ class Consumer(ConsumerOutcomes, Endpoint):
         ``target`` (rule 12): this engine's turn at the source -- 0 for the engine
         chosen first; a router that re-targets a held source to this engine after
         losing the one before gives each later engine a higher turn."""
-        if not 0 <= target <= 1 << 16:
-            raise ConfigError(f"target must be in [0, 65536], got {target}",
+        if not 0 <= target <= MAX_TARGET:
+            raise ConfigError(f"target must be in [0, {MAX_TARGET}], got {target}",
                               transfer_id=transfer_id)
-        out = self._open(
+        return self._open(
             transfer_id, producer_engine_id, Mode.PUSH, (), block_ids, num_tokens, now,
             first_token, incarnation, target,
         )
-        return out
 
     def start_pull(
         self,
