@@ -57,6 +57,25 @@ def test_too_few_rounds_or_no_positive_baseline_give_no_interval():
                                "conc") is None
 
 
+def test_behind_the_router_pushkv_over_pull_has_a_latency_ratio_and_an_interval():
+    """Each round's two medians are drawn together: a machine swinging by round leaves
+    a steady ratio's interval tight; a round served by one mode only is not counted."""
+    plain = [100.0, 250.0, 120.0, 400.0, 90.0]
+    recs = records({"router-pushkv": [10.0] * 5, "router-pull": [20.0] * 5}, plain, "seq")
+    recs += [dict(r, iter=9) for r in recs if r["mode"] == "router-pushkv"]
+    point, ci, n = overheads.latency_ratio(recs, "router-pushkv", "router-pull", "seq")
+    assert n == 5 and point < 1 and ci is not None and ci[0] <= point <= ci[1] < 1
+    v = overheads.verdict(recs, ["plain", "router-pushkv", "router-pull"])
+    assert v["router_rounds"] == 5 and v["router_pushkv_vs_pull_seq"] == round(point, 3)
+    assert v["router_pushkv_vs_pull_seq_ci95"] == [round(x, 3) for x in ci]
+    assert v["router_pushkv_vs_pull_seq_overhead_ratio"] == 0.5
+    assert v["router_pushkv_vs_pull_seq_overhead_ratio_ci95"] == [0.5, 0.5]
+    assert "router_pushkv_vs_pull_conc" not in v  # no concurrent rounds
+    assert "proxy_pushkv_vs_router_pull_seq" not in v  # pushkv's proxy did not run
+    few = records({"router-pushkv": [1.0, 2.0], "router-pull": [2.0, 3.0]}, [50.0, 60.0])
+    assert overheads.latency_ratio(few, "router-pushkv", "router-pull", "conc")[1] is None
+
+
 def test_modes_of_different_phases_are_drawn_apart():
     recs = records({"push-client": [10.0, 12.0, 8.0, 11.0]}, [100.0] * 4)
     for r in records({"vllm-push-client": [20.0, 24.0, 16.0, 22.0]}, [300.0] * 4):

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from pushkv.fit.e2e.modes import DEFAULT_MODES, MODES, SPIN_S  # noqa: E402
 from pushkv.fit.e2e.overheads import latency_table, pooled_verdict, timeline_report  # noqa: E402
 from pushkv.fit.e2e.phases import run  # noqa: E402
+from pushkv.fit.e2e.pull_timeline import pull_report  # noqa: E402
 
 
 def main() -> int:
@@ -92,6 +93,14 @@ def main() -> int:
     print()
     print(timeline_report(out, measured))
     print()
+    routed = [k for k in ("pushkv", "nixl-pull")
+              if any(MODES[n].deployment == k and MODES[n].name.startswith("router-")
+                     for n in measured)]
+    if routed:  # a pull behind vllm-router, hop by hop (pushkv.fit.e2e.pull_timeline)
+        text, numbers = pull_report(out, routed)
+        (out / "pull_timeline.json").write_text(json.dumps(numbers, indent=1))
+        print(text)
+        print()
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
     return 0 if ok else 1

@@ -421,12 +421,17 @@ class SchedulerSide:
             leg = parse_params(params)
         except ParamsError:
             return
-        side = "decode" if isinstance(leg, DecodeLeg) else "prefill" if isinstance(
-            leg, PrefillLeg) else None
-        if side is not None:  # when the API server took it, and when the scheduler does
-            if (arrived := getattr(request, "arrival_time", None)) is not None:
-                timeline.mark(leg.transfer_id, f"{side}_arrived", timeline.from_wall(arrived))
-            timeline.mark(leg.transfer_id, f"{side}_seen")
+        if isinstance(leg, DecodeLeg | PrefillLeg):
+            side, tid = ("decode" if isinstance(leg, DecodeLeg) else "prefill"), leg.transfer_id
+        elif isinstance(leg, NixlPrefillLeg):  # a router's leg: the id the answer will carry
+            side, tid = "prefill", producer_transfer_id(self.endpoint.engine_id,
+                                                        request.request_id)
+        else:
+            return
+        # when the API server took it, and when the scheduler does
+        if (arrived := getattr(request, "arrival_time", None)) is not None:
+            timeline.mark(tid, f"{side}_arrived", timeline.from_wall(arrived))
+        timeline.mark(tid, f"{side}_seen")
 
     # ------------------------------------------------------ introspection
 

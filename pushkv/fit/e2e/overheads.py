@@ -93,6 +93,73 @@ def bootstrap_overhead(records: list[dict[str, Any]], mode: str, base: str, load
                   for pick in _draws(sorted(a), draws, seed)])
 
 
+def round_latencies(records: list[dict[str, Any]], mode: str, load: str
+                    ) -> dict[tuple[str, int], list[float]]:
+    """``mode``'s latencies (ms) of ``load``, per round (phase, iteration)."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for r in records:
+        if r["mode"] == mode and r["load"] == load:
+            out.setdefault((r["phase"], r["iter"]), []).append(r["latency_ms"])
+    return out
+
+
+def latency_ratio(records: list[dict[str, Any]], ours: str, theirs: str, load: str, *,
+                  draws: int = 2000, seed: int = 0
+                  ) -> tuple[float, tuple[float, float] | None, int]:
+    """The median over rounds of ``ours``' round median latency over the same of
+    ``theirs``, its 95% interval (rounds both served drawn with replacement, each draw
+    keeping a round's two medians together: they shared the machine's state; None
+    with fewer than 3 such rounds), and the rounds counted. NaN without rounds."""
+    a = round_latencies(records, ours, load)
+    b = round_latencies(records, theirs, load)
+    keys = sorted(set(a) & set(b))
+    if not keys:
+        return float("nan"), None, 0
+
+    def ratio(pick: list[tuple[str, int]]) -> float:
+        return median([median(a[k]) for k in pick]) / median([median(b[k]) for k in pick])
+
+    point = ratio(keys)
+    if len(keys) < 3:
+        return point, None, len(keys)
+    return point, _ci95([ratio(pick) for pick in _draws(keys, draws, seed)]), len(keys)
+
+
+def router_intervals(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Behind vllm-router: pushkv over vLLM pull per load (``router_pushkv_vs_pull_<load>``:
+    the latency ratio, :func:`latency_ratio`, with ``_ci95``), the same of pushkv's own
+    proxy over vLLM pull (``proxy_pushkv_vs_router_pull_<load>``, when ``push`` ran
+    beside them), each one's overhead over plain as a ratio with its interval
+    (``..._overhead_ratio``: :func:`bootstrap_ratio`), and ``router_rounds`` (rounds
+    both router modes served)."""
+    out: dict[str, Any] = {}
+    rounds = 0
+    for load in ("seq", "conc"):
+        for ours, key in (("router-pushkv", "router_pushkv_vs_pull"),
+                          ("push", "proxy_pushkv_vs_router_pull")):
+            point, ci, n = latency_ratio(records, ours, "router-pull", load)
+            if not n:
+                continue
+            rounds = max(rounds, n) if ours == "router-pushkv" else rounds
+            out[f"{key}_{load}"] = finite(point)
+            out[f"{key}_{load}_ci95"] = [finite(x) for x in ci] if ci else None
+            ov = bootstrap_ratio(records, ours, "router-pull", "plain", load)
+            pa = [x for v in paired_overheads(records, ours, "plain", load).values()
+                  for x in v]
+            pb = [x for v in paired_overheads(records, "router-pull", "plain", load).values()
+                  for x in v]
+            den = median(pb)
+            out[f"{key}_{load}_overhead_ratio"] = finite(median(pa) / den) if pa and den and \
+                den > 0 else None
+            out[f"{key}_{load}_overhead_ratio_ci95"] = [finite(x) for x in ov] if ov else None
+    if rounds:
+        # overall: the sequential load (one request at a time: the transfer is on
+        # every request's critical path)
+        out["router_pushkv_vs_pull"] = out.get("router_pushkv_vs_pull_seq")
+        out["router_rounds"] = rounds
+    return out
+
+
 def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     """The run's one JSON object: per-mode medians and pushkv's overhead ratios.
 
@@ -150,6 +217,7 @@ def verdict(records: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
                                 if run_medians(m, ld, key)}
     out |= router_verdict({(m, ld): median(run_medians(m, ld, "latency_ms"))
                            for m in modes for ld in ("seq", "conc")})
+    out |= router_intervals(records)
     out["outputs_identical_to_plain"] = all(r["same_as_plain"] for r in records)
     out["rounds"] = len({(r["phase"], r["iter"]) for r in records})
     return out

@@ -9,9 +9,10 @@ Three rows for :data:`.modes.MODES`, one per connector, each behind the same
   engine loop);
 * ``router-vllm-push``: vLLM's ``NixlPushConnector`` behind the same router.
 
-:func:`router_verdict` adds ``router_pushkv_vs_pull`` (median latency of
-router-pushkv over router-pull; at most 1 means pushkv is no slower) to the
-run's last JSON line. No import of :mod:`.modes`.
+:func:`router_verdict` adds ``router_vllm_push_vs_pull_<load>`` (median latency
+of router-vllm-push over router-pull) to the run's last JSON line; pushkv's
+ratios, with their intervals, are :func:`.overheads.router_intervals`'. No import
+of :mod:`.modes`.
 """
 
 from __future__ import annotations
@@ -46,17 +47,12 @@ def vllm_router(a: Any) -> list[str]:
 
 
 def router_verdict(lat: dict[tuple[str, str], float]) -> dict[str, Any]:
-    """From median latencies by (mode, load): pushkv over vLLM pull behind the router,
-    per load, and overall (the sequential load: one request at a time, where the
-    transfer is on every request's critical path)."""
+    """From median latencies by (mode, load): vLLM's push over its pull behind the
+    router, per load."""
     out: dict[str, Any] = {}
     for load in ("seq", "conc"):
-        ours = lat.get(("router-pushkv", load))
         pull = lat.get(("router-pull", load))
         push = lat.get(("router-vllm-push", load))
-        out[f"router_pushkv_vs_pull_{load}"] = (
-            round(ours / pull, 3) if ours and pull and ours == ours and pull == pull else None)
         out[f"router_vllm_push_vs_pull_{load}"] = (
             round(push / pull, 3) if push and pull and push == push and pull == pull else None)
-    out["router_pushkv_vs_pull"] = out["router_pushkv_vs_pull_seq"]
     return out

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pushkv import timeline
 from pushkv.protocol.events import Peer
 from pushkv.protocol.planner import TransferPlan
 
@@ -78,6 +79,10 @@ class Poster:
 
     #: ``"write"`` or ``"read"``: names the thread's work in logs and errors.
     kind = "request"
+    #: Timeline marks (:mod:`pushkv.timeline`, while recording) of each job: the thread
+    #: took it, posted it, saw it end (``<prefix>_took``, ``_posted``, ``_done``); empty:
+    #: none.
+    marks = ""
 
     def __init__(self, agent: Agent, memory: KVMemory, *, poll_s: float, timeout_s: float,
                  on_done: Callable[[PostResult], None], name: str) -> None:
@@ -147,7 +152,12 @@ class Poster:
             if stopping and not inflight:
                 return
 
+    def _mark(self, job: Any, what: str) -> None:
+        if self.marks and timeline.enabled():
+            timeline.mark(job.transfer_id, f"{self.marks}_{what}")
+
     def _start(self, job: Any) -> _InFlight | None:
+        self._mark(job, "took")
         t0 = time.perf_counter()
         handle = None
         try:
@@ -163,7 +173,9 @@ class Poster:
             self._report(self._result(job, False, nixl_status(exc), t0=t0,
                                       disconnected=is_disconnect(exc)))
             return None
+        self._mark(job, "posted")
         if state == "DONE":
+            self._mark(job, "done")
             self._release(handle)
             self._report(self._result(job, True, "", t0=t0, prepare_s=prepared))
             return None
@@ -186,6 +198,7 @@ class Poster:
                                           disconnected=is_disconnect(exc)))
                 continue
             if state == "DONE":
+                self._mark(r.job, "done")
                 self._release(r.handle)
                 self._report(self._result(r.job, True, "", t0=r.started, prepare_s=r.prepare_s))
             elif state != "PROC":

@@ -54,6 +54,7 @@ class Reader(Poster):
     """Posts READs for one consumer rank on a thread of its own."""
 
     kind = "read"
+    marks = "reader"  #: reader_took, reader_posted, reader_done (timeline)
 
     def __init__(self, agent: Agent, memory: KVMemory, *, poll_s: float, timeout_s: float,
                  on_done: Callable[[ReadResult], None], name: str = "pushkv-reader") -> None:

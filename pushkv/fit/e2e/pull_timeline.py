@@ -1,0 +1,132 @@
+"""The timeline of a pull behind a sequential router, hop by hop.
+
+Behind ``vllm-router --vllm-pd-disaggregation`` the decode leg leaves only once the
+prefill leg answered; the decode side then reads the KV. :data:`PULL_HOPS` names
+the marks (:mod:`pushkv.timeline`) such a request meets, in order, from the
+prefill scheduler finishing the prompt (its answer built) to the decode scheduler
+admitting the request's first decode step. pushkv's connector records every one;
+vLLM's ``NixlConnector`` (through the benchmark's instrumentation) records the
+marks of :data:`SHARED_HOPS`, so the two compare on those.
+
+:func:`hop_segments` turns a request's marks into the consecutive segments of
+:data:`PULL_HOPS`; :func:`pull_report` gives each segment's median and p90 per
+deployment of a ``bench_e2e`` run, the table printed after the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pushkv import timeline
+
+#: (mark, what happened), in the order a pull behind a sequential router meets them.
+PULL_HOPS: tuple[tuple[str, str], ...] = (
+    ("prefill_arrived", "prefill API server: the router's prefill leg parsed"),
+    ("prefill_seen", "prefill scheduler: the request considered for a step"),
+    ("prefill_finished", "prefill scheduler: the prompt's KV complete, the answer built"),
+    ("decode_arrived", "decode API server: the router's decode leg parsed"),
+    ("decode_seen", "decode scheduler: the request considered for a step"),
+    ("registration_shipped", "decode scheduler: the pull order in the step's metadata"),
+    ("registration_handed", "decode worker: the order handed to the transport"),
+    ("read_posted", "decode I/O thread: the read planned, handed to the reader"),
+    ("reader_took", "reader thread: the job taken off its queue"),
+    ("reader_posted", "reader thread: descriptors built, the NIXL READ posted"),
+    ("reader_done", "reader thread: the READ seen complete"),
+    ("outcome", "decode I/O thread: the completion applied (TransferReady, ReadDone sent)"),
+    ("ready", "decode worker: TransferReady taken by the engine's step"),
+    ("ready_scheduled", "decode scheduler: vLLM learnt the KV landed"),
+    ("decode_scheduled", "decode scheduler: the request admitted for its first step"),
+)
+
+#: The marks vLLM's NixlConnector records too: the segments both connectors have.
+SHARED_HOPS = ("prefill_arrived", "prefill_seen", "prefill_finished", "decode_arrived", "decode_seen", "ready_scheduled",
+               "decode_scheduled")
+
+#: Spans over several hops, (name, from, to).
+SPANS: tuple[tuple[str, str, str], ...] = (
+    ("prefill finished -> decode arrives (router hop)", "prefill_finished", "decode_arrived"),
+    ("decode sees -> scheduler knows", "decode_seen", "ready_scheduled"),
+    ("decode arrives -> decode step", "decode_arrived", "decode_scheduled"),
+    ("prefill finished -> decode step", "prefill_finished", "decode_scheduled"),
+    ("prefill arrives -> decode step", "prefill_arrived", "decode_scheduled"),
+)
+
+NAMES = tuple(m for m, _ in PULL_HOPS)
+
+
+def hop_segments(marks: Mapping[str, float], hops: Iterable[str] = NAMES
+                 ) -> dict[str, float]:
+    """One request's marks (:func:`pushkv.timeline.by_request`) as segments in ms:
+    each hop of ``hops`` the request has to the next one it has, then :data:`SPANS`."""
+    have = [h for h in hops if h in marks]
+    out = {f"{a} -> {b}": (marks[b] - marks[a]) * 1e3 for a, b in zip(have, have[1:])}
+    for name, a, b in SPANS:
+        if a in marks and b in marks:
+            out[name] = (marks[b] - marks[a]) * 1e3
+    return out
+
+
+def out_of_order(marks: Mapping[str, float], hops: Iterable[str] = NAMES) -> list[str]:
+    """The hops of ``hops`` missing from one request's marks, or recorded before the
+    hop ahead of them; empty when the request met every hop in order."""
+    hops = tuple(hops)
+    bad = [f"missing {h}" for h in hops if h not in marks]
+    have = [h for h in hops if h in marks]
+    bad += [f"{b} before {a}" for a, b in zip(have, have[1:]) if marks[b] < marks[a]]
+    return bad
+
+
+def pulls(directory: str | Path) -> dict[str, dict[str, float]]:
+    """The requests of a timeline directory that were pulled (a ``decode_scheduled``
+    after a ``prefill_finished``), by transfer (or request) id."""
+    reqs = timeline.by_request(timeline.read(directory))
+    return {k: v for k, v in reqs.items()
+            if "prefill_finished" in v and "decode_scheduled" in v}
+
+
+def stats(requests: Mapping[str, Mapping[str, float]], hops: Iterable[str] = NAMES
+          ) -> dict[str, dict[str, float]]:
+    """Median, p90 and count of every segment over ``requests``."""
+    per: dict[str, list[float]] = {}
+    for marks in requests.values():
+        for k, v in hop_segments(marks, hops).items():
+            per.setdefault(k, []).append(v)
+    return {k: {"median": timeline.percentile(v, 0.5), "p90": timeline.percentile(v, 0.9),
+                "n": len(v)} for k, v in per.items()}
+
+
+def pull_report(out: Path, deployments: Iterable[str]) -> tuple[str, dict[str, Any]]:
+    """Every pulled request's hops per deployment of a run (``out/timeline/<kind>``):
+    all hops for pushkv, :data:`SHARED_HOPS` for vLLM's connectors. The table and the
+    numbers."""
+    got: dict[str, dict[str, dict[str, float]]] = {}
+    for kind in deployments:
+        hops = NAMES if kind == "pushkv" else SHARED_HOPS
+        got[kind] = stats(pulls(out / "timeline" / kind), hops)
+    return table(got), got
+
+
+def table(got: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
+    """A markdown table: a row per segment (hops in order, then spans), median / p90
+    (ms) and count per deployment."""
+    kinds = list(got)
+    # every hop pair present, in the order of PULL_HOPS (a request missing a mark has
+    # the pair around it), then the spans
+    spans = [name for name, _, _ in SPANS]
+    hops = {k for g in got.values() for k in g if k not in spans}
+    order = {h: i for i, h in enumerate(NAMES)}
+    rows = sorted(hops, key=lambda k: tuple(order.get(x, 99) for x in k.split(" -> ")))
+    rows += spans
+    head = ["segment", *(f"{k} median / p90 (ms), n" for k in kinds)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in dict.fromkeys(rows):
+        if not any(name in got[k] for k in kinds):
+            continue
+        cells = [name]
+        for k in kinds:
+            s = got[k].get(name)
+            cells.append(f"{s['median']:.2f} / {s['p90']:.2f}, {s['n']:.0f}" if s else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
