@@ -116,10 +116,13 @@ STEPS: dict[str, str] = {
     "source_released": "producer: the source of the use released",
     "notify_received": "consumer: a write's notification (part, parts, chunk, chunks, "
                        "sealed: it carries a digest this rank checks)",
-    "digest_checked": "consumer: a landed write's digest checked (ok)",
+    "digest_checked": "consumer: a landed write's (or pull read's) digest checked (ok)",
     "dest_released": "consumer: the attempt's destination blocks given back (grace: its "
                      "fence_grace_s)",
     "read_posted": "consumer (pull): a read from producer rank src posted",
+    "read_completed": "consumer (pull): the endpoint learnt the read from producer rank src "
+                      "ended (ok; sealed: its bytes are checked against the producer's "
+                      "published digest)",
     "outcome": "consumer: the use's outcome on this rank (kind: ready, failed, cancelled)",
 }
 
@@ -270,6 +273,14 @@ def notified(me: str, msg: object, sealed: bool, t: float | None = None) -> None
         step(msg.transfer_id, "notify_received", t, inc=msg.incarnation, att=msg.attempt,
              src=node(msg.engine_id, msg.rank), dst=me, part=msg.part, parts=msg.parts,
              chunk=msg.chunk, chunks=msg.chunks, sealed=sealed)
+
+
+def read_done(me: str, transfer_id: str, incarnation: int, attempt: int, src: tuple[str, int],
+              ok: bool, sealed: bool, t: float | None = None) -> None:
+    """Consumer ``me`` (pull) learnt its read of ``transfer_id`` from ``src`` ended
+    (``sealed``: its landed bytes are checked against a published digest)."""
+    step(transfer_id, "read_completed", t, inc=incarnation, att=attempt, src=node(*src),
+         dst=me, ok=ok, sealed=sealed)
 
 
 def checked(me: str, transfer_id: str, incarnation: int, attempt: int, src: tuple[str, int],

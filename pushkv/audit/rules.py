@@ -90,6 +90,8 @@ class _Use:
         self.outcome: dict[str, Step] = {}
         self.registered: dict[str, int] = {}
         self.pull: set[tuple[str, int]] = set()
+        self.reads: dict[Leg, list[Step]] = defaultdict(list)  # pull: posted, by leg
+        self.reads_done: dict[Leg, list[Step]] = defaultdict(list)  # and completed
 
     def flag(self, rule: str | None, s: Step, rank: str, detail: str, *steps: Step | None
              ) -> None:
@@ -159,6 +161,10 @@ class _Use:
 
     def read_posted(self, s: Step) -> None:
         self.pull.add((s.get("dst"), int(s["att"])))
+        self.reads[self.leg(s)].append(s)
+
+    def read_completed(self, s: Step) -> None:
+        self.reads_done[self.leg(s)].append(s)
 
     def notify_received(self, s: Step) -> None:
         leg = self.leg(s)
@@ -201,7 +207,8 @@ class _Use:
     def _ready(self, s: Step, dst: str, att: int) -> None:
         self.ready.setdefault((dst, att), s)
         if (dst, att) in self.pull:
-            return  # pull: READY follows reads, not notifications (not audited here)
+            self._pull_ready(s, dst, att)
+            return
         legs = {leg for leg in (*self.writes, *self.notes) if leg[1:] == (dst, att)}
         missing: list[str] = []
         shown: list[Step] = []
@@ -219,20 +226,44 @@ class _Use:
                     missing.append(f"part {part} from {src}" + (f" ({chunks} chunks)"
                                                                 if chunks > 1 else ""))
             sealed = {int(n["part"]) for n in notes if n.get("sealed")}
-            digests = self.digests.get(leg, [])
-            bad = [d for d in digests if not d["ok"]]
-            good = len(digests) - len(bad)
-            if bad:
-                missing.append(f"a good digest from {src} ({len(bad)} failed)")
-                shown += bad
-            elif good < len(sealed):
-                missing.append(f"the digest of {len(sealed) - good} sealed part(s) from {src}")
+            self._digests(leg, len(sealed), "part", missing, shown)
             for w in self.writes.get(leg, ()):
                 if not w.whole:
                     missing.append(f"the landing of part {w.post['part']} from {src}")
                     shown.append(w.post)
         self.flag(ready_rule(len(missing)), s, dst, "READY before " + "; ".join(missing),
                   *shown)
+
+    def _pull_ready(self, s: Step, dst: str, att: int) -> None:
+        """Pull: READY only after every read the rank posted for the attempt completed
+        well, and each checked one's digest was good (the same rule as a push's)."""
+        legs = {leg for leg in self.reads if leg[1:] == (dst, att)}
+        missing: list[str] = []
+        shown: list[Step] = []
+        if not legs:
+            missing.append("no read posted at all")
+        for leg in sorted(legs, key=str):
+            src, posted, done = leg[0], self.reads[leg], self.reads_done.get(leg, [])
+            ok = [d for d in done if d["ok"]]
+            if len(ok) < len(posted):
+                missing.append(f"{len(posted) - len(ok)} read(s) from {src} completing well")
+                shown += posted[len(ok):] + [d for d in done if not d["ok"]]
+            self._digests(leg, sum(1 for d in ok if d.get("sealed")), "read", missing, shown)
+        self.flag(ready_rule(len(missing)), s, dst, "READY before " + "; ".join(missing),
+                  *shown)
+
+    def _digests(self, leg: Leg, sealed: int, what: str, missing: list[str],
+                 shown: list[Step]) -> None:
+        """What a leg's digests leave missing: a failed one, or fewer good ones than
+        its ``sealed`` parts (or reads) to check."""
+        digests = self.digests.get(leg, [])
+        bad = [d for d in digests if not d["ok"]]
+        good = len(digests) - len(bad)
+        if bad:
+            missing.append(f"a good digest from {leg[0]} ({len(bad)} failed)")
+            shown += bad
+        elif good < sealed:
+            missing.append(f"the digest of {sealed - good} sealed {what}(s) from {leg[0]}")
 
 
 _HANDLERS = {
@@ -242,6 +273,7 @@ _HANDLERS = {
     "source_released": _Use.source_released,
     "registration_sent": _Use.registration_sent,
     "read_posted": _Use.read_posted,
+    "read_completed": _Use.read_completed,
     "notify_received": _Use.notify_received,
     "digest_checked": _Use.digest_checked,
     "dest_released": _Use.dest_released,

@@ -27,6 +27,7 @@ _NEEDED: dict[str, tuple[str, ...]] = {
     "digest_checked": ("inc", "att", "src", "dst", "ok"),
     "dest_released": ("inc", "att", "dst"),
     "read_posted": ("inc", "att", "src", "dst"),
+    "read_completed": ("inc", "att", "src", "dst", "ok"),
     "outcome": ("inc", "att", "dst", "kind"),
 }
 _TYPES: dict[str, type | tuple[type, ...]] = {

@@ -9,9 +9,9 @@ tensors); the transports and the vLLM connector use it, the core never does.
 from .check import Corruption, Integrity
 from .config import DEFAULT_MODE, DEFAULT_SAMPLE_EVERY, MODES, OFF, IntegrityConfig
 from .digest import Scope, digest, digest_torch
-from .envelope import Tag, seal, unseal
+from .envelope import PullTag, Tag, seal, seal_pull, unseal, unseal_pull
 from .inject import KINDS, Injector
 
 __all__ = ["DEFAULT_MODE", "DEFAULT_SAMPLE_EVERY", "KINDS", "MODES", "OFF", "Corruption",
-           "Injector", "Integrity", "IntegrityConfig", "Scope", "Tag", "digest",
-           "digest_torch", "seal", "unseal"]
+           "Injector", "Integrity", "IntegrityConfig", "PullTag", "Scope", "Tag", "digest",
+           "digest_torch", "seal", "seal_pull", "unseal", "unseal_pull"]

@@ -10,26 +10,33 @@ the tag, and tells the core -- ``receive`` when they match (or nothing is to be
 checked), ``corrupt`` when they do not (rule 11). A staged write is checked once
 its last chunk is scattered: :meth:`Integrity.scattered` gives ``scatter_done``
 its ``corrupt`` argument.
+
+A pull is checked the other way round: the producer rank seals what it publishes
+(:meth:`Integrity.publish_seal`, over the exact source bytes when the pull is
+offered; ``Publish.seal``), the relay hands each rank's seal to the consumer's
+pull (:meth:`Integrity.pull_seals` validates them, :meth:`Integrity.expect_pull`
+keeps them), and once a read finished well :meth:`Integrity.read_landed` checks
+the bytes it landed -- ``read_completed``'s ``corrupt`` argument.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pushkv.protocol import decode, encode
 from pushkv.protocol.consumer import Consumer
-from pushkv.protocol.errors import DecodeError
-from pushkv.protocol.events import Action, IssueWrite, Scatter, WriteScope
+from pushkv.protocol.errors import ConfigError, DecodeError
+from pushkv.protocol.events import Action, IssueRead, IssueWrite, Publish, Scatter, WriteScope
 from pushkv.protocol.layout import KVLayout
 from pushkv.protocol.messages import Notify
 
 from .config import OFF, IntegrityConfig
 from .digest import digest
-from .envelope import Tag, seal, unseal
+from .envelope import PullTag, Tag, seal, seal_pull, unseal, unseal_pull
 from .inject import Injector
 
 log = logging.getLogger(__name__)
@@ -51,10 +58,11 @@ class Corruption:
     tag: Tag
     expected: int  #: the producer's digest
     got: int  #: the consumer's, over its landed bytes
+    kind: str = "write"  #: or "read" (pull)
 
     def detail(self) -> str:
-        return (f"rank {self.producer_rank}'s write {self.tag.describe()} failed its digest "
-                f"check: producer {self.expected:016x}, landed {self.got:016x}")
+        return (f"rank {self.producer_rank}'s {self.kind} {self.tag.describe()} failed its "
+                f"digest check: producer {self.expected:016x}, landed {self.got:016x}")
 
 
 class Integrity:
@@ -80,6 +88,8 @@ class Integrity:
         self._staged: OrderedDict[tuple[str, int, int, int], list[Any]] = OrderedDict()
         #: (transfer id, incarnation, attempt) of writes the injector corrupted
         self.injected_keys: set[tuple[str, int, int]] = set()
+        #: pull: (transfer id, incarnation) -> producer rank -> its published seal
+        self._pulls: OrderedDict[tuple[str, int], dict[int, PullTag]] = OrderedDict()
 
     # -------------------------------------------------------------- producer
 
@@ -99,7 +109,103 @@ class Integrity:
         frame = encode(a.chunk_notify(k))
         return frame if tag is None else seal(frame, tag)
 
+    def publish_seal(self, a: Publish) -> bytes:
+        """Pull: the seal of a publication (``Publish.seal``) over its source bytes
+        now, one digest per head (b"": this transfer is not checked)."""
+        if a.scope is None or not self.config.checks(a.transfer_id, a.incarnation):
+            return b""
+        s, lo, regions = a.scope, self.layout, self.regions()
+        if lo.order == "BLOCK":  # opaque blocks: one digest of every head
+            digests: tuple[int, ...] = (digest(regions, lo, s),)
+        else:
+            digests = tuple(digest(regions, lo, replace(s, heads=((h, h, 1),)))
+                            for h in range(lo.num_heads))
+        self.stats["sealed"] += 1
+        return seal_pull(PullTag(s.first_token, s.num_tokens, s.layers, digests))
+
     # -------------------------------------------------------------- consumer
+
+    @staticmethod
+    def pull_seals(seals: Mapping[int, bytes] | None, ranks: Iterable[int]
+                   ) -> dict[int, PullTag] | None:
+        """The relayed seals of a pull, one per producer rank in ``ranks`` (None or
+        empty: the publication was not sealed, nothing is checked). A missing or
+        extra rank is a ConfigError, a malformed seal a DecodeError; nothing changes."""
+        if not seals:
+            return None
+        want = set(ranks)
+        if not isinstance(seals, Mapping) or set(seals) != want:
+            got = sorted(seals) if isinstance(seals, Mapping) else type(seals).__name__
+            raise ConfigError(f"a sealed pull needs one seal per producer rank "
+                              f"{sorted(want)}, got {got}")
+        out = {}
+        for r, raw in seals.items():
+            if not isinstance(raw, bytes | bytearray | memoryview):
+                raise ConfigError(f"producer rank {r}'s seal is {type(raw).__name__}, "
+                                  "not bytes")
+            out[r] = unseal_pull(raw)
+        return out
+
+    def expect_pull(self, transfer_id: str, incarnation: int,
+                    tags: dict[int, PullTag] | None) -> None:
+        """Keep a started pull's seals (:meth:`pull_seals`) for its reads."""
+        key = (transfer_id, incarnation)
+        self._pulls.pop(key, None)
+        if tags is None:
+            return
+        self._pulls[key] = tags
+        while len(self._pulls) > MAX_STAGED:
+            self._pulls.popitem(last=False)
+
+    def read_landed(self, a: IssueRead) -> str:
+        """Pull: read ``a`` finished well; the ``corrupt`` argument of
+        ``read_completed`` ("" unless its bytes fail the producer's digest)."""
+        tags = self._pulls.get((a.transfer_id, a.incarnation))
+        scope = a.scope
+        if scope is None:
+            return ""
+        key = (a.transfer_id, a.incarnation, a.attempt, a.peer.rank)
+        try:
+            if self.injector is not None and self.injector.maybe(key, scope, self.regions(),
+                                                                 self.layout):
+                self.injected_keys.add(key[:3])
+                self.stats["injected"] += 1
+            bad = self._check_read(a, scope, None if tags is None else tags.get(a.peer.rank))
+        except Exception:
+            self._check_failed()
+            return ""
+        return "" if bad is None else bad.detail()
+
+    def _check_read(self, a: IssueRead, scope: WriteScope, tag: PullTag | None
+                    ) -> Corruption | None:
+        if tag is None or not self.config.enabled:
+            return None
+        if (tag.first_token, tag.num_tokens, tag.layers) != (
+                scope.first_token, scope.num_tokens, scope.layers):
+            # A cached prefix or a layer subset: the published digests sum over more.
+            self.stats["unchecked"] += 1
+            return None
+        self.stats["checked"] += 1
+        heads = [s + i for _, s, k in scope.heads for i in range(k)]
+        if self.layout.order == "BLOCK":
+            want = tag.digests[0] if len(tag.digests) == 1 else -1
+        elif all(0 <= h < len(tag.digests) for h in heads):
+            want = sum(tag.digests[h] for h in heads) & ((1 << 64) - 1)
+        else:
+            want = -1  # the seal does not name the heads read: fail closed
+        got = digest(self.regions(), self.layout, scope)
+        if got == want:
+            self.stats["passed"] += 1
+            return None
+        bad = Corruption(a.transfer_id, a.incarnation, a.attempt, a.peer.engine_id,
+                         a.peer.rank, self.rank, Tag(tag.first_token, tag.num_tokens,
+                                                     tag.layers, want & ((1 << 64) - 1)),
+                         want & ((1 << 64) - 1), got, kind="read")
+        self.stats["corrupt"] += 1
+        self.corruptions = [*self.corruptions[-63:], bad]
+        if self.on_corrupt is not None:
+            self.on_corrupt(bad)
+        return bad
 
     def deliver(self, endpoint: Consumer, data: bytes, now: float) -> list[Action]:
         """A notification frame (sealed or plain) reached this consumer rank."""

@@ -170,13 +170,19 @@ class ReleaseStaging:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IssueRead:
     """Consumer (pull): copy ``plan`` from ``peer``'s source blocks into local
-    blocks. Report back with ``read_completed``."""
+    blocks. Report back with ``read_completed``.
+
+    ``scope`` (rule 11): the logical rectangle the read lands, as this consumer
+    rank sees it -- its blocks, tokens, layers and head runs ``(local head,
+    producer's local head, count)``: a pull's digest numbers heads as the
+    producer rank does, which the consumer knows from the mapping."""
 
     transfer_id: str
     attempt: int
     peer: Peer
     plan: TransferPlan
     incarnation: int = 0  #: which use of the transfer id
+    scope: WriteScope | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -193,6 +199,13 @@ class Publish:
     num_tokens: int
     incarnation: int = 0  #: which use of the transfer id
     lease_s: float = float("inf")
+    #: Rule 11: the logical rectangle this rank publishes (its blocks, tokens ``[0,
+    #: num_tokens)``, its layers, every local head numbered as its own).
+    scope: WriteScope | None = None
+    #: Rule 11: the digests of ``scope`` a transport that checks integrity fills in
+    #: (``pushkv.integrity``; the core leaves it empty). Relay it unchanged with the
+    #: block ids, to the consumer's pull (this producer rank's entry).
+    seal: bytes = b""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

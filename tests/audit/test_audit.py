@@ -18,7 +18,7 @@ from pushkv.audit import AuditInputError, audit
 from pushkv.audit.__main__ import main
 from pushkv.audit.steps import _NEEDED
 from pushkv.integrity import Injector, IntegrityConfig
-from pushkv.protocol import uniform_ranks
+from pushkv.protocol import Mode, uniform_ranks
 from pushkv.protocol.check.invariants import RULES
 from pushkv.protocol.packing import PackingConfig
 from pushkv.transports import conformance
@@ -39,8 +39,9 @@ def recording(tmp_path: Path):
 
 def _run_inmemory(d: Path) -> None:
     """TP 2 -> TP 1 with digests on (one write corrupted in flight): a transfer
-    READY, one preempted and reissued, one cancelled, one pipelined packed and one
-    corrupted, so every kind of step is recorded."""
+    READY, one preempted and reissued, one cancelled, one pipelined packed, one
+    corrupted and one pulled (two reads, each checked), so every kind of step is
+    recorded."""
     net = pair(uniform_ranks("P", tp=2, num_kv_heads=2), uniform_ranks("D", num_kv_heads=2),
                seed=5, integrity=IntegrityConfig("on"),
                injector=Injector(kinds=("flip",), every=1, limit=1),
@@ -67,8 +68,14 @@ def _run_inmemory(d: Path) -> None:
     c.apply(c.endpoint.abort("gone", net.now))
     finish("gone", [4], 10)
     net.run()
-    assert [c.outcome(t) for t in ("bad", "ok", "re", "gone")] == [
-        "failed", "ready", "ready", "cancelled"], c.outcomes
+    for p in prods:
+        p.apply(p.endpoint.prefill_finished("pl", [5, 6], 20, net.now, mode=Mode.PULL))
+    net.run()
+    c.start_pull("pl", "P", [5, 6], [10, 11], 20,
+                 seals={p.peer.rank: p.published["pl"].seal for p in prods})
+    net.run()
+    assert [c.outcome(t) for t in ("bad", "ok", "re", "gone", "pl")] == [
+        "failed", "ready", "ready", "cancelled", "ready"], c.outcomes
 
 
 def _lines(d: Path) -> list[dict[str, Any]]:
@@ -90,7 +97,7 @@ def test_a_real_inmemory_run_with_every_kind_of_step_is_clean(recording, capsys)
     _run_inmemory(recording)
     report = audit(recording)
     seen = {x["ev"] for x in _lines(recording) if "a" in x}
-    assert seen == set(timeline.STEPS) - {"read_posted"}, seen  # push: no read
+    assert seen == set(timeline.STEPS), seen
     assert report.clean, report.lines()
     assert main([str(recording)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith(": clean")
@@ -187,6 +194,27 @@ def _ready_before_its_last_landing(lines):
     _move_after(lines, note, i)
 
 
+def _pull_ready_without_a_read(lines):
+    del lines[_steps(lines, "read_completed", "pl")[-1]]
+
+
+def _pull_ready_before_a_read_completed(lines):
+    _move_after(lines, _steps(lines, "read_completed", "pl")[0],
+                _steps(lines, "outcome", "pl")[0])
+
+
+def _pull_ready_after_a_failed_read(lines):
+    lines[_steps(lines, "read_completed", "pl")[0]]["a"]["ok"] = False
+
+
+def _pull_ready_without_a_digest(lines):
+    del lines[_steps(lines, "digest_checked", "pl")[-1]]
+
+
+def _pull_ready_after_a_bad_digest(lines):
+    lines[_steps(lines, "digest_checked", "pl")[0]]["a"]["ok"] = False
+
+
 DOCTORED: dict[str, tuple[Callable[[list[dict[str, Any]]], None], str]] = {
     "post after source release": (_post_after_release, "source"),
     "post after lease end": (_post_after_lease, "lease"),
@@ -200,6 +228,11 @@ DOCTORED: dict[str, tuple[Callable[[list[dict[str, Any]]], None], str]] = {
     "READY without a sealed part's digest": (_ready_without_a_digest, "bytes"),
     "READY after a bad digest": (_ready_after_a_bad_digest, "bytes"),
     "READY before a write landed": (_ready_before_its_last_landing, "bytes"),
+    "pull READY without a read's completion": (_pull_ready_without_a_read, "bytes"),
+    "pull READY before a read completed": (_pull_ready_before_a_read_completed, "bytes"),
+    "pull READY after a failed read": (_pull_ready_after_a_failed_read, "bytes"),
+    "pull READY without a sealed read's digest": (_pull_ready_without_a_digest, "bytes"),
+    "pull READY after a bad read digest": (_pull_ready_after_a_bad_digest, "bytes"),
 }
 
 
@@ -296,16 +329,19 @@ def test_inmemory_conformance_runs_are_clean(tmp_path):
 def test_nixl_runs_across_two_processes_are_clean(tmp_path):
     pytest.importorskip("nixl._api", reason="the nixl package is not installed")
     pytest.importorskip("zmq", reason="pyzmq is not installed")
+    from pushkv.transports.nixl import NixlConfig
     from pushkv.transports.nixl.testing import HostPool, NixlCluster
 
     pool = HostPool()
+    checks = {**conformance.CHECKS, **conformance.PULL_CHECKS}
     try:
-        for name in ("transfer_tp2-1", "reissue_after_kv", "cancel"):
-            fn, kwargs = conformance.CHECKS[name]
+        for name in ("transfer_tp2-1", "reissue_after_kv", "cancel", "pull_transfer_tp2-1"):
+            fn, kwargs = checks[name]
             d = tmp_path / name
             for role in ("producer", "consumer"):
                 pool.get(role).call("timeline", str(d))
-            fn(lambda topo: NixlCluster(topo, pool), **kwargs)
+            # digests on: a pull's READY must follow each read's good digest check
+            fn(lambda topo: NixlCluster(topo, pool, NixlConfig(integrity="on")), **kwargs)
             for role in ("producer", "consumer"):
                 pool.get(role).call("timeline", None)
             report = audit(d)

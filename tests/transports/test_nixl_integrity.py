@@ -112,3 +112,72 @@ def test_off_sends_no_digest_and_the_injector_shows_what_is_served(pool: HostPoo
         assert _raw(c, "producer")["stats"][0].get("sealed", 0) == 0
     finally:
         c.close()
+
+
+# ------------------------------------------------------------------------ pull
+
+
+def _pull(c, transfers, **kw):
+    """Pull each transfer: prefill finishes in pull mode, the relay hands every
+    consumer rank the published block ids with each producer rank's seal."""
+    for tid, src, _, n in transfers:
+        c.publish(tid, src, n)
+    for tid, _, dst, n in transfers:
+        c.start_pull(tid, dst, n, **kw)
+    ranks = list(range(len(c.topology.consumer_ranks())))
+    return c.wait(lambda s: all(s.outcomes.get((r, t[0])) for r in ranks for t in transfers)
+                  and not any(s.lent.values()) and not any(s.held.values()), 60.0)
+
+
+def test_pull_faults_are_caught_across_processes(pool: HostPool) -> None:
+    """P TP2 -> D TP1: every consumer rank reads from two producer ranks, each
+    read's landed bytes checked against its producer rank's published digests;
+    one read in four corrupted (every kind in turn) fails its pull with CORRUPT,
+    the others are READY with exact bytes."""
+    topo = Topology(producer=dict(tp=2, num_kv_heads=2, block_size=32),
+                    consumer=dict(num_kv_heads=2, order="HND"))
+    c = NixlCluster(topo, pool, NixlConfig(integrity="on"),
+                    consumer_nixl=NixlConfig(integrity="on", inject=",".join(KINDS) + ":4"))
+    try:
+        transfers = [(f"p{i}", [9 + i, 3], [5 + 3 * i, 6 + 3 * i, 7 + 3 * i], 40)
+                     for i in range(6)]
+        snap = _pull(c, transfers)
+        raw = _raw(c, "consumer")
+        stats = raw["stats"][0]
+        failed = [t for t in transfers if snap.outcomes[(0, t[0])] == [("failed", 0)]]
+        ready = [t for t in transfers if snap.outcomes[(0, t[0])] == [("ready", 0)]]
+        assert len(failed) + len(ready) == 6 and failed and ready, snap.outcomes
+        assert all(raw["fail_codes"][(0, t[0])] == ["CORRUPT"] for t in failed)
+        assert stats["integrity_injected"] == stats["integrity_corrupt"] == 3
+        assert stats["integrity_checked"] == 12 and stats.get("served_from_corrupt", 0) == 0
+        assert _raw(c, "producer")["stats"][0]["sealed"] == 6
+        _ready_exact(c, transfers, ready)
+    finally:
+        c.close()
+
+
+def test_clean_pulls_verify_and_bad_seals_are_refused(pool: HostPool) -> None:
+    """Clean sealed pulls are READY with every read checked; a pull relayed a torn
+    seal or none for a rank is refused (CallFailed), leaving nothing lent."""
+    topo = Topology(producer=dict(num_kv_heads=2), consumer=dict(tp=2, num_kv_heads=2,
+                                                                  block_size=8))
+    c = NixlCluster(topo, pool, NixlConfig(integrity="on"))
+    try:
+        transfers = [(f"c{i}", [9 + i, 3, 17], list(range(6 * i, 6 * i + 6)), 40)
+                     for i in range(2)]
+        snap = _pull(c, transfers)
+        assert all(snap.outcomes[(r, t[0])] == [("ready", 0)] for r in (0, 1) for t in transfers)
+        raw = _raw(c, "consumer")
+        assert all(raw["stats"][r]["integrity_checked"] == raw["stats"][r]["integrity_passed"]
+                   == 2 for r in (0, 1))
+        assert_destination(c, [(s, d, n, 0) for _, s, d, n in transfers])
+        c.publish("bad", [20, 21, 22], 40)
+        seal = _raw(c, "producer")["seals"][0, "bad", 0]
+        c.start_pull("bad", [30, 31, 32, 33, 34, 35], 40, seals={0: seal[:-3]})
+        c.start_pull("bad", [30, 31, 32, 33, 34, 35], 40, seals={1: seal})
+        snap = c.wait(lambda s: len(s.violations) >= 4, 30.0)
+        assert len(snap.violations) == 4 and all(
+            "start_pull" in e and "seal" in e for e in snap.violations), snap.violations
+        assert not any(s for s in snap.lent.values()) and not snap.outcomes.get((0, "bad"))
+    finally:
+        c.close()

@@ -72,8 +72,8 @@ RULES: dict[str, str] = {
              "the fence grace bounds it; an answer counts every write it posted)",
     "outcome": "outcome (one outcome per use and rank)",
     "stale": "stale (the outcome is the current attempt's)",
-    "bytes": "bytes (READY only after every part's notification, and its digest when "
-             "checked)",
+    "bytes": "bytes (READY only after every part's notification -- a pull: every read's "
+             "completion -- and its digest when checked)",
 }
 
 
@@ -129,7 +129,8 @@ def outcome_rule(previous: object, attempt: int, current: int) -> str | None:
 
 def ready_rule(missing: int) -> str | None:
     """READY with ``missing`` owed things not there: a part not notified, a notified
-    part's digest not checked good, a posted write not landed."""
+    part's digest not checked good, a posted write not landed; for a pull, a posted
+    read not completed well, a read's digest not checked good."""
     return "bytes" if missing else None
 
 

@@ -53,10 +53,15 @@ class ConsumerOutcomes(ConsumerView):
 
     def read_completed(
         self, transfer_id: str, attempt: int, peer: Peer, ok: bool, now: float, *,
-        incarnation: int = 0,
+        incarnation: int = 0, corrupt: str = "",
     ) -> list[Action]:
         """Pull: the transport finished (``ok``) or failed a read issued by IssueRead
-        for ``(transfer_id, incarnation)`` (the IssueRead's; 0: the default use)."""
+        for ``(transfer_id, incarnation)`` (the IssueRead's; 0: the default use).
+
+        ``corrupt`` (rule 11): the read finished, and the bytes it landed failed their
+        digest check against the producer's published one (what failed, both
+        digests). Fed as ``CORRUPT``: a landing that fences its rank and never
+        counts towards READY; the transfer fails with ``FailReason.CORRUPT``."""
         t = self._find(transfer_id, incarnation)
         if t is None:
             # Only possible when the read outlived the hard deadline (window + grace)
@@ -74,6 +79,16 @@ class ConsumerOutcomes(ConsumerView):
             t.why(FailReason.LEASE_EXPIRED, f"the read from {peer} completed after the "
                   "source's lease may have ended")
         self.stats["reads_ok" if ok else "reads_failed"] += 1
+        inp = CI.NOTIFY if ok else CI.FAIL
+        if ok and corrupt:
+            a = t.cur if attempt == t.cur.attempt else t.zombies.get(attempt)
+            if a is not None and peer.rank in a.expected and peer.rank not in a.fenced:
+                # Rule 11: a read is its rank's one whole landing (rule 9's count).
+                a.got.setdefault(peer.rank, set()).add(0)
+                a.need[peer.rank] = max(1, a.need.get(peer.rank, 0))
+                inp = CI.CORRUPT  # the tables decide: fails the attempt, or only fences
+                self.stats["corrupt"] += 1
+                self._corrupt_detail = corrupt
         if not ok:
             t.why(FailReason.READ_FAILED, f"read from {peer} failed")
             a = t.cur if attempt == t.cur.attempt else t.zombies.get(attempt)
@@ -83,7 +98,10 @@ class ConsumerOutcomes(ConsumerView):
                 # blocks, so its stray bytes may land until the fence grace.
                 a.stray[peer.rank] = now + self.config.fence_grace_s
                 self._schedule(now + self.config.fence_grace_s, t.key)
-        return out + self._report(t, attempt, peer.rank, CI.NOTIFY if ok else CI.FAIL, now)
+        try:
+            return out + self._report(t, attempt, peer.rank, inp, now)
+        finally:
+            self._corrupt_detail = ""
 
     def landed_scope(self, msg: Notify) -> WriteScope | None:
         """Rule 11: the logical KV the write ``msg`` notifies may have landed in,

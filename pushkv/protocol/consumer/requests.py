@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..errors import LocalProtocolError
-from ..events import Action, IssueRead, Mode, Peer, SendMessage
+from ..events import Action, IssueRead, Mode, Peer, SendMessage, WriteScope
 from ..layout import RankInfo
 from ..mapping import assignment
 from ..messages import MAX_HEARTBEAT_ITEMS, Cancel, Heartbeat, Register
@@ -49,13 +49,12 @@ def reads(
         info = producers.peers.get(Peer(producer, r))
         if info is None:
             raise LocalProtocolError(f"no handshake with producer rank {r}", transfer_id=tid)
-        plan = plan_transfer(
-            info.layout, me.layout,
-            assignment(info.engine, me.engine, r, me.rank),
-            src, dst, n, first,
-        )
+        got = assignment(info.engine, me.engine, r, me.rank)
+        plan = plan_transfer(info.layout, me.layout, got, src, dst, n, first)
+        # Rule 11: the rectangle it lands, heads numbered as the producer rank does.
+        scope = WriteScope(dst, first, n, got.layers, tuple((d, s, k) for s, d, k in got.heads))
         out.append(IssueRead(transfer_id=tid, attempt=attempt, peer=Peer(producer, r),
-                             plan=plan, incarnation=inc))
+                             plan=plan, incarnation=inc, scope=scope))
     return out
 
 def cancels(me: Peer, t: Transfer, *, final: bool,

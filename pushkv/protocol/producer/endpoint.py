@@ -331,9 +331,13 @@ class Producer(ProducerAnswers, Endpoint):
             t.orphan = float("inf")
             t.lease = now + self.config.lease_s  # armed by _settle while the source is held
             if t.mode is Mode.PULL:
+                lo = self.info.layout
                 own.append(Publish(transfer_id=t.transfer_id, block_ids=t.src_ids,
                                    num_tokens=t.num_tokens, incarnation=t.inc,
-                                   lease_s=self.config.lease_s))
+                                   lease_s=self.config.lease_s, scope=WriteScope(
+                                       t.src_ids, 0, t.num_tokens,
+                                       range(lo.layer_start, lo.layer_end),
+                                       ((0, 0, lo.num_heads),))))
             leg_input = PI.KV_READY
         elif effect is SE.ABORT:
             t.aborted = True

@@ -456,9 +456,7 @@ class InMemoryNetwork(Landing):
                         incarnation=action.incarnation))
                 else:
                     assert isinstance(node, ConsumerNode)
-                    node.apply(node.endpoint.read_completed(
-                        action.transfer_id, action.attempt, action.peer, ok, self.now,
-                        incarnation=action.incarnation))
+                    node.read_done(action, ok, self.now)
         elif item.kind == "death":
             node = self.node(item.dst)  # type: ignore[arg-type]
             if node is not None and node.alive:

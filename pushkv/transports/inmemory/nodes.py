@@ -5,6 +5,8 @@ carries out the endpoint's actions through the network (:class:`Wire`)."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -132,8 +134,9 @@ class ProducerNode(Node):
             self.released_at.setdefault(key, self.net.now)
             if self.released_by_key[key] > 1:
                 self.net.violations.append(f"{self.peer}: source of {key} released twice")
-        elif isinstance(a, Publish):
-            self.published[a.transfer_id] = a
+        elif isinstance(a, Publish):  # rule 11: sealed over the source as it is now
+            seal = self.integrity.publish_seal(a) if self.net.integrity.enabled else b""
+            self.published[a.transfer_id] = replace(a, seal=seal) if seal else a
         else:  # pragma: no cover
             raise AssertionError(f"unexpected producer action {a!r}")
 
@@ -185,6 +188,34 @@ class ConsumerNode(Node):
             self.net.connect(self.peer, a.engine_id)
         else:  # pragma: no cover
             raise AssertionError(f"unexpected consumer action {a!r}")
+
+    def start_pull(self, transfer_id: str, producer: str, src_block_ids: Sequence[int],
+                   block_ids: Sequence[int], num_tokens: int, first_token: int = 0, *,
+                   incarnation: int = 0, lease_s: float | None = None,
+                   seals: Mapping[int, bytes] | None = None) -> None:
+        """Pull as a driver starts it: the publication's seals relayed (rule 11: one per
+        producer rank, ``Publish.seal``; checked first, a bad one changes nothing),
+        then the endpoint's ``start_pull``."""
+        tags = Integrity.pull_seals(seals, self.endpoint.producers.writers.get(producer, ()))
+        self.apply(self.endpoint.start_pull(transfer_id, producer, src_block_ids, block_ids,
+                                            num_tokens, self.net.now, first_token,
+                                            incarnation=incarnation, lease_s=lease_s))
+        self.integrity.expect_pull(transfer_id, incarnation, tags)
+
+    def read_done(self, a: IssueRead, ok: bool, now: float) -> None:
+        """A read of this rank ended: its landed bytes checked (rule 11), then the
+        endpoint told."""
+        checked, corrupt = self.integrity.stats["checked"], self.integrity.stats["corrupt"]
+        bad = self.integrity.read_landed(a) if ok and (
+            self.net.integrity.enabled or self.net.injector is not None) else ""
+        if timeline.enabled():
+            timeline.read_done(self.name, a.transfer_id, a.incarnation, a.attempt, a.peer, ok,
+                               self.integrity.stats["checked"] > checked, now)
+            if self.integrity.stats["checked"] > checked:
+                timeline.checked(self.name, a.transfer_id, a.incarnation, a.attempt, a.peer,
+                                 self.integrity.stats["corrupt"] == corrupt, now)
+        self.apply(self.endpoint.read_completed(a.transfer_id, a.attempt, a.peer, ok, now,
+                                                incarnation=a.incarnation, corrupt=bad))
 
     def frame(self, data: bytes, now: float) -> None:
         note = self._notified(data, now) if timeline.enabled() else None

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pushkv import timeline
@@ -119,6 +120,8 @@ class IOLoop(CardExchange):
                                      if isinstance(endpoint, Consumer) else float("inf"))
         self._writes = 0
         self._reads = 0
+        #: rule 11: the IssueRead of each read in flight, by (id, incarnation, attempt, peer)
+        self._read_actions: dict[tuple[str, int, int, Peer], IssueRead] = {}
         #: pulls waiting for their producer engine's handshake, by engine
         self._pulls: dict[str, list[cmd.StartPull]] = {}
         self._next_notif = 0.0
@@ -405,11 +408,15 @@ class IOLoop(CardExchange):
             self._pulls.setdefault(c.producer_engine_id, []).append(c)
             self._start_handshake(eng, now)
             return
+        # Rule 11: the publication's seals, one per producer rank read (bad: nothing changes).
+        tags = Integrity.pull_seals(c.seals, consumer.producers.writers.get(
+            c.producer_engine_id, ()))
         self._apply(consumer.start_pull(c.transfer_id, c.producer_engine_id, c.src_block_ids,
                                         c.block_ids, c.num_tokens, now, c.first_token,
                                         incarnation=c.incarnation,
                                         lease_s=None if c.lease_until is None
                                         else c.lease_until - now), now)
+        self._integrity.expect_pull(c.transfer_id, c.incarnation, tags)
 
     def _pulls_settled(self, engine_id: str, now: float, error: str = "") -> None:
         """The handshake with ``engine_id`` ended: run (or refuse) the pulls that waited."""
@@ -485,7 +492,7 @@ class IOLoop(CardExchange):
                 self._issue_read(a)
             elif isinstance(a, Publish):
                 self._stats["published"] += 1
-                self._emit(a)
+                self._emit(self._sealed(a))
             elif isinstance(a, Scatter):  # rule 10: off this thread; scatter_done on return
                 self._scatters += 1
                 self._stats["scatter_runs"] += a.packed.plan.runs_per_region * (a.chunk == 0)
@@ -544,12 +551,30 @@ class IOLoop(CardExchange):
     def _corrupt(self, bad: Corruption) -> None:
         """Rule 11: one structured line per landed range that failed its check."""
         self._stats["corrupt"] += 1
-        log.info("pushkv integrity: CORRUPT transfer=%s incarnation=%d attempt=%d "
+        log.info("pushkv integrity: CORRUPT %s transfer=%s incarnation=%d attempt=%d "
                     "producer=%s producer_rank=%d consumer_rank=%d tokens=[%d,%d) "
-                    "layers=[%d,%d) expected=%016x got=%016x", bad.transfer_id,
+                    "layers=[%d,%d) expected=%016x got=%016x", bad.kind, bad.transfer_id,
                     bad.incarnation, bad.attempt, bad.producer, bad.producer_rank,
                     bad.consumer_rank, bad.tag.first_token, bad.tag.num_tokens,
                     bad.tag.layers.start, bad.tag.layers.stop, bad.expected, bad.got)
+
+    def _sealed(self, a: Publish) -> Publish:
+        """Rule 11 (pull): the publication with its seal, over the source bytes now."""
+        if not self._integrity.config.enabled:
+            return a
+        try:
+            seal = self._integrity.publish_seal(a)
+        except Exception:  # a digest that cannot be taken must not stop the pull
+            self._stats["digest_errors"] += 1
+            if self._stats["digest_errors"] == 1:
+                log.exception("pushkv integrity: no digest for the publication of %s "
+                              "(published unsealed; counted as digest_errors, further ones "
+                              "not logged)", a.transfer_id)
+            return a
+        if not seal:
+            return a
+        self._stats["sealed"] += 1
+        return replace(a, seal=seal)
 
     def _issue(self, a: IssueWrite) -> None:
         writer = self._writer
@@ -590,6 +615,7 @@ class IOLoop(CardExchange):
         if link is None or reader is None:
             return
         assert link.agent_name is not None
+        self._read_actions[a.transfer_id, a.incarnation, a.attempt, a.peer] = a  # rule 11
         reader.submit(ReadJob(
             transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, plan=a.plan,
             incarnation=a.incarnation, remote_agent=link.agent_name, remote_bases=link.bases,
@@ -661,6 +687,8 @@ class IOLoop(CardExchange):
         while self._read_completions:
             r = self._read_completions.popleft()
             self._reads -= 1
+            a = self._read_actions.pop((r.transfer_id, r.incarnation, r.attempt, r.peer), None)
+            bad = self._read_checked(a, r.ok, now) if a is not None else ""
             if r.ok:
                 self._stats["reads_ok"] += 1
                 self._stats["bytes_read"] += r.nbytes
@@ -668,9 +696,26 @@ class IOLoop(CardExchange):
                 self._stats["reads_failed"] += 1
                 log.info("read of %s#%d from %s failed: %s", r.transfer_id, r.attempt, r.peer,
                          r.error)
-            self._guard(lambda r=r: self._apply(
+            self._guard(lambda r=r, bad=bad: self._apply(
                 consumer.read_completed(r.transfer_id, r.attempt, r.peer, r.ok, now,
-                                        incarnation=r.incarnation), now))
+                                        incarnation=r.incarnation, corrupt=bad), now))
+
+    def _read_checked(self, a: IssueRead, ok: bool, now: float) -> str:
+        """Rule 11 (pull): a read ended; check the bytes it landed against the
+        producer's published digests (read_completed's ``corrupt``: "" if they match
+        or nothing is checked)."""
+        integrity = self._integrity
+        checked, corrupt = integrity.stats["checked"], integrity.stats["corrupt"]
+        bad = integrity.read_landed(a) if ok and (
+            integrity.config.enabled or integrity.injector is not None) else ""
+        if timeline.enabled():
+            done = integrity.stats["checked"] > checked
+            timeline.read_done(self._me, a.transfer_id, a.incarnation, a.attempt, a.peer, ok,
+                               done, now)
+            if done:
+                timeline.checked(self._me, a.transfer_id, a.incarnation, a.attempt, a.peer,
+                                 integrity.stats["corrupt"] == corrupt, now)
+        return bad
 
     # --------------------------------------------------- incoming traffic
 
