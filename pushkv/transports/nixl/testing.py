@@ -100,6 +100,8 @@ class _RankState:
         self.errors: list[str] = []
         #: producer (pull): (transfer id, incarnation) -> published block ids
         self.published: dict[tuple[str, int], list[int]] = {}
+        #: producer (pull): (transfer id, incarnation) -> the publication's seal (rule 11)
+        self.seals: dict[tuple[str, int], bytes] = {}
         #: producer: (transfer id, incarnation, consumer rank) of the registrations
         #: taken in (gathered from the runtime's recent ones at each snapshot)
         self.registrations: set[tuple[str, int, int]] = set()
@@ -122,6 +124,7 @@ class _RankState:
                 self.rejected += 1
             elif isinstance(e, Publish):
                 self.published[e.transfer_id, e.incarnation] = list(e.block_ids)
+                self.seals[e.transfer_id, e.incarnation] = e.seal
             elif type(e).__name__ == "CallFailed":
                 self.errors.append(repr(e))
         return len(events)
@@ -188,7 +191,8 @@ class _HostServer:
         out: dict[str, Any] = {"outcomes": {}, "src_released": {}, "dst_released": {},
                                "rejected": {}, "lent": {}, "held": {}, "errors": [],
                                "stats": {}, "writes_in_flight": 0, "transfers": {},
-                               "fail_codes": {}, "published": {}, "staging_lent": {},
+                               "fail_codes": {}, "published": {}, "seals": {},
+                               "staging_lent": {},
                                "registrations": {}, "writes": {}}
         for r, st in self.ranks.items():
             view = st.runtime.inspect()
@@ -215,6 +219,7 @@ class _HostServer:
                 out["writes"][r] = view.stats.get("writes_issued", 0)
                 for key, ids in st.published.items():
                     out["published"][r, *key] = ids
+                    out["seals"][r, *key] = st.seals.get(key, b"")
         return out
 
     def memory(self, rank: int) -> list[bytes]:
@@ -408,25 +413,32 @@ class NixlCluster:
     def start_pull(self, transfer_id: str, dst_block_ids: Sequence[int], num_tokens: int,
                    first_token: int = 0, *, incarnation: int = 0,
                    src_block_ids: Sequence[int] | None = None,
-                   timeout_s: float = 20.0, lease_s: float | None = None) -> None:
+                   timeout_s: float = 20.0, lease_s: float | None = None,
+                   seals: dict[int, bytes] | None = None) -> None:
         """Pull, as a sequential router does it: wait until every producer rank
         published the transfer, then have every consumer rank read the published
-        block ids (or ``src_block_ids``, when a test lies about them)."""
+        block ids (or ``src_block_ids``, when a test lies about them) with each
+        rank's seal (rule 11; or ``seals``, when a test lies about them)."""
         if src_block_ids is None:
             ranks = [p.rank for p in self.topology.producer_ranks()]
             end = time.monotonic() + timeout_s
             while True:
-                published = self._parts(0.01)[0].get("published", {})
+                part = self._parts(0.01)[0]
+                published = part.get("published", {})
                 got = [published.get((r, transfer_id, incarnation)) for r in ranks]
                 if all(g is not None for g in got):
                     break
                 if time.monotonic() >= end:
                     raise TimeoutError(f"{transfer_id} was never published: {published}")
             src_block_ids = got[0]
+            if seals is None:
+                sealed = {r: part.get("seals", {}).get((r, transfer_id, incarnation), b"")
+                          for r in ranks}
+                seals = sealed if all(sealed.values()) else None
         self._consumer.call("each", "start_pull",
                             (transfer_id, PRODUCER, list(src_block_ids), list(dst_block_ids),
                              num_tokens, first_token),
-                            {"incarnation": incarnation, "lease_s": lease_s})
+                            {"incarnation": incarnation, "lease_s": lease_s, "seals": seals})
 
     def preempt(self, transfer_id: str) -> None:
         self._consumer.call("each", "preempt", (transfer_id,))

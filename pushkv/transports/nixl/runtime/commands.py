@@ -51,6 +51,7 @@ class StartPull(NamedTuple):
     first_token: int = 0
     incarnation: int = 0
     lease_until: float | None = None  #: monotonic: until when the source is known held
+    seals: Any = None  #: rule 11: producer rank -> its ``Publish.seal`` (None: unsealed)
 
 
 class RangeReady(NamedTuple):
