@@ -7,13 +7,19 @@ from __future__ import annotations
 from pushkv.protocol import (
     ConsumerState,
     FailReason,
+    IssueRead,
     IssueWrite,
+    Mode,
+    Peer,
+    Publish,
     ReleaseDestination,
+    ReleaseSource,
+    SendMessage,
     TransferFailed,
     TransferReady,
 )
 from pushkv.protocol.events import WriteScope
-from pushkv.protocol.messages import Cancel, CancelAck
+from pushkv.protocol.messages import Cancel, CancelAck, ReadDone
 
 from .helpers import Pair, msgs, of
 
@@ -95,3 +101,73 @@ def test_a_corrupt_landing_of_an_older_attempt_only_fences_it():
     assert of(out, ReleaseDestination) and not of(out, TransferFailed)
     assert c.state_of("t") is ConsumerState.REGISTERED and c.attempt_of("t") == 1
     assert set(c.lent_blocks()) == {20, 21, 22}
+
+
+# --------------------------------------------------------------------- pull
+
+
+def _pulled(tp=2):
+    pair = Pair(producer={"tp": tp, "num_kv_heads": 2}, consumer={"num_kv_heads": 2})
+    for p in pair.p:
+        (pub,) = of(p.prefill_finished("t", [9, 3, 17], 40, pair.now, mode=Mode.PULL), Publish)
+        lo = p.info.layout
+        assert pub.scope == WriteScope((9, 3, 17), 0, 40, range(lo.layer_start, lo.layer_end),
+                                       ((0, 0, lo.num_heads),)) and pub.seal == b""
+    out = pair.c[0].start_pull("t", "P", [9, 3, 17], [4, 5, 6], 40, pair.now)
+    return pair, pair.c[0], of(out, IssueRead)
+
+
+def test_a_read_names_what_it_lands_with_the_producers_head_numbers():
+    _, _, reads = _pulled()
+    # P TP2 (one head each) -> D TP1 (two heads): D's head 1 is P rank 1's head 0
+    assert [r.scope for r in reads] == [
+        WriteScope((4, 5, 6), 0, 40, range(0, 2), ((0, 0, 1),)),
+        WriteScope((4, 5, 6), 0, 40, range(0, 2), ((1, 0, 1),))]
+
+
+def test_a_corrupt_read_fails_the_pull_once_the_other_read_ended():
+    pair, c, _ = _pulled()
+    out = c.read_completed("t", 0, Peer("P", 0), True, pair.now, corrupt="rank 0's read: bad")
+    assert not of(out, TransferFailed) and not of(out, TransferReady)  # rank 1 still reads
+    assert c.state_of("t") is ConsumerState.FAILING and set(c.lent_blocks()) == {4, 5, 6}
+    out = c.read_completed("t", 0, Peer("P", 1), True, pair.now)  # its landing: the fence
+    (failed,) = of(out, TransferFailed)
+    assert failed.code is FailReason.CORRUPT and "rank 0's read: bad" in failed.reason
+    assert of(out, ReleaseDestination) and not of(out, TransferReady)
+    cancels = [a for a in out if isinstance(a, SendMessage) and isinstance(a.message, Cancel)]
+    assert {a.peer.rank for a in cancels} == {0, 1} and all(a.message.final for a in cancels)
+    assert not msgs(out, ReadDone) and c.lent_blocks() == {} and c.stats["corrupt"] == 1
+    # each producer rank drops its source at the final Cancel
+    assert all(of(pair.to_producers([a]), ReleaseSource) for a in out
+               if isinstance(a, SendMessage) and a.peer.engine_id == "P")
+
+
+def test_the_last_read_corrupt_releases_at_once():
+    pair, c, _ = _pulled(tp=1)
+    out = c.read_completed("t", 0, Peer("P", 0), True, pair.now, corrupt="bad")
+    (failed,) = of(out, TransferFailed)
+    assert failed.code is FailReason.CORRUPT and of(out, ReleaseDestination)
+    assert c.lent_blocks() == {}
+
+
+def test_a_failed_read_ignores_a_corrupt_detail():
+    """A read that failed landed nothing known: it is a failure (fenced after the
+    grace), whatever the driver says of its bytes."""
+    pair, c, _ = _pulled(tp=1)
+    out = c.read_completed("t", 0, Peer("P", 0), False, pair.now, corrupt="bad")
+    assert not of(out, ReleaseDestination) and c.stats["corrupt"] == 0
+    out = c.handle_timer(pair.now + c.config.fence_grace_s)
+    (failed,) = of(out, TransferFailed)
+    assert failed.code is FailReason.READ_FAILED
+
+
+def test_a_corrupt_read_of_an_older_attempt_only_fences_it():
+    pair, c, _ = _pulled(tp=1)
+    c.preempt("t", pair.now)
+    out = c.reissue("t", [20, 21, 22], pair.now)
+    assert of(out, IssueRead)
+    out = c.read_completed("t", 0, Peer("P", 0), True, pair.now, corrupt="bad")
+    assert of(out, ReleaseDestination) and not of(out, TransferFailed)
+    assert c.state_of("t") is ConsumerState.REGISTERED and c.attempt_of("t") == 1
+    out = c.read_completed("t", 1, Peer("P", 0), True, pair.now)
+    assert of(out, TransferReady)
