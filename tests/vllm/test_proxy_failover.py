@@ -9,10 +9,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from pushkv.vllm.params import parse_params
@@ -416,3 +418,69 @@ def test_retarget_sends_the_same_decode_leg_a_turn_later_and_prefills_once():
     first = parse_params(p.legs[0].body["kv_transfer_params"])
     assert (leg.transfer_id, leg.incarnation) == (first.transfer_id, first.incarnation)
     assert leg.target == 1
+
+
+@dataclass
+class GatedVllm(FakeVllm):
+    """A stand-in whose legs (not discovery requests) wait until ``gate`` is set
+    (``waiting`` counts them)."""
+
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: int = 0
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        params = (await request.json()).get("kv_transfer_params") or {}
+        if not params.get("pushkv_discover"):
+            self.waiting += 1
+            await self.gate.wait()
+        return await super().completions(request)
+
+
+def test_a_retarget_that_finds_no_source_is_reissued_once_to_the_same_producer():
+    """failover = "retarget": the re-targeted decode leg fails on an instance that
+    stays healthy (the producer had released the source: the first decode instance
+    had all of it) -- the request goes once more as a new transfer, to the prefill
+    instance of the first attempt (its prefix cache holds the prompt) even when
+    another is less loaded, and its answer reaches the client. A second failure is
+    the client's error, naming the instance that failed."""
+    p1, p2 = FakeVllm("prefill"), FakeVllm("prefill")
+    d1, d2 = FakeVllm("decode"), GatedVllm("decode", fail_legs=1)
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        proxy.decode[0].url = "http://127.0.0.1:9"  # nothing listens: refused
+        proxy.pool.drain(proxy.prefill[1])
+        task = asyncio.ensure_future(post(s, url))
+        await until(lambda: d2.waiting == 1)  # the re-targeted leg arrived
+        proxy.pool.undrain(proxy.prefill[1])
+        proxy.prefill[0].work += 10**6  # the other producer is now the least loaded
+        d2.gate.set()
+        status, _ = await task
+        assert status == 200
+        assert await counter(s, url, "pushkv_proxy_failover_causes_total",
+                             cause="source_released") == 1
+        assert await counter(s, url, "pushkv_proxy_failover_prompt_tokens_total",
+                             stage="before_answer") > 0
+
+    run([p1, p2], [d1, d2], scenario, failover="retarget")
+    assert len(p1.legs) == 2 and not p2.legs
+    assert len(d2.legs) == 2
+    first, retargeted, reissued = (parse_params(leg.body["kv_transfer_params"])
+                                   for leg in (p1.legs[0], d2.legs[0], d2.legs[1]))
+    assert (retargeted.transfer_id, retargeted.target) == (first.transfer_id, 1)
+    assert reissued.transfer_id == transfer(p1.legs[1]) != first.transfer_id
+    assert reissued.target == 0
+
+
+def test_a_reissue_that_fails_too_gives_the_client_the_instance_s_error():
+    p = FakeVllm("prefill")
+    d1, d2 = FakeVllm("decode"), FakeVllm("decode", fail_legs=2)
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        proxy.decode[0].url = "http://127.0.0.1:9"
+        status, body = await post(s, url)
+        assert status == 500, body
+        assert proxy.decode[1].url in body["error"]["message"]
+        assert "went away" not in body["error"]["message"]
+
+    run([p], [d1, d2], scenario, failover="retarget")
+    assert len(p.legs) == 2 and len(d2.legs) == 2

@@ -17,8 +17,17 @@ Two stages, each with its own rule:
     blocks are fenced as on any failure), and the prompt is computed once. A
     source already released (the first decode instance had its whole KV, or
     its death was known before the new leg registered and the producer's
-    ``retarget_hold_s`` is 0) fails the new leg, which then follows its
-    ``kv_load_failure_policy``.
+    ``retarget_hold_s`` is 0) fails the new leg: the new decode instance's
+    ``kv_load_failure_policy`` decides there (``recompute``: it computes the
+    prompt itself and answers; ``fail``: it answers an error). An error from a
+    re-targeted leg whose instance stays healthy is taken for that (the
+    engine's 500 does not say why), and the request goes once more, as a
+    **new transfer**, to the same prefill instance (:class:`Reissue`): its
+    prefix cache serves the prompt's full blocks, so it computes the last
+    partial block again (a whole block when the prompt fills its blocks:
+    vLLM computes at least one token). A poison request cannot get here
+    without its first decode instance being found gone, and the reissue is
+    never repeated.
 
 * **Mid-stream** (a streamed completion whose client holds k tokens): the stream
   is **resumed** on another decode instance, at most ``resumes`` times
@@ -51,6 +60,8 @@ from .pool import Instance, Pool
 
 logger = logging.getLogger("pushkv.proxy")
 
+#: The ``cause`` of a reissue (:class:`Reissue`): the re-targeted leg found no source.
+SOURCE_RELEASED = "source_released"
 RETRY = "retry"
 RETARGET = "retarget"
 #: The policies ``failover`` may name.
@@ -64,6 +75,17 @@ def check_policy(name: str) -> str:
     if name not in POLICIES:
         raise ValueError(f"failover policy {name!r} is not one of {', '.join(POLICIES)}")
     return name
+
+
+class Reissue(Exception):
+    """A re-targeted decode leg failed while its instance stays healthy: the
+    producer had released the source (the first decode instance had it all). The
+    request goes once more as a new transfer, to ``prefill`` (its prefix cache holds
+    the prompt's full blocks), avoiding the decode instances in ``lost``."""
+
+    def __init__(self, exc: LegError, prefill: Instance, lost: list[Instance]) -> None:
+        super().__init__(exc.message)
+        self.exc, self.prefill, self.lost = exc, prefill, lost
 
 
 class Failover:
@@ -109,6 +131,14 @@ class Failover:
         """Whether a decode leg that failed before the answer began goes, unchanged, to
         another decode instance (``retarget``) rather than a new transfer."""
         return self.policy == RETARGET and exc.leg == "decode" and not answer_began
+
+    async def released(self, exc: LegError, inst: Instance, answer_began: bool,
+                       session: aiohttp.ClientSession) -> bool:
+        """Whether a re-targeted decode leg that failed at ``inst`` met a released
+        source: the engine failed it (an error answer or a dropped leg) before the
+        answer began, and ``inst`` stays healthy."""
+        return (self.policy == RETARGET and exc.leg == "decode" and exc.dropped
+                and not answer_began and not await self.gone(inst, session))
 
     def record(self, stage: str, exc: LegError, cause: str, prompt_tokens: int) -> None:
         """Count one failover and the prompt tokens it sends to a prefill instance."""

@@ -135,11 +135,16 @@ class Pool:
 
     # ----------------------------------------------------------- choosing
 
-    def pick(self, role: str, avoid: Iterable[Instance] = ()) -> Instance | None:
+    def pick(self, role: str, avoid: Iterable[Instance] = (),
+             prefer: Instance | None = None) -> Instance | None:
         """The serving instance of ``role`` (up, not drained) with the least
-        outstanding work, preferring ones not in ``avoid``; None when none serves."""
+        outstanding work, preferring ones not in ``avoid``; None when none serves.
+        ``prefer``: that instance whenever it serves and is not avoided (a prefill
+        instance whose prefix cache holds the prompt)."""
         up = [i for i in self.of(role) if i.serving]
         avoided = set(avoid)
+        if prefer is not None and prefer in up and prefer not in avoided:
+            return prefer
         fresh = [i for i in up if i not in avoided] or up
         if not fresh:
             return None

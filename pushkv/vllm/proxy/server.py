@@ -73,7 +73,7 @@ from ..params import (
 )
 from .drain import Admin
 from .failover import BEFORE_ANSWER as BEFORE
-from .failover import MID_STREAM, Failover
+from .failover import MID_STREAM, SOURCE_RELEASED, Failover, Reissue
 from .input import CHAT, COMPLETIONS, Checked, ClientError, check_request
 from .input import error_body as _error_body
 from .legs import (
@@ -114,6 +114,8 @@ class _Request:
     first_byte: float | None = None
     transfer_id: str = ""  #: the current attempt's (timeline marks)
     retries: int = 0  #: sent again before the answer began
+    reissued: bool = False  #: sent as a new transfer after a re-target found no source
+    prefill_used: Instance | None = None  #: the last attempt's prefill instance
     resumes: int = 0  #: streams resumed elsewhere
 
 
@@ -321,12 +323,22 @@ class PushProxy:
             if decode is None:
                 raise last or LegError("decode", 503, _error_body(
                     "no decode instance is in rotation", 503))
-            prefill = self.pool.pick("prefill", avoid["prefill"])
+            # A decode leg that failed leaves the prompt's full blocks in its prefill
+            # instance's prefix cache: the next attempt goes there when it serves.
+            prefill = self.pool.pick("prefill", avoid["prefill"], prefer=req.prefill_used)
             if prefill is None:
                 return await self._decode_alone(req, decode, "no prefill instance is in "
                                                 "rotation", last)
             try:
                 return await self._attempt(req, prefill, decode)
+            except Reissue as why:
+                if req.reissued:  # once only
+                    raise why.exc from None
+                req.reissued = True
+                avoid["decode"] += why.lost
+                self.metrics.retries.inc()
+                self.failover.record(BEFORE, why.exc, SOURCE_RELEASED,
+                                     req.checked.prompt_tokens)
             except LegError as exc:
                 failed = prefill if exc.leg == "prefill" else decode
                 cause = await self.failover.cause(exc, failed, self.upstream.session)
@@ -421,6 +433,7 @@ class PushProxy:
         d_body = self._decode_body(req, self.upstream.sign(DecodeLeg(
             transfer_id=transfer_id, producer=endpoint, incarnation=incarnation).to_params()))
         req.transfer_id = transfer_id
+        req.prefill_used = prefill
         timeline.mark(transfer_id, "received", req.started)
         tried = [decode]
         with self._busy(prefill, chk.prompt_tokens):
@@ -434,6 +447,9 @@ class PushProxy:
                                 req, decode, d_body, headers,
                                 Watch(self.pool, self.upstream.failed, decode, p_task, prefill))
                     except LegError as exc:
+                        if len(tried) > 1 and await self.failover.released(
+                                exc, decode, req.out is not None, self.upstream.session):
+                            raise Reissue(exc, prefill, tried[:-1]) from None
                         # retarget: the same decode leg (same transfer, same params) to
                         # another decode instance while the producer holds the source.
                         if not self.failover.retargets(exc, req.out is not None) or \
