@@ -14,7 +14,10 @@
    write in ten, cycling through its four faults; with integrity ``on``:
    ``injected``, ``detected`` (transfers failed with CORRUPT) and
    ``served_from_corrupt`` (READY over injected bytes: must be 0), then the same
-   with ``off`` (``served_from_corrupt_off``: what the check prevents).
+   with ``off`` (``served_from_corrupt_off``: what the check prevents). The same
+   for pulls (the injector corrupting one landed read in ten; each producer
+   rank's publication sealed and relayed): ``pull_injected``, ``pull_detected``,
+   ``pull_served_from_corrupt``, ``pull_served_from_corrupt_off``.
 3. ``--e2e``: the latency cost on the CPU deployment (a prefill and a decode vLLM
    CPU server and ``pushkv proxy``, the tiny model): ``on`` against ``off``, servers
    restarted per setting, rounds alternating, median of round medians.
@@ -24,8 +27,8 @@ Last line: one JSON object: ``digest_gbps``, ``general_gbps``, ``copy_gbps``,
 not installed), ``torch_device``, ``torch_gbps`` and ``torch_vs_copy`` (the torch
 path CUDA KV takes, on CUDA when there is one, else on the CPU), ``request_ms`` (one
 side's digest of a 200-token request of the CPU recipe), ``injected``,
-``detected``, ``served_from_corrupt``, ``served_from_corrupt_off``,
-``e2e_overhead_ratio`` (null without ``--e2e``), ``load_average``.
+``detected``, ``served_from_corrupt``, ``served_from_corrupt_off``, the four
+``pull_`` counts, ``e2e_overhead_ratio`` (null without ``--e2e``), ``load_average``.
 
     PYTHONPATH=. python benchmarks/bench_integrity.py [--mib 64] [--rounds 7] [--e2e]
 """
@@ -43,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from pushkv.integrity import KINDS, Injector, IntegrityConfig, Scope, digest
-from pushkv.protocol import FailReason, TransferFailed, TransferReady, uniform_ranks
+from pushkv.protocol import FailReason, Mode, TransferFailed, TransferReady, uniform_ranks
 from pushkv.protocol.layout import KVLayout
 from pushkv.transports.inmemory import pair
 
@@ -161,18 +164,28 @@ def torch_throughput(regions: list[Any], lay: KVLayout, scope: Any, nbytes: int,
     return {"torch_device": dev.type, "torch_gbps": t, "torch_vs_copy": t / c}
 
 
-def detection(transfers: int, integrity: str) -> dict[str, int]:
+def detection(transfers: int, integrity: str, pull: bool = False) -> dict[str, int]:
+    """Push (or ``pull``) ``transfers`` transfers, one landed write (read) in ten
+    corrupted: the counts."""
     inj = Injector(KINDS, every=10, seed=1)
     net = pair(uniform_ranks("P", tp=2, num_kv_heads=2, block_size=32),
                uniform_ranks("D", num_kv_heads=2, block_size=16, num_blocks=4 * transfers),
                integrity=IntegrityConfig.parse(integrity), injector=inj, keep_log=True, seed=2)
     (c,) = net.consumers.values()
     for i in range(transfers):
-        tid = f"t{i}"
-        c.apply(c.endpoint.register(tid, "P", [3 * i, 3 * i + 1, 3 * i + 2], 40, net.now))
+        tid, src, dst = f"t{i}", [i % 60, (i + 7) % 60], [3 * i, 3 * i + 1, 3 * i + 2]
+        if pull:  # published, then read with each producer rank's seal relayed
+            for p in net.producers.values():
+                p.apply(p.endpoint.prefill_finished(tid, src, 40, net.now, mode=Mode.PULL))
+            net.run(until=net.now + 0.01)
+            seals = {p.peer.rank: p.published[tid].seal for p in net.producers.values()}
+            c.start_pull(tid, "P", src, dst, 40, seals=seals if all(seals.values()) else None)
+            net.run()
+            continue
+        c.apply(c.endpoint.register(tid, "P", dst, 40, net.now))
         net.run(until=net.now + 0.01)
         for p in net.producers.values():
-            p.apply(p.endpoint.prefill_finished(tid, [i % 60, (i + 7) % 60], 40, net.now))
+            p.apply(p.endpoint.prefill_finished(tid, src, 40, net.now))
         net.run()
     detected = sum(1 for _, a in c.log if isinstance(a, TransferFailed)
                    and a.code is FailReason.CORRUPT)
@@ -257,6 +270,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{on['served_from_corrupt']}; off: served from corrupt {off['served_from_corrupt']}")
     out |= on
     out["served_from_corrupt_off"] = off["served_from_corrupt"]
+    pon = detection(args.transfers, "on", pull=True)
+    poff = detection(args.transfers, "off", pull=True)
+    print(f"pulls: on: injected {pon['injected']}, detected {pon['detected']}, served from "
+          f"corrupt {pon['served_from_corrupt']}; off: served from corrupt "
+          f"{poff['served_from_corrupt']}")
+    out |= {f"pull_{k}": v for k, v in pon.items()}
+    out["pull_served_from_corrupt_off"] = poff["served_from_corrupt"]
     out["e2e_overhead_ratio"] = e2e(args.e2e_rounds, args.e2e_requests) if args.e2e else None
     out["load_average"] = os.getloadavg()[0]
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}))
