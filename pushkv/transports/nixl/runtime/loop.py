@@ -611,11 +611,11 @@ class IOLoop(CardExchange):
     def _issue_read(self, a: IssueRead) -> None:
         reader = self._reader
         self._reads += 1
+        self._read_actions[a.transfer_id, a.incarnation, a.attempt, a.peer] = a  # rule 11
         link = self._usable_link(a, reader is not None, self._read_completions)
         if link is None or reader is None:
             return
         assert link.agent_name is not None
-        self._read_actions[a.transfer_id, a.incarnation, a.attempt, a.peer] = a  # rule 11
         reader.submit(ReadJob(
             transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, plan=a.plan,
             incarnation=a.incarnation, remote_agent=link.agent_name, remote_bases=link.bases,
