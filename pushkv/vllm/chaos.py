@@ -345,11 +345,17 @@ class Fleet:
 
     def restart(self, name: str, timeout_s: float = STARTUP_S) -> None:
         """Start the instance again (killed first if it still runs), same settings."""
+        self.respawn(name)
+        self.instances[name].server.wait_healthy(timeout_s)
+
+    def respawn(self, name: str) -> None:
+        """Start the instance again (killed first if it still runs), same settings,
+        without waiting for it (:meth:`wait_healthy`)."""
         inst = self.instances[name]
         inst.server.kill()
         inst.restarts += 1
         inst.server = Server(inst.spec, self.logs / f"{name}-{inst.restarts}.log")
-        inst.server.start().wait_healthy(timeout_s)
+        inst.server.start()
 
     # ----------------------------------------------------------- state
 

@@ -1,9 +1,11 @@
-"""Failover on real vLLM CPU servers behind ``pushkv proxy``: 1 prefill, 2 decode.
+"""Failover on real vLLM CPU servers behind ``pushkv proxy``: 2 prefill, 2 decode.
 
 The servers serve the tiny model with its word tokenizer (word ``w<i>`` is token
 ``i``), so a streamed answer's text names its tokens. References are the same
 prompts served uninterrupted through the same proxy first (equal to a plain
-server's greedy output: test_e2e.py).
+server's greedy output: test_e2e.py), or served plainly (no transfer) by a prefill
+instance that takes no part in the test, so that the prefill instances' counts of
+prompt tokens computed are the test's alone.
 
 * A decode instance is killed (``SIGKILL`` of its process group) while it streams
   an answer and serves a non-streamed one: the stream goes on on the other decode
@@ -12,18 +14,26 @@ server's greedy output: test_e2e.py).
   is retried as a new transfer and answered whole.
 * A decode instance is drained while streams run on both: every stream finishes,
   and no new request reaches the drained instance.
+* ``--failover retarget``, a decode instance lost before the client's first token,
+  at each moment of the handoff: frozen before it registered and thawed later
+  (d); and, with one
+  ``SIGKILL``, three requests at once -- one it had not registered (a), one it had
+  registered while its producer was held (b), one whose KV its producer had
+  written and released (c), over two prefill instances. Every answer is complete
+  and exact; the prefill instances' vLLM counters show what was computed where.
 
 Waits poll state with generous deadlines; nothing sleeps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,28 +44,47 @@ from .conftest import VLLM_MISSING
 if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)
 
-from pushkv.vllm.chaos import STARTUP_S, Fleet, prompt, wait_for
+from pushkv import timeline
+from pushkv.audit import audit
+from pushkv.vllm.chaos import FAST, STARTUP_S, Fleet, prompt, wait_for
 from pushkv.vllm.testing import get_text, metric, post_json, sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]
 
-NAMES = ("prefill-1", "decode-1", "decode-2")
+NAMES = ("prefill-1", "prefill-2", "decode-1", "decode-2")
+#: Every instance records its protocol steps here (the waits and the audit read them).
+TIMELINE = "timeline"
+#: How long a producer holds a source whose consumer engine died (rule 12).
+HOLD_S = 20.0
 LONG = 180  #: tokens of an answer a kill lands in the middle of
 SHORT = 24
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-          ) -> Iterator[tuple[Fleet, str]]:
+def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f = Fleet(str(tiny_model), tmp_path_factory.mktemp("failover-logs"))
-    for name, cpu in zip(NAMES, (0, 1, 0), strict=True):
-        f.add(name, name.split("-")[0], cpu).spec.tokenizer = True
+    for name, cpu in zip(NAMES, (0, 1, 1, 0), strict=True):
+        role = name.split("-")[0]
+        hold = {"retarget_hold_s": HOLD_S} if role == "prefill" else {}
+        f.add(name, role, cpu, timeline_dir=str(f.logs / TIMELINE), **hold
+              ).spec.tokenizer = True
     try:
         f.start(*NAMES, timeout_s=STARTUP_S)
-        url = f.proxy(["prefill-1"], ["decode-1", "decode-2"], timeout_s=120)
-        yield f, url
+        yield f
     finally:
         f.stop()
+
+
+@contextlib.contextmanager
+def proxy(f: Fleet, prefill: Sequence[str], *flags: str,
+          decode: Sequence[str] = ("decode-1", "decode-2")) -> Iterator[str]:
+    """A proxy of the test's own over the named instances (closed at its end, so that
+    no other proxy's probes or discovery requests reach the instances meanwhile)."""
+    url = f.proxy(list(prefill), list(decode), *flags, timeout_s=120)
+    try:
+        yield url
+    finally:
+        f.close_proxy(url)
 
 
 def body(model: str, tokens: list[int], max_tokens: int, **kw: Any) -> dict[str, Any]:
@@ -118,7 +147,11 @@ def admin(url: str, call: str, inst: str) -> dict[str, Any]:
 
 
 def test_a_drain_moves_new_requests_away_and_running_streams_finish(fleet):
-    f, url = fleet
+    with proxy(fleet, ["prefill-1"]) as url:
+        drain_moves_new_requests_away(fleet, url)
+
+
+def drain_moves_new_requests_away(f: Fleet, url: str) -> None:
     prompts = [prompt(20 + 7 * i, 9100 + i) for i in range(4)]
     refs = [answer(url, f.model, p, SHORT * 3) for p in prompts]
     d1 = f.instances["decode-1"].url
@@ -139,8 +172,113 @@ def test_a_drain_moves_new_requests_away_and_running_streams_finish(fleet):
     assert admin(url, "undrain", d1)["drained"] is False
 
 
+def plain(f: Fleet, name: str, tokens: list[int], max_tokens: int) -> list[int]:
+    """The greedy answer of instance ``name`` computing the prompt itself (no transfer)."""
+    status, got = post_json(f.instances[name].url + "/v1/completions",
+                            body(f.model, tokens, max_tokens, return_token_ids=True),
+                            timeout=120)
+    assert status == 200, got
+    return list(got["choices"][0]["token_ids"])
+
+
+def steps(f: Fleet, name: str, event: str) -> int:
+    """How many ``event`` marks instance ``name``'s processes recorded (all its lives)."""
+    return sum(1 for m in timeline.read(f.logs / TIMELINE)
+               if m.event == event and m.process.startswith(name + "-"))
+
+
+def computed(f: Fleet, name: str) -> tuple[float, float]:
+    """Prompt tokens instance ``name`` computed, and found in its prefix cache, so far."""
+    text = get_text(f.instances[name].url + "/metrics")
+    return tuple(metric(text, "vllm:prompt_tokens_by_source_total", source=s)  # type: ignore
+                 for s in ("local_compute", "local_cache_hit"))
+
+
+def since(f: Fleet, name: str, before: tuple[float, float]) -> tuple[float, float]:
+    now = computed(f, name)
+    return now[0] - before[0], now[1] - before[1]
+
+
+def counted(f: Fleet, name: str, before: tuple[float, float],
+            expect: tuple[int, int]) -> None:
+    """Wait until instance ``name`` counts ``expect`` (computed, from its prefix cache)
+    prompt tokens since ``before`` (vLLM publishes its counts a moment after a step)."""
+    seen: list[tuple[float, float]] = []
+    wait_for(lambda: seen.append(since(f, name, before)) or seen[-1] == expect, 30,
+             lambda: f"{name} computed and found {expect} prompt tokens: saw {seen[-1:]}")
+
+
+def outcomes(f: Fleet, name: str) -> float:
+    """Transfers a consumer instance's connector has seen to an end or registered."""
+    text = get_text(f.instances[name].url + "/metrics")
+    return sum(metric(text, f"pushkv:transfers_{k}_total")
+               for k in ("registered", "abandoned", "failed", "cancelled"))
+
+
+class Call(threading.Thread):
+    """A non-streamed completion through the proxy, answered in ``status``/``answer``."""
+
+    def __init__(self, url: str, model: str, tokens: list[int], max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.args = (url + "/v1/completions",
+                     body(model, tokens, max_tokens, return_token_ids=True))
+        self.status, self.answer = 0, None
+        self.start()
+
+    def run(self) -> None:
+        self.status, self.answer = post_json(*self.args, timeout=180)
+
+    def tokens(self) -> list[int]:
+        self.join(180)
+        assert self.status == 200, (self.status, self.answer)
+        return list(self.answer["choices"][0]["token_ids"])
+
+
+def test_d_a_frozen_decode_is_passed_over_and_thawed_gets_nothing_of_its_old_attempt(fleet):
+    """(d) The decode instance is frozen (SIGSTOP) before the request reaches its engine;
+    its probes fail, the same decode leg goes to the other instance at turn 1 and the
+    answer is exact, the prompt computed once. Thawed, the old instance reads the old
+    request (its client long gone) and its connector ends it without a byte of the
+    old attempt: its next transfer receives exactly its own blocks, and it answers
+    exactly."""
+    f = fleet
+    tokens, fresh = prompt(40, 9500), prompt(40, 9501)
+    ref, ref_fresh = plain(f, "prefill-2", tokens, SHORT), plain(f, "prefill-2", fresh, SHORT)
+    victim, other = f.instances["decode-1"], f.instances["decode-2"]
+    with proxy(f, ["prefill-1"], "--failover", "retarget") as url:
+        before, ended = computed(f, "prefill-1"), outcomes(f, "decode-1")
+        admin(url, "drain", other.url)
+        f.freeze("decode-1")
+        call = Call(url, f.model, tokens, SHORT)
+        wait_for(lambda: proxy_metric(url, "pushkv_proxy_instance_outstanding",
+                                      url=victim.url) >= 1, 60, "the leg sent to the frozen one")
+        admin(url, "undrain", other.url)
+        assert call.tokens() == ref
+        assert proxy_metric(url, "pushkv_proxy_failover_causes_total",
+                            cause="out_of_rotation") == 1
+        counted(f, "prefill-1", before, (len(tokens), 0))
+        f.thaw("decode-1")
+        wait_for(lambda: outcomes(f, "decode-1") > ended, 120,
+                 "the thawed instance ended the old request")
+        wait_for(lambda: f.in_rotation(url, "decode-1"), 120, "decode-1 back in rotation")
+        received = f.counter("decode-1", "pushkv:blocks_received_total")
+        admin(url, "drain", other.url)
+        assert Call(url, f.model, fresh, SHORT).tokens() == ref_fresh
+        admin(url, "undrain", other.url)
+        # the fresh prompt's two blocks, nothing else (vLLM counts them at its next step)
+        wait_for(lambda: f.counter("decode-1", "pushkv:blocks_received_total") >= received + 2,
+                 60, "decode-1 counted the fresh transfer's blocks")
+        assert f.counter("decode-1", "pushkv:blocks_received_total") == received + 2
+        f.wait_idle()
+
+
 def test_a_decode_killed_mid_stream_is_resumed_and_the_client_sees_no_break(fleet):
-    f, url = fleet
+    with proxy(fleet, ["prefill-1"]) as url:
+        killed_mid_stream(fleet, url)
+    fleet.respawn("decode-1")  # back for the tests below, while they set up
+
+
+def killed_mid_stream(f: Fleet, url: str) -> None:
     streamed, whole = prompt(40, 9300), prompt(23, 9301)  # 40: one full block cached
     ref_stream, ref_whole = answer(url, f.model, streamed, LONG), answer(url, f.model, whole,
                                                                           LONG)
@@ -174,3 +312,89 @@ def test_a_decode_killed_mid_stream_is_resumed_and_the_client_sees_no_break(flee
     # block (32 tokens) in the prefill instance's prefix cache.
     assert f.counter("prefill-1", "vllm:prompt_tokens_by_source_total",
                      source="local_cache_hit") >= hits + 64
+
+
+def test_abc_one_decode_killed_at_three_moments_before_the_first_token(fleet):
+    """``--failover retarget``, 2 prefill and 2 decode instances, one SIGKILL of decode-1
+    while it holds three requests, each at another moment (non-streamed: the client has
+    no token of any):
+
+    (a) y: the leg reached decode-1 after it was frozen: never registered;
+    (b) x: decode-1 registered x with prefill-1, which was held (SIGSTOP) and had
+        written nothing (the Register waits in its socket; thawed after the kill);
+    (c) z: prefill-2 had written z's whole KV into decode-1 and released its source.
+
+    x and y go to decode-2 as the same transfers at turn 1 and prefill-1 writes the
+    KV it held: prefill-1 computes each prompt once, nothing from its cache. z's
+    re-targeted leg finds no source (decode-2 answers 500), so the proxy sends z once
+    more as a new transfer to prefill-2: its prefix cache serves z's full block and it
+    computes the last 8 tokens again. Every answer is exact; no error reaches a client.
+    """
+    f = fleet
+    x, y, z = prompt(40, 9600), prompt(40, 9601), prompt(40, 9602)
+    # references from the prefill instance that does not serve the prompt
+    ref = {"x": plain(f, "prefill-2", x, SHORT), "y": plain(f, "prefill-2", y, SHORT),
+           "z": plain(f, "prefill-1", z, LONG)}
+    p1, p2 = f.instances["prefill-1"].url, f.instances["prefill-2"].url
+    d1, d2 = f.instances["decode-1"].url, f.instances["decode-2"].url
+    f.wait_healthy("decode-1")
+    # probes never take an instance out here: a frozen prefill-1 stays in, and the kill
+    # is seen on the legs themselves (connections reset, /health refused)
+    with proxy(f, ["prefill-1", "prefill-2"], "--failover", "retarget",
+               "--unhealthy-after", "100000") as url:
+        admin(url, "drain", d2)
+        for n, b in enumerate((p2, p1)):  # decode-1 handshakes with both producers
+            admin(url, "drain", b)
+            tokens = prompt(20, 9610 + n)
+            assert Call(url, f.model, tokens, 4).tokens() == plain(f, "prefill-2", tokens, 4)
+            admin(url, "undrain", b)
+        before = {p: computed(f, p) for p in ("prefill-1", "prefill-2")}
+        causes = proxy_metric(url, "pushkv_proxy_failover_causes_total")
+        # (b) x: registered at decode-1, prefill-1 held
+        admin(url, "drain", p2)
+        f.freeze("prefill-1")
+        regs = steps(f, "decode-1", "registration_sent")
+        cx = Call(url, f.model, x, SHORT)
+        wait_for(lambda: steps(f, "decode-1", "registration_sent") > regs, 60,
+                 "decode-1 sent x's registration")
+        # (c) z: prefill-2 writes all of it into decode-1, frozen before it saw READY
+        admin(url, "undrain", p2)
+        admin(url, "drain", p1)
+        regs, released = (steps(f, "decode-1", "registration_sent"),
+                          steps(f, "prefill-2", "source_released"))
+        cz = Call(url, f.model, z, LONG)  # long: decode-1 is frozen before it ends
+        wait_for(lambda: steps(f, "decode-1", "registration_sent") > regs, 60,
+                 "decode-1 sent z's registration")
+        f.freeze("decode-1")
+        wait_for(lambda: steps(f, "prefill-2", "source_released") > released, 60,
+                 "prefill-2 wrote z and released its source")
+        # (a) y: sent to the frozen decode-1
+        admin(url, "undrain", p1)
+        admin(url, "drain", p2)
+        cy = Call(url, f.model, y, SHORT)
+        wait_for(lambda: proxy_metric(url, "pushkv_proxy_instance_outstanding", url=d1) >= 3,
+                 60, "y's leg sent to decode-1")
+        admin(url, "undrain", p2)
+        admin(url, "undrain", d2)
+        f.kill("decode-1")
+        f.thaw("prefill-1")
+        for name, call in (("x", cx), ("y", cy), ("z", cz)):
+            assert call.tokens() == ref[name], name
+        counted(f, "prefill-1", before["prefill-1"], (len(x) + len(y), 0))
+        counted(f, "prefill-2", before["prefill-2"], (len(z) + 8, 32))
+        # three re-targets, one reissue; only z's prompt was sent to a prefill again
+        assert proxy_metric(url, "pushkv_proxy_failover_causes_total") == causes + 4
+        assert proxy_metric(url, "pushkv_proxy_failover_causes_total",
+                            cause="source_released") == 1
+        assert proxy_metric(url, "pushkv_proxy_failover_prompt_tokens_total") == len(z)
+        f.wait_idle()
+
+
+def test_every_transfer_of_the_failovers_passes_the_audit(fleet):
+    """The protocol steps every instance recorded through the kills, freezes and
+    re-targets break no promise (python -m pushkv.audit): no write into a block not
+    lent to its attempt, every source released once, nothing left lent or held."""
+    fleet.wait_idle()
+    report = audit(fleet.logs / TIMELINE, grace_s=FAST["fence_grace_s"])
+    assert report.run.uses, report.summary()
+    assert report.clean, "\n".join(report.lines())
