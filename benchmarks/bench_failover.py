@@ -6,10 +6,15 @@ A plain server computes the greedy reference of every prompt first, and stops.
 Then 1 prefill and 2 decode servers start, with a proxy in front, and
 ``--requests`` fresh token-id requests (``--stream`` of them streamed) run with
 ``--clients`` concurrent clients while ``--kills`` decode deaths come; each
-request is checked token by token. With ``--baseline`` the same drill runs again
-on fresh prompts through a proxy with ``--resumes 0`` (streams broken mid-way end
-with an error event; failures before the answer are retried as a new transfer,
-as before resumable streams).
+request is checked token by token. ``--failover retarget``: a decode leg lost
+before the answer goes, as the same transfer, to the other decode instance
+(protocol rule 12; the prefill instance holds a source whose consumer died for
+``--hold`` seconds). With ``--baseline`` the same drill runs again on fresh
+prompts through a proxy with ``--resumes 0`` (streams broken mid-way end with an
+error event; failures before the answer are retried as a new transfer, as before
+resumable streams); with ``--baseline retry`` it runs again with ``--failover
+retry`` on the same prompts and the same kill moments (the same seed), every
+server restarted first so that no prefix cache holds a prompt of the first run.
 
 Prints progress on stderr, a table, then one JSON line: ``client_errors``,
 ``wrong_tokens``, ``resume_p99_ms``, ``failovers``, ``prompt_recompute_share``
@@ -18,7 +23,7 @@ every request's prompt tokens), the drill's other figures, the same from the
 baseline (``*_baseline``) when run, and ``wall_s``::
 
     PYTHONPATH=. python benchmarks/bench_failover.py [--requests 1000] [--kills 10] \\
-        [--baseline] > /tmp/failover.out 2>&1 &
+        [--failover retarget] [--baseline [retry]] > /tmp/failover.out 2>&1 &
 """
 
 from __future__ import annotations
@@ -39,7 +44,11 @@ from pushkv.fit.e2e.failover import DrillSettings, drill, jobs_for  # noqa: E402
 from pushkv.vllm.chaos import STARTUP_S, Fleet, prompt, references, warm  # noqa: E402
 from pushkv.vllm.testing import write_tiny_llama  # noqa: E402
 
-KEYS = ("client_errors", "wrong_tokens", "resume_p99_ms", "failovers", "prompt_recompute_share")
+KEYS = ("client_errors", "wrong_tokens", "resume_p99_ms", "failovers", "prompt_recompute_share",
+        "prefill_excess_share")
+#: What ``--baseline`` compares with.
+NO_RESUMES, RETRY = "no-resumes", "retry"
+SERVERS = ("prefill-1", "decode-1", "decode-2")
 
 
 def log(text: str) -> None:
@@ -52,10 +61,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logs = Path(args.logs or tempfile.mkdtemp(prefix="bench-failover-"))
     model = str(write_tiny_llama(logs / "model"))
     fleet = Fleet(model, logs)
-    for name, cpu in (("prefill-1", 0), ("decode-1", 1), ("decode-2", 0)):
-        fleet.add(name, name.split("-")[0], cpu)
+    for name, cpu in zip(SERVERS, (0, 1, 0), strict=True):
+        hold = {"retarget_hold_s": args.hold} if name.startswith("prefill") else {}
+        fleet.add(name, name.split("-")[0], cpu, **hold)
+    same = args.baseline == RETRY  # the baseline runs the first run's prompts again
     runs = 2 if args.baseline else 1
-    prompts = [prompt(rng.randint(8, 120), 50_000 + i) for i in range(runs * args.requests + 8)]
+    fresh = 1 if same else runs
+    prompts = [prompt(rng.randint(8, 120), 50_000 + i) for i in range(fresh * args.requests + 8)]
     outs = [rng.randint(16, args.max_tokens) for _ in prompts]
     plain = fleet.plain(cpu=0)
     try:
@@ -70,22 +82,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ref = dict(refs)
         pairs = [(prompts[i], ref[i]) for i in range(len(prompts))]
         log("starting 1 prefill + 2 decode servers")
-        fleet.start("prefill-1", "decode-1", "decode-2")
+        fleet.start(*SERVERS)
         settings = DrillSettings(requests=args.requests, kills=args.kills, clients=args.clients,
-                                 stream=args.stream, resumes=args.resumes)
+                                 stream=args.stream, resumes=args.resumes,
+                                 failover=args.failover)
         result: dict[str, Any] = {"settings": vars(args)}
-        for n, (label, resumes) in enumerate([("", args.resumes), ("_baseline", 0)][:runs]):
-            chunk = pairs[8 + n * args.requests: 8 + (n + 1) * args.requests]
+        baseline = {"resumes": 0} if args.baseline == NO_RESUMES else {"failover": RETRY}
+        for n, (label, change) in enumerate([("", {}), ("_baseline", baseline)][:runs]):
+            run_settings = DrillSettings(**{**settings.__dict__, **change})
+            k = 0 if same else n
+            chunk = pairs[8 + k * args.requests: 8 + (k + 1) * args.requests]
+            if n and same:  # no prefix cache may hold a prompt of the first run
+                log("restarting every server")
+                for name in SERVERS:
+                    fleet.respawn(name)
+                fleet.wait_healthy(*SERVERS)
             url = fleet.proxy(["prefill-1"], ["decode-1", "decode-2"], "--resumes",
-                              str(resumes), timeout_s=settings.timeout_s)
+                              str(run_settings.resumes), "--failover", run_settings.failover,
+                              timeout_s=settings.timeout_s)
             proxy_log = str(max(logs.glob("proxy-*.log"),
                                 key=lambda f: int(f.stem.split("-")[1])))
             warm(url, model, jobs_for(pairs[n * 4: n * 4 + 4], 0.0, rng))
             log(f"drill{label or ''}: {args.requests} requests, {args.kills} kills, "
-                f"--resumes {resumes}")
-            report = drill(fleet, url, jobs_for(chunk, args.stream, rng),
-                           DrillSettings(**{**settings.__dict__, "resumes": resumes}), rng,
-                           proxy_log=proxy_log, progress=log)
+                f"--resumes {run_settings.resumes} --failover {run_settings.failover}")
+            # the same seed: the same streamed requests, kill points and moments
+            drng = random.Random(args.seed if same else rng.random())
+            report = drill(fleet, url, jobs_for(chunk, args.stream, drng), run_settings,
+                           drng, proxy_log=proxy_log, progress=log)
             figures = report.figures()
             log(f"drill{label}: {json.dumps(figures)}")
             for k, v in figures.items():
@@ -107,14 +130,21 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=120,
                    help="longest answer (each request: 16 to this many tokens)")
     p.add_argument("--resumes", type=int, default=2, help="the proxy's --resumes")
-    p.add_argument("--baseline", action="store_true",
-                   help="also run the drill with --resumes 0, on fresh prompts")
+    p.add_argument("--failover", choices=("retry", "retarget"), default="retry",
+                   help="the proxy's --failover")
+    p.add_argument("--hold", type=float, default=20.0,
+                   help="the prefill instance's retarget_hold_s (seconds)")
+    p.add_argument("--baseline", nargs="?", const=NO_RESUMES, choices=(NO_RESUMES, RETRY),
+                   default=None, help="also run the drill with --resumes 0 on fresh prompts "
+                   "(no value), or with --failover retry on the same prompts and kill moments "
+                   "(retry)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", default=None, help="directory for server logs")
     args = p.parse_args()
     result = run(args)
     print()
-    print("| figure | resumable | baseline (--resumes 0) |")
+    base = "--failover retry" if args.baseline == RETRY else "--resumes 0"
+    print(f"| figure | --failover {args.failover} --resumes {args.resumes} | baseline ({base}) |")
     print("|---|---|---|")
     for k in (*KEYS, "kills", "failovers_before_answer", "failovers_mid_stream",
               "resume_p50_ms", "outcomes"):

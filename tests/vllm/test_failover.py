@@ -311,10 +311,14 @@ def test_the_drill_spreads_its_kills_and_counts_what_clients_saw():
         kills=2, prompt_tokens=1000,
         proxy={"failovers": 3, "before_answer": 2, "mid_stream": 1,
                "prompt_tokens_before_answer": 50, "prompt_tokens_mid_stream": 70},
-        resume_gaps_ms=[120.0])
+        resume_gaps_ms=[120.0],
+        prefill_tokens={"local_compute": 1030.0, "local_cache_hit": 64.0})
     fig = report.figures()
     assert (fig["client_errors"], fig["wrong_tokens"], fig["failovers"]) == (2, 1, 3)
     assert fig["prompt_recompute_share"] == 0.05 and fig["resume_p99_ms"] == 120.0
+    assert fig["prefill_excess_share"] == 0.03
+    with pytest.raises(ValueError, match="retry or retarget"):
+        DrillSettings(failover="again")
 
 
 def test_a_decode_shutting_down_503_and_unhealthy_is_left_for_another():

@@ -11,7 +11,9 @@ past the kill point (half the share between points) and wait there; the next
 kill comes once the instance is back in rotation and the clients have passed the
 next point, so every kill lands while requests flow. The same drill can run with
 resumes off (``--resumes 0``: a broken stream ends with an error event) for
-comparison.
+comparison, and with ``--failover retarget`` (a decode leg lost before the
+answer goes, as the same transfer, to the other decode instance) against
+``retry`` on the same prompts and kill moments (the same seed).
 
 What is reported (:meth:`DrillReport.figures`):
 
@@ -24,7 +26,11 @@ What is reported (:meth:`DrillReport.figures`):
 * ``prompt_recompute_share`` -- prompt tokens sent to prefill again by failovers
   before the answer began, over the prompt tokens of every request: the prefill
   load such failovers add (the prefill's prefix cache may serve part of it; its
-  own counts are in ``prefill_tokens``).
+  own counts are in ``prefill_tokens``);
+* ``prefill_excess_share`` -- prompt tokens the prefill instance computed beyond
+  the requests' prompts (its ``local_compute`` count less every prompt's length),
+  over the prompt tokens: what failovers before the answer and resumed streams
+  cost it after its prefix cache (every prompt is fresh, so nothing else is).
 
 Uses the fleet and the checked client of :mod:`pushkv.vllm.chaos`.
 """
@@ -58,12 +64,15 @@ class DrillSettings:
     stream: float = 0.7  #: share of streamed requests
     timeout_s: float = 120.0  #: a client's patience (and the proxy's bound)
     resumes: int = 2  #: the proxy's --resumes (0: broken streams end with an error)
+    failover: str = "retry"  #: the proxy's --failover (retry or retarget)
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.clients < 1 or self.kills < 0:
             raise ValueError("requests and clients must be >= 1, kills >= 0")
         if self.kills >= self.requests:
             raise ValueError("kills must be fewer than requests")
+        if self.failover not in ("retry", "retarget"):
+            raise ValueError(f"failover must be retry or retarget, got {self.failover!r}")
 
 
 @dataclass
@@ -99,6 +108,10 @@ class DrillReport:
                 self.proxy.get("prompt_tokens_mid_stream", 0)),
             "prompt_recompute_share": round(before / self.prompt_tokens, 4)
             if self.prompt_tokens else 0.0,
+            "prefill_excess_share": round(
+                (self.prefill_tokens.get("local_compute", 0.0) - self.prompt_tokens)
+                / self.prompt_tokens, 4) if self.prompt_tokens and self.prefill_tokens else 0.0,
+            "failovers_source_released": int(self.proxy.get("source_released", 0)),
             "prefill_tokens": self.prefill_tokens,
         }
 
@@ -132,7 +145,9 @@ def _prefill_counts(fleet: Fleet) -> dict[str, float]:
 
 def _proxy_counts(url: str) -> dict[str, float]:
     text = get_text(url + "/metrics")
-    out = {"failovers": metric(text, "pushkv_proxy_failover_causes_total")}
+    out = {"failovers": metric(text, "pushkv_proxy_failover_causes_total"),
+           "source_released": metric(text, "pushkv_proxy_failover_causes_total",
+                                     cause="source_released")}
     for stage in ("before_answer", "mid_stream"):
         out[stage] = metric(text, "pushkv_proxy_failover_causes_total", stage=stage)
         out[f"prompt_tokens_{stage}"] = metric(
