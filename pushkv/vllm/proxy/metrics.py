@@ -15,7 +15,7 @@ collide. Names, for dashboards and alerts:
 * ``pushkv_proxy_failover_causes_total{stage, role, cause}``: failovers by
   stage (``before_answer``: a retry; ``mid_stream``: a resumed stream), the
   failed leg's role, and cause (``unreachable``, ``timeout``, ``out_of_rotation``,
-  ``drained``, ``gone``: see :mod:`.failover`).
+  ``drained``, ``gone``, ``source_released``: see :mod:`.failover`).
 * ``pushkv_proxy_failover_prompt_tokens_total{stage}``: prompt tokens a failover
   sent to a prefill instance again (a retry: the prompt; a resume: the prompt
   plus the tokens already streamed). The prefill's prefix cache may serve part
