@@ -40,7 +40,7 @@ import hashlib
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
@@ -142,6 +142,10 @@ class SchedulerSide:
         self.feed = (ProgressiveFeed(block_size, ranges=granularity != "request")
                      if is_producer else None)
         self._early: set[str] = set()  # finished as their last step saved its KV
+        #: a router's one-token prefill legs that pull: (transfer id, incarnation)
+        #: minted when admitted, so the source is published as the step computing the
+        #: prompt ends, before vLLM can answer the leg (see :meth:`_stream`)
+        self._minted: dict[str, tuple[str, int]] = {}
         self._rng = random.SystemRandom()
         self.endpoint = endpoint
         self.block_size = block_size
@@ -253,6 +257,20 @@ class SchedulerSide:
             if ends or self.granularity != "request":
                 self.feed.track(request.request_id, leg.transfer_id, leg.incarnation,
                                 request.num_prompt_tokens, ends=ends)
+        elif (isinstance(leg, NixlPrefillLeg) and request.max_tokens == 1
+              and self.granularity == "request" and request.request_id not in self._minted
+              and leg_direction(leg, self.direction) == "pull"):
+            # Published as the step that computes the prompt ends (the worker's
+            # wait_for_save), so before the answer exists: published one engine step
+            # later, a decode side quick enough read first and its ReadDone, for a
+            # source not yet known, was dropped -- the source (and the prefill's
+            # blocks) then stayed held until its lease ended. (push_granularity chunk
+            # or layer: the feed would stream ranges; such a leg publishes a step later.)
+            req_id = request.request_id
+            tid = producer_transfer_id(self.endpoint.engine_id, req_id)
+            self._minted[req_id] = (tid, new_incarnation(self._rng))
+            self.feed.track(req_id, tid, self._minted[req_id][1], request.num_prompt_tokens,
+                            ends=True)
 
     def _try_ship(self, req_id: str, rec: _Recv) -> bool:
         """Ship a registration unless a block of it is still lent to another one.
@@ -297,7 +315,9 @@ class SchedulerSide:
             ranges, aborts, finishes = self.feed.step(out)
             self._meta.send_ranges.extend(ranges)
             self._meta.send_abort.extend(aborts)
-            self._meta.send_at_save.extend(finishes)
+            self._meta.send_at_save.extend(
+                replace(f, direction="pull") if f.req_id in self._minted else f
+                for f in finishes)
             self._early.update(f.req_id for f in finishes)
             for ab in aborts:
                 logger.warning("request %s (transfer %s) was preempted while its KV streamed "
@@ -359,8 +379,9 @@ class SchedulerSide:
                            block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         if isinstance(leg, NixlPrefillLeg):
-            tid = producer_transfer_id(self.endpoint.engine_id, req_id)
-            incarnation = new_incarnation(self._rng)
+            minted = self._minted.pop(req_id, None)
+            tid, incarnation = minted or (producer_transfer_id(self.endpoint.engine_id, req_id),
+                                          new_incarnation(self._rng))
         else:
             tid, incarnation = leg.transfer_id, leg.incarnation
         early = req_id in self._early  # the worker finished it as its last step ended
@@ -377,7 +398,7 @@ class SchedulerSide:
         if not complete:
             logger.warning("request %s (transfer %s) ended %s before its KV was complete; "
                            "failing the transfer", req_id, tid, request.status.name)
-            if isinstance(leg, PrefillLeg):  # a NIXL leg's transfer was never announced
+            if isinstance(leg, PrefillLeg) or early:  # else: never announced nor published
                 self._meta.send_abort.append(Abort(req_id=req_id, transfer_id=tid,
                                                    incarnation=incarnation))
             return False, None

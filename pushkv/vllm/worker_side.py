@@ -308,7 +308,9 @@ class WorkerSide:
         ready = self._event()
         for send in sends:
             timeline.mark(send.transfer_id, "prefill_finished")
-            if ready is not None:  # the stream's last range carries the event
+            # the stream's last range carries the event; a published source is read
+            # only once the leg's answer is out, so after the step's forward completed
+            if ready is not None and send.direction != "pull":
                 rt.range_ready(send.transfer_id, send.block_ids,
                                (0, regions.units(send.num_tokens)), incarnation=send.incarnation,
                                ready=ready)

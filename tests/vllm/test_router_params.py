@@ -55,8 +55,13 @@ def test_the_router_prefill_leg_is_answered_with_a_pull(tiny_model):
     p, answer = prefill_answer(tiny_model)
     rid = next(iter(p.outputs.finish))
     blocks = p.blocks_of(rid)
+    # Published as the step that computed the prompt saved its KV, so before the
+    # answer exists (a decode side reading at once finds the source known), not one
+    # step later
+    (send,) = p.orders("send_at_save")
+    assert p.metas[-1].send_at_save == [send]
     p.step()
-    (send,) = p.orders("send")
+    assert p.orders("send") == []
     assert send.direction == "pull" and list(send.block_ids) == blocks
     # vLLM NixlConnector's fields, which the router passes to the decode leg
     assert answer["do_remote_prefill"] is True and answer["do_remote_decode"] is False
