@@ -5,6 +5,8 @@ transfer with CORRUPT, the rest are READY with exact bytes."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -140,17 +142,17 @@ def test_pull_faults_are_caught_across_processes(pool: HostPool) -> None:
                     consumer_nixl=NixlConfig(integrity="on", inject=",".join(KINDS) + ":4"))
     try:
         transfers = [(f"p{i}", [9 + i, 3], [5 + 3 * i, 6 + 3 * i, 7 + 3 * i], 40)
-                     for i in range(6)]
+                     for i in range(8)]
         snap = _pull(c, transfers)
         raw = _raw(c, "consumer")
         stats = raw["stats"][0]
         failed = [t for t in transfers if snap.outcomes[(0, t[0])] == [("failed", 0)]]
         ready = [t for t in transfers if snap.outcomes[(0, t[0])] == [("ready", 0)]]
-        assert len(failed) + len(ready) == 6 and failed and ready, snap.outcomes
+        assert len(failed) + len(ready) == 8 and failed and ready, snap.outcomes
         assert all(raw["fail_codes"][(0, t[0])] == ["CORRUPT"] for t in failed)
-        assert stats["integrity_injected"] == stats["integrity_corrupt"] == 3
-        assert stats["integrity_checked"] == 12 and stats.get("served_from_corrupt", 0) == 0
-        assert _raw(c, "producer")["stats"][0]["sealed"] == 6
+        assert stats["integrity_injected"] == stats["integrity_corrupt"] == 4  # each kind once
+        assert stats["integrity_checked"] == 16 and stats.get("served_from_corrupt", 0) == 0
+        assert _raw(c, "producer")["stats"][0]["sealed"] == 8
         _ready_exact(c, transfers, ready)
     finally:
         c.close()
@@ -172,7 +174,10 @@ def test_clean_pulls_verify_and_bad_seals_are_refused(pool: HostPool) -> None:
                    == 2 for r in (0, 1))
         assert_destination(c, [(s, d, n, 0) for _, s, d, n in transfers])
         c.publish("bad", [20, 21, 22], 40)
-        seal = _raw(c, "producer")["seals"][0, "bad", 0]
+        end = time.monotonic() + 30.0  # the publication is asynchronous: wait for it
+        while (seal := _raw(c, "producer")["seals"].get((0, "bad", 0))) is None:
+            assert time.monotonic() < end, "never published"
+            time.sleep(0.01)
         c.start_pull("bad", [30, 31, 32, 33, 34, 35], 40, seals={0: seal[:-3]})
         c.start_pull("bad", [30, 31, 32, 33, 34, 35], 40, seals={1: seal})
         snap = c.wait(lambda s: len(s.violations) >= 4, 30.0)
