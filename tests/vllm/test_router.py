@@ -11,7 +11,9 @@ routers (cheap: one Rust process each) front them: 1P1D over ``prefill-0``
 1P1D over ``prefill-1`` (the override: pushed), and 2P1D with ``power_of_two``
 over both. Outputs must equal the plain server's, for concurrent and
 sequential clients, streamed and not, and the decode server must have
-computed none of the prompt tokens.
+computed none of the prompt tokens. ``prefill-0`` and the decode server record
+their timeline: a pull behind the router meets every hop of
+:data:`pushkv.fit.e2e.pull_timeline.PULL_HOPS`, in order.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from pushkv.fit.e2e.pull_timeline import out_of_order, pulls
 
 from .conftest import VLLM_MISSING
 
@@ -131,6 +135,7 @@ class Fleet:
     decode: Server
     routers: dict[str, str]  #: "pull" (1P1D), "push" (1P1D), "two" (2P1D) -> URL
     reference: dict[tuple[int, ...], list[int]]  #: the plain server's greedy outputs
+    timeline_dir: Path  #: prefill-0's and the decode server's timeline marks
 
     def counter(self, server: Server, name: str, **labels: str) -> float:
         return metric(get_text(server.url + "/metrics"), name, **labels)
@@ -159,14 +164,15 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tiny_model: Path, logs: Path) -> Iterator[Fleet]:
     model = str(tiny_model)
+    marks = logs / "timeline"
     plain = Server(ServerSpec(model=model, port=free_port(), cpu=1), logs / "plain.log")
     specs = [
         ServerSpec(model=model, port=free_port(), cpu=0, kv_config=kv_transfer_config(
-            "kv_producer", "prefill-0", **FAST)),
+            "kv_producer", "prefill-0", timeline_dir=str(marks), **FAST)),
         ServerSpec(model=model, port=free_port(), cpu=0, kv_config=kv_transfer_config(
             "kv_producer", "prefill-1", direction="push", **FAST)),
         ServerSpec(model=model, port=free_port(), cpu=1, kv_config=kv_transfer_config(
-            "kv_consumer", "decode-0", **FAST)),
+            "kv_consumer", "decode-0", timeline_dir=str(marks), **FAST)),
     ]
     servers = [Server(s, logs / f"{name}.log")
                for s, name in zip(specs, ("prefill-0", "prefill-1", "decode"), strict=True)]
@@ -184,7 +190,7 @@ def fleet(tiny_model: Path, logs: Path) -> Iterator[Fleet]:
                 proc, url = start_router(prefills, d.url, policy, logs / f"router-{name}.log")
                 procs.append(proc)
                 routers[name] = url
-            yield Fleet(model, (p0, p1), d, routers, reference)
+            yield Fleet(model, (p0, p1), d, routers, reference, marks)
         finally:
             for proc in procs:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -222,10 +228,18 @@ def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
 
 
 def test_1p1d_sequential_client_pulls(fleet):
+    seen = set(pulls(fleet.timeline_dir))
     before, after = run_batch(fleet, "pull", "seq", concurrent=False, stream=False)
     n = len(LENGTHS)
     assert delta(before, after, "pulled") == n and delta(before, after, "published") == n
     assert delta(before, after, "registered") == 0 and delta(before, after, "pushed") == 0
+    # Every pull recorded every hop from the prefill's answer to the decode step, in
+    # order (the marks are written by the time the outputs came back: the last,
+    # decode_scheduled, precedes the request's first decode step).
+    new = {k: v for k, v in pulls(fleet.timeline_dir).items() if k not in seen}
+    assert len(new) == n, sorted(new)
+    for tid, marks in new.items():
+        assert out_of_order(marks) == [], (tid, marks)
 
 
 def test_1p1d_concurrent_streamed_clients_pull(fleet):
