@@ -14,7 +14,9 @@ prompts through a proxy with ``--resumes 0`` (streams broken mid-way end with an
 error event; failures before the answer are retried as a new transfer, as before
 resumable streams); with ``--baseline retry`` it runs again with ``--failover
 retry`` on the same prompts and the same kill moments (the same seed), every
-server restarted first so that no prefix cache holds a prompt of the first run.
+server restarted first so that no prefix cache holds a prompt of the first run;
+``--bind late`` with ``--baseline arrival`` compares choosing the decode instance
+once the prefill leg answered with choosing it at arrival, likewise.
 
 Prints progress on stderr, a table, then one JSON line: ``client_errors``,
 ``wrong_tokens``, ``resume_p99_ms``, ``failovers``, ``prompt_recompute_share``
@@ -23,7 +25,8 @@ every request's prompt tokens), the drill's other figures, the same from the
 baseline (``*_baseline``) when run, and ``wall_s``::
 
     PYTHONPATH=. python benchmarks/bench_failover.py [--requests 1000] [--kills 10] \\
-        [--failover retarget] [--baseline [retry]] > /tmp/failover.out 2>&1 &
+        [--failover retarget] [--bind late] [--baseline [retry|arrival]] \\
+        > /tmp/failover.out 2>&1 &
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ from pushkv.vllm.testing import write_tiny_llama  # noqa: E402
 KEYS = ("client_errors", "wrong_tokens", "resume_p99_ms", "failovers", "prompt_recompute_share",
         "prefill_excess_share")
 #: What ``--baseline`` compares with.
-NO_RESUMES, RETRY = "no-resumes", "retry"
+NO_RESUMES, RETRY, ARRIVAL = "no-resumes", "retry", "arrival"
+BASELINES: dict[str, dict[str, Any]] = {
+    NO_RESUMES: {"resumes": 0}, RETRY: {"failover": "retry"}, ARRIVAL: {"bind": "arrival"}}
 SERVERS = ("prefill-1", "decode-1", "decode-2")
 
 
@@ -64,7 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, cpu in zip(SERVERS, (0, 1, 0), strict=True):
         hold = {"retarget_hold_s": args.hold} if name.startswith("prefill") else {}
         fleet.add(name, name.split("-")[0], cpu, **hold)
-    same = args.baseline == RETRY  # the baseline runs the first run's prompts again
+    same = args.baseline in (RETRY, ARRIVAL)  # the baseline runs the same prompts again
     runs = 2 if args.baseline else 1
     fresh = 1 if same else runs
     prompts = [prompt(rng.randint(8, 120), 50_000 + i) for i in range(fresh * args.requests + 8)]
@@ -85,13 +90,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fleet.start(*SERVERS)
         settings = DrillSettings(requests=args.requests, kills=args.kills, clients=args.clients,
                                  stream=args.stream, resumes=args.resumes,
-                                 failover=args.failover)
+                                 failover=args.failover, bind=args.bind)
         result: dict[str, Any] = {"settings": vars(args)}
-        baseline = {"resumes": 0} if args.baseline == NO_RESUMES else {"failover": RETRY}
-        for n, (label, change) in enumerate([("", {}), ("_baseline", baseline)][:runs]):
+        baseline = BASELINES.get(args.baseline or NO_RESUMES, {})
+        drills: list[tuple[str, dict[str, Any]]] = [("", {}), ("_baseline", baseline)]
+        for n, (label, change) in enumerate(drills[:runs]):
             run_settings = DrillSettings(**{**settings.__dict__, **change})
-            k = 0 if same else n
-            chunk = pairs[8 + k * args.requests: 8 + (k + 1) * args.requests]
+            at = 8 + (0 if same else n) * args.requests
+            chunk = pairs[at: at + args.requests]
             if n and same:  # no prefix cache may hold a prompt of the first run
                 log("restarting every server")
                 for name in SERVERS:
@@ -99,12 +105,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fleet.wait_healthy(*SERVERS)
             url = fleet.proxy(["prefill-1"], ["decode-1", "decode-2"], "--resumes",
                               str(run_settings.resumes), "--failover", run_settings.failover,
+                              "--bind", run_settings.bind,
                               timeout_s=settings.timeout_s)
             proxy_log = str(max(logs.glob("proxy-*.log"),
                                 key=lambda f: int(f.stem.split("-")[1])))
             warm(url, model, jobs_for(pairs[n * 4: n * 4 + 4], 0.0, rng))
             log(f"drill{label or ''}: {args.requests} requests, {args.kills} kills, "
-                f"--resumes {run_settings.resumes} --failover {run_settings.failover}")
+                f"--resumes {run_settings.resumes} --failover {run_settings.failover} "
+                f"--bind {run_settings.bind}")
             # the same seed: the same streamed requests, kill points and moments
             drng = random.Random(args.seed if same else rng.random())
             report = drill(fleet, url, jobs_for(chunk, args.stream, drng), run_settings,
@@ -132,21 +140,26 @@ def main() -> int:
     p.add_argument("--resumes", type=int, default=2, help="the proxy's --resumes")
     p.add_argument("--failover", choices=("retry", "retarget"), default="retry",
                    help="the proxy's --failover")
+    p.add_argument("--bind", choices=("arrival", "late"), default="arrival",
+                   help="the proxy's --bind")
     p.add_argument("--hold", type=float, default=20.0,
                    help="the prefill instance's retarget_hold_s (seconds)")
-    p.add_argument("--baseline", nargs="?", const=NO_RESUMES, choices=(NO_RESUMES, RETRY),
+    p.add_argument("--baseline", nargs="?", const=NO_RESUMES, choices=tuple(BASELINES),
                    default=None, help="also run the drill with --resumes 0 on fresh prompts "
-                   "(no value), or with --failover retry on the same prompts and kill moments "
-                   "(retry)")
+                   "(no value), or on the same prompts and kill moments with --failover retry "
+                   "(retry) or --bind arrival (arrival)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", default=None, help="directory for server logs")
     args = p.parse_args()
     result = run(args)
     print()
-    base = "--failover retry" if args.baseline == RETRY else "--resumes 0"
-    print(f"| figure | --failover {args.failover} --resumes {args.resumes} | baseline ({base}) |")
+    base = {RETRY: "--failover retry", ARRIVAL: "--bind arrival"}.get(args.baseline or "",
+                                                                      "--resumes 0")
+    print(f"| figure | --failover {args.failover} --bind {args.bind} --resumes {args.resumes} "
+          f"| baseline ({base}) |")
     print("|---|---|---|")
-    for k in (*KEYS, "kills", "failovers_before_answer", "failovers_mid_stream",
+    for k in (*KEYS, "latency_p50_ms", "latency_p99_ms", "kills", "failovers_before_answer",
+              "failovers_source_released", "failovers_mid_stream",
               "resume_p50_ms", "outcomes"):
         print(f"| {k} | {result.get(k)} | {result.get(k + '_baseline', '')} |")
     if "prompt_recompute_share_baseline" not in result:

@@ -269,6 +269,16 @@ def test_a_bad_policy_is_refused_and_retarget_is_accepted(capsys):
         parser.parse_args(["proxy", "--prefill", "http://a:1", "--decode", "http://b:2",
                            "--failover", "hope"])
     assert exit_.value.code == 2 and "hope" in capsys.readouterr().err
+    assert ProxySettings(bind="late").bind == "late"
+    with pytest.raises(ValueError, match="bind must be one of arrival, late"):
+        ProxySettings(bind="soon")
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["proxy", "--prefill", "http://a:1", "--decode", "http://b:2",
+                           "--bind", "soon"])
+    assert exit_.value.code == 2 and "soon" in capsys.readouterr().err
+    args = parser.parse_args(["proxy", "--prefill", "http://a:1", "--decode", "http://b:2",
+                              "--bind", "late"])
+    assert args.bind == "late"
 
 
 def test_continuation_carries_the_prompt_and_tokens_and_refuses_what_it_cannot():

@@ -427,11 +427,13 @@ class GatedVllm(FakeVllm):
 
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     waiting: int = 0
+    seen: list[dict[str, Any]] = field(default_factory=list)  #: the waiting legs' params
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         params = (await request.json()).get("kv_transfer_params") or {}
         if not params.get("pushkv_discover"):
             self.waiting += 1
+            self.seen.append(params)
             await self.gate.wait()
         return await super().completions(request)
 
@@ -484,3 +486,35 @@ def test_a_reissue_that_fails_too_gives_the_client_the_instance_s_error():
 
     run([p], [d1, d2], scenario, failover="retarget")
     assert len(p.legs) == 2 and len(d2.legs) == 2
+
+
+@pytest.mark.parametrize("bind", ["arrival", "late"])
+def test_late_binding_picks_the_decode_instance_once_the_prefill_leg_answered(bind):
+    """bind = "late": the decode leg leaves once the prefill leg answered, to the decode
+    instance least loaded then; "arrival": both legs leave at once, to the instance
+    least loaded at arrival."""
+    p = GatedVllm("prefill")
+    d1, d2 = FakeVllm("decode"), FakeVllm("decode")
+
+    async def scenario(url: str, proxy: PushProxy, s: aiohttp.ClientSession) -> None:
+        proxy.decode[1].work = 10**6  # at arrival, decode 1 is the least loaded
+        task = asyncio.ensure_future(post(s, url))
+        await until(lambda: p.waiting == 1)
+        if bind == "arrival":
+            await until(lambda: len(d1.legs) == 1)
+        assert not d2.legs and len(d1.legs) == (bind == "arrival")
+        proxy.decode[1].work -= 10**6
+        proxy.decode[0].work += 10**6  # ...and no longer once the prefill answers
+        p.gate.set()
+        status, _ = await task
+        assert status == 200
+        proxy.decode[0].work -= 10**6
+
+    run([p], [d1, d2], scenario, bind=bind)
+    chosen = d1 if bind == "arrival" else d2
+    assert len(chosen.legs) == 1 and p.waiting == 1
+    prefill_leg = parse_params(p.seen[0])
+    assert prefill_leg is not None and not isinstance(prefill_leg, str)
+    assert transfer(chosen.legs[0]) == prefill_leg.transfer_id  # type: ignore[union-attr]
+    if bind == "late":  # sent once the prefill leg answered (arrival: its answer is not
+        assert chosen.legs[0].arrived >= p.legs[0].answered  # waited for)

@@ -21,6 +21,8 @@ What is reported (:meth:`DrillReport.figures`):
   ``wrong_tokens`` -- answers that differ from the plain server's;
 * ``failovers`` -- the proxy's failovers, by stage (``before_answer``: retried as a
   new transfer; ``mid_stream``: resumed);
+* ``latency_p50_ms``, ``latency_p99_ms`` -- a correct answer's time, sent to
+  complete (streamed: to its last event);
 * ``resume_p99_ms`` -- the gap a resumed stream's client saw (last token before
   the break to the first after), from the proxy's log;
 * ``prompt_recompute_share`` -- prompt tokens sent to prefill again by failovers
@@ -65,6 +67,7 @@ class DrillSettings:
     timeout_s: float = 120.0  #: a client's patience (and the proxy's bound)
     resumes: int = 2  #: the proxy's --resumes (0: broken streams end with an error)
     failover: str = "retry"  #: the proxy's --failover (retry or retarget)
+    bind: str = "arrival"  #: the proxy's --bind (arrival or late)
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.clients < 1 or self.kills < 0:
@@ -73,6 +76,8 @@ class DrillSettings:
             raise ValueError("kills must be fewer than requests")
         if self.failover not in ("retry", "retarget"):
             raise ValueError(f"failover must be retry or retarget, got {self.failover!r}")
+        if self.bind not in ("arrival", "late"):
+            raise ValueError(f"bind must be arrival or late, got {self.bind!r}")
 
 
 @dataclass
@@ -89,12 +94,15 @@ class DrillReport:
     def figures(self) -> dict[str, Any]:
         kinds = Load.summary(self.outcomes)
         before = self.proxy.get("prompt_tokens_before_answer", 0.0)
+        served = [o.latency_s * 1000 for o in self.outcomes if o.kind == "correct"]
         return {
             "requests": len(self.outcomes),
             "outcomes": dict(kinds),
             "client_errors": sum(n for k, n in kinds.items() if k not in ("correct", "wrong")),
             "wrong_tokens": kinds.get("wrong", 0),
             "kills": self.kills,
+            "latency_p50_ms": round(_quantile(served, 0.5), 1),
+            "latency_p99_ms": round(p99(served), 1),
             "failovers": int(self.proxy.get("failovers", 0)),
             "failovers_before_answer": int(self.proxy.get("before_answer", 0)),
             "failovers_mid_stream": int(self.proxy.get("mid_stream", 0)),

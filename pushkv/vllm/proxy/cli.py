@@ -17,6 +17,7 @@ from pushkv import timeline
 from .failover import POLICIES
 from .pool import HealthSettings
 from .server import KEY_ENV, ProxySettings, PushProxy, logger
+from .settings import BINDS
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,6 +56,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    "transfer; prefill computes the prompt again) or retarget (the same decode "
                    "leg, at the next turn, to another decode instance: the prefill instance "
                    "writes the KV it holds there; protocol rule 12)")
+    p.add_argument("--bind", choices=BINDS, default=d.bind,
+                   help="when a request's decode instance is chosen: arrival (both legs sent "
+                   "at once; the decode instance registers while the prompt is computed) or "
+                   "late (the decode leg is sent once the prefill leg answered, to the decode "
+                   "instance with the least outstanding work then; the producer holds the KV "
+                   "and pushes it when the registration comes)")
     p.add_argument("--resumes", type=_count, default=d.resumes, metavar="N",
                    help="times a streamed completion whose decode instance died is resumed "
                    "on another (the prompt plus the tokens streamed as the new prompt); 0: "
@@ -226,7 +233,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         raise ValueError(f"--key-file: {exc}") from None
     return ProxySettings(
         request_timeout_s=args.timeout, connect_timeout_s=args.connect_timeout,
-        retries=args.retries, failover=args.failover, resumes=args.resumes,
+        retries=args.retries, failover=args.failover, resumes=args.resumes, bind=args.bind,
         max_body_bytes=args.max_body_bytes,
         max_tokens_limit=args.max_tokens_limit, key=key,
         health=HealthSettings(interval_s=args.health_interval, timeout_s=args.health_timeout,

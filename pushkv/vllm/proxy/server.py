@@ -77,6 +77,7 @@ from .failover import MID_STREAM, SOURCE_RELEASED, Failover, Reissue
 from .input import CHAT, COMPLETIONS, Checked, ClientError, check_request
 from .input import error_body as _error_body
 from .legs import (
+    OUT_OF_ROTATION,
     ClientGone,
     LegError,
     Watch,
@@ -87,7 +88,7 @@ from .legs import (
 from .metrics import CONTENT_TYPE, ProxyMetrics
 from .pool import Instance, Pool
 from .resume import NotResumable, Tap, complete, continuation, decode_body
-from .settings import KEY_ENV, ProxySettings
+from .settings import KEY_ENV, LATE, ProxySettings
 from .sse import read_json, sse_error, sse_head_then_chunks, write_sse_error
 from .upstream import Upstream
 
@@ -116,6 +117,7 @@ class _Request:
     retries: int = 0  #: sent again before the answer began
     reissued: bool = False  #: sent as a new transfer after a re-target found no source
     prefill_used: Instance | None = None  #: the last attempt's prefill instance
+    decode_used: Instance | None = None  #: the decode instance its last decode leg went to
     resumes: int = 0  #: streams resumed elsewhere
 
 
@@ -330,7 +332,7 @@ class PushProxy:
                 return await self._decode_alone(req, decode, "no prefill instance is in "
                                                 "rotation", last)
             try:
-                return await self._attempt(req, prefill, decode)
+                return await self._attempt(req, prefill, decode, avoid["decode"])
             except Reissue as why:
                 if req.reissued:  # once only
                     raise why.exc from None
@@ -340,7 +342,7 @@ class PushProxy:
                 self.failover.record(BEFORE, why.exc, SOURCE_RELEASED,
                                      req.checked.prompt_tokens)
             except LegError as exc:
-                failed = prefill if exc.leg == "prefill" else decode
+                failed = prefill if exc.leg == "prefill" else (req.decode_used or decode)
                 cause = await self.failover.cause(exc, failed, self.upstream.session)
                 if not cause:
                     raise
@@ -421,8 +423,8 @@ class PushProxy:
         body = decode_body(req.body, req.path) if self.settings.resumes else req.body
         return body if params is None else dict(body, kv_transfer_params=params)
 
-    async def _attempt(self, req: _Request, prefill: Instance,
-                       decode: Instance) -> web.StreamResponse:
+    async def _attempt(self, req: _Request, prefill: Instance, decode: Instance,
+                       avoid: Sequence[Instance] = ()) -> web.StreamResponse:
         chk = req.checked
         endpoint = await self.upstream.endpoint(prefill)
         transfer_id = uuid.uuid4().hex
@@ -440,7 +442,12 @@ class PushProxy:
             timeline.mark(transfer_id, "legs_sent")
             p_task = asyncio.create_task(self._prefill_leg(prefill, req.path, p_body, headers))
             try:
+                if self.settings.bind == LATE:
+                    await self._prefill_answered(p_task, prefill)
+                    decode = self.pool.pick("decode", avoid) or decode
+                    tried = [decode]
                 while True:
+                    req.decode_used = decode
                     try:
                         with self._busy(decode, chk.prompt_tokens + chk.max_tokens):
                             return await self._relay(
@@ -473,6 +480,19 @@ class PushProxy:
                     self.metrics.legs.labels("prefill", "cancelled").inc()
                 with contextlib.suppress(BaseException):
                     await p_task
+
+    async def _prefill_answered(self, p_task: asyncio.Task[None], prefill: Instance) -> None:
+        """Wait for the prefill leg's answer (``bind`` late): its error, or the prefill
+        instance going out of rotation first, fails the attempt."""
+        down = asyncio.ensure_future(prefill.down.wait())
+        try:
+            await asyncio.wait({p_task, down}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+        if not p_task.done():
+            raise LegError("prefill", 502, f"prefill instance {prefill.url} went out of "
+                           "rotation", cause=OUT_OF_ROTATION)
+        p_task.result()  # its LegError, if it failed
 
     async def _prefill_leg(self, inst: Instance, path: str, body: dict[str, Any],
                            headers: dict[str, str]) -> None:

@@ -9,6 +9,11 @@ from pushkv.transports.nixl.config import NixlConfig
 from .failover import RETRY, check_policy
 from .pool import HealthSettings
 
+ARRIVAL = "arrival"
+LATE = "late"
+#: When the decode instance of a request is chosen (:attr:`ProxySettings.bind`).
+BINDS = (ARRIVAL, LATE)
+
 #: Environment variable holding the shared key when no file is given (the runtime's).
 KEY_ENV: str = NixlConfig.key_env
 
@@ -23,6 +28,9 @@ class ProxySettings:
     #: what a leg failing before the answer began leads to: "retry" or "retarget"
     failover: str = RETRY
     resumes: int = 2  #: times a streamed completion is resumed elsewhere (0: never)
+    #: when the decode instance is chosen: "arrival" (both legs at once) or "late" (once
+    #: the prefill leg answered: the least loaded then, the decode leg sent then)
+    bind: str = ARRIVAL
     max_body_bytes: int = 8 << 20  #: larger request bodies get 413
     max_tokens_limit: int = 0  #: bound on max_tokens besides the model's length (0: none)
     health: HealthSettings = field(default_factory=HealthSettings)
@@ -36,3 +44,5 @@ class ProxySettings:
             raise ValueError("retries, resumes, max_body_bytes and max_tokens_limit must "
                              "be >= 0")
         check_policy(self.failover)
+        if self.bind not in BINDS:
+            raise ValueError(f"bind must be one of {', '.join(BINDS)}, got {self.bind!r}")
