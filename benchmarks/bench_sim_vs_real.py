@@ -45,6 +45,11 @@ sys.path.insert(0, str(ROOT))
 
 from pushkv.fit import segments  # noqa: E402
 from pushkv.fit.cores import CoreProbe  # noqa: E402
+from pushkv.fit.sim_vs_real.cross import (  # noqa: E402
+    TRAIN_INPUTS,
+    TRAIN_RATES,
+    cross_validate,
+)
 from pushkv.fit.sim_vs_real.deployment import (  # noqa: E402
     SchedSamples,
     active_s,
@@ -110,7 +115,7 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
 
     for mode in args.modes:
         name, kind = MODES[mode]
-        todo = [(i, q) for i in args.inputs for q in args.rates
+        todo = [(i, q) for i, q in grid(args)
                 if not (real / file_name(mode, q, i, args.output_len, it)).exists()]
         if not todo:
             continue
@@ -150,6 +155,7 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
                                      input_len=input_len, output_len=args.output_len,
                                      num_prompts=args.num_prompts, seed=args.seed + it,
                                      log=real / "logs" / f"{mode}-bench.log",
+                                     extra=("--save-detailed",),  # each request's TTFT
                                      client=client)
                 got = {side: {"cpu_share": round(probe.share(core), 4),
                               "wake_s": round(probe.wake_s(core), 6)}
@@ -308,6 +314,29 @@ def warm_up(url: str, model: str, n: int, input_len: int) -> None:
             raise RuntimeError(f"warm-up request {i}: HTTP {status}: {body!r:.200}")
 
 
+def grid(args: argparse.Namespace) -> list[tuple[int, float]]:
+    """The (input length, rate) points of a run: ``--points`` where given, else every
+    ``--inputs`` length at every ``--rates`` rate."""
+    if args.points:
+        return list(args.points)
+    return [(i, q) for i in args.inputs for q in args.rates]
+
+
+def points_arg(text: str) -> list[tuple[int, float]]:
+    """``--points``: ``LEN:RATE,RATE/LEN:RATE,...`` (e.g. ``64:2,8,16/192:2,8``)."""
+    out = []
+    try:
+        for part in text.split("/"):
+            length, rates = part.split(":")
+            out += [(int(length), float(q)) for q in rates.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"--points {text!r}: expected LEN:RATE,RATE/LEN:RATE,... ({exc})") from exc
+    if not out or any(i <= 0 or q <= 0 for i, q in out):
+        raise argparse.ArgumentTypeError(f"--points {text!r}: lengths and rates must be > 0")
+    return out
+
+
 def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
@@ -322,6 +351,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sim_vs_real")
     p.add_argument("--rates", type=floats, default=[2.0, 8.0], help="QPS, comma separated")
     p.add_argument("--inputs", type=ints, default=[64, 192], help="input lengths")
+    p.add_argument("--points", type=points_arg, default=None,
+                   help="the run's (length, rate) points instead of every --inputs length "
+                   "at every --rates rate: LEN:RATE,RATE/LEN:RATE,... (e.g. "
+                   "64:2,4,8,16/192:2,8)")
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--output-len", type=int, default=24)
     p.add_argument("--iterations", type=int, default=8,
@@ -372,10 +405,32 @@ def main() -> int:
     p.add_argument("--real-keys", action="store_true",
                    help="measure network.client_hop_s and prefill.return_s from the real "
                    "half's own marks (requests that ran alone) and simulate with them")
+    p.add_argument("--cross-validate", action="store_true",
+                   help="instead of the usual ways, cross-validate: key the simulator from "
+                   "the gauges of the training points (--train-rates x --train-inputs) "
+                   "alone, simulate every point, judge the training points (in sample) "
+                   "apart from the others (out of sample), and find the knee of the "
+                   "rate sweep at --sweep-input, real and simulated "
+                   "(pushkv.fit.sim_vs_real.cross)")
+    p.add_argument("--train-rates", type=floats, default=list(TRAIN_RATES),
+                   help="the training rates of --cross-validate (default 2,8: the grid the "
+                   "profile was fitted on)")
+    p.add_argument("--train-inputs", type=ints, default=list(TRAIN_INPUTS),
+                   help="the training lengths of --cross-validate (default 64,192)")
+    p.add_argument("--sweep-input", type=int, default=None,
+                   help="the length whose rates make the knee's sweep (default: the one "
+                   "run at the most rates)")
+    p.add_argument("--no-merge-tokens", dest="merge_tokens", action="store_false",
+                   help="every output token a frontend job of its own (host.merge_tokens "
+                   "0); by default all of a request's tokens waiting together on the "
+                   "frontend queue leave as one chunk (host.merge_tokens the output "
+                   "length), as vLLM's API server merges them")
     args = p.parse_args()
     for m in args.modes:
         if m not in MODES:
             p.error(f"unknown mode {m!r} (choose from {', '.join(MODES)})")
+    if args.points:  # the lengths the deployments must hold
+        args.inputs = sorted({i for i, _ in args.points})
     real = args.out / "real"
     failures: dict[str, str] = {}
     t0 = time.monotonic()
@@ -395,10 +450,13 @@ def main() -> int:
     if not args.sim_only:
         failures |= run_real(args, real)
     real_s = time.monotonic() - t0
+    if args.cross_validate:
+        return cross_main(args, failures, t0, real_s, load)
     got = sim_half(args.out, args.profile, seed=args.seed, arrivals=args.arrivals,
                    frontend_cores=args.frontend_cores, host_cores=args.host_cores,
                    use_real_keys=args.real_keys, cpu_share=args.cpu_share,
-                   figures_dir=args.figures, failures=failures)
+                   figures_dir=args.figures, failures=failures,
+                   merge_tokens=args.output_len if args.merge_tokens else 0)
     summary = got.summary | {
         "real_s": round(real_s, 1), "total_s": round(time.monotonic() - t0, 1),
         "load_at_start": [round(x, 2) for x in load],
@@ -408,6 +466,49 @@ def main() -> int:
         "real_keys": got.keys, "way": got.way, "failures": failures}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
+    return 1 if failures else 0
+
+
+def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
+               real_s: float, load: tuple[float, float, float]) -> int:
+    """``--cross-validate``: :func:`pushkv.fit.sim_vs_real.cross.cross_validate` on the
+    run in ``--out``, its summary written (``OUT/cross.json``) and printed last as one
+    JSON line: the in-sample and out-of-sample ratio ranges, the out-of-sample figures
+    in band, decided and counted, and ``knee_ratio`` per mode."""
+    try:
+        got = cross_validate(args.out, args.profile, rates=args.train_rates,
+                             inputs=args.train_inputs, sweep_input=args.sweep_input,
+                             seed=args.seed, arrivals=args.arrivals,
+                             frontend_cores=args.frontend_cores, host_cores=args.host_cores,
+                             merge_tokens=args.merge_tokens, figures_dir=args.figures)
+    except ValueError as exc:  # a split that cannot cross-validate
+        print(f"cannot cross-validate: {exc}", file=sys.stderr)
+        return 2
+    ins, outs = got.get("in_sample", {}), got.get("out_of_sample", {})
+    summary = {
+        "in_sample": [ins.get("ratio_min"), ins.get("ratio_max")],
+        "out_of_sample": [outs.get("ratio_min"), outs.get("ratio_max")],
+        "out_of_sample_in_band": outs.get("in_band"),
+        "out_of_sample_points": outs.get("figures"),
+        "out_of_sample_decided": outs.get("decided"),
+        "out_of_sample_narrow_not_in": outs.get("narrow_not_in"),
+        "in_sample_in_band": ins.get("in_band"), "in_sample_points": ins.get("figures"),
+        "knee_ratio": got.get("knee_ratio"),
+        "knee_ratio_median": got.get("knee_ratio_median"),
+        "merge_tokens": args.merge_tokens,
+        **{other: {"out_of_sample": [got[other].get("out_of_sample", {}).get(k)
+                                     for k in ("ratio_min", "ratio_max")],
+                   "out_of_sample_in_band": got[other].get("out_of_sample", {}).get("in_band"),
+                   "knee_ratio": got[other].get("knee_ratio")}
+           for other in ("merge", "no_merge") if other in got},
+        "cross": got, "real_s": round(real_s, 1),
+        "total_s": round(time.monotonic() - t0, 1),
+        "load_at_start": [round(x, 2) for x in load],
+        "load_at_end": [round(x, 2) for x in os.getloadavg()],
+        "profile": str(args.profile), "frontend_cores": args.frontend_cores,
+        "host_cores": args.host_cores, "failures": failures}
+    (args.out / "cross.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "cross"}))
     return 1 if failures else 0
 
 

@@ -637,3 +637,80 @@ def test_lone_requests_of_the_gauges_are_set_against_those_of_the_points(
     assert wakes["points, 1 in flight"]["mean_ms"] == pytest.approx(15.0)
     assert "| decode arrives -> sees | 5.0 | 15.0 |" in text
     assert lone_gap(real, {}) == ("", {})
+
+
+def _grid_run(tmp_path: Path) -> tuple[Path, dict]:
+    """:func:`_gauged_run`'s two iterations (the second's gauges 1.6 times as slow),
+    each point copied to 8 QPS at 64 tokens and to 2 QPS at 128 tokens (the same
+    result and record: points to hold out)."""
+    real, shares = _gauged_run(tmp_path, iterations=2, scales=(1.0, 1.0, 1.6, 1.6))
+    for fname in list(shares):
+        for other in (fname.replace("_qps2_", "_qps8_"), fname.replace("_in64_", "_in128_")):
+            (real / other).write_text((real / fname).read_text())
+            shares[other] = json.loads(json.dumps(shares[fname]))
+    (real / "cpu_probe.json").write_text(json.dumps(shares))
+    return real, shares
+
+
+def test_cross_validation_keys_held_out_points_from_the_training_points_alone(
+        tmp_path: Path) -> None:
+    """Trained on 2 QPS at 64 tokens: a held-out point (a higher rate, a longer prompt)
+    gets the mean of the training points' keys, the training points their own; every
+    figure is judged in or out of sample, and the sweep at 64 tokens has its two rates."""
+    from pushkv.fit.sim_vs_real.cross import cross_validate, split
+
+    real, shares = _grid_run(tmp_path)
+    points, output_len, _ = real_points(real)
+    train, held = split(points, rates=(2.0,), inputs=(64,))
+    assert {p[1:3] for p in train} == {(64, 2.0)}
+    assert {p[1:3] for p in held} == {(64, 8.0), (128, 2.0)}
+    trained, _ = gauge_keys(real, {f: v for f, v in shares.items() if "_qps2_in64_" in f},
+                            PROFILE, output_len)
+    got = cross_validate(tmp_path, PROFILE, rates=(2.0,), inputs=(64,), sweep_input=64,
+                         say=lambda _: None)
+    assert got["keyed_from"]["push_qps8_in64_out24_iter1.json"] == "push_in64_qps2"
+    assert got["keyed_from"]["pull_qps2_in128_out24_iter0.json"] == "pull_in64_qps2"
+    its = [trained[f"push_qps2_in64_out24_iter{i}.json"] for i in (0, 1)]
+    step = [k["decode"]["decode_step_overhead_s"] for k in its]
+    assert step[1] > step[0]  # the slower gauges' iteration
+    held_keys = json.loads((tmp_path / "sim-cross" / "push_qps8_in64_out24_iter0.json")
+                           .read_text())  # simulated: a result file, every request done
+    assert held_keys["completed"] == 24
+    ins, outs = got["in_sample"], got["out_of_sample"]
+    assert ins["figures"] == 2 * 4 and outs["figures"] == 4 * 4  # points x statistics
+    assert set(got["points"]["in_sample"]) == {"push_in64_qps2", "pull_in64_qps2"}
+    assert 0 < outs["ratio_min"] <= outs["ratio_max"]
+    assert outs["decided"] <= outs["figures"] and outs["in_band"] <= outs["decided"]
+    assert got["knee"]["push"]["rates"] == [2.0, 8.0]
+    # the held-out keys are the training points' mean, not the held-out point's gauges
+    from pushkv.fit.sim_vs_real.cross import predict
+
+    predicted, _ = predict(trained, ["push_qps8_in64_out24_iter0.json"])
+    assert predicted["push_qps8_in64_out24_iter0.json"]["decode"][
+        "decode_step_overhead_s"] == pytest.approx(sum(step) / 2)
+    with pytest.raises(ValueError, match="both in and out"):
+        split(points, rates=(2.0, 8.0), inputs=(64, 128))
+
+
+def test_a_held_out_point_takes_the_nearest_training_length_then_rate() -> None:
+    from pushkv.fit.sim_vs_real.cross import nearest_group
+
+    groups = [("push", 64, 2.0), ("push", 64, 8.0), ("push", 192, 2.0),
+              ("push", 192, 8.0), ("pull", 64, 2.0)]
+    assert nearest_group("push", 320, 16.0, groups) == ("push", 192, 8.0)
+    assert nearest_group("push", 128, 4.0, groups) == ("push", 192, 2.0)  # ties: longer
+    assert nearest_group("push", 64, 5.0, groups) == ("push", 64, 8.0)  # ties: higher
+    assert nearest_group("pull", 320, 16.0, groups) == ("pull", 64, 2.0)
+    with pytest.raises(ValueError, match="mode"):
+        nearest_group("push-layer", 64, 2.0, groups)
+
+
+def test_the_knee_is_where_the_statistic_doubles_interpolated() -> None:
+    from pushkv.fit.sim_vs_real.cross import knee
+
+    # 30 ms at light load: 60 is reached between 8 (40) and 12 (80), halfway
+    assert knee([2, 4, 8, 12], [30, 32, 40, 80]) == pytest.approx(10.0)
+    assert knee([2, 4, 8], [30, 31, 33]) is None  # beyond the sweep
+    assert knee([2, 4], [30, 60]) == 4
+    with pytest.raises(ValueError, match="ascend"):
+        knee([4, 2], [30, 60])

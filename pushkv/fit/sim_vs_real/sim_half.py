@@ -58,6 +58,7 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
              frontend_cores: int | None = None, host_cores: int | None = None,
              use_real_keys: bool = False, cpu_share: bool = True,
              figures_dir: Path | None = None, failures: dict[str, str] | None = None,
+             merge_tokens: int | None = None,
              say: Callable[[str], None] = _say) -> SimHalf:
     """Simulate the points of ``out/real`` every way, compare, print (``say``); see the
     module. ``profile``: the profile every way starts from; ``seed``, ``arrivals``: the
@@ -67,13 +68,15 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
     (:func:`~.keys.real_keys`); ``cpu_share`` false: no ``probe`` way; ``figures_dir``:
     also draw the headline way's TTFT and TPOT against the real half there. What
     fails without stopping the rest (the real keys, the gauges' profile) is added to
-    ``failures`` by name."""
+    ``failures`` by name. ``merge_tokens``: every way's ``host.merge_tokens`` on the
+    shared-CPU host (None: the profile's; see :func:`~.simulate.run_sim`)."""
     failures = {} if failures is None else failures
     real, sim = out / "real", out / "sim"
     points, output_len, num_prompts = real_points(real)
     shares = json.loads((real / SHARES).read_text()) if (real / SHARES).exists() else {}
     knobs: dict[str, Any] = {"arrivals": arrivals, "frontend_cores": frontend_cores,
-                             "host_cores": host_cores, "keys": None}
+                             "host_cores": host_cores, "keys": None,
+                             "merge_tokens": merge_tokens}
     if use_real_keys:
         try:
             knobs["keys"] = real_keys(real, shares, profile)
@@ -136,7 +139,7 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
             gauged = out / "sim-gauge"
             run_sim(profile, gauged, points, output_len, num_prompts, seed=seed,
                     arrivals=arrivals, frontend_cores=frontend_cores,
-                    host_cores=host_cores, gauges=per_point,
+                    host_cores=host_cores, gauges=per_point, merge_tokens=merge_tokens,
                     timelines=timelines / "gauge")
             gauge_table, gauge_summary = compare(real, gauged)
             say("\nSimulated with each point's profile from the gauges just before and "
@@ -175,7 +178,7 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
                 kw.setdefault("gauges", per_point)
                 run_sim(profile, there, points, output_len, num_prompts, seed=seed,
                         arrivals=arrivals, frontend_cores=frontend_cores,
-                        host_cores=host_cores, **kw)
+                        host_cores=host_cores, merge_tokens=merge_tokens, **kw)
                 table, got = compare(real, there)
                 say(f"\nThe same {title}:\n")
                 say(table)

@@ -29,7 +29,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             host_cores: int | None = None,
             keys: dict[str, dict[str, float]] | None = None,
             gauges: dict[str, dict[str, dict[str, float]]] | None = None,
-            speeds: bool = False, wall_steps: bool = False) -> None:
+            speeds: bool = False, wall_steps: bool = False,
+            merge_tokens: int | None = None) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
     ``shares`` (by result file name), each point's engines get the share of a core and
     the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
@@ -49,7 +50,10 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     its lone requests' wall times, the work they brought beside their steps in them, so
     on shared cores its steps are first made to give those wall times to a lone request
     simulated there (:func:`pushkv.fit.measure_connector.lone_steps`; ``wall_steps``: the
-    gauged steps as they are, that work counted twice)."""
+    gauged steps as they are, that work counted twice). ``merge_tokens`` replaces the
+    profile's ``host.merge_tokens`` on every point run on the shared-CPU host (up to so
+    many of a request's tokens waiting together on the frontend queue leave as one
+    chunk; 0: none)."""
     from ...sim.marks import Timeline
     from ...sim.runner import run
     from ...sim.scenario import SimConfig, TransferMode
@@ -112,6 +116,9 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
                                          prefill=dataclasses.replace(h.prefill, **pre),
                                          decode=dataclasses.replace(h.decode, **dec)),
             ).validate()
+        if merge_tokens is not None and profile.host.model == SHARED_CPU:
+            profile = dataclasses.replace(profile, host=dataclasses.replace(
+                profile.host, merge_tokens=merge_tokens)).validate()
         cfg = SimConfig(mode=TransferMode(mode), profile=profile, iteration=it,
                         workload=WorkloadConfig(request_rate=rate, input_len=input_len,
                                                 output_len=output_len,

@@ -21,6 +21,14 @@ no parameter but the number of cores the frontends share. With
 cores, which the engines' steps share: ``frontend_cores`` is then how many frontend
 jobs run at once.
 
+A request's tokens that reach the queue while an earlier token of it still waits for
+its turn there join that token's job, up to ``host.merge_tokens`` of them: vLLM's API
+server hands each streamed request its outputs through a per-request collector that
+merges them while the request's handler is behind (``RequestOutputCollector.put``,
+vllm/v1/engine/output_processor.py, vLLM 0.32), so a backlog of tokens leaves as one
+chunk, at one chunk's cost. Without it every token is a job, and a frontend that falls
+behind under load falls further behind with every step decode takes.
+
 A process woken while other requests are in flight may wait on the kernel's run queue
 before it runs -- on a shared CPU machine decode's API server waits tens to hundreds
 of milliseconds beside a streaming request (``benchmarks/bench_handoff_waits.py``) --
@@ -60,7 +68,7 @@ class Frontend:
     def __init__(self, env: simpy.Environment, cores: int, token_s: float,
                  token_latency_s: float = 0.0, *, host: SharedCores | None = None,
                  wakes: Spread | None = None, intake_wakes: Spread | None = None,
-                 in_flight: Callable[[], int] = lambda: 0) -> None:
+                 in_flight: Callable[[], int] = lambda: 0, merge: int = 0) -> None:
         if cores < 1:
             raise ValueError(f"a frontend needs at least one core, got {cores}")
         self.env = env
@@ -86,6 +94,12 @@ class Frontend:
         self._gates: dict[str, simpy.Event] = {}  #: a request's token waiting for a core
         self._by_process: dict[str, int] = {}  #: jobs pending, by the process they wake
         self._waking: dict[str, float] = {}  #: a waking process without jobs: until when
+        #: the most tokens a request's token job still waiting carries (``merge_tokens``;
+        #: 0 or 1: none joins)
+        self.merge = merge
+        #: per request, its token job still waiting for its turn: the deliveries it carries
+        self._waiting: dict[str, list[Callable[[], None]]] = {}
+        self.merged = 0  #: tokens that joined a waiting job
 
     def serve(self, service_s: float, then: Callable[[], None], wait_s: float = 0.0,
               started: Callable[[], None] | None = None, gate: str | None = None,
@@ -161,12 +175,34 @@ class Frontend:
         def delivered() -> None:
             req.client_times.append(self.env.now + self.token_latency_s)
 
+        key = req.transfer_id
+        if self.merge > 1:
+            waiting = self._waiting.get(key)
+            if waiting is not None:  # its earlier token still waits: one chunk with it
+                waiting.append(delivered)
+                self.merged += 1
+                if len(waiting) >= self.merge:  # full: the next starts a chunk of its own
+                    del self._waiting[key]
+                return
+            carried = self._waiting[key] = [delivered]
+
+            def started() -> None:  # its turn came: later tokens make a chunk of their own
+                if self._waiting.get(key) is carried:
+                    del self._waiting[key]
+
+            def chunk() -> None:
+                for deliver in carried:
+                    deliver()
+        else:
+            started, chunk = None, delivered  # type: ignore[assignment]
+
         api = req.decode or ""  # decode's API server passes every token on
-        held = self._gates.get(req.transfer_id)
+        held = self._gates.get(key)
         if held is not None:  # an earlier token of its waits for a core: this one follows
-            held.callbacks.append(lambda _: self.serve(self.token_s, delivered, process=api))
+            held.callbacks.append(lambda _: self.serve(self.token_s, chunk, started=started,
+                                                       process=api))
             return
-        self.serve(self.token_s, delivered, gate=req.transfer_id, process=api)
+        self.serve(self.token_s, chunk, started=started, gate=key, process=api)
 
     def drained(self) -> simpy.Event:
         """An event that fires once no work is queued or running."""

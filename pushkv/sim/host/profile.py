@@ -192,6 +192,22 @@ class HostProfile:
         "pushkv.fit.sim_vs_real.keys.wake_beside_of; docs/sim.md, 'A woken frontend beside "
         "another request')",
     )
+    merge_tokens: int = _f(
+        0,
+        "the most output tokens of one request one frontend job carries: a token that "
+        "reaches the frontend queue while an earlier token of its request still waits "
+        "there for its turn joins that token's job, up to this many, and they leave as "
+        "one chunk for one job's service, as vLLM's API server merges a streamed "
+        "request's outputs while its handler is behind (pushkv.sim.host.frontend; needs "
+        "frontend_cores); 0 (or 1): every token a job of its own, however far the "
+        "frontends are behind",
+        "vLLM 0.32 source, vllm/v1/engine/output_processor.py, RequestOutputCollector.put "
+        "('RequestOutputs are merged if the producer gets ahead of the consumer', no "
+        "bound: https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/engine/"
+        "output_processor.py); 0 by default, so that earlier profiles' outputs stand; "
+        "benchmarks/bench_sim_vs_real.py sets the output length (all of a request's "
+        "tokens; --no-merge-tokens: 0)",
+    )
     prefill: HostSide = field(default_factory=HostSide,
                               metadata={"help": "the prefill instances' processes"})
     decode: HostSide = field(default_factory=HostSide,
@@ -231,7 +247,7 @@ def validate_host(h: HostProfile) -> None:
     """Raise :class:`HostError` on an impossible ``[host]`` value."""
     if h.model not in MODELS:
         raise HostError(f"host.model must be one of {', '.join(MODELS)}, got {h.model!r}")
-    for name in ("cores", "frontend_cores"):
+    for name in ("cores", "frontend_cores", "merge_tokens"):
         v = getattr(h, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise HostError(f"host.{name} must be an integer >= 0, got {v!r}")

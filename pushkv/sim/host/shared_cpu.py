@@ -116,7 +116,7 @@ class SharedCpu(Dedicated):
                 intake = Spread(h.wake_beside_s, np.random.default_rng(seeds.spawn(1)[0]))
             self.frontend = Frontend(env, h.frontend_cores, token_s, return_s - token_s,
                                      host=self.cores, wakes=wakes, intake_wakes=intake,
-                                     in_flight=in_flight)
+                                     in_flight=in_flight, merge=h.merge_tokens)
 
     def _side(self, side: Side) -> HostSide:
         return self._sides[side]
