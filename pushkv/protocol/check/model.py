@@ -37,7 +37,7 @@ from ..messages import Cancel, Heartbeat, Message, Register, decode, encode
 from ..producer import Producer
 from ..states import ConsumerState
 from .describe import Describe, brief
-from .invariants import _TERMINAL, EpInfo, Invariants, State, Violation
+from .invariants import _TERMINAL, EpInfo, Invariants, State, Violation, outcome_rule, ready_rule
 from .owed import Owed, touched
 from .pull import Pull
 from .scope import Scope
@@ -663,11 +663,14 @@ class Model(Invariants, Describe, Staging, Pull, Writes):
         ci = w.cinc[k]
         kind = {TransferReady: "ready", TransferFailed: "failed",
                 TransferCancelled: "cancelled"}[type(a)]
-        if ci.status != C_LIVE or ci.outcomes[d] is not None:
+        cur = len(ci.allocs) - 1
+        # The shared rules (the auditor's too): outcome and stale, then bytes.
+        rule = outcome_rule(ci.outcomes[d] if ci.status == C_LIVE else "its end", a.attempt,
+                            cur)
+        if rule == "outcome":
             raise Violation("outcome", f"D{d} reported t#{k} {kind} (attempt {a.attempt}) "
                             f"after {ci.outcomes[d] or 'its end'}")
-        cur = len(ci.allocs) - 1
-        if a.attempt != cur:
+        if rule == "stale":
             raise Violation("stale", f"D{d} reported t#{k} {kind} for attempt {a.attempt}; "
                             f"the current attempt is {cur}")
         if kind == "ready":
@@ -675,7 +678,7 @@ class Model(Invariants, Describe, Staging, Pull, Writes):
                 for p in sorted(self.writers[d]):
                     for x in sorted(self.owed.whole[d][p]):
                         got = w.content.get((d, b, p, x))
-                        if got != (k, cur):
+                        if ready_rule(int(got != (k, cur))):
                             had = ("nothing" if got is None else "a failed write" if got[0] < 0
                                    else f"t#{got[0]} attempt {got[1]}")
                             raise Violation("bytes", f"D{d} declared t#{k} attempt {cur} READY "

@@ -20,7 +20,7 @@ from ..events import IssueWrite, Peer
 from ..layout import RankInfo
 from ..mapping import targets_of
 from ..messages import Message, Register, Skip
-from .invariants import Violation
+from .invariants import Violation, landing_rule, write_start_rule
 from .owed import Owed, touched, written
 from .part import ModelPart
 from .world import (
@@ -156,11 +156,13 @@ class Writes(ModelPart):
         ci = w.cinc[k] if k < len(w.cinc) else None
         for b in item[6]:
             owner = w.d_owner[b]
-            if owner != (k, attempt) or ci is None or (d, attempt) in ci.released:
+            rule = landing_rule(owner == (k, attempt) and ci is not None
+                                and (d, attempt) not in ci.released)
+            if rule is not None:
                 what = ("free" if owner is None else
                         f"released by D{d}" if owner == (k, attempt) else
                         f"now holding t#{owner[0]} attempt {owner[1]}")
-                kind = "incarnation" if owner is not None and owner[0] != k else "reuse"
+                kind = "incarnation" if owner is not None and owner[0] != k else rule
                 op = (f"D{d}'s read of t#{k} attempt {attempt} from P{p}" if item[0] == READ
                       else f"P{p}'s write of t#{k} attempt {attempt}")
                 raise Violation(kind, f"{op} landed in D{d} block {b}, which is {what}")
@@ -171,11 +173,15 @@ class Writes(ModelPart):
         dst = touched(a.plan, self.d_stride, 1)
         data = next((k for k, pi in enumerate(w.pinc) if pi.status in (P_HELD, P_PARTIAL)
                      and pi.blocks == src and p not in pi.released), -1)
-        if data < 0:
+        # The shared rule (the auditor's too), in two calls to keep the checks' order:
+        # source and cancelled here, lease and window after rule 9's unready check.
+        rule = write_start_rule(w.now, held=data >= 0, lease_end=float("inf"),
+                                cancelled=(p, d, a.attempt, data) in w.cancelled)
+        if rule == "source":
             raise Violation("source", f"P{p} started a write of attempt {a.attempt} from "
                             f"source blocks {list(src)} it does not hold")
         inc = self._k_of(a) + 1  # the use, as items in flight name it
-        if (p, d, a.attempt, data) in w.cancelled:
+        if rule == "cancelled":
             raise Violation("cancelled", f"P{p} started a write of t#{data} attempt "
                             f"{a.attempt} to D{d} after that attempt's Cancel reached it")
         cells = written(a.plan, self.d_stride)
@@ -188,10 +194,13 @@ class Writes(ModelPart):
             if early:
                 raise Violation("unready", f"P{p} started a write of t#{data} with bytes "
                                 f"{early} its engine never reported final")
-        if w.now >= w.leases.get((p, data), 0.0):
+        rule = write_start_rule(w.now, held=True, cancelled=False,
+                                lease_end=w.leases.get((p, data), 0.0),
+                                window_end=w.windows.get((p, d, a.attempt, data)))
+        if rule == "lease":
             raise Violation("lease", f"P{p} started a write of t#{data} attempt {a.attempt} "
                             f"at t={w.now:g}, after its source's lease ended")
-        if w.now > w.windows.get((p, d, a.attempt, data), w.now):
+        if rule == "window":
             raise Violation("window", f"P{p} started a write of t#{data} attempt {a.attempt} "
                             f"at t={w.now:g}, after the registration's window")
         if d < 0:  # rule 12: into E, whose memory is not modelled: it completes or fails
