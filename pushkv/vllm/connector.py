@@ -99,6 +99,7 @@ class PushKVConnector(KVConnectorBase_V1):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._idle_step = False  # this step runs no forward (set by start_load_kv)
         if self.settings.timeline_dir:  # empty: leave the process's recorder as it is
             timeline.configure(self.settings.timeline_dir,
                                f"{self.engine_id}-{role.name.lower()}")
@@ -186,6 +187,9 @@ class PushKVConnector(KVConnectorBase_V1):
         self.set_xfer_handshake_metadata_pp_aware({(0, r): m for r, m in metadata.items()})
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        # vLLM's kv_connector_no_forward sets no attention metadata: a step with nothing
+        # to compute, which may wait for the pulls being read (WorkerSide.results)
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
         meta = self._connector_metadata
         if isinstance(meta, PushKVMetadata):
             self.worker_side.apply(meta)
@@ -211,7 +215,8 @@ class PushKVConnector(KVConnectorBase_V1):
                 self.worker_side.finish_saved(meta.send_at_save)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self.worker_side.results()
+        idle, self._idle_step = self._idle_step, False
+        sending, recving, failed = self.worker_side.results(idle)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 

@@ -129,6 +129,17 @@ class _Recv:
     req_id: str
     blocks: int  # blocks the transfer writes
     registered: float = 0.0  # time.monotonic() when the registration was handed over
+    pull: bool = False  # read by the runtime's reader thread
+
+
+#: The longest a step that runs no forward (vLLM's ``kv_connector_no_forward``: nothing
+#: but transfers to wait for) waits, in :meth:`WorkerSide.results`, for pulls still
+#: being read: the read's completion then reaches vLLM in this step, not the next idle
+#: step's (its ~1 ms sleep plus a scheduler-to-worker round trip, 4.3 ms median behind
+#: vllm-router on a loaded 2-core machine), and the waiting engine thread leaves the
+#: GIL and the core to the reader and I/O threads meanwhile. A step with a forward
+#: never waits.
+IDLE_STEP_WAIT_S = 0.005
 
 
 class WorkerSide:
@@ -369,7 +380,8 @@ class WorkerSide:
         except ConfigError as exc:
             self._transfer_failed(order.transfer_id, order.req_id, "CANNOT_START", str(exc))
             return
-        self._recv[order.transfer_id] = _Recv(order.req_id, written, time.monotonic())
+        self._recv[order.transfer_id] = _Recv(order.req_id, written, time.monotonic(),
+                                              pull=order.direction == "pull")
         timeline.mark(order.transfer_id, "registration_handed")
         if order.direction == "pull":  # read by the runtime's reader thread
             rt.start_pull(order.transfer_id, order.producer.engine_id, order.src_block_ids,
@@ -386,11 +398,22 @@ class WorkerSide:
 
     # ----------------------------------------------------------- results
 
-    def results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) since the last call."""
-        if self.runtime is not None:
-            for event in self.runtime.poll():
+    def results(self, idle: bool = False) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call.
+        ``idle``: the step ran no forward; it waits up to :data:`IDLE_STEP_WAIT_S` for
+        the pulls being read (until none is left or no event comes)."""
+        rt = self.runtime
+        if rt is not None:
+            for event in rt.poll():
                 self._on_event(event)
+            if idle:
+                until = time.monotonic() + IDLE_STEP_WAIT_S
+                while any(r.pull for r in self._recv.values()):
+                    left = until - time.monotonic()
+                    if left <= 0 or not rt.wait(left):
+                        break
+                    for event in rt.poll():
+                        self._on_event(event)
         sending, self._sent = self._sent, set()
         recving, self._done = self._done, set()
         failed, self._failed = self._failed, set()
