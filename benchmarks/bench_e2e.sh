@@ -17,8 +17,13 @@
 # output against the plain server's. Prints a latency table, the per-request
 # timeline report (pushkv.timeline), and last one JSON object:
 # overhead_ratio_vs_vllm_push_{seq,conc} (and their 95% intervals over rounds,
-# _ci95), proxy_hop_ms, medians per mode. benchmarks/e2e/idle_cost.py measures
-# what an idle pair costs a server beside it.
+# _ci95), proxy_hop_ms, medians per mode; with router-pushkv and router-pull
+# (each behind vllm-router) router_pushkv_vs_pull_{seq,conc} with their 95%
+# intervals over rounds and router_rounds, and the hops of a pull behind the
+# router per deployment (pushkv/fit/e2e/pull_timeline.py, pull_timeline.json):
+#   benchmarks/bench_e2e.sh OUT --modes plain,router-pushkv,router-pull,push \
+#       --phases turns --iters 20
+# benchmarks/e2e/idle_cost.py measures what an idle pair costs a server beside it.
 #
 #   benchmarks/bench_e2e.sh [RESULTS_DIR] [benchmarks/e2e/run.py flags...]
 #   e.g. benchmarks/bench_e2e.sh /tmp/e2e --iters 5 --serve-qps 2,inf

@@ -78,12 +78,17 @@ def out_of_order(marks: Mapping[str, float], hops: Iterable[str] = NAMES) -> lis
     return bad
 
 
+#: Marks only a push records (a registration sent, a write posted).
+PUSH_MARKS = ("registration_sent", "write_posted")
+
+
 def pulls(directory: str | Path) -> dict[str, dict[str, float]]:
-    """The requests of a timeline directory that were pulled (a ``decode_scheduled``
-    after a ``prefill_finished``), by transfer (or request) id."""
+    """The requests of a timeline directory that were pulled (a ``prefill_finished`` and
+    a ``decode_scheduled``, no mark of a push), by transfer (or request) id."""
     reqs = timeline.by_request(timeline.read(directory))
     return {k: v for k, v in reqs.items()
-            if "prefill_finished" in v and "decode_scheduled" in v}
+            if "prefill_finished" in v and "decode_scheduled" in v
+            and not any(m in v for m in PUSH_MARKS)}
 
 
 def stats(requests: Mapping[str, Mapping[str, float]], hops: Iterable[str] = NAMES
