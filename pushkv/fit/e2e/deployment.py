@@ -1,8 +1,8 @@
 """The servers of one connector (or the plain server), a mode's way in to them, and
 how a deployment is stopped while another one's turn runs.
 
-A :class:`Deployment` starts the vLLM servers of ``plain``, ``pushkv``, ``nixl-push`` or
-``nixl-pull`` (see :mod:`.modes`) through :mod:`pushkv.vllm.testing`; an
+A :class:`Deployment` starts the vLLM servers of ``plain``, ``pushkv``, ``pushkv-push``
+(pushkv with ``direction: push``), ``nixl-push`` or ``nixl-pull`` (see :mod:`.modes`) through :mod:`pushkv.vllm.testing`; an
 :class:`Endpoint` puts a mode's router (if it has one) in front of them and says where
 its requests go (:class:`~.client.Target`); a :class:`Freezer` stops and thaws a
 deployment's processes (``--phases turns``).
@@ -72,14 +72,18 @@ class Deployment:
             # one replica per core: the same cores a pair's prefill and decode use
             cores = [int(c) for c in self.plain_cores.split(",")]
             self.servers = [Server(self.spec(c), logs / f"plain-{c}.log") for c in cores]
-        elif self.kind == "pushkv":
+        elif self.kind in ("pushkv", "pushkv-push"):
             extra = {"progress_delay_us": self.delay_us, "timeline_dir": str(self.timeline_dir)}
             # every server process records from its start (the API server's pauses too)
             env = {"PUSHKV_BENCH_TIMELINE_DIR": str(self.timeline_dir)}
-            p = self.spec(0, kv_transfer_config("kv_producer", "prefill-0", **extra), env)
+            # pushkv-push: the producer's direction override, a push behind a sequential
+            # router too (pushkv.direction)
+            own = {"direction": "push"} if self.kind == "pushkv-push" else {}
+            p = self.spec(0, kv_transfer_config("kv_producer", "prefill-0", **extra, **own),
+                          env)
             d = self.spec(1, kv_transfer_config("kv_consumer", "decode-0", **extra), env)
-            self.servers = [Server(p, logs / "pushkv-prefill.log"),
-                            Server(d, logs / "pushkv-decode.log")]
+            self.servers = [Server(p, logs / f"{self.kind}-prefill.log"),
+                            Server(d, logs / f"{self.kind}-decode.log")]
         else:
             connector = "NixlConnector" if self.kind == "nixl-pull" else "NixlPushConnector"
             self.side_port = free_port()

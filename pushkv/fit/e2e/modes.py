@@ -49,7 +49,7 @@ class RouterArgs:
 @dataclass(frozen=True)
 class Mode:
     name: str
-    deployment: str  #: "plain", "pushkv", "nixl-push" or "nixl-pull"
+    deployment: str  #: "plain", "pushkv", "pushkv-push", "nixl-push" or "nixl-pull"
     dispatch: str  #: "client" or "router" ("plain": the server itself)
     router: Callable[[RouterArgs], list[str]] | None = None
 

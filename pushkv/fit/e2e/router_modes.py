@@ -1,13 +1,15 @@
 """bench_e2e.sh modes behind vllm-router (PD mode, sequential dispatch).
 
-Three rows for :data:`.modes.MODES`, one per connector, each behind the same
+Four rows for :data:`.modes.MODES`, one per connector, each behind the same
 ``vllm-router --vllm-pd-disaggregation --kv-connector nixl``:
 
 * ``router-pushkv``: ``PushKVConnector`` (its default ``direction: auto`` pulls
   here, with the decode side's background reader);
 * ``router-pull``: vLLM's ``NixlConnector`` (pull, reads posted in the decode
   engine loop);
-* ``router-vllm-push``: vLLM's ``NixlPushConnector`` behind the same router.
+* ``router-vllm-push``: vLLM's ``NixlPushConnector`` behind the same router;
+* ``router-pushkv-push``: ``PushKVConnector`` with ``direction: push`` (the producer
+  pushes once the decode side registered).
 
 :func:`router_verdict` adds ``router_vllm_push_vs_pull_<load>`` (median latency
 of router-vllm-push over router-pull) to the run's last JSON line; pushkv's
@@ -27,6 +29,9 @@ ROUTER_ROWS = (
     ("router-pushkv", "pushkv"),
     ("router-pull", "nixl-pull"),
     ("router-vllm-push", "nixl-push"),
+    # pushkv forced to push behind the sequential router (direction: push): what the
+    # direction rule's "sequential dispatch pulls" is measured against
+    ("router-pushkv-push", "pushkv-push"),
 )
 
 
