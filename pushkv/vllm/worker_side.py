@@ -133,13 +133,15 @@ class _Recv:
 
 
 #: The longest a step that runs no forward (vLLM's ``kv_connector_no_forward``: nothing
-#: but transfers to wait for) waits, in :meth:`WorkerSide.results`, for pulls still
-#: being read: the read's completion then reaches vLLM in this step, not the next idle
-#: step's (its ~1 ms sleep plus a scheduler-to-worker round trip, 4.3 ms median behind
-#: vllm-router on a loaded 2-core machine), and the waiting engine thread leaves the
-#: GIL and the core to the reader and I/O threads meanwhile. A step with a forward
+#: but transfers to wait for) waits, in :meth:`WorkerSide.results`, for the first
+#: outcome of the pulls still being read: the read's completion then reaches vLLM in
+#: this step, not the next idle step's (its ~1 ms sleep plus a scheduler-to-worker
+#: round trip, 2.5 ms median behind vllm-router on a loaded 2-core machine), and the
+#: waiting engine thread leaves the GIL and the core to the reader and I/O threads
+#: meanwhile. Short, because requests arriving meanwhile are admitted only after the
+#: step (a pull's read and hand-offs took 1.3 ms median there). A step with a forward
 #: never waits.
-IDLE_STEP_WAIT_S = 0.005
+IDLE_STEP_WAIT_S = 0.002
 
 
 class WorkerSide:
@@ -400,20 +402,16 @@ class WorkerSide:
 
     def results(self, idle: bool = False) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call.
-        ``idle``: the step ran no forward; it waits up to :data:`IDLE_STEP_WAIT_S` for
-        the pulls being read (until none is left or no event comes)."""
+        ``idle``: the step ran no forward; while pulls are being read it waits up to
+        :data:`IDLE_STEP_WAIT_S` for the runtime's next events."""
         rt = self.runtime
         if rt is not None:
-            for event in rt.poll():
+            events = rt.poll()
+            if (idle and not events and any(r.pull for r in self._recv.values())
+                    and rt.wait(IDLE_STEP_WAIT_S)):
+                events = rt.poll()
+            for event in events:
                 self._on_event(event)
-            if idle:
-                until = time.monotonic() + IDLE_STEP_WAIT_S
-                while any(r.pull for r in self._recv.values()):
-                    left = until - time.monotonic()
-                    if left <= 0 or not rt.wait(left):
-                        break
-                    for event in rt.poll():
-                        self._on_event(event)
         sending, self._sent = self._sent, set()
         recving, self._done = self._done, set()
         failed, self._failed = self._failed, set()

@@ -2,7 +2,8 @@
 how a deployment is stopped while another one's turn runs.
 
 A :class:`Deployment` starts the vLLM servers of ``plain``, ``pushkv``, ``pushkv-push``
-(pushkv with ``direction: push``), ``nixl-push`` or ``nixl-pull`` (see :mod:`.modes`) through :mod:`pushkv.vllm.testing`; an
+(pushkv with ``direction: push``), ``nixl-push`` or ``nixl-pull`` (see :mod:`.modes`)
+through :mod:`pushkv.vllm.testing`; an
 :class:`Endpoint` puts a mode's router (if it has one) in front of them and says where
 its requests go (:class:`~.client.Target`); a :class:`Freezer` stops and thaws a
 deployment's processes (``--phases turns``).

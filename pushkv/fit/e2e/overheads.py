@@ -129,9 +129,9 @@ def router_intervals(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Behind vllm-router: pushkv over vLLM pull per load (``router_pushkv_vs_pull_<load>``:
     the latency ratio, :func:`latency_ratio`, with ``_ci95``), the same of pushkv forced
     to push behind the router (``router_pushkv_push_vs_pull_<load>``) and of pushkv's own
-    proxy (``proxy_pushkv_vs_router_pull_<load>``) over vLLM pull, when they ran, each one's overhead over plain as a ratio with its interval
-    (``..._overhead_ratio``: :func:`bootstrap_ratio`), and ``router_rounds`` (rounds
-    both router modes served)."""
+    proxy (``proxy_pushkv_vs_router_pull_<load>``) over vLLM pull, when they ran, each
+    one's overhead over plain as a ratio with its interval (``..._overhead_ratio``:
+    :func:`bootstrap_ratio`), and ``router_rounds`` (rounds both router modes served)."""
     out: dict[str, Any] = {}
     rounds = 0
     for load in ("seq", "conc"):

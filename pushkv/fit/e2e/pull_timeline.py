@@ -16,6 +16,7 @@ deployment of a ``bench_e2e`` run, the table printed after the run.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,8 @@ PULL_HOPS: tuple[tuple[str, str], ...] = (
 )
 
 #: The marks vLLM's NixlConnector records too: the segments both connectors have.
-SHARED_HOPS = ("prefill_arrived", "prefill_seen", "prefill_finished", "decode_arrived", "decode_seen", "ready_scheduled",
-               "decode_scheduled")
+SHARED_HOPS = ("prefill_arrived", "prefill_seen", "prefill_finished", "decode_arrived",
+               "decode_seen", "ready_scheduled", "decode_scheduled")
 
 #: Spans over several hops, (name, from, to).
 SPANS: tuple[tuple[str, str, str], ...] = (
@@ -61,7 +62,7 @@ def hop_segments(marks: Mapping[str, float], hops: Iterable[str] = NAMES
     """One request's marks (:func:`pushkv.timeline.by_request`) as segments in ms:
     each hop of ``hops`` the request has to the next one it has, then :data:`SPANS`."""
     have = [h for h in hops if h in marks]
-    out = {f"{a} -> {b}": (marks[b] - marks[a]) * 1e3 for a, b in zip(have, have[1:])}
+    out = {f"{a} -> {b}": (marks[b] - marks[a]) * 1e3 for a, b in pairwise(have)}
     for name, a, b in SPANS:
         if a in marks and b in marks:
             out[name] = (marks[b] - marks[a]) * 1e3
@@ -74,7 +75,7 @@ def out_of_order(marks: Mapping[str, float], hops: Iterable[str] = NAMES) -> lis
     hops = tuple(hops)
     bad = [f"missing {h}" for h in hops if h not in marks]
     have = [h for h in hops if h in marks]
-    bad += [f"{b} before {a}" for a, b in zip(have, have[1:]) if marks[b] < marks[a]]
+    bad += [f"{b} before {a}" for a, b in pairwise(have) if marks[b] < marks[a]]
     return bad
 
 
