@@ -13,7 +13,10 @@ The modules, from the bottom:
 * :mod:`.simulate` -- the simulated half, one way (:func:`~.simulate.run_sim`);
 * :mod:`.report` -- the sim/real ratio tables and how far one run can tell;
 * :mod:`.tables` -- segment by segment, and grouped by how each request was served;
-* :mod:`.sim_half` -- every way simulated and compared, the summary.
+* :mod:`.sim_half` -- every way simulated and compared, the summary;
+* :mod:`.cross` -- cross-validation (``--cross-validate``): keys from the training
+  points' gauges alone, the held-out points (rates above, lengths beyond) predicted
+  and judged apart, the knee of a rate sweep, real and simulated.
 
 **Real half**: pushkv push (``PushKVConnector`` behind ``pushkv proxy``, mode
 ``push``) and vLLM pull (vLLM's ``NixlConnector`` behind the pull relay of
