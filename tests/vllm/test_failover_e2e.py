@@ -1,4 +1,4 @@
-"""Failover on real vLLM CPU servers behind ``pushkv proxy``: 2 prefill, 2 decode.
+"""Failover on real vLLM CPU servers behind ``pushkv proxy``: 2 prefill, 3 decode.
 
 The servers serve the tiny model with its word tokenizer (word ``w<i>`` is token
 ``i``), so a streamed answer's text names its tokens. References are the same
@@ -51,7 +51,8 @@ from pushkv.vllm.testing import get_text, metric, post_json, sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]
 
-NAMES = ("prefill-1", "prefill-2", "decode-1", "decode-2")
+#: decode-1 dies mid-stream, decode-3 before the first token: one each, no restart.
+NAMES = ("prefill-1", "prefill-2", "decode-1", "decode-2", "decode-3")
 #: Every instance records its protocol steps here (the waits and the audit read them).
 TIMELINE = "timeline"
 #: How long a producer holds a source whose consumer engine died (rule 12).
@@ -63,7 +64,7 @@ SHORT = 24
 @pytest.fixture(scope="module")
 def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f = Fleet(str(tiny_model), tmp_path_factory.mktemp("failover-logs"))
-    for name, cpu in zip(NAMES, (0, 1, 1, 0), strict=True):
+    for name, cpu in zip(NAMES, (0, 1, 1, 0, 1), strict=True):
         role = name.split("-")[0]
         hold = {"retarget_hold_s": HOLD_S} if role == "prefill" else {}
         f.add(name, role, cpu, timeline_dir=str(f.logs / TIMELINE), **hold
@@ -275,7 +276,6 @@ def test_d_a_frozen_decode_is_passed_over_and_thawed_gets_nothing_of_its_old_att
 def test_a_decode_killed_mid_stream_is_resumed_and_the_client_sees_no_break(fleet):
     with proxy(fleet, ["prefill-1"]) as url:
         killed_mid_stream(fleet, url)
-    fleet.respawn("decode-1")  # back for the tests below, while they set up
 
 
 def killed_mid_stream(f: Fleet, url: str) -> None:
@@ -315,14 +315,14 @@ def killed_mid_stream(f: Fleet, url: str) -> None:
 
 
 def test_abc_one_decode_killed_at_three_moments_before_the_first_token(fleet):
-    """``--failover retarget``, 2 prefill and 2 decode instances, one SIGKILL of decode-1
+    """``--failover retarget``, 2 prefill and 2 decode instances, one SIGKILL of decode-3
     while it holds three requests, each at another moment (non-streamed: the client has
     no token of any):
 
-    (a) y: the leg reached decode-1 after it was frozen: never registered;
-    (b) x: decode-1 registered x with prefill-1, which was held (SIGSTOP) and had
+    (a) y: the leg reached decode-3 after it was frozen: never registered;
+    (b) x: decode-3 registered x with prefill-1, which was held (SIGSTOP) and had
         written nothing (the Register waits in its socket; thawed after the kill);
-    (c) z: prefill-2 had written z's whole KV into decode-1 and released its source.
+    (c) z: prefill-2 had written z's whole KV into decode-3 and released its source.
 
     x and y go to decode-2 as the same transfers at turn 1 and prefill-1 writes the
     KV it held: prefill-1 computes each prompt once, nothing from its cache. z's
@@ -336,47 +336,46 @@ def test_abc_one_decode_killed_at_three_moments_before_the_first_token(fleet):
     ref = {"x": plain(f, "prefill-2", x, SHORT), "y": plain(f, "prefill-2", y, SHORT),
            "z": plain(f, "prefill-1", z, LONG)}
     p1, p2 = f.instances["prefill-1"].url, f.instances["prefill-2"].url
-    d1, d2 = f.instances["decode-1"].url, f.instances["decode-2"].url
-    f.wait_healthy("decode-1")
+    d3, d2 = f.instances["decode-3"].url, f.instances["decode-2"].url
     # probes never take an instance out here: a frozen prefill-1 stays in, and the kill
     # is seen on the legs themselves (connections reset, /health refused)
     with proxy(f, ["prefill-1", "prefill-2"], "--failover", "retarget",
-               "--unhealthy-after", "100000") as url:
+               "--unhealthy-after", "100000", decode=("decode-3", "decode-2")) as url:
         admin(url, "drain", d2)
-        for n, b in enumerate((p2, p1)):  # decode-1 handshakes with both producers
+        for n, b in enumerate((p2, p1)):  # decode-3 handshakes with both producers
             admin(url, "drain", b)
             tokens = prompt(20, 9610 + n)
             assert Call(url, f.model, tokens, 4).tokens() == plain(f, "prefill-2", tokens, 4)
             admin(url, "undrain", b)
         before = {p: computed(f, p) for p in ("prefill-1", "prefill-2")}
         causes = proxy_metric(url, "pushkv_proxy_failover_causes_total")
-        # (b) x: registered at decode-1, prefill-1 held
+        # (b) x: registered at decode-3, prefill-1 held
         admin(url, "drain", p2)
         f.freeze("prefill-1")
-        regs = steps(f, "decode-1", "registration_sent")
+        regs = steps(f, "decode-3", "registration_sent")
         cx = Call(url, f.model, x, SHORT)
-        wait_for(lambda: steps(f, "decode-1", "registration_sent") > regs, 60,
-                 "decode-1 sent x's registration")
-        # (c) z: prefill-2 writes all of it into decode-1, frozen before it saw READY
+        wait_for(lambda: steps(f, "decode-3", "registration_sent") > regs, 60,
+                 "decode-3 sent x's registration")
+        # (c) z: prefill-2 writes all of it into decode-3, frozen before it saw READY
         admin(url, "undrain", p2)
         admin(url, "drain", p1)
-        regs, released = (steps(f, "decode-1", "registration_sent"),
+        regs, released = (steps(f, "decode-3", "registration_sent"),
                           steps(f, "prefill-2", "source_released"))
-        cz = Call(url, f.model, z, LONG)  # long: decode-1 is frozen before it ends
-        wait_for(lambda: steps(f, "decode-1", "registration_sent") > regs, 60,
-                 "decode-1 sent z's registration")
-        f.freeze("decode-1")
+        cz = Call(url, f.model, z, LONG)  # long: decode-3 is frozen before it ends
+        wait_for(lambda: steps(f, "decode-3", "registration_sent") > regs, 60,
+                 "decode-3 sent z's registration")
+        f.freeze("decode-3")
         wait_for(lambda: steps(f, "prefill-2", "source_released") > released, 60,
                  "prefill-2 wrote z and released its source")
-        # (a) y: sent to the frozen decode-1
+        # (a) y: sent to the frozen decode-3
         admin(url, "undrain", p1)
         admin(url, "drain", p2)
         cy = Call(url, f.model, y, SHORT)
-        wait_for(lambda: proxy_metric(url, "pushkv_proxy_instance_outstanding", url=d1) >= 3,
-                 60, "y's leg sent to decode-1")
+        wait_for(lambda: proxy_metric(url, "pushkv_proxy_instance_outstanding", url=d3) >= 3,
+                 60, "y's leg sent to decode-3")
         admin(url, "undrain", p2)
         admin(url, "undrain", d2)
-        f.kill("decode-1")
+        f.kill("decode-3")
         f.thaw("prefill-1")
         for name, call in (("x", cx), ("y", cy), ("z", cz)):
             assert call.tokens() == ref[name], name
