@@ -26,7 +26,7 @@ baseline (``*_baseline``) when run, and ``wall_s``::
 
     PYTHONPATH=. python benchmarks/bench_failover.py [--requests 1000] [--kills 10] \\
         [--failover retarget] [--bind late] [--baseline [retry|arrival]] \\
-        > /tmp/failover.out 2>&1 &
+        > failover.out 2>&1 &
 """
 
 from __future__ import annotations
