@@ -175,9 +175,10 @@ def test_clean_pulls_verify_and_bad_seals_are_refused(pool: HostPool) -> None:
         assert_destination(c, [(s, d, n, 0) for _, s, d, n in transfers])
         c.publish("bad", [20, 21, 22], 40)
         end = time.monotonic() + 30.0  # the publication is asynchronous: wait for it
-        while (seal := _raw(c, "producer")["seals"].get((0, "bad", 0))) is None:
+        # (a snapshot with a wait blocks on the producer runtime's next event)
+        while (seal := c.host_call("producer", "snapshot", 0.05)["seals"].get(
+                (0, "bad", 0))) is None:
             assert time.monotonic() < end, "never published"
-            time.sleep(0.01)
         c.start_pull("bad", [30, 31, 32, 33, 34, 35], 40, seals={0: seal[:-3]})
         c.start_pull("bad", [30, 31, 32, 33, 34, 35], 40, seals={1: seal})
         snap = c.wait(lambda s: len(s.violations) >= 4, 30.0)
