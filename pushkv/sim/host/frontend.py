@@ -99,7 +99,6 @@ class Frontend:
         self.merge = merge
         #: per request, its token job still waiting for its turn: the deliveries it carries
         self._waiting: dict[str, list[Callable[[], None]]] = {}
-        self.merged = 0  #: tokens that joined a waiting job
 
     def serve(self, service_s: float, then: Callable[[], None], wait_s: float = 0.0,
               started: Callable[[], None] | None = None, gate: str | None = None,
@@ -180,7 +179,6 @@ class Frontend:
             waiting = self._waiting.get(key)
             if waiting is not None:  # its earlier token still waits: one chunk with it
                 waiting.append(delivered)
-                self.merged += 1
                 if len(waiting) >= self.merge:  # full: the next starts a chunk of its own
                     del self._waiting[key]
                 return
