@@ -126,20 +126,24 @@ class Integrity:
     # -------------------------------------------------------------- consumer
 
     @staticmethod
-    def pull_seals(seals: Mapping[int, bytes] | None, ranks: Iterable[int]
-                   ) -> dict[int, PullTag] | None:
+    def pull_seals(seals: Mapping[int, bytes] | None, ranks: Iterable[int], *,
+                   every_rank: bool = False) -> dict[int, PullTag] | None:
         """The relayed seals of a pull, one per producer rank in ``ranks`` (None or
         empty: the publication was not sealed, nothing is checked). A missing or
-        extra rank is a ConfigError, a malformed seal a DecodeError; nothing changes."""
+        extra rank is a ConfigError, a malformed seal a DecodeError; nothing changes.
+        ``every_rank``: ``seals`` relays the whole publication, every producer rank's
+        seal (a router passes one answer to every consumer rank): those of ``ranks``
+        are taken (each must be there), the others are left."""
         if not seals:
             return None
         want = set(ranks)
-        if not isinstance(seals, Mapping) or set(seals) != want:
+        if not isinstance(seals, Mapping) or not (
+                want <= set(seals) if every_rank else set(seals) == want):
             got = sorted(seals) if isinstance(seals, Mapping) else type(seals).__name__
             raise ConfigError(f"a sealed pull needs one seal per producer rank "
                               f"{sorted(want)}, got {got}")
         out = {}
-        for r, raw in seals.items():
+        for r, raw in ((r, seals[r]) for r in sorted(want)):
             if not isinstance(raw, bytes | bytearray | memoryview):
                 raise ConfigError(f"producer rank {r}'s seal is {type(raw).__name__}, "
                                   "not bytes")

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -230,8 +231,16 @@ class PushKVConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:
+            # The scheduler asks last in vLLM's handling of a step's output (after
+            # request_finished and update_connector_output): the step's answers are done.
+            self.scheduler_side.step_output_done()
             return None
         return self._worker.take_stats()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The seals of the sources this step published for a pull (rule 11), for the
+        scheduler side to add to their answers."""
+        return self.worker_side.published_seals()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
 
 from .params import Endpoint
@@ -43,6 +44,9 @@ class RecvOrder:
     src_block_ids: tuple[int, ...] = ()
     #: Pull: the wall-clock time until which the source is known held (None: not said)
     lease_until: float | None = None
+    #: Pull: every producer rank's seal (rule 11) as the answer relayed them; None:
+    #: the source was published unsealed, its reads are not checked
+    seals: dict[int, bytes] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,3 +124,22 @@ class PushKVMetadata(KVConnectorMetadata):
         are applied as the step saves its KV)."""
         return not (self.recv or self.recv_abort or self.recv_drop or self.recv_fail
                     or self.recv_abandon or self.send or self.send_abort)
+
+
+@dataclass(kw_only=True)
+class PublishedSeals(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, in the output of the step that published them: the seal
+    (rule 11) of each source this step published for a pull, by transfer id and
+    producer rank (``b""``: the rank sealed none, or not in time). vLLM merges the
+    ranks' with :meth:`aggregate`; the scheduler side adds them to the prefill's
+    answer before it leaves the engine."""
+
+    seals: dict[str, dict[int, bytes]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> PublishedSeals:
+        if not isinstance(other, PublishedSeals):
+            return self
+        merged = {tid: dict(ranks) for tid, ranks in self.seals.items()}
+        for tid, ranks in other.seals.items():
+            merged.setdefault(tid, {}).update(ranks)
+        return PublishedSeals(seals=merged)

@@ -36,14 +36,16 @@ nixl`` (and other sequential routers) drive it, is spoken too:
   ``remote_host``, ``remote_port``, ``tp_size``, ``pp_size``,
   ``remote_num_tokens``, ``transfer_mode: "pull"`` for a pull) plus pushkv's
   (``transfer_id`` and ``incarnation``, both minted by the producer,
-  ``pushkv_endpoint`` and ``pushkv_direction``). A push is not announced in
+  ``pushkv_endpoint``, ``pushkv_direction``, a pull's ``pushkv_lease_ms`` and,
+  when its source was sealed, ``pushkv_seals``). A push is not announced in
   ``transfer_mode``: vllm-router rewrites the decode leg of a ``"push"`` answer
   into vLLM's push-connector fields and drops pushkv's.
 * **NIXL decode leg** (router -> consumer): that answer. pushkv reads
   ``transfer_id``, ``incarnation``, ``pushkv_endpoint`` (where to connect),
   ``pushkv_direction`` (else ``transfer_mode``; ``"pull"``: read
-  ``remote_block_ids``; ``"push"``: register), ``remote_block_ids`` and
-  ``remote_engine_id`` (checked against the endpoint). It ignores
+  ``remote_block_ids``; ``"push"``: register), ``remote_block_ids``,
+  ``remote_engine_id`` (checked against the endpoint), ``pushkv_lease_ms`` and
+  ``pushkv_seals`` (every read is checked against its rank's seal). It ignores
   ``remote_host``/``remote_port`` (the endpoint lists every rank's address),
   ``tp_size``/``pp_size`` (the handshake tells), ``remote_request_id``,
   ``remote_num_tokens``, ``remote_blocks_expiry_time`` and ``dcp_size``. A
@@ -58,6 +60,8 @@ only, so the proxy stays light.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -85,6 +89,11 @@ TARGET_KEY = "pushkv_target"
 POLICY_KEY = "pushkv_policy"
 #: In a discovery answer: the served model's vocabulary size (token ids are below it).
 VOCAB_KEY = "pushkv_vocab_size"
+#: In a pull's NIXL-style answer: each producer rank's seal of the published source
+#: (rule 11), ``{"<rank>": "<base64>"}``; absent: published unsealed.
+SEALS_KEY = "pushkv_seals"
+#: Longest seal accepted, in bytes (one 8-byte digest per KV head plus a header).
+MAX_SEAL_BYTES = 16384
 
 
 class ParamsError(ConfigError):
@@ -225,6 +234,8 @@ class DecodeLeg:
     #: Rule 12: this decode engine's turn at the source (``pushkv_target``): 0 for
     #: the engine chosen first; a router re-targeting the held source counts up.
     target: int = 0
+    #: Pull: every producer rank's seal of the source (rule 11), None: unsealed.
+    seals: dict[int, bytes] | None = None
 
     def to_params(self) -> dict[str, Any]:
         out = _with_incarnation({
@@ -252,7 +263,7 @@ Leg = PrefillLeg | NixlPrefillLeg | DecodeLeg | Discover
 #: a consumer reads. Routers and vLLM may add others; they are dropped unread.
 NIXL_SIGNED = ("do_remote_prefill", "transfer_id", "incarnation", "pushkv_direction",
                "transfer_mode", "remote_block_ids", "remote_engine_id", ENDPOINT_KEY,
-               "pushkv_lease_ms")
+               "pushkv_lease_ms", SEALS_KEY)
 
 #: How long a producer's answer may take to reach the decode instance through the
 #: router, at most (pushkv's bound, not a measured one): a pulled source is known
@@ -288,6 +299,39 @@ def nixl_answer(*, endpoint: Endpoint, transfer_id: str, incarnation: int, reque
         # Pull: the source's lease, so the decode side reads only while it is held.
         **({"pushkv_lease_ms": int(lease_s * 1000)} if lease_s is not None else {}),
     }
+
+
+def seals_json(seals: Mapping[int, bytes]) -> dict[str, str]:
+    """Each producer rank's seal as a NIXL-style answer carries it (:data:`SEALS_KEY`)."""
+    return {str(r): base64.b64encode(seal).decode("ascii") for r, seal in sorted(seals.items())}
+
+
+def _seals(value: object, producer: Endpoint, where: str) -> dict[int, bytes] | None:
+    """:data:`SEALS_KEY` of a pull's answer: one seal per rank of ``producer``, or None
+    if the answer has none. Only its form is checked here; the reading rank's
+    runtime checks each seal it uses (a torn or foreign one refuses the pull)."""
+    if value is None:
+        return None
+    ranks = producer.world_size
+    if not isinstance(value, Mapping) or len(value) != ranks:
+        raise ParamsError(f"{where}: {SEALS_KEY!r} must map each of the producer's {ranks} "
+                          f"ranks to its seal, got {value!r:.80}")
+    out: dict[int, bytes] = {}
+    for key, text in value.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < ranks):
+            raise ParamsError(f"{where}: {SEALS_KEY!r} names rank {key!r:.20}, not one of "
+                              f"0..{ranks - 1}")
+        if not isinstance(text, str) or len(text) > (MAX_SEAL_BYTES + 2) // 3 * 4:
+            raise ParamsError(f"{where}: {SEALS_KEY!r} of rank {key} must be base64 of at "
+                              f"most {MAX_SEAL_BYTES} bytes")
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise ParamsError(f"{where}: {SEALS_KEY!r} of rank {key} is not base64") from None
+        if not raw:
+            raise ParamsError(f"{where}: {SEALS_KEY!r} of rank {key} is empty")
+        out[int(key)] = raw
+    return out
 
 
 def _block_ids(value: object, where: str) -> tuple[int, ...]:
@@ -334,10 +378,11 @@ def _nixl_decode(params: Mapping[str, Any], transfer_id: str, incarnation: int) 
                               or not 0 <= lease < 2**40):
         raise ParamsError(f"{where}: 'pushkv_lease_ms' must be a whole number of "
                           f"milliseconds >= 0, got {lease!r:.40}")
+    seals = _seals(params.get(SEALS_KEY), producer, where) if mode == "pull" else None
     return DecodeLeg(transfer_id=transfer_id, producer=producer, incarnation=incarnation,
                      direction=mode, src_block_ids=src,
                      lease_s=None if lease is None else lease / 1000,
-                     target=_target(params, where))
+                     target=_target(params, where), seals=seals)
 
 
 def parse_params(params: object) -> Leg | None:

@@ -48,13 +48,14 @@ from vllm.v1.request import RequestStatus
 from .. import timeline
 from ..direction import SETTINGS, choose_direction
 from ..protocol.incarnation import new_incarnation
-from .metadata import Abandon, Abort, PushKVMetadata, RecvOrder, SendOrder
+from .metadata import Abandon, Abort, PublishedSeals, PushKVMetadata, RecvOrder, SendOrder
 from .params import (
     ENDPOINT_KEY,
     MAX_ID_LEN,
     NIXL_SIGNED,
     POLICY_KEY,
     RELAY_BOUND_S,
+    SEALS_KEY,
     VOCAB_KEY,
     DecodeLeg,
     Discover,
@@ -65,6 +66,7 @@ from .params import (
     PrefillLeg,
     nixl_answer,
     parse_params,
+    seals_json,
 )
 from .progressive import ProgressiveFeed
 from .signing import ReplayGuard, sign, verify
@@ -146,6 +148,10 @@ class SchedulerSide:
         #: minted when admitted, so the source is published as the step computing the
         #: prompt ends, before vLLM can answer the leg (see :meth:`_stream`)
         self._minted: dict[str, tuple[str, int]] = {}
+        #: rule 11, pull: answers of the engine step being processed, by transfer id,
+        #: that the step's worker output seals before they leave (:meth:`_seal`)
+        self._to_seal: dict[str, dict[str, Any]] = {}
+        self.unsealed = 0  #: producer: pull answers that left without their seals
         self._rng = random.SystemRandom()
         self.endpoint = endpoint
         self.block_size = block_size
@@ -240,7 +246,7 @@ class SchedulerSide:
                           block_ids=tuple(block_ids), num_tokens=num_tokens, first_token=first,
                           incarnation=leg.incarnation, target=leg.target,
                           direction=leg.direction, src_block_ids=leg.src_block_ids,
-                          lease_until=_lease_until(request, leg))
+                          lease_until=_lease_until(request, leg), seals=leg.seals)
         rec = self._recv[req_id] = _Recv(leg=leg, phase=Phase.DEFERRED, order=order)
         self._try_ship(req_id, rec)
 
@@ -418,9 +424,16 @@ class SchedulerSide:
                              lease_s=self.lease_s if direction == "pull" else None)
         if self._key is not None:
             answer = sign(answer, self._key, fields=NIXL_SIGNED)
+        if direction == "pull" and early:
+            # Published as this step saved its KV: the workers' seals come in this
+            # step's output, which vLLM hands over after this call, before it sends
+            # the answer (the answer is sealed in place then: :meth:`_seal`).
+            self._to_seal[tid] = answer
         return True, answer
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        if isinstance(output.kv_connector_worker_meta, PublishedSeals):
+            self._seal(output.kv_connector_worker_meta)
         failed = output.failed_recving
         for req_id in output.finished_recving or ():
             rec = self._recv.get(req_id)
@@ -430,6 +443,37 @@ class SchedulerSide:
                 self._end_recv(req_id, rec, Phase.LOCAL if req_id in failed else Phase.LOADED)
         for req_id in output.finished_sending or ():
             self._sending.pop(req_id, None)
+
+    def _seal(self, meta: PublishedSeals) -> None:
+        """Rule 11, pull: add every producer rank's seal to the answers this step made
+        (one seal from each rank, else the answer leaves unsealed: read unchecked)."""
+        ranks = set(range(self.endpoint.world_size))
+        for tid, seals in meta.seals.items():
+            answer = self._to_seal.pop(tid, None)
+            if answer is None:
+                continue  # the request did not end with this step (aborted, preempted)
+            if set(seals) != ranks or not all(seals.values()):
+                if any(seals.values()):  # some rank sealed, another not (in time)
+                    logger.warning("transfer %s: seals from ranks %s of %s; its answer "
+                                   "leaves unsealed", tid,
+                                   sorted(r for r, v in seals.items() if v), sorted(ranks))
+                    self.unsealed += 1
+                continue
+            answer[SEALS_KEY] = seals_json(seals)
+            if self._key is not None:
+                signed = sign(answer, self._key, fields=NIXL_SIGNED)
+                answer.clear()
+                answer.update(signed)
+
+    def step_output_done(self) -> None:
+        """vLLM is done with this step's output (it asks for the scheduler's stats
+        last): answers not sealed by now leave unsealed, and are never touched again
+        (vLLM serialises them on another thread)."""
+        if self._to_seal:
+            self.unsealed += len(self._to_seal)
+            logger.warning("pushkv: %d pull answer(s) left without their seals (read "
+                           "unchecked): %s", len(self._to_seal), sorted(self._to_seal)[:4])
+            self._to_seal.clear()
 
     def _mark_seen(self, request: Request) -> None:
         """Timeline: the first time a scheduler considers a request of a transfer."""

@@ -35,6 +35,8 @@ COUNTERS: dict[str, str] = {
     "pushes_started": "prefills whose KV was handed to the transport to push",
     "sources_published": "prefills whose KV was published for the consumer to read (pull)",
     "pushes_aborted": "prefills that ended before their KV was complete",
+    "seals_late": "pull: published sources whose seal (integrity) was not ready by the end "
+                  "of the step that answered them: read unchecked; alert on any",
     "sources_released": "prefilled KV released after its push, a cancel or a lease expiry",
     "blocks_sent": "KV blocks released after a completed push",
     "ranges_reported": "progressive push: ranges of prefilled KV (tokens x layers) handed "
@@ -56,6 +58,9 @@ COUNTERS: dict[str, str] = {
                       "transfer with CORRUPT (the failure policy applied); alert on any",
     "ranges_injected": "consumer: ranges corrupted on purpose by integrity_inject (tests and "
                        "chaos runs only; 0 in service)",
+    "ranges_unchecked": "consumer: sealed ranges that could not be checked and were served "
+                        "unchecked (a pull of the remainder after a cached prefix, or of some "
+                        "of a producer rank's layers)",
 }
 #: Gauge name -> help. Workers report each as the change since their last report.
 GAUGES: dict[str, str] = {
@@ -66,7 +71,8 @@ GAUGES: dict[str, str] = {
 FROM_RUNTIME = {"writes_packed": "writes_packed", "writes_scattered": "scatters_ok",
                 "runs_scattered": "scatter_runs", "staging_bytes_lent": "staging_lent_bytes",
                 "ranges_checked": "integrity_checked", "ranges_corrupt": "integrity_corrupt",
-                "ranges_injected": "integrity_injected"}
+                "ranges_injected": "integrity_injected",
+                "ranges_unchecked": "integrity_unchecked"}
 #: Counter of the KV bytes written while the prefill ran (the runtime's
 #: ``bytes_written_early``).
 EARLY_BYTES = "bytes_before_prefill_end"

@@ -42,7 +42,14 @@ from ..protocol.events import (
 from ..protocol.layout import EngineSpec
 from .config import ConnectorConfigError, PushKVSettings, parse_cpus
 from .layout import KVRegions, describe_kv_caches, layer_index
-from .metadata import PushKVMetadata, RangeOrder, RankAddress, RecvOrder, SendOrder
+from .metadata import (
+    PublishedSeals,
+    PushKVMetadata,
+    RangeOrder,
+    RankAddress,
+    RecvOrder,
+    SendOrder,
+)
 from .stats import EARLY_BYTES, FAILED_REASON, FROM_RUNTIME, REFUSED_FRAMES, PushKVStats
 
 if TYPE_CHECKING:
@@ -143,6 +150,14 @@ class _Recv:
 #: never waits.
 IDLE_STEP_WAIT_S = 0.002
 
+#: The longest the step that published a pulled source (a router's one-token prefill
+#: leg, finished as the step saved its KV) waits for the runtime's ``Publish``, whose
+#: seal (rule 11) must go out in the prefill's answer, at the step's end. The runtime
+#: publishes as soon as its thread takes the order (a hand-off, and a digest of the
+#: prompt's KV); past this bound the answer leaves unsealed and the pull is not
+#: checked (counted ``seals_late``, logged).
+SEAL_WAIT_S = 0.5
+
 
 class WorkerSide:
     """Worker-process state of one ``PushKVConnector``."""
@@ -164,6 +179,8 @@ class WorkerSide:
         self._done: set[str] = set()  # consumer: requests to report finished
         self._failed: set[str] = set()
         self._sent: set[str] = set()
+        #: producer, pull: sources this step published, until their seal came (None)
+        self._sealing: dict[str, bytes | None] = {}
         self._stats = PushKVStats()
         self._seen: Counter[str] = Counter()
         self._refused = 0  # the runtime's refused frames, as last counted
@@ -327,7 +344,33 @@ class WorkerSide:
                 rt.range_ready(send.transfer_id, send.block_ids,
                                (0, regions.units(send.num_tokens)), incarnation=send.incarnation,
                                ready=ready)
+            if send.direction == "pull":  # its answer leaves with this step's output
+                self._sealing[send.transfer_id] = None
             self._finish(rt, regions, send)
+
+    def published_seals(self) -> PublishedSeals | None:
+        """Rule 11, pull: the seal of each source this step published, for its answer
+        (vLLM asks at the step's end). Waits up to :data:`SEAL_WAIT_S` for the
+        runtime's publications; ``b""``: not sealed (integrity off, not sampled, or
+        not in time)."""
+        if not self._sealing:
+            return None
+        rt, end = self.runtime, time.monotonic() + SEAL_WAIT_S
+        while rt is not None and None in self._sealing.values():
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            rt.wait(left)
+            for event in rt.poll():
+                self._on_event(event)
+        late = [tid for tid, seal in self._sealing.items() if seal is None]
+        if late:
+            self._stats.add("seals_late", len(late))
+            logger.warning("pushkv: no publication of %s within %.0f ms: answered "
+                           "unsealed (read unchecked)", late[:4], SEAL_WAIT_S * 1000)
+        seals, self._sealing = self._sealing, {}
+        rank = self.facts.rank
+        return PublishedSeals(seals={tid: {rank: seal or b""} for tid, seal in seals.items()})
 
     def _event(self) -> Any:
         """On a GPU, an event recorded on the current stream now: it completes once the
@@ -390,7 +433,8 @@ class WorkerSide:
                           order.block_ids, regions.units(order.num_tokens), first,
                           incarnation=order.incarnation,
                           lease_s=None if order.lease_until is None
-                          else order.lease_until - time.time())
+                          else order.lease_until - time.time(),
+                          seals=order.seals, every_rank=True)
             self._stats.add("transfers_pulled")
             return
         rt.register(order.transfer_id, order.producer.engine_id, order.block_ids,
@@ -453,8 +497,12 @@ class WorkerSide:
         elif isinstance(event, WritesDone):
             if event.transfer_id in self._send:
                 self._stats.observe("descriptors_per_transfer", float(event.descriptors))
-        elif isinstance(event, ReleaseDestination | Publish):
-            pass  # the transfer's terminal event follows; a pull's blocks are in the answer
+        elif isinstance(event, Publish):
+            # a pull's blocks are in the answer; its seal goes with them (published_seals)
+            if event.transfer_id in self._sealing:
+                self._sealing[event.transfer_id] = event.seal
+        elif isinstance(event, ReleaseDestination):
+            pass  # the transfer's terminal event follows
         elif isinstance(event, CallFailed):
             self._on_call_failed(event)
         elif isinstance(event, PeerLost):

@@ -179,6 +179,23 @@ def test_bad_and_missing_seals_are_typed_errors_that_change_nothing():
     assert _outcomes(net, "t") == [("TransferReady", None)]
 
 
+def test_a_relay_of_every_ranks_seal_gives_each_reader_its_own():
+    """Behind a router every consumer rank gets the one answer, with every producer
+    rank's seal: ``every_rank`` takes the ranks read (each must be there)."""
+    tag = PullTag(0, 40, range(0, 2), (1, 2))
+    seals = {r: seal_pull(PullTag(0, 40, range(0, 2), (r, r + 1))) for r in range(4)}
+    got = Integrity.pull_seals(seals, [1, 2], every_rank=True)
+    assert got == {1: PullTag(0, 40, range(0, 2), (1, 2)),
+                   2: PullTag(0, 40, range(0, 2), (2, 3))}
+    assert Integrity.pull_seals({0: seal_pull(tag)}, [0], every_rank=True) == {0: tag}
+    with pytest.raises(ConfigError):  # a rank read has no seal
+        Integrity.pull_seals({0: seals[0]}, [0, 1], every_rank=True)
+    with pytest.raises(ConfigError):  # without every_rank an extra one is refused
+        Integrity.pull_seals(seals, [1, 2])
+    with pytest.raises(DecodeError):  # a torn seal of a rank read
+        Integrity.pull_seals({**seals, 1: seals[1][:-1]}, [1], every_rank=True)
+
+
 def test_the_pull_seal_round_trips_and_refuses_what_it_is_not():
     tag = PullTag(0, 40, range(2, 5), (1, 2**64 - 1, 7))
     assert unseal_pull(seal_pull(tag)) == tag

@@ -3,7 +3,9 @@ landed transfer in ten (``integrity_inject``), greedy outputs still equal a
 plain server's for every request, the corruption counter equals the injected
 count, and the decode server recomputed exactly the corrupted requests
 (``kv_load_failure_policy`` recompute) and took every other prompt token from
-the transfer."""
+the transfer -- pushed behind ``pushkv proxy``, and pulled behind
+``vllm-router`` (the prefill's answer relays its seal, and every read is checked
+against it)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from pushkv.vllm.testing import (
     running,
 )
 
+from .router import ROUTER, start_router, stop_router
 from .test_e2e import FAST, proxy_healthy, start_proxy, stop_proxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]
@@ -64,7 +67,8 @@ def reference(tiny_model: Path, logs: Path) -> list[list[int]]:
     plain = Server(ServerSpec(model=str(tiny_model), port=free_port(), cpu=0),
                    logs / "plain.log")
     with running(plain):
-        return [_completion(plain.url, str(tiny_model), _prompt(i)) for i in range(N)]
+        # the proxy's requests, then the router's (fresh prompts: no decode-side hit)
+        return [_completion(plain.url, str(tiny_model), _prompt(i)) for i in range(2 * N)]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +104,7 @@ def test_corrupt_transfers_are_recomputed_and_outputs_equal_a_plain_server(
     # Two at a time: concurrent legs, and a bounded load on two cores.
     with cf.ThreadPoolExecutor(2) as pool:
         got = list(pool.map(lambda i: _completion(url, model, _prompt(i)), range(N)))
-    for i, (want, out) in enumerate(zip(reference, got, strict=True)):
+    for i, (want, out) in enumerate(zip(reference[:N], got, strict=True)):
         assert out == want, f"request {i}"
     injected = N // EVERY
     # The metrics catch up with the last step's report.
@@ -129,3 +133,52 @@ def test_corrupt_transfers_are_recomputed_and_outputs_equal_a_plain_server(
         # the range as the connector's layout counts it (vLLM's CPU cache: whole blocks)
         assert re.search(r"write tokens \[\d+, \d+\) layers \[0, 2\) failed its digest "
                          r"check: producer [0-9a-f]{16}, landed [0-9a-f]{16}$", d["detail"]), d
+
+
+def test_pulls_behind_vllm_router_are_checked_against_the_relayed_seals(
+        servers, reference, tiny_model, logs):
+    """Behind vllm-router the prefill publishes (pull); its answer carries the
+    source's seal, the router passes it to the decode leg, and every read is checked
+    against it: the injected reads fail CORRUPT and are recomputed, the others are
+    served from the transfer."""
+    if not Path(ROUTER).exists():
+        pytest.skip("vllm-router is not installed (pip install vllm-router==0.1.17)")
+    prefill, decode, _ = servers
+    model = str(tiny_model)
+    names = ("ranges_checked", "ranges_injected", "ranges_corrupt", "transfers_pulled")
+
+    def counts() -> dict[str, float]:
+        out = {n: _counter(decode, f"pushkv:{n}_total") for n in names}
+        out["CORRUPT"] = _counter(decode, "pushkv:transfers_failed_by_reason_total",
+                                  reason="CORRUPT")
+        for source in ("local_compute", "external_kv_transfer"):
+            out[source] = _counter(decode, "vllm:prompt_tokens_by_source_total", source=source)
+        out["published"] = _counter(prefill, "pushkv:sources_published_total")
+        out["seals_late"] = _counter(prefill, "pushkv:seals_late_total")
+        return out
+
+    proc, url = start_router([prefill.url], decode.url, "round_robin", logs / "router.log")
+    try:
+        before = counts()
+        with cf.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda i: _completion(url, model, _prompt(i)),
+                                range(N, 2 * N)))
+    finally:
+        stop_router(proc)
+    for i, (want, out) in enumerate(zip(reference[N:], got, strict=True)):
+        assert out == want, f"request {N + i}"
+    end = time.monotonic() + 30  # the metrics catch up with the last step's report
+    while (counts()["ranges_checked"] - before["ranges_checked"] < N
+           and time.monotonic() < end):
+        time.sleep(0.2)
+    after = counts()
+    d = {k: after[k] - before[k] for k in after}
+    # one read per request (one producer rank, two whole blocks), every one checked:
+    # any N in a row hold N / EVERY of the injector's picks
+    injected = N // EVERY
+    assert d["published"] == d["transfers_pulled"] == d["ranges_checked"] == N, d
+    assert d["ranges_injected"] == d["ranges_corrupt"] == d["CORRUPT"] == injected, d
+    assert d["seals_late"] == 0, d
+    # exactly the corrupted requests were computed by the decode server itself
+    assert d["local_compute"] == injected * LENGTH, d
+    assert d["external_kv_transfer"] == (N - injected) * LENGTH, d

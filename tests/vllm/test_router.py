@@ -19,13 +19,7 @@ their timeline: a pull behind the router meets every hop of
 from __future__ import annotations
 
 import concurrent.futures as cf
-import http.client
-import os
-import shutil
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +29,7 @@ import pytest
 from pushkv.fit.e2e.pull_timeline import out_of_order, pulls
 
 from .conftest import VLLM_MISSING
+from .router import ROUTER, start_router, stop_router
 
 if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)
@@ -54,7 +49,6 @@ from pushkv.vllm.testing import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]
 
-ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 if not Path(ROUTER).exists():
     pytest.skip("vllm-router is not installed (pip install vllm-router==0.1.17)",
                 allow_module_level=True)
@@ -98,34 +92,6 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("router-logs")
 
 
-def start_router(prefills: list[str], decode: str, policy: str, log: Path
-                 ) -> tuple[subprocess.Popen[bytes], str]:
-    """vllm-router on a free port; tried again on another port if the one picked was
-    taken meanwhile (another process may bind it between the pick and the router)."""
-    for _ in range(3):
-        port = free_port()
-        argv = [ROUTER, "--vllm-pd-disaggregation", "--kv-connector", "nixl",
-                "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-                "--prometheus-port", str(free_port()), "--decode", decode]
-        for p in prefills:
-            argv += ["--prefill", p]
-        with log.open("ab") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        end = time.monotonic() + 120
-        while time.monotonic() < end and proc.poll() is None:
-            try:
-                if "Starting server on 127.0.0.1:" + str(port) in log.read_text():
-                    get_text(url + "/health", timeout=5)
-                    return proc, url
-            except (OSError, http.client.HTTPException):
-                pass
-            time.sleep(0.2)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    raise AssertionError(f"vllm-router did not come up: {log.read_text()[-2000:]}")
 
 
 @dataclass
@@ -149,6 +115,9 @@ class Fleet:
                                   source="local_compute"),
             "pulled": self.counter(d, "pushkv:transfers_pulled_total"),
             "registered": self.counter(d, "pushkv:transfers_registered_total"),
+            # rule 11: every read (pull) or write (push) checked against its digest
+            "checked": self.counter(d, "pushkv:ranges_checked_total"),
+            "seals_late": sum(self.counter(p, "pushkv:seals_late_total") for p in (p0, p1)),
             "failed": self.counter(d, "pushkv:transfers_failed_total"),
             "published": sum(self.counter(p, "pushkv:sources_published_total")
                              for p in (p0, p1)),
@@ -193,12 +162,7 @@ def fleet(tiny_model: Path, logs: Path) -> Iterator[Fleet]:
             yield Fleet(model, (p0, p1), d, routers, reference, marks)
         finally:
             for proc in procs:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(5)
+                stop_router(proc)
 
 
 def run_batch(fleet: Fleet, router: str, salt: str, *, concurrent: bool, stream: bool
@@ -220,6 +184,7 @@ def run_batch(fleet: Fleet, router: str, salt: str, *, concurrent: bool, stream:
     assert after["local"] == before["local"]
     assert after["failed"] == before["failed"]
     assert after["released"] - before["released"] == len(prompts)
+    assert after["seals_late"] == before["seals_late"]
     return before, after
 
 
@@ -233,6 +198,8 @@ def test_1p1d_sequential_client_pulls(fleet):
     n = len(LENGTHS)
     assert delta(before, after, "pulled") == n and delta(before, after, "published") == n
     assert delta(before, after, "registered") == 0 and delta(before, after, "pushed") == 0
+    # Each read was checked against the seal the prefill's answer relayed (rule 11)
+    assert delta(before, after, "checked") == n
     # Every pull recorded every hop from the prefill's answer to the decode step, in
     # order (the marks are written by the time the outputs came back: the last,
     # decode_scheduled, precedes the request's first decode step).
@@ -244,7 +211,7 @@ def test_1p1d_sequential_client_pulls(fleet):
 
 def test_1p1d_concurrent_streamed_clients_pull(fleet):
     before, after = run_batch(fleet, "pull", "stream", concurrent=True, stream=True)
-    assert delta(before, after, "pulled") == len(LENGTHS)
+    assert delta(before, after, "pulled") == delta(before, after, "checked") == len(LENGTHS)
 
 
 def test_1p1d_direction_push_override_pushes_behind_the_router(fleet):

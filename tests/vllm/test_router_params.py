@@ -5,6 +5,8 @@ untrusted values are refused."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 from .conftest import VLLM_MISSING
@@ -14,10 +16,13 @@ if VLLM_MISSING:
 
 from vllm.v1.outputs import KVConnectorOutput
 
+from pushkv.vllm.metadata import PublishedSeals
 from pushkv.vllm.params import (
     ENDPOINT_KEY,
     MAX_BLOCKS,
+    MAX_SEAL_BYTES,
     RELAY_BOUND_S,
+    SEALS_KEY,
     DecodeLeg,
     NixlPrefillLeg,
     ParamsError,
@@ -191,3 +196,103 @@ def test_with_a_key_the_producer_signs_its_answer_and_tampering_is_refused(
     d.step()
     assert [o.req_id for o in d.orders("recv")] == [ok.request_id]
     assert d.orders("recv_fail") == [bad.request_id]
+
+
+# ------------------------------------------------------------- rule 11: seals
+
+
+SEAL = b"PR\x01 a seal of the published source"
+
+
+def sealing(seal: bytes = SEAL):
+    """The workers of a producer: each source published for a pull as the step saves
+    its KV is sealed in that step's output (what WorkerSide.published_seals gives)."""
+    def workers(out):
+        pulls = [s for s in out.kv_connector_metadata.send_at_save if s.direction == "pull"]
+        if not pulls:
+            return None
+        return KVConnectorOutput(kv_connector_worker_meta=PublishedSeals(
+            seals={s.transfer_id: {0: seal} for s in pulls}))
+    return workers
+
+
+def sealed_answer(model, seal: bytes = SEAL, **extra) -> tuple[Engine, dict]:
+    p = engine(model, "kv_producer", **extra)
+    req = p.request(70, params=dict(ROUTER_PREFILL), max_tokens=1)
+    p.run_until(lambda: req.request_id in p.outputs.finish, workers=sealing(seal))
+    return p, p.outputs.params[req.request_id]
+
+
+def test_a_pull_answer_carries_the_seal_of_the_step_that_published_it(tiny_model):
+    """vLLM's real scheduler finishes the request before it hands over the step's
+    worker output: the answer is sealed in place, before it leaves the engine."""
+    p, answer = sealed_answer(tiny_model)
+    assert answer[SEALS_KEY] == {"0": base64.b64encode(SEAL).decode()}
+    assert p.connector.scheduler_side.unsealed == 0
+    d = engine(tiny_model, "kv_consumer")
+    d.request(70, params=answer, max_tokens=2)
+    d.step()
+    (order,) = d.orders("recv")
+    assert order.direction == "pull" and order.seals == {0: SEAL}
+
+
+def test_an_unsealed_pull_answer_leaves_unsealed_and_is_never_touched_again(tiny_model):
+    _, answer = sealed_answer(tiny_model, seal=b"")  # integrity off, or not sampled
+    assert SEALS_KEY not in answer
+    p, answer = prefill_answer(tiny_model)  # no worker output at all: counted
+    side = p.connector.scheduler_side
+    assert SEALS_KEY not in answer and side.unsealed == 1
+    # a seal that comes a step later (the answer is gone) changes nothing
+    before = dict(answer)
+    p.step(kv=KVConnectorOutput(kv_connector_worker_meta=PublishedSeals(
+        seals={answer["transfer_id"]: {0: SEAL}})))
+    assert answer == before
+    d = engine(tiny_model, "kv_consumer")
+    d.request(70, params=answer, max_tokens=2)
+    d.step()
+    assert d.orders("recv")[0].seals is None
+
+
+def test_with_a_key_the_seals_are_signed(tiny_model, monkeypatch):
+    monkeypatch.setenv("PUSHKV_SIDE_CHANNEL_KEY", "k" * 32)
+    _, answer = sealed_answer(tiny_model)
+    assert SEALS_KEY in answer and SEALS_KEY in answer["pushkv_sig"]["f"]
+    d = engine(tiny_model, "kv_consumer")
+    ok = d.request(70, params=dict(answer), max_tokens=2)
+    forged = base64.b64encode(b"PR\x01 another seal").decode()
+    bad = d.request(70, params={**answer, SEALS_KEY: {"0": forged}}, max_tokens=2, first=500)
+    d.step()
+    assert [o.req_id for o in d.orders("recv")] == [ok.request_id]
+    assert d.orders("recv_fail") == [bad.request_id]
+
+
+def test_the_ranks_seals_are_merged():
+    a = PublishedSeals(seals={"t": {0: b"a"}, "u": {0: b""}})
+    b = PublishedSeals(seals={"t": {1: b"b"}})
+    assert a.aggregate(b).seals == {"t": {0: b"a", 1: b"b"}, "u": {0: b""}}
+    assert a.seals == {"t": {0: b"a"}, "u": {0: b""}}  # the parts are left as they were
+
+
+def test_a_good_seal_parses():
+    seal = base64.b64encode(SEAL).decode()
+    assert parse_params(_answer(**{SEALS_KEY: {"0": seal}})).seals == {0: SEAL}
+    assert parse_params(_answer()).seals is None
+    # a push answer's seals are not read (a push is checked by its writes' digests)
+    assert parse_params(_answer(transfer_mode="push", **{SEALS_KEY: {"0": seal}})).seals is None
+
+
+@pytest.mark.parametrize("seals", [
+    ["AAAA"],                                  # not a mapping
+    {},                                        # no rank's
+    {"0": "AAAA", "1": "AAAA"},                # a rank the producer does not have
+    {"1": "AAAA"},                             # rank 0's missing
+    {"x": "AAAA"},
+    {"-0": "AAAA"},
+    {"0": 7},
+    {"0": "not base64!"},
+    {"0": ""},                                 # empty
+    {"0": "A" * (MAX_SEAL_BYTES * 2)},         # too long
+])
+def test_untrusted_seals_are_refused(seals):
+    with pytest.raises(ParamsError, match=SEALS_KEY):
+        parse_params(_answer(**{SEALS_KEY: seals}))

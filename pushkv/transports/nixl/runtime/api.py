@@ -204,7 +204,8 @@ class NixlRuntime:
                    block_ids: Sequence[int] | np.ndarray, num_tokens: int,
                    first_token: int = 0, *, incarnation: int = 0,
                    lease_s: float | None = None,
-                   seals: Mapping[int, bytes] | None = None) -> None:
+                   seals: Mapping[int, bytes] | None = None,
+                   every_rank: bool = False) -> None:
         """Pull: read tokens ``[first_token, num_tokens)`` of the producer's published
         ``src_block_ids`` into ``block_ids``. The reads are prepared and posted by this
         rank's reader thread; ``TransferReady`` (or ``TransferFailed``) and
@@ -214,11 +215,13 @@ class NixlRuntime:
         relay's bound); a read that would complete later fails (``LEASE_EXPIRED``).
         ``seals``: each producer rank's ``Publish.seal``, relayed (rule 11: every read's
         landed bytes are checked against it before it counts; a missing or malformed
-        one refuses the pull, ``CallFailed``; None: the publication was not sealed)."""
+        one refuses the pull, ``CallFailed``; None: the publication was not sealed).
+        ``every_rank``: ``seals`` relays every producer rank's seal (one answer passed
+        to every consumer rank, as behind a router); this rank takes those it reads."""
         until = None if lease_s is None else time.monotonic() + lease_s
         self._submit(cmd.StartPull(transfer_id, producer_engine_id, src_block_ids, block_ids,
                                    num_tokens, first_token, incarnation, until,
-                                   None if seals is None else dict(seals)))
+                                   None if seals is None else dict(seals), every_rank))
 
     def abandon(self, transfer_id: str, producer_engine_id: str, *,
                 incarnation: int = 0) -> None:

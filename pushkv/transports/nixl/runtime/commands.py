@@ -52,6 +52,7 @@ class StartPull(NamedTuple):
     incarnation: int = 0
     lease_until: float | None = None  #: monotonic: until when the source is known held
     seals: Any = None  #: rule 11: producer rank -> its ``Publish.seal`` (None: unsealed)
+    every_rank: bool = False  #: ``seals`` holds every producer rank's (a router's relay)
 
 
 class RangeReady(NamedTuple):

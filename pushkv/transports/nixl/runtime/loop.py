@@ -410,7 +410,7 @@ class IOLoop(CardExchange):
             return
         # Rule 11: the publication's seals, one per producer rank read (bad: nothing changes).
         tags = Integrity.pull_seals(c.seals, consumer.producers.writers.get(
-            c.producer_engine_id, ()))
+            c.producer_engine_id, ()), every_rank=c.every_rank)
         self._apply(consumer.start_pull(c.transfer_id, c.producer_engine_id, c.src_block_ids,
                                         c.block_ids, c.num_tokens, now, c.first_token,
                                         incarnation=c.incarnation,
