@@ -21,6 +21,8 @@
 3. ``--e2e``: the latency cost on the CPU deployment (a prefill and a decode vLLM
    CPU server and ``pushkv proxy``, the tiny model): ``on`` against ``off``, servers
    restarted per setting, rounds alternating, median of round medians.
+   ``--e2e-router``: the same behind ``vllm-router`` (pull: the prefill's last step
+   waits for its source's seal, which rides in its answer).
 
 Last line: one JSON object: ``digest_gbps``, ``general_gbps``, ``copy_gbps``,
 ``digest_vs_copy``, ``general_vs_copy``, ``xxh3_gbps``, ``crc32c_gbps`` (null when
@@ -28,9 +30,11 @@ not installed), ``torch_device``, ``torch_gbps`` and ``torch_vs_copy`` (the torc
 path CUDA KV takes, on CUDA when there is one, else on the CPU), ``request_ms`` (one
 side's digest of a 200-token request of the CPU recipe), ``injected``,
 ``detected``, ``served_from_corrupt``, ``served_from_corrupt_off``, the four
-``pull_`` counts, ``e2e_overhead_ratio`` (null without ``--e2e``), ``load_average``.
+``pull_`` counts, ``e2e_overhead_ratio`` (null without ``--e2e``),
+``e2e_router_overhead_ratio`` (null without ``--e2e-router``), ``load_average``.
 
     PYTHONPATH=. python benchmarks/bench_integrity.py [--mib 64] [--rounds 7] [--e2e]
+        [--e2e-router]
 """
 
 from __future__ import annotations
@@ -195,8 +199,10 @@ def detection(transfers: int, integrity: str, pull: bool = False) -> dict[str, i
             "served_from_corrupt": int(net.stats["served_from_corrupt"])}
 
 
-def e2e(rounds: int, requests: int) -> float:
-    """Median over rounds of (median latency with integrity on / off)."""
+def e2e(rounds: int, requests: int, front: str = "proxy") -> float:
+    """Median over rounds of (median latency with integrity on / off), behind
+    ``pushkv proxy`` (push) or ``vllm-router`` (pull: the seal rides in the
+    prefill's answer, so the prefill's last step waits for the digest)."""
     from pathlib import Path
     from tempfile import mkdtemp
 
@@ -211,6 +217,7 @@ def e2e(rounds: int, requests: int) -> float:
     )
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.vllm.router import start_router, stop_router
     from tests.vllm.test_e2e import start_proxy, stop_proxy
 
     work = Path(mkdtemp(prefix="bench-integrity-"))
@@ -224,7 +231,11 @@ def e2e(rounds: int, requests: int) -> float:
             "kv_consumer", "decode-0", integrity=mode))
         prefill, decode = Server(p, work / f"p-{mode}.log"), Server(d, work / f"d-{mode}.log")
         with running(prefill, decode):
-            proc, url = start_proxy(prefill.url, decode.url, work / "proxy.log")
+            if front == "router":
+                proc, url = start_router([prefill.url], decode.url, "round_robin",
+                                         work / "router.log")
+            else:
+                proc, url = start_proxy(prefill.url, decode.url, work / "proxy.log")
             try:
                 lat = []
                 for i in range(requests):
@@ -237,15 +248,16 @@ def e2e(rounds: int, requests: int) -> float:
                     lat.append(time.perf_counter() - t0)
                 return statistics.median(lat[2:])  # the first two warm the servers
             finally:
-                stop_proxy(proc)
+                (stop_router if front == "router" else stop_proxy)(proc)
 
     for r in range(rounds):
         for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
             medians[mode].append(run(mode, r * 2 + (mode == "on")))
             print(f"  round {r} {mode:>3}: median {medians[mode][-1] * 1000:.1f} ms")
     ratio = statistics.median(medians["on"]) / statistics.median(medians["off"])
-    print(f"e2e (CPU deployment, {requests} requests a round, 200-token prompts, 1 output "
-          f"token): on / off = {ratio:.3f}")
+    behind = "vllm-router, pull" if front == "router" else "pushkv proxy, push"
+    print(f"e2e (CPU deployment behind {behind}, {requests} requests a round, 200-token "
+          f"prompts, 1 output token): on / off = {ratio:.3f}")
     return ratio
 
 
@@ -255,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--transfers", type=int, default=200)
     ap.add_argument("--e2e", action="store_true", help="also the CPU deployment, on vs off")
+    ap.add_argument("--e2e-router", action="store_true",
+                    help="also the CPU deployment behind vllm-router (pull), on vs off")
     ap.add_argument("--e2e-rounds", type=int, default=3)
     ap.add_argument("--e2e-requests", type=int, default=22)
     args = ap.parse_args(argv)
@@ -278,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     out |= {f"pull_{k}": v for k, v in pon.items()}
     out["pull_served_from_corrupt_off"] = poff["served_from_corrupt"]
     out["e2e_overhead_ratio"] = e2e(args.e2e_rounds, args.e2e_requests) if args.e2e else None
+    out["e2e_router_overhead_ratio"] = e2e(args.e2e_rounds, args.e2e_requests, "router") \
+        if args.e2e_router else None
     out["load_average"] = os.getloadavg()[0]
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}))
     return 0

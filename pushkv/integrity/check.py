@@ -16,7 +16,14 @@ A pull is checked the other way round: the producer rank seals what it publishes
 offered; ``Publish.seal``), the relay hands each rank's seal to the consumer's
 pull (:meth:`Integrity.pull_seals` validates them, :meth:`Integrity.expect_pull`
 keeps them), and once a read finished well :meth:`Integrity.read_landed` checks
-the bytes it landed -- ``read_completed``'s ``corrupt`` argument.
+the bytes it landed -- ``read_completed``'s ``corrupt`` argument. A read of less
+than its producer rank published (a cached prefix's remainder, a layer subset)
+is checked against the digests of exactly what it reads: the consumer's
+transport sends :meth:`Integrity.seal_query`'s query as it posts the read, the
+producer's answers it (:meth:`Integrity.answer`, after checking its whole source
+still matches what it sealed), and the read's check waits for the answer
+(:meth:`Integrity.answered`); no answer, or an unknown or changed source, fails
+the read.
 """
 
 from __future__ import annotations
@@ -36,7 +43,19 @@ from pushkv.protocol.messages import Notify
 
 from .config import OFF, IntegrityConfig
 from .digest import digest
-from .envelope import PullTag, Tag, seal, seal_pull, unseal, unseal_pull
+from .envelope import (
+    ANSWER_CHANGED,
+    ANSWER_OK,
+    ANSWER_UNKNOWN,
+    PullTag,
+    SealAnswer,
+    SealQuery,
+    Tag,
+    seal,
+    seal_pull,
+    unseal,
+    unseal_pull,
+)
 from .inject import Injector
 
 log = logging.getLogger(__name__)
@@ -59,8 +78,14 @@ class Corruption:
     expected: int  #: the producer's digest
     got: int  #: the consumer's, over its landed bytes
     kind: str = "write"  #: or "read" (pull)
+    #: why it could not be checked, when no digest of the producer's was to be had
+    #: (a read of part of a source: no answer, an unknown or a changed source)
+    unverified: str = ""
 
     def detail(self) -> str:
+        if self.unverified:
+            return (f"rank {self.producer_rank}'s {self.kind} {self.tag.describe()} could not "
+                    f"be verified: {self.unverified}")
         return (f"rank {self.producer_rank}'s {self.kind} {self.tag.describe()} failed its "
                 f"digest check: producer {self.expected:016x}, landed {self.got:016x}")
 
@@ -90,6 +115,12 @@ class Integrity:
         self.injected_keys: set[tuple[str, int, int]] = set()
         #: pull: (transfer id, incarnation) -> producer rank -> its published seal
         self._pulls: OrderedDict[tuple[str, int], dict[int, PullTag]] = OrderedDict()
+        #: pull, producer: what each sealed publication covered and its head digests
+        self._sources: OrderedDict[tuple[str, int], tuple[WriteScope, tuple[int, ...]]] = \
+            OrderedDict()
+        #: pull, consumer: reads whose rectangle was asked of their producer rank, by
+        #: (transfer id, incarnation, attempt, producer rank) -> the answer (None: not yet)
+        self._asked: OrderedDict[tuple[str, int, int, int], SealAnswer | None] = OrderedDict()
 
     # -------------------------------------------------------------- producer
 
@@ -114,14 +145,50 @@ class Integrity:
         now, one digest per head (b"": this transfer is not checked)."""
         if a.scope is None or not self.config.checks(a.transfer_id, a.incarnation):
             return b""
-        s, lo, regions = a.scope, self.layout, self.regions()
-        if lo.order == "BLOCK":  # opaque blocks: one digest of every head
-            digests: tuple[int, ...] = (digest(regions, lo, s),)
-        else:
-            digests = tuple(digest(regions, lo, replace(s, heads=((h, h, 1),)))
-                            for h in range(lo.num_heads))
+        s = a.scope
+        digests = self._head_digests(s)
         self.stats["sealed"] += 1
+        self._sources[(a.transfer_id, a.incarnation)] = (s, digests)
+        while len(self._sources) > MAX_STAGED:
+            self._sources.popitem(last=False)
         return seal_pull(PullTag(s.first_token, s.num_tokens, s.layers, digests))
+
+    def _head_digests(self, s: WriteScope) -> tuple[int, ...]:
+        """One digest per head of ``s`` as this rank numbers them (an opaque ``BLOCK``
+        layout: one of every head)."""
+        lo, regions = self.layout, self.regions()
+        if lo.order == "BLOCK":
+            return (digest(regions, lo, s),)
+        return tuple(digest(regions, lo, replace(s, heads=((h, h, 1),)))
+                     for h in range(lo.num_heads))
+
+    def answer(self, q: SealQuery) -> SealAnswer:
+        """Pull, producer: the answer to a consumer rank's :class:`SealQuery` -- the
+        seal of the rectangle it reads, if this rank published it sealed and its whole
+        source still digests as it did then (the source may have been reused)."""
+        out = SealAnswer(q.transfer_id, q.incarnation, q.attempt, self.rank, ANSWER_UNKNOWN)
+        got = self._sources.get((q.transfer_id, q.incarnation))
+        if got is None:
+            self.stats["queries_unknown"] += 1
+            return out
+        scope, sealed = got
+        if not (scope.first_token <= q.first_token and q.num_tokens <= scope.num_tokens
+                and scope.layers.start <= q.layers.start
+                and q.layers.stop <= scope.layers.stop):
+            self.stats["queries_unknown"] += 1
+            return out
+        if self._head_digests(scope) != sealed:
+            self.stats["source_changed"] += 1
+            return replace(out, status=ANSWER_CHANGED)
+        part = replace(scope, first_token=q.first_token, num_tokens=q.num_tokens,
+                       layers=q.layers)
+        self.stats["queries_answered"] += 1
+        return replace(out, status=ANSWER_OK, seal=seal_pull(PullTag(
+            part.first_token, part.num_tokens, part.layers, self._head_digests(part))))
+
+    def forget_source(self, transfer_id: str, incarnation: int) -> None:
+        """Pull, producer: the source is released; queries about it are answered unknown."""
+        self._sources.pop((transfer_id, incarnation), None)
 
     # -------------------------------------------------------------- consumer
 
@@ -161,6 +228,39 @@ class Integrity:
         while len(self._pulls) > MAX_STAGED:
             self._pulls.popitem(last=False)
 
+    def seal_query(self, a: IssueRead, engine_id: str) -> SealQuery | None:
+        """Pull, consumer: as read ``a`` is posted, the query to send its producer
+        rank when the relayed seal covers more than the read lands (None: nothing to
+        ask). The read's check then waits for the answer (:meth:`awaiting`)."""
+        tags = self._pulls.get((a.transfer_id, a.incarnation))
+        tag = None if tags is None else tags.get(a.peer.rank)
+        s = a.scope
+        if tag is None or s is None or not self.config.enabled or (
+                tag.first_token, tag.num_tokens, tag.layers) == (
+                s.first_token, s.num_tokens, s.layers) or s.first_token >= s.num_tokens:
+            return None
+        self._asked[(a.transfer_id, a.incarnation, a.attempt, a.peer.rank)] = None
+        while len(self._asked) > MAX_STAGED:
+            self._asked.popitem(last=False)
+        self.stats["queries_sent"] += 1
+        return SealQuery(a.transfer_id, a.incarnation, a.attempt, engine_id, self.rank,
+                         s.first_token, s.num_tokens, s.layers)
+
+    def awaiting(self, a: IssueRead) -> bool:
+        """Read ``a``'s check waits for its producer rank's answer."""
+        key = (a.transfer_id, a.incarnation, a.attempt, a.peer.rank)
+        return key in self._asked and self._asked[key] is None
+
+    def answered(self, ans: SealAnswer) -> bool:
+        """A producer rank's :class:`SealAnswer` came; False if no read asked for it
+        (late, repeated, or never asked: dropped and counted)."""
+        key = (ans.transfer_id, ans.incarnation, ans.attempt, ans.rank)
+        if key not in self._asked or self._asked[key] is not None:
+            self.stats["answers_stale"] += 1
+            return False
+        self._asked[key] = ans
+        return True
+
     def read_landed(self, a: IssueRead) -> str:
         """Pull: read ``a`` finished well; the ``corrupt`` argument of
         ``read_completed`` ("" unless its bytes fail the producer's digest)."""
@@ -184,9 +284,26 @@ class Integrity:
                     ) -> Corruption | None:
         if tag is None or not self.config.enabled:
             return None
-        if (tag.first_token, tag.num_tokens, tag.layers) != (
-                scope.first_token, scope.num_tokens, scope.layers):
-            # A cached prefix or a layer subset: the published digests sum over more.
+        rect = (scope.first_token, scope.num_tokens, scope.layers)
+        asked = (a.transfer_id, a.incarnation, a.attempt, a.peer.rank)
+        if asked in self._asked:  # part of the source: checked against the answer
+            ans = self._asked.pop(asked)
+            why = ("no answer from the producer rank in time" if ans is None else
+                   "the producer rank holds no such sealed source"
+                   if ans.status == ANSWER_UNKNOWN else
+                   "the producer rank's source changed since it sealed it"
+                   if ans.status == ANSWER_CHANGED else "")
+            if not why:
+                assert ans is not None
+                tag = unseal_pull(ans.seal)
+                if (tag.first_token, tag.num_tokens, tag.layers) != rect:
+                    why = "the producer rank answered for another range"
+            if why:
+                self.stats["checked"] += 1
+                return self._bad(a, PullTag(*rect, ()), 0, 0, unverified=why)
+        elif (tag.first_token, tag.num_tokens, tag.layers) != rect:
+            # A cached prefix or a layer subset, not asked (no side channel to ask on):
+            # the published digests sum over more.
             self.stats["unchecked"] += 1
             return None
         self.stats["checked"] += 1
@@ -201,11 +318,17 @@ class Integrity:
         if got == want:
             self.stats["passed"] += 1
             return None
+        return self._bad(a, tag, want & ((1 << 64) - 1), got)
+
+    def _bad(self, a: IssueRead, tag: PullTag, want: int, got: int, *,
+             unverified: str = "") -> Corruption:
         bad = Corruption(a.transfer_id, a.incarnation, a.attempt, a.peer.engine_id,
                          a.peer.rank, self.rank, Tag(tag.first_token, tag.num_tokens,
-                                                     tag.layers, want & ((1 << 64) - 1)),
-                         want & ((1 << 64) - 1), got, kind="read")
+                                                     tag.layers, want),
+                         want, got, kind="read", unverified=unverified)
         self.stats["corrupt"] += 1
+        if unverified:
+            self.stats["unverified"] += 1
         self.corruptions = [*self.corruptions[-63:], bad]
         if self.on_corrupt is not None:
             self.on_corrupt(bad)

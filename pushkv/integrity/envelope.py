@@ -19,6 +19,20 @@ reading only some of the heads sums theirs::
 
     "PR" | ver u8 | first_token u32 | num_tokens u32 | layer_start u16 |
     layer_stop u16 | count u16 | count x digest u64 (little-endian)
+
+A consumer rank that reads less than a producer rank published (the remainder
+after a cached prefix, some of its layers) cannot check against the relayed
+seal, which sums over the whole source. It asks the producer rank for the
+digests of exactly what it reads, over the side channel, while the read runs
+(:class:`SealQuery`, ``"PQ"``); the producer rank answers (:class:`SealAnswer`,
+``"PA"``) with a ``"PR"`` seal of that rectangle, once it found its whole
+source unchanged since it published it::
+
+    "PQ" | ver u8 | incarnation u64 | attempt u32 | rank u16 | first_token u32 |
+    num_tokens u32 | layer_start u16 | layer_stop u16 | len u16 | transfer id |
+    len u16 | consumer engine id
+    "PA" | ver u8 | incarnation u64 | attempt u32 | rank u16 | status u8 |
+    len u16 | transfer id | seal ("PR" ..., status OK only)
 """
 
 from __future__ import annotations
@@ -124,5 +138,113 @@ def unseal_pull(data: bytes | bytearray | memoryview) -> PullTag:
     return PullTag(first, n, range(l0, l1), tuple(digests))
 
 
-__all__ = ["HEADER_BYTES", "MAGIC", "PULL_MAGIC", "PULL_VERSION", "PullTag", "Tag", "seal",
-           "seal_pull", "unseal", "unseal_pull"]
+QUERY_MAGIC = b"PQ"
+ANSWER_MAGIC = b"PA"
+QUERY_VERSION = 1
+_QUERY_HEAD = struct.Struct("<2sBQIHIIHH")
+_ANSWER_HEAD = struct.Struct("<2sBQIHB")
+_LEN = struct.Struct("<H")
+
+
+@dataclass(frozen=True, slots=True)
+class SealQuery:
+    """Consumer rank ``(engine_id, rank)`` -> a producer rank: the digests of tokens
+    ``[first_token, num_tokens)`` x ``layers`` of its published source, which read
+    ``attempt`` of the transfer lands."""
+
+    transfer_id: str
+    incarnation: int
+    attempt: int
+    engine_id: str
+    rank: int
+    first_token: int
+    num_tokens: int
+    layers: range
+
+
+#: :class:`SealAnswer` statuses: the seal of the rectangle; the producer rank holds
+#: no such publication (never published here, released, or forgotten); its source
+#: bytes differ from what it sealed when it published them (reused, overwritten).
+ANSWER_OK, ANSWER_UNKNOWN, ANSWER_CHANGED = 0, 1, 2
+ANSWER_STATUSES = (ANSWER_OK, ANSWER_UNKNOWN, ANSWER_CHANGED)
+
+
+@dataclass(frozen=True, slots=True)
+class SealAnswer:
+    """Producer rank ``rank`` -> the consumer that asked: ``seal`` (``"PR"``) of the
+    rectangle asked for, when ``status`` is :data:`ANSWER_OK`."""
+
+    transfer_id: str
+    incarnation: int
+    attempt: int
+    rank: int
+    status: int
+    seal: bytes = b""
+
+
+def _text(raw: bytes, at: int, what: str) -> tuple[str, int]:
+    if len(raw) < at + _LEN.size:
+        raise DecodeError(f"seal query or answer cut short before its {what}")
+    (n,) = _LEN.unpack_from(raw, at)
+    at += _LEN.size
+    if not 0 < n <= 256 or len(raw) < at + n:
+        raise DecodeError(f"seal query or answer with a {what} of {n} bytes")
+    try:
+        return raw[at:at + n].decode("utf-8"), at + n
+    except UnicodeDecodeError:
+        raise DecodeError(f"seal query or answer with a {what} that is not UTF-8") from None
+
+
+def _pack_text(text: str) -> bytes:
+    b = text.encode("utf-8")
+    if not 0 < len(b) <= 256:
+        raise ValueError(f"an id of {len(b)} bytes (1 to 256)")
+    return _LEN.pack(len(b)) + b
+
+
+def encode_query(q: SealQuery) -> bytes:
+    return _QUERY_HEAD.pack(QUERY_MAGIC, QUERY_VERSION, q.incarnation, q.attempt, q.rank,
+                            q.first_token, q.num_tokens, q.layers.start, q.layers.stop
+                            ) + _pack_text(q.transfer_id) + _pack_text(q.engine_id)
+
+
+def encode_answer(a: SealAnswer) -> bytes:
+    return _ANSWER_HEAD.pack(ANSWER_MAGIC, QUERY_VERSION, a.incarnation, a.attempt, a.rank,
+                             a.status) + _pack_text(a.transfer_id) + a.seal
+
+
+def decode_seal_frame(data: bytes | bytearray | memoryview) -> SealQuery | SealAnswer:
+    """A side channel's seal frame. DecodeError for anything malformed."""
+    raw = bytes(data)
+    if raw[:2] == QUERY_MAGIC and len(raw) >= _QUERY_HEAD.size:
+        _, ver, inc, attempt, rank, first, n, l0, l1 = _QUERY_HEAD.unpack_from(raw)
+        if ver != QUERY_VERSION:
+            raise DecodeError(f"unsupported seal query version {ver}")
+        if first >= n or l0 >= l1:
+            raise DecodeError(f"seal query for an empty or reversed range (tokens [{first}, "
+                              f"{n}), layers [{l0}, {l1}))")
+        tid, at = _text(raw, _QUERY_HEAD.size, "transfer id")
+        engine, at = _text(raw, at, "engine id")
+        if at != len(raw):
+            raise DecodeError(f"seal query with {len(raw) - at} trailing bytes")
+        return SealQuery(tid, inc, attempt, engine, rank, first, n, range(l0, l1))
+    if raw[:2] == ANSWER_MAGIC and len(raw) >= _ANSWER_HEAD.size:
+        _, ver, inc, attempt, rank, status = _ANSWER_HEAD.unpack_from(raw)
+        if ver != QUERY_VERSION:
+            raise DecodeError(f"unsupported seal answer version {ver}")
+        if status not in ANSWER_STATUSES:
+            raise DecodeError(f"seal answer with status {status}")
+        tid, at = _text(raw, _ANSWER_HEAD.size, "transfer id")
+        seal_bytes = raw[at:]
+        if status == ANSWER_OK:
+            unseal_pull(seal_bytes)  # a malformed seal: DecodeError here
+        elif seal_bytes:
+            raise DecodeError("a seal answer without a seal carries bytes")
+        return SealAnswer(tid, inc, attempt, rank, status, seal_bytes)
+    raise DecodeError(f"not a seal query or answer ({len(raw)} bytes, magic {raw[:2]!r})")
+
+
+__all__ = ["ANSWER_CHANGED", "ANSWER_OK", "ANSWER_UNKNOWN", "HEADER_BYTES", "MAGIC",
+           "PULL_MAGIC", "PULL_VERSION", "PullTag", "SealAnswer", "SealQuery", "Tag",
+           "decode_seal_frame", "encode_answer", "encode_query", "seal", "seal_pull",
+           "unseal", "unseal_pull"]

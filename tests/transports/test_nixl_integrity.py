@@ -187,3 +187,28 @@ def test_clean_pulls_verify_and_bad_seals_are_refused(pool: HostPool) -> None:
         assert not any(s for s in snap.lent.values()) and not snap.outcomes.get((0, "bad"))
     finally:
         c.close()
+
+
+def test_pulls_of_part_of_a_source_are_checked_against_the_producers_answer(
+        pool: HostPool) -> None:
+    """A pull of the remainder after a cached prefix (tokens [16, 40) of 40): each
+    read is checked against the digests its producer rank gives, over the side
+    channel, for exactly that part; injected faults fail CORRUPT, the rest are
+    READY with exact bytes, and nothing is served unchecked."""
+    topo = Topology(producer=dict(num_kv_heads=2), consumer=dict(num_kv_heads=2, order="HND"))
+    c = NixlCluster(topo, pool, NixlConfig(integrity="on"),
+                    consumer_nixl=NixlConfig(integrity="on", inject="flip,zero:3"))
+    try:
+        transfers = [(f"q{i}", [9 + i, 3, 30 + i], [5 + 3 * i, 6 + 3 * i, 7 + 3 * i], 40)
+                     for i in range(6)]
+        snap = _pull(c, transfers, first_token=16)
+        stats = _raw(c, "consumer")["stats"][0]
+        failed = [t for t in transfers if snap.outcomes[(0, t[0])] == [("failed", 0)]]
+        ready = [t for t in transfers if snap.outcomes[(0, t[0])] == [("ready", 0)]]
+        assert len(failed) == 2 and len(ready) == 4, snap.outcomes
+        assert stats["integrity_injected"] == stats["integrity_corrupt"] == 2
+        assert stats["integrity_checked"] == 6 and not stats.get("integrity_unchecked")
+        assert stats.get("served_from_corrupt", 0) == 0
+        assert _raw(c, "producer")["stats"][0]["integrity_queries_answered"] == 6
+    finally:
+        c.close()

@@ -49,6 +49,11 @@ def _prompt(i: int) -> list[int]:
     return [(i * 977 + 13 * k) % 990 + 5 for k in range(LENGTH)]
 
 
+#: Prompts that extend two of the router's by a block: the decode server holds their
+#: first two blocks in its prefix cache and pulls only the remainder.
+LONGER = [_prompt(N + i) + [(i * 31 + 7 * k) % 990 + 5 for k in range(32)] for i in range(2)]
+
+
 def _completion(url: str, model: str, tokens: list[int]) -> list[int]:
     status, answer = post_json(url + "/v1/completions", {
         "model": model, "prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -68,7 +73,8 @@ def reference(tiny_model: Path, logs: Path) -> list[list[int]]:
                    logs / "plain.log")
     with running(plain):
         # the proxy's requests, then the router's (fresh prompts: no decode-side hit)
-        return [_completion(plain.url, str(tiny_model), _prompt(i)) for i in range(2 * N)]
+        return [_completion(plain.url, str(tiny_model), t)
+                for t in [_prompt(i) for i in range(2 * N)] + LONGER]
 
 
 @pytest.fixture(scope="module")
@@ -145,13 +151,14 @@ def test_pulls_behind_vllm_router_are_checked_against_the_relayed_seals(
         pytest.skip("vllm-router is not installed (pip install vllm-router==0.1.17)")
     prefill, decode, _ = servers
     model = str(tiny_model)
-    names = ("ranges_checked", "ranges_injected", "ranges_corrupt", "transfers_pulled")
+    names = ("ranges_checked", "ranges_injected", "ranges_corrupt", "transfers_pulled",
+             "ranges_unchecked")
 
     def counts() -> dict[str, float]:
         out = {n: _counter(decode, f"pushkv:{n}_total") for n in names}
         out["CORRUPT"] = _counter(decode, "pushkv:transfers_failed_by_reason_total",
                                   reason="CORRUPT")
-        for source in ("local_compute", "external_kv_transfer"):
+        for source in ("local_compute", "external_kv_transfer", "local_cache_hit"):
             out[source] = _counter(decode, "vllm:prompt_tokens_by_source_total", source=source)
         out["published"] = _counter(prefill, "pushkv:sources_published_total")
         out["seals_late"] = _counter(prefill, "pushkv:seals_late_total")
@@ -163,15 +170,21 @@ def test_pulls_behind_vllm_router_are_checked_against_the_relayed_seals(
         with cf.ThreadPoolExecutor(2) as pool:
             got = list(pool.map(lambda i: _completion(url, model, _prompt(i)),
                                 range(N, 2 * N)))
+        for i, (want, out) in enumerate(zip(reference[N:2 * N], got, strict=True)):
+            assert out == want, f"request {N + i}"
+        after = _settled(counts, before, N)
+        # The remainder after a cached prefix: each read is checked against the
+        # digests the prefill rank gives for exactly that part (side channel).
+        for tokens, want in zip(LONGER, reference[2 * N:], strict=True):
+            assert _completion(url, model, tokens) == want
+        longer = _settled(counts, after, len(LONGER))
     finally:
         stop_router(proc)
-    for i, (want, out) in enumerate(zip(reference[N:], got, strict=True)):
-        assert out == want, f"request {N + i}"
-    end = time.monotonic() + 30  # the metrics catch up with the last step's report
-    while (counts()["ranges_checked"] - before["ranges_checked"] < N
-           and time.monotonic() < end):
-        time.sleep(0.2)
-    after = counts()
+    p = {k: longer[k] - after[k] for k in after}
+    # the decode server had the first two blocks of each: only the third was pulled
+    assert p["local_cache_hit"] == 2 * LENGTH and p["transfers_pulled"] == len(LONGER), p
+    assert p["ranges_checked"] == len(LONGER), p
+    assert p["ranges_unchecked"] == 0 and p["ranges_corrupt"] == p["ranges_injected"], p
     d = {k: after[k] - before[k] for k in after}
     # one read per request (one producer rank, two whole blocks), every one checked:
     # any N in a row hold N / EVERY of the injector's picks
@@ -182,3 +195,13 @@ def test_pulls_behind_vllm_router_are_checked_against_the_relayed_seals(
     # exactly the corrupted requests were computed by the decode server itself
     assert d["local_compute"] == injected * LENGTH, d
     assert d["external_kv_transfer"] == (N - injected) * LENGTH, d
+
+
+def _settled(counts, before: dict[str, float], n: int) -> dict[str, float]:
+    """The counters once ``n`` more reads were checked (the metrics catch up with the
+    last step's report)."""
+    end = time.monotonic() + 30
+    while (counts()["ranges_checked"] - before["ranges_checked"] < n
+           and time.monotonic() < end):
+        time.sleep(0.2)
+    return counts()

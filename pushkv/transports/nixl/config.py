@@ -123,6 +123,13 @@ class NixlConfig:
                   "of the source bytes, a consumer checks its landed bytes against it and "
                   "fails a mismatch with CORRUPT. Off: the wire bytes are the plain frames"},
     )
+    seal_wait_s: float = field(
+        default=2.0,
+        metadata={"help": "pull with integrity: how long a finished read of part of a "
+                  "source (a cached prefix's remainder, a layer subset) waits for its "
+                  "producer rank's digests of exactly that part, asked for as the read "
+                  "was posted; none by then fails the read (CORRUPT, unverified)"},
+    )
     inject: str = field(
         default="",
         metadata={"help": "tests and the chaos benchmark only: corrupt landed writes on a "
@@ -147,6 +154,7 @@ class NixlConfig:
         if self.nudge_window_s < 0:
             raise ConfigError(f"nudge_window_s must be >= 0, got {self.nudge_window_s}")
         for name in ("active_poll_s", "idle_poll_s", "write_poll_s", "nudge_poll_s",
-                     "write_timeout_s", "peer_confirm_s", "close_timeout_s", "key_window_s"):
+                     "write_timeout_s", "peer_confirm_s", "close_timeout_s", "key_window_s",
+                     "seal_wait_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -64,6 +64,7 @@ from .cards import CardExchange
 from .events import CallFailed, Event, RuntimeView, WritesDone
 from .handshake import Handshakes
 from .peers import PeerTable
+from .seals import SealExchange
 
 if TYPE_CHECKING:
     from ..config import NixlConfig
@@ -165,6 +166,10 @@ class IOLoop(CardExchange):
             lambda: self._regions(), injector=Injector.parse(config.inject)
             if config.inject and self.role == "consumer" else None,
             on_corrupt=self._corrupt, rank=endpoint.info.rank)
+        self._seals = SealExchange(self._integrity, role=self.role,
+                                   engine_id=endpoint.info.engine_id,
+                                   wait_s=config.seal_wait_s, send=self._send_seal,
+                                   finish=self._finish_read)
         self._region_cache: list[Any] | None = None
         self.thread = threading.Thread(target=self._run, name=f"pushkv-io-{name}", daemon=True)
         self.thread.start()
@@ -239,6 +244,8 @@ class IOLoop(CardExchange):
                 if deadline is not None and deadline <= now:
                     self._guard(self._timers, now)
                 self._guard(self._check_deadlines, now)
+                if self._seals.parked:
+                    self._guard(self._seals.expire, now)
                 self._publish_stats()
         except BaseException:  # pragma: no cover - a bug; never die silently
             log.exception("pushkv I/O thread crashed")
@@ -278,9 +285,9 @@ class IOLoop(CardExchange):
             return self.config.active_poll_s
         until = min(self._next_notif, self.handshakes.next_deadline(),
                     self._peers.next_deadline())
-        d = self._endpoint.next_deadline()
-        if d is not None:
-            until = min(until, d)
+        for d in (self._endpoint.next_deadline(), self._seals.next_deadline()):
+            if d is not None:
+                until = min(until, d)
         return max(0.0, until - now)
 
     def _live(self) -> bool:
@@ -411,12 +418,14 @@ class IOLoop(CardExchange):
         # Rule 11: the publication's seals, one per producer rank read (bad: nothing changes).
         tags = Integrity.pull_seals(c.seals, consumer.producers.writers.get(
             c.producer_engine_id, ()), every_rank=c.every_rank)
-        self._apply(consumer.start_pull(c.transfer_id, c.producer_engine_id, c.src_block_ids,
-                                        c.block_ids, c.num_tokens, now, c.first_token,
-                                        incarnation=c.incarnation,
-                                        lease_s=None if c.lease_until is None
-                                        else c.lease_until - now), now)
+        actions = consumer.start_pull(c.transfer_id, c.producer_engine_id, c.src_block_ids,
+                                      c.block_ids, c.num_tokens, now, c.first_token,
+                                      incarnation=c.incarnation,
+                                      lease_s=None if c.lease_until is None
+                                      else c.lease_until - now)
+        # kept before the reads are posted: a read of part of a source asks as it goes
         self._integrity.expect_pull(c.transfer_id, c.incarnation, tags)
+        self._apply(actions, now)
 
     def _pulls_settled(self, engine_id: str, now: float, error: str = "") -> None:
         """The handshake with ``engine_id`` ended: run (or refuse) the pulls that waited."""
@@ -511,12 +520,21 @@ class IOLoop(CardExchange):
                             self._integrity.injected_keys):
                         self._stats["served_from_corrupt"] += 1  # READY over injected bytes
                 elif isinstance(a, ReleaseSource):
+                    self._integrity.forget_source(a.transfer_id, a.incarnation)
                     cost = self._cost.pop((a.transfer_id, a.incarnation), None)
                     if cost is not None:
                         self._emit(WritesDone(transfer_id=a.transfer_id,
                                               incarnation=a.incarnation, writes=cost[0],
                                               descriptors=cost[1], nbytes=cost[2]))
                 self._emit(a)
+
+    def _send_seal(self, peer: Peer, body: bytes) -> bool:
+        link = self._peers.by_peer.get(peer)
+        if link is None or link.dead:
+            self._stats["unroutable"] += 1
+            return False
+        self._side.send(link.address, sc.SEAL, body)
+        return True
 
     def _send(self, peer: Peer, frame: bytes) -> None:
         link = self._peers.by_peer.get(peer)
@@ -616,6 +634,7 @@ class IOLoop(CardExchange):
         if link is None or reader is None:
             return
         assert link.agent_name is not None
+        self._seals.posted(a)  # rule 11: the digests of part of a source, asked for now
         reader.submit(ReadJob(
             transfer_id=a.transfer_id, attempt=a.attempt, peer=a.peer, plan=a.plan,
             incarnation=a.incarnation, remote_agent=link.agent_name, remote_bases=link.bases,
@@ -682,23 +701,29 @@ class IOLoop(CardExchange):
                                          incarnation=r.incarnation), now))
 
     def _drain_reads(self, now: float) -> None:
-        consumer = self._endpoint
-        assert isinstance(consumer, Consumer)
         while self._read_completions:
             r = self._read_completions.popleft()
             self._reads -= 1
             a = self._read_actions.pop((r.transfer_id, r.incarnation, r.attempt, r.peer), None)
-            bad = self._read_checked(a, r.ok, now) if a is not None else ""
-            if r.ok:
-                self._stats["reads_ok"] += 1
-                self._stats["bytes_read"] += r.nbytes
-            else:
-                self._stats["reads_failed"] += 1
-                log.info("read of %s#%d from %s failed: %s", r.transfer_id, r.attempt, r.peer,
-                         r.error)
-            self._guard(lambda r=r, bad=bad: self._apply(
-                consumer.read_completed(r.transfer_id, r.attempt, r.peer, r.ok, now,
-                                        incarnation=r.incarnation, corrupt=bad), now))
+            if a is not None and self._seals.park(r, a, now):
+                continue  # its check waits for the producer rank's digests
+            self._finish_read(r, a, now)
+
+    def _finish_read(self, r: ReadResult, a: IssueRead | None, now: float) -> None:
+        """A read ended (and its check can run): check it, tell the core."""
+        consumer = self._endpoint
+        assert isinstance(consumer, Consumer)
+        bad = self._read_checked(a, r.ok, now) if a is not None else ""
+        if r.ok:
+            self._stats["reads_ok"] += 1
+            self._stats["bytes_read"] += r.nbytes
+        else:
+            self._stats["reads_failed"] += 1
+            log.info("read of %s#%d from %s failed: %s", r.transfer_id, r.attempt, r.peer,
+                     r.error)
+        self._guard(lambda r=r, bad=bad: self._apply(
+            consumer.read_completed(r.transfer_id, r.attempt, r.peer, r.ok, now,
+                                    incarnation=r.incarnation, corrupt=bad), now))
 
     def _read_checked(self, a: IssueRead, ok: bool, now: float) -> str:
         """Rule 11 (pull): a read ended; check the bytes it landed against the
@@ -727,6 +752,11 @@ class IOLoop(CardExchange):
             self._on_card(body, now)
         elif kind == sc.NUDGE:
             self._nudge(now)
+        elif kind == sc.SEAL:
+            try:
+                self._seals.on_frame(body, now)
+            except DecodeError as exc:
+                self._reject(None, f"seal frame: {exc}")
         elif kind == sc.BYE:
             if not self._peers.goodbye(body.decode("utf-8", "replace"), now):
                 self._reject(None, "goodbye from an unknown address")

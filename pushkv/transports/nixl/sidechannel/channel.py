@@ -66,8 +66,11 @@ BYE: Final = b"B"
 #: A producer starts a write to the receiver: poll notifications fast for a while.
 #: No state depends on it (READY still comes only from the write's notification).
 NUDGE: Final = b"N"
+#: Integrity (rule 11, pull): a consumer rank's query for the digests of the part of a
+#: source it reads, and the producer rank's answer (``pushkv.integrity.envelope``).
+SEAL: Final = b"S"
 GARBAGE: Final = b"?"
-KINDS: Final = (HELLO, CONTROL, BYE, NUDGE)
+KINDS: Final = (HELLO, CONTROL, BYE, NUDGE, SEAL)
 
 #: Largest side-channel message accepted; larger ones drop the connection.
 MAX_MESSAGE: Final = 16 << 20
