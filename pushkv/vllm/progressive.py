@@ -67,6 +67,7 @@ class _Stream:
     blocks: list[int] = field(default_factory=list)
     reported: int = 0  #: prompt tokens [0, reported) were reported final
     ends: bool = False  #: the request ends with the step that completes its prompt
+    ranges: bool = True  #: reported step by step (else only the whole prompt, at its end)
 
 
 class ProgressiveFeed:
@@ -83,13 +84,15 @@ class ProgressiveFeed:
         self._cut: set[str] = set()  # preempted after a range: aborted, never pushed
 
     def track(self, req_id: str, transfer_id: str, incarnation: int, num_prompt: int, *,
-              ends: bool = False) -> None:
+              ends: bool = False, whole: bool = False) -> None:
         """A prefill request was admitted (again, after a preemption: no change).
         ``ends``: it ends with the step that completes its prompt (a prefill leg asks
-        for one token), so its prefill is finished as that step ends."""
+        for one token), so its prefill is finished as that step ends. ``whole``: report
+        only the whole prompt, whatever the feed's ``ranges`` (a source published for a
+        pull is read whole)."""
         if req_id not in self._streams and req_id not in self._cut:
             self._streams[req_id] = _Stream(req_id, transfer_id, incarnation, num_prompt,
-                                            ends=ends)
+                                            ends=ends, ranges=self.ranges and not whole)
 
     def step(self, out: SchedulerOutput
              ) -> tuple[list[RangeOrder], list[Abort], list[SendOrder]]:
@@ -132,10 +135,10 @@ class ProgressiveFeed:
             end = min(before + out.num_scheduled_tokens.get(req_id, 0), s.num_prompt)
             if end < s.num_prompt:
                 end -= end % bs
-            if end <= s.reported or (not self.ranges and end < s.num_prompt):
+            if end <= s.reported or (not s.ranges and end < s.num_prompt):
                 continue
             blocks = tuple(s.blocks[:-(-end // bs)])
-            if self.ranges:
+            if s.ranges:
                 ranges.append(RangeOrder(req_id=req_id, transfer_id=s.transfer_id,
                                          block_ids=blocks, start=s.reported, end=end,
                                          incarnation=s.incarnation))

@@ -264,19 +264,20 @@ class SchedulerSide:
                 self.feed.track(request.request_id, leg.transfer_id, leg.incarnation,
                                 request.num_prompt_tokens, ends=ends)
         elif (isinstance(leg, NixlPrefillLeg) and request.max_tokens == 1
-              and self.granularity == "request" and request.request_id not in self._minted
+              and request.request_id not in self._minted
               and leg_direction(leg, self.direction) == "pull"):
             # Published as the step that computes the prompt ends (the worker's
-            # wait_for_save), so before the answer exists: published one engine step
-            # later, a decode side quick enough read first and its ReadDone, for a
-            # source not yet known, was dropped -- the source (and the prefill's
-            # blocks) then stayed held until its lease ended. (push_granularity chunk
-            # or layer: the feed would stream ranges; such a leg publishes a step later.)
+            # wait_for_save), so before the answer exists, and sealed in that step's
+            # output: published one engine step later, a decode side quick enough
+            # read first and its ReadDone, for a source not yet known, was dropped --
+            # the source (and the prefill's blocks) then stayed held until its lease
+            # ended -- and the answer left without its seal. Whatever the
+            # push_granularity: a published source is read whole, never streamed.
             req_id = request.request_id
             tid = producer_transfer_id(self.endpoint.engine_id, req_id)
             self._minted[req_id] = (tid, new_incarnation(self._rng))
             self.feed.track(req_id, tid, self._minted[req_id][1], request.num_prompt_tokens,
-                            ends=True)
+                            ends=True, whole=True)
 
     def _try_ship(self, req_id: str, rec: _Recv) -> bool:
         """Ship a registration unless a block of it is still lent to another one.

@@ -223,10 +223,17 @@ def sealed_answer(model, seal: bytes = SEAL, **extra) -> tuple[Engine, dict]:
     return p, p.outputs.params[req.request_id]
 
 
-def test_a_pull_answer_carries_the_seal_of_the_step_that_published_it(tiny_model):
+@pytest.mark.parametrize("granularity", ["request", "chunk", "layer"])
+def test_a_pull_answer_carries_the_seal_of_the_step_that_published_it(tiny_model,
+                                                                      granularity):
     """vLLM's real scheduler finishes the request before it hands over the step's
-    worker output: the answer is sealed in place, before it leaves the engine."""
-    p, answer = sealed_answer(tiny_model)
+    worker output: the answer is sealed in place, before it leaves the engine.
+    Whatever the push_granularity, the source is published whole, as the step that
+    computes the prompt saves it (no progressive range of it goes out)."""
+    p, answer = sealed_answer(tiny_model, push_granularity=granularity)
+    assert p.orders("send_ranges") == [] and p.orders("send") == []
+    (send,) = p.orders("send_at_save")
+    assert send.direction == "pull" and send.transfer_id == answer["transfer_id"]
     assert answer[SEALS_KEY] == {"0": base64.b64encode(SEAL).decode()}
     assert p.connector.scheduler_side.unsealed == 0
     d = engine(tiny_model, "kv_consumer")
