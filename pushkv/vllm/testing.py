@@ -376,6 +376,18 @@ def running(*servers: Server, timeout_s: float = 180.0) -> Iterator[tuple[Server
 # ------------------------------------------------------------------ HTTP
 
 
+def stop_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM,
+               timeout_s: float = 10.0) -> None:
+    """Stop a process started in its own session (``start_new_session``) and all its
+    children: ``sig`` to the group, then SIGKILL if it has not ended in ``timeout_s``."""
+    os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout_s / 2)
+
+
 def post_json(url: str, body: Mapping[str, Any], timeout: float = 60.0,
               headers: Mapping[str, str] | None = None) -> tuple[int, Any]:
     """POST JSON; (status, parsed body or text). Never raises for HTTP errors."""

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from pushkv.vllm.testing import free_port, get_text
+from pushkv.vllm.testing import free_port, get_text, stop_group
 
 #: The vLLM project's router (``pip install vllm-router==0.1.17``).
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
@@ -48,9 +48,4 @@ def start_router(prefills: list[str], decode: str, policy: str, log: Path
 
 
 def stop_router(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
+    stop_group(proc)

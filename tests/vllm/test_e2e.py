@@ -43,6 +43,7 @@ from pushkv.vllm.testing import (
     poll,
     post_json,
     running,
+    stop_group,
     stream_token_ids,
 )
 
@@ -171,12 +172,7 @@ def start_proxy(prefill: str, decode: str, log: Path,
 
 
 def stop_proxy(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
+    stop_group(proc, signal.SIGINT)
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,7 @@ and that with ``chunk`` and ``layer`` KV was written before prefill finished.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import random
-import signal
-import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,7 +43,7 @@ from pushkv.vllm.testing import (
     stream_token_ids,
 )
 
-from .test_e2e import start_proxy
+from .test_e2e import start_proxy, stop_proxy
 
 pytestmark = [
     pytest.mark.slow,
@@ -160,12 +157,7 @@ def deployment(request: pytest.FixtureRequest, tiny_model: Path, logs: Path,
         try:
             yield Deployment(g, model, prefill, decode, url, tl)
         finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+            stop_proxy(proc)
 
 
 def check_pushed(c: Deployment, send: object, case: str,

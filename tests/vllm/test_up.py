@@ -44,6 +44,7 @@ from pushkv.vllm.testing import (  # noqa: E402
     free_port,
     get_text,
     metric,
+    stop_group,
 )
 from pushkv.vllm.up import TINY_MODEL_NAME  # noqa: E402
 
@@ -95,12 +96,7 @@ def up(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[U
         yield u
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
+            stop_group(proc, signal.SIGINT, timeout_s=120)
 
 
 @pytest.fixture(scope="module")
