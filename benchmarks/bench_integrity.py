@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -213,12 +212,12 @@ def e2e(rounds: int, requests: int, front: str = "proxy") -> float:
         kv_transfer_config,
         post_json,
         running,
+        start_proxy,
+        start_router,
+        stop_proxy,
+        stop_router,
         write_tiny_llama,
     )
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.vllm.router import start_router, stop_router
-    from tests.vllm.test_e2e import start_proxy, stop_proxy
 
     work = Path(mkdtemp(prefix="bench-integrity-"))
     model = str(write_tiny_llama(work / "model"))

@@ -19,10 +19,12 @@ SIGKILL) by :meth:`Server.stop` or the context manager.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -471,3 +473,74 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(have.get(k) == v for k, v in labels.items()):
             total += float(m.group(3))
     return total
+
+
+# ------------------------------------------------------ proxy and router
+
+
+def start_proxy(prefill: str, decode: str, log: Path,
+                *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``pushkv proxy`` in front of one prefill and one decode server, on a free port,
+    in its own session, with the test's quick timeouts; ``extra``: more flags."""
+    port = free_port()
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])  # the checkout holding pushkv
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", prefill, "--decode",
+             decode, "--port", str(port), "--timeout", "60", "--health-interval", "0.5",
+             "--backoff-max", "1", *extra],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        try:
+            get_text(url + "/health", timeout=5)
+            return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"proxy did not come up: {log.read_text()[-2000:]}")
+
+
+def stop_proxy(proc: subprocess.Popen[bytes]) -> None:
+    stop_group(proc, signal.SIGINT)
+
+
+#: The vLLM project's router (``pip install vllm-router==0.1.17``).
+ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+
+
+def start_router(prefills: list[str], decode: str, policy: str, log: Path
+                 ) -> tuple[subprocess.Popen[bytes], str]:
+    """vllm-router on a free port; tried again on another port if the one picked was
+    taken meanwhile (another process may bind it between the pick and the router)."""
+    for _ in range(3):
+        port = free_port()
+        argv = [ROUTER, "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+                "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+                "--prometheus-port", str(free_port()), "--decode", decode]
+        for p in prefills:
+            argv += ["--prefill", p]
+        with log.open("ab") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 120
+        while time.monotonic() < end and proc.poll() is None:
+            try:
+                if "Starting server on 127.0.0.1:" + str(port) in log.read_text():
+                    get_text(url + "/health", timeout=5)
+                    return proc, url
+            except (OSError, http.client.HTTPException):
+                pass
+            time.sleep(0.2)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    raise AssertionError(f"vllm-router did not come up: {log.read_text()[-2000:]}")
+
+
+def stop_router(proc: subprocess.Popen[bytes]) -> None:
+    stop_group(proc)

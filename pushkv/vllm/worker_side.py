@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import timeline
+from ..integrity import IntegrityConfig
 from ..protocol.errors import ConfigError
 from ..protocol.events import (
     FailurePolicy,
@@ -155,7 +156,8 @@ IDLE_STEP_WAIT_S = 0.002
 #: seal (rule 11) must go out in the prefill's answer, at the step's end. The runtime
 #: publishes as soon as its thread takes the order (a hand-off, and a digest of the
 #: prompt's KV); past this bound the answer leaves unsealed and the pull is not
-#: checked (counted ``seals_late``, logged).
+#: checked (counted ``seals_late``, logged). Only a source the ``integrity`` setting
+#: seals waits (``off``, or a transfer ``sample`` skips: none).
 SEAL_WAIT_S = 0.5
 
 
@@ -179,8 +181,10 @@ class WorkerSide:
         self._done: set[str] = set()  # consumer: requests to report finished
         self._failed: set[str] = set()
         self._sent: set[str] = set()
-        #: producer, pull: sources this step published, until their seal came (None)
+        #: producer, pull: sources this step published, until their seal came (None);
+        #: only those the integrity setting seals (nothing to wait for otherwise)
         self._sealing: dict[str, bytes | None] = {}
+        self._seals = IntegrityConfig.parse(settings.integrity)
         self._stats = PushKVStats()
         self._seen: Counter[str] = Counter()
         self._refused = 0  # the runtime's refused frames, as last counted
@@ -344,8 +348,9 @@ class WorkerSide:
                 rt.range_ready(send.transfer_id, send.block_ids,
                                (0, regions.units(send.num_tokens)), incarnation=send.incarnation,
                                ready=ready)
-            if send.direction == "pull":  # its answer leaves with this step's output
-                self._sealing[send.transfer_id] = None
+            if send.direction == "pull" and self._seals.checks(send.transfer_id,
+                                                               send.incarnation):
+                self._sealing[send.transfer_id] = None  # its answer leaves with this step
             self._finish(rt, regions, send)
 
     def published_seals(self) -> PublishedSeals | None:

@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("nixl._api", reason="the nixl package is not installed (pip install nixl)")
 pytest.importorskip("zmq", reason="pyzmq is not installed")
 
-from pushkv.protocol import FailReason, TransferFailed, TransferReady, uniform_ranks  # noqa: E402
-from pushkv.transports.inmemory import region_memory  # noqa: E402
-from pushkv.transports.nixl import NixlRuntime  # noqa: E402
+from pushkv.protocol import FailReason, TransferFailed, TransferReady, uniform_ranks
+from pushkv.transports.inmemory import region_memory
+from pushkv.transports.nixl import NixlRuntime
 
 pytestmark = pytest.mark.nixl
 

@@ -16,8 +16,6 @@ import http.client
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -43,7 +41,8 @@ from pushkv.vllm.testing import (
     poll,
     post_json,
     running,
-    stop_group,
+    start_proxy,
+    stop_proxy,
     stream_token_ids,
 )
 
@@ -147,32 +146,6 @@ def proxy_healthy(url: str) -> bool:
         return False
 
 
-def start_proxy(prefill: str, decode: str, log: Path,
-                *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", prefill, "--decode",
-             decode, "--port", str(port), "--timeout", "60", "--health-interval", "0.5",
-             "--backoff-max", "1", *extra],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 30
-    while time.monotonic() < end:
-        try:
-            get_text(url + "/health", timeout=5)
-            return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"proxy did not come up: {log.read_text()[-2000:]}")
-
-
-def stop_proxy(proc: subprocess.Popen[bytes]) -> None:
-    stop_group(proc, signal.SIGINT)
 
 
 @pytest.fixture(scope="module")

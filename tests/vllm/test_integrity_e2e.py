@@ -24,6 +24,7 @@ if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)
 
 from pushkv.vllm.testing import (
+    ROUTER,
     Server,
     ServerSpec,
     free_port,
@@ -32,9 +33,10 @@ from pushkv.vllm.testing import (
     metric,
     post_json,
     running,
+    start_router,
+    stop_router,
 )
 
-from .router import ROUTER, start_router, stop_router
 from .test_e2e import FAST, proxy_healthy, start_proxy, stop_proxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]

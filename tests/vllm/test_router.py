@@ -29,12 +29,12 @@ import pytest
 from pushkv.fit.e2e.pull_timeline import out_of_order, pulls
 
 from .conftest import VLLM_MISSING
-from .router import ROUTER, start_router, stop_router
 
 if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)
 
 from pushkv.vllm.testing import (
+    ROUTER,
     Server,
     ServerSpec,
     free_port,
@@ -44,6 +44,8 @@ from pushkv.vllm.testing import (
     poll,
     post_json,
     running,
+    start_router,
+    stop_router,
     stream_token_ids,
 )
 
