@@ -124,7 +124,7 @@ class FakeVllm:
                                      status=self.status)
         if not body.get("stream"):
             return web.json_response({"id": "cmpl-1", "choices": [
-                {"text": "", "token_ids": [5, 6, 7], "finish_reason": "length"}]})
+                {"text": " w5 w6 w7", "token_ids": [5, 6, 7], "finish_reason": "length"}]})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         if self.stream_error:
@@ -132,8 +132,17 @@ class FakeVllm:
                      "code": self.stream_error_code}
             await out.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\n")
         else:
-            for tok in (5, 6, 7):
-                await out.write(f'data: {{"choices": [{{"token_ids": [{tok}]}}]}}\n\n'.encode())
+            head = {"id": "cmpl-1", "object": "text_completion", "created": 1,
+                    "model": body.get("model")}
+            for tok in (5, 6, 7):  # as vLLM streams a completion
+                choice = {"index": 0, "text": f" w{tok}", "token_ids": [tok],
+                          "finish_reason": "length" if tok == 7 else None}
+                await out.write(b"data: " + json.dumps({**head, "choices": [choice]}).encode()
+                                + b"\n\n")
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+                await out.write(b"data: " + json.dumps({**head, "choices": [], "usage": usage})
+                                .encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
@@ -175,7 +184,7 @@ async def post(url: str, body: dict[str, Any]) -> tuple[int, Any, dict[str, str]
 def test_both_legs_run_at_once_with_one_transfer_id():
     async def scenario(url: str, p: FakeVllm, d: FakeVllm) -> None:
         status, body, _ = await post(url, REQUEST)
-        assert status == 200 and body["choices"][0]["token_ids"] == [5, 6, 7]
+        assert status == 200 and body["choices"][0]["text"] == " w5 w6 w7"
         (pl,), (dl,) = p.legs, d.legs
         assert dl.arrived < pl.answered  # the decode leg did not wait for the prefill
         p_leg, d_leg = parse_params(pl.body["kv_transfer_params"]), parse_params(

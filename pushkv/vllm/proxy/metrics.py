@@ -22,6 +22,11 @@ collide. Names, for dashboards and alerts:
   of them (vLLM's ``vllm:prefix_cache_hits`` on that instance).
 * ``pushkv_proxy_resume_seconds``: the gap a client of a resumed stream saw,
   from its last token before the break to the first one after.
+* ``pushkv_proxy_assembled_total{outcome}``: non-streamed completions and how
+  they were answered: ``ok`` (assembled from a streamed decode leg, so a decode
+  death after the first token is resumed: :mod:`.assemble`), ``passed_through``
+  (an option that cannot be assembled: sent non-streamed as asked), ``failed``
+  (the stream could not be assembled; the client got a 5xx).
 * ``pushkv_proxy_recomputed_total``: requests served by a decode instance
   alone (no producer left, ``kv_load_failure_policy=recompute``).
 * ``pushkv_proxy_instance_up{role, url}`` (1 in rotation, 0 out),
@@ -56,6 +61,9 @@ class ProxyMetrics:
         self.failovers = Counter("pushkv_proxy_failovers",
                                  "retries that went to another instance, by role", ["role"],
                                  registry=r)
+        self.assembled = Counter(
+            "pushkv_proxy_assembled", "non-streamed completions by how they were answered",
+            ["outcome"], registry=r)
         self.recomputed = Counter("pushkv_proxy_recomputed",
                                   "requests a decode instance served alone", registry=r)
         self.failover_causes = Counter(

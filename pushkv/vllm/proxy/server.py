@@ -71,6 +71,8 @@ from ..params import (
     ParamsError,
     PrefillLeg,
 )
+from .assemble import AssemblyError, assemble, streamed, why_not
+from .assemble import events as whole_events
 from .drain import Admin
 from .failover import BEFORE_ANSWER as BEFORE
 from .failover import MID_STREAM, SOURCE_RELEASED, Failover, Reissue
@@ -119,6 +121,16 @@ class _Request:
     prefill_used: Instance | None = None  #: the last attempt's prefill instance
     decode_used: Instance | None = None  #: the decode instance its last decode leg went to
     resumes: int = 0  #: streams resumed elsewhere
+    #: a non-streamed answer assembled from a streamed decode leg (:mod:`.assemble`)
+    assembled: bool = False
+    events: list[bytes] = field(default_factory=list)  #: its events so far, all legs
+
+    @property
+    def began(self) -> bool:
+        """Whether the answer began: a byte of it reached the client, or (an assembled
+        answer) the decode leg produced its first token."""
+        return self.out is not None or (self.assembled and self.tap is not None
+                                        and self.tap.legs > 0)
 
 
 class PushProxy:
@@ -261,6 +273,13 @@ class PushProxy:
             resumable = bool(self.settings.resumes) and path == COMPLETIONS
             req.tap = Tap(client_ids=not resumable or bool(checked.body.get("return_token_ids")),
                           keep=resumable)
+        elif self.settings.resumes:  # answered from a streamed decode leg, if it can be
+            why = why_not(checked.body, path)
+            if why:
+                self.metrics.assembled.labels("passed_through").inc()
+            else:
+                req.assembled = True
+                req.tap = Tap(client_ids=bool(checked.body.get("return_token_ids")))
         task = asyncio.create_task(self._route(req))
         try:
             done, _ = await asyncio.wait({task}, timeout=self.settings.request_timeout_s)
@@ -350,9 +369,10 @@ class PushProxy:
                     exc = self.failover.gone_error(exc, failed)
                 last = exc
                 avoid[exc.leg].append(failed)
-                if req.out is not None:  # the answer began: resume the stream or end it
+                if req.began:  # the answer began: resume it, or end it
                     if await self._resume(req, exc, cause):
                         continue
+                    assert req.out is not None
                     return req.out
                 if req.retries >= self.settings.retries:
                     if exc.leg == "prefill":
@@ -365,11 +385,20 @@ class PushProxy:
                     self.metrics.failovers.labels(exc.leg).inc()
 
     async def _resume(self, req: _Request, exc: LegError, cause: str) -> bool:
-        """After a streamed answer broke: True when the request goes on as a
-        continuation (:attr:`_Request.body`); False when the stream was ended here
-        (the client held every token). Raises ``exc`` when it cannot go on."""
-        assert req.out is not None and req.tap is not None
+        """After a streamed (or assembled) answer broke: True when the request goes on
+        as a continuation (:attr:`_Request.body`); False when the answer was ended here
+        (every token came). Raises ``exc`` when it cannot go on."""
+        assert req.tap is not None
         if complete(req.tap, req.checked.body):
+            if req.assembled:  # the stream broke after its last token: end it here
+                if not req.tap.done:
+                    req.events.append(b"data: [DONE]")
+                prompt = len(req.tap.prompt_ids or ())
+                n = len(req.tap.tokens)
+                req.out = self._answer(req, {"prompt_tokens": prompt, "completion_tokens": n,
+                                             "total_tokens": prompt + n})
+                return False
+            assert req.out is not None
             await req.out.write(b"data: [DONE]\n\n")
             await req.out.write_eof()
             return False
@@ -420,7 +449,8 @@ class PushProxy:
             self.metrics.instance(inst)
 
     def _decode_body(self, req: _Request, params: dict[str, Any] | None) -> dict[str, Any]:
-        body = decode_body(req.body, req.path) if self.settings.resumes else req.body
+        body = streamed(req.body) if req.assembled else req.body
+        body = decode_body(body, req.path) if self.settings.resumes else body
         return body if params is None else dict(body, kv_transfer_params=params)
 
     async def _attempt(self, req: _Request, prefill: Instance, decode: Instance,
@@ -455,11 +485,11 @@ class PushProxy:
                                 Watch(self.pool, self.upstream.failed, decode, p_task, prefill))
                     except LegError as exc:
                         if len(tried) > 1 and await self.failover.released(
-                                exc, decode, req.out is not None, self.upstream.session):
+                                exc, decode, req.began, self.upstream.session):
                             raise Reissue(exc, prefill, tried[:-1]) from None
                         # retarget: the same decode leg (same transfer, same params) to
                         # another decode instance while the producer holds the source.
-                        if not self.failover.retargets(exc, req.out is not None) or \
+                        if not self.failover.retargets(exc, req.began) or \
                                 req.retries >= self.settings.retries:
                             raise
                         cause = await self.failover.cause(exc, decode, self.upstream.session)
@@ -510,7 +540,7 @@ class PushProxy:
         """Send the decode leg and relay its answer, unless the attempt fails first."""
         d_resp = await watch.race(self._open_decode(decode, req.path, body, headers))
         try:
-            if req.checked.stream:
+            if req.checked.stream or req.assembled:
                 return await self._relay_stream(req, d_resp, watch)
             data = await watch.race(d_resp.read())
             self.metrics.legs.labels("decode", "ok").inc()
@@ -521,6 +551,25 @@ class PushProxy:
             return req.out
         finally:
             d_resp.close()  # a no-op when fully read; otherwise aborts the leg
+
+    def _answer(self, req: _Request, usage: dict[str, Any] | None = None) -> web.Response:
+        """The client's one non-streamed body, assembled from the events kept."""
+        try:
+            body = assemble(req.events, usage)
+        except AssemblyError as exc:
+            self.metrics.assembled.labels("failed").inc()
+            assert req.decode_used is not None
+            if exc.error is not None:
+                code = exc.error.get("code")
+                status = code if isinstance(code, int) and 400 <= code < 600 else 500
+                raise self.upstream.leg_error(req.decode_used, status,
+                                              {"error": exc.error}) from None
+            raise self.upstream.poisoned(req.decode_used, 502, f"sent a stream the proxy "
+                                         f"could not assemble into one answer: {exc}") from None
+        self.metrics.assembled.labels("ok").inc()
+        req.first_byte = time.monotonic()
+        timeline.mark(req.transfer_id, "answer_sent", req.first_byte)
+        return web.json_response(body)
 
     async def _open_decode(self, inst: Instance, path: str, body: dict[str, Any],
                            headers: dict[str, str]) -> aiohttp.ClientResponse:
@@ -554,7 +603,15 @@ class PushProxy:
             self.metrics.legs.labels("decode", "failed").inc()
             raise self.upstream.poisoned(watch.decode, 502, "ended its stream before a token")
         now = time.monotonic()
-        if req.out is None:
+        if req.assembled:
+            if tap.legs:
+                logger.info("non-streamed answer resumed on %s after %d tokens: a %.1f ms "
+                            "gap, %.1f ms after the break was seen", watch.decode.url,
+                            len(tap.tokens), 1000 * (now - tap.last_token_at),
+                            1000 * (now - tap.broken_at))
+            else:
+                timeline.mark(req.transfer_id, "first_token", now)
+        elif req.out is None:
             out = web.StreamResponse(status=200, headers={
                 "Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"),
                 "Cache-Control": "no-cache"})
@@ -567,9 +624,16 @@ class PushProxy:
             logger.info("stream resumed on %s after %d tokens: a %.1f ms gap, %.1f ms after "
                         "the break was seen", watch.decode.url, len(tap.tokens), 1000 * gap,
                         1000 * (now - tap.broken_at))
-        out = req.out
+        sink = req.out
+
+        async def write(data: bytes) -> None:
+            if sink is None:  # assembled: the events are kept, the client gets one body
+                req.events.extend(whole_events(data))
+            else:
+                await sink.write(data)
+
         tap.begin()
-        await out.write(tap.feed(head, now))
+        await write(tap.feed(head, now))
         # Tokens are flowing: the KV has landed, so the prefill leg no longer
         # matters; the decode instance going out of rotation still ends the stream.
 
@@ -581,7 +645,7 @@ class PushProxy:
                 if not data:
                     continue
                 try:
-                    await out.write(data)
+                    await write(data)
                 except ConnectionError as exc:  # the client left: not the decode's fault
                     raise ClientGone from exc
 
@@ -597,6 +661,9 @@ class PushProxy:
             raise self.upstream.poisoned(watch.decode, 502, "ended its stream before [DONE]")
         self.metrics.legs.labels("decode", "ok").inc()
         timeline.mark(req.transfer_id, "last_token", tap.last_token_at)
-        await out.write_eof()
+        if sink is None:
+            req.out = self._answer(req)
+            return req.out
+        await sink.write_eof()
         timeline.mark(req.transfer_id, "answer_sent")
-        return out
+        return sink
