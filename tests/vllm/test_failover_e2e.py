@@ -8,10 +8,12 @@ instance that takes no part in the test, so that the prefill instances' counts o
 prompt tokens computed are the test's alone.
 
 * A decode instance is killed (``SIGKILL`` of its process group) while it streams
-  an answer and serves a non-streamed one: the stream goes on on the other decode
-  instance (the prompt plus the tokens streamed as the new prompt) and the client
-  sees the uninterrupted text, every token once, no error; the non-streamed one
-  is retried as a new transfer and answered whole.
+  an answer and generates a non-streamed one: both go on on the other decode
+  instance (the prompt plus the tokens generated as the new prompt); the stream's
+  client sees the uninterrupted text, every token once, no error, and the
+  non-streamed one gets one body, exactly a plain server's (the proxy asked the
+  decode instance for a stream and assembled it). The prefill instance computes
+  only what the two resumes add beyond its prefix cache.
 * A decode instance is drained while streams run on both: every stream finishes,
   and no new request reaches the drained instance.
 * ``--failover retarget``, a decode instance lost before the client's first token,
@@ -58,6 +60,7 @@ TIMELINE = "timeline"
 #: How long a producer holds a source whose consumer engine died (rule 12).
 HOLD_S = 20.0
 LONG = 180  #: tokens of an answer a kill lands in the middle of
+WHOLE = 210  #: tokens of the non-streamed one (it starts first)
 SHORT = 24
 
 
@@ -219,10 +222,11 @@ def outcomes(f: Fleet, name: str) -> float:
 class Call(threading.Thread):
     """A non-streamed completion through the proxy, answered in ``status``/``answer``."""
 
-    def __init__(self, url: str, model: str, tokens: list[int], max_tokens: int) -> None:
+    def __init__(self, url: str, model: str, tokens: list[int], max_tokens: int,
+                 **kw: Any) -> None:
         super().__init__(daemon=True)
         self.args = (url + "/v1/completions",
-                     body(model, tokens, max_tokens, return_token_ids=True))
+                     body(model, tokens, max_tokens, return_token_ids=True, **kw))
         self.status, self.answer = 0, None
         self.start()
 
@@ -279,19 +283,36 @@ def test_a_decode_killed_mid_stream_is_resumed_and_the_client_sees_no_break(flee
 
 
 def killed_mid_stream(f: Fleet, url: str) -> None:
-    streamed, whole = prompt(40, 9300), prompt(23, 9301)  # 40: one full block cached
+    streamed, whole = prompt(40, 9300), prompt(40, 9301)  # 40: one full block cached
+    # The references go through the proxy: non-streamed, so assembled from a stream,
+    # and equal to a plain server's non-streamed body (prefill-2 computes it alone).
+    assembled = proxy_metric(url, "pushkv_proxy_assembled_total", outcome="ok")
     ref_stream, ref_whole = answer(url, f.model, streamed, LONG), answer(url, f.model, whole,
-                                                                          LONG)
+                                                                          WHOLE)
+    status, mine = post_json(url + "/v1/completions",
+                             body(f.model, whole, WHOLE, return_token_ids=True), timeout=120)
+    status_plain, theirs = post_json(f.instances["prefill-2"].url + "/v1/completions",
+                                     body(f.model, whole, WHOLE, return_token_ids=True),
+                                     timeout=120)
+    assert status == status_plain == 200, (mine, theirs)
+    assert mine.keys() == theirs.keys() and mine["object"] == theirs["object"]
+    (c_mine,), (c_theirs,) = mine["choices"], theirs["choices"]
+    assert c_mine.keys() == c_theirs.keys()
+    for key in ("text", "finish_reason", "stop_reason", "token_ids", "prompt_token_ids"):
+        assert c_mine[key] == c_theirs[key], key
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert mine["usage"][key] == theirs["usage"][key], key
+    assert proxy_metric(url, "pushkv_proxy_assembled_total", outcome="ok") == assembled + 3
     victim, other = f.instances["decode-1"], f.instances["decode-2"]
     admin(url, "drain", other.url)  # both requests go to the victim
-    hits = f.counter("prefill-1", "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
+    before = computed(f, "prefill-1")  # both prompts' full block is in its prefix cache
+    generated = f.counter("decode-1", "vllm:generation_tokens_total")
     got: dict[str, Any] = {}
     waiter = threading.Thread(target=lambda: got.update(whole=post_json(
-        url + "/v1/completions", body(f.model, whole, LONG, return_token_ids=True),
-        timeout=180)), daemon=True)
+        url + "/v1/completions", body(f.model, whole, WHOLE), timeout=180)), daemon=True)
     waiter.start()
-    wait_for(lambda: proxy_metric(url, "pushkv_proxy_instance_outstanding",
-                                  url=victim.url) >= 1, 60, "the whole answer's leg sent")
+    wait_for(lambda: f.counter("decode-1", "vllm:generation_tokens_total") > generated, 60,
+             "the non-streamed answer's first token generated")
     s = Stream(url, body(f.model, streamed, LONG, stream=True))
     s.start()
     assert s.first.wait(120) and s.error is None
@@ -305,13 +326,22 @@ def killed_mid_stream(f: Fleet, url: str) -> None:
     assert s.words() == ref_stream  # every token once, in order, no error
     assert not any("token_ids" in c for e in s.events for c in e["choices"])
     status, whole_answer = got["whole"]
-    assert status == 200 and whole_answer["choices"][0]["token_ids"] == ref_whole
-    assert proxy_metric(url, "pushkv_proxy_failover_causes_total", stage="mid_stream") == 1
+    assert status == 200, whole_answer
+    (choice,) = whole_answer["choices"]
+    assert [int(w[1:]) for w in choice["text"].split()] == ref_whole
+    assert choice["token_ids"] is None and choice["finish_reason"] == "length"
+    assert whole_answer["usage"]["completion_tokens"] == WHOLE
+    assert whole_answer["usage"]["prompt_tokens"] == len(whole)
+    # Both were resumed (none re-targeted or sent again whole); one stream's gap.
+    assert proxy_metric(url, "pushkv_proxy_failover_causes_total", stage="mid_stream") == 2
+    assert proxy_metric(url, "pushkv_proxy_failover_causes_total", stage="before_answer") == 0
     assert proxy_metric(url, "pushkv_proxy_resume_seconds_count") == 1
-    # The stream's first prefill and its continuation's each found the prompt's full
-    # block (32 tokens) in the prefill instance's prefix cache.
-    assert f.counter("prefill-1", "vllm:prompt_tokens_by_source_total",
-                     source="local_cache_hit") >= hits + 64
+    # Each continuation's prompt is the prompt plus the k tokens generated: its full
+    # block (32) from the prefix cache, the rest computed; each first leg computed its
+    # last 8 tokens. Nothing else reached prefill-1.
+    resent = int(proxy_metric(url, "pushkv_proxy_failover_prompt_tokens_total",
+                              stage="mid_stream"))
+    counted(f, "prefill-1", before, (8 + 8 + resent - 64, 32 * 4))
 
 
 def test_abc_one_decode_killed_at_three_moments_before_the_first_token(fleet):
@@ -322,7 +352,9 @@ def test_abc_one_decode_killed_at_three_moments_before_the_first_token(fleet):
     (a) y: the leg reached decode-3 after it was frozen: never registered;
     (b) x: decode-3 registered x with prefill-1, which was held (SIGSTOP) and had
         written nothing (the Register waits in its socket; thawed after the kill);
-    (c) z: prefill-2 had written z's whole KV into decode-3 and released its source.
+    (c) z: prefill-2 had written z's whole KV into decode-3 and released its source
+        (decode-3 is frozen before it saw READY; on a loaded machine it may have
+        generated k tokens of z first, and z is then resumed: see below).
 
     x and y go to decode-2 as the same transfers at turn 1 and prefill-1 writes the
     KV it held: prefill-1 computes each prompt once, nothing from its cache. z's
@@ -380,12 +412,25 @@ def test_abc_one_decode_killed_at_three_moments_before_the_first_token(fleet):
         for name, call in (("x", cx), ("y", cy), ("z", cz)):
             assert call.tokens() == ref[name], name
         counted(f, "prefill-1", before["prefill-1"], (len(x) + len(y), 0))
-        counted(f, "prefill-2", before["prefill-2"], (len(z) + 8, 32))
-        # three re-targets, one reissue; only z's prompt was sent to a prefill again
-        assert proxy_metric(url, "pushkv_proxy_failover_causes_total") == causes + 4
+        resent = int(proxy_metric(url, "pushkv_proxy_failover_prompt_tokens_total"))
+        if proxy_metric(url, "pushkv_proxy_failover_causes_total", stage="mid_stream"):
+            # decode-3 had generated k tokens of z: z was resumed (the proxy asked for a
+            # stream), its prompt plus the k tokens sent to prefill-2, whose prefix
+            # cache served z's full block; no re-target of z, no reissue
+            k = resent - len(z)
+            assert k >= 1
+            counted(f, "prefill-2", before["prefill-2"], (len(z) + len(z) + k - 32, 32))
+            assert proxy_metric(url, "pushkv_proxy_failover_causes_total") == causes + 3
+            released = 0
+        else:
+            # z had no token: re-targeted, it found no source and was sent once more
+            # as a new transfer; its prompt's last 8 tokens computed again
+            assert resent == len(z)
+            counted(f, "prefill-2", before["prefill-2"], (len(z) + 8, 32))
+            assert proxy_metric(url, "pushkv_proxy_failover_causes_total") == causes + 4
+            released = 1
         assert proxy_metric(url, "pushkv_proxy_failover_causes_total",
-                            cause="source_released") == 1
-        assert proxy_metric(url, "pushkv_proxy_failover_prompt_tokens_total") == len(z)
+                            cause="source_released") == released
         f.wait_idle()
 
 
