@@ -63,9 +63,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    "instance with the least outstanding work then; the producer holds the KV "
                    "and pushes it when the registration comes)")
     p.add_argument("--resumes", type=_count, default=d.resumes, metavar="N",
-                   help="times a streamed completion whose decode instance died is resumed "
-                   "on another (the prompt plus the tokens streamed as the new prompt); 0: "
-                   "never, the stream ends with an error event")
+                   help="times a completion whose decode instance died is resumed on another "
+                   "(the prompt plus the tokens generated as the new prompt); non-streamed "
+                   "completions are then asked of the decode instance as streams and "
+                   "answered as one body; 0: never, a stream ends with an error event and "
+                   "non-streamed requests pass through as they are")
     p.add_argument("--health-interval", type=_positive, default=h.interval_s,
                    metavar="SECONDS", help="between health probes of an instance in "
                    "rotation; also the first back-off of one out of rotation")

@@ -3,8 +3,9 @@
 Two stages, each with its own rule:
 
 * **Before the answer began** (no byte of it reached the client; a non-streamed
-  request is in this stage until its whole answer came): the policy named by
-  ``failover`` decides.
+  completion answered from a streamed decode leg (:mod:`.assemble`): the decode
+  instance produced no token of it yet; any other non-streamed request: its
+  whole answer has not come): the policy named by ``failover`` decides.
 
   - ``retry`` (the default): the request is sent again as a **new transfer**
     (new transfer id and incarnation; both legs, on other instances when there
@@ -29,8 +30,9 @@ Two stages, each with its own rule:
     without its first decode instance being found gone, and the reissue is
     never repeated.
 
-* **Mid-stream** (a streamed completion whose client holds k tokens): the stream
-  is **resumed** on another decode instance, at most ``resumes`` times
+* **Mid-stream** (a streamed completion whose client holds k tokens, or an
+  assembled non-streamed one whose decode leg produced k >= 1): the answer is
+  **resumed** on another decode instance, at most ``resumes`` times
   (:mod:`.resume`).
 
 Which failures fail over at all (:meth:`Failover.cause`): a leg that no engine

@@ -16,6 +16,10 @@ the first leg's ``id`` and ``created``, no second ``prompt_token_ids``, and
 ``usage`` counted against the client's prompt (prompt tokens minus k, completion
 tokens plus k).
 
+A non-streamed completion is resumed by the same rule: the proxy asks its decode
+leg for a stream and assembles the client's one body from the tap's events
+(:mod:`.assemble`).
+
 Token ids, never text, carry the state: the decode leg always asks for
 ``return_token_ids``; when the client did not, the tap drops ``token_ids`` and
 ``prompt_token_ids`` from what it writes (which costs a parse per event; a

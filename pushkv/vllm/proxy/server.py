@@ -24,8 +24,10 @@ and streams the answer back to the client. Neither leg waits for the other.
   could not be reached, left rotation or was drained while the leg waited), or
   that an engine broke off and whose instance is then found gone, fails over:
   before the answer began, as the ``failover`` policy says (``retry``: a new
-  transfer on other instances); a streamed completion after k tokens is
-  **resumed** on another decode instance (:mod:`.resume`). A request an engine
+  transfer on other instances); a completion after k tokens is **resumed** on
+  another decode instance (:mod:`.resume`): a streamed one, or a non-streamed
+  one, which the proxy asks of the decode instance as a stream and answers as
+  one body (:mod:`.assemble`). A request an engine
   failed on while it stays healthy is never sent to another: it may be a
   poison request that would make the next engine fail too; the client is told
   which instance failed and what it said. When no producer is left, the

@@ -27,7 +27,9 @@ class ProxySettings:
     retries: int = 1  #: times a request is sent again after a leg failed before any output
     #: what a leg failing before the answer began leads to: "retry" or "retarget"
     failover: str = RETRY
-    resumes: int = 2  #: times a streamed completion is resumed elsewhere (0: never)
+    #: times a completion (streamed, or non-streamed and answered from a streamed decode
+    #: leg) is resumed elsewhere (0: never; non-streamed ones then pass through)
+    resumes: int = 2
     #: when the decode instance is chosen: "arrival" (both legs at once) or "late" (once
     #: the prefill leg answered: the least loaded then, the decode leg sent then)
     bind: str = ARRIVAL
