@@ -26,11 +26,15 @@ class ProducerConfig:
     )
     max_pending_registrations: int = field(
         default=4096,
-        metadata={"help": "registrations waiting for KV; beyond this, Fail(OVERLOADED)"},
+        metadata={"help": "registrations waiting for KV, and transfers peers spoke of before "
+                  "prefill finished here (orphans: an early cancel, an early pull ReadDone); "
+                  "beyond this, Fail(OVERLOADED), a CancelAck, or the report dropped and "
+                  "counted (its lease decides)"},
     )
     orphan_ttl_s: float = field(
         default=60.0,
-        metadata={"help": "how long a cancel for an unknown transfer is remembered"},
+        metadata={"help": "how long a cancel or pull ReadDone for a transfer whose prefill "
+                  "has not finished here is remembered"},
     )
     max_tombstones: int = field(
         default=8192,

@@ -171,6 +171,27 @@ Cancel from an engine that is no longer (or never was) bound changes nothing:
 an earlier turn's Register is failed with ``RETARGETED``, a Cancel is answered
 from the leg's history; neither reopens a leg nor releases the source. The
 source is written once per turn; prefill computes it once.
+
+Rule 13 -- **early pull reports.** A pull's block ids may reach the consumer
+before this rank's core is told the prefill finished (a router relays the
+prefill's own answer, made once the bytes are final, while the core learns of it
+on another thread). So a consumer rank's ``ReadDone`` or final ``Cancel`` may
+arrive for a transfer the rank has not published yet. Like a cancel that
+overtook its registration, it is kept on an *orphan* (bounded by
+``max_pending_registrations``, forgotten after ``orphan_ttl_s``, counted either
+way): ``(EMPTY, READ_DONE)`` ends the leg ``DONE`` at once, a final cancel ends it
+``CANCELLED`` and makes the source final. When ``prefill_finished(mode=PULL)``
+comes, the source is published and released as soon as every reading rank's
+report is in (rule 4) -- once, however often a report was repeated (a repeat finds
+the leg finished). A ReadDone is validated as a late one would be (another
+producer engine, a rank that does not read from this one: a typed error, nothing
+kept), and counts only on an orphan no push registration was ever adopted for
+(legs ``EMPTY``, ``DONE`` or ``CANCELLED``): such an orphan is a pull, and a
+``Register`` for it is refused. If the rank then finishes that use as a *push*,
+the early reads are void (their legs are dropped, counted ``early_void``): a
+push source is released only by its own legs. A Heartbeat for a transfer not
+published yet renews nothing (it renews an orphan's TTL): the lease starts when
+the source is published, later than any renewal it could give.
 """
 
 from __future__ import annotations
@@ -375,6 +396,9 @@ PRODUCER_TERMINAL = frozenset(_P_TERMINAL)
 PRODUCER_FINISHED = frozenset(_P_FINISHED)
 #: States in which a write of the leg may be in flight.
 PRODUCER_WRITING = frozenset(_P_WRITING)
+#: Rule 13: the legs an orphan may hold and still be a pull (no push registration
+#: was adopted): untouched or preempted, read early, cancelled early.
+EARLY_PULL_LEGS = frozenset((P.EMPTY, P.DONE, P.CANCELLED))
 
 # Transfer-wide inputs reach every leg; a leg writing or finished ignores them
 # (a lease never cuts a write short; rule 4 releases after the write).
@@ -481,6 +505,9 @@ PRODUCER_TABLE: dict[
     (P.KV_READY, PI.LEASE_EXPIRED): (PE.NONE, P.EXPIRED),
     (P.KV_READY, PI.PEER_DIED): (PE.NONE, P.CANCELLED),
     (P.KV_READY, PI.READ_DONE): (PE.NONE, P.DONE),
+    # Rule 13: a read reported before this rank published the source (an orphan's
+    # leg): done at once; the source goes as soon as it is published (rule 4).
+    (P.EMPTY, PI.READ_DONE): (PE.NONE, P.DONE),
     (P.WRITING, PI.WRITE_OK): (PE.NONE, P.DONE),
     (P.WRITING, PI.WRITE_REFUSED): (PE.FAIL, P.EXPIRED),  # rule 5, found as it would start
     (P.WRITING, PI.PLAN_FAILED): (PE.FAIL, P.FAILED),

@@ -20,7 +20,13 @@ from ..layout import RankInfo
 from ..messages import Cancel, FailReason, Heartbeat, ReadDone, Register, Skip
 from ..records import Key, Kv, Leg, Source
 from ..records import Registration as _Registration
-from ..states import PRODUCER_FINISHED, PRODUCER_TERMINAL, ProducerInput, ProducerState
+from ..states import (
+    EARLY_PULL_LEGS,
+    PRODUCER_FINISHED,
+    PRODUCER_TERMINAL,
+    ProducerInput,
+    ProducerState,
+)
 from .targets import Targets
 from .view import ProducerView
 
@@ -192,25 +198,55 @@ class ProducerAnswers(ProducerView):
         return []
 
     def _on_read_done(self, msg: ReadDone, now: float) -> list[Action]:
+        """A consumer rank read its slice (pull). Rule 13: the report may overtake this
+        rank's own ``prefill_finished`` (a router relays the prefill's answer while the
+        rank's core has not published yet): it is then kept on an orphan, bounded like
+        one (``max_pending_registrations``, ``orphan_ttl_s``), as a leg already DONE,
+        and the source is released as soon as it is published and every reading rank's
+        report is in. Validated first, like any: bad input changes nothing."""
         peer = Peer(msg.engine_id, msg.rank)
         self.targets.known(msg.engine_id, msg.rank)
         if msg.producer_engine_id != self.info.engine_id:
-            raise ValidationError("read report addressed to another engine")
-        t = self._transfers.get((msg.transfer_id, msg.incarnation))
-        if t is None or t.mode is not Mode.PULL or t.kv is not Kv.HELD:
+            raise ValidationError("read report addressed to another engine",
+                                  transfer_id=msg.transfer_id, attempt=msg.attempt)
+        if not self.targets.writes_into(peer):
+            raise ValidationError(f"{peer} does not read from rank {self.peer.rank}",
+                                  transfer_id=msg.transfer_id, attempt=msg.attempt)
+        key = (msg.transfer_id, msg.incarnation)
+        t = self._find(key)
+        if t is not None and not self._readable(t):
             self.stats["stale"] += 1
             return []
-        if not self.targets.writes_into(peer):
-            raise ValidationError(f"{peer} does not read from rank {self.peer.rank}")
-        if t.consumer_engine not in (None, msg.engine_id):
-            raise ValidationError("pull transfer already bound to another consumer engine")
+        if t is not None and t.consumer_engine not in (None, msg.engine_id):
+            raise ValidationError("pull transfer already bound to another consumer engine",
+                                  transfer_id=msg.transfer_id, attempt=msg.attempt)
+        if t is None:  # rule 13: early, before this rank's prefill_finished
+            t = self._new_orphan(key, now)
+            if t is None:  # over the bound: dropped (counted overloaded); its lease decides
+                self.stats["early_dropped"] += 1
+                return []
+        if t.kv is Kv.PENDING:
+            t.mode = Mode.PULL  # a Register for it is refused; a push publish voids it
         t.consumer_engine = msg.engine_id
         leg = self._leg(t, peer)
-        if leg.state is not PS.KV_READY:
+        if leg.state not in (PS.KV_READY, PS.EMPTY):
             self.stats["duplicate"] += 1
             return []
+        if t.kv is Kv.PENDING:
+            self.stats["early_reports"] += 1
         leg.attempt = max(leg.attempt, msg.attempt)
         return self._input(t, leg, PI.READ_DONE, now) + self._settle(t, now)
+
+    @staticmethod
+    def _readable(t: Source) -> bool:
+        """Whether a ReadDone may still count for ``t``: a published pull source held
+        here, or (rule 13) an orphan no push registration was ever adopted for."""
+        if t.dead:
+            return False
+        if t.kv is Kv.HELD:
+            return t.mode is Mode.PULL
+        return t.kv is Kv.PENDING and all(
+            leg.state in EARLY_PULL_LEGS for leg in t.legs.values())
 
     def _retarget(self, t: Source, target: int, now: float) -> list[Action]:
         """Rule 12: the legs of the engine ``t`` was bound to take RETARGET; the source

@@ -47,6 +47,7 @@ from ..records import Leg as _Leg
 from ..records import Registration as _Registration
 from ..records import Source as _Transfer
 from ..states import (
+    EARLY_PULL_LEGS,
     PRODUCER_TABLE,
     PRODUCER_TERMINAL,
     PRODUCER_WRITING,
@@ -155,12 +156,18 @@ class Producer(ProducerAnswers, Endpoint):
                 "prefill already reported", transfer_id=transfer_id, state=t.kv.value
             )
         self._refuse_reuse(key)
-        if t is not None and mode is Mode.PULL and (t.legs or t.kv is Kv.PARTIAL):
+        if t is not None and mode is Mode.PULL and (t.kv is Kv.PARTIAL or any(
+                leg.state not in EARLY_PULL_LEGS for leg in t.legs.values())):
             raise LocalProtocolError(
                 "pull transfer has push registrations", transfer_id=transfer_id
             )
         out = self._run_timers(now)
         t = self._transfers.get(key)
+        tomb = self._tombstones.get(key) if t is None else None
+        if tomb is not None and mode is Mode.PUSH and tomb.mode is Mode.PULL and not tomb.final:
+            # Rule 13: early read reports, forgotten, for a use finished as a push: void.
+            del self._tombstones[key]
+            self.stats["early_void"] += 1
         if t is None and key in self._tombstones:
             # Already concluded here (cancelled, expired): nobody will read it.
             self._tombstones[key].late = ()  # released now, with every block
@@ -171,6 +178,8 @@ class Producer(ProducerAnswers, Endpoint):
             t = self._transfers[key] = _Transfer(transfer_id, incarnation)
         elif t.kv is Kv.PENDING:
             self._orphans -= 1
+            if mode is Mode.PUSH and t.mode is Mode.PULL:
+                self._void_early_reads(t)
         t.mode, t.src_ids, t.num_tokens, t.reported = mode, ids, num_tokens, True
         out += self._source(t, SI.PREFILL_DONE, now)
         return out + self._settle(t, now)
@@ -231,6 +240,15 @@ class Producer(ProducerAnswers, Endpoint):
         mark(t.ready, (a, b, max(l0, lo.layer_start), min(l1, lo.layer_end)))
         out += self._source(t, SI.RANGE_READY, now)
         return out + self._settle(t, now)
+
+    def _void_early_reads(self, t: _Transfer) -> None:
+        """Rule 13: reads reported early for a use this rank finishes as a push never
+        happened (a push source is released by its own legs only): their legs go."""
+        for peer in [p for p, leg in t.legs.items() if leg.state is PS.DONE]:
+            del t.legs[peer]
+            self.stats["early_void"] += 1
+        if not t.legs:
+            t.consumer_engine = None
 
     def _refuse_reuse(self, key: Key) -> None:
         """A use of an id whose KV this rank already had (remembered as a tombstone)
@@ -365,6 +383,8 @@ class Producer(ProducerAnswers, Endpoint):
                 out += self._input(t, leg, leg_input, now)
         if effect is SE.FORGET:  # an orphan nobody registered: its waiting legs expire
             self._orphans -= 1
+            if t.mode is Mode.PULL:  # rule 13: early reports, past the orphan TTL
+                self.stats["early_expired"] += 1
             for leg in list(t.legs.values()):
                 if leg.state is PS.EMPTY:
                     out += self._input(t, leg, PI.DEADLINE, now)
