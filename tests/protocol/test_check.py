@@ -27,7 +27,7 @@ FLOORS = {
     "1to1-preempt-death": 25_000,
     "pull": 200_000,
     "pull-net": 85_000,
-    "pull-reuse": 25_000,
+    "pull-reuse": 35_000,
     "1to2": 30_000,
     "2to1": 20_000,
     "replicated": 5_000,

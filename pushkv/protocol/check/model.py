@@ -244,6 +244,7 @@ class Model(Invariants, Describe, Staging, Pull, Writes):
             else:
                 out.append(("complete", item))
         obliged = False
+        publish: list[Step] = []
         free_d = sum(1 for o in d_owner if o is None)
         free_p = sum(1 for o in p_owner if o is None)
         if dead != "D":
@@ -252,7 +253,7 @@ class Model(Invariants, Describe, Staging, Pull, Writes):
                     if sc.abandons and k and cinc[k - 1][0] == C_LIVE:
                         out.append(("abandon", k))  # ended before it was registered
                     if (self.may_start(k, cinc) and dead != "P" and free_d
-                            and (not sc.pull or self.published_all(f[18], k))):
+                            and (not sc.pull or self.relayed(pinc[k]))):
                         obliged = True  # (with no free block, it waits for a timer)
                         out.append(("register", k))
                     break
@@ -271,13 +272,19 @@ class Model(Invariants, Describe, Staging, Pull, Writes):
                         s is not None and s not in _TERMINAL for s in states):
                     out.append(("abort", k))
         if dead != "P":
-            for k, (status, _blocks, _rel, aborted, ready) in enumerate(pinc):
+            for k, (status, _blocks, _rel, aborted, ready, told) in enumerate(pinc):
                 if status in (P_PREFILL, P_PARTIAL) and (free_p or status == P_PARTIAL):
                     obliged = True  # (a range takes the blocks first; with none free, the
                     out.append(("prefill", k))  # prefill waits for a timer to free one)
                     out.extend(("range", k, j) for j in range(sc.pieces) if j not in ready)
-                if sc.prefill_aborts and not aborted and status in (P_PREFILL, P_HELD,
-                                                                    P_PARTIAL):
+                # Pull: each rank's core learns of the finished prefill later, on its own
+                # (a separate step), and handles the request's abort only after that.
+                unpublished = sc.pull and status == P_HELD and len(told) < self.np
+                if unpublished:
+                    obliged = True
+                    publish.extend(("publish", k, r) for r in range(self.np) if r not in told)
+                if sc.prefill_aborts and not aborted and not unpublished and status in (
+                        P_PREFILL, P_HELD, P_PARTIAL):
                     out.append(("pabort", k))
         if sc.retarget and dead != "P":  # rule 12: once per use, while it is live on D
             out.extend(("retarget", k) for k, ci in enumerate(cinc)
@@ -297,13 +304,26 @@ class Model(Invariants, Describe, Staging, Pull, Writes):
                 best, due = d, [i]
             elif d == best:
                 due.append(i)
+        ticks: list[Step] = []
         if best is not None:
             at = max(now, best)
             if not (obliged and at > sc.horizon_s) and all(
                     it[-1] + (sc.max_scatter_s if it[0] == SCATTER else sc.max_write_s) >= at
                     for it in flight if it[0] != FRAME):
-                out.extend(("tick", i) for i in due)
-        return out
+                ticks = [("tick", i) for i in due]
+        if publish:
+            # Pull: a rank's core is told of the finished prefill at any moment (with
+            # publish_lag, also after the clock moved; else before it moves). Telling
+            # it commutes with every step that is no input of that rank (it sends no
+            # frame, and releases nothing a read in flight still takes), so it is
+            # offered only where it can race one: while a frame to the rank is in
+            # flight, where a timer could fire, or where nothing else (but a death) can.
+            quiet = bool(ticks) or all(st[0] == "kill" for st in out)
+            out.extend(st for st in publish if quiet or any(
+                it[0] == FRAME and it[1] == "P" and it[2] == st[2] for it in flight))
+            if not sc.publish_lag:
+                ticks = []
+        return out + ticks
 
     def apply(self, state: State, step: Step) -> State:
         """Run ``step`` from ``state`` (endpoints loaded); return the next state.
@@ -434,12 +454,17 @@ class Model(Invariants, Describe, Staging, Pull, Writes):
                 w.leases[r, k] = w.now + sc.lease_s
             if self.log is not None:
                 self._say(f"P finishes the prefill of t#{k} into source blocks {list(blocks)}")
-            n = sc.tokens
-            mode = Mode.PULL if sc.pull else Mode.PUSH
-            for r in range(self.np):
-                self._run(w, ids, r, ("prefill", k, blocks, w.now),
-                          lambda ep: ep.prefill_finished(self._tid(k), blocks, n, w.now,
-                                                         mode, **self._inc(k)))
+            if not sc.pull:  # push: each rank's core is told at once
+                for r in range(self.np):
+                    self._prefill_finished(w, ids, k, r)
+            # Pull: the bytes are final now, and the router may relay the block ids
+            # to the consumer engine at once; each rank's core is told later ("publish").
+        elif kind == "publish":
+            r = step[2]
+            w.pinc[k].told = w.pinc[k].told | {r}
+            if self.log is not None:
+                self._say(f"P{r}'s core learns that the prefill of t#{k} finished")
+            self._prefill_finished(w, ids, k, r)
         elif kind == "range":
             self._range(w, k, step[2], ids)
         elif kind == "pabort":
@@ -457,6 +482,14 @@ class Model(Invariants, Describe, Staging, Pull, Writes):
                           lambda ep: ep.prefill_aborted(self._tid(k), w.now, **self._inc(k)))
         else:  # pragma: no cover
             raise AssertionError(step)
+
+    def _prefill_finished(self, w: World, ids: list[int], k: int, r: int) -> None:
+        """Producer rank ``r``'s core is told that the prefill of use ``k`` finished."""
+        blocks, n = w.pinc[k].blocks, self.scope.tokens
+        mode = Mode.PULL if self.scope.pull else Mode.PUSH
+        self._run(w, ids, r, ("prefill", k, blocks, w.now),
+                  lambda ep: ep.prefill_finished(self._tid(k), blocks, n, w.now, mode,
+                                                 **self._inc(k)))
 
     def _range(self, w: World, k: int, j: int, ids: list[int]) -> None:
         """The producer engine reports range ``j`` of incarnation ``k`` final (rule 9)."""

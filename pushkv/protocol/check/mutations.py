@@ -393,6 +393,27 @@ def failed_read_fenced_at_once(mp: Patch) -> None:
     mp.setattr(Consumer, "read_completed", read_completed)
 
 
+#: Rule 13: one pull, nothing failing: a reader's ReadDone may overtake its source's
+#: publication.
+PULL_EARLY = Scope(name="pull-early-1", pull=True, heartbeats=False, aborts=False)
+
+
+def early_read_done_dropped(mp: Patch) -> None:
+    """Rule 13 undone: a ReadDone that overtakes the rank's own prefill_finished (the
+    router relayed the prefill's answer first) is dropped as stale, so the source it
+    reports read is held until its lease ends."""
+    orig = producer_module.Producer._on_read_done
+
+    def on_read_done(self, msg, now):
+        t = self._transfers.get((msg.transfer_id, msg.incarnation))
+        if t is None or t.kv is SourceState.PENDING:
+            self.stats["stale"] += 1
+            return []
+        return orig(self, msg, now)
+
+    mp.setattr(producer_module.Producer, "_on_read_done", on_read_done)
+
+
 #: Two transfer ids at once and one destination block: the block one frees is the next's.
 TWO_IDS = Scope(name="two-ids-1", incarnations=2, distinct_ids=True, d_blocks=1,
                 write_errors=True, heartbeats=False, aborts=False)
@@ -453,6 +474,7 @@ MUTATIONS: list[tuple[Callable[[Patch], None], Scope, str]] = [
     (older_use_forgotten_with_the_newer, REUSE_REISSUE, "prompt"),
     (read_at_the_lease_end_trusted, PULL, "bytes"),
     (failed_read_fenced_at_once, PULL, "reuse"),
+    (early_read_done_dropped, PULL_EARLY, "prompt"),
     # The same early fence, across transfer ids: the stray bytes land in the block the
     # engine lent to the next id.
     (failed_write_fenced_at_once, TWO_IDS, "incarnation"),

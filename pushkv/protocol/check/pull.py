@@ -1,8 +1,11 @@
 """Pull in the checker's world: published sources and the consumer's reads.
 
-The producer publishes a finished prefill's source with the lease it promises
-(:class:`~.events.Publish`); the consumer engine starts the pull once every
-producer rank published, passing on the shortest lease left. Each planned read
+As behind vllm-router, the consumer engine learns the source block ids from the
+prefill's own answer: it may start the pull as soon as the prefill's bytes are
+final, with the lease counted from then, before any producer rank's core was
+told (``publish``, a later step of its own) and published the source
+(:class:`~.events.Publish`) -- so a ReadDone or final Cancel may reach a rank
+that has not published yet. Each planned read
 (:class:`~.events.IssueRead`) becomes a :func:`~.world.read_item` in
 flight, which, as a one-sided READ does, takes the source's bytes at any time
 until it completes: a piece copied after the producer released its source (its
@@ -22,7 +25,7 @@ from ..events import IssueRead, Peer, Publish
 from .invariants import Violation
 from .owed import touched, written
 from .part import ModelPart
-from .world import FAILED, POSTED, Item, World, read_item
+from .world import FAILED, P_HELD, P_OVER, POSTED, Item, World, read_item
 
 
 class Pull(ModelPart):
@@ -36,15 +39,22 @@ class Pull(ModelPart):
             raise Violation("action", f"P{p} published t#{k} twice")
         w.published = w.published | {(p, k, w.now + a.lease_s)}
 
-    def published_all(self, w_published: frozenset[tuple[int, int, float]], k: int) -> bool:
-        """Whether every producer rank published use ``k`` (the pull may start)."""
-        return len({r for r, j, _ in w_published if j == k}) == self.np
+    @staticmethod
+    def relayed(pi: tuple[Any, ...]) -> bool:
+        """Whether the block ids of use ``pi`` may have reached the consumer engine (the
+        pull may start): as soon as the prefill's bytes are final, before any producer
+        rank's core published them (a router relays the prefill's own answer)."""
+        return bool(pi[1]) and pi[0] in (P_HELD, P_OVER)
 
     def _start_pull(self, w: World, k: int, blocks: tuple[int, ...], ids: list[int],
                     c: int) -> None:
         """Consumer rank ``c`` starts the pull of use ``k`` into ``blocks``, with the lease
-        the producer ranks stated, less the time since (the relay is instant here)."""
-        lease_s = min(until for _, j, until in w.published if j == k) - w.now
+        counted from the end of the prefill, less the time since (the relay is instant
+        here): no later than any producer rank's own lease, which starts when its core
+        is told."""
+        ends = [until for _, j, until in w.published if j == k]
+        ends += [w.leases[r, k] for r in range(self.np) if (r, k) in w.leases]
+        lease_s = min(ends, default=w.now) - w.now
         src = w.pinc[k].blocks
         tid, kw = self._call(k)
         n = self.scope.tokens

@@ -70,6 +70,11 @@ class Scope:
                   "modelled). D stays the engine whose memory is checked"},
     )
     heartbeats: bool = field(default=True, metadata={"help": "consumers renew leases"})
+    publish_lag: bool = field(
+        default=False,
+        metadata={"help": "pull: a producer rank's core may be told of the finished prefill "
+                  "after the clock moved on (else at the same instant, though after any "
+                  "frame that reached it meanwhile)"})
     handshake: bool = field(
         default=False,
         metadata={"help": "handshake on demand (Connect), each rank pair may fail"},
@@ -218,6 +223,7 @@ class Scope:
                   "abandons of a later use" if self.abandons else "",
                   "distinct transfer ids at once" if self.distinct_ids else "",
                   "pull (reads of a published source)" if self.pull else "",
+                  "publish lagging past timers" if self.pull and self.publish_lag else "",
                   "handshakes on demand" if self.handshake else "",
                   f"KV final in {self.pieces} {self.split} range(s)" if self.pieces else "",
                   f"packed writes ({self.staging_bytes} B staging)" if self.staging_bytes
@@ -309,6 +315,9 @@ DEEP_SCOPES = _scopes(
           prefill_aborts=True, heartbeats=False),
     Scope(name="pull-2to1-deep", pull=True, p_tp=2, attempts=2, write_errors=True,
           prefill_aborts=True, heartbeats=False),
+    # Rule 13, with a producer core told of the finished prefill after timers fired.
+    Scope(name="pull-lag-deep", pull=True, attempts=2, write_errors=True, deaths=("P", "D"),
+          prefill_aborts=True, publish_lag=True),
     Scope(name="2to1-deep", p_tp=2, attempts=2, dups=1, prefill_aborts=True),
     Scope(name="1to2-deep", d_tp=2, attempts=2, dups=1, prefill_aborts=True),
     Scope(name="replicated-reuse-deep", p_tp=2, kv_heads=1, incarnations=2, heartbeats=False),

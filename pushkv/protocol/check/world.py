@@ -144,18 +144,21 @@ class CInc:
 class PInc:
     """The producer engine's view of one incarnation."""
 
-    __slots__ = ("aborted", "blocks", "ready", "released", "status")
+    __slots__ = ("aborted", "blocks", "ready", "released", "status", "told")
 
     def __init__(self, status: int, blocks: tuple[int, ...], released: frozenset[int],
-                 aborted: bool, ready: frozenset[int]) -> None:
+                 aborted: bool, ready: frozenset[int], told: frozenset[int]) -> None:
         self.status = status
         self.blocks = blocks
         self.released = released  # producer ranks that released the source
         self.aborted = aborted
         self.ready = ready  # ranges (of the scope's pieces) reported final before prefill
+        # Pull: the producer ranks whose core was told the prefill finished (its
+        # prefill_finished ran); the engine's bytes are final before any of them is.
+        self.told = told
 
     def freeze(self) -> tuple[Any, ...]:
-        return (self.status, self.blocks, self.released, self.aborted, self.ready)
+        return (self.status, self.blocks, self.released, self.aborted, self.ready, self.told)
 
 
 class World:
@@ -284,7 +287,7 @@ def initial(scope: Scope) -> Frozen:
         (C_IDLE, (), frozenset(), (None,) * scope.d_tp, False, frozenset()) for _ in range(n))
     pinc: tuple[Any, ...] = tuple(
         ((P_PREFILL if k == 0 or scope.distinct_ids else P_WAIT), (), frozenset(), False,
-         frozenset())
+         frozenset(), frozenset())
         for k in range(n))
     return (0.0, (), scope.dups, scope.drops, "", False, False, cinc, pinc,
             (None,) * scope.d_blocks, (None,) * scope.p_blocks, (), (), (), frozenset(),
