@@ -268,10 +268,9 @@ class SchedulerSide:
               and leg_direction(leg, self.direction) == "pull"):
             # Published as the step that computes the prompt ends (the worker's
             # wait_for_save), so before the answer exists, and sealed in that step's
-            # output: published one engine step later, a decode side quick enough
-            # read first and its ReadDone, for a source not yet known, was dropped --
-            # the source (and the prefill's blocks) then stayed held until its lease
-            # ended -- and the answer left without its seal. Whatever the
+            # output: published one engine step later, the answer would leave without
+            # its seal (a decode side quick enough to read first is fine: its
+            # ReadDone waits for the publication, rule 13). Whatever the
             # push_granularity: a published source is read whole, never streamed.
             req_id = request.request_id
             tid = producer_transfer_id(self.endpoint.engine_id, req_id)
