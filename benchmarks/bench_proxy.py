@@ -15,8 +15,13 @@ is the proxy alone; benchmarks/bench_e2e.sh measures it in front of real vLLM se
 
     PYTHONPATH=. python benchmarks/bench_proxy.py [--requests 400] [--tokens 32]
 
+``--non-streamed``: non-streamed completions, through a proxy that answers them from a
+streamed decode leg (the default, so that a decode lost mid-answer is resumed) and one
+that passes them through whole (``--resumes 0``): what resumability costs.
+
 Last line: one JSON object (``cpu_ms_per_request``, ``hop_ms``, their uvloop / asyncio
-ratios).
+ratios; with ``--non-streamed`` ``cpu_ratio_assembled_vs_whole`` and
+``hop_ms_assembled_minus_whole``).
 """
 
 from __future__ import annotations
@@ -46,9 +51,11 @@ from pushkv.vllm.testing import free_port, wait_up  # noqa: E402
 LOOPS = ("uvloop", "asyncio")
 
 
-def stand_in(tokens: int, gap_s: float) -> web.Application:
-    """A vLLM server's answers, as far as the proxy reads them."""
-    endpoint = Endpoint(engine_id="prefill-0", host="127.0.0.1", port=1).to_json()
+def stand_in(tokens: int, gap_s: float, role: str = "producer") -> web.Application:
+    """A vLLM server's answers, as far as the proxy reads them (its discovery answer
+    names ``role``: the proxy checks each instance's)."""
+    endpoint = Endpoint(engine_id=f"{role}-0", host="127.0.0.1", port=1,
+                        role=role).to_json()
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "tiny", "max_model_len": 4096}]})
@@ -59,18 +66,36 @@ def stand_in(tokens: int, gap_s: float) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         params = body.get("kv_transfer_params") or {}
-        if params.get("pushkv_discover") or not body.get("stream"):
+        usage = {"prompt_tokens": 64, "completion_tokens": tokens,
+                 "total_tokens": 64 + tokens}
+        if params.get("pushkv_discover") or (params.get("do_remote_decode")
+                                             and not body.get("stream")):
             return web.json_response({"choices": [{"text": "", "finish_reason": "length"}],
                                       "kv_transfer_params": {ENDPOINT_KEY: endpoint,
                                                              POLICY_KEY: "fail"}})
+        if not body.get("stream"):  # a decode leg answered whole, as vLLM does
+            if gap_s:
+                await asyncio.sleep(gap_s * tokens)
+            return web.json_response({
+                "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "tiny",
+                "choices": [{"index": 0, "text": "".join(f" w{i}" for i in range(tokens)),
+                             "logprobs": None, "finish_reason": "length",
+                             "stop_reason": None, "prompt_logprobs": None}],
+                "usage": usage})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         for i in range(tokens):
             if gap_s:
                 await asyncio.sleep(gap_s)
-            event = {"id": "cmpl-1", "object": "text_completion", "model": "tiny",
+            event = {"id": "cmpl-1", "object": "text_completion", "created": 1,
+                     "model": "tiny",
                      "choices": [{"index": 0, "text": f" w{i}", "logprobs": None,
-                                  "finish_reason": None}]}
+                                  "finish_reason": "length" if i == tokens - 1 else None,
+                                  "stop_reason": None}]}
+            await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            event = {"id": "cmpl-1", "object": "text_completion", "created": 1,
+                     "model": "tiny", "choices": [], "usage": usage}
             await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
@@ -85,8 +110,8 @@ def stand_in(tokens: int, gap_s: float) -> web.Application:
 
 def serve_stand_in(ports: tuple[int, int], tokens: int, gap_s: float) -> None:
     async def main() -> None:
-        for port in ports:
-            runner = web.AppRunner(stand_in(tokens, gap_s), access_log=None)
+        for port, role in zip(ports, ("producer", "consumer"), strict=True):
+            runner = web.AppRunner(stand_in(tokens, gap_s, role), access_log=None)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
         await asyncio.Event().wait()
@@ -94,30 +119,37 @@ def serve_stand_in(ports: tuple[int, int], tokens: int, gap_s: float) -> None:
     asyncio.run(main())
 
 
-async def one(session: aiohttp.ClientSession, url: str, max_tokens: int) -> float:
+async def one(session: aiohttp.ClientSession, url: str, max_tokens: int,
+              stream: bool = True) -> float:
     t0 = time.perf_counter()
-    body = {"model": "tiny", "prompt": [5] * 64, "max_tokens": max_tokens, "stream": True}
+    body = {"model": "tiny", "prompt": [5] * 64, "max_tokens": max_tokens, "stream": stream}
     async with session.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:200]}")
-        async for _ in r.content.iter_any():
-            pass
+        if stream:
+            async for _ in r.content.iter_any():
+                pass
+        else:
+            answer = await r.json()
+            if answer["choices"][0]["text"].count(" w") != max_tokens:
+                raise RuntimeError(f"{url}: a wrong answer {answer!r:.200}")
     return time.perf_counter() - t0
 
 
 async def measure(urls: dict[str, str], pids: dict[str, int], requests: int,
-                  max_tokens: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+                  max_tokens: int, stream: bool = True
+                  ) -> tuple[dict[str, list[float]], dict[str, float]]:
     names = list(urls)
     lat: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, float] = dict.fromkeys(pids, 0.0)
     async with aiohttp.ClientSession() as session:
         for name in names:  # warm-up: connections, the proxy's discovery
             for _ in range(5):
-                await one(session, urls[name], max_tokens)
+                await one(session, urls[name], max_tokens, stream)
         for i in range(requests):
             for name in names[i % len(names):] + names[:i % len(names)]:
                 c0 = process_cpu_s(pids[name]) if name in pids else 0.0
-                lat[name].append(await one(session, urls[name], max_tokens))
+                lat[name].append(await one(session, urls[name], max_tokens, stream))
                 if name in pids:
                     cpu[name] += process_cpu_s(pids[name]) - c0
             if (i + 1) % max(1, requests // 10) == 0:
@@ -133,6 +165,10 @@ def main() -> int:
     p.add_argument("--gap-ms", type=float, default=1.0,
                    help="the stand-in decode's time between two events")
     p.add_argument("--loops", default=",".join(LOOPS), help="proxies' event loops")
+    p.add_argument("--non-streamed", action="store_true",
+                   help="non-streamed completions instead, through a proxy that answers "
+                        "them from a streamed decode leg (the default: resumable) and one "
+                        "that passes them through whole (--resumes 0), on uvloop")
     args = p.parse_args()
     if args.requests < 1 or args.tokens < 1 or args.gap_ms < 0:
         p.error("--requests and --tokens must be at least 1, --gap-ms at least 0")
@@ -152,18 +188,24 @@ def main() -> int:
         wait_up(decode, "the stand-in servers")
         urls = {"direct": decode}
         env = dict(os.environ, PYTHONPATH=str(ROOT))
-        for loop in loops:
+        flags = {loop: ["--event-loop", loop] for loop in loops}
+        if args.non_streamed:  # the same loop; the two ways of a non-streamed answer
+            flags = {"assembled": ["--event-loop", "uvloop"],
+                     "whole": ["--event-loop", "uvloop", "--resumes", "0"]}
+            loops = list(flags)
+        for name, extra in flags.items():
             port = free_port()
-            procs[loop] = subprocess.Popen(
+            procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", prefill,
-                 "--decode", decode, "--port", str(port), "--event-loop", loop,
-                 "--log-level", "WARNING"], env=env, start_new_session=True)
-            urls[loop] = f"http://127.0.0.1:{port}"
-            wait_up(urls[loop], f"pushkv proxy ({loop})")
+                 "--decode", decode, "--port", str(port), "--log-level", "WARNING", *extra],
+                env=env, start_new_session=True)
+            urls[name] = f"http://127.0.0.1:{port}"
+            wait_up(urls[name], f"pushkv proxy ({name})")
         print(f"{args.requests} requests per path, {args.tokens} events "
-              f"{args.gap_ms} ms apart; paths: {', '.join(urls)}", flush=True)
+              f"{args.gap_ms} ms apart, {'non-' if args.non_streamed else ''}streamed; "
+              f"paths: {', '.join(urls)}", flush=True)
         lat, cpu = asyncio.run(measure(urls, {n: pr.pid for n, pr in procs.items()},
-                                       args.requests, args.tokens))
+                                       args.requests, args.tokens, not args.non_streamed))
     finally:
         for pr in procs.values():
             if pr.poll() is None:
@@ -183,6 +225,10 @@ def main() -> int:
     out = {"requests": args.requests, "tokens": args.tokens, "gap_ms": args.gap_ms,
            "cpu_ms_per_request": {n: round(cpu[n] * 1e3, 3) for n in loops},
            "hop_ms": {n: round(hop[n], 3) for n in loops}}
+    if args.non_streamed:
+        out["cpu_ratio_assembled_vs_whole"] = round(cpu["assembled"] / cpu["whole"], 3) \
+            if cpu["whole"] else None
+        out["hop_ms_assembled_minus_whole"] = round(hop["assembled"] - hop["whole"], 3)
     if set(LOOPS) <= set(loops):
         out["cpu_ratio_uvloop_vs_asyncio"] = round(cpu["uvloop"] / cpu["asyncio"], 3) \
             if cpu["asyncio"] else None
