@@ -332,10 +332,10 @@ def killed_mid_stream(f: Fleet, url: str) -> None:
     assert choice["token_ids"] is None and choice["finish_reason"] == "length"
     assert whole_answer["usage"]["completion_tokens"] == WHOLE
     assert whole_answer["usage"]["prompt_tokens"] == len(whole)
-    # Both were resumed (none re-targeted or sent again whole); one stream's gap.
+    # Both were resumed (none re-targeted or sent again whole), each with its gap.
     assert proxy_metric(url, "pushkv_proxy_failover_causes_total", stage="mid_stream") == 2
     assert proxy_metric(url, "pushkv_proxy_failover_causes_total", stage="before_answer") == 0
-    assert proxy_metric(url, "pushkv_proxy_resume_seconds_count") == 1
+    assert proxy_metric(url, "pushkv_proxy_resume_seconds_count") == 2
     # Each continuation's prompt is the prompt plus the k tokens generated: its full
     # block (32) from the prefix cache, the rest computed; each first leg computed its
     # last 8 tokens. Nothing else reached prefill-1.

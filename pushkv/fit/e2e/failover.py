@@ -23,8 +23,9 @@ What is reported (:meth:`DrillReport.figures`):
   new transfer; ``mid_stream``: resumed);
 * ``latency_p50_ms``, ``latency_p99_ms`` -- a correct answer's time, sent to
   complete (streamed: to its last event);
-* ``resume_p99_ms`` -- the gap a resumed stream's client saw (last token before
-  the break to the first after), from the proxy's log;
+* ``resume_p99_ms`` -- the gap a resumed answer met (last token before the break to
+  the first after; a stream's client sees it, an assembled non-streamed answer is
+  that much later), from the proxy's log;
 * ``prompt_recompute_share`` -- prompt tokens sent to prefill again by failovers
   before the answer began, over the prompt tokens of every request: the prefill
   load such failovers add (the prefill's prefix cache may serve part of it; its
@@ -50,8 +51,10 @@ from typing import Any
 from pushkv.vllm.chaos import Fleet, Job, Load, Outcome, p99, request, wait_for
 from pushkv.vllm.testing import get_text, metric
 
-#: The proxy's log line for a resumed stream (server.py), with the gap in ms.
-_RESUMED = re.compile(r"stream resumed on \S+ after \d+ tokens: a ([0-9.]+) ms gap"
+#: The proxy's log line for a resumed stream, or a non-streamed answer assembled from
+#: one (server.py), with the gap in ms.
+_RESUMED = re.compile(r"(?:stream|non-streamed answer) resumed on \S+ after \d+ tokens: "
+                      r"a ([0-9.]+) ms gap"
                       r"(?:, ([0-9.]+) ms after the break was seen)?")
 DECODES = ("decode-1", "decode-2")
 

@@ -20,8 +20,9 @@ collide. Names, for dashboards and alerts:
   sent to a prefill instance again (a retry: the prompt; a resume: the prompt
   plus the tokens already streamed). The prefill's prefix cache may serve part
   of them (vLLM's ``vllm:prefix_cache_hits`` on that instance).
-* ``pushkv_proxy_resume_seconds``: the gap a client of a resumed stream saw,
-  from its last token before the break to the first one after.
+* ``pushkv_proxy_resume_seconds``: the gap a resumed answer met, from its last
+  token before the break to the first one after (a stream's client sees it; an
+  answer assembled from a stream comes that much later).
 * ``pushkv_proxy_assembled_total{outcome}``: non-streamed completions and how
   they were answered: ``ok`` (assembled from a streamed decode leg, so a decode
   death after the first token is resumed: :mod:`.assemble`), ``passed_through``
@@ -74,8 +75,9 @@ class ProxyMetrics:
             "prompt tokens sent to a prefill instance again because of a failover",
             ["stage"], registry=r)
         self.resume_gap = Histogram(
-            "pushkv_proxy_resume_seconds", "a resumed stream's gap: the last token before "
-            "the break to the first after", buckets=_BUCKETS, registry=r)
+            "pushkv_proxy_resume_seconds", "a resumed answer's gap (streamed or assembled "
+            "from a stream): the last token before the break to the first after",
+            buckets=_BUCKETS, registry=r)
         self.drained = Gauge("pushkv_proxy_instance_drained", "1 while the instance is "
                              "drained", ["role", "url"], registry=r)
         self.up = Gauge("pushkv_proxy_instance_up", "1 when the instance is in rotation",

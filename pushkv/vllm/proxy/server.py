@@ -607,6 +607,7 @@ class PushProxy:
         now = time.monotonic()
         if req.assembled:
             if tap.legs:
+                self.metrics.resume_gap.observe(now - tap.last_token_at)
                 logger.info("non-streamed answer resumed on %s after %d tokens: a %.1f ms "
                             "gap, %.1f ms after the break was seen", watch.decode.url,
                             len(tap.tokens), 1000 * (now - tap.last_token_at),
