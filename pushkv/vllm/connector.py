@@ -112,7 +112,7 @@ class PushKVConnector(KVConnectorBase_V1):
                 direction=self.settings.direction,
                 granularity=self.settings.push_granularity,
                 vocab_size=_vocab_size(vllm_config),
-                lease_s=self.settings.lease_s,
+                lease_s=self.settings.lease_s, integrity=self.settings.integrity,
             )
         else:
             from .worker_side import WorkerSide  # the transport is needed here only

@@ -47,6 +47,7 @@ from vllm.v1.request import RequestStatus
 
 from .. import timeline
 from ..direction import SETTINGS, choose_direction
+from ..integrity import IntegrityConfig
 from ..protocol.incarnation import new_incarnation
 from .metadata import Abandon, Abort, PublishedSeals, PushKVMetadata, RecvOrder, SendOrder
 from .params import (
@@ -133,7 +134,8 @@ class SchedulerSide:
     def __init__(self, *, endpoint: Endpoint, block_size: int, is_producer: bool,
                  is_consumer: bool, policy: str = "fail", key: bytes | None = None,
                  direction: str = "auto", granularity: str = "request",
-                 vocab_size: int = 0, lease_s: float | None = None) -> None:
+                 vocab_size: int = 0, lease_s: float | None = None,
+                 integrity: str = "off") -> None:
         if direction not in SETTINGS:
             raise ParamsError(f"direction must be one of {SETTINGS}, got {direction!r}")
         self.direction = direction
@@ -151,6 +153,7 @@ class SchedulerSide:
         #: rule 11, pull: answers of the engine step being processed, by transfer id,
         #: that the step's worker output seals before they leave (:meth:`_seal`)
         self._to_seal: dict[str, dict[str, Any]] = {}
+        self._seals = IntegrityConfig.parse(integrity)  #: which pull sources are sealed
         self.unsealed = 0  #: producer: pull answers that left without their seals
         self._rng = random.SystemRandom()
         self.endpoint = endpoint
@@ -424,7 +427,7 @@ class SchedulerSide:
                              lease_s=self.lease_s if direction == "pull" else None)
         if self._key is not None:
             answer = sign(answer, self._key, fields=NIXL_SIGNED)
-        if direction == "pull" and early:
+        if direction == "pull" and early and self._seals.checks(tid, incarnation):
             # Published as this step saved its KV: the workers' seals come in this
             # step's output, which vLLM hands over after this call, before it sends
             # the answer (the answer is sealed in place then: :meth:`_seal`).

@@ -303,3 +303,9 @@ def test_a_good_seal_parses():
 def test_untrusted_seals_are_refused(seals):
     with pytest.raises(ParamsError, match=SEALS_KEY):
         parse_params(_answer(**{SEALS_KEY: seals}))
+
+
+def test_with_integrity_off_a_pull_answer_waits_for_no_seal(tiny_model):
+    """Nothing seals the source: the answer leaves as it is, counted nowhere."""
+    p, answer = prefill_answer(tiny_model, integrity="off")
+    assert SEALS_KEY not in answer and p.connector.scheduler_side.unsealed == 0
