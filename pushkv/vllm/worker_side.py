@@ -356,8 +356,8 @@ class WorkerSide:
     def published_seals(self) -> PublishedSeals | None:
         """Rule 11, pull: the seal of each source this step published, for its answer
         (vLLM asks at the step's end). Waits up to :data:`SEAL_WAIT_S` for the
-        runtime's publications; ``b""``: not sealed (integrity off, not sampled, or
-        not in time)."""
+        runtime's publications (only those the integrity setting seals are waited
+        for); ``b""``: no seal in time, or none could be taken."""
         if not self._sealing:
             return None
         rt, end = self.runtime, time.monotonic() + SEAL_WAIT_S

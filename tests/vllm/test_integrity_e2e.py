@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from pushkv.vllm.testing import (
     get_text,
     kv_transfer_config,
     metric,
+    poll,
     post_json,
     running,
     start_router,
@@ -116,9 +116,7 @@ def test_corrupt_transfers_are_recomputed_and_outputs_equal_a_plain_server(
         assert out == want, f"request {i}"
     injected = N // EVERY
     # The metrics catch up with the last step's report.
-    end = time.monotonic() + 30
-    while _counter(decode, "pushkv:ranges_checked_total") < N and time.monotonic() < end:
-        time.sleep(0.2)
+    poll(lambda: _counter(decode, "pushkv:ranges_checked_total"), lambda n: n >= N, 30)
     assert _counter(decode, "pushkv:ranges_checked_total") == N
     assert _counter(decode, "pushkv:ranges_injected_total") == injected
     assert _counter(decode, "pushkv:ranges_corrupt_total") == injected
@@ -202,8 +200,4 @@ def test_pulls_behind_vllm_router_are_checked_against_the_relayed_seals(
 def _settled(counts, before: dict[str, float], n: int) -> dict[str, float]:
     """The counters once ``n`` more reads were checked (the metrics catch up with the
     last step's report)."""
-    end = time.monotonic() + 30
-    while (counts()["ranges_checked"] - before["ranges_checked"] < n
-           and time.monotonic() < end):
-        time.sleep(0.2)
-    return counts()
+    return poll(counts, lambda c: c["ranges_checked"] - before["ranges_checked"] >= n, 30)

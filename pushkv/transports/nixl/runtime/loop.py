@@ -528,18 +528,23 @@ class IOLoop(CardExchange):
                                               descriptors=cost[1], nbytes=cost[2]))
                 self._emit(a)
 
-    def _send_seal(self, peer: Peer, body: bytes) -> bool:
+    def _link_to(self, peer: Peer) -> Any:
+        """``peer``'s live link, or None (counted unroutable)."""
         link = self._peers.by_peer.get(peer)
         if link is None or link.dead:
             self._stats["unroutable"] += 1
-            return False
-        self._side.send(link.address, sc.SEAL, body)
-        return True
+            return None
+        return link
+
+    def _send_seal(self, peer: Peer, body: bytes) -> bool:
+        link = self._link_to(peer)
+        if link is not None:
+            self._side.send(link.address, sc.SEAL, body)
+        return link is not None
 
     def _send(self, peer: Peer, frame: bytes) -> None:
-        link = self._peers.by_peer.get(peer)
-        if link is None or link.dead:
-            self._stats["unroutable"] += 1
+        link = self._link_to(peer)
+        if link is None:
             return
         if self.config.control_channel == "nixl" and link.agent_name is not None:
             try:
@@ -721,7 +726,7 @@ class IOLoop(CardExchange):
             self._stats["reads_failed"] += 1
             log.info("read of %s#%d from %s failed: %s", r.transfer_id, r.attempt, r.peer,
                      r.error)
-        self._guard(lambda r=r, bad=bad: self._apply(
+        self._guard(lambda: self._apply(
             consumer.read_completed(r.transfer_id, r.attempt, r.peer, r.ok, now,
                                     incarnation=r.incarnation, corrupt=bad), now))
 
