@@ -41,6 +41,7 @@ from .mapping import Assignment, assignment, expected_writers, targets_of, write
 from .messages import (
     Cancel,
     CancelAck,
+    Consumed,
     Fail,
     FailReason,
     Heartbeat,
@@ -64,6 +65,7 @@ __all__ = [
     "Assignment",
     "Cancel",
     "CancelAck",
+    "Consumed",
     "ConfigError",
     "Connect",
     "Consumer",

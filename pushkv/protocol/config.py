@@ -47,9 +47,10 @@ class ProducerConfig:
     )
     retarget_hold_s: float = field(
         default=0.0,
-        metadata={"help": "rule 12: when the consumer engine a held source is bound to "
-                  "dies, keep the source this long (never past its lease) for a router "
-                  "to re-target it to another engine; 0: release it at once"},
+        metadata={"help": "rule 12: keep a source this long (never past its lease) for a "
+                  "router to re-target it to another engine: after its consumer engine "
+                  "died, and after a push wrote it, until that engine's first decode step "
+                  "(Consumed); 0: release it at once"},
     )
 
     def __post_init__(self) -> None:
@@ -93,6 +94,12 @@ class ConsumerConfig:
         metadata={"help": "transfers remembered, per producer engine, to Skip a rank that "
                   "writes nothing once its handshake completes; beyond this its lease decides"},
     )
+    max_unconsumed: int = field(
+        default=8192,
+        metadata={"help": "rule 12: push transfers remembered after READY until the engine "
+                  "reports its first decode step (Consumed to the producers); beyond this "
+                  "the oldest is dropped and its producers' retarget_hold_s decides"},
+    )
     policy: FailurePolicy = field(
         default=FailurePolicy.FAIL,
         metadata={"help": "what a failed transfer means for the request"},
@@ -109,5 +116,7 @@ class ConsumerConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_untold < 0:
             raise ConfigError(f"max_untold must be >= 0, got {self.max_untold}")
+        if self.max_unconsumed < 0:
+            raise ConfigError(f"max_unconsumed must be >= 0, got {self.max_unconsumed}")
         if not isinstance(self.policy, FailurePolicy):
             raise ConfigError(f"policy must be a FailurePolicy, got {self.policy!r}")

@@ -216,7 +216,21 @@ class Skip(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=9):
     target: Annotated[int, msgspec.Meta(ge=0, le=MAX_TARGET)] = 0
 
 
-Message = Hello | Register | Cancel | CancelAck | Fail | Heartbeat | Notify | ReadDone | Skip
+class Consumed(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=10):
+    """Push, consumer rank -> each producer rank that wrote into it: the engine has
+    taken its first decode step from this transfer's KV. Rule 12: a written source
+    the producer keeps for a re-target (``retarget_hold_s``) may go now. Not
+    answered; one from an engine the source is not bound to changes nothing."""
+
+    transfer_id: TransferId
+    engine_id: EngineId
+    rank: Rank
+    producer_engine_id: EngineId
+    incarnation: Incarnation = 0
+
+
+Message = (Hello | Register | Cancel | CancelAck | Fail | Heartbeat | Notify | ReadDone | Skip
+           | Consumed)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

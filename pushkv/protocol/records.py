@@ -69,6 +69,10 @@ class Source:
     consumer_engine: str | None = None
     target: int = 0  # rule 12: the bound consumer engine's turn
     hold_until: float = 0.0  # rule 12: its engine died; held for a re-target until then
+    # Rule 12: a push written to its bound engine lingers for a re-target until that
+    # engine's Consumed (consumed) or this time (None: not lingering yet).
+    linger_until: float | None = None
+    consumed: bool = False
     final: bool = False
     expired: bool = False
     aborted: bool = False

@@ -170,7 +170,14 @@ engine's legs proceed as any first registration would (rule 1). A Register or
 Cancel from an engine that is no longer (or never was) bound changes nothing:
 an earlier turn's Register is failed with ``RETARGETED``, a Cancel is answered
 from the leg's history; neither reopens a leg nor releases the source. The
-source is written once per turn; prefill computes it once.
+source is written once per turn; prefill computes it once. With
+``retarget_hold_s``, a push source written whole to its live bound engine
+*lingers* (held, its legs ``DONE``) until that engine reports its first decode
+step (``Consumed``, from a rank it wrote into), the hold or the lease ends: an
+engine lost between READY and its first token is re-targeted like any other
+(its legs are finished and stay so), not computed again. A ``Consumed`` from an
+engine the source is not bound to, or for a source not held here, changes
+nothing; a final cancel, an abort or an expired lease end a linger at once.
 
 Rule 13 -- **early pull reports.** A pull's block ids may reach the consumer
 before this rank's core is told the prefill finished (a router relays the

@@ -21,6 +21,7 @@ from pushkv.protocol import (
     Cancel,
     ConfigError,
     ConsumerConfig,
+    Consumed,
     Fail,
     FailReason,
     Peer,
@@ -161,11 +162,11 @@ def test_the_consumer_sends_its_turn():
 # ----------------------------------------------------- under weak visibility
 
 
-def _network(seed, e_tp):
+def _network(seed, e_tp, hold=0.0):
     net = InMemoryNetwork(seed=seed, latency=0.001, write_latency=0.002, keep_log=True)
     rng = np.random.default_rng(seed)
     (prod,) = uniform_ranks("P", num_kv_heads=2, block_size=16)
-    net.add_producer(prod, ProducerConfig(lease_s=30.0),
+    net.add_producer(prod, ProducerConfig(lease_s=30.0, retarget_hold_s=hold),
                      region_memory(prod.layout, rng=rng))
     cfg = ConsumerConfig(window_s=5.0, fence_grace_s=2.0)
     for info in [*uniform_ranks("D", num_kv_heads=2, block_size=16),
@@ -179,10 +180,12 @@ def _network(seed, e_tp):
           suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), prefill_at=st.integers(0, 12),
        retarget_at=st.integers(0, 12), after=st.sampled_from(["nothing", "abort", "kill"]),
-       e_tp=st.sampled_from([1, 2]))
+       e_tp=st.sampled_from([1, 2]), hold=st.sampled_from([0.0, 5.0]))
 def test_a_retarget_at_any_moment_writes_the_new_engine_and_spares_the_old(
-        seed, prefill_at, retarget_at, after, e_tp):
-    net = _network(seed, e_tp)
+        seed, prefill_at, retarget_at, after, e_tp, hold):
+    """With ``retarget_hold_s`` the source also outlives D's READY (D never reports
+    its first decode step here), so E is written whenever D was not aborted."""
+    net = _network(seed, e_tp, hold)
     (p,) = net.producers.values()
     d = net.consumers[Peer("D", 0)]
     es = [n for peer, n in net.consumers.items() if peer.engine_id == "E"]
@@ -209,6 +212,9 @@ def test_a_retarget_at_any_moment_writes_the_new_engine_and_spares_the_old(
             # Only because the source was released for D (its write done, or its
             # final Cancel in) before E's registration reached the producer: E fails
             # at once (SOURCE_RELEASED) and the router recomputes; nothing stays lent.
+            # With a hold, only D's final Cancel (an abort overtaking E's Register)
+            # can release it first.
+            assert not hold or after == "abort"
             (failed,) = [a for _, a in e.log if type(a).__name__ == "TransferFailed"]
             assert failed.code is FailReason.SOURCE_RELEASED
             released = next(i for i, a in enumerate(p_log)
@@ -237,3 +243,107 @@ def test_a_retarget_at_any_moment_writes_the_new_engine_and_spares_the_old(
         assert d.outcome("t") in ("ready", "failed", "cancelled")
         assert not d.endpoint.lent_blocks()
     assert not p.endpoint.held_blocks()
+
+
+# ------------------------------------------- rule 12 after READY: the linger
+
+
+def _written_to_d(hold, *, ccfg=None):
+    """D registered, prefill finished, the write landed: D is READY."""
+    pair = Pair(producer={"num_kv_heads": 2}, consumer={"num_kv_heads": 2},
+                pcfg=ProducerConfig(lease_s=100.0, retarget_hold_s=hold), ccfg=ccfg)
+    p, c = pair.p[0], pair.c[0]
+    for info in uniform_ranks("E", num_kv_heads=2):
+        p.add_peer(info)
+    pair.to_producers(c.register("t", "P", list(DST_D), N, 0.0))
+    writes = p.prefill_finished("t", list(SRC), N, 0.0)
+    back, notes = pair.complete(writes)
+    assert "TransferReady" in _kinds(notes)
+    return pair, back
+
+
+def test_a_written_source_lingers_until_its_engine_consumed_it():
+    pair, back = _written_to_d(5.0)
+    p, c = pair.p[0], pair.c[0]
+    assert "ReleaseSource" not in _kinds(back), "released before the first decode step"
+    assert p.held_blocks() and p.stats["lingered"] == 1
+    out = c.consumed("t", 0.5)
+    (msg,) = [a.message for a in out if isinstance(a, SendMessage)]
+    assert (msg.transfer_id, msg.engine_id, msg.producer_engine_id) == ("t", "D", "P")
+    pair.now = 0.5
+    assert "ReleaseSource" in _kinds(pair.to_producers(out))
+    assert not p.held_blocks() and p.stats["consumed"] == 1
+    # Told once: a repeat sends nothing.
+    assert c.consumed("t", 0.6) == [] and c.stats["consumed_unknown"] == 1
+
+
+def test_a_source_lost_after_ready_is_written_again_not_computed_again():
+    """The decode engine died (or froze) between READY and its first token: the
+    router's turn-1 Register finds the source held and E is written from it."""
+    pair, _ = _written_to_d(5.0)
+    p = pair.p[0]
+    out = p.receive(_reg("E", target=1, blocks=DST_E), 1.0)
+    assert not _fails(out, "D"), "D's leg was written: nothing to fail"
+    (write,) = [a for a in out if type(a).__name__ == "IssueWrite"]
+    assert write.peer == Peer("E", 0)
+    out = p.write_completed("t", 0, Peer("E", 0), True, 1.5)
+    assert "ReleaseSource" not in _kinds(out), "E's own linger"
+    # D's Consumed (it came back) is not E's: nothing goes.
+    d_said = Consumed(transfer_id="t", engine_id="D", rank=0, producer_engine_id="P")
+    assert p.receive(d_said, 2.0) == [] and p.held_blocks()
+    e_said = Consumed(transfer_id="t", engine_id="E", rank=0, producer_engine_id="P")
+    assert "ReleaseSource" in _kinds(p.receive(e_said, 2.0))
+    assert p.stats["retargeted"] == 1
+
+
+def test_a_linger_ends_at_the_hold_or_the_lease():
+    pair, _ = _written_to_d(5.0)
+    p = pair.p[0]
+    assert p.next_deadline() == pytest.approx(5.0)
+    assert "ReleaseSource" not in _kinds(p.handle_timer(4.9))
+    assert "ReleaseSource" in _kinds(p.handle_timer(5.0))
+    (fail,) = _fails(p.receive(_reg("E", target=1, blocks=DST_E), 6.0), "E")
+    assert fail.reason is FailReason.SOURCE_RELEASED
+    # A lease shorter than the hold bounds it.
+    q = Pair(producer={"num_kv_heads": 2}, consumer={"num_kv_heads": 2},
+             pcfg=ProducerConfig(lease_s=2.0, retarget_hold_s=5.0))
+    q.to_producers(q.c[0].register("t", "P", list(DST_D), N, 0.0))
+    q.complete(q.p[0].prefill_finished("t", list(SRC), N, 0.0))
+    assert q.p[0].held_blocks()
+    assert "ReleaseSource" in _kinds(q.p[0].handle_timer(2.0))
+
+
+def test_without_a_hold_the_source_goes_when_written_and_consumed_is_harmless():
+    pair, back = _written_to_d(0.0)
+    p, c = pair.p[0], pair.c[0]
+    assert "ReleaseSource" in _kinds(back) and p.stats["lingered"] == 0
+    pair.now = 1.0
+    assert pair.to_producers(c.consumed("t", 1.0)) == []
+    assert p.stats["stale"] == 1 and p.stats["consumed"] == 0
+
+
+def test_a_consumed_report_that_lies_is_refused_and_changes_nothing():
+    pair, _ = _written_to_d(5.0)
+    p = pair.p[0]
+    wrong = Consumed(transfer_id="t", engine_id="D", rank=0, producer_engine_id="Q")
+    assert "another engine" in _rejected(p.receive(wrong, 1.0))[0]
+    stranger = Consumed(transfer_id="t", engine_id="X", rank=0, producer_engine_id="P")
+    assert _rejected(p.receive(stranger, 1.0))
+    unknown = Consumed(transfer_id="u", engine_id="D", rank=0, producer_engine_id="P")
+    assert p.receive(unknown, 1.0) == []
+    assert p.held_blocks(), "nothing above released the source"
+
+
+def test_the_consumer_remembers_ready_pushes_within_its_bound():
+    pair = Pair(producer={"num_kv_heads": 2}, consumer={"num_kv_heads": 2},
+                pcfg=ProducerConfig(lease_s=100.0, retarget_hold_s=5.0),
+                ccfg=ConsumerConfig(max_unconsumed=1))
+    p, c = pair.p[0], pair.c[0]
+    for tid, blocks in (("t", DST_D), ("u", DST_E)):
+        pair.to_producers(c.register(tid, "P", list(blocks), N, 0.0))
+        pair.complete(p.prefill_finished(tid, list(SRC), N, 0.0))
+    assert c.stats["unconsumed_dropped"] == 1
+    assert c.consumed("t", 1.0) == []  # dropped: the producer's hold decides
+    assert len(c.consumed("u", 1.0)) == 1
+    with pytest.raises(ConfigError, match="max_unconsumed"):
+        ConsumerConfig(max_unconsumed=-1)

@@ -9,6 +9,8 @@ any attempt may still land in it. The transitions live in :mod:`.states`.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy.typing as npt
 
 from ..config import ConsumerConfig
@@ -33,6 +35,7 @@ from ..lending import StagingLedger
 from ..messages import (
     MAX_TARGET,
     CancelAck,
+    Consumed,
     Fail,
     FailReason,
     Notify,
@@ -87,6 +90,9 @@ class Consumer(ConsumerOutcomes, Endpoint):
         self._staging = StagingLedger(pk.staging_bytes if pk is not None else 0)
         # Rule 11: why the landing being fed as CORRUPT failed its check (for t.why).
         self._corrupt_detail = ""
+        # Rule 12: push transfers READY here whose first decode step is not reported
+        # yet: id -> (producer engine, ranks that wrote, incarnation), oldest first.
+        self._unconsumed: OrderedDict[str, tuple[str, tuple[int, ...], int]] = OrderedDict()
 
     # ------------------------------------------------------------------ peers
 
@@ -362,6 +368,24 @@ class Consumer(ConsumerOutcomes, Endpoint):
         """The engine aborted the request: fence and end the transfer."""
         return self._local(transfer_id, CI.ABORT, now)
 
+    def consumed(self, transfer_id: str, now: float) -> list[Action]:
+        """The engine took its first decode step from ``transfer_id``'s KV (READY
+        before). Rule 12: tell every producer rank that wrote it (``Consumed``), so
+        a source kept for a re-target goes now. A transfer not READY here, a pull,
+        or one reported already (or forgotten past ``max_unconsumed``) sends
+        nothing and is counted: the producer's ``retarget_hold_s`` bounds it."""
+        out = self._run_timers(now)
+        known = self._unconsumed.pop(transfer_id, None)
+        if known is None:
+            self.stats["consumed_unknown"] += 1
+            return out
+        producer, ranks, inc = known
+        self.stats["consumed"] += 1
+        me = self.peer
+        return out + [SendMessage(peer=Peer(producer, r), message=Consumed(
+            transfer_id=transfer_id, engine_id=me.engine_id, rank=me.rank,
+            producer_engine_id=producer, incarnation=inc)) for r in ranks]
+
     def _local(self, transfer_id: str, inp: ConsumerInput, now: float) -> list[Action]:
         t = self._get(transfer_id)
         if t.state in CONSUMER_TERMINAL:
@@ -444,6 +468,13 @@ class Consumer(ConsumerOutcomes, Endpoint):
             out: list[Action] = self._unlend(t, cur)
             self.stats["ready"] += 1
             out.append(TransferReady(transfer_id=tid, attempt=cur.attempt, incarnation=inc))
+            if t.mode is Mode.PUSH and self.config.max_unconsumed:
+                waiting = self._unconsumed
+                waiting[tid] = (t.producer, tuple(sorted(cur.expected)), inc)
+                waiting.move_to_end(tid)
+                while len(waiting) > self.config.max_unconsumed:
+                    waiting.popitem(last=False)
+                    self.stats["unconsumed_dropped"] += 1
             if t.mode is Mode.PULL:
                 out += [
                     SendMessage(peer=Peer(t.producer, r), message=ReadDone(

@@ -17,7 +17,7 @@ from ..config import ProducerConfig
 from ..errors import ValidationError
 from ..events import Action, Mode, Peer
 from ..layout import RankInfo
-from ..messages import Cancel, FailReason, Heartbeat, ReadDone, Register, Skip
+from ..messages import Cancel, Consumed, FailReason, Heartbeat, ReadDone, Register, Skip
 from ..records import Key, Kv, Leg, Source
 from ..records import Registration as _Registration
 from ..states import (
@@ -237,6 +237,31 @@ class ProducerAnswers(ProducerView):
         leg.attempt = max(leg.attempt, msg.attempt)
         return self._input(t, leg, PI.READ_DONE, now) + self._settle(t, now)
 
+    def _on_consumed(self, msg: Consumed, now: float) -> list[Action]:
+        """Rule 12: the engine a push source was written to took its first decode step
+        from it: a source lingering for a re-target may go. Validated like a ReadDone;
+        one for a source bound to another engine (re-targeted away), not known here,
+        a pull or already told changes nothing (counted)."""
+        peer = Peer(msg.engine_id, msg.rank)
+        self.targets.known(msg.engine_id, msg.rank)
+        if msg.producer_engine_id != self.info.engine_id:
+            raise ValidationError("consumed report addressed to another engine",
+                                  transfer_id=msg.transfer_id)
+        if not self.targets.writes_into(peer):
+            raise ValidationError(f"rank {self.peer.rank} does not write into {peer}",
+                                  transfer_id=msg.transfer_id)
+        t = self._transfers.get((msg.transfer_id, msg.incarnation))
+        if (t is None or t.dead or t.mode is not Mode.PUSH
+                or t.consumer_engine != msg.engine_id):
+            self.stats["stale"] += 1
+            return []
+        if t.consumed:
+            self.stats["duplicate"] += 1
+            return []
+        t.consumed = True
+        self.stats["consumed"] += 1
+        return self._settle(t, now)
+
     @staticmethod
     def _readable(t: Source) -> bool:
         """Whether a ReadDone may still count for ``t``: a published pull source held
@@ -256,5 +281,6 @@ class ProducerAnswers(ProducerView):
         for leg in [g for g in t.legs.values() if g.peer.engine_id == old]:
             out += self._input(t, leg, PI.RETARGET, now)
         t.target, t.final = target, False
+        t.consumed, t.linger_until = False, None  # the new engine's own linger
         self.stats["retargeted"] += 1
         return out

@@ -33,6 +33,7 @@ from ..layout import RankInfo
 from ..lending import StagingLedger
 from ..messages import (
     Cancel,
+    Consumed,
     FailReason,
     Heartbeat,
     Notify,
@@ -96,6 +97,7 @@ class Producer(ProducerAnswers, Endpoint):
             Heartbeat: lambda m, now: self._on_heartbeat(m, now),
             ReadDone: lambda m, now: self._on_read_done(m, now),
             Skip: lambda m, now: self._on_skip(m, now),
+            Consumed: lambda m, now: self._on_consumed(m, now),
         })
         self.targets = Targets()  # the consumer ranks handshaken, the legs to write
         self._transfers: dict[Key, _Transfer] = {}
@@ -662,7 +664,7 @@ class Producer(ProducerAnswers, Endpoint):
                     if target is None or target.state not in PRODUCER_TERMINAL:
                         finished = False
                         break
-            if not finished:
+            if not finished or self._lingers(t, now):
                 return out
             out += self._source(t, SI.SETTLED, now)
         for leg in legs.values():
@@ -670,6 +672,28 @@ class Producer(ProducerAnswers, Endpoint):
                 return out
         out += self._forget(t, now)
         return out
+
+    def _lingers(self, t: _Transfer, now: float) -> bool:
+        """Rule 12: a push source written whole to the live engine it is bound to stays
+        held for a re-target until that engine's Consumed, ``retarget_hold_s`` or the
+        lease, whichever comes first (its engine may die between READY and its first
+        token: the source is then written again, not computed again)."""
+        hold = self.config.retarget_hold_s
+        if not hold or t.consumed or t.mode is not Mode.PUSH:
+            return False
+        engine = t.consumer_engine
+        targets = self.targets.legs(engine) if engine is not None else None
+        if not targets or any(
+                (leg := t.legs.get(p)) is None or leg.state is not PS.DONE for p in targets):
+            return False  # not (all) written: nothing a re-target would save
+        if t.linger_until is None:
+            t.linger_until = now + hold
+            self.stats["lingered"] += 1
+        until = min(t.linger_until, t.lease)
+        if now >= until:
+            return False
+        self._schedule(until, t.key)
+        return True
 
     @staticmethod
     def _fresh(leg: _Leg) -> None:
