@@ -106,6 +106,11 @@ class InMemoryCluster:
         for n in self._consumers():
             n.apply(n.endpoint.abort(transfer_id, self.net.now))
 
+    def consumed(self, transfer_id: str) -> None:
+        """Push: the engine's first decode step from the KV (rule 12's Consumed)."""
+        for n in self._consumers():
+            n.apply(n.endpoint.consumed(transfer_id, self.net.now))
+
     def prefill_aborted(self, transfer_id: str) -> None:
         for n in self._producers():
             n.apply(n.endpoint.prefill_aborted(transfer_id, self.net.now))

@@ -199,6 +199,7 @@ class _HostServer:
             out["rejected"][r] = st.rejected
             out["errors"] += st.errors
             out["stats"][r] = view.stats
+            out.setdefault("endpoint_stats", {})[r] = view.endpoint_stats
             out["transfers"][r] = view.transfers
             out["staging_lent"][r] = view.staging_lent
             for tid, codes in st.fail_codes.items():
@@ -448,6 +449,9 @@ class NixlCluster:
 
     def abort(self, transfer_id: str) -> None:
         self._consumer.call("each", "abort", (transfer_id,))
+
+    def consumed(self, transfer_id: str) -> None:
+        self._consumer.call("each", "consumed", (transfer_id,))
 
     def prefill_aborted(self, transfer_id: str, *, incarnation: int = 0) -> None:
         self._producer.call("each", "prefill_aborted", (transfer_id,),

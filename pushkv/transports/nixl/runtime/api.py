@@ -243,6 +243,14 @@ class NixlRuntime:
         """The engine gave the request up: fence, then ``TransferCancelled``."""
         self._submit(cmd.Abort(transfer_id))
 
+    def consumed(self, transfer_id: str) -> None:
+        """The engine took its first decode step from ``transfer_id``'s pushed KV
+        (READY before): tell the producer ranks that wrote it (``Consumed``, rule
+        12), so a source they keep for a re-target (``retarget_hold_s``) goes now.
+        Call it once per rank; a pull, a transfer not READY here or one told
+        already sends nothing (counted ``consumed_unknown``)."""
+        self._submit(cmd.Consumed(transfer_id))
+
     # ------------------------------------------------------------ producer
 
     def prefill_finished(self, transfer_id: str, block_ids: Sequence[int] | np.ndarray,

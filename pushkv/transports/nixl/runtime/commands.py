@@ -103,6 +103,12 @@ class Abort(NamedTuple):
     transfer_id: str
 
 
+class Consumed(NamedTuple):
+    """Push: the engine took its first decode step from the transfer's KV (rule 12)."""
+
+    transfer_id: str
+
+
 class Inspect(NamedTuple):
     """Answer with a :class:`RuntimeView` taken on the I/O thread."""
 
@@ -124,13 +130,13 @@ class Close(NamedTuple):
 
 Command = (Connect | PrefillFinished | RangeReady | PrefillAborted | Register | StartPull
            | Abandon | Preempt
-           | Reissue | Abort | Inspect | Inject | Close)
+           | Reissue | Abort | Consumed | Inspect | Inject | Close)
 
 _OPERATIONS: dict[type[Any], str] = {
     c: re.sub(r"(?<!^)(?=[A-Z])", "_", c.__name__).lower()
     for c in (Connect, PrefillFinished, RangeReady, PrefillAborted, Register, StartPull,
               Abandon, Preempt,
-              Reissue, Abort, Inspect, Inject, Close)
+              Reissue, Abort, Consumed, Inspect, Inject, Close)
 }
 
 

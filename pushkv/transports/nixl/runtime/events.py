@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pushkv.protocol import (
     Publish,
@@ -80,3 +80,5 @@ class RuntimeView:
     #: incarnation, consumer rank) of each ``Register``, or ``Skip`` (nothing to
     #: write for that consumer rank)
     recent_registrations: tuple[tuple[str, int, int], ...] = ()
+    #: the protocol endpoint's own counters (e.g. rule 12's ``lingered``, ``consumed``)
+    endpoint_stats: dict[str, int] = field(default_factory=dict)

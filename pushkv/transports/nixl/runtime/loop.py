@@ -51,7 +51,7 @@ from pushkv.protocol import (
 )
 from pushkv.protocol.errors import ConfigError, RemoteProtocolError
 from pushkv.protocol.events import Publish, sender_of
-from pushkv.protocol.messages import Notify, Register, Skip
+from pushkv.protocol.messages import Consumed, Notify, Register, Skip
 
 from ..agent import Agent
 from ..memory import KVMemory, bind_device, region_views
@@ -157,6 +157,7 @@ class IOLoop(CardExchange):
             cmd.Preempt: self._preempt,
             cmd.Reissue: self._reissue,
             cmd.Abort: self._abort,
+            cmd.Consumed: self._consumed,
             cmd.Inspect: self._inspect,
             cmd.Inject: self._inject,
         }
@@ -456,6 +457,12 @@ class IOLoop(CardExchange):
     def _abort(self, c: cmd.Abort, now: float) -> None:
         self._apply(self._consumer().abort(c.transfer_id, now), now)
 
+    def _consumed(self, c: cmd.Consumed, now: float) -> None:
+        acts = self._consumer().consumed(c.transfer_id, now)
+        if timeline.enabled() and any(isinstance(a, SendMessage) for a in acts):
+            timeline.mark(c.transfer_id, "consumed_sent")
+        self._apply(acts, now)
+
     def _inspect(self, c: cmd.Inspect, now: float) -> None:
         ep = self._endpoint
         self._publish_stats()
@@ -470,6 +477,7 @@ class IOLoop(CardExchange):
             recent_registrations=tuple(self._registrations),
             transfers=ep.num_transfers,
             staging_lent=ep.staging_lent,
+            endpoint_stats=dict(ep.stats),
         ))
 
     def _inject(self, c: cmd.Inject, now: float) -> None:
@@ -816,6 +824,8 @@ class IOLoop(CardExchange):
                 return
         if isinstance(msg, Register):
             timeline.mark(msg.transfer_id, "registration_received")
+        elif isinstance(msg, Consumed):
+            timeline.mark(msg.transfer_id, "consumed_received")
         elif isinstance(msg, Notify) and timeline.enabled():
             timeline.notified(self._me, msg, tag is not None and self._integrity.config.enabled)
         consumer = self._endpoint
