@@ -109,6 +109,10 @@ class PushKVMetadata(KVConnectorMetadata):
     recv_fail: list[str] = field(default_factory=list)
     #: consumer: transfers never registered whose request ended -> final cancel
     recv_abandon: list[Abandon] = field(default_factory=list)
+    #: consumer: pushed transfers (READY) whose request takes its first decode step
+    #: in this step, or ended before it: each rank tells the producer ranks that wrote
+    #: it (rule 12's ``Consumed``), which keep the source for a re-target until then
+    consumed: list[str] = field(default_factory=list)
     #: producer: prefills finished with their KV held
     send: list[SendOrder] = field(default_factory=list)
     #: producer: requests aborted (or ended early) before their KV was complete
@@ -123,7 +127,7 @@ class PushKVMetadata(KVConnectorMetadata):
         """No order to apply at the step's start (``send_ranges`` and ``send_at_save``
         are applied as the step saves its KV)."""
         return not (self.recv or self.recv_abort or self.recv_drop or self.recv_fail
-                    or self.recv_abandon or self.send or self.send_abort)
+                    or self.recv_abandon or self.consumed or self.send or self.send_abort)
 
 
 @dataclass(kw_only=True)

@@ -126,6 +126,7 @@ class _Recv:
     phase: Phase
     order: RecvOrder | None = None
     finished: bool = False  #: vLLM finished the request (abort while waiting)
+    told: bool = False  #: its producer was told the engine is done with the source
 
 
 class SchedulerSide:
@@ -223,6 +224,7 @@ class SchedulerSide:
             rec = self._recv.get(req_id)
             if rec is not None and rec.phase is Phase.LOADED and rec.leg is not None:
                 timeline.mark(rec.leg.transfer_id, "decode_scheduled")
+                self._consumed(rec)  # admitted for its first decode step
             return  # second call after the load, or not a consumer request
         leg = self._decode_leg(request)
         if leg is None:
@@ -381,8 +383,21 @@ class SchedulerSide:
             if rec.leg is not None:
                 self._abandon(rec.leg)
         else:
+            self._consumed(rec)  # READY, ended before its first step: nothing to keep
             del self._recv[req_id]
         return False
+
+    def _consumed(self, rec: _Recv) -> None:
+        """Rule 12: a pushed transfer whose KV landed is taken by its first decode step
+        (or its request ended first): the workers tell the producer ranks that wrote
+        it (``Consumed``), which keep the source for a re-target until then. Once per
+        transfer; not for a pull (its source goes at the read's ``ReadDone``) nor a
+        transfer that failed."""
+        leg = rec.leg
+        if rec.told or leg is None or rec.phase is not Phase.LOADED or leg.direction != "push":
+            return
+        rec.told = True
+        self._meta.consumed.append(leg.transfer_id)
 
     def _producer_finished(self, request: Request, leg: PrefillLeg | NixlPrefillLeg,
                            block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

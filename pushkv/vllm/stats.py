@@ -31,6 +31,8 @@ COUNTERS: dict[str, str] = {
     "transfers_failed": "transfers that failed (the failure policy applied)",
     "transfers_cancelled": "transfers cancelled by an abort, after their fence",
     "transfers_abandoned": "requests that ended before registering: producer told to release",
+    "transfers_consumed": "pushed transfers whose first decode step (or end) was reported to "
+                          "their producer, which frees a source kept for a re-target",
     "blocks_received": "KV blocks that landed in this instance",
     "pushes_started": "prefills whose KV was handed to the transport to push",
     "sources_published": "prefills whose KV was published for the consumer to read (pull)",

@@ -323,6 +323,12 @@ class WorkerSide:
         for ab in meta.send_abort:
             rt.prefill_aborted(ab.transfer_id, incarnation=ab.incarnation)
             self._stats.add("pushes_aborted")
+        # Rule 12: after the step's work is posted (vLLM starts its connector's loads
+        # after the forward launch): the KV these requests decode from is in place
+        # already; the producer may now free the source it kept for a re-target.
+        for tid in meta.consumed:
+            rt.consumed(tid)
+        self._stats.add("transfers_consumed", len(meta.consumed))
 
     def _finish(self, rt: NixlRuntime, regions: KVRegions, send: SendOrder) -> None:
         """The prefill of ``send`` finished: its KV goes out (or is published)."""

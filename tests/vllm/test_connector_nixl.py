@@ -340,3 +340,19 @@ def test_descriptors_per_transfer_are_reported_once_the_source_is_released(pair)
     got = sorted(stats.data["descriptors_per_transfer"])
     assert got == sorted(posted[f"desc{i}"] for i in range(3)), (got, posted)
     assert all(n > 0 for n in got)
+
+
+def test_a_pushed_source_is_held_until_the_decode_engines_first_step(pair):
+    """Rule 12 with ``retarget_hold_s``: the prefill keeps its blocks after the write
+    (for a re-target) until the decode engine's first step of the request tells it
+    (``Consumed``); that, not the hold, frees them."""
+    p, d = pair(extra={"retarget_hold_s": 300.0})
+    _, dr = push(p, d, "held", 70, max_tokens=3)
+    run((p, d), lambda: dr.status == RequestStatus.RUNNING)  # its first decode step
+    run((p, d), lambda: idle(p) and idle(d))  # well before the hold ends
+    assert d.engine.outputs.finish[dr.request_id] == "length"
+    rt = p.worker.worker_side.runtime
+    assert rt is not None
+    stats = rt.inspect().endpoint_stats
+    assert (stats["lingered"], stats["consumed"]) == (1, 1), stats
+    assert d.engine.orders("consumed") == ["held"]

@@ -84,6 +84,34 @@ def test_decode_request_waits_for_its_kv_then_decodes(consumer):
     assert_idle(e)
 
 
+def test_the_first_decode_step_of_a_pushed_transfer_tells_its_producer_once(consumer):
+    """Rule 12: the step that admits the request whose KV landed carries its transfer
+    in ``consumed`` (the workers send Consumed), once; no step before it does."""
+    e = consumer()
+    req = e.request(70, params=decode_params("t-c"), max_tokens=3)
+    e.step()
+    e.step(kv=recv_done(req.request_id))  # READY: vLLM learns it at this step's end
+    assert e.orders("consumed") == []
+    out = e.step()
+    assert out.num_scheduled_tokens == {req.request_id: 1}  # its first decode step
+    assert e.metas[-1].consumed == ["t-c"] and not e.metas[-1].is_empty()
+    e.run_until(lambda: req.request_id in e.outputs.finish)
+    assert e.orders("consumed") == ["t-c"]
+    assert_idle(e)
+
+
+def test_a_pushed_transfer_ended_before_its_first_step_is_reported_consumed(consumer):
+    """READY, then aborted before vLLM admitted it: its producer need keep nothing."""
+    e = consumer()
+    req = e.request(70, params=decode_params("t-e"), max_tokens=3)
+    e.step()
+    e.step(kv=recv_done(req.request_id))
+    e.abort(req.request_id)
+    e.step()
+    assert e.orders("consumed") == ["t-e"]
+    assert_idle(e)
+
+
 def test_registration_skips_the_local_prefix_hit(consumer):
     e = consumer()
     a = e.request(80, params=decode_params("t-a"), max_tokens=1)
@@ -187,6 +215,7 @@ def test_failed_transfer_under_policy_recompute_prefills_locally(consumer):
     e.run_until(lambda: req.request_id in e.outputs.finish)
     assert e.outputs.finish[req.request_id] == "length"
     assert len(e.orders("recv")) == 1  # never registered again
+    assert e.orders("consumed") == []  # nothing landed: no source to free
     assert_idle(e)
 
 
@@ -216,6 +245,7 @@ def test_preempted_after_its_kv_arrived_the_request_resumes_locally(consumer):
     assert preempted, "the tiny block pool should have forced a preemption"
     assert req.num_preemptions + other.num_preemptions >= 1
     assert len(e.orders("recv")) == 1  # re-admission never registers again
+    assert e.orders("consumed") == ["t-p"]  # at its first admission only
     assert e.outputs.finish[req.request_id] == "length"
     assert_idle(e)
 
