@@ -21,8 +21,9 @@ prompt tokens computed are the test's alone.
   (d); and, with one
   ``SIGKILL``, three requests at once -- one it had not registered (a), one it had
   registered while its producer was held (b), one whose KV its producer had
-  written and released (c), over two prefill instances. Every answer is complete
-  and exact; the prefill instances' vLLM counters show what was computed where.
+  written whole and keeps until the decode engine's first step (c), over two
+  prefill instances. Every answer is complete and exact; the prefill instances'
+  vLLM counters show each prompt computed once.
 
 Waits poll state with generous deadlines; nothing sleeps.
 """
@@ -57,8 +58,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]
 NAMES = ("prefill-1", "prefill-2", "decode-1", "decode-2", "decode-3")
 #: Every instance records its protocol steps here (the waits and the audit read them).
 TIMELINE = "timeline"
-#: How long a producer holds a source whose consumer engine died (rule 12).
+#: How long a producer holds a source for a re-target (rule 12): after its consumer
+#: engine died, and after writing it until that engine's first decode step.
 HOLD_S = 20.0
+#: The decode instance whose engine the test pauses (its transport still runs).
+PAUSED = "decode-3"
 LONG = 180  #: tokens of an answer a kill lands in the middle of
 WHOLE = 210  #: tokens of the non-streamed one (it starts first)
 SHORT = 24
@@ -70,8 +74,10 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     for name, cpu in zip(NAMES, (0, 1, 1, 0, 1), strict=True):
         role = name.split("-")[0]
         hold = {"retarget_hold_s": HOLD_S} if role == "prefill" else {}
-        f.add(name, role, cpu, timeline_dir=str(f.logs / TIMELINE), **hold
-              ).spec.tokenizer = True
+        spec = f.add(name, role, cpu, timeline_dir=str(f.logs / TIMELINE), **hold).spec
+        spec.tokenizer = True
+        if name == PAUSED:  # vLLM's /pause (its development endpoints)
+            spec.env = {**spec.env, "VLLM_SERVER_DEV_MODE": "1"}
     try:
         f.start(*NAMES, timeout_s=STARTUP_S)
         yield f
@@ -142,6 +148,13 @@ class Stream(threading.Thread):
 
 def proxy_metric(base: str, name: str, **labels: str) -> float:
     return metric(get_text(base + "/metrics"), name, **labels)
+
+
+def pause(url: str) -> None:
+    """Stop an instance's engine from stepping, requests kept (vLLM's ``/pause`` in
+    ``keep`` mode): it takes no step, while its connector's transport threads run."""
+    status, got = post_json(f"{url}/pause?mode=keep&clear_cache=false", {})
+    assert status == 200 and got == {"status": "paused"}, (status, got)
 
 
 def admin(url: str, call: str, inst: str) -> dict[str, Any]:
@@ -349,18 +362,21 @@ def test_abc_one_decode_killed_at_three_moments_before_the_first_token(fleet):
     while it holds three requests, each at another moment (non-streamed: the client has
     no token of any):
 
-    (a) y: the leg reached decode-3 after it was frozen: never registered;
+    (a) y: the leg reached decode-3 after its engine was paused: never registered;
     (b) x: decode-3 registered x with prefill-1, which was held (SIGSTOP) and had
         written nothing (the Register waits in its socket; thawed after the kill);
-    (c) z: prefill-2 had written z's whole KV into decode-3 and released its source
-        (decode-3 is frozen before it saw READY; on a loaded machine it may have
-        generated k tokens of z first, and z is then resumed: see below).
+    (c) z: prefill-2 had written z's whole KV into decode-3, whose engine was
+        paused (vLLM's /pause, requests kept: no step, while its transport takes
+        the write) before it saw READY -- prefill-2 is held until then -- so
+        before its first decode step: prefill-2 keeps the source
+        (retarget_hold_s) until a first decode step reports it consumed. (A
+        frozen decode-3 would not do: the write into it completes only with its
+        transport running.)
 
-    x and y go to decode-2 as the same transfers at turn 1 and prefill-1 writes the
-    KV it held: prefill-1 computes each prompt once, nothing from its cache. z's
-    re-targeted leg finds no source (decode-2 answers 500), so the proxy sends z once
-    more as a new transfer to prefill-2: its prefix cache serves z's full block and it
-    computes the last 8 tokens again. Every answer is exact; no error reaches a client.
+    x, y and z go to decode-2 as the same transfers at turn 1 and their prefill
+    instances write the KV they held: each prompt is computed once, nothing from a
+    prefix cache, and nothing is sent again as a new transfer. Every answer is
+    exact; no error reaches a client.
     """
     f = fleet
     x, y, z = prompt(40, 9600), prompt(40, 9601), prompt(40, 9602)
@@ -369,7 +385,7 @@ def test_abc_one_decode_killed_at_three_moments_before_the_first_token(fleet):
            "z": plain(f, "prefill-1", z, LONG)}
     p1, p2 = f.instances["prefill-1"].url, f.instances["prefill-2"].url
     d3, d2 = f.instances["decode-3"].url, f.instances["decode-2"].url
-    # probes never take an instance out here: a frozen prefill-1 stays in, and the kill
+    # probes never take an instance out here: a frozen prefill instance stays in, and the kill
     # is seen on the legs themselves (connections reset, /health refused)
     with proxy(f, ["prefill-1", "prefill-2"], "--failover", "retarget",
                "--unhealthy-after", "100000", decode=("decode-3", "decode-2")) as url:
@@ -381,6 +397,7 @@ def test_abc_one_decode_killed_at_three_moments_before_the_first_token(fleet):
             admin(url, "undrain", b)
         before = {p: computed(f, p) for p in ("prefill-1", "prefill-2")}
         causes = proxy_metric(url, "pushkv_proxy_failover_causes_total")
+        consumed = steps(f, "decode-3", "consumed_sent")
         # (b) x: registered at decode-3, prefill-1 held
         admin(url, "drain", p2)
         f.freeze("prefill-1")
@@ -388,18 +405,21 @@ def test_abc_one_decode_killed_at_three_moments_before_the_first_token(fleet):
         cx = Call(url, f.model, x, SHORT)
         wait_for(lambda: steps(f, "decode-3", "registration_sent") > regs, 60,
                  "decode-3 sent x's registration")
-        # (c) z: prefill-2 writes all of it into decode-3, frozen before it saw READY
+        # (c) z: prefill-2 writes all of it into decode-3, paused before it saw READY
         admin(url, "undrain", p2)
         admin(url, "drain", p1)
-        regs, released = (steps(f, "decode-3", "registration_sent"),
-                          steps(f, "prefill-2", "source_released"))
-        cz = Call(url, f.model, z, LONG)  # long: decode-3 is frozen before it ends
+        regs, written = (steps(f, "decode-3", "registration_sent"),
+                         steps(f, "prefill-2", "write_completed"))
+        f.freeze("prefill-2")  # so that z's KV cannot land before decode-3 is paused
+        cz = Call(url, f.model, z, LONG)
         wait_for(lambda: steps(f, "decode-3", "registration_sent") > regs, 60,
                  "decode-3 sent z's registration")
-        f.freeze("decode-3")
-        wait_for(lambda: steps(f, "prefill-2", "source_released") > released, 60,
-                 "prefill-2 wrote z and released its source")
-        # (a) y: sent to the frozen decode-3
+        pause(d3)
+        f.thaw("prefill-2")
+        wait_for(lambda: steps(f, "prefill-2", "write_completed") > written, 60,
+                 "prefill-2 wrote z (its source kept: decode-3 took no step of it)")
+        assert steps(f, "decode-3", "consumed_sent") == consumed
+        # (a) y: sent to the paused decode-3
         admin(url, "undrain", p1)
         admin(url, "drain", p2)
         cy = Call(url, f.model, y, SHORT)
@@ -412,25 +432,13 @@ def test_abc_one_decode_killed_at_three_moments_before_the_first_token(fleet):
         for name, call in (("x", cx), ("y", cy), ("z", cz)):
             assert call.tokens() == ref[name], name
         counted(f, "prefill-1", before["prefill-1"], (len(x) + len(y), 0))
-        resent = int(proxy_metric(url, "pushkv_proxy_failover_prompt_tokens_total"))
-        if proxy_metric(url, "pushkv_proxy_failover_causes_total", stage="mid_stream"):
-            # decode-3 had generated k tokens of z: z was resumed (the proxy asked for a
-            # stream), its prompt plus the k tokens sent to prefill-2, whose prefix
-            # cache served z's full block; no re-target of z, no reissue
-            k = resent - len(z)
-            assert k >= 1
-            counted(f, "prefill-2", before["prefill-2"], (len(z) + len(z) + k - 32, 32))
-            assert proxy_metric(url, "pushkv_proxy_failover_causes_total") == causes + 3
-            released = 0
-        else:
-            # z had no token: re-targeted, it found no source and was sent once more
-            # as a new transfer; its prompt's last 8 tokens computed again
-            assert resent == len(z)
-            counted(f, "prefill-2", before["prefill-2"], (len(z) + 8, 32))
-            assert proxy_metric(url, "pushkv_proxy_failover_causes_total") == causes + 4
-            released = 1
+        # z had no token and decode-3 no step of it: re-targeted at turn 1, prefill-2
+        # writes the source it kept into decode-2; the prompt computed once, no reissue
+        counted(f, "prefill-2", before["prefill-2"], (len(z), 0))
+        assert proxy_metric(url, "pushkv_proxy_failover_prompt_tokens_total") == 0
+        assert proxy_metric(url, "pushkv_proxy_failover_causes_total") == causes + 3
         assert proxy_metric(url, "pushkv_proxy_failover_causes_total",
-                            cause="source_released") == released
+                            cause="source_released") == 0
         f.wait_idle()
 
 
