@@ -8,8 +8,9 @@ Then 1 prefill and 2 decode servers start, with a proxy in front, and
 ``--clients`` concurrent clients while ``--kills`` decode deaths come; each
 request is checked token by token. ``--failover retarget``: a decode leg lost
 before the answer goes, as the same transfer, to the other decode instance
-(protocol rule 12; the prefill instance holds a source whose consumer died for
-``--hold`` seconds). With ``--baseline`` the same drill runs again on fresh
+(protocol rule 12; the prefill instance holds a source for ``--hold`` seconds
+after its consumer died, and after writing it until the consumer's first decode
+step). With ``--baseline`` the same drill runs again on fresh
 prompts through a proxy with ``--resumes 0`` (streams broken mid-way end with an
 error event; failures before the answer are retried as a new transfer, as before
 resumable streams); with ``--baseline retry`` it runs again with ``--failover

@@ -82,9 +82,11 @@ class PushKVSettings:
     )
     retarget_hold_s: float = field(
         default=_PRODUCER["retarget_hold_s"],
-        metadata={"help": "producer: when the decode instance a prefilled request's KV "
-                  "is bound to dies, keep the KV this long (within lease_s) so a proxy can "
-                  "re-target it to another decode instance; 0: release it at once"},
+        metadata={"help": "producer: keep a prefilled request's KV for a proxy to "
+                  "re-target it to another decode instance, at most this long (within "
+                  "lease_s): after the decode instance it is bound to dies, and after a "
+                  "push wrote it whole, until that instance's first decode step of the "
+                  "request; 0: release it at once"},
     )
     window_s: float = field(
         default=_CONSUMER["window_s"],

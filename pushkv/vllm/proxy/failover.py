@@ -15,10 +15,14 @@ Two stages, each with its own rule:
     incarnation, at the next turn (``pushkv_target``: protocol rule 12) -- goes
     to another decode instance while the prefill leg goes on; the producer
     writes its held source to the new consumer, fails the old one's legs (their
-    blocks are fenced as on any failure), and the prompt is computed once. A
-    source already released (the first decode instance had its whole KV, or
-    its death was known before the new leg registered and the producer's
-    ``retarget_hold_s`` is 0) fails the new leg: the new decode instance's
+    blocks are fenced as on any failure), and the prompt is computed once. With
+    ``retarget_hold_s`` > 0 on the prefill instances that holds too when the
+    first decode instance had its whole KV but took no decode step of it yet
+    (its ranks report the first step, ``Consumed``; the cost: the prefill's
+    blocks are held about one decode step plus a side-channel trip longer,
+    at most ``retarget_hold_s``). A source already released (the hold is 0 or
+    ran out, or the first decode instance took its first step and was lost
+    before its first token came) fails the new leg: the new decode instance's
     ``kv_load_failure_policy`` decides there (``recompute``: it computes the
     prompt itself and answers; ``fail``: it answers an error). An error from a
     re-targeted leg whose instance stays healthy is taken for that (the
@@ -81,7 +85,8 @@ def check_policy(name: str) -> str:
 
 class Reissue(Exception):
     """A re-targeted decode leg failed while its instance stays healthy: the
-    producer had released the source (the first decode instance had it all). The
+    producer had released the source (the first decode instance had it all and
+    its hold, if any, ended: see the module docs). The
     request goes once more as a new transfer, to ``prefill`` (its prefix cache holds
     the prompt's full blocks), avoiding the decode instances in ``lost``."""
 
