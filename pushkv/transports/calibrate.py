@@ -509,8 +509,14 @@ def render(tables: dict[str, dict[str, float]], header: Sequence[str]) -> str:
              "network": "a simulator profile override (pushkv sim --profile FILE)"}
     for name, table in tables.items():
         lines += ["", f"# {notes[name]}", f"[{name}]"]
-        lines += [f"{k} = {v:.4g}" for k, v in table.items()]
+        lines += [f"{k} = {_toml_float(v)}" for k, v in table.items()]
     return "\n".join(lines) + "\n"
+
+
+def _toml_float(v: float) -> str:
+    """``v`` to 4 significant digits, read back by TOML as a float (0 -> ``0.0``)."""
+    text = f"{v:.4g}"
+    return text if any(c in text for c in ".en") else text + ".0"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
