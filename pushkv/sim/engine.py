@@ -612,6 +612,8 @@ class DecodeEngine(_Loop):
                     decodes.append(r)  # the prompt's last chunk yields the next token
             for r in decodes:
                 r.token_times.append(now)
+                if len(r.token_times) == 1 and r.kv_ready and self.mode is TransferMode.PUSH:
+                    self.transport.consumed(self.engine_id, r.transfer_id)
                 self.host.token(r)
                 if len(r.token_times) >= r.output_len:
                     self._complete(r)

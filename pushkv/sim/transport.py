@@ -226,6 +226,14 @@ class SimTransport:
         self._apply(decode, c.register(transfer_id, producer, block_ids, num_tokens,
                                        self.env.now, incarnation=incarnation, target=target))
 
+    def consumed(self, decode: str, transfer_id: str) -> None:
+        """Push: the decode engine took its first step from ``transfer_id``'s KV. With
+        a producer hold (``retarget_hold_s``), its ``Consumed`` lets a source kept for
+        a re-target go (protocol rule 12); with none, nothing lingers and nothing is
+        sent (as a deployment without holds need not)."""
+        if self.settings.retarget_hold_s and decode in self.alive:
+            self._apply(decode, self.consumers[decode].consumed(transfer_id, self.env.now))
+
     def preempt(self, decode: str, transfer_id: str) -> None:
         """Decode preempted a request whose transfer is in flight: fence, then release."""
         self.stats["preempted_transfers"] += 1

@@ -35,7 +35,7 @@ from pushkv.protocol.layout import uniform_ranks
 from pushkv.transports.conformance import reference_destination
 from pushkv.transports.inmemory import InMemoryNetwork, region_memory
 
-from .helpers import Pair
+from .helpers import Pair, msgs
 
 SRC, DST_D, DST_E, N = (9, 3, 17), (5, 6, 7), (1, 2, 4), 40
 
@@ -347,3 +347,48 @@ def test_the_consumer_remembers_ready_pushes_within_its_bound():
     assert len(c.consumed("u", 1.0)) == 1
     with pytest.raises(ConfigError, match="max_unconsumed"):
         ConsumerConfig(max_unconsumed=-1)
+
+
+def test_a_final_cancel_after_the_write_ends_the_linger():
+    """Found by the checker's retarget-linger scope: D aborted after P's write was
+    posted; the write completed (the leg DONE, lingering) and D's final Cancel of
+    that attempt then found a finished leg. It must end the linger at once, not
+    leave the source to the hold timer."""
+    pair = Pair(producer={"num_kv_heads": 2}, consumer={"num_kv_heads": 2},
+                pcfg=ProducerConfig(lease_s=100.0, retarget_hold_s=5.0))
+    p = pair.p[0]
+    p.receive(_reg("D"), 0.0)
+    (write,) = [a for a in p.prefill_finished("t", list(SRC), N, 0.0)
+                if type(a).__name__ == "IssueWrite"]
+    assert "ReleaseSource" not in _kinds(p.write_completed("t", 0, Peer("D", 0), True, 0.1))
+    out = p.receive(Cancel(transfer_id="t", attempt=0, engine_id="D", rank=0, final=True), 0.2)
+    assert "ReleaseSource" in _kinds(out)
+    assert not p.held_blocks()
+
+
+def test_a_write_that_failed_lingers_too_and_a_live_consumer_lets_it_go():
+    """A write fails as it does when its engine just died, before anyone knows: the
+    source stays for a re-target (found by the simulator's failover scenario, where
+    such a request was computed again). A consumer that is alive gives the transfer
+    up on the Fail and tells that rank Consumed, so nothing waits for the hold."""
+    pair = Pair(producer={"num_kv_heads": 2}, consumer={"num_kv_heads": 2},
+                pcfg=ProducerConfig(lease_s=100.0, retarget_hold_s=5.0))
+    p, c = pair.p[0], pair.c[0]
+    for info in uniform_ranks("E", num_kv_heads=2):
+        p.add_peer(info)
+    pair.to_producers(c.register("t", "P", list(DST_D), N, 0.0))
+    writes = p.prefill_finished("t", list(SRC), N, 0.0)
+    back, _ = pair.complete(writes, ok=False)
+    assert "ReleaseSource" not in _kinds(back) and p.held_blocks()
+    # The engine is gone (nobody delivers the Fail): E is written from the source.
+    out = p.receive(_reg("E", target=1, blocks=DST_E), 1.0)
+    assert [a.peer for a in out if type(a).__name__ == "IssueWrite"] == [Peer("E", 0)]
+    # Alive, the consumer takes the Fail, gives up and says so: the source goes.
+    pair2 = Pair(producer={"num_kv_heads": 2}, consumer={"num_kv_heads": 2},
+                 pcfg=ProducerConfig(lease_s=100.0, retarget_hold_s=5.0))
+    p2, c2 = pair2.p[0], pair2.c[0]
+    pair2.to_producers(c2.register("t", "P", list(DST_D), N, 0.0))
+    back, _ = pair2.complete(p2.prefill_finished("t", list(SRC), N, 0.0), ok=False)
+    answers = pair2.to_consumers(back)
+    assert [type(m).__name__ for m in msgs(answers, Consumed)] == ["Consumed"]
+    assert "ReleaseSource" in _kinds(pair2.to_producers(answers))

@@ -84,3 +84,14 @@ def test_the_default_policy_adds_nothing_to_the_result(runs):
 def test_a_bad_policy_is_refused():
     with pytest.raises(ValueError, match="decode_failover"):
         FaultConfig(decode_failover="resume")
+
+
+def test_a_hold_keeps_each_source_until_its_first_decode_step_and_no_hold_sends_nothing(runs):
+    # Protocol rule 12's linger: every decode instance reports its first step from a
+    # pushed transfer (Consumed), which releases the source a re-target might want.
+    t = runs["retarget"].transport
+    assert t.stats["sent_Consumed"] > 0
+    lingered = sum(p.stats["lingered"] for p in t.producers.values())
+    told = sum(p.stats["consumed"] for p in t.producers.values())
+    assert lingered >= told > 0
+    assert _run("retarget", hold=0.0).transport.stats["sent_Consumed"] == 0

@@ -144,6 +144,7 @@ class EpInfo(NamedTuple):
     writes: int  # producer: writes it thinks are in flight
     staging: int = 0  # bytes of staging lent (rule 10)
     grace: bool = False  # consumer: a failed write's fence grace is running (rule 7)
+    unconsumed: tuple[tuple[str, int], ...] = ()  # consumer: READY, first step not reported
 
 
 class Violation(Exception):
@@ -166,6 +167,9 @@ class Invariants:
     writers: list[frozenset[int]]
 
     def info(self, i: int, sid: int) -> EpInfo:  # pragma: no cover - provided by Model
+        raise NotImplementedError
+
+    def _call(self, k: int) -> tuple[str, dict[str, int]]:  # pragma: no cover - by Model
         raise NotImplementedError
 
     def c_state(self, c: int, sid: int, k: int) -> Any:
@@ -249,6 +253,8 @@ class Invariants:
                         raise Violation("prompt", f"D{c} waits in {s.name} for t#{k} with "
                                         "nothing in flight: only a timer can end the wait")
             elif pinc[k][0] == P_HELD:
+                if self._lingers(ids, f, k):
+                    continue
                 held = sorted(set(range(self.np)) - pinc[k][2])
                 raise Violation("prompt", f"P{held[0]} still holds the source of t#{k} after "
                                 "every consumer rank learned its outcome, with nothing in "
@@ -261,6 +267,20 @@ class Invariants:
                 raise Violation("prompt", f"D{c} still lends blocks {list(got.lent)} and "
                                 f"{got.staging} B of staging with nothing in flight: only a "
                                 "timer can free them")
+
+    def _lingers(self, ids: tuple[int, ...], f: Frozen, k: int) -> bool:
+        """Rule 12: use ``k``'s source may be held, with nothing in flight, for a
+        re-target until its hold ends: D died (no Consumed comes), the use went to E
+        (a sink: it reports nothing), or a D rank has not reported its first decode
+        step yet. Once every D rank reported and the reports arrived, it must go."""
+        if not self.scope.linger:
+            return False
+        if f[4] == "D" or k in f[19]:
+            return True
+        tid, kw = self._call(k)
+        want = (tid, kw["incarnation"])
+        return any(want in self.info(self.np + c, ids[self.np + c]).unconsumed
+                   for c in range(self.nd))
 
     def check_final(self, state: State) -> None:
         """Nothing can happen any more: everything must have ended and been freed."""

@@ -166,7 +166,8 @@ class Model(Invariants, Describe, Staging, Pull, Writes):
                     live = ep.live_use(tid) == inc
                     states.append(ep.state_of(tid, incarnation=inc) if live else None)
                 got = EpInfo(ep.next_deadline(), tuple(states), tuple(sorted(ep.lent_blocks())),
-                              (), 0, ep.num_transfers, 0, ep.staging_lent, ep.in_grace)
+                              (), 0, ep.num_transfers, 0, ep.staging_lent, ep.in_grace,
+                              ep.unconsumed())
             else:
                 assert isinstance(ep, Producer)
                 got = EpInfo(ep.next_deadline(), (), (), tuple(ep.held_blocks().values()),
@@ -288,7 +289,14 @@ class Model(Invariants, Describe, Staging, Pull, Writes):
                     out.append(("pabort", k))
         if sc.retarget and dead != "P":  # rule 12: once per use, while it is live on D
             out.extend(("retarget", k) for k, ci in enumerate(cinc)
-                       if ci[0] == C_LIVE and k not in f[19])
+                       if k not in f[19] and (ci[0] == C_LIVE or (
+                           sc.linger and ci[0] == C_OVER and all(
+                               o is not None and o[0] == "ready" for o in ci[3]))))
+        if sc.linger and dead != "D":  # D's first decode step, reported by each rank
+            for c in range(self.nd):
+                i = self.np + c
+                out.extend(("consume", self._use(tid, inc), c)
+                           for tid, inc in self.info(i, ids[i]).unconsumed)
         if not dead:
             out.extend(("kill", e) for e in sc.deaths)
         # Timers fire in time order: only the endpoints due first may fire.
@@ -417,6 +425,13 @@ class Model(Invariants, Describe, Staging, Pull, Writes):
             return
         if kind == "retarget":
             self._retarget(w, step[1])
+            return
+        if kind == "consume":  # rule 12: D took its first decode step from use k's KV
+            k, c = step[1], step[2]
+            if self.log is not None:
+                self._say(f"D{c} takes its first decode step of t#{k}")
+            self._run(w, ids, self.np + c, ("consume", k, w.now),
+                      lambda ep: ep.consumed(self._tid(k), w.now))
             return
         k = step[1]
         if kind in ("register", "reissue"):

@@ -441,6 +441,32 @@ def retarget_fail_counts_nothing(mp: Patch) -> None:
     mp.setattr(producer_view_module.ProducerView, "_fail", fail)
 
 
+#: Rule 12 after READY: a written source lingers until D's first decode step.
+RETARGET_LINGER = Scope(name="retarget-linger-1", retarget=True, linger=True,
+                        heartbeats=False)
+
+
+def linger_ignores_consumed(mp: Patch) -> None:
+    """D's report of its first decode step changes nothing: a written source stays
+    held until the hold ends, though nothing will want it again."""
+    mp.setattr(producer_module.Producer, "_on_consumed", lambda self, msg, now: [])
+
+
+def linger_outlives_a_final_cancel(mp: Patch) -> None:
+    """A final cancel of an attempt already written does not end its linger: the
+    consumer gave the transfer up, and the source waits for the hold anyway."""
+    orig = producer_module.Producer._lingers
+
+    def lingers(self, t, now):
+        final, t.final = t.final, False
+        try:
+            return orig(self, t, now)
+        finally:
+            t.final = final
+
+    mp.setattr(producer_module.Producer, "_lingers", lingers)
+
+
 #: How far a search for a mutation's violation may go (breadth-first: the deepest one,
 #: an older use forgotten with the newer, is found at 528,587 states).
 MAX_STATES = 600_000
@@ -480,5 +506,7 @@ MUTATIONS: list[tuple[Callable[[Patch], None], Scope, str]] = [
     (failed_write_fenced_at_once, TWO_IDS, "incarnation"),
     (retarget_forgets_the_write_in_flight, RETARGET, "source"),
     (retarget_fail_counts_nothing, RETARGET, "reuse"),
+    (linger_ignores_consumed, RETARGET_LINGER, "prompt"),
+    (linger_outlives_a_final_cancel, RETARGET_LINGER, "prompt"),
 ]
 """(mutation, the scope that reaches it, the kind of violation it must show)."""

@@ -69,6 +69,16 @@ class Scope:
                   "its writes are checked against the source, its own memory is not "
                   "modelled). D stays the engine whose memory is checked"},
     )
+    linger: bool = field(
+        default=False,
+        metadata={"help": "rule 12 after READY (with retarget): producers keep a source "
+                  "written to D for hold_s (retarget_hold_s) until D reports its first "
+                  "decode step (Consumed, each rank at any moment after READY, or never), "
+                  "and the router may re-target a use D declared READY"},
+    )
+    hold_s: float = field(
+        default=5.0, metadata={"help": "with linger: the producers' retarget_hold_s"}
+    )
     heartbeats: bool = field(default=True, metadata={"help": "consumers renew leases"})
     publish_lag: bool = field(
         default=False,
@@ -155,6 +165,8 @@ class Scope:
                               f"{self.p_tp}, d_tp={self.d_tp}, kv_heads={self.kv_heads}")
         if self.retarget and (self.pull or self.staging_bytes or self.pieces or self.handshake):
             raise ConfigError("retarget is modelled for whole-request direct push writes")
+        if self.linger and not (self.retarget and self.hold_s > 0):
+            raise ConfigError("linger needs retarget and a hold_s above 0")
         if self.pieces < 0 or self.split not in ("tokens", "layers"):
             raise ConfigError(f"pieces must be >= 0 and split 'tokens' or 'layers', got "
                               f"{self.pieces!r} and {self.split!r}")
@@ -206,7 +218,8 @@ class Scope:
     def producer_config(self) -> ProducerConfig:
         return ProducerConfig(lease_s=self.lease_s, orphan_ttl_s=self.orphan_ttl_s,
                               max_pending_registrations=64, max_tombstones=64,
-                              packing=self.packing())
+                              packing=self.packing(),
+                              retarget_hold_s=self.hold_s if self.linger else 0.0)
 
     def consumer_config(self) -> ConsumerConfig:
         hb = self.heartbeat_s if self.heartbeats else self.horizon_s  # once, after the rest
@@ -297,6 +310,10 @@ CI_SCOPES = _scopes(
     # alive (aborting), writes failing, prefill aborted.
     Scope(name="retarget", retarget=True, deaths=("D",), write_errors=True,
           prefill_aborts=True, heartbeats=False),
+    # Rule 12 after READY: a written source lingers until D's first decode step is
+    # reported (Consumed) or its hold ends; a re-target may come after READY too.
+    Scope(name="retarget-linger", retarget=True, linger=True, deaths=("D",),
+          write_errors=True, dups=1, heartbeats=False),
     Scope(name="packed-chunked-faults", attempts=2, deaths=("P", "D"), write_errors=True,
           staging_bytes=64, pipeline_bytes=1, max_scatter_s=4.0, heartbeats=False),
 )
@@ -306,6 +323,10 @@ DEEP_SCOPES = _scopes(
     Scope(name="retarget-2to1-deep", retarget=True, p_tp=2, dups=1, heartbeats=False),
     Scope(name="retarget-reuse-deep", retarget=True, incarnations=2, heartbeats=False,
           aborts=False),
+    # Rule 12's linger over two producer ranks: a D that gives up after one rank wrote
+    # tells that rank (Consumed) so its source does not wait for the hold.
+    Scope(name="retarget-linger-2to1-deep", retarget=True, linger=True, p_tp=2,
+          heartbeats=False),
     Scope(name="1to1-deep", attempts=2, dups=1, drops=1, prefill_aborts=True,
           write_errors=True, deaths=("P", "D")),
     Scope(name="1to1-reuse-deep", incarnations=2, dups=1, drops=1, prefill_aborts=True),

@@ -386,6 +386,11 @@ class Consumer(ConsumerOutcomes, Endpoint):
             transfer_id=transfer_id, engine_id=me.engine_id, rank=me.rank,
             producer_engine_id=producer, incarnation=inc)) for r in ranks]
 
+    def unconsumed(self) -> tuple[tuple[str, int], ...]:
+        """Rule 12: the push transfers (id, incarnation) READY here whose first decode
+        step is not reported yet (:meth:`consumed`), oldest first."""
+        return tuple((tid, inc) for tid, (_p, _r, inc) in self._unconsumed.items())
+
     def _local(self, transfer_id: str, inp: ConsumerInput, now: float) -> list[Action]:
         t = self._get(transfer_id)
         if t.state in CONSUMER_TERMINAL:

@@ -12,7 +12,7 @@ from ..errors import LocalProtocolError
 from ..events import Action, IssueRead, Mode, Peer, SendMessage, WriteScope
 from ..layout import RankInfo
 from ..mapping import assignment
-from ..messages import MAX_HEARTBEAT_ITEMS, Cancel, Heartbeat, Register
+from ..messages import MAX_HEARTBEAT_ITEMS, Cancel, Consumed, Heartbeat, Register
 from ..planner import plan_transfer
 from ..records import Transfer
 from ..states import ConsumerState
@@ -60,17 +60,26 @@ def reads(
 def cancels(me: Peer, t: Transfer, *, final: bool,
             skip: frozenset[int] = frozenset()) -> list[Action]:
     """Cancel the attempt at every expected rank not fenced (nor in ``skip``: ranks
-    whose own Fail started this, which post nothing more)."""
+    whose own Fail started this, which post nothing more). Given up for good
+    (``final``), the ranks that get no Cancel -- they wrote their share, or their
+    write failed -- are told ``Consumed``: nothing here will want their source
+    again (rule 12's linger ends)."""
     if t.mode is Mode.PULL:  # our own reads are the fence
         return []
     cur = t.cur
-    return [
+    out: list[Action] = [
         SendMessage(peer=Peer(t.producer, r), message=Cancel(
             transfer_id=t.transfer_id, attempt=cur.attempt,
             engine_id=me.engine_id, rank=me.rank, final=final,
             incarnation=t.inc))
         for r in sorted(cur.expected - cur.fenced - skip)
     ]
+    if final:
+        out += [SendMessage(peer=Peer(t.producer, r), message=Consumed(
+            transfer_id=t.transfer_id, engine_id=me.engine_id, rank=me.rank,
+            producer_engine_id=t.producer, incarnation=t.inc))
+            for r in sorted((cur.notified | skip) & cur.expected)]
+    return out
 
 def final_cancels(me: Peer, t: Transfer) -> list[Action]:
     """Tell every producer rank it may drop the source KV."""

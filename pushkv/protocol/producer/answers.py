@@ -149,7 +149,13 @@ class ProducerAnswers(ProducerView):
             leg.state is PS.PREEMPTING and not msg.final)
         if msg.attempt < leg.attempt or (msg.attempt == leg.attempt and repeat):
             self.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
-            return self._input(t, leg, PI.CANCEL_STALE, now, cancel=msg.attempt)
+            out = self._input(t, leg, PI.CANCEL_STALE, now, cancel=msg.attempt)
+            if msg.final and msg.attempt == leg.attempt and not (t.dead or t.final):
+                # The consumer gave up an attempt whose leg has finished (written, then
+                # aborted): rule 12's linger for it ends, the source goes (rule 4).
+                t.final = True
+                out += self._settle(t, now)
+            return out
         if msg.final and not t.dead:
             t.final = True
         out = self._input(t, leg, PI.CANCEL if msg.final else PI.PREEMPT, now, cancel=msg.attempt)

@@ -80,6 +80,8 @@ Kv = SourceState
 _COMPLETIONS = frozenset((PI.WRITE_OK, PI.WRITE_ERROR, PI.PART_OK))
 _PARKED = frozenset((PS.EMPTY, PS.KV_READY, PS.GONE))
 _FROM_RANGES = frozenset((PI.RANGE_READY, PI.NOTHING_READY))
+#: Rule 12: the legs a source lingers after: written, or their write failed.
+_LINGER = frozenset((PS.DONE, PS.FAILED))
 SI, SE = SourceInput, SourceEffect
 
 
@@ -674,18 +676,20 @@ class Producer(ProducerAnswers, Endpoint):
         return out
 
     def _lingers(self, t: _Transfer, now: float) -> bool:
-        """Rule 12: a push source written whole to the live engine it is bound to stays
-        held for a re-target until that engine's Consumed, ``retarget_hold_s`` or the
-        lease, whichever comes first (its engine may die between READY and its first
+        """Rule 12: a push source written to the live engine it is bound to -- or whose
+        write there failed, as it does when that engine just died -- stays held for a
+        re-target until that engine's Consumed, ``retarget_hold_s`` or the lease,
+        whichever comes first (the engine may be lost between READY and its first
         token: the source is then written again, not computed again)."""
         hold = self.config.retarget_hold_s
-        if not hold or t.consumed or t.mode is not Mode.PUSH:
-            return False
+        if not hold or t.consumed or t.mode is not Mode.PUSH or t.final or t.expired \
+                or t.aborted:
+            return False  # (a final cancel, an expired lease or an abort end it at once)
         engine = t.consumer_engine
         targets = self.targets.legs(engine) if engine is not None else None
         if not targets or any(
-                (leg := t.legs.get(p)) is None or leg.state is not PS.DONE for p in targets):
-            return False  # not (all) written: nothing a re-target would save
+                (leg := t.legs.get(p)) is None or leg.state not in _LINGER for p in targets):
+            return False  # cancelled or expired there: the consumer gave it up
         if t.linger_until is None:
             t.linger_until = now + hold
             self.stats["lingered"] += 1
