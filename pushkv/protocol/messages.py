@@ -218,9 +218,11 @@ class Skip(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=9):
 
 class Consumed(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=10):
     """Push, consumer rank -> each producer rank that wrote into it: the engine has
-    taken its first decode step from this transfer's KV. Rule 12: a written source
-    the producer keeps for a re-target (``retarget_hold_s``) may go now. Not
-    answered; one from an engine the source is not bound to changes nothing."""
+    taken its first decode step from this transfer's KV, or gave the transfer up
+    (ended it after READY, or failed it after this rank wrote or failed its write):
+    it will not want the source again. Rule 12: a source the producer keeps for a
+    re-target (``retarget_hold_s``) may go now. Not answered; one from an engine the
+    source is not bound to changes nothing."""
 
     transfer_id: TransferId
     engine_id: EngineId
