@@ -135,13 +135,16 @@ S_ACTIONS = {
     SourceEffect.EXPIRE: {()}, SourceEffect.RELEASE: {("ReleaseSource",)},
     SourceEffect.FORGET: {()}, SourceEffect.STREAM: {()},
 }
+_GIVE_UP = {("Cancel",) * a + ("Consumed",) * b for a in range(3) for b in range(3 - a)}
 #: The actions each consumer effect emits (``*``: one per producer rank named).
 C_ACTIONS = {
     CE.NONE: {()}, CE.COUNT: {()}, CE.FENCE: {()},
     CE.READY: {("TransferReady",), ("ReleaseStaging", "TransferReady")},
-    # Rule 11: a corrupt part leaves its own rank to cancel too.
-    CE.FAIL_REST: {(), ("Cancel",), ("Cancel", "Cancel")},
-    CE.CANCEL_ALL: {(), ("Cancel",), ("Cancel", "Cancel")},
+    # Rule 11: a corrupt part leaves its own rank to cancel too. Rule 12: given up
+    # for good, the ranks that get no Cancel (they wrote, or their write failed) are
+    # told Consumed, after the Cancels.
+    CE.FAIL_REST: _GIVE_UP,
+    CE.CANCEL_ALL: _GIVE_UP,
     CE.PREEMPT_ALL: {(), ("Cancel",), ("Cancel", "Cancel")},
     # Rule 10: an attempt lent staging gives it back with its blocks.
     CE.RELEASE: {("ReleaseDestination",), ("ReleaseStaging", "ReleaseDestination")},
