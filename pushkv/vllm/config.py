@@ -85,8 +85,8 @@ class PushKVSettings:
         metadata={"help": "producer: keep a prefilled request's KV for a proxy to "
                   "re-target it to another decode instance, at most this long (within "
                   "lease_s): after the decode instance it is bound to dies, and after a "
-                  "push wrote it whole, until that instance's first decode step of the "
-                  "request; 0: release it at once"},
+                  "push wrote it (or its write failed), until that instance's first "
+                  "decode step of the request; 0: release it at once"},
     )
     window_s: float = field(
         default=_CONSUMER["window_s"],

@@ -20,10 +20,12 @@ from .. import records, states
 from ..consumer import endpoint as consumer_module
 from ..consumer import outcomes as outcomes_module
 from ..errors import LocalProtocolError
+from ..events import Peer
 from ..messages import CancelAck, Fail, FailReason
 from ..producer import endpoint as producer_module
 from ..producer import view as producer_view_module
 from ..states import (
+    PRODUCER_FINISHED,
     ConsumerEffect,
     ConsumerInput,
     ConsumerState,
@@ -453,18 +455,19 @@ def linger_ignores_consumed(mp: Patch) -> None:
 
 
 def linger_outlives_a_final_cancel(mp: Patch) -> None:
-    """A final cancel of an attempt already written does not end its linger: the
-    consumer gave the transfer up, and the source waits for the hold anyway."""
-    orig = producer_module.Producer._lingers
+    """A final cancel of an attempt already written is taken as a repeat: its linger
+    does not end, though the consumer gave the transfer up, and the source waits for
+    the hold anyway."""
+    orig = producer_module.Producer._on_cancel
 
-    def lingers(self, t, now):
-        final, t.final = t.final, False
-        try:
-            return orig(self, t, now)
-        finally:
-            t.final = final
+    def on_cancel(self, msg, now):
+        t = self._transfers.get((msg.transfer_id, msg.incarnation))
+        leg = t.legs.get(Peer(msg.engine_id, msg.rank)) if t is not None else None
+        if msg.final and leg is not None and leg.state in PRODUCER_FINISHED:
+            msg = msgspec.structs.replace(msg, final=False)
+        return orig(self, msg, now)
 
-    mp.setattr(producer_module.Producer, "_lingers", lingers)
+    mp.setattr(producer_module.Producer, "_on_cancel", on_cancel)
 
 
 #: How far a search for a mutation's violation may go (breadth-first: the deepest one,

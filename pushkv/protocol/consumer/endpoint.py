@@ -372,9 +372,10 @@ class Consumer(ConsumerOutcomes, Endpoint):
         """The engine took its first decode step from ``transfer_id``'s KV (READY
         before), or ended the request after READY without one: nothing here will
         want the source again. Rule 12: tell every producer rank that wrote it
-        (``Consumed``), so a source kept for a re-target goes now. A transfer not READY here, a pull,
-        or one reported already (or forgotten past ``max_unconsumed``) sends
-        nothing and is counted: the producer's ``retarget_hold_s`` bounds it."""
+        (``Consumed``), so a source kept for a re-target goes now. A transfer not
+        READY here, a pull, or one reported already (or forgotten past
+        ``max_unconsumed``) sends nothing and is counted: the producer's
+        ``retarget_hold_s`` bounds it."""
         out = self._run_timers(now)
         known = self._unconsumed.pop(transfer_id, None)
         if known is None:

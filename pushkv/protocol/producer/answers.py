@@ -147,17 +147,15 @@ class ProducerAnswers(ProducerView):
         # same attempt is not a repeat: it ends the transfer (the source goes).
         repeat = leg.state in (PS.CANCELLING, *PRODUCER_TERMINAL) or (
             leg.state is PS.PREEMPTING and not msg.final)
+        # The consumer gives the transfer up: the source may go (rule 4), also when this
+        # leg has finished already (written, then aborted: rule 12's linger ends).
+        gave_up = msg.final and msg.attempt >= leg.attempt and not (t.dead or t.final)
+        if gave_up:
+            t.final = True
         if msg.attempt < leg.attempt or (msg.attempt == leg.attempt and repeat):
             self.stats["stale" if msg.attempt < leg.attempt else "duplicate"] += 1
             out = self._input(t, leg, PI.CANCEL_STALE, now, cancel=msg.attempt)
-            if msg.final and msg.attempt == leg.attempt and not (t.dead or t.final):
-                # The consumer gave up an attempt whose leg has finished (written, then
-                # aborted): rule 12's linger for it ends, the source goes (rule 4).
-                t.final = True
-                out += self._settle(t, now)
-            return out
-        if msg.final and not t.dead:
-            t.final = True
+            return out + self._settle(t, now) if gave_up else out
         out = self._input(t, leg, PI.CANCEL if msg.final else PI.PREEMPT, now, cancel=msg.attempt)
         leg.attempt = max(leg.attempt, msg.attempt)
         return out if t.dead else out + self._settle(t, now)

@@ -655,18 +655,21 @@ class Producer(ProducerAnswers, Endpoint):
                 finished = False
             else:
                 targets = self.targets.legs(t.consumer_engine)
-                finished = True
+                alive = targets is not None
                 if targets is None:  # the consumer engine is gone
                     if now < min(t.hold_until, t.lease):  # rule 12: wait for a re-target
                         self._schedule(min(t.hold_until, t.lease), t.key)
                         return out
                     targets = tuple(legs)
+                finished = True
                 for p in targets:
                     target = legs.get(p)
                     if target is None or target.state not in PRODUCER_TERMINAL:
                         finished = False
                         break
-            if not finished or self._lingers(t, now):
+                if finished and alive and self._lingers(t, targets, now):
+                    return out
+            if not finished:
                 return out
             out += self._source(t, SI.SETTLED, now)
         for leg in legs.values():
@@ -675,21 +678,17 @@ class Producer(ProducerAnswers, Endpoint):
         out += self._forget(t, now)
         return out
 
-    def _lingers(self, t: _Transfer, now: float) -> bool:
-        """Rule 12: a push source written to the live engine it is bound to -- or whose
-        write there failed, as it does when that engine just died -- stays held for a
-        re-target until that engine's Consumed, ``retarget_hold_s`` or the lease,
-        whichever comes first (the engine may be lost between READY and its first
-        token: the source is then written again, not computed again)."""
+    def _lingers(self, t: _Transfer, targets: tuple[Peer, ...], now: float) -> bool:
+        """Rule 12: a push source written to the live engine it is bound to (its legs
+        there ``targets``) -- or whose write there failed, as it does when that engine
+        just died -- stays held for a re-target until that engine's Consumed,
+        ``retarget_hold_s`` or the lease, whichever comes first (the engine may be lost
+        between READY and its first token: the source is then written again, not
+        computed again)."""
         hold = self.config.retarget_hold_s
-        if not hold or t.consumed or t.mode is not Mode.PUSH or t.final or t.expired \
-                or t.aborted:
-            return False  # (a final cancel, an expired lease or an abort end it at once)
-        engine = t.consumer_engine
-        targets = self.targets.legs(engine) if engine is not None else None
-        if not targets or any(
-                (leg := t.legs.get(p)) is None or leg.state not in _LINGER for p in targets):
-            return False  # cancelled or expired there: the consumer gave it up
+        if not hold or t.consumed or t.mode is not Mode.PUSH or not targets or any(
+                t.legs[p].state not in _LINGER for p in targets):
+            return False  # (cancelled or expired there: the consumer gave it up)
         if t.linger_until is None:
             t.linger_until = now + hold
             self.stats["lingered"] += 1
