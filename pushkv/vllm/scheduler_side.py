@@ -447,6 +447,8 @@ class SchedulerSide:
             # step's output, which vLLM hands over after this call, before it sends
             # the answer (the answer is sealed in place then: :meth:`_seal`).
             self._to_seal[tid] = answer
+        elif direction == "pull":
+            timeline.mark(tid, "answered")
         return True, answer
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -470,6 +472,7 @@ class SchedulerSide:
             answer = self._to_seal.pop(tid, None)
             if answer is None:
                 continue  # the request did not end with this step (aborted, preempted)
+            timeline.mark(tid, "answered")
             if set(seals) != ranks or not all(seals.values()):
                 if any(seals.values()):  # some rank sealed, another not (in time)
                     logger.warning("transfer %s: seals from ranks %s of %s; its answer "
@@ -488,6 +491,8 @@ class SchedulerSide:
         last): answers not sealed by now leave unsealed, and are never touched again
         (vLLM serialises them on another thread)."""
         if self._to_seal:
+            for tid in self._to_seal:
+                timeline.mark(tid, "answered")
             self.unsealed += len(self._to_seal)
             logger.warning("pushkv: %d pull answer(s) left without their seals (read "
                            "unchecked): %s", len(self._to_seal), sorted(self._to_seal)[:4])

@@ -309,3 +309,31 @@ def test_with_integrity_off_a_pull_answer_waits_for_no_seal(tiny_model):
     """Nothing seals the source: the answer leaves as it is, counted nowhere."""
     p, answer = prefill_answer(tiny_model, integrity="off")
     assert SEALS_KEY not in answer and p.connector.scheduler_side.unsealed == 0
+
+
+@pytest.fixture
+def recorded(tmp_path):
+    """This process's timeline marks, recorded under tmp_path for the test."""
+    from pushkv import timeline
+
+    timeline.configure(None)
+    timeline.configure(tmp_path, "test")
+    try:
+        yield lambda: [(m.transfer_id, m.event) for m in timeline.read(tmp_path)]
+    finally:
+        timeline.configure(None)
+
+
+def test_a_pull_answer_is_marked_answered_once_as_it_leaves(tiny_model, recorded):
+    """The timeline's ``answered`` (pushkv.fit.e2e.pull_timeline): once per pull answer
+    on each of its ways out -- sealed, with integrity off (no seal awaited), and left
+    unsealed at the step's end -- and never for a push answer."""
+    ways = {"sealed": lambda: sealed_answer(tiny_model),
+            "integrity off": lambda: prefill_answer(tiny_model, integrity="off"),
+            "unsealed at the step's end": lambda: prefill_answer(tiny_model),
+            "push": lambda: prefill_answer(tiny_model, direction="push")}
+    for way, answer_of in ways.items():
+        seen = len(recorded())
+        _, answer = answer_of()
+        mine = [e for t, e in recorded()[seen:] if t == answer["transfer_id"]]
+        assert mine.count("answered") == (way != "push"), (way, mine)

@@ -3,10 +3,13 @@
 Behind ``vllm-router --vllm-pd-disaggregation`` the decode leg leaves only once the
 prefill leg answered; the decode side then reads the KV. :data:`PULL_HOPS` names
 the marks (:mod:`pushkv.timeline`) such a request meets, in order, from the
-prefill scheduler finishing the prompt (its answer built) to the decode scheduler
-admitting the request's first decode step. pushkv's connector records every one;
-vLLM's ``NixlConnector`` (through the benchmark's instrumentation) records the
-marks of :data:`SHARED_HOPS`, so the two compare on those.
+prefill leg's arrival to the decode scheduler admitting the request's first decode
+step. pushkv's connector records every one; vLLM's ``NixlConnector`` (through the
+benchmark's instrumentation) records the marks of :data:`SHARED_HOPS`, so the two
+compare on those. Where the prompt's KV is complete differs: pushkv marks
+``prefill_finished`` as the worker saves it and ``answered`` once the answer, with
+its seal, goes back to vLLM; vLLM's connector has one mark there, its scheduler's
+(``prefill_finished``, the answer built), comparable with pushkv's ``answered``.
 
 :func:`hop_segments` turns a request's marks into the consecutive segments of
 :data:`PULL_HOPS`; :func:`pull_report` gives each segment's median and p90 per
@@ -26,7 +29,8 @@ from pushkv import timeline
 PULL_HOPS: tuple[tuple[str, str], ...] = (
     ("prefill_arrived", "prefill API server: the router's prefill leg parsed"),
     ("prefill_seen", "prefill scheduler: the request considered for a step"),
-    ("prefill_finished", "prefill scheduler: the prompt's KV complete, the answer built"),
+    ("prefill_finished", "prefill: the prompt's KV complete (pushkv: the worker saved it)"),
+    ("answered", "prefill scheduler: the answer (sealed) handed to vLLM to send"),
     ("decode_arrived", "decode API server: the router's decode leg parsed"),
     ("decode_seen", "decode scheduler: the request considered for a step"),
     ("registration_shipped", "decode scheduler: the pull order in the step's metadata"),
