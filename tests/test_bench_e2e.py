@@ -426,3 +426,48 @@ def test_one_kept_client_runs_many_benchmarks_and_outlives_a_failed_one(tmp_path
         assert (tmp_path / "a.log").read_text().count("$ vllm bench serve") == 2
     finally:
         server.close()
+
+
+# ------------------------------------------------- the hops of a pull behind a router
+
+
+def _pull(t0: float, dur: float) -> dict[str, float]:
+    """A pulled request's shared marks, from its prefill's arrival to its decode step."""
+    names = ("prefill_arrived", "prefill_seen", "prefill_finished", "decode_arrived",
+             "decode_seen", "ready_scheduled", "decode_scheduled")
+    return {n: t0 + dur * i / (len(names) - 1) for i, n in enumerate(names)}
+
+
+def test_a_pull_is_in_a_batch_when_it_overlaps_two_others():
+    from pushkv.fit.e2e.pull_timeline import in_batch
+
+    reqs = {"a": _pull(0.0, 1.0), "b": _pull(0.5, 1.0), "c": _pull(0.9, 1.0),
+            "alone": _pull(10.0, 1.0), "pair1": _pull(20.0, 1.0), "pair2": _pull(20.5, 1.0),
+            "unfinished": {"prefill_arrived": 0.2}}
+    assert set(in_batch(reqs)) == {"a", "b", "c"}
+    # touching ends do not overlap; one other is enough when asked for one
+    assert set(in_batch({"x": _pull(0.0, 1.0), "y": _pull(1.0, 1.0)}, overlap=1)) == set()
+    assert set(in_batch(reqs, overlap=1)) == {"a", "b", "c", "pair1", "pair2"}
+
+
+def test_the_pull_report_gives_every_pull_and_the_batched_ones_apart(tmp_path, capsys):
+    import json
+
+    from pushkv.fit.e2e import pull_timeline
+
+    lines = []
+    for tid, marks in {"s": _pull(0.0, 0.01), "b1": _pull(1.0, 0.08), "b2": _pull(1.01, 0.1),
+                       "b3": _pull(1.02, 0.12)}.items():
+        lines += [json.dumps({"id": tid, "ev": ev, "t": t, "p": "x"}) for ev, t in marks.items()]
+    (tmp_path / "timeline" / "nixl-pull").mkdir(parents=True)
+    (tmp_path / "timeline" / "nixl-pull" / "timeline-1.jsonl").write_text("\n".join(lines))
+    text, got = pull_timeline.pull_report(tmp_path, ["nixl-pull"])
+    span = "prefill arrives -> decode step"
+    assert got["all"]["nixl-pull"][span]["n"] == 4
+    assert got["in_batch"]["nixl-pull"][span]["n"] == 3
+    assert got["in_batch"]["nixl-pull"][span]["median"] == pytest.approx(100.0)
+    assert "served in a batch" in text
+    assert pull_timeline.main([str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(got))
+    with pytest.raises(SystemExit):  # no timeline of the named deployments: a clear error
+        pull_timeline.main([str(tmp_path), "--deployments", "pushkv"])

@@ -18,7 +18,7 @@ deployment of a ``bench_e2e`` run, the table printed after the run.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -107,15 +107,37 @@ def stats(requests: Mapping[str, Mapping[str, float]], hops: Iterable[str] = NAM
                 "n": len(v)} for k, v in per.items()}
 
 
+#: A pull counts as served in a batch when its span (``prefill_arrived`` to
+#: ``decode_scheduled``) overlaps the spans of at least this many other pulls: in a
+#: bench_e2e round, the concurrent requests; the sequential ones overlap at most the
+#: one before or after them.
+BATCH_OVERLAP = 2
+
+
+def in_batch(requests: Mapping[str, Mapping[str, float]], overlap: int = BATCH_OVERLAP
+             ) -> dict[str, Mapping[str, float]]:
+    """The requests whose span from ``prefill_arrived`` to ``decode_scheduled`` overlaps
+    the spans of ``overlap`` or more others (a request without both marks is left out)."""
+    spans = {k: (m["prefill_arrived"], m["decode_scheduled"]) for k, m in requests.items()
+             if "prefill_arrived" in m and "decode_scheduled" in m}
+    return {k: requests[k] for k, (a, b) in spans.items()
+            if sum(1 for j, (c, d) in spans.items() if j != k and c < b and d > a) >= overlap}
+
+
 def pull_report(out: Path, deployments: Iterable[str]) -> tuple[str, dict[str, Any]]:
     """Every pulled request's hops per deployment of a run (``out/timeline/<kind>``):
-    all hops for pushkv, :data:`SHARED_HOPS` for vLLM's connectors. The table and the
-    numbers."""
-    got: dict[str, dict[str, dict[str, float]]] = {}
+    all hops for pushkv, :data:`SHARED_HOPS` for vLLM's connectors; then the same for
+    the pulls served in a batch only (:func:`in_batch`). The tables and the numbers
+    (``{"all": ..., "in_batch": ...}``, each per deployment)."""
+    got: dict[str, dict[str, dict[str, dict[str, float]]]] = {"all": {}, "in_batch": {}}
     for kind in deployments:
         hops = NAMES if kind == "pushkv" else SHARED_HOPS
-        got[kind] = stats(pulls(out / "timeline" / kind), hops)
-    return table(got), got
+        pulled = pulls(out / "timeline" / kind)
+        got["all"][kind] = stats(pulled, hops)
+        got["in_batch"][kind] = stats(in_batch(pulled), hops)
+    text = (table(got["all"]) + "\n\nPulls served in a batch (overlapping "
+            f"{BATCH_OVERLAP} or more others) only:\n\n" + table(got["in_batch"]))
+    return text, got
 
 
 def table(got: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
@@ -140,3 +162,27 @@ def table(got: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
             cells.append(f"{s['median']:.2f} / {s['p90']:.2f}, {s['n']:.0f}" if s else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pushkv.fit.e2e.pull_timeline OUT``: the hop tables of a recorded
+    bench_e2e run (every deployment of ``OUT/timeline`` that pulled behind a router)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("out", type=Path, help="a bench_e2e.sh results directory")
+    p.add_argument("--deployments", default="pushkv,nixl-pull",
+                   help="comma separated, those of OUT/timeline (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the numbers, not the tables")
+    args = p.parse_args(argv)
+    kinds = [k for k in args.deployments.split(",") if (args.out / "timeline" / k).is_dir()]
+    if not kinds:
+        p.error(f"no timeline of {args.deployments} under {args.out / 'timeline'}")
+    text, numbers = pull_report(args.out, kinds)
+    print(json.dumps(numbers) if args.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
