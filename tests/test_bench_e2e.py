@@ -471,3 +471,17 @@ def test_the_pull_report_gives_every_pull_and_the_batched_ones_apart(tmp_path, c
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(got))
     with pytest.raises(SystemExit):  # no timeline of the named deployments: a clear error
         pull_timeline.main([str(tmp_path), "--deployments", "pushkv"])
+
+
+def test_the_router_hop_starts_where_the_answer_leaves():
+    """pushkv's answer leaves at ``answered`` (after its worker saved the KV at
+    ``prefill_finished``); vLLM's connector marks only ``prefill_finished`` there."""
+    from pushkv.fit.e2e.pull_timeline import hop_segments
+
+    hop = "answer out -> decode arrives (router hop)"
+    vllm = _pull(0.0, 0.06)
+    assert hop_segments(vllm)[hop] == pytest.approx(
+        (vllm["decode_arrived"] - vllm["prefill_finished"]) * 1e3)
+    pushkv = {**vllm, "answered": vllm["prefill_finished"] + 0.004}
+    assert hop_segments(pushkv)[hop] == pytest.approx(
+        (vllm["decode_arrived"] - pushkv["answered"]) * 1e3)

@@ -49,9 +49,14 @@ PULL_HOPS: tuple[tuple[str, str], ...] = (
 SHARED_HOPS = ("prefill_arrived", "prefill_seen", "prefill_finished", "decode_arrived",
                "decode_seen", "ready_scheduled", "decode_scheduled")
 
-#: Spans over several hops, (name, from, to).
-SPANS: tuple[tuple[str, str, str], ...] = (
-    ("prefill finished -> decode arrives (router hop)", "prefill_finished", "decode_arrived"),
+#: Where the prefill's answer leaves: pushkv's ``answered``; vLLM's connector has only
+#: its scheduler's ``prefill_finished`` there (the answer built).
+ANSWER_OUT = ("answered", "prefill_finished")
+
+#: Spans over several hops, (name, from, to); ``from`` may name marks in order of
+#: preference, the first one a request has counts.
+SPANS: tuple[tuple[str, str | tuple[str, ...], str], ...] = (
+    ("answer out -> decode arrives (router hop)", ANSWER_OUT, "decode_arrived"),
     ("decode sees -> scheduler knows", "decode_seen", "ready_scheduled"),
     ("decode arrives -> decode step", "decode_arrived", "decode_scheduled"),
     ("prefill finished -> decode step", "prefill_finished", "decode_scheduled"),
@@ -67,8 +72,10 @@ def hop_segments(marks: Mapping[str, float], hops: Iterable[str] = NAMES
     each hop of ``hops`` the request has to the next one it has, then :data:`SPANS`."""
     have = [h for h in hops if h in marks]
     out = {f"{a} -> {b}": (marks[b] - marks[a]) * 1e3 for a, b in pairwise(have)}
-    for name, a, b in SPANS:
-        if a in marks and b in marks:
+    for name, starts, b in SPANS:
+        a = next((m for m in ((starts,) if isinstance(starts, str) else starts)
+                  if m in marks), None)
+        if a is not None and b in marks:
             out[name] = (marks[b] - marks[a]) * 1e3
     return out
 
