@@ -246,7 +246,8 @@ def gauge(url: str, model: str, real: Path, tag: str, input_len: int,
 
 
 def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespace,
-               input_len: int, *, n: int = 24, idle_s: float = 3.0) -> dict[str, float]:
+               input_len: int, *, n: int = 24, idle_s: float = 3.0,
+               together: int = 8, rounds: int = 3) -> dict[str, float]:
     """Where the CPU of a lone request goes, as the profile's keys: ``prefill`` and
     ``decode``, the cores each engine keeps busy while it is active (``cores_busy``,
     with ``steps_while_holding``: ``holding`` is true): the CPU time (/proc, all
@@ -257,7 +258,12 @@ def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespa
     (:data:`pushkv.fit.sim_vs_real.deployment.ACTIVE`: stepping it, or holding it for
     its transfer), at least 1; ``token_work_s``, the frontend work per output token:
     decode's API server, the router and this client (which pass every token on) the
-    same way, per output token.
+    same way, per output token; ``token_item_s``, what of it a token still costs when it
+    shares its processes' wake-ups with others (``token_api_s``, ``token_api_item_s``:
+    decode's API server's part of each): ``rounds`` rounds of ``together``
+    requests sent at once, whose tokens leave decode in the same steps, cost ``F`` a
+    token where lone ones cost ``L = w + c`` (``w`` the wake-up a token pays alone, now
+    shared by ``together``): ``c = (together x F - L) / (together - 1)``.
 
     Over the stepping time alone, vLLM pull's prefill measured 3.6-9.5 cores at ten
     starts on this machine, pushkv's 2.0-3.1: what its processes burn while it holds a
@@ -268,8 +274,10 @@ def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespa
 
     def cpu() -> dict[str, float]:
         p = parts(dep, ep, process_cpu_s, group_cpu_s)
-        return {"prefill": p["prefill"], "decode": p["decode"],
-                "front": p["decode_api"] + p.get("router", 0.0) + time.process_time()}
+        front = {"decode_api": p["decode_api"], "router": p.get("router", 0.0),
+                 "client": time.process_time()}
+        return {"prefill": p["prefill"], "decode": p["decode"], **front,
+                "front": sum(front.values())}
 
     c0, t0 = cpu(), time.monotonic()
     time.sleep(idle_s)
@@ -283,9 +291,20 @@ def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespa
                                                  for _ in range(input_len)], args.output_len)
                 await asyncio.sleep(0.05)  # so the next finds the engines idle
 
+    async def batched() -> None:
+        rng = random.Random(len(str(real)) + input_len + 1)
+        async with Client(model) as client:
+            for _ in range(rounds):
+                await asyncio.gather(*(client.request(
+                    ep.target, [rng.randrange(5, 995) for _ in range(input_len)],
+                    args.output_len) for _ in range(together)))
+                await asyncio.sleep(0.05)
+
     c2, t2 = cpu(), time.monotonic()
     asyncio.run(lone())
     c3, t3 = cpu(), time.monotonic()
+    asyncio.run(batched())
+    c4, t4 = cpu(), time.monotonic()
     reqs = segments.alone(segments.load([real / "timeline" / ep.mode.name,
                                          real / "timeline" / dep.kind], (t2, t3)))
     per = {side: active_s(reqs, side, ep.mode.name) for side in ("prefill", "decode")}
@@ -295,8 +314,28 @@ def cores_busy(dep: Any, ep: Any, real: Path, model: str, args: argparse.Namespa
     out: dict[str, Any] = {side: round(max(1.0, used[side] / per[side]), 3)
                            if per[side] > 0 else 1.0 for side in ("prefill", "decode")}
     out["token_work_s"] = round(max(0.0, used["front"] / per["front"]), 6)
+    idle = {part: (c1[part] - c0[part]) / (t1 - t0) for part in FRONT}
+    lone_s = {part: (c3[part] - c2[part] - idle[part] * (t3 - t2)) / per["front"]
+              for part in FRONT}
+    shared_s = {part: (c4[part] - c3[part] - idle[part] * (t4 - t3))
+                / (rounds * together * args.output_len) for part in FRONT}
+    item = {part: (together * shared_s[part] - lone_s[part]) / (together - 1)
+            for part in FRONT}
+    print("a token's frontend work, lone / sharing its wake-ups with "
+          f"{together - 1} others / its item part (ms): " + ", ".join(
+              f"{part} {lone_s[part] * 1e3:.3f} / {shared_s[part] * 1e3:.3f} / "
+              f"{item[part] * 1e3:.3f}" for part in FRONT), flush=True)
+    out["token_item_s"] = round(min(out["token_work_s"], max(0.0, sum(item.values()))), 6)
+    # decode's API server's part of each: the rest is the relay (router and client)
+    out["token_api_s"] = round(min(out["token_work_s"], max(0.0, lone_s["decode_api"])), 6)
+    out["token_api_item_s"] = round(min(out["token_item_s"], out["token_api_s"],
+                                        max(0.0, item["decode_api"])), 6)
     out["holding"] = True  # over the active time: the profile steps while holding
     return out
+
+
+#: the processes a token passes on its way out: decode's API server, the router, the client
+FRONT = ("decode_api", "router", "client")
 
 
 def warm_up(url: str, model: str, n: int, input_len: int) -> None:

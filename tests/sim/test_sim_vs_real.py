@@ -136,7 +136,9 @@ def _gauged_run(tmp_path: Path, *, slow: float = 1.0, iterations: int = 1,
                 gauges[-1]["qps"] = rates[_by_iteration(fname)[0]]
             t += 10.0
         got["gauges"] = gauges
-        got["cores_busy"] = {"prefill": 1.25, "decode": 1.9, "token_work_s": 0.0004}
+        got["cores_busy"] = {"prefill": 1.25, "decode": 1.9, "token_work_s": 0.0004,
+                             "token_api_s": 0.00025, "token_item_s": 0.00015,
+                             "token_api_item_s": 0.00008}
         got["host_cores"] = 2
     (real / "cpu_probe.json").write_text(json.dumps(shares))
     return real, shares
@@ -207,6 +209,10 @@ def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: 
     assert pull["host"]["prefill"]["cores_busy"] == 1.25
     assert push["host"]["cores"] == pull["host"]["cores"] == 2
     assert push["host"]["token_work_s"] == pull["host"]["token_work_s"] == 0.0004
+    # the frontends' keys go to the host, none taken for an engine's side
+    assert {k: push["host"][k] for k in ("token_api_s", "token_item_s", "token_api_item_s")
+            } == {"token_api_s": 0.00025, "token_item_s": 0.00015, "token_api_item_s": 0.00008}
+    assert not {"token_api_s", "token_item_s", "token_api_item_s"} & set(push["host"]["decode"])
     out = tmp_path / "sim-gauge"
     run_sim(PROFILE, out, points, output_len, num_prompts, gauges=per_point)
     _, summary = compare(real, out)

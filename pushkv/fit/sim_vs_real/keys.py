@@ -42,6 +42,8 @@ from .runs import MODES, NAME, WAKES
 
 #: at how many quantiles ``host.wake_beside_s`` is taken (:func:`wake_beside_of`)
 WAKE_QUANTILES = 100
+#: the frontend keys ``cores_busy`` measures for the host, not for an engine's side
+TOKEN_KEYS = ("token_work_s", "token_item_s", "token_api_s", "token_api_item_s")
 
 
 def gauge_rate(args: argparse.Namespace, qps: float) -> float:
@@ -216,8 +218,9 @@ def gauge_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path
                            gauges=len(got["gauges"]))
         busy = dict(busy_of.get(m["mode"], {}))  # its deployment's, over the run's starts
         host: dict[str, Any] = {}
-        if "token_work_s" in busy:
-            host["token_work_s"] = float(busy.pop("token_work_s"))
+        for key in TOKEN_KEYS:  # the frontends', not a side's
+            if key in busy:
+                host[key] = float(busy.pop(key))
         holding = bool(busy.pop("holding", 0))  # measured over the active time
         for side, cores in busy.items():
             host[side] = {"cores_busy": max(1.0, float(cores)),

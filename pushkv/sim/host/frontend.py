@@ -29,6 +29,26 @@ vllm/v1/engine/output_processor.py, vLLM 0.32), so a backlog of tokens leaves as
 chunk, at one chunk's cost. Without it every token is a job, and a frontend that falls
 behind under load falls further behind with every step decode takes.
 
+Where vLLM merges, and what a token costs, follow the processes. An API server is one
+asyncio loop: it takes its legs in, answers, and handles every output ready for it in
+one wake-up, merging a request's outputs only while it is behind; the router and the
+client relay each chunk it writes. And a frontend's CPU is mostly its wake-ups: on the
+2-core machine pushkv is measured on, decode's API server spent 0.17-0.21 ms each time
+it was scheduled at every rate from 2 to 24 QPS, while the times it was scheduled per
+output token fell from 3.6 to 1.5 (the core probe's per-process schedule,
+``docs/sim.md``). With ``host.token_api_s`` (and ``merge_tokens`` > 1) each API server
+is a loop of its own (:meth:`Frontend.loop`: one FIFO server, its work on the host's
+cores): its legs' intake and its answers queue there, not on the frontend queue, and a
+token's way out is two jobs. First one of its decode API server's loop: it costs
+``token_api_s``, and every token that reaches that loop while the job still waits for
+its turn, of any request, joins it for ``token_api_item_s`` more, a request's joining
+tokens merging into its chunk, up to ``merge_tokens``. Then the relay of the job's
+chunks through the router and the client, one job on the frontend queue:
+``token_work_s - token_api_s`` for the first chunk, and chunks of later API jobs that
+reach the queue while it waits join it for ``token_item_s - token_api_item_s`` each.
+Without it the frontend queue serves everything, a token's whole way out one job there,
+and a request's tokens merge while theirs waits behind any frontend work.
+
 A process woken while other requests are in flight may wait on the kernel's run queue
 before it runs -- on a shared CPU machine decode's API server waits tens to hundreds
 of milliseconds beside a streaming request (``benchmarks/bench_handoff_waits.py``) --
@@ -50,6 +70,9 @@ from ..request import SimRequest
 from .cores import SharedCores, work
 from .spread import Spread
 
+#: a token's delivery to the client, given how long before its job's end it came
+Deliver = Callable[[float], None]
+
 #: cores a P/D pair of the measured deployment pins an engine to (one each)
 PAIR_ENGINE_CORES = 2
 
@@ -68,7 +91,8 @@ class Frontend:
     def __init__(self, env: simpy.Environment, cores: int, token_s: float,
                  token_latency_s: float = 0.0, *, host: SharedCores | None = None,
                  wakes: Spread | None = None, intake_wakes: Spread | None = None,
-                 in_flight: Callable[[], int] = lambda: 0, merge: int = 0) -> None:
+                 in_flight: Callable[[], int] = lambda: 0, merge: int = 0,
+                 api_s: float = 0.0, item_s: float = 0.0, api_item_s: float = 0.0) -> None:
         if cores < 1:
             raise ValueError(f"a frontend needs at least one core, got {cores}")
         self.env = env
@@ -99,20 +123,40 @@ class Frontend:
         self.merge = merge
         #: per request, its token job still waiting for its turn: the deliveries it carries
         self._waiting: dict[str, list[Callable[[], None]]] = {}
+        #: a token's work in its decode API server's loop, and a token's there when it
+        #: joins a job waiting (``token_api_s``, ``token_api_item_s``; 0: no such stage)
+        self.api_s = min(api_s, token_s)
+        self.api_item_s = min(api_item_s, item_s, self.api_s)
+        #: the relay's (router and client) work for a job's first chunk, and for each
+        #: chunk joining a relay job waiting
+        self.relay_s = token_s - self.api_s
+        self.relay_item_s = max(0.0, min(item_s - self.api_item_s, self.relay_s))
+        #: per decode API server: its loop, and its token job still waiting for its turn
+        #: (per request carried, its deliveries)
+        self._loops: dict[str, simpy.Resource] = {}
+        self._api_open: dict[str, dict[str, list[Deliver]]] = {}
+        #: the relay job still waiting for its turn: its chunks' deliveries
+        self._relay_open: list[list[Deliver]] | None = None
 
-    def serve(self, service_s: float, then: Callable[[], None], wait_s: float = 0.0,
+    def serve(self, service_s: float | Callable[[], float], then: Callable[[], None],
+              wait_s: float = 0.0,
               started: Callable[[], None] | None = None, gate: str | None = None,
-              process: str = "") -> None:
+              process: str = "", wakes: bool = True, own_loop: bool = False) -> None:
         """``then()`` once ``service_s`` of frontend time has run, after the work ahead,
         and ``wait_s`` more has passed outside the queue (a stall: holding no core);
-        ``started()`` when the job's turn comes. A job that wakes its ``process`` (an
+        ``started()`` when the job's turn comes (``service_s`` may be a callable, asked
+        then: the service of what the job carries by its turn). A job that wakes its ``process`` (an
         instance's API server) beside other requests (:meth:`beside`) first waits a
         drawn run-queue wait, holding no core; while it does, jobs given the same
-        ``gate`` wait behind it."""
+        ``gate`` wait behind it (not ``wakes``: a process whose wake-ups these are not).
+        ``own_loop``: the job queues on ``process``'s own loop (:meth:`loop`) instead of
+        the frontend queue."""
         self.pending += 1
         self._by_process[process] = self._by_process.get(process, 0) + 1
-        wake = self.wakes(1.0) if self.wakes is not None and self.beside(process) else 0.0
-        self.env.process(self._job(service_s, then, wait_s, started, wake, gate, process))
+        wake = self._wake(process) if wakes else 0.0
+        queue = self.loop(process) if own_loop else self.cpu
+        self.env.process(self._job(service_s, then, wait_s, started, wake, gate, process,
+                                   queue))
 
     def wake_wait(self, process: str) -> float:
         """How long ``process``, one that queues no work here (the router), takes to
@@ -133,15 +177,21 @@ class Frontend:
             self.woke_s += wait
         return wait
 
+    def _wake(self, process: str) -> float:
+        """The run-queue wait of a job just counted for ``process`` (:meth:`beside`)."""
+        return self.wakes(1.0) if self.wakes is not None and self.beside(process) else 0.0
+
     def beside(self, process: str = "") -> bool:
         """Whether a job arriving now (counted in the pending) wakes ``process`` while
         other requests are in flight: none of its jobs pending until it came, and more
         than one request in flight."""
         return self._by_process.get(process, 0) == 1 and self.in_flight() > 1
 
-    def _job(self, service_s: float, then: Callable[[], None], wait_s: float = 0.0,
+    def _job(self, service_s: float | Callable[[], float], then: Callable[[], None],
+             wait_s: float = 0.0,
              started: Callable[[], None] | None = None, wake_s: float = 0.0,
-             gate: str | None = None, process: str = "") -> Generator[Any, Any, None]:
+             gate: str | None = None, process: str = "",
+             queue: simpy.Resource | None = None) -> Generator[Any, Any, None]:
         if wake_s > 0:  # the woken process waits for a core, holding none
             self.woken += 1
             self.woke_s += wake_s
@@ -151,30 +201,38 @@ class Frontend:
                 del self._gates[gate]  # type: ignore[arg-type]
                 held.succeed()  # its followers queue behind it, in order
         t0 = self.env.now
-        with self.cpu.request() as slot:
+        with (queue or self.cpu).request() as slot:
             yield slot
             self.waited_s += self.env.now - t0
             if started is not None:
                 started()
-            if service_s > 0:  # a frontend process's work, on the host's cores if shared
-                yield work(self.env, self.host, service_s)
+            service = service_s() if callable(service_s) else service_s
+            if service > 0:  # a frontend process's work, on the host's cores if shared
+                yield work(self.env, self.host, service)
         if wait_s > 0:
             yield self.env.timeout(wait_s)
-        self.busy_s += service_s
+        self.busy_s += service
         self.jobs += 1
-        self.pending -= 1
         self._by_process[process] -= 1
         then()
+        self._done()
+
+    def _done(self) -> None:
+        """A job ended (after what it handed on was queued)."""
+        self.pending -= 1
         if self.pending == 0 and self._drained is not None and not self._drained.triggered:
             self._drained.succeed()
 
     def token(self, req: SimRequest) -> None:
         """Decode emitted a token of ``req`` now: it reaches the client after its turn
         in the queue, its service and the way's latency (``req.client_times``)."""
-        def delivered() -> None:
-            req.client_times.append(self.env.now + self.token_latency_s)
+        def delivered(early_s: float = 0.0) -> None:  # ``early_s`` before the job ended
+            req.client_times.append(self.env.now - early_s + self.token_latency_s)
 
         key = req.transfer_id
+        if self.loops:
+            self._to_api(req, delivered)
+            return
         if self.merge > 1:
             waiting = self._waiting.get(key)
             if waiting is not None:  # its earlier token still waits: one chunk with it
@@ -201,6 +259,69 @@ class Frontend:
                                                        process=api))
             return
         self.serve(self.token_s, chunk, started=started, gate=key, process=api)
+
+    def _to_api(self, req: SimRequest, delivered: Deliver) -> None:
+        """:meth:`token` with ``token_api_s``: the token joins its decode API server's
+        job still waiting for its turn there, if that job carries fewer than
+        ``merge_tokens`` of its request's; else it starts one, which later tokens join."""
+        api, key = req.decode or "", req.transfer_id
+        carried = self._api_open.get(api)
+        if carried is not None and len(carried.get(key, ())) < self.merge:
+            carried.setdefault(key, []).append(delivered)
+            return
+        carried = self._api_open[api] = {key: [delivered]}
+
+        def started() -> None:  # its turn came: later tokens make a job of their own
+            if self._api_open.get(api) is carried:
+                del self._api_open[api]
+
+        def service() -> float:  # one token's work, and each other's item
+            return self.api_s + self.api_item_s * (sum(map(len, carried.values())) - 1)
+
+        def relay() -> None:
+            for chunk in carried.values():  # a request's tokens in it: one chunk
+                self._relay(chunk)
+
+        self.serve(service, relay, started=started, process=api, own_loop=True)
+
+    @property
+    def loops(self) -> bool:
+        """Whether each API server is a loop of its own (``token_api_s`` with
+        ``merge_tokens`` > 1): its legs' intake, its answers and its tokens' first job
+        queue there, the relay on the frontend queue."""
+        return self.merge > 1 and self.api_s > 0
+
+    def loop(self, process: str) -> simpy.Resource:
+        """``process``'s own loop: one FIFO server, its work on the host's cores."""
+        loop = self._loops.get(process)
+        if loop is None:
+            loop = self._loops[process] = simpy.Resource(self.env, capacity=1)
+        return loop
+
+    def _relay(self, chunk: list[Deliver]) -> None:
+        """The router and the client pass ``chunk`` on: it joins the relay job still
+        waiting for its turn on the frontend queue, else starts one. The job passes its
+        chunks on in turn: each reaches the client the later chunks' items before the
+        job's end."""
+        if self._relay_open is not None:
+            self._relay_open.append(chunk)
+            return
+        chunks = self._relay_open = [chunk]
+
+        def started() -> None:  # its turn came: later chunks make a job of their own
+            if self._relay_open is chunks:
+                self._relay_open = None
+
+        def service() -> float:
+            return self.relay_s + self.relay_item_s * (len(chunks) - 1)
+
+        def deliver() -> None:
+            for i, c in enumerate(chunks):
+                early = (len(chunks) - 1 - i) * self.relay_item_s
+                for d in c:
+                    d(early)
+
+        self.serve(service, deliver, started=started, process="relay", wakes=False)
 
     def drained(self) -> simpy.Event:
         """An event that fires once no work is queued or running."""

@@ -155,6 +155,38 @@ class HostProfile:
         "benchmarks/bench_sim_vs_real.py: the CPU time (/proc) of decode's API server, the "
         "router and the client over lone requests, less their idle rate, per output token",
     )
+    token_api_s: float = _f(
+        0.0,
+        "the part of token_work_s decode's API server spends: with it each API server "
+        "is a loop of its own (a FIFO server, its work on the host's cores) where its "
+        "legs' intake and its answers queue, and a token's way out is two jobs -- one "
+        "of its decode API server's loop, which every token reaching that loop while "
+        "the job still waits for its turn joins (of any request; a request's tokens "
+        "merging into one chunk, up to merge_tokens), then the relay of the job's "
+        "chunks through the router and the client on the frontend queue, for the rest "
+        "of token_work_s (pushkv.sim.host.frontend; needs frontend_cores and "
+        "merge_tokens > 1); 0: the frontend queue serves everything, a token's whole "
+        "way out one job there, merging with its request's tokens waiting there",
+        "0; on a shared CPU machine measured per deployment by "
+        "benchmarks/bench_sim_vs_real.py: decode's API server's CPU time (/proc) per "
+        "output token over lone requests, less its idle rate",
+    )
+    token_item_s: float = _f(
+        0.0,
+        "what of token_work_s a token still costs when it shares its processes' "
+        "wake-ups with other tokens (with token_api_s): token_api_item_s in its API "
+        "server's job, the rest in the relay's, a chunk joining a waiting relay job",
+        "0; measured per deployment by benchmarks/bench_sim_vs_real.py: the frontends' "
+        "CPU time per output token over rounds of 8 requests sent at once, whose tokens "
+        "leave decode in the same steps (F), against lone requests' (L): (8 F - L) / 7 "
+        "(docs/sim.md, 'A wake-up shared')",
+    )
+    token_api_item_s: float = _f(
+        0.0,
+        "the part of token_item_s decode's API server spends: what a token joining its "
+        "API server's waiting job adds to it (with token_api_s)",
+        "0; measured with token_item_s, decode's API server's CPU time alone",
+    )
     probe_speed: float = _f(
         0.0,
         "the probe's rate of fixed work per CPU second on the engine's core while this "
@@ -251,7 +283,8 @@ def validate_host(h: HostProfile) -> None:
         v = getattr(h, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise HostError(f"host.{name} must be an integer >= 0, got {v!r}")
-    for name in ("probe_speed", "token_work_s"):
+    for name in ("probe_speed", "token_work_s", "token_api_s", "token_item_s",
+                 "token_api_item_s"):
         if getattr(h, name) < 0:
             raise HostError(f"host.{name} must be >= 0, got {getattr(h, name)}")
     if len(h.spread) > MAX_SPREAD:

@@ -116,7 +116,9 @@ class SharedCpu(Dedicated):
                 intake = Spread(h.wake_beside_s, np.random.default_rng(seeds.spawn(1)[0]))
             self.frontend = Frontend(env, h.frontend_cores, token_s, return_s - token_s,
                                      host=self.cores, wakes=wakes, intake_wakes=intake,
-                                     in_flight=in_flight, merge=h.merge_tokens)
+                                     in_flight=in_flight, merge=h.merge_tokens,
+                                     api_s=h.token_api_s, item_s=h.token_item_s,
+                                     api_item_s=h.token_api_item_s)
 
     def _side(self, side: Side) -> HostSide:
         return self._sides[side]
@@ -181,12 +183,14 @@ class SharedCpu(Dedicated):
         if self.frontend is None:
             super().ingest(process, work_s, wait_s, started, then)
             return
-        self.frontend.serve(work_s, then, wait_s, started=started, process=process)
+        self.frontend.serve(work_s, then, wait_s, started=started, process=process,
+                            own_loop=self.frontend.loops)
 
     def answer(self, process: str, work_s: float, wait_s: float,
                after: Callable[[float], None]) -> None:
         if self.frontend is not None and work_s + wait_s:
-            self.frontend.serve(work_s, lambda: after(0.0), wait_s, process=process)
+            self.frontend.serve(work_s, lambda: after(0.0), wait_s, process=process,
+                                own_loop=self.frontend.loops)
         else:
             after(work_s + wait_s)
 
