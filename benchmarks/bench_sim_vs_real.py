@@ -459,6 +459,10 @@ def main() -> int:
     p.add_argument("--sweep-input", type=int, default=None,
                    help="the length whose rates make the knee's sweep (default: the one "
                    "run at the most rates)")
+    p.add_argument("--api-loops", action="store_true",
+                   help="simulate each API server as a loop of its own and a token's way "
+                   "out as two jobs where the run measured host.token_api_s (docs/sim.md, "
+                   "'A wake-up shared'); default: the one frontend queue")
     p.add_argument("--no-merge-tokens", dest="merge_tokens", action="store_false",
                    help="every output token a frontend job of its own (host.merge_tokens "
                    "0); by default all of a request's tokens waiting together on the "
@@ -495,7 +499,8 @@ def main() -> int:
                    frontend_cores=args.frontend_cores, host_cores=args.host_cores,
                    use_real_keys=args.real_keys, cpu_share=args.cpu_share,
                    figures_dir=args.figures, failures=failures,
-                   merge_tokens=args.output_len if args.merge_tokens else 0)
+                   merge_tokens=args.output_len if args.merge_tokens else 0,
+                   api_loops=args.api_loops)
     summary = got.summary | {
         "real_s": round(real_s, 1), "total_s": round(time.monotonic() - t0, 1),
         "load_at_start": [round(x, 2) for x in load],
@@ -519,7 +524,8 @@ def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
                              inputs=args.train_inputs, sweep_input=args.sweep_input,
                              seed=args.seed, arrivals=args.arrivals,
                              frontend_cores=args.frontend_cores, host_cores=args.host_cores,
-                             merge_tokens=args.merge_tokens, figures_dir=args.figures)
+                             merge_tokens=args.merge_tokens, api_loops=args.api_loops,
+                             figures_dir=args.figures)
     except ValueError as exc:  # a split that cannot cross-validate
         print(f"cannot cross-validate: {exc}", file=sys.stderr)
         return 2
@@ -534,7 +540,7 @@ def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
         "in_sample_in_band": ins.get("in_band"), "in_sample_points": ins.get("figures"),
         "knee_ratio": got.get("knee_ratio"),
         "knee_ratio_median": got.get("knee_ratio_median"),
-        "merge_tokens": args.merge_tokens,
+        "merge_tokens": args.merge_tokens, "api_loops": args.api_loops,
         **{other: {"out_of_sample": [got[other].get("out_of_sample", {}).get(k)
                                      for k in ("ratio_min", "ratio_max")],
                    "out_of_sample_in_band": got[other].get("out_of_sample", {}).get("in_band"),

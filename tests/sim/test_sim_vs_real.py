@@ -229,6 +229,27 @@ def test_each_point_is_simulated_with_the_profile_its_gauges_measured(tmp_path: 
     assert slow["mean_tpot_ms"] > 1.5 * fast["mean_tpot_ms"]
 
 
+def test_the_api_servers_loops_only_where_asked(tmp_path: Path) -> None:
+    """A run that measured the two jobs' keys simulates them only with ``api_loops``:
+    without, exactly as the same run without those keys (the one frontend queue)."""
+    real, shares = _gauged_run(tmp_path)
+    points, output_len, num_prompts = real_points(real)
+    per_point, _ = gauge_keys(real, shares, PROFILE, output_len)
+    without = {f: {t: {k: v for k, v in kv.items()
+                       if k not in ("token_api_s", "token_item_s", "token_api_item_s")}
+                   if isinstance(kv, dict) else kv for t, kv in point.items()}
+               for f, point in per_point.items()}
+    got = {}
+    for name, gauges, loops in (("asked", per_point, True), ("not", per_point, False),
+                                ("none", without, False)):
+        run_sim(PROFILE, tmp_path / name, points, output_len, num_prompts, gauges=gauges,
+                frontend_cores=1, merge_tokens=output_len, api_loops=loops)
+        got[name] = [json.loads(f.read_text())["ttfts"]
+                     for f in sorted((tmp_path / name).glob("*_iter*.json"))]
+    assert got["not"] == got["none"]
+    assert got["asked"] != got["none"]
+
+
 
 def test_a_points_steps_are_its_gauges_lone_wall_times_not_counted_twice(
         tmp_path: Path) -> None:

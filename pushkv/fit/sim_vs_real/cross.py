@@ -346,13 +346,15 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
                    inputs: Sequence[int] = TRAIN_INPUTS, sweep_input: int | None = None,
                    seed: int = 0, arrivals: str = "vllm", frontend_cores: int | None = None,
                    host_cores: int | None = None, merge_tokens: bool = True,
-                   figures_dir: Path | None = None,
+                   api_loops: bool = False, figures_dir: Path | None = None,
                    say: Callable[[str], None] = print) -> dict[str, Any]:
     """The cross-validation of a recorded run (``out/real``): split its points
     (:func:`split` on ``rates`` x ``inputs``), key them from the training points alone
     (:func:`cross_keys`), simulate every point into ``out/sim-cross`` with
     ``host.merge_tokens`` the output length (every token of a request waiting
-    together leaves as one chunk, as vLLM's) if ``merge_tokens``, else 0, and again with
+    together leaves as one chunk, as vLLM's) if ``merge_tokens``, else 0 (with
+    ``api_loops``, each API server a loop of its own where the run measured
+    ``token_api_s``: :func:`~.simulate.run_sim`), and again with
     the other
     (``out/sim-cross-no-merge`` or ``-merge``: the mechanism's part), judge both
     (:func:`judge`), find the knees of the rate sweep at ``sweep_input`` (default: the
@@ -400,7 +402,8 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
         sim = out / "sim-cross" if way == "main" else beside
         run_sim(profile, sim, points, output_len, num_prompts, seed=seed,
                 arrivals=arrivals, frontend_cores=frontend_cores, host_cores=host_cores,
-                gauges=keys, merge_tokens=merge, timelines=out / "sim-timeline" / way)
+                gauges=keys, merge_tokens=merge, api_loops=api_loops,
+                timelines=out / "sim-timeline" / way)
         _, segs[way] = segment_tables(real, out / "sim-timeline" / way, shares)
         judged = judge(real, sim, names)
         sweep = knees(real, sim, sweep_input)

@@ -58,7 +58,7 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
              frontend_cores: int | None = None, host_cores: int | None = None,
              use_real_keys: bool = False, cpu_share: bool = True,
              figures_dir: Path | None = None, failures: dict[str, str] | None = None,
-             merge_tokens: int | None = None,
+             merge_tokens: int | None = None, api_loops: bool = False,
              say: Callable[[str], None] = _say) -> SimHalf:
     """Simulate the points of ``out/real`` every way, compare, print (``say``); see the
     module. ``profile``: the profile every way starts from; ``seed``, ``arrivals``: the
@@ -69,14 +69,16 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
     also draw the headline way's TTFT and TPOT against the real half there. What
     fails without stopping the rest (the real keys, the gauges' profile) is added to
     ``failures`` by name. ``merge_tokens``: every way's ``host.merge_tokens`` on the
-    shared-CPU host (None: the profile's; see :func:`~.simulate.run_sim`)."""
+    shared-CPU host (None: the profile's; see :func:`~.simulate.run_sim`);
+    ``api_loops``: each API server a loop of its own where the run measured
+    ``token_api_s`` (:func:`~.simulate.run_sim`)."""
     failures = {} if failures is None else failures
     real, sim = out / "real", out / "sim"
     points, output_len, num_prompts = real_points(real)
     shares = json.loads((real / SHARES).read_text()) if (real / SHARES).exists() else {}
     knobs: dict[str, Any] = {"arrivals": arrivals, "frontend_cores": frontend_cores,
                              "host_cores": host_cores, "keys": None,
-                             "merge_tokens": merge_tokens}
+                             "merge_tokens": merge_tokens, "api_loops": api_loops}
     if use_real_keys:
         try:
             knobs["keys"] = real_keys(real, shares, profile)
@@ -140,7 +142,7 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
             run_sim(profile, gauged, points, output_len, num_prompts, seed=seed,
                     arrivals=arrivals, frontend_cores=frontend_cores,
                     host_cores=host_cores, gauges=per_point, merge_tokens=merge_tokens,
-                    timelines=timelines / "gauge")
+                    api_loops=api_loops, timelines=timelines / "gauge")
             gauge_table, gauge_summary = compare(real, gauged)
             say("\nSimulated with each point's profile from the gauges just before and "
                 "after it (its own pair's lone requests at its lengths):\n")
@@ -178,7 +180,8 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
                 kw.setdefault("gauges", per_point)
                 run_sim(profile, there, points, output_len, num_prompts, seed=seed,
                         arrivals=arrivals, frontend_cores=frontend_cores,
-                        host_cores=host_cores, merge_tokens=merge_tokens, **kw)
+                        host_cores=host_cores, merge_tokens=merge_tokens,
+                        api_loops=api_loops, **kw)
                 table, got = compare(real, there)
                 say(f"\nThe same {title}:\n")
                 say(table)

@@ -30,7 +30,7 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             keys: dict[str, dict[str, float]] | None = None,
             gauges: dict[str, dict[str, dict[str, float]]] | None = None,
             speeds: bool = False, wall_steps: bool = False,
-            merge_tokens: int | None = None) -> None:
+            merge_tokens: int | None = None, api_loops: bool = False) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
     ``shares`` (by result file name), each point's engines get the share of a core and
     the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
@@ -53,7 +53,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     gauged steps as they are, that work counted twice). ``merge_tokens`` replaces the
     profile's ``host.merge_tokens`` on every point run on the shared-CPU host (up to so
     many of a request's tokens waiting together on the frontend queue leave as one
-    chunk; 0: none)."""
+    chunk; 0: none). Without ``api_loops`` a point's measured ``host.token_api_s`` is
+    set to 0: the frontend queue serves everything (:mod:`pushkv.sim.host.frontend`)."""
     from ...sim.marks import Timeline
     from ...sim.runner import run
     from ...sim.scenario import SimConfig, TransferMode
@@ -116,6 +117,9 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
                                          prefill=dataclasses.replace(h.prefill, **pre),
                                          decode=dataclasses.replace(h.decode, **dec)),
             ).validate()
+        if not api_loops and profile.host.token_api_s:  # the one frontend queue
+            profile = dataclasses.replace(profile, host=dataclasses.replace(
+                profile.host, token_api_s=0.0)).validate()
         if merge_tokens is not None and profile.host.model == SHARED_CPU:
             profile = dataclasses.replace(profile, host=dataclasses.replace(
                 profile.host, merge_tokens=merge_tokens)).validate()

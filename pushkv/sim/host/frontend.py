@@ -35,8 +35,8 @@ one wake-up, merging a request's outputs only while it is behind; the router and
 client relay each chunk it writes. And a frontend's CPU is mostly its wake-ups: on the
 2-core machine pushkv is measured on, decode's API server spent 0.17-0.21 ms each time
 it was scheduled at every rate from 2 to 24 QPS, while the times it was scheduled per
-output token fell from 3.6 to 1.5 (the core probe's per-process schedule,
-``docs/sim.md``). With ``host.token_api_s`` (and ``merge_tokens`` > 1) each API server
+output token fell from 3.6 to 1.5-1.8 (the core probe's per-process schedule,
+``docs/sim.md``, 'A wake-up shared'). With ``host.token_api_s`` (and ``merge_tokens`` > 1) each API server
 is a loop of its own (:meth:`Frontend.loop`: one FIFO server, its work on the host's
 cores): its legs' intake and its answers queue there, not on the frontend queue, and a
 token's way out is two jobs. First one of its decode API server's loop: it costs
