@@ -56,9 +56,12 @@ BS = 32
 #: Prompt lengths of the batch: partial blocks, exact blocks, one past a block, long.
 LENGTHS = (5, 31, 32, 33, 64, 97, 150, 200)
 MAX_TOKENS = 12
-#: Short protocol timeouts, so failure paths end within seconds.
+#: Short protocol timeouts, so failure paths end within seconds; but a generous
+#: handshake's: no test here waits for a handshake to fail, and a restarted decode's
+#: first handshake with the prefill took more than 5 s on a 2-core machine running
+#: other work beside the suite (HANDSHAKE_FAILED, the batch after the restart lost).
 FAST = {"lease_s": 10.0, "heartbeat_s": 1.0, "window_s": 8.0, "fence_grace_s": 2.0,
-        "handshake_timeout_s": 5.0, "peer_confirm_s": 1.0}
+        "handshake_timeout_s": 60.0, "peer_confirm_s": 1.0}
 
 
 def prompt(n: int, salt: int) -> list[int]:
