@@ -36,14 +36,14 @@ client relay each chunk it writes. And a frontend's CPU is mostly its wake-ups: 
 2-core machine pushkv is measured on, decode's API server spent 0.17-0.21 ms each time
 it was scheduled at every rate from 2 to 24 QPS, while the times it was scheduled per
 output token fell from 3.6 to 1.5-1.8 (the core probe's per-process schedule,
-``docs/sim.md``, 'A wake-up shared'). With ``host.token_api_s`` (and ``merge_tokens`` > 1) each API server
-is a loop of its own (:meth:`Frontend.loop`: one FIFO server, its work on the host's
-cores): its legs' intake and its answers queue there, not on the frontend queue, and a
-token's way out is two jobs. First one of its decode API server's loop: it costs
-``token_api_s``, and every token that reaches that loop while the job still waits for
-its turn, of any request, joins it for ``token_api_item_s`` more, a request's joining
-tokens merging into its chunk, up to ``merge_tokens``. Then the relay of the job's
-chunks through the router and the client, one job on the frontend queue:
+``docs/sim.md``, 'A wake-up shared'). With ``host.token_api_s`` (and ``merge_tokens`` >
+1) each API server is a loop of its own (:meth:`Frontend.loop`: one FIFO server, its
+work on the host's cores): its legs' intake and its answers queue there, not on the
+frontend queue, and a token's way out is two jobs. First one of its decode API server's
+loop: it costs ``token_api_s``, and every token that reaches that loop while the job
+still waits for its turn, of any request, joins it for ``token_api_item_s`` more, a
+request's joining tokens merging into its chunk, up to ``merge_tokens``. Then the relay
+of the job's chunks through the router and the client, one job on the frontend queue:
 ``token_work_s - token_api_s`` for the first chunk, and chunks of later API jobs that
 reach the queue while it waits join it for ``token_item_s - token_api_item_s`` each.
 Without it the frontend queue serves everything, a token's whole way out one job there,
@@ -72,6 +72,9 @@ from .spread import Spread
 
 #: a token's delivery to the client, given how long before its job's end it came
 Deliver = Callable[[float], None]
+
+#: the process name the router's and client's relay of tokens runs under
+RELAY = "relay"
 
 #: cores a P/D pair of the measured deployment pins an engine to (one each)
 PAIR_ENGINE_CORES = 2
@@ -131,12 +134,12 @@ class Frontend:
         #: chunk joining a relay job waiting
         self.relay_s = token_s - self.api_s
         self.relay_item_s = max(0.0, min(item_s - self.api_item_s, self.relay_s))
-        #: per decode API server: its loop, and its token job still waiting for its turn
-        #: (per request carried, its deliveries)
+        #: per API server, its loop
         self._loops: dict[str, simpy.Resource] = {}
-        self._api_open: dict[str, dict[str, list[Deliver]]] = {}
-        #: the relay job still waiting for its turn: its chunks' deliveries
-        self._relay_open: list[list[Deliver]] | None = None
+        #: per process, its token job still waiting for its turn, which later tokens
+        #: join: a decode API server's (per request carried, its deliveries), the
+        #: relay's (its chunks' deliveries)
+        self._open: dict[str, Any] = {}
 
     def serve(self, service_s: float | Callable[[], float], then: Callable[[], None],
               wait_s: float = 0.0,
@@ -192,6 +195,7 @@ class Frontend:
              started: Callable[[], None] | None = None, wake_s: float = 0.0,
              gate: str | None = None, process: str = "",
              queue: simpy.Resource | None = None) -> Generator[Any, Any, None]:
+        queue = self.cpu if queue is None else queue
         if wake_s > 0:  # the woken process waits for a core, holding none
             self.woken += 1
             self.woke_s += wake_s
@@ -201,7 +205,7 @@ class Frontend:
                 del self._gates[gate]  # type: ignore[arg-type]
                 held.succeed()  # its followers queue behind it, in order
         t0 = self.env.now
-        with (queue or self.cpu).request() as slot:
+        with queue.request() as slot:
             yield slot
             self.waited_s += self.env.now - t0
             if started is not None:
@@ -265,15 +269,11 @@ class Frontend:
         job still waiting for its turn there, if that job carries fewer than
         ``merge_tokens`` of its request's; else it starts one, which later tokens join."""
         api, key = req.decode or "", req.transfer_id
-        carried = self._api_open.get(api)
+        carried: dict[str, list[Deliver]] | None = self._open.get(api)
         if carried is not None and len(carried.get(key, ())) < self.merge:
             carried.setdefault(key, []).append(delivered)
             return
-        carried = self._api_open[api] = {key: [delivered]}
-
-        def started() -> None:  # its turn came: later tokens make a job of their own
-            if self._api_open.get(api) is carried:
-                del self._api_open[api]
+        carried = {key: [delivered]}
 
         def service() -> float:  # one token's work, and each other's item
             return self.api_s + self.api_item_s * (sum(map(len, carried.values())) - 1)
@@ -282,7 +282,19 @@ class Frontend:
             for chunk in carried.values():  # a request's tokens in it: one chunk
                 self._relay(chunk)
 
-        self.serve(service, relay, started=started, process=api, own_loop=True)
+        self._serve_open(api, carried, service, relay, own_loop=True)
+
+    def _serve_open(self, process: str, carried: Any, service: Callable[[], float],
+                    then: Callable[[], None], **kw: Any) -> None:
+        """Serve ``process``'s job carrying ``carried``, which later tokens join
+        (``self._open``) until its turn comes."""
+        self._open[process] = carried
+
+        def started() -> None:  # its turn came: later tokens make a job of their own
+            if self._open.get(process) is carried:
+                del self._open[process]
+
+        self.serve(service, then, started=started, process=process, **kw)
 
     @property
     def loops(self) -> bool:
@@ -303,14 +315,11 @@ class Frontend:
         waiting for its turn on the frontend queue, else starts one. The job passes its
         chunks on in turn: each reaches the client the later chunks' items before the
         job's end."""
-        if self._relay_open is not None:
-            self._relay_open.append(chunk)
+        chunks: list[list[Deliver]] | None = self._open.get(RELAY)
+        if chunks is not None:
+            chunks.append(chunk)
             return
-        chunks = self._relay_open = [chunk]
-
-        def started() -> None:  # its turn came: later chunks make a job of their own
-            if self._relay_open is chunks:
-                self._relay_open = None
+        chunks = [chunk]
 
         def service() -> float:
             return self.relay_s + self.relay_item_s * (len(chunks) - 1)
@@ -321,7 +330,7 @@ class Frontend:
                 for d in c:
                     d(early)
 
-        self.serve(service, deliver, started=started, process="relay", wakes=False)
+        self._serve_open(RELAY, chunks, service, deliver, wakes=False)
 
     def drained(self) -> simpy.Event:
         """An event that fires once no work is queued or running."""
