@@ -72,6 +72,7 @@ from pushkv.fit.sim_vs_real.runs import (  # noqa: E402
     MODES,
     PROFILE,
     file_name,
+    point_prompts,
     probe_speed,
     rate_name,
     record_shares,
@@ -138,6 +139,7 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
             for input_len, q in todo:
                 fname = file_name(mode, q, input_len, args.output_len, it)
                 stem = Path(fname).stem
+                prompts = point_prompts(q, args.num_prompts, args.point_seconds)
                 rate = gauge_rate(args, q)
                 if args.gauge:  # lone requests at the point's lengths, just before it
                     if last is None or (last["input_len"], last["qps"]) != (input_len, rate):
@@ -153,7 +155,7 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
                       SchedSamples(functools.partial(sched_parts, dep, ep)) as sched):
                     ok = bench_serve(ep.target.url, str(model), real, fname, qps=str(q),
                                      input_len=input_len, output_len=args.output_len,
-                                     num_prompts=args.num_prompts, seed=args.seed + it,
+                                     num_prompts=prompts, seed=args.seed + it,
                                      log=real / "logs" / f"{mode}-bench.log",
                                      extra=("--save-detailed",),  # each request's TTFT
                                      client=client)
@@ -161,7 +163,7 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
                               "wake_s": round(probe.wake_s(core), 6)}
                        for side, core in (("prefill", 0), ("decode", 1))}
                 got["runq_wait_ms"] = per_request(waited, runq_waits(dep, ep),
-                                                  args.num_prompts)
+                                                  prompts)
                 got["engine"] = engine_steps(before, server_metrics(dep))
                 # the wake-ups' tail, kept for diagnosis (the simulation takes medians)
                 got["wake_tail"] = {side: {k: round(v, 6) for k, v in
@@ -395,6 +397,11 @@ def main() -> int:
                    "at every --rates rate: LEN:RATE,RATE/LEN:RATE,... (e.g. "
                    "64:2,4,8,16/192:2,8)")
     p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--point-seconds", type=float, default=None,
+                   help="send each point's requests for about this long: at rate q, "
+                        "max(--num-prompts, ceil(q x S)) requests, so points past the knee "
+                        "run long enough to leave their start (default: --num-prompts at "
+                        "every rate)")
     p.add_argument("--output-len", type=int, default=24)
     p.add_argument("--iterations", type=int, default=8,
                    help="iterations per point (default 8: a 24-prompt point's real mean TTFT "
@@ -472,6 +479,8 @@ def main() -> int:
     for m in args.modes:
         if m not in MODES:
             p.error(f"unknown mode {m!r} (choose from {', '.join(MODES)})")
+    if args.point_seconds is not None and not args.point_seconds > 0:
+        p.error(f"--point-seconds must be > 0, got {args.point_seconds}")
     if args.points:  # the lengths the deployments must hold
         args.inputs = sorted({i for i, _ in args.points})
     real = args.out / "real"

@@ -49,13 +49,13 @@ def _real(tmp: Path) -> tuple[Path, Path]:
 def _simulated_push_point(tmp_path: Path) -> tuple[str, str, int]:
     """The committed push point's name, its simulated timeline (the file's text, under
     ``tmp_path / "tl"``) and its number of prompts."""
-    points, output_len, num_prompts = real_points(DATA)
+    points, output_len, prompts = real_points(DATA)
     push = [p for p in points if p[0] == "push"]
-    run_sim(PROFILE, tmp_path / "sim", push, output_len, num_prompts,
+    run_sim(PROFILE, tmp_path / "sim", push, output_len, prompts,
             timelines=tmp_path / "tl")
     fname = "push_qps2_in64_out24_iter0.json"
     lines = (tmp_path / "tl" / Path(fname).stem / "timeline-sim.jsonl").read_text()
-    return fname, lines, num_prompts
+    return fname, lines, prompts[fname]
 
 
 def test_real_requests_are_those_of_the_first_directory(tmp_path: Path) -> None:

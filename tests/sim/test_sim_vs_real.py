@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,14 @@ from pushkv.fit.sim_vs_real.deployment import (
 )
 from pushkv.fit.sim_vs_real.keys import gauge_keys, gauge_rate, gauge_speed, noise_table
 from pushkv.fit.sim_vs_real.report import BAND, compare, interval, precision
-from pushkv.fit.sim_vs_real.runs import PROFILE, SHARES, file_name, real_points, steal_record
+from pushkv.fit.sim_vs_real.runs import (
+    PROFILE,
+    SHARES,
+    file_name,
+    point_prompts,
+    real_points,
+    steal_record,
+)
 from pushkv.fit.sim_vs_real.simulate import run_sim
 from pushkv.fit.sim_vs_real.tables import lone_gap
 
@@ -37,10 +45,46 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data" / "sim_vs_real" / "real"
 
 
+def test_a_point_sends_for_its_seconds_at_its_rate() -> None:
+    assert point_prompts(2.0, 48) == 48
+    assert point_prompts(2.0, 48, 8.0) == 48  # 16 in 8 s: the count stands
+    assert point_prompts(24.0, 48, 8.0) == 192
+    assert point_prompts(12.5, 48, 8.0) == 100
+    assert point_prompts(7.0, 48, 7.1) == 50  # rounded up
+    for bad in ((2.0, 0, None), (2.0, 48, 0.0), (0.0, 48, 8.0), (2.0, 48, float("nan"))):
+        with pytest.raises(ValueError):
+            point_prompts(*bad)
+
+
+def test_points_of_a_run_may_send_different_counts(tmp_path: Path) -> None:
+    """A run with ``--point-seconds`` sends more requests at its higher rates: each point
+    is simulated with its own count, and only the output length must be the run's."""
+    real = tmp_path / "real"
+    real.mkdir()
+    for f in DATA.glob("*_iter0.json"):
+        shutil.copy(f, real / f.name)
+    pull = file_name("pull", 2.0, 64, 24, 0)
+    data = json.loads((real / pull).read_text())
+    data["num_prompts"] = 30
+    (real / pull).write_text(json.dumps(data))
+    points, output_len, prompts = real_points(real)
+    assert prompts[pull] == 30 and prompts[file_name("push", 2.0, 64, 24, 0)] == 24
+    run_sim(PROFILE, tmp_path / "sim", points, output_len, prompts)
+    got = json.loads((tmp_path / "sim" / pull).read_text())
+    assert got["completed"] == 30
+    push = json.loads((tmp_path / "sim" / file_name("push", 2.0, 64, 24, 0)).read_text())
+    assert push["completed"] == 24
+    data["output_len"] = 32  # the name says 24: a file of another length is refused
+    (real / file_name("pull", 2.0, 64, 32, 0)).write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match="mixed output lengths"):
+        real_points(real)
+
+
 def test_the_simulator_half_runs_on_real_results(tmp_path: Path) -> None:
     points, output_len, num_prompts = real_points(DATA)
     assert sorted(p[0] for p in points) == ["pull", "push"]
-    assert (output_len, num_prompts) == (24, 24)
+    assert output_len == 24
+    assert num_prompts == {file_name(m, q, i, 24, it): 24 for m, i, q, it in points}
     probe = json.loads((DATA / SHARES).read_text())
     runs = {"own": {}, "probe": {"shares": probe},
             "steps": {"shares": probe, "server_steps": True}}

@@ -15,6 +15,7 @@ share and wake-up delay per core, the servers' metrics, the point's window, stea
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,24 @@ def timeline_dirs(real: Path, mode: str) -> list[Path]:
     return [real / "timeline" / d for d in (name, deployment, CLIENT)]
 
 
-def real_points(real: Path) -> tuple[list[tuple[str, int, float, int]], int, int]:
-    """The points of the result files in ``real``, their output length and prompt count."""
-    points, outs, prompts = [], set(), set()
+def point_prompts(qps: float, num_prompts: int, point_seconds: float | None = None) -> int:
+    """The requests a point at ``qps`` sends: ``num_prompts``, or with ``point_seconds``
+    as many as ``qps`` sends in that long where that is more -- so that a point past the
+    knee runs long enough to leave the minute it started in, not two seconds of it."""
+    if num_prompts < 1:
+        raise ValueError(f"a point sends at least one request, got {num_prompts}")
+    if point_seconds is None:
+        return num_prompts
+    if not point_seconds > 0 or not qps > 0:
+        raise ValueError(f"a point's rate and seconds must be > 0, got {qps}, {point_seconds}")
+    return max(num_prompts, math.ceil(qps * point_seconds))
+
+
+def real_points(real: Path) -> tuple[list[tuple[str, int, float, int]], int, dict[str, int]]:
+    """The points of the result files in ``real``, their output length (one for the run)
+    and each point's prompt count, by result file name (a run with ``--point-seconds``
+    sends more requests at the higher rates)."""
+    points, outs, prompts = [], set(), {}
     for path in sorted(real.iterdir()):
         m = NAME.match(path.name)
         if m is None or m["mode"] not in MODES:
@@ -61,14 +77,13 @@ def real_points(real: Path) -> tuple[list[tuple[str, int, float, int]], int, int
         data = json.loads(path.read_text())
         points.append((m["mode"], int(m["input"]), float(m["qps"]), int(m["iter"])))
         outs.add(int(m["output"]))
-        prompts.add(int(data["num_prompts"]) if "num_prompts" in data
-                    else int(data["completed"]) + int(data.get("failed", 0)))
+        prompts[path.name] = (int(data["num_prompts"]) if "num_prompts" in data
+                              else int(data["completed"]) + int(data.get("failed", 0)))
     if not points:
         raise SystemExit(f"no real result files in {real}")
-    if len(outs) != 1 or len(prompts) != 1:
-        raise SystemExit(f"{real}: mixed output lengths {sorted(outs)} or prompt counts "
-                         f"{sorted(prompts)}")
-    return points, outs.pop(), prompts.pop()
+    if len(outs) != 1:
+        raise SystemExit(f"{real}: mixed output lengths {sorted(outs)}")
+    return points, outs.pop(), prompts
 
 
 def write_wakes(real: Path, stem: str, probe: Any) -> Path:

@@ -9,7 +9,7 @@ timeline marks beside the real half's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from .runs import file_name
 
 
 def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, float, int]],
-            output_len: int, num_prompts: int, *, seed: int = 0,
+            output_len: int, num_prompts: int | Mapping[str, int], *, seed: int = 0,
             shares: dict[str, dict[str, Any]] | None = None,
             server_steps: bool = False, timelines: Path | None = None,
             arrivals: str = "vllm", frontend_cores: int | None = None,
@@ -31,7 +31,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             gauges: dict[str, dict[str, dict[str, float]]] | None = None,
             speeds: bool = False, wall_steps: bool = False,
             merge_tokens: int | None = None, api_loops: bool = False) -> None:
-    """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``; with
+    """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``, each
+    sending ``num_prompts`` requests (or its own count, by result file name); with
     ``shares`` (by result file name), each point's engines get the share of a core and
     the wake-up delay the probe met on their cores (``cpu_share``, ``wake_s``), else a
     core each. With ``server_steps`` the engines' step overheads are instead what the
@@ -76,6 +77,7 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     for mode, input_len, rate, it in points:
         profile = base
         fname = file_name(mode, rate, input_len, output_len, it)
+        prompts = num_prompts if isinstance(num_prompts, int) else num_prompts[fname]
         got = (shares or {}).get(fname)
         if gauges is not None:
             if fname not in gauges:
@@ -126,13 +128,13 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
         cfg = SimConfig(mode=TransferMode(mode), profile=profile, iteration=it,
                         workload=WorkloadConfig(request_rate=rate, input_len=input_len,
                                                 output_len=output_len,
-                                                num_prompts=num_prompts, seed=seed,
+                                                num_prompts=prompts, seed=seed,
                                                 arrivals=arrivals))
         tl = Timeline() if timelines is not None else None
         res = run(cfg, timeline=tl)
         if tl is not None and timelines is not None:
             tl.write(timelines / Path(cfg.file_name()).stem)
-        if res.result["completed"] != num_prompts or res.leaked_blocks:
+        if res.result["completed"] != prompts or res.leaked_blocks:
             raise RuntimeError(f"simulated {cfg.file_name()}: {res.result['completed']} of "
-                               f"{num_prompts} completed, {res.leaked_blocks} blocks leaked")
+                               f"{prompts} completed, {res.leaked_blocks} blocks leaked")
         res.write(sim)
