@@ -39,10 +39,41 @@ from pushkv.fit.sim_vs_real.runs import (
     steal_record,
 )
 from pushkv.fit.sim_vs_real.simulate import run_sim
-from pushkv.fit.sim_vs_real.tables import lone_gap
+from pushkv.fit.sim_vs_real.tables import iteration_rows, lone_gap
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data" / "sim_vs_real" / "real"
+
+
+def test_a_points_iterations_beside_what_the_machine_did(tmp_path: Path) -> None:
+    """The top rate's iterations, each with its real and simulated mean TTFT and what the
+    run recorded meanwhile; a field a run did not record shows as '-', not as 0."""
+    real, sim = tmp_path / "real", tmp_path / "sim"
+    real.mkdir()
+    sim.mkdir()
+    push, pull = file_name("push", 2.0, 64, 24, 0), file_name("pull", 2.0, 64, 24, 0)
+    for name, ttft in ((push, 40.0), (pull, 50.0)):
+        data = json.loads((DATA / name).read_text())
+        (real / name).write_text(json.dumps(data))
+        (sim / name).write_text(json.dumps(data | {"mean_ttft_ms": ttft}))
+    shares = {push: {
+        "engine": {"decode_token_s": 0.0121},
+        "threads": {"prefill": {"pinned": {"cores": 0.63}}, "decode": {"pinned": {"cores": 0.39}}},
+        "gc": {"decode_api": {"max_ms": 78.9}, "router": {"max_ms": 1.0}},
+        "speed": {"prefill": 100.0, "decode": 90.0},
+        "gauges": [{"speed": {"prefill": 100.0, "decode": 100.0}}]}}
+    text, rows = iteration_rows(real, sim, shares, input_len=64, rate=2.0)
+    assert [r["mode"] for r in rows] == ["pull", "push"]
+    pl, ps = rows
+    assert ps["sim_ttft_ms"] == 40.0 and pl["sim_ttft_ms"] == 50.0
+    assert ps["real_ttft_ms"] == round(json.loads((DATA / push).read_text())["mean_ttft_ms"], 1)
+    assert (ps["decode_ms_a_token"], ps["prefill_pinned_cores"], ps["decode_pinned_cores"]) == (
+        12.1, 0.63, 0.39)
+    assert (ps["frontend_gc_max_ms"], ps["gc_part"]) == (78.9, "decode_api")
+    assert ps["speed"] == {"prefill": 1.0, "decode": 0.9}
+    assert pl["decode_ms_a_token"] is None and pl["gc_part"] is None and pl["speed"] is None
+    assert "| push | 0 |" in text and "78.9 (decode_api)" in text and "| - / - |" in text
+    assert iteration_rows(real, sim, shares, input_len=64, rate=8.0) == ("", [])
 
 
 def test_a_point_sends_for_its_seconds_at_its_rate() -> None:

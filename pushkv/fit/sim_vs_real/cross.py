@@ -361,12 +361,13 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
     length with the most rates; :func:`knees`) and draw it into ``figures_dir``.
     Prints the tables (``say``) and returns the summary: ``in_sample`` and
     ``out_of_sample`` ratio ranges, figures decided and in band, ``knee_ratio`` per
-    mode, and the same the other way under ``no_merge`` (or ``merge``)."""
+    mode, the same the other way under ``no_merge`` (or ``merge``), and the sweep's
+    top rate iteration by iteration (``iterations``: :func:`.tables.iteration_rows`)."""
     import json
 
     from .runs import SHARES, real_points
     from .simulate import run_sim
-    from .tables import segment_tables
+    from .tables import iteration_rows, segment_tables
 
     real = out / "real"
     points, output_len, num_prompts = real_points(real)
@@ -451,6 +452,14 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
     if text:
         say(f"\nAbove the training rates, each segment's median over the points' "
             f"iterations (ms; real / simulated / simulated {other.replace('_', ' ')}):\n")
+        say(text)
+    top = max(p[2] for p in points if p[1] == sweep_input)
+    text, summary["iterations"] = iteration_rows(real, out / "sim-cross", shares,
+                                                 input_len=sweep_input, rate=top)
+    if text:
+        say(f"\nThe sweep's top rate ({rate_name(top)} QPS, {sweep_input} tokens in), "
+            "iteration by iteration: mean TTFT real and simulated, and what the machine "
+            "did meanwhile:\n")
         say(text)
     o = summary.get("out_of_sample", {})
     say(f"\nout of sample: {o.get('in_band')} of {o.get('figures')} figures in band, "

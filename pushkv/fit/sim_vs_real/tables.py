@@ -229,3 +229,64 @@ def lone_gap(real: Path, shares: dict[str, dict[str, Any]]
         out[mode] = {"requests": {g: {"n": len(groups[g]), "mean_ms": means[g]}
                                   for g in groups}, "wakes": wakes}
     return "\n\n".join(texts), out
+
+
+#: the frontend parts whose garbage-collector pauses :func:`iteration_rows` shows
+FRONTEND_PARTS = ("decode_api", "router", "client")
+
+
+def iteration_rows(real: Path, sim: Path, shares: dict[str, dict[str, Any]], *,
+                   input_len: int, rate: float) -> tuple[str, list[dict[str, Any]]]:
+    """One point's iterations side by side, per mode (the points of ``input_len``
+    tokens at ``rate``): the real and simulated mean TTFT (ms), and what the run
+    recorded of the machine meanwhile (``shares``, ``cpu_probe.json``) -- decode's
+    engine time per output token (the servers' metrics, ms), how much of a core the
+    prefill and decode engines' pinned threads got (:func:`.deployment.sched_parts`),
+    the longest garbage-collector pause of a frontend process (:data:`FRONTEND_PARTS`,
+    ms, and whose) and the cores' speed against the point's gauges
+    (:func:`.keys.gauge_speed`). Where a real mean TTFT is far from its simulated
+    one, the columns beside it show whether the engines, a stopped frontend or the
+    machine's cores carried it. A field the run did not record: None ('-'). The table
+    and its rows."""
+    from .keys import gauge_speed
+
+    rows: list[dict[str, Any]] = []
+    for path in sorted(real.iterdir()):
+        m = NAME.match(path.name)
+        if (m is None or m["mode"] not in MODES or int(m["input"]) != input_len
+                or float(m["qps"]) != rate or not (sim / path.name).exists()):
+            continue
+        got = shares.get(path.name, {})
+        threads = got.get("threads") or {}
+        pinned = {side: threads.get(side, {}).get("pinned", {}).get("cores")
+                  for side in ("prefill", "decode")}
+        gc = {part: got.get("gc", {}).get(part, {}).get("max_ms") for part in FRONTEND_PARTS}
+        gc = {k: v for k, v in gc.items() if v is not None}
+        worst = max(gc, key=lambda k: gc[k]) if gc else None
+        tok = got.get("engine", {}).get("decode_token_s")
+        speed = gauge_speed(got)
+        rows.append({
+            "mode": m["mode"], "iter": int(m["iter"]),
+            "real_ttft_ms": round(json.loads(path.read_text())["mean_ttft_ms"], 1),
+            "sim_ttft_ms": round(json.loads((sim / path.name).read_text())["mean_ttft_ms"], 1),
+            "decode_ms_a_token": None if tok is None else round(tok * 1e3, 2),
+            "prefill_pinned_cores": pinned["prefill"], "decode_pinned_cores": pinned["decode"],
+            "frontend_gc_max_ms": None if worst is None else gc[worst], "gc_part": worst,
+            "speed": {k: round(v, 2) for k, v in speed.items()} or None})
+    rows.sort(key=lambda r: (r["mode"], r["iter"]))
+
+    def f(v: Any, spec: str = ".1f") -> str:
+        return "-" if v is None else format(v, spec)
+
+    lines = ["| mode | iteration | real mean TTFT | sim | decode ms a token | pinned cores, "
+             "prefill / decode | longest frontend GC pause (ms) | cores' speed, prefill / "
+             "decode |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sp = r["speed"] or {}
+        lines.append(
+            f"| {r['mode']} | {r['iter']} | {r['real_ttft_ms']:.1f} | {r['sim_ttft_ms']:.1f} | "
+            f"{f(r['decode_ms_a_token'], '.2f')} | {f(r['prefill_pinned_cores'], '.2f')} / "
+            f"{f(r['decode_pinned_cores'], '.2f')} | {f(r['frontend_gc_max_ms'])}"
+            f"{' (' + r['gc_part'] + ')' if r['gc_part'] else ''} | "
+            f"{f(sp.get('prefill'), '.2f')} / {f(sp.get('decode'), '.2f')} |")
+    return ("\n".join(lines) if rows else ""), rows
