@@ -784,6 +784,10 @@ def test_cross_validation_keys_held_out_points_from_the_training_points_alone(
     assert 0 < outs["ratio_min"] <= outs["ratio_max"]
     assert outs["decided"] <= outs["figures"] and outs["in_band"] <= outs["decided"]
     assert got["knee"]["push"]["rates"] == [2.0, 8.0]
+    top = got["top_rate"]  # the sweep's top rate, every iteration of it beside its sim
+    assert (top["qps"], top["input_len"]) == (8.0, 64)
+    assert sorted((r["mode"], r["iter"]) for r in top["iterations"]) == sorted(
+        (p[0], p[3]) for p in points if p[1:3] == (64, 8.0))
     # the held-out keys are the training points' mean, not the held-out point's gauges
     from pushkv.fit.sim_vs_real.cross import predict
 

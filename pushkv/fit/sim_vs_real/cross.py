@@ -362,7 +362,7 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
     Prints the tables (``say``) and returns the summary: ``in_sample`` and
     ``out_of_sample`` ratio ranges, figures decided and in band, ``knee_ratio`` per
     mode, the same the other way under ``no_merge`` (or ``merge``), and the sweep's
-    top rate iteration by iteration (``iterations``: :func:`.tables.iteration_rows`)."""
+    top rate iteration by iteration (``top_rate``: :func:`.tables.iteration_rows`)."""
     import json
 
     from .runs import SHARES, real_points
@@ -454,8 +454,9 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
             f"iterations (ms; real / simulated / simulated {other.replace('_', ' ')}):\n")
         say(text)
     top = max(p[2] for p in points if p[1] == sweep_input)
-    text, summary["iterations"] = iteration_rows(real, out / "sim-cross", shares,
-                                                 input_len=sweep_input, rate=top)
+    text, rows = iteration_rows(real, out / "sim-cross", shares, input_len=sweep_input,
+                                rate=top)
+    summary["top_rate"] = {"qps": top, "input_len": sweep_input, "iterations": rows}
     if text:
         say(f"\nThe sweep's top rate ({rate_name(top)} QPS, {sweep_input} tokens in), "
             "iteration by iteration: mean TTFT real and simulated, and what the machine "

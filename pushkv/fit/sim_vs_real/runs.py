@@ -55,7 +55,8 @@ def timeline_dirs(real: Path, mode: str) -> list[Path]:
 def point_prompts(qps: float, num_prompts: int, point_seconds: float | None = None) -> int:
     """The requests a point at ``qps`` sends: ``num_prompts``, or with ``point_seconds``
     as many as ``qps`` sends in that long where that is more -- so that a point past the
-    knee runs long enough to leave the minute it started in, not two seconds of it."""
+    knee measures the load, not its first two seconds. ValueError for a count below 1,
+    or seconds or a rate not above 0."""
     if num_prompts < 1:
         raise ValueError(f"a point sends at least one request, got {num_prompts}")
     if point_seconds is None:

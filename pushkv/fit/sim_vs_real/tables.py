@@ -21,6 +21,7 @@ from typing import Any
 
 from ... import timeline
 from .. import segments
+from .keys import gauge_speed
 from .runs import GAUGES, MODES, NAME, WAKES
 
 
@@ -248,8 +249,6 @@ def iteration_rows(real: Path, sim: Path, shares: dict[str, dict[str, Any]], *,
     one, the columns beside it show whether the engines, a stopped frontend or the
     machine's cores carried it. A field the run did not record: None ('-'). The table
     and its rows."""
-    from .keys import gauge_speed
-
     rows: list[dict[str, Any]] = []
     for path in sorted(real.iterdir()):
         m = NAME.match(path.name)
