@@ -788,6 +788,11 @@ def test_cross_validation_keys_held_out_points_from_the_training_points_alone(
     assert (top["qps"], top["input_len"]) == (8.0, 64)
     assert sorted((r["mode"], r["iter"]) for r in top["iterations"]) == sorted(
         (p[0], p[3]) for p in points if p[1:3] == (64, 8.0))
+    # a sweep length the run has no point of: no knee, no top rate, no error
+    other = cross_validate(tmp_path, PROFILE, rates=(2.0,), inputs=(64,), sweep_input=999,
+                           say=lambda _: None)
+    assert other["knee"] == {} and other["top_rate"] == {
+        "qps": None, "input_len": 999, "iterations": []}
     # the held-out keys are the training points' mean, not the held-out point's gauges
     from pushkv.fit.sim_vs_real.cross import predict
 

@@ -453,9 +453,10 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
         say(f"\nAbove the training rates, each segment's median over the points' "
             f"iterations (ms; real / simulated / simulated {other.replace('_', ' ')}):\n")
         say(text)
-    top = max(p[2] for p in points if p[1] == sweep_input)
-    text, rows = iteration_rows(real, out / "sim-cross", shares, input_len=sweep_input,
-                                rate=top)
+    swept = [p[2] for p in points if p[1] == sweep_input]
+    top = max(swept, default=None)  # none: a --sweep-input the run has no point of
+    text, rows = ("", []) if top is None else iteration_rows(
+        real, out / "sim-cross", shares, input_len=sweep_input, rate=top)
     summary["top_rate"] = {"qps": top, "input_len": sweep_input, "iterations": rows}
     if text:
         say(f"\nThe sweep's top rate ({rate_name(top)} QPS, {sweep_input} tokens in), "
