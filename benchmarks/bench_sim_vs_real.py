@@ -470,6 +470,11 @@ def main() -> int:
                    help="simulate each API server as a loop of its own and a token's way "
                    "out as two jobs where the run measured host.token_api_s (docs/sim.md, "
                    "'A wake-up shared'); default: the one frontend queue")
+    p.add_argument("--pinned-engines", action="store_true",
+                   help="simulate each engine's loop on a core of its own and the other "
+                   "pieces floating between the cores (host.pinned, where the host has two "
+                   "cores or more), as the real deployment pins its engines; default: "
+                   "one pool of the cores")
     p.add_argument("--no-merge-tokens", dest="merge_tokens", action="store_false",
                    help="every output token a frontend job of its own (host.merge_tokens "
                    "0); by default all of a request's tokens waiting together on the "
@@ -509,13 +514,14 @@ def main() -> int:
                    use_real_keys=args.real_keys, cpu_share=args.cpu_share,
                    figures_dir=args.figures, failures=failures,
                    merge_tokens=args.output_len if args.merge_tokens else 0,
-                   api_loops=args.api_loops)
+                   api_loops=args.api_loops, pinned_engines=args.pinned_engines)
     summary = got.summary | {
         "real_s": round(real_s, 1), "total_s": round(time.monotonic() - t0, 1),
         "load_at_start": [round(x, 2) for x in load],
         "load_at_end": [round(x, 2) for x in os.getloadavg()],
         "profile": str(args.profile), "arrivals": args.arrivals,
         "frontend_cores": args.frontend_cores, "host_cores": args.host_cores,
+        "api_loops": args.api_loops, "pinned_engines": args.pinned_engines,
         "real_keys": got.keys, "way": got.way, "failures": failures}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
@@ -534,6 +540,7 @@ def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
                              seed=args.seed, arrivals=args.arrivals,
                              frontend_cores=args.frontend_cores, host_cores=args.host_cores,
                              merge_tokens=args.merge_tokens, api_loops=args.api_loops,
+                             pinned_engines=args.pinned_engines,
                              figures_dir=args.figures)
     except ValueError as exc:  # a split that cannot cross-validate
         print(f"cannot cross-validate: {exc}", file=sys.stderr)
@@ -550,6 +557,7 @@ def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
         "knee_ratio": got.get("knee_ratio"),
         "knee_ratio_median": got.get("knee_ratio_median"),
         "merge_tokens": args.merge_tokens, "api_loops": args.api_loops,
+        "pinned_engines": args.pinned_engines,
         **{other: {"out_of_sample": [got[other].get("out_of_sample", {}).get(k)
                                      for k in ("ratio_min", "ratio_max")],
                    "out_of_sample_in_band": got[other].get("out_of_sample", {}).get("in_band"),

@@ -11,7 +11,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
-from .host.model import HostModel
+from .host.model import HostModel, Side
 
 
 def step_end(computed: int, scheduled: int, prompt: int, block_size: int) -> int:
@@ -33,12 +33,13 @@ class Layers:
     count: int
     done: Callable[[int], None]
 
-    def run(self, host: HostModel, elapsed: float) -> Generator[Any, Any, None]:
-        """The step's work after its first ``elapsed`` seconds, on ``host``."""
+    def run(self, host: HostModel, elapsed: float, side: Side) -> Generator[Any, Any, None]:
+        """The step's work after its first ``elapsed`` seconds, on ``host`` (``side``: the
+        engine's, prefill's)."""
         for i, seg in enumerate((self.head_s, *(self.per_layer_s,) * self.count)):
             done = min(elapsed, seg)
             elapsed -= done
             if seg > done:
-                yield host.work(seg - done)
+                yield host.work(seg - done, side)
             if i:
                 self.done(i - 1)

@@ -341,23 +341,24 @@ class SimTransport:
         seconds the step took."""
         start = self.env.now
         host = self.host
-        host.beside(self._side(eid), dt)
+        side = self._side(eid)
+        host.beside(side, dt)
         lock = self.gil[eid]
         if python_s > 0 and self._gil_contended and (lock.count or lock.queue):
             with lock.request() as req:
                 yield req
                 self.gil_wait_s[eid] += self.env.now - start
-                yield host.work(min(python_s, dt))
+                yield host.work(min(python_s, dt), side)
             if layers is not None:
-                yield from layers.run(host, min(python_s, dt))
+                yield from layers.run(host, min(python_s, dt), side)
             elif dt > python_s:
-                yield host.work(dt - python_s)
+                yield host.work(dt - python_s, side)
         else:  # the lock is free: hold it for python_s without queueing (the fast path)
             self._loop_holds_until[eid] = start + min(python_s, dt)
             if layers is not None:
-                yield from layers.run(host, 0.0)
+                yield from layers.run(host, 0.0, side)
             else:
-                yield host.work(dt)
+                yield host.work(dt, side)
         return self.env.now - start
 
     def _side(self, eid: str) -> str:

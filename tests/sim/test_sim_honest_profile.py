@@ -49,7 +49,7 @@ def test_every_key_no_configuration_reads_is_refused(tmp_path: Path, section: st
 
 @pytest.mark.parametrize("key", [k for k in vars(HostProfile()) if k != "model"])
 def test_host_keys_of_the_dedicated_model_are_refused(tmp_path: Path, key: str) -> None:
-    value = {"prefill": None, "decode": None}.get(key, 1)
+    value = {"prefill": None, "decode": None, "pinned": "true"}.get(key, 1)
     if value is None:
         path = _write(tmp_path, f"[host.{key}]\ncpu_share = 0.5\n")
     elif key in ("spread", "wake_beside_s"):

@@ -346,7 +346,8 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
                    inputs: Sequence[int] = TRAIN_INPUTS, sweep_input: int | None = None,
                    seed: int = 0, arrivals: str = "vllm", frontend_cores: int | None = None,
                    host_cores: int | None = None, merge_tokens: bool = True,
-                   api_loops: bool = False, figures_dir: Path | None = None,
+                   api_loops: bool = False, pinned_engines: bool = False,
+                   figures_dir: Path | None = None,
                    say: Callable[[str], None] = print) -> dict[str, Any]:
     """The cross-validation of a recorded run (``out/real``): split its points
     (:func:`split` on ``rates`` x ``inputs``), key them from the training points alone
@@ -404,6 +405,7 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
         run_sim(profile, sim, points, output_len, num_prompts, seed=seed,
                 arrivals=arrivals, frontend_cores=frontend_cores, host_cores=host_cores,
                 gauges=keys, merge_tokens=merge, api_loops=api_loops,
+                pinned_engines=pinned_engines,
                 timelines=out / "sim-timeline" / way)
         _, segs[way] = segment_tables(real, out / "sim-timeline" / way, shares)
         judged = judge(real, sim, names)

@@ -59,6 +59,7 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
              use_real_keys: bool = False, cpu_share: bool = True,
              figures_dir: Path | None = None, failures: dict[str, str] | None = None,
              merge_tokens: int | None = None, api_loops: bool = False,
+             pinned_engines: bool = False,
              say: Callable[[str], None] = _say) -> SimHalf:
     """Simulate the points of ``out/real`` every way, compare, print (``say``); see the
     module. ``profile``: the profile every way starts from; ``seed``, ``arrivals``: the
@@ -78,7 +79,8 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
     shares = json.loads((real / SHARES).read_text()) if (real / SHARES).exists() else {}
     knobs: dict[str, Any] = {"arrivals": arrivals, "frontend_cores": frontend_cores,
                              "host_cores": host_cores, "keys": None,
-                             "merge_tokens": merge_tokens, "api_loops": api_loops}
+                             "merge_tokens": merge_tokens, "api_loops": api_loops,
+                             "pinned_engines": pinned_engines}
     if use_real_keys:
         try:
             knobs["keys"] = real_keys(real, shares, profile)
@@ -142,7 +144,8 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
             run_sim(profile, gauged, points, output_len, num_prompts, seed=seed,
                     arrivals=arrivals, frontend_cores=frontend_cores,
                     host_cores=host_cores, gauges=per_point, merge_tokens=merge_tokens,
-                    api_loops=api_loops, timelines=timelines / "gauge")
+                    api_loops=api_loops, pinned_engines=pinned_engines,
+                    timelines=timelines / "gauge")
             gauge_table, gauge_summary = compare(real, gauged)
             say("\nSimulated with each point's profile from the gauges just before and "
                 "after it (its own pair's lone requests at its lengths):\n")
@@ -181,7 +184,7 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
                 run_sim(profile, there, points, output_len, num_prompts, seed=seed,
                         arrivals=arrivals, frontend_cores=frontend_cores,
                         host_cores=host_cores, merge_tokens=merge_tokens,
-                        api_loops=api_loops, **kw)
+                        api_loops=api_loops, pinned_engines=pinned_engines, **kw)
                 table, got = compare(real, there)
                 say(f"\nThe same {title}:\n")
                 say(table)

@@ -30,7 +30,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             keys: dict[str, dict[str, float]] | None = None,
             gauges: dict[str, dict[str, dict[str, float]]] | None = None,
             speeds: bool = False, wall_steps: bool = False,
-            merge_tokens: int | None = None, api_loops: bool = False) -> None:
+            merge_tokens: int | None = None, api_loops: bool = False,
+            pinned_engines: bool = False) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``, each
     sending ``num_prompts`` requests (or its own count, by result file name); with
     ``shares`` (by result file name), each point's engines get the share of a core and
@@ -55,7 +56,10 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     profile's ``host.merge_tokens`` on every point run on the shared-CPU host (up to so
     many of a request's tokens waiting together on the frontend queue leave as one
     chunk; 0: none). Without ``api_loops`` a point's measured ``host.token_api_s`` is
-    set to 0: the frontend queue serves everything (:mod:`pushkv.sim.host.frontend`)."""
+    set to 0: the frontend queue serves everything (:mod:`pushkv.sim.host.frontend`).
+    ``pinned_engines``: on every point whose host has two cores or more
+    (``host.cores``), each engine's loop on a core of its own and the rest floating
+    (``host.pinned``, :class:`pushkv.sim.host.cores.PinnedCores`)."""
     from ...sim.marks import Timeline
     from ...sim.runner import run
     from ...sim.scenario import SimConfig, TransferMode
@@ -122,6 +126,9 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
         if not api_loops and profile.host.token_api_s:  # the one frontend queue
             profile = dataclasses.replace(profile, host=dataclasses.replace(
                 profile.host, token_api_s=0.0)).validate()
+        if pinned_engines and profile.host.model == SHARED_CPU and profile.host.cores >= 2:
+            profile = dataclasses.replace(profile, host=dataclasses.replace(
+                profile.host, pinned=True)).validate()
         if merge_tokens is not None and profile.host.model == SHARED_CPU:
             profile = dataclasses.replace(profile, host=dataclasses.replace(
                 profile.host, merge_tokens=merge_tokens)).validate()

@@ -12,6 +12,19 @@ advances at ``min(1, c / n)`` seconds of work per second (a piece is one
 single-threaded process, so it never gets more than one core). ``host.cores = 0``
 (the default): every piece runs at full speed, as before.
 
+With ``host.pinned`` the cores are not one pool but ``c`` pools of one core each
+(:class:`PinnedCores`), as the measured deployment runs: each engine's loop -- its
+steps and, holding a request, its empty steps -- runs on its side's core (prefill on
+core 0, decode on core 1: vLLM's CPU worker binds its OpenMP threads, the loop's
+among them, to ``VLLM_CPU_OMP_THREADS_BIND``'s cores with ``OMP_PLACES`` and
+``OMP_PROC_BIND=true``, ``vllm/utils/ompmultiprocessing.py``, vLLM 0.32), and every
+other piece -- a frontend job, the work beside a step -- floats: it starts on the core
+with the fewest runnable pieces (a waking task goes to an idle core when there is one:
+``select_idle_sibling``, Linux ``kernel/sched/fair.c``), on a tie a core drawn at
+random, and stays there until it ends. The kernel also moves a waiting task to a core
+that falls idle; the model does not, which leaves a pinned engine no better off than
+the kernel would.
+
 The pool adds no parameter but the number of cores: the work itself is what the
 profile measured on requests that ran alone (where nothing shares the cores and
 a piece's wall time is its work), so a lone request takes exactly as long with
@@ -29,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import simpy
 
 #: work below this is done (a nanosecond: far above the float rounding of the rates'
@@ -82,9 +96,10 @@ class SharedCores:
     def _in_use(self, rate: float) -> float:
         return rate * len(self._left) + sum(min(d, rate) for d in self._spins.values())
 
-    def spin(self, demand: float = 1.0) -> int:
+    def spin(self, demand: float = 1.0, core: int | None = None) -> int:
         """A process that keeps up to ``demand`` (0, 1] of a core busy from now until
-        :meth:`unspin` of the handle returned; it slows the work beside it as work does."""
+        :meth:`unspin` of the handle returned; it slows the work beside it as work does
+        (``core``: as in :meth:`run`)."""
         if not 0 < demand <= 1:
             raise ValueError(f"a spinner's demand must be in (0, 1] of a core, got {demand!r}")
         self._advance()
@@ -101,8 +116,10 @@ class SharedCores:
         del self._spins[handle]
         self._schedule()
 
-    def run(self, work_s: float) -> simpy.Event:
-        """An event that fires when ``work_s`` (>= 0) of work has run on the pool."""
+    def run(self, work_s: float, core: int | None = None) -> simpy.Event:
+        """An event that fires when ``work_s`` (>= 0) of work has run on the pool
+        (``core``: the core a pinned piece would run on; in one pool any piece runs on
+        any core)."""
         if not work_s >= 0:
             raise ValueError(f"work must be >= 0 seconds, got {work_s!r}")
         done = self.env.event()
@@ -147,7 +164,54 @@ class SharedCores:
         self.env.timeout(wait).callbacks.append(fire)
 
 
-def work(env: simpy.Environment, cores: SharedCores | None, seconds: float) -> simpy.Event:
+class PinnedCores:
+    """``cores`` cores, each a pool of its own (:class:`SharedCores` of one core): a
+    piece given a ``core`` runs there, any other starts on the core with the fewest
+    runnable pieces (ties: one drawn from ``rng``) and stays there until it ends."""
+
+    def __init__(self, env: simpy.Environment, cores: int, rng: np.random.Generator) -> None:
+        if not isinstance(cores, int) or isinstance(cores, bool) or cores < 1:
+            raise ValueError(f"pinned cores need at least one core, got {cores!r}")
+        self.env = env
+        self.cores = cores
+        self.pools = [SharedCores(env, 1) for _ in range(cores)]
+        self._rng = rng
+
+    @property
+    def busy_s(self) -> float:
+        """Core-seconds served, on every core."""
+        return sum(p.busy_s for p in self.pools)
+
+    @property
+    def runnable(self) -> int:
+        return sum(p.runnable for p in self.pools)
+
+    def _core(self, core: int | None) -> SharedCores:
+        if core is not None:
+            if not 0 <= core < self.cores:
+                raise ValueError(f"core {core} is not one of the host's {self.cores}")
+            return self.pools[core]
+        counts = [p.runnable for p in self.pools]
+        fewest = [i for i, n in enumerate(counts) if n == min(counts)]
+        pick = fewest[0] if len(fewest) == 1 else fewest[int(self._rng.integers(len(fewest)))]
+        return self.pools[pick]
+
+    def run(self, work_s: float, core: int | None = None) -> simpy.Event:
+        """As :meth:`SharedCores.run`, on ``core`` (None: the piece floats)."""
+        return self._core(core).run(work_s)
+
+    def spin(self, demand: float = 1.0, core: int | None = None) -> tuple[int, int]:
+        """As :meth:`SharedCores.spin`, on ``core`` (None: the spinner floats)."""
+        pool = self._core(core)
+        return self.pools.index(pool), pool.spin(demand)
+
+    def unspin(self, handle: tuple[int, int]) -> None:
+        core, k = handle
+        self.pools[core].unspin(k)
+
+
+def work(env: simpy.Environment, cores: SharedCores | PinnedCores | None,
+         seconds: float) -> simpy.Event:
     """``seconds`` of one process's work: on the host's shared ``cores`` when the profile
     has them (``host.cores``), else simply that long."""
     return cores.run(seconds) if cores is not None else env.timeout(seconds)

@@ -42,7 +42,7 @@ class Dedicated:
     def split(self, seconds: float) -> tuple[float, float]:
         return seconds, 0.0
 
-    def work(self, seconds: float) -> simpy.Event:
+    def work(self, seconds: float, side: Side) -> simpy.Event:
         return self.env.timeout(seconds)
 
     def beside(self, side: Side, dt: float) -> None:

@@ -67,7 +67,7 @@ from typing import Any
 import simpy
 
 from ..request import SimRequest
-from .cores import SharedCores, work
+from .cores import PinnedCores, SharedCores, work
 from .spread import Spread
 
 #: a token's delivery to the client, given how long before its job's end it came
@@ -92,7 +92,8 @@ class Frontend:
     """One FIFO queue of ``cores`` servers for the frontends' work."""
 
     def __init__(self, env: simpy.Environment, cores: int, token_s: float,
-                 token_latency_s: float = 0.0, *, host: SharedCores | None = None,
+                 token_latency_s: float = 0.0, *,
+                 host: SharedCores | PinnedCores | None = None,
                  wakes: Spread | None = None, intake_wakes: Spread | None = None,
                  in_flight: Callable[[], int] = lambda: 0, merge: int = 0,
                  api_s: float = 0.0, item_s: float = 0.0, api_item_s: float = 0.0) -> None:

@@ -45,8 +45,9 @@ class HostModel(Protocol):
         a stalled process waits holding none."""
         ...
 
-    def work(self, seconds: float) -> simpy.Event:
-        """``seconds`` of one engine process's work (a step, or its part after the lock)."""
+    def work(self, seconds: float, side: Side) -> simpy.Event:
+        """``seconds`` of one engine process's work (a step, or its part after the lock):
+        its engine loop's, on ``side``'s core where the engines are pinned."""
         ...
 
     def beside(self, side: Side, dt: float) -> None:

@@ -28,6 +28,9 @@ ENGINE_WAKES = 2  #: a request or finished transfer reaching an idle engine: cor
 HOP_WAKES = 2  #: a router hop: the relay process and the receiving API server
 RETURN_WAKES = 3  #: a token to the client: decode's API server, the relay, the client
 
+#: with ``host.pinned``, the core each side's engine loop runs on
+PINNED_CORE = {"prefill": 0, "decode": 1}
+
 #: the most multipliers ``host.spread`` may hold
 MAX_SPREAD = 1000
 #: the longest wait ``host.wake_beside_s`` may hold (s): a wake-up later than this is
@@ -132,6 +135,22 @@ class HostProfile:
         "at full speed, a core each",
         "deployment: the machine's cores (a 2-core development machine, where a P/D "
         "pair, its API servers, the router and the client all run, has 2)",
+    )
+    pinned: bool = _f(
+        False,
+        "engines pinned to a core each (needs cores >= 2): prefill's loop -- its steps and "
+        "its empty steps while it holds a request -- runs on core 0, decode's on core 1, "
+        "and every other piece (a frontend job, the work beside a step) floats: it starts "
+        "on the core with the fewest runnable pieces (a tie: one drawn at random) and "
+        "stays there, so a floating piece that lands beside a stepping engine halves its "
+        "pace until it ends (pushkv.sim.host.cores.PinnedCores); false: one pool, any "
+        "piece on any core",
+        "deployment: vLLM's CPU worker binds its OpenMP threads, the engine loop's "
+        "among them, to VLLM_CPU_OMP_THREADS_BIND's cores (OMP_PLACES, OMP_PROC_BIND=true; "
+        "vllm/utils/ompmultiprocessing.py, vLLM 0.32), which the servers pushkv.fit runs "
+        "set to a core each; a waking task takes an idle core when there is one "
+        "(select_idle_sibling, Linux kernel/sched/fair.c); placed pieces never move, "
+        "where the kernel moves a waiting one to a core falling idle (weaker)",
     )
     frontend_cores: int = _f(
         0,
@@ -283,6 +302,8 @@ def validate_host(h: HostProfile) -> None:
         v = getattr(h, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise HostError(f"host.{name} must be an integer >= 0, got {v!r}")
+    if not isinstance(h.pinned, bool):
+        raise HostError(f"host.pinned must be true or false, got {h.pinned!r}")
     for name in ("probe_speed", "token_work_s", "token_api_s", "token_item_s",
                  "token_api_item_s"):
         if getattr(h, name) < 0:
@@ -316,6 +337,9 @@ def validate_host(h: HostProfile) -> None:
                 raise HostError(f"host.{name} is a key of the shared-cpu host model: set "
                                 f"[host] model = \"{SHARED_CPU}\" (the dedicated model runs "
                                 "no host code)")
+    if h.pinned and h.cores < len(PINNED_CORE):
+        raise HostError(f"host.pinned needs host.cores >= {len(PINNED_CORE)} (a core for "
+                        f"each side's engine), got {h.cores}")
 
 
 def _leaves(obj: Any, prefix: str) -> list[tuple[str, Any]]:

@@ -11,7 +11,8 @@ nothing else runs exactly as ``dedicated``):
   an idle engine's (``ENGINE_WAKES``), a router hop's (``HOP_WAKES``), a token's way
   out (``RETURN_WAKES``), a message's receiver, a posting thread;
 * **the host's cores** (``host.cores``): every engine step and frontend job is work on
-  one processor-sharing pool (:mod:`.cores`), a step brings the work of the processes
+  one processor-sharing pool (:mod:`.cores`; with ``host.pinned`` a pool per core, each
+  engine's loop on its own, the rest floating), a step brings the work of the processes
   around it (``cores_busy``), and an engine holding a request on a transfer keeps
   stepping empty as *spinners* (``steps_while_holding``);
 * **the frontends as a queue** (``host.frontend_cores``, ``token_work_s``): the API
@@ -37,11 +38,11 @@ import simpy
 
 from ..profile import Profile
 from ..sections import CONNECTOR_KEYS, EngineProfile
-from .cores import SharedCores, work
+from .cores import PinnedCores, SharedCores, work
 from .dedicated import Dedicated
 from .frontend import Frontend
 from .model import token_return_s
-from .profile import ENGINE_WAKES, HOP_WAKES, RETURN_WAKES, HostSide
+from .profile import ENGINE_WAKES, HOP_WAKES, PINNED_CORE, RETURN_WAKES, HostSide
 from .spread import Spread
 
 if TYPE_CHECKING:
@@ -102,7 +103,11 @@ class SharedCpu(Dedicated):
         self.hop_wake_s = HOP_WAKES * w if w else 0.0
         self.return_wake_s = RETURN_WAKES * h.decode.wake_s if h.decode.wake_s else 0.0
         self._spread = Spread(h.spread, np.random.default_rng(seeds.spawn(1)[0]))
-        self.cores = SharedCores(env, h.cores) if h.cores else None
+        self.cores: SharedCores | PinnedCores | None = None
+        if h.cores and h.pinned:  # a core each engine, its ties drawn from a stream of its own
+            self.cores = PinnedCores(env, h.cores, np.random.default_rng(seeds.spawn(1)[0]))
+        elif h.cores:
+            self.cores = SharedCores(env, h.cores)
         self.frontend: Frontend | None = None
         if h.frontend_cores:  # the frontends' times queue on their cores
             # A token's frontend work: as measured when known (token_work_s), else its
@@ -120,6 +125,7 @@ class SharedCpu(Dedicated):
                                      api_s=h.token_api_s, item_s=h.token_item_s,
                                      api_item_s=h.token_api_item_s)
 
+
     def _side(self, side: Side) -> HostSide:
         return self._sides[side]
 
@@ -133,7 +139,9 @@ class SharedCpu(Dedicated):
     def split(self, seconds: float) -> tuple[float, float]:
         return self._spread.split(seconds)
 
-    def work(self, seconds: float) -> simpy.Event:
+    def work(self, seconds: float, side: Side) -> simpy.Event:
+        if isinstance(self.cores, PinnedCores):  # the engine loop on its side's core
+            return self.cores.run(seconds, PINNED_CORE[side])
         return work(self.env, self.cores, seconds)
 
     def beside(self, side: Side, dt: float) -> None:
@@ -147,7 +155,7 @@ class SharedCpu(Dedicated):
         transfer (``holding``) steps empty meanwhile (``steps_while_holding``): it keeps
         ``cores_busy`` cores of the host busy, and wakes without a sleeper's delay."""
         s = self._side(side)
-        spins = self._spin(s.cores_busy) if holding and s.steps_while_holding else []
+        spins = self._spin(s.cores_busy, side) if holding and s.steps_while_holding else []
         t0 = self.env.now
         yield sleep()
         for k in spins:
@@ -157,14 +165,17 @@ class SharedCpu(Dedicated):
             yield self.env.timeout(ENGINE_WAKES * s.wake_s)
         return spun
 
-    def _spin(self, cores: float) -> list[int]:
+    def _spin(self, cores: float, side: Side) -> list[Any]:
         """An engine loop stepping empty keeps ``cores`` of the host's cores busy: one
-        spinner a core, the last one the fraction left (none without shared cores)."""
+        spinner a core, the last one the fraction left (none without shared cores); with
+        the engines pinned the first is the loop's, on ``side``'s core, the rest (its
+        other threads') float."""
         if self.cores is None:
             return []
-        spins = []
+        spins: list[Any] = []
         while cores > 1e-9:
-            spins.append(self.cores.spin(min(1.0, cores)))
+            core = PINNED_CORE[side] if not spins else None
+            spins.append(self.cores.spin(min(1.0, cores), core))
             cores -= 1.0
         return spins
 
