@@ -325,6 +325,32 @@ def test_the_api_servers_loops_only_where_asked(tmp_path: Path) -> None:
     assert got["asked"] != got["none"]
 
 
+def test_engines_are_pinned_only_where_asked_and_the_host_has_a_core_each(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pinned_engines`` sets ``host.pinned`` on every point whose host has two cores or
+    more; on one core it leaves the pool (nothing to pin to), and unasked it pins none
+    (the lone requests a gauge's steps are fitted on run on no shared cores)."""
+    import pushkv.sim.runner as runner
+
+    real, shares = _gauged_run(tmp_path)
+    points, output_len, num_prompts = real_points(real)
+    per_point, _ = gauge_keys(real, shares, PROFILE, output_len)
+    seen: list[tuple[int, bool]] = []  # the points' runs, not the lone fits' beside
+    simulate = runner.run
+
+    def spy(cfg, **kw):  # type: ignore[no-untyped-def]
+        if cfg.workload.num_prompts == max(num_prompts.values()):
+            seen.append((cfg.profile.host.cores, cfg.profile.host.pinned))
+        return simulate(cfg, **kw)
+
+    monkeypatch.setattr(runner, "run", spy)
+    for cores, asked in ((2, True), (1, True), (2, False)):
+        seen.clear()
+        run_sim(PROFILE, tmp_path / f"sim-{cores}-{asked}", points, output_len, num_prompts,
+                gauges=per_point, frontend_cores=1, host_cores=cores, pinned_engines=asked)
+        assert seen == [(cores, asked and cores >= 2)] * len(points), (cores, asked)
+
+
 
 def test_a_points_steps_are_its_gauges_lone_wall_times_not_counted_twice(
         tmp_path: Path) -> None:
