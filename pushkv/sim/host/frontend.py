@@ -68,6 +68,7 @@ import simpy
 
 from ..request import SimRequest
 from .cores import PinnedCores, SharedCores, work
+from .profile import PINNED_CORE
 from .spread import Spread
 
 #: a token's delivery to the client, given how long before its job's end it came
@@ -77,7 +78,7 @@ Deliver = Callable[[float], None]
 RELAY = "relay"
 
 #: cores a P/D pair of the measured deployment pins an engine to (one each)
-PAIR_ENGINE_CORES = 2
+PAIR_ENGINE_CORES = len(PINNED_CORE)
 
 
 def frontend_cores(cpu_count: int) -> int:
