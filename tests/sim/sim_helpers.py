@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("simpy")
 
 from pushkv.sim import SimConfig, TransferMode, WorkloadConfig
-from pushkv.sim.profile import DEFAULT, Profile
+from pushkv.sim.profile import DEFAULT, Profile, load_profile
 
 
 def config(mode: str = "push", *, qps: float = 2.0, input_len: int = 2048,
@@ -43,6 +43,30 @@ def on_host(profile: Profile, *, prefill: dict[str, Any] | None = None,
         prefill=dataclasses.replace(h.prefill, **(prefill or {})),
         decode=dataclasses.replace(h.decode, **(decode or {})))
     return dataclasses.replace(profile, host=new).validate()
+
+
+#: the cpu-tiny profile (the tiny model on vLLM CPU, as measured)
+TINY = load_profile(Path(__file__).resolve().parents[2] / "pushkv" / "sim" / "profiles"
+                    / "cpu-tiny.toml")
+
+
+def tiny_on_host(**host: Any) -> Profile:
+    """cpu-tiny with frontend work to do (the API servers' keys as measured on the 2-core
+    machine), on a shared CPU with ``host`` keys."""
+    return on_host(dataclasses.replace(
+        TINY, prefill=dataclasses.replace(TINY.prefill, ingest_s=0.002, return_s=0.002),
+        decode=dataclasses.replace(TINY.decode, ingest_s=0.003, return_s=0.0005),
+    ), **host)
+
+
+def tiny_result(mode: str, qps: float, n: int, **host: Any) -> dict[str, Any]:
+    """The result file of ``n`` requests at ``qps``, 128 tokens in, 16 out, on
+    :func:`tiny_on_host` with ``host`` keys."""
+    from pushkv.sim.runner import run
+
+    cfg = dataclasses.replace(config(mode, qps=qps, input_len=128, output_len=16,
+                                     num_prompts=n), profile=tiny_on_host(**host))
+    return run(cfg).result
 
 
 def write_timeline(directory: Path, requests: dict[str, dict[str, float]]) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import pytest
 
@@ -14,14 +13,11 @@ pytest.importorskip("simpy")
 import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim_helpers import config, on_host
+from sim_helpers import TINY, config, on_host, tiny_on_host, tiny_result
 
 from pushkv.sim.host.cores import SharedCores
-from pushkv.sim.profile import ProfileError, load_profile, profile_from_dict
+from pushkv.sim.profile import ProfileError, profile_from_dict
 from pushkv.sim.runner import run
-
-TINY = load_profile(Path(__file__).resolve().parents[2] / "pushkv" / "sim" / "profiles"
-                    / "cpu-tiny.toml")
 
 
 def _finish(cores: int, jobs: list[tuple[float, float]]) -> list[float]:
@@ -128,21 +124,6 @@ def test_host_cores_must_be_a_count(bad: object) -> None:
         profile_from_dict({"host": {"model": "shared-cpu", "cores": bad}})
 
 
-def _tiny(**host: object):  # type: ignore[no-untyped-def]
-    """cpu-tiny with frontend work to do (the API servers' keys as measured here), on a
-    shared CPU with ``host`` keys."""
-    return on_host(dataclasses.replace(
-        TINY, prefill=dataclasses.replace(TINY.prefill, ingest_s=0.002, return_s=0.002),
-        decode=dataclasses.replace(TINY.decode, ingest_s=0.003, return_s=0.0005),
-    ), **host)
-
-
-def _result(mode: str, qps: float, n: int, **host: object) -> dict:  # type: ignore[type-arg]
-    cfg = dataclasses.replace(config(mode, qps=qps, input_len=128, output_len=16,
-                                     num_prompts=n), profile=_tiny(**host))
-    return run(cfg).result
-
-
 def _flat(itls: list[list[float]]) -> list[float]:
     return [x for per_request in itls for x in per_request]
 
@@ -151,28 +132,28 @@ def _flat(itls: list[list[float]]) -> list[float]:
 def test_a_lone_request_takes_as_long_on_two_shared_cores(mode: str) -> None:
     """The profile's times are lone requests' wall times: with the engines and one
     frontend job at a time, two cores are enough, nothing waits for a core."""
-    alone = _result(mode, 1.0, 1, frontend_cores=1)
-    shared = _result(mode, 1.0, 1, frontend_cores=1, cores=2)
+    alone = tiny_result(mode, 1.0, 1, frontend_cores=1)
+    shared = tiny_result(mode, 1.0, 1, frontend_cores=1, cores=2)
     assert shared["ttfts"] == pytest.approx(alone["ttfts"], rel=1e-9)
     assert _flat(shared["itls"]) == pytest.approx(_flat(alone["itls"]), rel=1e-9)
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_enough_cores_change_nothing_and_fewer_slow_a_loaded_run(mode: str) -> None:
-    off = _result(mode, 200.0, 24, frontend_cores=1)
-    many = _result(mode, 200.0, 24, frontend_cores=1, cores=3)  # >= engines + 1 job
+    off = tiny_result(mode, 200.0, 24, frontend_cores=1)
+    many = tiny_result(mode, 200.0, 24, frontend_cores=1, cores=3)  # >= engines + 1 job
     assert many["ttfts"] == pytest.approx(off["ttfts"], rel=1e-9)
     assert _flat(many["itls"]) == pytest.approx(_flat(off["itls"]), rel=1e-9)
-    two = _result(mode, 200.0, 24, frontend_cores=1, cores=2)
-    one = _result(mode, 200.0, 24, frontend_cores=1, cores=1)
+    two = tiny_result(mode, 200.0, 24, frontend_cores=1, cores=2)
+    one = tiny_result(mode, 200.0, 24, frontend_cores=1, cores=1)
     assert off["mean_ttft_ms"] < two["mean_ttft_ms"] < one["mean_ttft_ms"]
     assert off["mean_tpot_ms"] < two["mean_tpot_ms"] < one["mean_tpot_ms"]
     assert two["completed"] == one["completed"] == 24
 
 
 def test_deterministic_on_shared_cores() -> None:
-    a = _result("push", 100.0, 16, frontend_cores=1, cores=2)
-    b = _result("push", 100.0, 16, frontend_cores=1, cores=2)
+    a = tiny_result("push", 100.0, 16, frontend_cores=1, cores=2)
+    b = tiny_result("push", 100.0, 16, frontend_cores=1, cores=2)
     assert a["ttfts"] == b["ttfts"] and a["itls"] == b["itls"]
 
 
@@ -203,7 +184,7 @@ def test_a_tokens_frontend_work_is_its_job_and_the_rest_of_its_way_a_latency() -
     """host.token_work_s: a lone token still arrives return_s after decode emitted it;
     under load less work a token queues less than return_s as the job."""
     def res(qps: float, n: int, work: float) -> dict:  # type: ignore[type-arg]
-        prof = _tiny(frontend_cores=1, token_work_s=work)
+        prof = tiny_on_host(frontend_cores=1, token_work_s=work)
         prof = dataclasses.replace(  # no prefill answer job: a lone token never queues
             prof, prefill=dataclasses.replace(prof.prefill, return_s=0.0)).validate()
         cfg = dataclasses.replace(config("push", qps=qps, input_len=128, output_len=16,

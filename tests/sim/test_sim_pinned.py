@@ -7,21 +7,15 @@ the fewest runnable pieces (a tie drawn at random) and stays there until it ends
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import simpy
-from sim_helpers import config, on_host
+from sim_helpers import tiny_result
 
 from pushkv.sim.host.cores import PinnedCores
-from pushkv.sim.profile import ProfileError, load_profile, profile_from_dict
-from pushkv.sim.runner import run
-
-TINY = load_profile(Path(__file__).resolve().parents[2] / "pushkv" / "sim" / "profiles"
-                    / "cpu-tiny.toml")
+from pushkv.sim.profile import ProfileError, profile_from_dict
 
 
 def _ends(jobs: list[tuple[float, float, int | None]], *, cores: int = 2,
@@ -122,35 +116,21 @@ def test_a_pinned_host_needs_a_core_for_each_engine(host: dict, match: str) -> N
         profile_from_dict({"host": host})
 
 
-def _tiny(**host: object):  # type: ignore[no-untyped-def]
-    """cpu-tiny with frontend work to do, on a shared CPU with ``host`` keys."""
-    return on_host(dataclasses.replace(
-        TINY, prefill=dataclasses.replace(TINY.prefill, ingest_s=0.002, return_s=0.002),
-        decode=dataclasses.replace(TINY.decode, ingest_s=0.003, return_s=0.0005),
-    ), **host)
-
-
-def _result(mode: str, qps: float, n: int, **host: object) -> dict:  # type: ignore[type-arg]
-    cfg = dataclasses.replace(config(mode, qps=qps, input_len=128, output_len=16,
-                                     num_prompts=n), profile=_tiny(**host))
-    return run(cfg).result
-
-
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_a_lone_request_takes_as_long_pinned_as_in_one_pool(mode: str) -> None:
     """Alone, a request's pieces never outnumber the cores: each frontend job finds an
     idle core, so pinning changes nothing -- the profile's lone times stand."""
-    pool = _result(mode, 1.0, 1, frontend_cores=1, cores=2)
-    pinned = _result(mode, 1.0, 1, frontend_cores=1, cores=2, pinned=True)
+    pool = tiny_result(mode, 1.0, 1, frontend_cores=1, cores=2)
+    pinned = tiny_result(mode, 1.0, 1, frontend_cores=1, cores=2, pinned=True)
     assert pinned["ttfts"] == pytest.approx(pool["ttfts"], rel=1e-9)
     assert pinned["itls"] == pool["itls"]
 
 
 def test_a_loaded_run_pinned_is_deterministic_and_not_the_pool() -> None:
-    a = _result("push", 100.0, 16, frontend_cores=1, cores=2, pinned=True)
-    b = _result("push", 100.0, 16, frontend_cores=1, cores=2, pinned=True)
+    a = tiny_result("push", 100.0, 16, frontend_cores=1, cores=2, pinned=True)
+    b = tiny_result("push", 100.0, 16, frontend_cores=1, cores=2, pinned=True)
     assert a["ttfts"] == b["ttfts"] and a["itls"] == b["itls"]
     assert a["completed"] == 16
-    pool = _result("push", 100.0, 16, frontend_cores=1, cores=2)
+    pool = tiny_result("push", 100.0, 16, frontend_cores=1, cores=2)
     assert a["ttfts"] != pool["ttfts"]
 
