@@ -186,24 +186,24 @@ class PinnedCores:
     def runnable(self) -> int:
         return sum(p.runnable for p in self.pools)
 
-    def _core(self, core: int | None) -> SharedCores:
+    def _core(self, core: int | None) -> int:
+        """``core`` checked, or for a floating piece the core it starts on."""
         if core is not None:
             if not 0 <= core < self.cores:
                 raise ValueError(f"core {core} is not one of the host's {self.cores}")
-            return self.pools[core]
+            return core
         counts = [p.runnable for p in self.pools]
         fewest = [i for i, n in enumerate(counts) if n == min(counts)]
-        pick = fewest[0] if len(fewest) == 1 else fewest[int(self._rng.integers(len(fewest)))]
-        return self.pools[pick]
+        return fewest[0] if len(fewest) == 1 else fewest[int(self._rng.integers(len(fewest)))]
 
     def run(self, work_s: float, core: int | None = None) -> simpy.Event:
         """As :meth:`SharedCores.run`, on ``core`` (None: the piece floats)."""
-        return self._core(core).run(work_s)
+        return self.pools[self._core(core)].run(work_s)
 
     def spin(self, demand: float = 1.0, core: int | None = None) -> tuple[int, int]:
         """As :meth:`SharedCores.spin`, on ``core`` (None: the spinner floats)."""
-        pool = self._core(core)
-        return self.pools.index(pool), pool.spin(demand)
+        i = self._core(core)
+        return i, self.pools[i].spin(demand)
 
     def unspin(self, handle: tuple[int, int]) -> None:
         core, k = handle
@@ -211,7 +211,8 @@ class PinnedCores:
 
 
 def work(env: simpy.Environment, cores: SharedCores | PinnedCores | None,
-         seconds: float) -> simpy.Event:
+         seconds: float, core: int | None = None) -> simpy.Event:
     """``seconds`` of one process's work: on the host's shared ``cores`` when the profile
-    has them (``host.cores``), else simply that long."""
-    return cores.run(seconds) if cores is not None else env.timeout(seconds)
+    has them (``host.cores``; ``core``: the core it is pinned to, None: it floats), else
+    simply that long."""
+    return cores.run(seconds, core) if cores is not None else env.timeout(seconds)

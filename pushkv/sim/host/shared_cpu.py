@@ -125,7 +125,6 @@ class SharedCpu(Dedicated):
                                      api_s=h.token_api_s, item_s=h.token_item_s,
                                      api_item_s=h.token_api_item_s)
 
-
     def _side(self, side: Side) -> HostSide:
         return self._sides[side]
 
@@ -140,9 +139,7 @@ class SharedCpu(Dedicated):
         return self._spread.split(seconds)
 
     def work(self, seconds: float, side: Side) -> simpy.Event:
-        if isinstance(self.cores, PinnedCores):  # the engine loop on its side's core
-            return self.cores.run(seconds, PINNED_CORE[side])
-        return work(self.env, self.cores, seconds)
+        return work(self.env, self.cores, seconds, PINNED_CORE[side])  # the engine's loop
 
     def beside(self, side: Side, dt: float) -> None:
         extra = self._side(side).cores_busy - 1
