@@ -475,6 +475,13 @@ def main() -> int:
                    "pieces floating between the cores (host.pinned, where the host has two "
                    "cores or more), as the real deployment pins its engines; default: "
                    "one pool of the cores")
+    p.add_argument("--measured-speed", action="store_true",
+                   help="with --cross-validate: each point's cores as fast as the core "
+                   "probe measured them during it, against the probe's rate over the "
+                   "gauges its keys came from (host.prefill/decode.cpu_speed; "
+                   "pushkv.fit.sim_vs_real.cross.key_speeds): the machine's speed a "
+                   "condition of the point, as its send times are; default: as fast as "
+                   "when its keys were gauged")
     p.add_argument("--no-merge-tokens", dest="merge_tokens", action="store_false",
                    help="every output token a frontend job of its own (host.merge_tokens "
                    "0); by default all of a request's tokens waiting together on the "
@@ -486,6 +493,8 @@ def main() -> int:
             p.error(f"unknown mode {m!r} (choose from {', '.join(MODES)})")
     if args.point_seconds is not None and not args.point_seconds > 0:
         p.error(f"--point-seconds must be > 0, got {args.point_seconds}")
+    if args.measured_speed and not args.cross_validate:
+        p.error("--measured-speed needs --cross-validate")
     if args.points:  # the lengths the deployments must hold
         args.inputs = sorted({i for i, _ in args.points})
     real = args.out / "real"
@@ -541,6 +550,7 @@ def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
                              frontend_cores=args.frontend_cores, host_cores=args.host_cores,
                              merge_tokens=args.merge_tokens, api_loops=args.api_loops,
                              pinned_engines=args.pinned_engines,
+                             measured_speed=args.measured_speed,
                              figures_dir=args.figures)
     except ValueError as exc:  # a split that cannot cross-validate
         print(f"cannot cross-validate: {exc}", file=sys.stderr)
@@ -557,7 +567,7 @@ def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
         "knee_ratio": got.get("knee_ratio"),
         "knee_ratio_median": got.get("knee_ratio_median"),
         "merge_tokens": args.merge_tokens, "api_loops": args.api_loops,
-        "pinned_engines": args.pinned_engines,
+        "pinned_engines": args.pinned_engines, "measured_speed": args.measured_speed,
         **{other: {"out_of_sample": [got[other].get("out_of_sample", {}).get(k)
                                      for k in ("ratio_min", "ratio_max")],
                    "out_of_sample_in_band": got[other].get("out_of_sample", {}).get("in_band"),

@@ -28,7 +28,7 @@ from pushkv.fit.sim_vs_real.deployment import (
     per_request,
     threads_line,
 )
-from pushkv.fit.sim_vs_real.keys import gauge_keys, gauge_rate, gauge_speed, noise_table
+from pushkv.fit.sim_vs_real.keys import gauge_keys, gauge_rate, gauge_speed, noise_table, speed_over
 from pushkv.fit.sim_vs_real.report import BAND, compare, interval, precision
 from pushkv.fit.sim_vs_real.runs import (
     PROFILE,
@@ -827,6 +827,65 @@ def test_cross_validation_keys_held_out_points_from_the_training_points_alone(
         "decode_step_overhead_s"] == pytest.approx(sum(step) / 2)
     with pytest.raises(ValueError, match="both in and out"):
         split(points, rates=(2.0, 8.0), inputs=(64, 128))
+
+
+def test_a_held_out_points_keys_were_measured_at_its_training_groups_gauges_speed(
+        ) -> None:
+    """:func:`key_speeds`: a training point's keys were measured at its own gauges'
+    probe rate, a held-out point's at the mean of its training group's; a point whose
+    rate is unknown (unprobed gauges) is left out, and so is a group of such."""
+    from pushkv.fit.sim_vs_real.cross import key_speeds
+
+    def rec(*speeds: float) -> dict:
+        return {"gauges": [{"speed": {"prefill": x, "decode": x / 2}} for x in speeds]}
+
+    shares = {"push_qps2_in64_out24_iter0.json": rec(100.0, 300.0),
+              "push_qps2_in64_out24_iter1.json": rec(400.0),
+              "pull_qps2_in64_out24_iter0.json": {"gauges": [{}]}}
+    train = set(shares)
+    source = {"push_qps8_in64_out24_iter0.json": "push_in64_qps2",
+              "pull_qps8_in64_out24_iter0.json": "pull_in64_qps2"}
+    got = key_speeds(shares, train, source)
+    assert got == {"push_qps2_in64_out24_iter0.json": {"prefill": 200.0, "decode": 100.0},
+                   "push_qps2_in64_out24_iter1.json": {"prefill": 400.0, "decode": 200.0},
+                   "push_qps8_in64_out24_iter0.json": {"prefill": 300.0, "decode": 150.0}}
+    assert speed_over({"speed": {"prefill": 150.0, "decode": 300.0}},
+                      got["push_qps8_in64_out24_iter0.json"]) == {"prefill": 0.5,
+                                                                  "decode": 2.0}
+    assert speed_over({"speed": {"prefill": 150.0}}, {"prefill": 1.0, "decode": 1.0}) == {}
+
+
+def test_measured_speed_runs_a_held_out_point_on_the_cores_its_probe_saw(
+        tmp_path: Path) -> None:
+    """``cross_validate(measured_speed=True)``: a held-out point whose probe saw the
+    cores at half the rate of its training group's gauges is simulated slower than
+    without; one at their rate exactly as without; the speeds are reported."""
+    from pushkv.fit.sim_vs_real.cross import cross_validate
+
+    real, shares = _grid_run(tmp_path)
+    for fname, got in shares.items():  # every gauge at 100, every point at its speed
+        for g in got["gauges"]:
+            g["speed"] = {"prefill": 100.0, "decode": 100.0}
+        half = "_qps8_" in fname and fname.endswith("_iter0.json")
+        got["speed"] = {"prefill": 50.0 if half else 100.0,
+                        "decode": 50.0 if half else 100.0}
+    (real / "cpu_probe.json").write_text(json.dumps(shares))
+    name = "push_qps8_in64_out24_iter0.json"
+    other = "push_qps8_in64_out24_iter1.json"
+
+    def simulated(measured: bool) -> tuple[dict, dict, dict]:
+        got = cross_validate(tmp_path, PROFILE, rates=(2.0,), inputs=(64,),
+                             sweep_input=64, measured_speed=measured, say=lambda _: None)
+        return (got, *(json.loads((tmp_path / "sim-cross" / n).read_text())
+                       for n in (name, other)))
+
+    plain, plain_slow, plain_same = simulated(False)
+    speed, slow, same = simulated(True)
+    assert plain["measured_speed"] is False and "cpu_speed" not in plain
+    assert speed["measured_speed"] is True and speed["cpu_speed"] == [0.5, 1.0]
+    assert slow["mean_ttft_ms"] > 1.3 * plain_slow["mean_ttft_ms"]
+    assert slow["mean_tpot_ms"] > 1.3 * plain_slow["mean_tpot_ms"]
+    assert same["mean_ttft_ms"] == plain_same["mean_ttft_ms"]
 
 
 def test_a_held_out_point_takes_the_nearest_training_length_then_rate() -> None:

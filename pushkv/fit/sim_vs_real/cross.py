@@ -118,6 +118,28 @@ def predict(train_keys: dict[str, dict[str, dict[str, Any]]], held: Iterable[str
     return out, source
 
 
+def key_speeds(shares: dict[str, dict[str, Any]], train: set[str],
+               source: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per result file, the probe rate (per side) its keys were measured at: a training
+    point's, its own gauges' (:func:`.keys.gauges_speed`); a held-out one's, the mean
+    of those over the training group it took its keys from (``source``, as
+    :func:`predict` gives). A file whose rate is unknown (no probed gauge) is left
+    out: its cores then run as the profile's."""
+    from .keys import gauges_speed
+
+    own = {f: got for f in train if (got := gauges_speed(shares.get(f, {})))}
+    groups: dict[str, list[dict[str, float]]] = {}
+    for f, got in own.items():
+        if (k := point_key(f)) is not None:
+            groups.setdefault(f"{k[0]}_in{k[1]}_qps{rate_name(k[2])}", []).append(got)
+    out = dict(own)
+    for f, g in source.items():
+        if groups.get(g):
+            out[f] = {side: statistics.fmean(r[side] for r in groups[g])
+                      for side in ("prefill", "decode")}
+    return out
+
+
 def cross_keys(real: Path, shares: dict[str, dict[str, Any]], profile: Path,
                output_len: int, train: set[str], held: set[str]
                ) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, Any], dict[str, str]]:
@@ -347,7 +369,7 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
                    seed: int = 0, arrivals: str = "vllm", frontend_cores: int | None = None,
                    host_cores: int | None = None, merge_tokens: bool = True,
                    api_loops: bool = False, pinned_engines: bool = False,
-                   figures_dir: Path | None = None,
+                   measured_speed: bool = False, figures_dir: Path | None = None,
                    say: Callable[[str], None] = print) -> dict[str, Any]:
     """The cross-validation of a recorded run (``out/real``): split its points
     (:func:`split` on ``rates`` x ``inputs``), key them from the training points alone
@@ -363,7 +385,10 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
     Prints the tables (``say``) and returns the summary: ``in_sample`` and
     ``out_of_sample`` ratio ranges, figures decided and in band, ``knee_ratio`` per
     mode, the same the other way under ``no_merge`` (or ``merge``), and the sweep's
-    top rate iteration by iteration (``top_rate``: :func:`.tables.iteration_rows`)."""
+    top rate iteration by iteration (``top_rate``: :func:`.tables.iteration_rows`).
+    ``measured_speed``: each point's cores run as fast as the probe measured them during
+    it, against the rate its keys were measured at (:func:`key_speeds`; ``cpu_speed``):
+    the machine's speed then a condition of the point, as its send times are."""
     import json
 
     from .runs import SHARES, real_points
@@ -381,6 +406,7 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
     keys, run, source = cross_keys(real, shares, profile, output_len,
                                    {fname(p) for p in train}, {fname(p) for p in held})
     names = {f"{p[0]}_in{p[1]}_qps{rate_name(p[2])}" for p in train}
+    refs = key_speeds(shares, {fname(p) for p in train}, source)
     said = sorted({f"{k[0]}_in{k[1]}_qps{rate_name(k[2])} <- {g}"
                    for f, g in source.items() if (k := point_key(f)) is not None})
     say(f"cross-validation: {len(train)} training points ({len(names)} groups: "
@@ -395,7 +421,18 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
                                          "inputs": sorted(set(inputs)),
                                          "points": len(train)},
                                "held_out": len(held), "keyed_from": source,
-                               "sweep_input": sweep_input}
+                               "sweep_input": sweep_input, "measured_speed": measured_speed}
+    if measured_speed:
+        from .keys import speed_over
+
+        got_speeds = [v for p in points
+                      if (v := speed_over(shares.get(fname(p), {}), refs.get(fname(p), {})))]
+        ends = [min(v[s] for v in got_speeds for s in v),
+                max(v[s] for v in got_speeds for s in v)] if got_speeds else None
+        summary["cpu_speed"] = None if ends is None else [round(x, 3) for x in ends]
+        say(f"each point's cores as fast as the probe measured them against its keys' "
+            f"gauges: {len(got_speeds)} of {len(points)} points, cpu_speed "
+            f"{summary['cpu_speed']}")
     segs: dict[str, dict[str, dict[str, list[float]]]] = {}
     other = "merge" if not merge_tokens else "no_merge"
     beside = out / f"sim-cross-{other.replace('_', '-')}"
@@ -405,7 +442,8 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
         run_sim(profile, sim, points, output_len, num_prompts, seed=seed,
                 arrivals=arrivals, frontend_cores=frontend_cores, host_cores=host_cores,
                 gauges=keys, merge_tokens=merge, api_loops=api_loops,
-                pinned_engines=pinned_engines,
+                pinned_engines=pinned_engines, shares=shares, speeds=measured_speed,
+                speed_refs=refs,
                 timelines=out / "sim-timeline" / way)
         _, segs[way] = segment_tables(real, out / "sim-timeline" / way, shares)
         judged = judge(real, sim, names)

@@ -9,7 +9,8 @@ far the run's gauges one at a time tell points apart (:func:`gauge_noise`,
 wake-ups against the points' timelines (:func:`wake_beside_of`). :func:`real_keys`
 takes ``network.client_hop_s`` and ``prefill.return_s`` from the points' own marks
 instead (``--real-keys``). :func:`gauge_rate` and :func:`gauge_speed`: the rate a
-gauge runs at, and how fast a point's cores ran against its gauges'.
+gauge runs at, and how fast a point's cores ran against its gauges' (or, with
+:func:`speed_over`, against any probe rate its keys were measured at).
 """
 
 from __future__ import annotations
@@ -56,19 +57,37 @@ def gauge_rate(args: argparse.Namespace, qps: float) -> float:
     return float(args.gauge_qps) if args.gauge_qps else float(qps)
 
 
-def gauge_speed(got: dict[str, Any]) -> dict[str, float]:
-    """How fast each side's core ran during a point against during its gauges: the
-    probe's rate of fixed work per CPU second (:meth:`pushkv.fit.cores.CoreProbe.speed`)
-    over the point, over the mean of the gauges' -- the profile's ``cpu_speed`` for a
-    point simulated with its gauges' profile. Empty where the point or a gauge has no
-    speed (runs before the gauges were probed)."""
-    point, gauges = got.get("speed") or {}, got.get("gauges") or []
+def gauges_speed(got: dict[str, Any]) -> dict[str, float]:
+    """Each side's probe rate over a point's gauges (the mean of theirs,
+    :meth:`pushkv.fit.cores.CoreProbe.speed`): the speed of the cores its gauged keys
+    were measured at. Empty where it has no gauge, or one without a speed (runs before
+    the gauges were probed)."""
+    gauges = got.get("gauges") or []
     out = {}
     for side in ("prefill", "decode"):
         ref = [g.get("speed", {}).get(side, 0.0) for g in gauges]
-        if point.get(side, 0.0) > 0 and ref and all(r > 0 for r in ref):
-            out[side] = point[side] / statistics.fmean(ref)
+        if ref and all(r > 0 for r in ref):
+            out[side] = statistics.fmean(ref)
     return out if len(out) == 2 else {}
+
+
+def speed_over(got: dict[str, Any], ref: dict[str, float]) -> dict[str, float]:
+    """How fast each side's core ran during a point (``got``: its record in
+    ``cpu_probe.json``) against ``ref`` (per side, the probe rate its keys were measured
+    at) -- the profile's ``cpu_speed`` for the point simulated with those keys. Empty
+    where the point or ``ref`` lacks a side."""
+    point = got.get("speed") or {}
+    out = {side: point[side] / ref[side] for side in ("prefill", "decode")
+           if point.get(side, 0.0) > 0 and ref.get(side, 0.0) > 0}
+    return out if len(out) == 2 else {}
+
+
+def gauge_speed(got: dict[str, Any]) -> dict[str, float]:
+    """How fast each side's core ran during a point against during its gauges: the
+    probe's rate over the point, over the mean of the gauges' (:func:`speed_over`
+    :func:`gauges_speed`) -- the profile's ``cpu_speed`` for a point simulated with its
+    gauges' profile. Empty where the point or a gauge has no speed."""
+    return speed_over(got, gauges_speed(got))
 
 
 def real_keys(real: Path, shares: dict[str, dict[str, Any]], profile_path: Path

@@ -17,7 +17,7 @@ from ...sim.host import SHARED_CPU
 from ...sim.host.profile import MAX_SPEED
 from ...sim.profile import load_profile, profile_from_dict
 from ..measure_connector import lone_steps
-from .keys import gauge_speed
+from .keys import gauges_speed, speed_over
 from .runs import file_name
 
 
@@ -29,8 +29,9 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             host_cores: int | None = None,
             keys: dict[str, dict[str, float]] | None = None,
             gauges: dict[str, dict[str, dict[str, float]]] | None = None,
-            speeds: bool = False, wall_steps: bool = False,
-            merge_tokens: int | None = None, api_loops: bool = False,
+            speeds: bool = False,
+            speed_refs: Mapping[str, dict[str, float]] | None = None,
+            wall_steps: bool = False, merge_tokens: int | None = None, api_loops: bool = False,
             pinned_engines: bool = False) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``, each
     sending ``num_prompts`` requests (or its own count, by result file name); with
@@ -48,7 +49,9 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     key: value) replace the profile's (:func:`~.keys.real_keys`); ``gauges`` (by result file name,
     per table, key: value) replace them again for that point alone (:func:`~.keys.gauge_keys`),
     on a core each; with ``speeds`` too, each side's ``cpu_speed`` the point's against
-    its gauges' (:func:`~.keys.gauge_speed`, from ``shares``). A point's gauged step times are
+    its gauges' (:func:`~.keys.gauge_speed`, from ``shares``), or against
+    ``speed_refs[file name]`` where given (per side, the probe rate the point's keys
+    were measured at: :func:`~.keys.speed_over`). A point's gauged step times are
     its lone requests' wall times, the work they brought beside their steps in them, so
     on shared cores its steps are first made to give those wall times to a lone request
     simulated there (:func:`pushkv.fit.measure_connector.lone_steps`; ``wall_steps``: the
@@ -94,8 +97,10 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
                 profile = lone_steps(profile, mode=mode, input_len=input_len,
                                      output_len=output_len)
             if speeds:
+                keyed_at = (gauges_speed(got or {}) if speed_refs is None
+                            else speed_refs.get(fname, {}))
                 sides = {side: {"cpu_speed": min(MAX_SPEED, speed)}
-                         for side, speed in gauge_speed(got or {}).items()}
+                         for side, speed in speed_over(got or {}, keyed_at).items()}
                 profile = profile_from_dict({"host": {"model": SHARED_CPU, **sides}},
                                             base=profile)
         elif got:
