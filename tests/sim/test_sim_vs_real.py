@@ -888,6 +888,20 @@ def test_measured_speed_runs_a_held_out_point_on_the_cores_its_probe_saw(
     assert same["mean_ttft_ms"] == plain_same["mean_ttft_ms"]
 
 
+def test_measured_speed_without_cross_validation_is_refused_in_a_line(
+        tmp_path: Path) -> None:
+    """``--measured-speed`` has a reference only in a cross-validation: without
+    ``--cross-validate`` the benchmark stops before it runs anything."""
+    import subprocess
+    import sys
+
+    got = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sim_vs_real.py"),
+                          "--out", str(tmp_path / "out"), "--sim-only", "--measured-speed"],
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 2 and "--measured-speed needs --cross-validate" in got.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_held_out_point_takes_the_nearest_training_length_then_rate() -> None:
     from pushkv.fit.sim_vs_real.cross import nearest_group
 
