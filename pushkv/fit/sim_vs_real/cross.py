@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .report import BAND, by_iteration, interval
-from .runs import NAME, file_name, rate_name
+from .runs import NAME, file_name, point_name, rate_name
 
 #: the points the committed profile was fitted and checked on (docs/sim.md): the
 #: default training grid of a cross-validation
@@ -114,7 +114,7 @@ def predict(train_keys: dict[str, dict[str, dict[str, Any]]], held: Iterable[str
             continue
         g = nearest_group(*p, groups=means)
         out[fname] = means[g]
-        source[fname] = f"{g[0]}_in{g[1]}_qps{rate_name(g[2])}"
+        source[fname] = point_name(*g)
     return out, source
 
 
@@ -131,7 +131,7 @@ def key_speeds(shares: dict[str, dict[str, Any]], train: set[str],
     groups: dict[str, list[dict[str, float]]] = {}
     for f, got in own.items():
         if (k := point_key(f)) is not None:
-            groups.setdefault(f"{k[0]}_in{k[1]}_qps{rate_name(k[2])}", []).append(got)
+            groups.setdefault(point_name(*k), []).append(got)
     out = dict(own)
     for f, g in source.items():
         if groups.get(g):
@@ -171,7 +171,7 @@ def judge(real: Path, sim: Path, train: set[str], stats: Sequence[str] = JUDGED,
     sides: dict[str, dict[str, Any]] = {}
     for key in sorted(set(r) & set(s), key=lambda k: (k[0], k[1], k[2])):
         mode, length, q = key
-        name = f"{mode}_in{length}_qps{rate_name(q)}"
+        name = point_name(mode, length, q)
         side = sides.setdefault("in_sample" if name in train else "out_of_sample",
                                 {"points": {}, "by_stat": {}})
         its = sorted(set(r[key]) & set(s[key]))
@@ -331,7 +331,7 @@ def chunk_table(real: Path, sims: dict[str, Path]) -> tuple[str, dict[str, Any]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows: dict[str, Any] = {}
     for key in sorted(r, key=lambda k: (k[0], k[1], k[2])):
-        name = f"{key[0]}_in{key[1]}_qps{rate_name(key[2])}"
+        name = point_name(*key)
         rows[name] = {"real": round(r[key], 2)} | {
             n: round(v[key], 2) for n, v in s.items() if key in v}
         lines.append(f"| {name} | {r[key]:.1f} | " + " | ".join(
@@ -405,9 +405,9 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
 
     keys, run, source = cross_keys(real, shares, profile, output_len,
                                    {fname(p) for p in train}, {fname(p) for p in held})
-    names = {f"{p[0]}_in{p[1]}_qps{rate_name(p[2])}" for p in train}
+    names = {point_name(*p[:3]) for p in train}
     refs = key_speeds(shares, {fname(p) for p in train}, source)
-    said = sorted({f"{k[0]}_in{k[1]}_qps{rate_name(k[2])} <- {g}"
+    said = sorted({f"{point_name(*k)} <- {g}"
                    for f, g in source.items() if (k := point_key(f)) is not None})
     say(f"cross-validation: {len(train)} training points ({len(names)} groups: "
         f"rates {sorted(set(rates))} x lengths {sorted(set(inputs))}), {len(held)} held "
@@ -485,8 +485,7 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
             "request (real: vllm bench serve's own count; fewer than the tokens: some "
             "left together):\n")
         say(text)
-    above = {f"{p[0]}_qps{rate_name(p[2])}_in{p[1]}_out{output_len}_iter{p[3]}"
-             for p in held if p[2] > max(rates)}
+    above = {fname(p).removesuffix(".json") for p in held if p[2] > max(rates)}
     text, summary["segments"] = segment_rows(segs.get("main", {}), segs.get(other, {}),
                                              above)
     if text:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .runs import MODES, NAME, STATS, rate_name
+from .runs import MODES, NAME, STATS, point_name, rate_name
 
 #: the band every sim/real ratio is to fall in
 BAND = (0.75, 1.33)
@@ -62,7 +62,7 @@ def compare(real: Path, sim: Path) -> tuple[str, dict[str, Any]]:
         mode, input_len, q = key
         a, b = r[key], s[key]
         rat = {k: b[k] / a[k] for k in STATS if a[k] > 0}
-        ratios[f"{mode}_in{input_len}_qps{rate_name(q)}"] = {k: round(v, 3)
+        ratios[point_name(mode, input_len, q)] = {k: round(v, 3)
                                                             for k, v in rat.items()}
         lines.append(
             f"| {mode} | {input_len} | {rate_name(q)} | "
@@ -144,7 +144,7 @@ def precision(real: Path, sim: Path, band: tuple[float, float] = BAND
             cells.append(f"{iv['mean']:.2f}" + (
                 f" [{iv['low']:.2f}, {iv['high']:.2f}] {iv['verdict']}"
                 if iv["low"] is not None else " (one iteration)"))
-        points[f"{mode}_in{input_len}_qps{rate_name(q)}"] = got
+        points[point_name(mode, input_len, q)] = got
         lines.append(f"| {mode} | {input_len} | {rate_name(q)} | {len(its)} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines), {"band": list(band), "verdicts": verdicts,

@@ -46,6 +46,12 @@ def file_name(mode: str, rate: float, input_len: int, output_len: int, it: int) 
     return f"{mode}_qps{rate_name(rate)}_in{input_len}_out{output_len}_iter{it}.json"
 
 
+def point_name(mode: str, input_len: int, rate: float) -> str:
+    """A point's name across its iterations in tables and summaries
+    (``push_in64_qps2``)."""
+    return f"{mode}_in{input_len}_qps{rate_name(rate)}"
+
+
 def timeline_dirs(real: Path, mode: str) -> list[Path]:
     """Where ``mode``'s router, servers and the client record (:mod:`pushkv.timeline`)."""
     name, deployment = MODES[mode]
