@@ -542,7 +542,8 @@ def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
     """``--cross-validate``: :func:`pushkv.fit.sim_vs_real.cross.cross_validate` on the
     run in ``--out``, its summary written (``OUT/cross.json``) and printed last as one
     JSON line: the in-sample and out-of-sample ratio ranges, the out-of-sample figures
-    in band, decided and counted, and ``knee_ratio`` per mode."""
+    in band, decided and counted, and ``knee_ratio`` per mode with its 95% interval
+    and verdict (``knee_interval``: low, high -- None past the sweep -- verdict)."""
     try:
         got = cross_validate(args.out, args.profile, rates=args.train_rates,
                              inputs=args.train_inputs, sweep_input=args.sweep_input,
@@ -566,6 +567,9 @@ def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
         "in_sample_in_band": ins.get("in_band"), "in_sample_points": ins.get("figures"),
         "knee_ratio": got.get("knee_ratio"),
         "knee_ratio_median": got.get("knee_ratio_median"),
+        **{name: {m: [v["low"], v["high"], v["verdict"]]
+                  for m, v in (got.get(name) or {}).items()}
+           for name in ("knee_interval", "knee_interval_median")},
         "merge_tokens": args.merge_tokens, "api_loops": args.api_loops,
         "pinned_engines": args.pinned_engines, "measured_speed": args.measured_speed,
         **{other: {"out_of_sample": [got[other].get("out_of_sample", {}).get(k)

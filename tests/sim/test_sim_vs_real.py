@@ -924,3 +924,57 @@ def test_the_knee_is_where_the_statistic_doubles_interpolated() -> None:
     assert knee([2, 4], [30, 60]) == 4
     with pytest.raises(ValueError, match="ascend"):
         knee([4, 2], [30, 60])
+
+
+def _sweep(per_rate: dict[float, list[float]]) -> dict[float, dict[int, dict[str, float]]]:
+    return {q: {i: {"mean_ttft_ms": v} for i, v in enumerate(vals)}
+            for q, vals in per_rate.items()}
+
+
+def test_a_knee_ratio_has_an_interval_over_the_iterations() -> None:
+    """The iterations resampled together at every rate: a simulated sweep equal to
+    the real one has every draw's ratio 1; one whose knee lies a third further out in
+    every iteration is decided out, one past the sweep too; one real iteration in six
+    with an episode at the top rates leaves the ratio unsure."""
+    from pushkv.fit.sim_vs_real.cross import interval_text, knee_interval
+
+    rates = [2.0, 8.0, 16.0, 24.0, 32.0]
+    calm = {2.0: [30, 31, 29, 30, 30, 31], 8.0: [36, 35, 37, 36, 36, 35],
+            16.0: [48, 50, 47, 49, 48, 50], 24.0: [90, 92, 88, 91, 90, 89],
+            32.0: [150, 160, 140, 150, 155, 145]}
+    same = knee_interval(_sweep(calm), _sweep(calm), rates)
+    assert (same["low"], same["high"], same["verdict"]) == (1.0, 1.0, "in")
+    assert same["undefined"] == 0 and same["draws"] == 2000
+    assert interval_text(same) == " [1.00, 1.00] in"
+    # simulated: the same light load, twice it reached past 24 QPS (real: about 18)
+    later = {**calm, 24.0: [50, 49, 51, 50, 50, 49], 32.0: [90, 92, 88, 91, 90, 89]}
+    out = knee_interval(_sweep(calm), _sweep(later), rates)
+    assert out["verdict"] == "out" and 1.3 < out["low"] <= out["high"] < 1.6
+    beyond = knee_interval(_sweep(calm), _sweep({**later, 32.0: [55] * 6}), rates)
+    assert (beyond["low"], beyond["high"], beyond["verdict"]) == (None, None, "out")
+    assert beyond["undefined"] == 0 and interval_text(beyond) == " [beyond, beyond] out"
+    short = knee_interval(_sweep({**later, 32.0: [55] * 6}), _sweep(calm), rates)
+    assert (short["low"], short["high"], short["verdict"]) == (0.0, 0.0, "out")
+    # one real iteration in six with an episode at the top three rates
+    episode = {**calm, 16.0: [48, 50, 47, 49, 48, 150], 24.0: [90, 92, 88, 91, 90, 400],
+               32.0: [150, 160, 140, 150, 155, 600]}
+    shaky = knee_interval(_sweep(episode), _sweep(calm), rates)
+    assert shaky["verdict"] == "unsure" and shaky["low"] <= 1.0 < shaky["high"]
+    assert knee_interval(_sweep(episode), _sweep(calm), rates) == shaky  # the seed's
+    assert knee_interval(_sweep(episode), _sweep(calm), rates, seed=1) != shaky
+
+
+def test_a_knee_interval_refuses_a_sweep_it_cannot_resample() -> None:
+    from pushkv.fit.sim_vs_real.cross import interval_text, knee_interval
+
+    with pytest.raises(ValueError, match="two or more rates"):
+        knee_interval(_sweep({2.0: [30]}), _sweep({2.0: [30]}), [2.0])
+    real = _sweep({2.0: [30, 30], 8.0: [40, 40]})
+    sim = {q: {i + 5: v for i, v in its.items()} for q, its in real.items()}
+    with pytest.raises(ValueError, match="no iteration"):
+        knee_interval(real, sim, [2.0, 8.0])
+    # both knees beyond the sweep in every draw: no ratio, so no interval
+    flat = knee_interval(real, real, [2.0, 8.0])
+    assert (flat["low"], flat["high"], flat["verdict"]) == (None, None, "unsure")
+    assert flat["undefined"] == 2000
+    assert "beyond the sweep in 2000 of 2000" in interval_text(flat)

@@ -38,6 +38,10 @@ JUDGED = ("median_ttft_ms", "mean_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
 KNEE_STAT = "mean_ttft_ms"
 #: how far mean TTFT grows from its light-load value at the knee
 KNEE_FACTOR = 2.0
+#: the band a simulated knee over the real one is judged against: within 15%
+KNEE_BAND = (0.85, 1.15)
+#: resamples of the iterations behind a knee ratio's interval (:func:`knee_interval`)
+KNEE_DRAWS = 2000
 
 Point = tuple[str, int, float, int]  # mode, input length, rate, iteration
 
@@ -247,12 +251,82 @@ def knee(rates: Sequence[float], values: Sequence[float],
     return None
 
 
+def _sweep_knee(its: dict[float, dict[int, dict[str, float]]], rates: Sequence[float],
+                draw: Sequence[int], stat: str, factor: float) -> float | None:
+    """The knee (:func:`knee`) of ``stat`` averaged, at each rate, over the iterations
+    ``draw`` names that ran there (one may be named more than once)."""
+    vals = []
+    for q in rates:
+        got = [its[q][i][stat] for i in draw if i in its[q]]
+        if not got:
+            return None
+        vals.append(statistics.fmean(got))
+    return knee(rates, vals, factor)
+
+
+def knee_interval(real: dict[float, dict[int, dict[str, float]]],
+                  sim: dict[float, dict[int, dict[str, float]]], rates: Sequence[float],
+                  stat: str = KNEE_STAT, factor: float = KNEE_FACTOR,
+                  band: tuple[float, float] = KNEE_BAND, draws: int = KNEE_DRAWS,
+                  seed: int = 0) -> dict[str, Any]:
+    """How far a sweep's iterations can tell its knee ratio (simulated knee over real).
+    ``real`` and ``sim``: per rate, per iteration, the statistics of its result file.
+    The iterations are resampled with replacement ``draws`` times, the same iterations
+    at every rate (an iteration's points ran in the same minutes of the machine) and
+    each simulated iteration beside its real one (it has its send times and keys); each
+    draw's knees are taken as :func:`knees` takes them. The 2.5% and 97.5% points of
+    the draws' ratios are the interval: ``"in"`` when it lies inside ``band``,
+    ``"out"`` when outside, else ``"unsure"``. A knee beyond the sweep makes a ratio
+    of infinity (the simulated one) or 0 (the real one); a draw with both beyond has
+    no ratio and is counted in ``undefined``; with more than 2.5% such draws there is
+    no interval. ValueError for fewer than two rates or no iteration both halves ran."""
+    if len(rates) < 2:
+        raise ValueError("a knee needs two or more rates")
+    names = sorted({i for q in rates for i in real[q]} & {i for q in rates for i in sim[q]})
+    if not names:
+        raise ValueError("no iteration both halves ran")
+    import random
+
+    rng = random.Random(seed)
+    ratios: list[float] = []
+    undefined = 0
+    for _ in range(draws):
+        draw = [rng.choice(names) for _ in names]
+        kr = _sweep_knee(real, rates, draw, stat, factor)
+        ks = _sweep_knee(sim, rates, draw, stat, factor)
+        if kr is None and ks is None:
+            undefined += 1
+        else:
+            ratios.append(0.0 if kr is None else math.inf if ks is None else ks / kr)
+    ratios.sort()
+    if undefined > 0.025 * draws:
+        return {"low": None, "high": None, "verdict": "unsure", "undefined": undefined,
+                "draws": draws}
+    low = ratios[int(0.025 * len(ratios))]
+    high = ratios[min(len(ratios) - 1, int(math.ceil(0.975 * len(ratios))) - 1)]
+    verdict = ("in" if band[0] <= low and high <= band[1] else
+               "out" if high < band[0] or low > band[1] else "unsure")
+    return {"low": None if math.isinf(low) else round(low, 3),
+            "high": None if math.isinf(high) else round(high, 3),
+            "verdict": verdict, "undefined": undefined, "draws": draws}
+
+
+def interval_text(got: dict[str, Any]) -> str:
+    """A :func:`knee_interval` as the knee lines print it: `` [low, high] verdict``
+    (``beyond``: a knee past the sweep in more than 2.5% of the draws)."""
+    if got["low"] is None and got["high"] is None and got["undefined"]:
+        return f" (both knees beyond the sweep in {got['undefined']} of {got['draws']} draws)"
+    ends = ["beyond" if x is None else f"{x:.2f}" for x in (got["low"], got["high"])]
+    return f" [{ends[0]}, {ends[1]}] {got['verdict']}"
+
+
 def knees(real: Path, sim: Path, input_len: int, stat: str = KNEE_STAT,
-          factor: float = KNEE_FACTOR) -> dict[str, Any]:
+          factor: float = KNEE_FACTOR, draws: int = KNEE_DRAWS) -> dict[str, Any]:
     """Per mode, the rate sweep at ``input_len`` (every rate both halves ran there, the
     iterations averaged): the rates, real and simulated ``stat``, each side's knee
-    (:func:`knee`) and ``knee_ratio`` (simulated over real; None where either knee lies
-    beyond the sweep)."""
+    (:func:`knee`), ``knee_ratio`` (simulated over real; None where either knee lies
+    beyond the sweep) and how far the iterations can tell it (``interval``:
+    :func:`knee_interval`, ``draws`` resamples; 0: none)."""
     r, s = by_iteration(real), by_iteration(sim)
     out: dict[str, Any] = {}
     for mode in sorted({k[0] for k in r}):
@@ -269,6 +343,10 @@ def knees(real: Path, sim: Path, input_len: int, stat: str = KNEE_STAT,
                      "real_knee": None if kr is None else round(kr, 2),
                      "sim_knee": None if ks is None else round(ks, 2),
                      "knee_ratio": None if kr is None or ks is None else round(ks / kr, 3)}
+        if draws:
+            out[mode]["interval"] = knee_interval(
+                {k[2]: r[k] for k in keys}, {k[2]: s[k] for k in keys}, rates, stat,
+                factor, draws=draws)
     return out
 
 
@@ -291,7 +369,9 @@ def knee_figure(sweep: dict[str, Any], out: Path, *, input_len: int,
             k = got[f"{side}_knee"]
             if k is not None:
                 ax.axvline(k, lw=0.8, color="C0" if side == "real" else "C1")
-        ax.set_title(f"{mode}, {input_len} tokens in: knee ratio {got['knee_ratio']}")
+        ax.set_title(f"{mode}, {input_len} tokens in: knee ratio {got['knee_ratio']}"
+                     + (interval_text(got["interval"]) if "interval" in got else ""),
+                     fontsize=9)
         ax.set_xlabel("request rate (QPS)")
         ax.set_ylabel(stat.replace("_", " ").replace(" ms", " (ms)"))
         ax.legend()
@@ -459,16 +539,19 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
         for mode, got in sweep.items():
             say(f"  {mode}: rates {got['rates']}, real {got['real']}, sim {got['sim']}; "
                 f"knee real {got['real_knee']} sim {got['sim_knee']}, ratio "
-                f"{got['knee_ratio']}")
+                f"{got['knee_ratio']}{interval_text(got['interval'])}")
         got = {side: {k: v for k, v in judged[side].items() if k != "points"}
                for side in judged}
         for mode, g in sweep_median.items():
             say(f"  {mode}, on median TTFT: real {g['real']}, sim {g['sim']}; knee real "
-                f"{g['real_knee']} sim {g['sim_knee']}, ratio {g['knee_ratio']}")
+                f"{g['real_knee']} sim {g['sim_knee']}, ratio {g['knee_ratio']}"
+                f"{interval_text(g['interval'])}")
         got["knee"] = sweep
         got["knee_ratio"] = {m: v["knee_ratio"] for m, v in sweep.items()}
+        got["knee_interval"] = {m: v["interval"] for m, v in sweep.items()}
         got["knee_median"] = sweep_median
         got["knee_ratio_median"] = {m: v["knee_ratio"] for m, v in sweep_median.items()}
+        got["knee_interval_median"] = {m: v["interval"] for m, v in sweep_median.items()}
         got["points"] = {side: judged[side]["points"] for side in judged}
         if way == "main":
             summary |= got | {"merge_tokens": merge}
