@@ -117,8 +117,8 @@ def _lone_gap(profile: Profile, *, mode: str, input_len: int, output_len: int) -
 
 def lone_steps(profile: Profile, *, mode: str, input_len: int, output_len: int) -> Profile:
     """``profile`` with its engines' step overheads set so that a request simulated alone
-    on the machine's shared cores (``host.cores``) steps as it does on cores of
-    its own: the same medians of 'prefill sees -> prefill finished' and 'first token ->
+    on the machine's shared cores (``host.cores``, one pool or the engines pinned as
+    ``host.pinned`` says) steps as it does on cores of its own: the same medians of 'prefill sees -> prefill finished' and 'first token ->
     last token'. A gauge's step keys (:func:`connector_steps`) are a lone request's wall
     times, which already hold the work the request itself brings beside its step (the
     loop that holds it stepping, its tokens' way out through the frontends); on shared
@@ -136,7 +136,7 @@ def lone_steps(profile: Profile, *, mode: str, input_len: int, output_len: int) 
         raise MeasurementError(f"a lone decode step needs 2 output tokens or more, "
                                f"got {output_len}")
     own = dataclasses.replace(profile, host=dataclasses.replace(
-        profile.host, cores=0)).validate()
+        profile.host, cores=0, pinned=False)).validate()
     gap = _lone_gap(own, mode=mode, input_len=input_len, output_len=output_len)
     target = _lone_segments(own, mode=mode, input_len=input_len, output_len=output_len,
                             gap_s=gap)

@@ -21,20 +21,21 @@ TINY = load_profile(Path(__file__).resolve().parents[2] / "pushkv" / "sim" / "pr
 STEPS = ("prefill sees -> prefill finished", "first token -> last token")
 
 
-def shared(*, busy: float = 1.4, token_work_s: float = 1e-3, host_cores: int = 2) -> Profile:
+def shared(*, busy: float = 1.4, token_work_s: float = 1e-3, host_cores: int = 2,
+           pinned: bool = False) -> Profile:
     """cpu-tiny on two shared cores, each engine keeping ``busy`` cores busy while it
     steps or holds a request, each token ``token_work_s`` of frontend work."""
     return profile_from_dict({
         "prefill": {"prefill_step_overhead_s": 5e-3, "step_python_s": 2.5e-3},
         "decode": {"decode_step_overhead_s": 3e-3, "step_python_s": 3e-3},
         "host": {"model": "shared-cpu", "cores": host_cores, "frontend_cores": 1,
-                 "token_work_s": token_work_s,
+                 "token_work_s": token_work_s, "pinned": pinned,
                  "prefill": {"cores_busy": busy, "steps_while_holding": True},
                  "decode": {"cores_busy": busy, "steps_while_holding": True}}}, base=TINY)
 
 
 def own_cores(p: Profile) -> Profile:
-    return dataclasses.replace(p, host=dataclasses.replace(p.host, cores=0))
+    return dataclasses.replace(p, host=dataclasses.replace(p.host, cores=0, pinned=False))
 
 
 def lone(p: Profile, mode: str) -> dict[str, float]:
@@ -48,9 +49,13 @@ def test_without_shared_cores_the_profile_is_its_own() -> None:
     assert lone_steps(p, mode="push", input_len=64, output_len=24) is p
 
 
+@pytest.mark.parametrize("pinned", [False, True], ids=["one-pool", "pinned"])
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_a_lone_request_on_shared_cores_then_steps_as_on_cores_of_its_own(mode: str) -> None:
-    p = shared()
+def test_a_lone_request_on_shared_cores_then_steps_as_on_cores_of_its_own(
+        mode: str, pinned: bool) -> None:
+    """On one pool of the cores or with the engines pinned: the steps are fitted on the
+    host they will run on."""
+    p = shared(pinned=pinned)
     want, before = lone(own_cores(p), mode), lone(p, mode)
     # the double count this takes out: the request's own work slows its decode steps
     assert before["first token -> last token"] > 1.05 * want["first token -> last token"]

@@ -352,6 +352,38 @@ def test_engines_are_pinned_only_where_asked_and_the_host_has_a_core_each(
 
 
 
+def test_a_points_steps_are_fitted_on_the_host_it_is_simulated_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lone requests a gauge's steps are fitted with (:func:`lone_steps`) run on
+    the point's host as it is simulated: engines pinned where the point's are, the one
+    frontend queue where it has one. Fitted on another host, a lone request simulated
+    on its own steps slower or faster than its gauge timed it."""
+    import pushkv.sim.runner as runner
+    from pushkv.fit.measure_connector import LONE_REQUESTS
+
+    real, shares = _gauged_run(tmp_path)
+    points, output_len, num_prompts = real_points(real)
+    per_point, _ = gauge_keys(real, shares, PROFILE, output_len)
+    assert all(p["host"]["token_api_s"] > 0 for p in per_point.values())
+    fits: list[tuple[bool, float]] = []  # the fits' lone requests on the shared cores
+    simulate = runner.run
+
+    def spy(cfg, **kw):  # type: ignore[no-untyped-def]
+        h = cfg.profile.host
+        if cfg.workload.num_prompts == LONE_REQUESTS and h.cores:
+            fits.append((h.pinned, h.token_api_s))
+        return simulate(cfg, **kw)
+
+    monkeypatch.setattr(runner, "run", spy)
+    for placed in (True, False):
+        fits.clear()
+        run_sim(PROFILE, tmp_path / f"sim-{placed}", points, output_len, num_prompts,
+                gauges=per_point, frontend_cores=1, host_cores=2, pinned_engines=placed,
+                api_loops=placed)
+        assert fits and {f[0] for f in fits} == {placed}
+        assert {f[1] > 0 for f in fits} == {placed}
+
+
 def test_a_points_steps_are_its_gauges_lone_wall_times_not_counted_twice(
         tmp_path: Path) -> None:
     """A gauge times a lone request's decode at 2 ms a token, the work it brings beside

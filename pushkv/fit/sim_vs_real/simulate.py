@@ -15,7 +15,7 @@ from typing import Any
 
 from ...sim.host import SHARED_CPU
 from ...sim.host.profile import MAX_SPEED
-from ...sim.profile import load_profile, profile_from_dict
+from ...sim.profile import Profile, load_profile, profile_from_dict
 from ..measure_connector import lone_steps
 from .keys import gauges_speed, speed_over
 from .runs import file_name
@@ -54,7 +54,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     were measured at: :func:`~.keys.speed_over`). A point's gauged step times are
     its lone requests' wall times, the work they brought beside their steps in them, so
     on shared cores its steps are first made to give those wall times to a lone request
-    simulated there (:func:`pushkv.fit.measure_connector.lone_steps`; ``wall_steps``: the
+    simulated there, on the host as this run places it -- pinned, one queue or loops,
+    merging (:func:`pushkv.fit.measure_connector.lone_steps`; ``wall_steps``: the
     gauged steps as they are, that work counted twice). ``merge_tokens`` replaces the
     profile's ``host.merge_tokens`` on every point run on the shared-CPU host (up to so
     many of a request's tokens waiting together on the frontend queue leave as one
@@ -67,6 +68,19 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     from ...sim.runner import run
     from ...sim.scenario import SimConfig, TransferMode
     from ...sim.workload import WorkloadConfig
+
+    def placed(profile: Profile) -> Profile:
+        """``profile``'s host as this run simulates it: the one frontend queue unless
+        ``api_loops``, the engines pinned with ``pinned_engines``, ``merge_tokens``."""
+        h, changes = profile.host, dict[str, Any]()
+        if not api_loops and h.token_api_s:  # the one frontend queue
+            changes["token_api_s"] = 0.0
+        if pinned_engines and h.model == SHARED_CPU and h.cores >= 2:
+            changes["pinned"] = True
+        if merge_tokens is not None and h.model == SHARED_CPU:
+            changes["merge_tokens"] = merge_tokens
+        return dataclasses.replace(profile, host=dataclasses.replace(
+            h, **changes)).validate() if changes else profile
 
     base = load_profile(profile_path)
     for name, cores in (("frontend_cores", frontend_cores), ("cores", host_cores)):
@@ -92,7 +106,7 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             point = {t: dict(v) for t, v in gauges[fname].items()}
             if host_cores is not None:  # the command line's cores, over the real run's
                 point.get("host", {}).pop("cores", None)
-            profile = profile_from_dict(point, base=base)
+            profile = placed(profile_from_dict(point, base=base))  # fitted as simulated
             if not wall_steps:  # the gauges' lone wall times, the request's own work out
                 profile = lone_steps(profile, mode=mode, input_len=input_len,
                                      output_len=output_len)
@@ -128,15 +142,7 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
                                          prefill=dataclasses.replace(h.prefill, **pre),
                                          decode=dataclasses.replace(h.decode, **dec)),
             ).validate()
-        if not api_loops and profile.host.token_api_s:  # the one frontend queue
-            profile = dataclasses.replace(profile, host=dataclasses.replace(
-                profile.host, token_api_s=0.0)).validate()
-        if pinned_engines and profile.host.model == SHARED_CPU and profile.host.cores >= 2:
-            profile = dataclasses.replace(profile, host=dataclasses.replace(
-                profile.host, pinned=True)).validate()
-        if merge_tokens is not None and profile.host.model == SHARED_CPU:
-            profile = dataclasses.replace(profile, host=dataclasses.replace(
-                profile.host, merge_tokens=merge_tokens)).validate()
+        profile = placed(profile)
         cfg = SimConfig(mode=TransferMode(mode), profile=profile, iteration=it,
                         workload=WorkloadConfig(request_rate=rate, input_len=input_len,
                                                 output_len=output_len,
