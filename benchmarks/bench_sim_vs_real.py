@@ -67,9 +67,11 @@ from pushkv.fit.sim_vs_real.deployment import (  # noqa: E402
 )
 from pushkv.fit.sim_vs_real.keys import gauge_rate  # noqa: E402
 from pushkv.fit.sim_vs_real.runs import (  # noqa: E402
+    API_LOOPS,
     CLIENT,
     GAUGES,
     MODES,
+    PINNED_ENGINES,
     PROFILE,
     file_name,
     point_prompts,
@@ -466,15 +468,18 @@ def main() -> int:
     p.add_argument("--sweep-input", type=int, default=None,
                    help="the length whose rates make the knee's sweep (default: the one "
                    "run at the most rates)")
-    p.add_argument("--api-loops", action="store_true",
+    p.add_argument("--api-loops", action=argparse.BooleanOptionalAction,
+                   default=API_LOOPS,
                    help="simulate each API server as a loop of its own and a token's way "
                    "out as two jobs where the run measured host.token_api_s (docs/sim.md, "
-                   "'A wake-up shared'); default: the one frontend queue")
-    p.add_argument("--pinned-engines", action="store_true",
+                   "'A wake-up shared'; the default); --no-api-loops: the frontends as "
+                   "one queue")
+    p.add_argument("--pinned-engines", action=argparse.BooleanOptionalAction,
+                   default=PINNED_ENGINES,
                    help="simulate each engine's loop on a core of its own and the other "
                    "pieces floating between the cores (host.pinned, where the host has two "
-                   "cores or more), as the real deployment pins its engines; default: "
-                   "one pool of the cores")
+                   "cores or more), as the real deployment pins its engines (the "
+                   "default); --no-pinned-engines: one pool of the cores")
     p.add_argument("--measured-speed", action="store_true",
                    help="with --cross-validate: each point's cores as fast as the core "
                    "probe measured them during it, against the probe's rate over the "

@@ -389,16 +389,18 @@ def test_a_points_steps_are_its_gauges_lone_wall_times_not_counted_twice(
     """A gauge times a lone request's decode at 2 ms a token, the work it brings beside
     its steps (decode keeping 1.9 cores busy, its tokens' way out through one frontend
     core) in that time; the gauge way's point at 2 QPS steps at that again, where the
-    steps as timed, on the shared cores, count that work twice (``wall_steps``)."""
+    steps as timed, on one pool of the shared cores, count that work twice
+    (``wall_steps``). Pinned, the fit is :func:`lone_steps`' own (test_sim_lone_steps)."""
     real, shares = _gauged_run(tmp_path)
     points, output_len, num_prompts = real_points(real)
     per_point, _ = gauge_keys(real, shares, PROFILE, output_len)
     name = "push_qps2_in64_out24_iter0.json"
     fitted, walls = tmp_path / "fitted", tmp_path / "walls"
+    one_pool = {"pinned_engines": False, "api_loops": False}  # the claim's host
     run_sim(PROFILE, fitted, points, output_len, num_prompts, gauges=per_point,
-            frontend_cores=1)
+            frontend_cores=1, **one_pool)
     run_sim(PROFILE, walls, points, output_len, num_prompts, gauges=per_point,
-            frontend_cores=1, wall_steps=True)
+            frontend_cores=1, wall_steps=True, **one_pool)
     per_token_ms = 46.0 / 23
     got = json.loads((fitted / name).read_text())["median_tpot_ms"]
     twice = json.loads((walls / name).read_text())["median_tpot_ms"]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .report import BAND, by_iteration, interval
-from .runs import NAME, file_name, point_name, rate_name
+from .runs import API_LOOPS, NAME, PINNED_ENGINES, file_name, point_name, rate_name
 
 #: the points the committed profile was fitted and checked on (docs/sim.md): the
 #: default training grid of a cross-validation
@@ -448,8 +448,8 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
                    inputs: Sequence[int] = TRAIN_INPUTS, sweep_input: int | None = None,
                    seed: int = 0, arrivals: str = "vllm", frontend_cores: int | None = None,
                    host_cores: int | None = None, merge_tokens: bool = True,
-                   api_loops: bool = False, pinned_engines: bool = False,
-                   measured_speed: bool = False, figures_dir: Path | None = None,
+                   api_loops: bool = API_LOOPS,
+                   pinned_engines: bool = PINNED_ENGINES, measured_speed: bool = False, figures_dir: Path | None = None,
                    say: Callable[[str], None] = print) -> dict[str, Any]:
     """The cross-validation of a recorded run (``out/real``): split its points
     (:func:`split` on ``rates`` x ``inputs``), key them from the training points alone

@@ -20,6 +20,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+#: how the simulated half places the measured deployment's processes by default: each
+#: engine's loop on its side's core (``host.pinned``; the deployment binds each vLLM CPU
+#: worker's threads to a core of its own) and each API server a loop of its own where the
+#: run measured ``host.token_api_s``, not one pool of cores and one frontend queue
+PINNED_ENGINES = True
+API_LOOPS = True
 #: the measured CPU profile the simulated half starts from
 PROFILE = Path(__file__).resolve().parents[2] / "sim" / "profiles" / "cpu-tiny.toml"
 #: sim mode -> (real mode of pushkv.fit.e2e.modes, its deployment)

@@ -32,7 +32,7 @@ from typing import Any
 from ..cpu_profile import MeasurementError
 from .keys import gauge_keys, gauge_speed, noise_table, real_keys, without_wake
 from .report import BAND, compare, figures, in_band, precision
-from .runs import SHARES, real_points
+from .runs import API_LOOPS, PINNED_ENGINES, SHARES, real_points
 from .simulate import run_sim
 from .tables import lone_gap, neighbour_tables, overlap_tables, place_tables, segment_tables
 
@@ -58,8 +58,8 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
              frontend_cores: int | None = None, host_cores: int | None = None,
              use_real_keys: bool = False, cpu_share: bool = True,
              figures_dir: Path | None = None, failures: dict[str, str] | None = None,
-             merge_tokens: int | None = None, api_loops: bool = False,
-             pinned_engines: bool = False,
+             merge_tokens: int | None = None, api_loops: bool = API_LOOPS,
+             pinned_engines: bool = PINNED_ENGINES,
              say: Callable[[str], None] = _say) -> SimHalf:
     """Simulate the points of ``out/real`` every way, compare, print (``say``); see the
     module. ``profile``: the profile every way starts from; ``seed``, ``arrivals``: the

@@ -18,7 +18,7 @@ from ...sim.host.profile import MAX_SPEED
 from ...sim.profile import Profile, load_profile, profile_from_dict
 from ..measure_connector import lone_steps
 from .keys import gauges_speed, speed_over
-from .runs import file_name
+from .runs import API_LOOPS, PINNED_ENGINES, file_name
 
 
 def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, float, int]],
@@ -31,8 +31,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             gauges: dict[str, dict[str, dict[str, float]]] | None = None,
             speeds: bool = False,
             speed_refs: Mapping[str, dict[str, float]] | None = None,
-            wall_steps: bool = False, merge_tokens: int | None = None, api_loops: bool = False,
-            pinned_engines: bool = False) -> None:
+            wall_steps: bool = False, merge_tokens: int | None = None,
+            api_loops: bool = API_LOOPS, pinned_engines: bool = PINNED_ENGINES) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``, each
     sending ``num_prompts`` requests (or its own count, by result file name); with
     ``shares`` (by result file name), each point's engines get the share of a core and
