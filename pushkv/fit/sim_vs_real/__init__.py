@@ -69,7 +69,11 @@ machine's shared cores (``OUT/sim-gauge``, the headline when the run has gauges:
 servers' metrics gave them (``OUT/sim-server-steps``). ``--frontend-cores N``
 replaces the profile's ``host.frontend_cores`` (the API servers', router's and
 client's times as one queue, :mod:`pushkv.sim.host.frontend`; a profile ``--measure``
-writes has it from the machine's cores).
+writes has it from the machine's cores). The ways on shared cores place the processes as the
+deployment does unless told otherwise (:data:`.runs.PINNED_ENGINES`: each engine's loop
+on its side's core, ``host.pinned``; :data:`.runs.API_LOOPS`: each API server a loop of
+its own where the run measured ``host.token_api_s``), and a gauged point's steps are
+fitted on that host.
 
 **Segment by segment**: the real half's router, client and servers record
 :mod:`pushkv.timeline` marks (``OUT/real/timeline/<mode>/``, ``<deployment>/``;
