@@ -449,7 +449,8 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
                    seed: int = 0, arrivals: str = "vllm", frontend_cores: int | None = None,
                    host_cores: int | None = None, merge_tokens: bool = True,
                    api_loops: bool = API_LOOPS,
-                   pinned_engines: bool = PINNED_ENGINES, measured_speed: bool = False, figures_dir: Path | None = None,
+                   pinned_engines: bool = PINNED_ENGINES, measured_speed: bool = False,
+                   figures_dir: Path | None = None,
                    say: Callable[[str], None] = print) -> dict[str, Any]:
     """The cross-validation of a recorded run (``out/real``): split its points
     (:func:`split` on ``rates`` x ``inputs``), key them from the training points alone
