@@ -15,7 +15,8 @@ mean over that group's points), its own gauges unused (*out-of-sample*).
 (:func:`.report.interval`) and counts, in and out of sample, the figures *decided*
 (the whole 95% interval inside or outside the band) and those in band.
 :func:`knees` finds, per mode, the rate at which mean TTFT doubles from its
-light-load value, real and simulated, on one length's rate sweep.
+light-load value, real and simulated, on one length's rate sweep, and how far the
+iterations can tell their ratio (:func:`knee_interval`: the iterations resampled).
 """
 
 from __future__ import annotations
