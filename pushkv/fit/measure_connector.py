@@ -116,18 +116,18 @@ def _lone_gap(profile: Profile, *, mode: str, input_len: int, output_len: int) -
 
 
 def lone_steps(profile: Profile, *, mode: str, input_len: int, output_len: int) -> Profile:
-    """``profile`` with its engines' step overheads set so that a request simulated alone
-    on the machine's shared cores (``host.cores``, one pool or the engines pinned as
-    ``host.pinned`` says) steps as it does on cores of its own: the same medians of 'prefill sees -> prefill finished' and 'first token ->
-    last token'. A gauge's step keys (:func:`connector_steps`) are a lone request's wall
-    times, which already hold the work the request itself brings beside its step (the
-    loop that holds it stepping, its tokens' way out through the frontends); on shared
-    cores the model adds that work again, so here it is taken out of the steps once, by
-    a secant iteration on each overhead (at most :data:`LONE_ROUNDS` rounds of
-    :data:`LONE_REQUESTS` requests, each alone, to :data:`LONE_TOLERANCE`).
-    ``step_python_s`` keeps its share of the overhead. A step that the beside-work
-    alone makes longer than its key stays at 0 overhead. ``profile`` itself without
-    shared cores."""
+    """``profile`` with its engines' step overheads set so that a request simulated
+    alone on the machine's shared cores (``host.cores``, one pool or the engines pinned
+    as ``host.pinned`` says) steps as it does on cores of its own: the same medians of
+    'prefill sees -> prefill finished' and 'first token -> last token'. A gauge's step
+    keys (:func:`connector_steps`) are a lone request's wall times, which already hold
+    the work the request itself brings beside its step (the loop that holds it stepping,
+    its tokens' way out through the frontends); on shared cores the model adds that work
+    again, so here it is taken out of the steps once, by a secant iteration on each
+    overhead (at most :data:`LONE_ROUNDS` rounds of :data:`LONE_REQUESTS` requests, each
+    alone, to :data:`LONE_TOLERANCE`). ``step_python_s`` keeps its share of the
+    overhead. A step that the beside-work alone makes longer than its key stays at 0
+    overhead. ``profile`` itself without shared cores."""
     import dataclasses
 
     if not profile.host.cores:

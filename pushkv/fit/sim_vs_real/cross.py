@@ -304,7 +304,7 @@ def knee_interval(real: dict[float, dict[int, dict[str, float]]],
         return {"low": None, "high": None, "verdict": "unsure", "undefined": undefined,
                 "draws": draws}
     low = ratios[int(0.025 * len(ratios))]
-    high = ratios[min(len(ratios) - 1, int(math.ceil(0.975 * len(ratios))) - 1)]
+    high = ratios[min(len(ratios) - 1, math.ceil(0.975 * len(ratios)) - 1)]
     verdict = ("in" if band[0] <= low and high <= band[1] else
                "out" if high < band[0] or low > band[1] else "unsure")
     return {"low": None if math.isinf(low) else round(low, 3),
