@@ -72,7 +72,8 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     def placed(profile: Profile) -> Profile:
         """``profile``'s host as this run simulates it: the one frontend queue unless
         ``api_loops``, the engines pinned with ``pinned_engines``, ``merge_tokens``."""
-        h, changes = profile.host, dict[str, Any]()
+        h = profile.host
+        changes: dict[str, Any] = {}
         if not api_loops and h.token_api_s:  # the one frontend queue
             changes["token_api_s"] = 0.0
         if pinned_engines and h.model == SHARED_CPU and h.cores >= 2:
