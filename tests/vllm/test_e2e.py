@@ -289,6 +289,10 @@ def test_request_cancelled_mid_flight_leaves_nothing_held(cluster, reference):
     finally:
         os.killpg(c.prefill.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
     c.wait_idle()
+    # Frozen longer than the proxy's health probes allow (two failed, 2 s apart, on a
+    # loaded machine), the prefill is out of rotation until a probe finds it thawed:
+    # the proxy answers 503 meanwhile, so the fresh batch below waits for its return.
+    assert poll(lambda: proxy_healthy(c.proxy_url), bool, 60), "prefill not back"
     # The router drops both legs at once. If decode's abort reaches its connector
     # first, the transfer is cancelled (fenced by the producer's CancelAck); if the
     # prefill's own abort wins, the producer's Fail(PREFILL_ABORTED) fences and fails
