@@ -1007,6 +1007,12 @@ def test_a_knee_interval_refuses_a_sweep_it_cannot_resample() -> None:
     sim = {q: {i + 5: v for i, v in its.items()} for q, its in real.items()}
     with pytest.raises(ValueError, match="no iteration"):
         knee_interval(real, sim, [2.0, 8.0])
+    # an iteration one rate lacks (a failed point) is not drawn at all
+    full = _sweep({2.0: [30, 31, 30], 8.0: [70, 50, 65]})
+    failed = {q: dict(its) for q, its in full.items()}
+    del failed[8.0][1]
+    kept = {q: {i: v for i, v in its.items() if i != 1} for q, its in full.items()}
+    assert knee_interval(failed, full, [2.0, 8.0]) == knee_interval(kept, full, [2.0, 8.0])
     # both knees beyond the sweep in every draw: no ratio, so no interval
     flat = knee_interval(real, real, [2.0, 8.0])
     assert (flat["low"], flat["high"], flat["verdict"]) == (None, None, "unsure")

@@ -280,12 +280,13 @@ def knee_interval(real: dict[float, dict[int, dict[str, float]]],
     ``"out"`` when outside, else ``"unsure"``. A knee beyond the sweep makes a ratio
     of infinity (the simulated one) or 0 (the real one); a draw with both beyond has
     no ratio and is counted in ``undefined``; with more than 2.5% such draws there is
-    no interval. ValueError for fewer than two rates or no iteration both halves ran."""
+    no interval. Only the iterations both halves ran at every rate are drawn.
+    ValueError for fewer than two rates or no such iteration."""
     if len(rates) < 2:
         raise ValueError("a knee needs two or more rates")
-    names = sorted({i for q in rates for i in real[q]} & {i for q in rates for i in sim[q]})
+    names = sorted(set.intersection(*({*real[q]} & {*sim[q]} for q in rates)))
     if not names:
-        raise ValueError("no iteration both halves ran")
+        raise ValueError("no iteration both halves ran at every rate")
     import random
 
     rng = random.Random(seed)
@@ -314,7 +315,7 @@ def knee_interval(real: dict[float, dict[int, dict[str, float]]],
 
 def interval_text(got: dict[str, Any]) -> str:
     """A :func:`knee_interval` as the knee lines print it: `` [low, high] verdict``
-    (``beyond``: a knee past the sweep in more than 2.5% of the draws)."""
+    (``beyond``: that end of the interval is a simulated knee past the sweep)."""
     if got["low"] is None and got["high"] is None and got["undefined"]:
         return f" (both knees beyond the sweep in {got['undefined']} of {got['draws']} draws)"
     ends = ["beyond" if x is None else f"{x:.2f}" for x in (got["low"], got["high"])]
