@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .report import BAND, by_iteration, interval
+from .report import BAND, by_iteration, interval, verdict
 from .runs import API_LOOPS, NAME, PINNED_ENGINES, file_name, point_name, rate_name
 
 #: the points the committed profile was fitted and checked on (docs/sim.md): the
@@ -255,14 +255,9 @@ def knee(rates: Sequence[float], values: Sequence[float],
 def _sweep_knee(its: dict[float, dict[int, dict[str, float]]], rates: Sequence[float],
                 draw: Sequence[int], stat: str, factor: float) -> float | None:
     """The knee (:func:`knee`) of ``stat`` averaged, at each rate, over the iterations
-    ``draw`` names that ran there (one may be named more than once)."""
-    vals = []
-    for q in rates:
-        got = [its[q][i][stat] for i in draw if i in its[q]]
-        if not got:
-            return None
-        vals.append(statistics.fmean(got))
-    return knee(rates, vals, factor)
+    ``draw`` names (each ran at every rate; one may be named more than once)."""
+    return knee(rates, [statistics.fmean(its[q][i][stat] for i in draw) for q in rates],
+                factor)
 
 
 def knee_interval(real: dict[float, dict[int, dict[str, float]]],
@@ -306,11 +301,9 @@ def knee_interval(real: dict[float, dict[int, dict[str, float]]],
                 "draws": draws}
     low = ratios[int(0.025 * len(ratios))]
     high = ratios[min(len(ratios) - 1, math.ceil(0.975 * len(ratios)) - 1)]
-    verdict = ("in" if band[0] <= low and high <= band[1] else
-               "out" if high < band[0] or low > band[1] else "unsure")
     return {"low": None if math.isinf(low) else round(low, 3),
             "high": None if math.isinf(high) else round(high, 3),
-            "verdict": verdict, "undefined": undefined, "draws": draws}
+            "verdict": verdict(low, high, band), "undefined": undefined, "draws": draws}
 
 
 def interval_text(got: dict[str, Any]) -> str:

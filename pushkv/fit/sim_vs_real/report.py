@@ -85,6 +85,13 @@ def compare(real: Path, sim: Path) -> tuple[str, dict[str, Any]]:
     return "\n".join(lines), summary
 
 
+def verdict(low: float, high: float, band: tuple[float, float] = BAND) -> str:
+    """An interval against ``band``: ``"in"`` when it lies wholly inside, ``"out"`` when
+    wholly outside, else ``"unsure"``."""
+    return ("in" if band[0] <= low and high <= band[1] else
+            "out" if high < band[0] or low > band[1] else "unsure")
+
+
 def interval(ratios: Sequence[float], band: tuple[float, float] = BAND) -> dict[str, Any]:
     """The iterations' sim/real ratios of one point and statistic: their mean, its 95%
     interval (Student's t over the iterations), the verdict -- ``"in"`` when the whole
@@ -103,11 +110,9 @@ def interval(ratios: Sequence[float], band: tuple[float, float] = BAND) -> dict[
     sd = statistics.stdev(ratios)
     half = T975[min(n - 1, len(T975)) - 1] * sd / math.sqrt(n)
     low, high = mean - half, mean + half
-    lo, hi = band
-    verdict = ("in" if lo <= low and high <= hi else
-               "out" if high < lo or low > hi else "unsure")
+    hi = band[1]
     need = math.ceil((1.96 * (sd / mean) / (1 - 1 / hi)) ** 2) if mean > 0 else None
-    return {"mean": mean, "low": low, "high": high, "verdict": verdict,
+    return {"mean": mean, "low": low, "high": high, "verdict": verdict(low, high, band),
             "iterations_needed": max(n if need is None else need, 2)}
 
 
