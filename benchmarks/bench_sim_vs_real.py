@@ -83,7 +83,13 @@ from pushkv.fit.sim_vs_real.runs import (  # noqa: E402
     write_wakes,
 )
 from pushkv.fit.sim_vs_real.sim_half import sim_half  # noqa: E402
-from pushkv.hostprobe import cpu_times, group_cpu_s, process_cpu_s, steal  # noqa: E402
+from pushkv.hostprobe import (  # noqa: E402
+    autogroup,
+    cpu_times,
+    group_cpu_s,
+    process_cpu_s,
+    steal,
+)
 
 # ------------------------------------------------------------------- real
 
@@ -533,6 +539,7 @@ def main() -> int:
         "real_s": round(real_s, 1), "total_s": round(time.monotonic() - t0, 1),
         "load_at_start": [round(x, 2) for x in load],
         "load_at_end": [round(x, 2) for x in os.getloadavg()],
+        "sched_autogroup": autogroup(),
         "profile": str(args.profile), "arrivals": args.arrivals,
         "frontend_cores": args.frontend_cores, "host_cores": args.host_cores,
         "api_loops": args.api_loops, "pinned_engines": args.pinned_engines,
@@ -586,6 +593,7 @@ def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
         "total_s": round(time.monotonic() - t0, 1),
         "load_at_start": [round(x, 2) for x in load],
         "load_at_end": [round(x, 2) for x in os.getloadavg()],
+        "sched_autogroup": autogroup(),
         "profile": str(args.profile), "frontend_cores": args.frontend_cores,
         "host_cores": args.host_cores, "failures": failures}
     (args.out / "cross.json").write_text(json.dumps(summary, indent=1))

@@ -13,7 +13,8 @@ how long its threads wait for a core, what the host takes) read the same files:
   one CPU and floating apart (:func:`thread_sched`, :func:`group_thread_sched`,
   :func:`runq_wait_s`) or kept per thread with its name (:class:`ThreadReader`);
 * per CPU, from ``/proc/stat``: cumulative ticks (:func:`cpu_times`) and, between
-  two readings, the share a virtual machine's host took (:func:`steal`).
+  two readings, the share a virtual machine's host took (:func:`steal`);
+* the kernel's setting of grouping by session (:func:`autogroup`).
 
 Linux only; a process or thread that is gone reads as missing (None, NaN, left out),
 never as an error. The standard library alone: nothing of pushkv is imported.
@@ -267,3 +268,19 @@ def steal(before: dict[int, dict[str, int]],
         out[cpu] = {"of_wall": d["steal"] / total if total else 0.0,
                     "of_work": d["steal"] / (d["steal"] + busy) if d["steal"] + busy else 0.0}
     return out
+
+
+# ---------------------------------------------------------- the kernel's settings
+
+#: where the kernel says whether it groups processes by session for CPU time
+AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
+
+
+def autogroup(path: Path = AUTOGROUP) -> bool | None:
+    """Whether the kernel shares the CPUs among sessions before the threads in them
+    (``sched(7)``, "The autogroup feature": each ``setsid`` session one task group);
+    None where ``path`` is absent or unreadable (a kernel built without it, not Linux)."""
+    try:
+        return path.read_text().strip() != "0"
+    except OSError:
+        return None

@@ -208,6 +208,20 @@ def test_steal_between_two_readings_of_proc_stat() -> None:
     assert cpu_times("cpu0 1 2 3 4\n")[0]["steal"] == 0
 
 
+def test_autogroup_reads_the_kernels_setting(tmp_path) -> None:
+    """``sched_autogroup_enabled``: 1 on, 0 off, absent None; and this machine's is one
+    of the three."""
+    from pushkv.hostprobe import autogroup
+
+    f = tmp_path / "sched_autogroup_enabled"
+    f.write_text("1\n")
+    assert autogroup(f) is True
+    f.write_text("0\n")
+    assert autogroup(f) is False
+    assert autogroup(tmp_path / "absent") is None
+    assert autogroup() in (True, False, None)
+
+
 def test_steal_on_this_machine() -> None:
     """The real ``/proc/stat``: every CPU present, shares within [0, 1]."""
     import os
