@@ -129,7 +129,7 @@ class _Proxy:
         import sys
         from pathlib import Path
 
-        from pushkv.vllm.testing import free_port
+        from pushkv.vllm.testing import PROCESS_GROUP, free_port
 
         self.port = free_port()
         env = dict(os.environ)
@@ -139,7 +139,7 @@ class _Proxy:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", prefill,
                  "--decode", decode, "--port", str(self.port), "--timeout", "120"],
-                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                env=env, stdout=out, stderr=subprocess.STDOUT, process_group=PROCESS_GROUP)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait(self, timeout_s: float = 60.0) -> None:

@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
 
 from pushkv.hostprobe import process_cpu_s  # noqa: E402
 from pushkv.vllm.params import ENDPOINT_KEY, POLICY_KEY, Endpoint  # noqa: E402
-from pushkv.vllm.testing import free_port, wait_up  # noqa: E402
+from pushkv.vllm.testing import PROCESS_GROUP, free_port, wait_up  # noqa: E402
 
 LOOPS = ("uvloop", "asyncio")
 
@@ -198,7 +198,7 @@ def main() -> int:
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", prefill,
                  "--decode", decode, "--port", str(port), "--log-level", "WARNING", *extra],
-                env=env, start_new_session=True)
+                env=env, process_group=PROCESS_GROUP)
             urls[name] = f"http://127.0.0.1:{port}"
             wait_up(urls[name], f"pushkv proxy ({name})")
         print(f"{args.requests} requests per path, {args.tokens} events "

@@ -45,6 +45,7 @@ from typing import Any
 
 from ..hostprobe import group_rss_kib, group_threads
 from .testing import (
+    PROCESS_GROUP,
     Server,
     ServerSpec,
     free_port,
@@ -311,7 +312,7 @@ class Fleet:
         with (self.logs / f"proxy-{self._proxies_started}.log").open("ab") as out:
             self.proxies[url] = subprocess.Popen(argv, env=env, stdout=out,
                                                  stderr=subprocess.STDOUT,
-                                                 start_new_session=True)
+                                                 process_group=PROCESS_GROUP)
         wait_for(lambda: healthy(url), 60, f"proxy {url} healthy")
         return url
 

@@ -12,7 +12,8 @@
   vLLM's busy loops (``ServerSpec(spin_s=...)`` puts it on the server's path; see
   ``cpu_tuning/sitecustomize.py``), and the cap every server of a run gets.
 
-Servers run in their own process group and are always stopped (SIGINT, then
+Servers run in their own process group, in the caller's session
+(:data:`PROCESS_GROUP` says why), and are always stopped (SIGINT, then
 SIGKILL) by :meth:`Server.stop` or the context manager.
 """
 
@@ -36,6 +37,20 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+#: The ``process_group`` each process of a one-host deployment starts in (servers,
+#: proxy, router; ``subprocess.Popen``): a process group of its own (0: numbered by its
+#: pid), so that it stops with all its children (``os.killpg``), in the session of the
+#: process that starts it. Not a session of its own: where the kernel groups processes
+#: by session (the autogroup feature of ``sched(7)``, on unless the kernel was booted
+#: with ``noautogroup``), each session is a task group that shares the CPUs as one, its
+#: weight on a core following the share of its load there (``calc_group_shares`` in
+#: the kernel's ``kernel/sched/fair.c``). With a session a server, a 2-core machine
+#: under load left processes without a core for hundreds of milliseconds at a time, and
+#: a pair's mean TTFT was 1.3-2.1 times what it is in one session, from 2 to 24 QPS
+#: (docs/validation/2026-12-06-sim-saturation.md, "One session").
+PROCESS_GROUP = 0
+
 
 TINY_LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -304,7 +319,8 @@ class Server:
         try:
             self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.environ(),
                                          stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL,
+                                         process_group=PROCESS_GROUP)
         finally:
             log.close()
         return self
@@ -380,8 +396,8 @@ def running(*servers: Server, timeout_s: float = 180.0) -> Iterator[tuple[Server
 
 def stop_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM,
                timeout_s: float = 10.0) -> None:
-    """Stop a process started in its own session (``start_new_session``) and all its
-    children: ``sig`` to the group, then SIGKILL if it has not ended in ``timeout_s``."""
+    """Stop a process started in its own process group (:data:`PROCESS_GROUP`) and all
+    its children: ``sig`` to the group, then SIGKILL if it has not ended in ``timeout_s``."""
     os.killpg(proc.pid, sig)
     try:
         proc.wait(timeout_s)
@@ -481,7 +497,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 def start_proxy(prefill: str, decode: str, log: Path,
                 *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     """``pushkv proxy`` in front of one prefill and one decode server, on a free port,
-    in its own session, with the test's quick timeouts; ``extra``: more flags."""
+    in its own process group, with the test's quick timeouts; ``extra``: more flags."""
     port = free_port()
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # the checkout holding pushkv
@@ -491,7 +507,7 @@ def start_proxy(prefill: str, decode: str, log: Path,
             [sys.executable, "-m", "pushkv.cli", "proxy", "--prefill", prefill, "--decode",
              decode, "--port", str(port), "--timeout", "60", "--health-interval", "0.5",
              "--backoff-max", "1", *extra],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            env=env, stdout=out, stderr=subprocess.STDOUT, process_group=PROCESS_GROUP)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 30
     while time.monotonic() < end:
@@ -525,7 +541,7 @@ def start_router(prefills: list[str], decode: str, policy: str, log: Path
             argv += ["--prefill", p]
         with log.open("ab") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    process_group=PROCESS_GROUP)
         url = f"http://127.0.0.1:{port}"
         end = time.monotonic() + 120
         while time.monotonic() < end and proc.poll() is None:

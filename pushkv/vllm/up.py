@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
+from .testing import PROCESS_GROUP
+
 #: The CPU recipe's vLLM flags for the tiny model (docs/vllm.md, CPU recipe).
 TINY_MODEL_ARGS = ("--dtype", "float32", "--max-model-len", "256", "--block-size", "32",
                    "--enforce-eager", "--disable-hybrid-kv-cache-manager")
@@ -358,11 +360,11 @@ class Up:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             with (self.log_dir / f"{c.name}.log").open("ab") as log:
                 proc = subprocess.Popen(c.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, process_group=PROCESS_GROUP)
         else:
             proc = subprocess.Popen(c.argv, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+                                    process_group=PROCESS_GROUP)
             relay = threading.Thread(target=self._relay, args=(c.name, proc), daemon=True)
             relay.start()
             self._relays.append(relay)

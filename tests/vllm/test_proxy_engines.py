@@ -33,6 +33,7 @@ if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)
 
 from pushkv.vllm.testing import (
+    PROCESS_GROUP,
     TINY_LLAMA,
     Server,
     ServerSpec,
@@ -63,7 +64,7 @@ class Proxy:
                 [sys.executable, "-m", "pushkv.cli", "proxy", "--port",
                  self.url.rsplit(":", 1)[1], "--timeout", "60", "--health-interval", "0.5",
                  "--backoff-max", "1", *argv],
-                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                env=env, stdout=out, stderr=subprocess.STDOUT, process_group=PROCESS_GROUP)
 
     def health(self) -> tuple[int, object]:
         """(status, body) of the proxy's /health; (0, None) while it does not answer."""

@@ -39,6 +39,7 @@ psutil = pytest.importorskip("psutil")
 from pushkv.cli import main  # noqa: E402
 from pushkv.vllm.testing import (  # noqa: E402
     CHAT_ROLES,
+    PROCESS_GROUP,
     Server,
     ServerSpec,
     free_port,
@@ -46,7 +47,8 @@ from pushkv.vllm.testing import (  # noqa: E402
     metric,
     stop_group,
 )
-from pushkv.vllm.up import TINY_MODEL_NAME  # noqa: E402
+from pushkv.vllm.up import TINY_MODEL_NAME, Command  # noqa: E402
+from pushkv.vllm.up import Up as Deployment  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nixl]
 
@@ -202,6 +204,33 @@ def test_the_decode_server_received_every_prompt_token_over_the_connector(up, pl
     assert (received - received0, computed - computed0) == (5 + 7, 0)
 
 
+class _Sleeper(ServerSpec):
+    """A server's spec whose process only sleeps: how it is started, not what it runs."""
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+def test_each_process_starts_in_a_group_of_its_own_in_the_callers_session(tmp_path):
+    """``PROCESS_GROUP``: ``pushkv up`` and the harness's servers start each process in a
+    process group of its own (it stops with its children) but in the caller's session:
+    where the kernel shares the CPUs among sessions first (``sched(7)``, autogroup), a
+    deployment is one group. Each process had a session of its own before."""
+    assert PROCESS_GROUP == 0
+    up = Deployment([], log_dir=str(tmp_path / "logs"))
+    up.start(Command("prefill", (sys.executable, "-c", "import time; time.sleep(600)")))
+    server = Server(_Sleeper(model="m", port=free_port()), tmp_path / "server.log").start()
+    procs = [up.procs["prefill"], server.proc]
+    try:
+        for proc in procs:
+            assert proc is not None
+            assert os.getpgid(proc.pid) == proc.pid  # a group of its own: killpg reaches all
+            assert os.getsid(proc.pid) == os.getsid(0)  # in the caller's session
+    finally:
+        server.stop(5)
+        stop_group(up.procs["prefill"], signal.SIGKILL)
+
+
 def test_bad_flags_end_up_with_one_line_and_status_2(tmp_path, capsys):
     model = tmp_path / "m"
     model.mkdir()
@@ -246,6 +275,8 @@ def test_sigint_stops_everything_and_leaves_no_process(up, plain):
     tree = [me, *me.children(recursive=True)]
     pgids = {os.getpgid(p.pid) for p in tree}
     assert len(pgids) == 4, tree  # pushkv up's own group, and one per process it started
+    # one session, pushkv up's: one task group where the kernel groups by session
+    assert {os.getsid(p.pid) for p in tree} == {os.getsid(up.proc.pid)}, tree
     assert len(tree) >= 6, tree  # at least each server's engine core besides its API server
     os.kill(up.proc.pid, signal.SIGINT)  # what Ctrl-C sends
     assert up.proc.wait(180) == 0, up.printed()[-3000:]

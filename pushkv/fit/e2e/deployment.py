@@ -21,6 +21,7 @@ from typing import Any
 from pushkv.hostprobe import process_cpu_s
 from pushkv.vllm.testing import (
     CPU_TUNING,
+    PROCESS_GROUP,
     Server,
     ServerSpec,
     free_port,
@@ -141,7 +142,7 @@ class Endpoint:
             with (out / "logs" / f"{mode.name}-router.log").open("ab") as log:
                 self.router = subprocess.Popen(cmd, env=env, stdout=log,
                                                stderr=subprocess.STDOUT,
-                                               start_new_session=True)
+                                               process_group=PROCESS_GROUP)
             url = f"http://127.0.0.1:{port}"
             wait_up(url, f"{mode.name}: router")
         replicas = tuple(s.url for s in dep.servers) if dep.kind == "plain" else ()
