@@ -204,11 +204,15 @@ def test_the_decode_server_received_every_prompt_token_over_the_connector(up, pl
     assert (received - received0, computed - computed0) == (5 + 7, 0)
 
 
-class _Sleeper(ServerSpec):
-    """A server's spec whose process only sleeps: how it is started, not what it runs."""
+#: a process that waits, doing nothing, until a signal ends it
+IDLE = (sys.executable, "-c", "import signal; signal.pause()")
+
+
+class _Idle(ServerSpec):
+    """A server's spec whose process only waits: how it is started, not what it runs."""
 
     def argv(self) -> list[str]:
-        return [sys.executable, "-c", "import time; time.sleep(600)"]
+        return list(IDLE)
 
 
 def test_each_process_starts_in_a_group_of_its_own_in_the_callers_session(tmp_path):
@@ -218,8 +222,8 @@ def test_each_process_starts_in_a_group_of_its_own_in_the_callers_session(tmp_pa
     deployment is one group. Each process had a session of its own before."""
     assert PROCESS_GROUP == 0
     up = Deployment([], log_dir=str(tmp_path / "logs"))
-    up.start(Command("prefill", (sys.executable, "-c", "import time; time.sleep(600)")))
-    server = Server(_Sleeper(model="m", port=free_port()), tmp_path / "server.log").start()
+    up.start(Command("prefill", IDLE))
+    server = Server(_Idle(model="m", port=free_port()), tmp_path / "server.log").start()
     procs = [up.procs["prefill"], server.proc]
     try:
         for proc in procs:
