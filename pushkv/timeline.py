@@ -14,12 +14,15 @@ connector's ``timeline_dir`` setting, ``pushkv proxy --timeline-dir``); when off
 :func:`mark` is one global lookup and a return. While it is on, the process's
 garbage-collector pauses of 0.5 ms or more go into the same file
 (:func:`record_gc`, :func:`read_pauses`): a collection stops every thread of the
-process, and every request in its hands waits for it.
+process, and every request in its hands waits for it. Work of a process that is no
+request's -- an engine loop's steps, its worker's model runs -- goes there as *spans*
+(:func:`span`, :func:`read_spans`).
 
 :data:`EVENTS` names every mark in the order a request normally meets them,
-:data:`ENDINGS` the marks of a request that ends early, and :data:`SEGMENTS` the
-intervals the report (``python -m pushkv.timeline``) prints: median and p90 of
-each segment, side by side per mode::
+:data:`ENDINGS` the marks of a request that ends early, :data:`INTAKE` the marks
+inside vLLM's processes that only the benchmarks' instrumentation records, and
+:data:`REPORT` the intervals the report (``python -m pushkv.timeline``) prints:
+median and p90 of each segment, side by side per mode::
 
     python -m pushkv.timeline push=/tmp/tl/push vllm-push=/tmp/tl/vllm-push [--json]
 """
@@ -27,6 +30,7 @@ each segment, side by side per mode::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -70,6 +74,19 @@ ENDINGS: tuple[str, ...] = (
     "decode_aborted",  # decode scheduler: vLLM ended the request while its KV was in flight
 )
 
+#: Marks inside vLLM's own processes, each leg's way from its API server to its engine
+#: loop, recorded only by the benchmarks' instrumentation of vLLM
+#: (``pushkv/vllm/cpu_tuning``): after ``*_arrived`` (the API server's ``arrival_time``)
+#: and before ``*_seen`` (its scheduler's first look at it).
+INTAKE: tuple[str, ...] = (
+    "prefill_sent",    # prefill API server: the request handed to its engine core client
+    "decode_sent",     # decode API server: the same
+    "prefill_queued",  # prefill engine core's input thread: decoded, on the loop's queue
+    "decode_queued",   # decode engine core's input thread: the same
+    "prefill_taken",   # prefill engine loop: taken from its queue, between two steps
+    "decode_taken",    # decode engine loop: the same
+)
+
 #: (name, from, to): the intervals of the report. A segment is counted for a
 #: request only when both marks were recorded for it.
 SEGMENTS: tuple[tuple[str, str, str], ...] = (
@@ -100,6 +117,17 @@ SEGMENTS: tuple[tuple[str, str, str], ...] = (
     ("legs out -> first token", "legs_sent", "first_token"),
     ("legs out -> last token", "legs_sent", "last_token"),
 )
+
+#: The intervals of a leg's intake (:data:`INTAKE`), reported after :data:`SEGMENTS`:
+#: the API server's work before the hand-off, the way to the engine core's input
+#: thread, the wait for the loop to end its step, the scheduler's first look.
+INTAKE_SEGMENTS: tuple[tuple[str, str, str], ...] = tuple(
+    (f"{side} {a} -> {b}", f"{side}_{a}", f"{side}_{b}")
+    for side in ("prefill", "decode")
+    for a, b in itertools.pairwise(("arrived", "sent", "queued", "taken", "seen")))
+
+#: Every interval the report prints, in its order.
+REPORT: tuple[tuple[str, str, str], ...] = SEGMENTS + INTAKE_SEGMENTS
 
 
 #: Protocol steps (:func:`step`), each with fields naming the use and ranks it
@@ -156,6 +184,14 @@ class Recorder:
         with self._lock:
             self._file.write(line + "\n")
 
+    def span(self, kind: str, t0: float, t1: float) -> None:
+        """Work of this process that is no request's, from ``t0`` to ``t1`` (``kind``:
+        ``step``, an engine loop's step; ``forward``, its worker's model run)."""
+        line = json.dumps({"span": kind, "t0": t0, "t1": t1, "p": self.process,
+                           "pid": os.getpid()})
+        with self._lock:
+            self._file.write(line + "\n")
+
     def close(self) -> None:
         with self._lock:
             self._file.close()
@@ -194,6 +230,14 @@ def mark(transfer_id: str, event: str, t: float | None = None) -> None:
     rec = _recorder
     if rec is not None:
         rec.mark(transfer_id, event, t)
+
+
+def span(kind: str, t0: float, t1: float) -> None:
+    """Record this process's work of ``kind`` from ``t0`` to ``t1``
+    (:meth:`Recorder.span`), nothing when recording is off."""
+    rec = _recorder
+    if rec is not None:
+        rec.span(kind, t0, t1)
 
 
 def step(transfer_id: str, event: str, t: float | None = None, **fields: object) -> None:
@@ -350,21 +394,32 @@ class Pause:
     pid: int = 0
 
 
-def read_pauses(directory: str | os.PathLike[str]) -> list[Pause]:
-    """Every :meth:`Recorder.pause` recorded under ``directory`` (all processes), by
-    start."""
+def _intervals(directory: str | os.PathLike[str], key: str) -> list[Pause]:
+    """Every line of ``key`` (``pause`` or ``span``) recorded under ``directory``."""
     out: list[Pause] = []
     for path in sorted(Path(directory).glob("timeline-*.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():
-            if '"pause"' not in line:
+            if f'"{key}"' not in line:
                 continue
             try:
                 d = json.loads(line)
-                out.append(Pause(str(d.get("p", "")), str(d["pause"]), float(d["t0"]),
+                out.append(Pause(str(d.get("p", "")), str(d[key]), float(d["t0"]),
                                  float(d["t1"]), int(d.get("pid", 0))))
             except (ValueError, KeyError, TypeError):
                 continue  # a torn last line of a killed process
     return sorted(out, key=lambda p: p.t0)
+
+
+def read_pauses(directory: str | os.PathLike[str]) -> list[Pause]:
+    """Every :meth:`Recorder.pause` recorded under ``directory`` (all processes), by
+    start."""
+    return _intervals(directory, "pause")
+
+
+def read_spans(directory: str | os.PathLike[str]) -> list[Pause]:
+    """Every :meth:`Recorder.span` recorded under ``directory`` (all processes), by
+    start (a :class:`Pause` each, its ``kind`` the span's)."""
+    return _intervals(directory, "span")
 
 
 def by_request(marks: Iterable[Mark]) -> dict[str, dict[str, float]]:
@@ -378,7 +433,7 @@ def by_request(marks: Iterable[Mark]) -> dict[str, dict[str, float]]:
 def segments(requests: Mapping[str, Mapping[str, float]]) -> dict[str, list[float]]:
     """Durations (ms) of every segment, over the requests that recorded both of its ends."""
     out: dict[str, list[float]] = {}
-    for name, start, end in SEGMENTS:
+    for name, start, end in REPORT:
         values = [(r[end] - r[start]) * 1000 for r in requests.values()
                   if start in r and end in r]
         if values:
@@ -413,7 +468,7 @@ def table(stats: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
     modes = list(stats)
     head = ["segment", *(f"{m} median / p90 (ms)" for m in modes)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, _, _ in SEGMENTS:
+    for name, _, _ in REPORT:
         if not any(name in stats[m] for m in modes):
             continue
         cells = [name]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -68,6 +69,47 @@ def test_every_segment_names_known_events():
     for _, start, end in timeline.SEGMENTS:
         assert {start, end} <= known
         assert timeline.EVENTS.index(start) < timeline.EVENTS.index(end)
+
+
+def test_intake_segments_follow_a_leg_from_its_api_server_to_its_scheduler():
+    assert not set(timeline.INTAKE) & set(timeline.EVENTS)
+    for side in ("prefill", "decode"):
+        chain = [f"{side}_{e}" for e in ("arrived", "sent", "queued", "taken", "seen")]
+        got = [(a, b) for _, a, b in timeline.INTAKE_SEGMENTS if a.startswith(side)]
+        assert got == list(itertools.pairwise(chain))
+    named = {e for _, a, b in timeline.INTAKE_SEGMENTS for e in (a, b)}
+    assert set(timeline.INTAKE) <= named <= set(timeline.INTAKE) | set(timeline.EVENTS)
+    assert timeline.REPORT == timeline.SEGMENTS + timeline.INTAKE_SEGMENTS
+    names = [n for n, _, _ in timeline.REPORT]
+    assert len(set(names)) == len(names)
+
+
+def test_the_report_gives_a_legs_intake_where_it_was_marked(tmp_path: Path):
+    timeline.configure(tmp_path, "server")
+    for i, ev in enumerate(("decode_arrived", "decode_sent", "decode_queued", "decode_taken",
+                            "decode_seen")):
+        timeline.mark("t1", ev, 10.0 + i * 0.002)
+    stats = timeline.summary({"push": tmp_path})["push"]
+    assert stats["decode queued -> taken"] == {"median": 2.0, "p90": 2.0, "n": 1}
+    assert "| decode sent -> queued | 2.0 / 2.0 |" in timeline.table({"push": stats})
+    assert "prefill sent -> queued" not in stats
+
+
+def test_spans_are_a_processs_work_apart_from_its_marks_and_pauses(tmp_path: Path):
+    timeline.span("step", 1.0, 2.0)  # off: nothing
+    timeline.configure(tmp_path, "engine")
+    timeline.span("step", 10.0, 10.004)
+    timeline.span("forward", 10.001, 10.003)
+    timeline.mark("t1", "prefill_taken", 10.0)
+    timeline.configure(None)
+    (tmp_path / "timeline-7.jsonl").write_text(
+        json.dumps({"pause": "gc0", "t0": 9.0, "t1": 9.1, "p": "x", "pid": 7}) + "\n"
+        + '{"span": "step", "t0": 11.')  # torn by a kill
+    assert timeline.read_spans(tmp_path) == [
+        timeline.Pause("engine", "step", 10.0, 10.004, os.getpid()),
+        timeline.Pause("engine", "forward", 10.001, 10.003, os.getpid())]
+    assert [p.kind for p in timeline.read_pauses(tmp_path)] == ["gc0"]
+    assert timeline.by_request(timeline.read(tmp_path)) == {"t1": {"prefill_taken": 10.0}}
 
 
 def test_endings_are_not_marks_of_a_complete_request():
