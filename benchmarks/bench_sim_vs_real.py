@@ -53,9 +53,12 @@ from pushkv.fit.sim_vs_real.cross import (  # noqa: E402
 from pushkv.fit.sim_vs_real.deployment import (  # noqa: E402
     SchedSamples,
     active_s,
+    engine_spans,
     engine_steps,
     gc_line,
     gc_pauses,
+    intake,
+    intake_line,
     load_span,
     part_pids,
     parts,
@@ -63,6 +66,7 @@ from pushkv.fit.sim_vs_real.deployment import (  # noqa: E402
     runq_waits,
     sched_parts,
     server_metrics,
+    spans_line,
     threads_line,
 )
 from pushkv.fit.sim_vs_real.keys import gauge_rate  # noqa: E402
@@ -187,9 +191,13 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
                     got["threads"] = sched.over(*span)
                 got["speed"] = probe_speed(probe)
                 # each part's garbage-collector pauses while the point loaded it
+                pids = part_pids(dep, ep, client.pid)
                 got["gc"] = gc_pauses(timeline_dirs(real, mode),
-                                      got.get("load_span") or got["window"],
-                                      part_pids(dep, ep, client.pid))
+                                      got.get("load_span") or got["window"], pids)
+                # each leg's way into its engine loop, and the loops' steps
+                got["intake"] = intake(timeline_dirs(real, mode), got["window"])
+                got["spans"] = engine_spans(timeline_dirs(real, mode),
+                                            got.get("load_span") or got["window"], pids)
                 if args.gauge:  # and just after it (the next point's, if as long)
                     waited = runq_waits(dep, ep)
                     last = gauge(ep.target.url, str(model), real, f"{stem}_after",
@@ -213,6 +221,11 @@ def real_iteration(args: argparse.Namespace, real: Path, model: Path, max_len: i
                           f"{threads_line(got['threads'])}", flush=True)
                 print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)} "
                       f"{gc_line(got['gc'])}", flush=True)
+                for line in ((intake_line(got["intake"]) if got["intake"] else ""),
+                             (spans_line(got["spans"]) if got["spans"] else "")):
+                    if line:
+                        print(f"[{mode} iter {it}] in {input_len} qps {rate_name(q)} "
+                              f"{line}", flush=True)
                 if not ok:
                     failures[fname] = "vllm bench serve failed"
                     (real / fname).unlink(missing_ok=True)
@@ -498,7 +511,16 @@ def main() -> int:
                    "0); by default all of a request's tokens waiting together on the "
                    "frontend queue leave as one chunk (host.merge_tokens the output "
                    "length), as vLLM's API server merges them")
+    p.add_argument("--engine-spans", action="store_true",
+                   help="the real servers also record each engine step and each model "
+                   "run of its worker (a timeline line a step in two processes; "
+                   "PUSHKV_BENCH_SPANS) and the run prints their count, mean, p90 and "
+                   "busy share per point; default off")
     args = p.parse_args()
+    if args.engine_spans:  # every server started from now on (ServerSpec.environ)
+        from pushkv.vllm.testing import SPANS_ENV
+
+        os.environ[SPANS_ENV] = "1"
     for m in args.modes:
         if m not in MODES:
             p.error(f"unknown mode {m!r} (choose from {', '.join(MODES)})")
@@ -543,7 +565,8 @@ def main() -> int:
         "profile": str(args.profile), "arrivals": args.arrivals,
         "frontend_cores": args.frontend_cores, "host_cores": args.host_cores,
         "api_loops": args.api_loops, "pinned_engines": args.pinned_engines,
-        "real_keys": got.keys, "way": got.way, "failures": failures}
+        "engine_spans": args.engine_spans, "real_keys": got.keys, "way": got.way,
+        "failures": failures}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
     return 1 if failures else 0

@@ -78,6 +78,9 @@ TINY_LLAMA: dict[str, Any] = {
 CPU_TUNING = Path(__file__).with_name("cpu_tuning")
 #: The variable that caps vLLM's shared-memory busy loop (seconds), read by CPU_TUNING.
 SPIN_ENV = "PUSHKV_BENCH_SPIN_S"
+#: The variable that has CPU_TUNING record each engine step and model run as a timeline
+#: span (with a timeline directory; off when unset).
+SPANS_ENV = "PUSHKV_BENCH_SPANS"
 #: How long every vLLM server of a run may busy-loop on its shared-memory queues after a
 #: message (seconds, a string for the environment; vLLM's own: 1 s).
 SPIN_S = "0.002"

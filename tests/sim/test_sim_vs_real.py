@@ -20,12 +20,16 @@ pytest.importorskip("simpy")
 from pushkv.fit.sim_vs_real.deployment import (
     SchedSamples,
     active_s,
+    engine_spans,
     gc_line,
     gc_pauses,
+    intake,
+    intake_line,
     load_span,
     part_pids,
     parts,
     per_request,
+    spans_line,
     threads_line,
 )
 from pushkv.fit.sim_vs_real.keys import gauge_keys, gauge_rate, gauge_speed, noise_table, speed_over
@@ -690,6 +694,52 @@ def test_each_parts_gc_pauses_within_a_span_are_summed_clipped_and_counted(
                    "router": {"ms": 10.0, "n": 1, "max_ms": 10.0},
                    "client": {"ms": 0.0, "n": 0, "max_ms": 0.0}}
     assert gc_line(got).endswith("router 10.0/1/10.0, client 0.0/0/0.0")
+
+
+def test_a_points_engine_spans_are_each_parts_steps_and_model_runs(tmp_path: Path) -> None:
+    """engine_spans: a part's step and forward spans that began within the point's span,
+    counted, their mean and p90, and the share of the span they took; pauses, other
+    processes' spans and spans begun outside left out."""
+    servers = tmp_path / "pushkv"
+    servers.mkdir()
+
+    def span(pid: int, kind: str, t0: float, ms: float) -> str:
+        return json.dumps({"span": kind, "t0": t0, "t1": t0 + ms / 1e3, "p": "x", "pid": pid})
+
+    lines = [span(11, "step", 10.0 + i / 10, 10.0) for i in range(10)]  # prefill: 10 x 10 ms
+    lines += [span(12, "forward", 10.1, 40.0), span(12, "forward", 10.5, 60.0),
+              span(11, "step", 9.5, 300.0), span(99, "step", 10.2, 5.0),  # outside, others'
+              json.dumps({"pause": "gc2", "t0": 10.3, "t1": 10.4, "p": "x", "pid": 11})]
+    (servers / "timeline-11.jsonl").write_text("\n".join(lines) + "\n")
+    got = engine_spans([servers, tmp_path / "absent"], (10.0, 11.0),
+                       {"prefill": [11], "decode": [12]})
+    assert got == {"prefill": {"step": {"n": 10, "mean_ms": 10.0, "p90_ms": 10.0, "busy": 0.1}},
+                   "decode": {"forward": {"n": 2, "mean_ms": 50.0, "p90_ms": 58.0,
+                                          "busy": 0.1}}}
+    assert spans_line(got) == ("engine spans (n / mean / p90 ms / busy): prefill step "
+                               "10/10.00/10.00/0.10, decode forward 2/50.00/58.00/0.10")
+
+
+def test_a_legs_intake_is_the_mean_of_each_segment_over_the_points_requests(
+        tmp_path: Path) -> None:
+    """intake: per side, arrives -> sent -> queued -> taken -> sees, averaged over the
+    requests whose legs left within the window; requests outside it left out."""
+    router, servers = tmp_path / "push", tmp_path / "pushkv"
+    for d in (router, servers):
+        d.mkdir()
+    marks, legs = [], []
+    for rid, t, extra in (("a", 10.0, 0.0), ("b", 10.5, 0.002), ("late", 20.0, 1.0)):
+        legs.append({"id": rid, "ev": "legs_sent", "t": t})
+        for i, ev in enumerate(("prefill_arrived", "prefill_sent", "prefill_queued",
+                                "prefill_taken", "prefill_seen")):
+            marks.append({"id": rid, "ev": ev, "t": t + i * (0.001 + extra)})
+    (router / "timeline-1.jsonl").write_text("".join(json.dumps(m) + "\n" for m in legs))
+    (servers / "timeline-2.jsonl").write_text("".join(json.dumps(m) + "\n" for m in marks))
+    got = intake([router, servers], (9.0, 11.0))
+    assert got == pytest.approx({"prefill arrived -> sent": 2.0, "prefill sent -> queued": 2.0,
+                                 "prefill queued -> taken": 2.0, "prefill taken -> seen": 2.0})
+    assert intake_line(got).startswith("intake (ms, mean): prefill arrived -> sent 2.0, ")
+    assert intake([tmp_path / "absent"], (9.0, 11.0)) == {}
 
 
 def test_part_pids_are_the_parts_processes_by_the_one_definition() -> None:

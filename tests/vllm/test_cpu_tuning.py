@@ -23,7 +23,7 @@ from .conftest import VLLM_MISSING
 if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)
 
-from pushkv.vllm.testing import CPU_TUNING, SPIN_ENV, SPIN_S, ServerSpec
+from pushkv.vllm.testing import CPU_TUNING, SPANS_ENV, SPIN_ENV, SPIN_S, ServerSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -78,3 +78,37 @@ def test_a_tuned_servers_switch_interval_comes_from_its_environment(
                          env=env, capture_output=True, text=True, timeout=120, check=True)
     assert float(out.stdout.strip().splitlines()[-1]) == pytest.approx(interval)
     assert ("PUSHKV_BENCH_SWITCH_S" in out.stderr) is warned
+
+
+#: Where each of vLLM's functions the timeline instruments comes from in a process:
+#: the intake's three, then the spans' three.
+INSTRUMENTED = """
+import json
+from vllm.v1.engine import core, core_client
+from vllm.v1.worker import gpu_worker
+fns = (core_client.AsyncMPClient.add_request_async, core.EngineCoreProc.preprocess_add_request,
+       core.EngineCoreProc._handle_client_request, core.EngineCore.step,
+       core.EngineCore.step_with_batch_queue, gpu_worker.Worker.execute_model)
+print(json.dumps([f.__module__.split(".")[0] for f in fns]))
+"""
+
+
+@pytest.mark.parametrize(("timeline_dir", "spans", "origins"), [
+    (True, "1", ["sitecustomize"] * 6),
+    (True, "", ["sitecustomize"] * 3 + ["vllm"] * 3),
+    (False, "1", ["vllm"] * 6)])
+def test_a_tuned_server_with_a_timeline_instruments_its_legs_intake_and_steps(
+        timeline_dir: bool, spans: str, origins: list[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``PUSHKV_BENCH_TIMELINE_DIR`` the installed vLLM's intake functions are
+    wrapped, its step and model run too with ``PUSHKV_BENCH_SPANS`` (an API that moved
+    would print 'cannot patch' and run unwrapped); without a timeline all are vLLM's."""
+    monkeypatch.delenv("PUSHKV_BENCH_TIMELINE_DIR", raising=False)
+    monkeypatch.delenv(SPANS_ENV, raising=False)
+    env = {SPANS_ENV: spans} | ({"PUSHKV_BENCH_TIMELINE_DIR": str(tmp_path)}
+                                if timeline_dir else {})
+    out = subprocess.run([sys.executable, "-c", INSTRUMENTED],
+                         env=ServerSpec(model="m", port=1, spin_s=SPIN_S, env=env).environ(),
+                         capture_output=True, text=True, timeout=300, check=True)
+    assert "cannot patch" not in out.stderr, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == origins

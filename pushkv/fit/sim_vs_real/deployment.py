@@ -6,7 +6,9 @@ here: ``dep.prefill.proc``, ``dep.decode.proc``, ``ep.router``) is cut into its
 server, the router -- and each part read through :mod:`pushkv.hostprobe`: run-queue
 waits (:func:`runq_waits`, :func:`per_request`), how its pinned and floating threads
 were scheduled over a point (:class:`SchedSamples`, :func:`threads_line`), its
-garbage-collector pauses (:func:`gc_pauses`). Around them: the span a point loaded the
+garbage-collector pauses (:func:`gc_pauses`), its engine loop's steps and its worker's
+model runs (:func:`engine_spans`); and each leg's intake, from its API server to its
+engine loop (:func:`intake`). Around them: the span a point loaded the
 deployment (:func:`load_span`), the time an engine's loop had a lone request in hand
 (:func:`active_s`, what ``cores_busy`` is taken over), and what the servers' own vLLM
 metrics say of a point's steps (:func:`server_metrics`, :func:`engine_steps`).
@@ -88,6 +90,55 @@ def gc_line(gc: dict[str, dict[str, float]]) -> str:
     """:func:`gc_pauses` in one line."""
     return "garbage-collector pauses (ms / count / longest ms): " + ", ".join(
         f"{part} {x['ms']:.1f}/{x['n']}/{x['max_ms']:.1f}" for part, x in gc.items())
+
+
+def intake(dirs: Sequence[Path], window: Sequence[float]) -> dict[str, float]:
+    """The mean of each of a leg's intake segments (ms, :data:`pushkv.timeline.INTAKE_SEGMENTS`:
+    arrives -> sent -> queued -> taken -> sees, each side) over the requests whose legs
+    left within ``window``, where both marks were recorded (the marks inside vLLM need
+    the benchmark's instrumentation, ``pushkv/vllm/cpu_tuning``)."""
+    dirs = [d for d in dirs if d.is_dir()]
+    if not dirs:
+        return {}
+    segs = timeline.segments(segments.load(dirs, (window[0], window[1])))
+    return {name: round(sum(segs[name]) / len(segs[name]), 3)
+            for name, _, _ in timeline.INTAKE_SEGMENTS if name in segs}
+
+
+def intake_line(got: dict[str, float]) -> str:
+    """:func:`intake` in one line, prefill's segments then decode's."""
+    return "intake (ms, mean): " + ", ".join(f"{name} {ms:.1f}" for name, ms in got.items())
+
+
+def engine_spans(dirs: Sequence[Path], span: Sequence[float],
+                 pids: dict[str, list[int]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per part (``pids``: part -> its processes), its engine loop's steps and its
+    worker's model runs (``step`` and ``forward`` spans, :func:`pushkv.timeline.read_spans`)
+    that began within ``span``: how many (``n``), their mean and p90 (ms) and the share
+    of the span they took (``busy``)."""
+    part_of = {pid: part for part, ps in pids.items() for pid in ps}
+    got: dict[str, dict[str, list[float]]] = {}
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for s in timeline.read_spans(d):
+            part = part_of.get(s.pid)
+            if part is not None and span[0] <= s.t0 < span[1]:
+                got.setdefault(part, {}).setdefault(s.kind, []).append((s.t1 - s.t0) * 1e3)
+    length_ms = max(1e-9, (span[1] - span[0]) * 1e3)
+    return {part: {kind: {"n": len(v), "mean_ms": round(sum(v) / len(v), 3),
+                          "p90_ms": round(timeline.percentile(v, 0.9), 3),
+                          "busy": round(sum(v) / length_ms, 3)}
+                   for kind, v in sorted(kinds.items())}
+            for part, kinds in got.items()}
+
+
+def spans_line(got: dict[str, dict[str, dict[str, float]]]) -> str:
+    """:func:`engine_spans` in one line."""
+    return "engine spans (n / mean / p90 ms / busy): " + ", ".join(
+        f"{part} " + " ".join(f"{kind} {x['n']}/{x['mean_ms']:.2f}/{x['p90_ms']:.2f}/"
+                              f"{x['busy']:.2f}" for kind, x in kinds.items())
+        for part, kinds in got.items())
 
 
 def runq_waits(dep: Any, ep: Any) -> dict[str, float]:

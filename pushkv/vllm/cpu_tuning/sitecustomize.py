@@ -32,7 +32,15 @@ benchmarks). Each fix is off unless its environment variable is set:
    the request's ``X-Request-Id`` (32 hex digits, as the benchmark sends them).
    Every process of the server records there from its start, so the API
    server's garbage-collector pauses are written down too
-   (:func:`pushkv.timeline.record_gc`).
+   (:func:`pushkv.timeline.record_gc`). Inside vLLM it marks each leg's intake
+   (:data:`pushkv.timeline.INTAKE`): the API server handing it to its engine core
+   client (``AsyncMPClient.add_request_async``), the engine core's input thread
+   queueing it for the loop (``EngineCoreProc.preprocess_add_request``), the loop
+   taking it between steps (``_handle_client_request``). With ``PUSHKV_BENCH_SPANS``
+   set too, it records each step of the engine loop (``EngineCore.step``) and each
+   model run of its worker (``Worker.execute_model``) as spans
+   (:func:`pushkv.timeline.span`): a line a step in each of two processes, off by
+   default (``bench_sim_vs_real.py --engine-spans``).
 5. **Switch interval.** With ``PUSHKV_BENCH_SWITCH_S`` set, every server process's
    interpreter asks a running thread to hand over the GIL after that many seconds
    (``sys.setswitchinterval``; CPython's default is 5 ms): how long a transport thread
@@ -51,6 +59,7 @@ _KEEP = os.environ.get("PUSHKV_BENCH_KEEP_CORE", "")
 _TIMELINE = os.environ.get("PUSHKV_BENCH_TIMELINE_DIR", "")
 _SPIN = os.environ.get("PUSHKV_BENCH_SPIN_S", "")
 _SWITCH = os.environ.get("PUSHKV_BENCH_SWITCH_S", "")
+_SPANS = os.environ.get("PUSHKV_BENCH_SPANS", "")
 
 if _SWITCH:
     try:
@@ -172,6 +181,84 @@ def _short_spin(module):  # type: ignore[no-untyped-def]
     module.SHM_READER_RECHECK_INTERVAL_MS = min(module.SHM_READER_RECHECK_INTERVAL_MS, 5)
 
 
+def _side(vllm_config):  # type: ignore[no-untyped-def]
+    """The leg a server's process serves, by its KV role (as the connector's marks)."""
+    kv = vllm_config.kv_transfer_config
+    return "decode" if kv is not None and kv.is_kv_consumer else "prefill"
+
+
+def _engine_core(module):  # type: ignore[no-untyped-def]
+    import time
+
+    from pushkv import timeline
+
+    proc = module.EngineCoreProc
+    preprocess = proc.preprocess_add_request
+
+    def preprocess_add_request(self, request):  # type: ignore[no-untyped-def]
+        out = preprocess(self, request)  # on the input thread, before the loop's queue
+        m = _RID.search(request.request_id)
+        if m:
+            timeline.mark(m.group(0), f"{_side(self.vllm_config)}_queued")
+        return out
+
+    handle = proc._handle_client_request
+
+    def _handle_client_request(self, request_type, request):  # type: ignore[no-untyped-def]
+        if request_type == module.EngineCoreRequestType.ADD:  # the loop, between steps
+            m = _RID.search(request[0].request_id)
+            if m:
+                timeline.mark(m.group(0), f"{_side(self.vllm_config)}_taken")
+        return handle(self, request_type, request)
+
+    proc.preprocess_add_request = preprocess_add_request
+    proc._handle_client_request = _handle_client_request
+    if not _SPANS:
+        return
+    for name in ("step", "step_with_batch_queue"):  # the loop's step_fn is one of them
+        original = getattr(module.EngineCore, name)
+
+        def step(self, _original=original):  # type: ignore[no-untyped-def]
+            t0 = time.monotonic()
+            try:
+                return _original(self)
+            finally:
+                timeline.span("step", t0, time.monotonic())
+
+        setattr(module.EngineCore, name, step)
+
+
+def _worker(module):  # type: ignore[no-untyped-def]
+    import time
+
+    from pushkv import timeline
+
+    execute = module.Worker.execute_model
+
+    def execute_model(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        t0 = time.monotonic()
+        try:
+            return execute(self, *args, **kwargs)
+        finally:
+            timeline.span("forward", t0, time.monotonic())
+
+    module.Worker.execute_model = execute_model
+
+
+def _core_client(module):  # type: ignore[no-untyped-def]
+    from pushkv import timeline
+
+    cls = module.AsyncMPClient
+    add = cls.add_request_async
+
+    async def add_request_async(self, request):  # type: ignore[no-untyped-def]
+        m = _RID.search(request.request_id)
+        if m:
+            timeline.mark(m.group(0), f"{_side(self.vllm_config)}_sent")
+        return await add(self, request)
+
+    cls.add_request_async = add_request_async
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Patch a vLLM module right after it is imported (see the module's docstring)."""
 
@@ -210,6 +297,10 @@ if _TIMELINE:
 _PATCHES = {}
 if _TIMELINE:
     _PATCHES["vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"] = _instrument
+    _PATCHES["vllm.v1.engine.core"] = _engine_core
+    _PATCHES["vllm.v1.engine.core_client"] = _core_client
+    if _SPANS:
+        _PATCHES["vllm.v1.worker.gpu_worker"] = _worker
 if _SPIN:
     _PATCHES["vllm.distributed.device_communicators.shm_broadcast"] = _short_spin
 if _PATCHES:
