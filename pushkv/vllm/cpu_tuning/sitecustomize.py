@@ -259,6 +259,7 @@ def _core_client(module):  # type: ignore[no-untyped-def]
 
     cls.add_request_async = add_request_async
 
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Patch a vLLM module right after it is imported (see the module's docstring)."""
 
