@@ -100,6 +100,17 @@ if _KEEP and hasattr(os, "sched_setaffinity"):
 _RID = re.compile(r"[0-9a-f]{32}")
 
 
+def _rid(request_id):  # type: ignore[no-untyped-def]
+    """The benchmark's request id (X-Request-Id) inside vLLM's, or None."""
+    m = _RID.search(request_id)
+    return m.group(0) if m else None
+
+
+def _side(kv):  # type: ignore[no-untyped-def]
+    """The leg a server's process serves, by its KV role (its KVTransferConfig)."""
+    return "decode" if kv is not None and kv.is_kv_consumer else "prefill"
+
+
 def _instrument(module):  # type: ignore[no-untyped-def]
     from pushkv import timeline
 
@@ -107,11 +118,7 @@ def _instrument(module):  # type: ignore[no-untyped-def]
     seen, loaded = set(), set()
 
     def rid(request):  # type: ignore[no-untyped-def]
-        m = _RID.search(request.request_id)
-        return m.group(0) if m else None
-
-    def is_consumer(self):  # type: ignore[no-untyped-def]
-        return self._kv_transfer_config.is_kv_consumer
+        return _rid(request.request_id)
 
     get_matched = cls.get_num_new_matched_tokens
 
@@ -119,7 +126,7 @@ def _instrument(module):  # type: ignore[no-untyped-def]
         r = rid(request)
         if r and request.request_id not in seen:
             seen.add(request.request_id)
-            side = "decode" if is_consumer(self) else "prefill"
+            side = _side(self._kv_transfer_config)
             timeline.mark(r, f"{side}_arrived", timeline.from_wall(request.arrival_time))
             timeline.mark(r, f"{side}_seen")
         return get_matched(self, request, num_computed_tokens)
@@ -136,7 +143,7 @@ def _instrument(module):  # type: ignore[no-untyped-def]
     def on_finished(self, request):  # type: ignore[no-untyped-def]
         r = rid(request)
         seen.discard(request.request_id)
-        if r and not is_consumer(self):
+        if r and _side(self._kv_transfer_config) == "prefill":
             timeline.mark(r, "prefill_finished")
 
     finished = cls.request_finished
@@ -155,10 +162,10 @@ def _instrument(module):  # type: ignore[no-untyped-def]
 
     def update_connector_output(self, connector_output):  # type: ignore[no-untyped-def]
         for req_id in connector_output.finished_recving or ():
-            r = _RID.search(req_id)
+            r = _rid(req_id)
             if r:
                 loaded.add(req_id)
-                timeline.mark(r.group(0), "ready_scheduled")
+                timeline.mark(r, "ready_scheduled")
         return update(self, connector_output)
 
     cls.get_num_new_matched_tokens = get_num_new_matched_tokens
@@ -181,12 +188,6 @@ def _short_spin(module):  # type: ignore[no-untyped-def]
     module.SHM_READER_RECHECK_INTERVAL_MS = min(module.SHM_READER_RECHECK_INTERVAL_MS, 5)
 
 
-def _side(vllm_config):  # type: ignore[no-untyped-def]
-    """The leg a server's process serves, by its KV role (as the connector's marks)."""
-    kv = vllm_config.kv_transfer_config
-    return "decode" if kv is not None and kv.is_kv_consumer else "prefill"
-
-
 def _engine_core(module):  # type: ignore[no-untyped-def]
     import time
 
@@ -197,18 +198,18 @@ def _engine_core(module):  # type: ignore[no-untyped-def]
 
     def preprocess_add_request(self, request):  # type: ignore[no-untyped-def]
         out = preprocess(self, request)  # on the input thread, before the loop's queue
-        m = _RID.search(request.request_id)
-        if m:
-            timeline.mark(m.group(0), f"{_side(self.vllm_config)}_queued")
+        r = _rid(request.request_id)
+        if r:
+            timeline.mark(r, f"{_side(self.vllm_config.kv_transfer_config)}_queued")
         return out
 
     handle = proc._handle_client_request
 
     def _handle_client_request(self, request_type, request):  # type: ignore[no-untyped-def]
         if request_type == module.EngineCoreRequestType.ADD:  # the loop, between steps
-            m = _RID.search(request[0].request_id)
-            if m:
-                timeline.mark(m.group(0), f"{_side(self.vllm_config)}_taken")
+            r = _rid(request[0].request_id)
+            if r:
+                timeline.mark(r, f"{_side(self.vllm_config.kv_transfer_config)}_taken")
         return handle(self, request_type, request)
 
     proc.preprocess_add_request = preprocess_add_request
@@ -252,9 +253,9 @@ def _core_client(module):  # type: ignore[no-untyped-def]
     add = cls.add_request_async
 
     async def add_request_async(self, request):  # type: ignore[no-untyped-def]
-        m = _RID.search(request.request_id)
-        if m:
-            timeline.mark(m.group(0), f"{_side(self.vllm_config)}_sent")
+        r = _rid(request.request_id)
+        if r:
+            timeline.mark(r, f"{_side(self.vllm_config.kv_transfer_config)}_sent")
         return await add(self, request)
 
     cls.add_request_async = add_request_async
