@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,21 +69,30 @@ def gc_pauses(dirs: Sequence[Path], span: Sequence[float],
     ``span`` (``time.monotonic()``): their time (``ms``, clipped to the span), how many
     (``n``) and the longest (``max_ms``). A pause stops every thread of its process."""
 
-    part_of = {pid: part for part, ps in pids.items() for pid in ps}
     out = {part: {"ms": 0.0, "n": 0, "max_ms": 0.0} for part in pids}
-    for d in dirs:
-        if not d.is_dir():
+    for part, p in _by_part(dirs, pids, timeline.read_pauses):
+        if p.t1 <= span[0] or p.t0 >= span[1]:
             continue
-        for p in timeline.read_pauses(d):
-            part = part_of.get(p.pid)
-            if part is None or p.t1 <= span[0] or p.t0 >= span[1]:
-                continue
-            ms = (min(p.t1, span[1]) - max(p.t0, span[0])) * 1e3
-            got = out[part]
-            got["ms"] = round(got["ms"] + ms, 3)
-            got["n"] += 1
-            got["max_ms"] = round(max(got["max_ms"], ms), 3)
+        ms = (min(p.t1, span[1]) - max(p.t0, span[0])) * 1e3
+        got = out[part]
+        got["ms"] = round(got["ms"] + ms, 3)
+        got["n"] += 1
+        got["max_ms"] = round(max(got["max_ms"], ms), 3)
     return out
+
+
+def _by_part(dirs: Sequence[Path], pids: dict[str, list[int]],
+             read: Callable[[Path], list[timeline.Pause]]
+             ) -> Iterator[tuple[str, timeline.Pause]]:
+    """Each interval ``read`` finds under ``dirs`` (pauses or spans) recorded by a
+    process of a part (``pids``: part -> its processes), with its part."""
+    part_of = {pid: part for part, ps in pids.items() for pid in ps}
+    for d in dirs:
+        if d.is_dir():
+            for x in read(d):
+                part = part_of.get(x.pid)
+                if part is not None:
+                    yield part, x
 
 
 def gc_line(gc: dict[str, dict[str, float]]) -> str:
@@ -116,15 +125,10 @@ def engine_spans(dirs: Sequence[Path], span: Sequence[float],
     worker's model runs (``step`` and ``forward`` spans, :func:`pushkv.timeline.read_spans`)
     that began within ``span``: how many (``n``), their mean and p90 (ms) and the share
     of the span they took (``busy``)."""
-    part_of = {pid: part for part, ps in pids.items() for pid in ps}
     got: dict[str, dict[str, list[float]]] = {}
-    for d in dirs:
-        if not d.is_dir():
-            continue
-        for s in timeline.read_spans(d):
-            part = part_of.get(s.pid)
-            if part is not None and span[0] <= s.t0 < span[1]:
-                got.setdefault(part, {}).setdefault(s.kind, []).append((s.t1 - s.t0) * 1e3)
+    for part, s in _by_part(dirs, pids, timeline.read_spans):
+        if span[0] <= s.t0 < span[1]:
+            got.setdefault(part, {}).setdefault(s.kind, []).append((s.t1 - s.t0) * 1e3)
     length_ms = max(1e-9, (span[1] - span[0]) * 1e3)
     return {part: {kind: {"n": len(v), "mean_ms": round(sum(v) / len(v), 3),
                           "p90_ms": round(timeline.percentile(v, 0.9), 3),
