@@ -373,6 +373,7 @@ def _extra(
         "prefill_computed_tokens": sum(p.computed_tokens for p in prefills),
         "network_busy_s": transport.net.busy_s,
         "host_busy_s": transport.host.busy_s,
+        "host_busy_s_by_process": dict(sorted(transport.host.busy_by_process.items())),
         "gil_wait_ms_by_engine": {k: v * 1000 for k, v in sorted(transport.gil_wait_s.items())
                                   if v > 0},
         "rank_skew_mean": float(np.mean(transport.skews)) if transport.skews else 0.0,

@@ -43,7 +43,7 @@ from pushkv.fit.sim_vs_real.runs import (
     steal_record,
 )
 from pushkv.fit.sim_vs_real.simulate import run_sim
-from pushkv.fit.sim_vs_real.tables import iteration_rows, lone_gap
+from pushkv.fit.sim_vs_real.tables import cpu_rows, cpu_table, iteration_rows, lone_gap
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data" / "sim_vs_real" / "real"
@@ -354,6 +354,69 @@ def test_engines_are_pinned_only_where_asked_and_the_host_has_a_core_each(
                 gauges=per_point, frontend_cores=1, host_cores=cores, pinned_engines=asked)
         assert seen == [(cores, asked and cores >= 2)] * len(points), (cores, asked)
 
+
+
+def test_the_kernels_tick_reaches_the_pinned_points_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tick_s`` shares each pinned core by ticks (``host.tick_s``) on every point run
+    pinned; unpinned, none (a tick needs pinned cores)."""
+    import pushkv.sim.runner as runner
+
+    real, shares = _gauged_run(tmp_path)
+    points, output_len, num_prompts = real_points(real)
+    per_point, _ = gauge_keys(real, shares, PROFILE, output_len)
+    seen: list[float] = []
+    simulate = runner.run
+
+    def spy(cfg, **kw):  # type: ignore[no-untyped-def]
+        if cfg.workload.num_prompts == max(num_prompts.values()):
+            seen.append(cfg.profile.host.tick_s)
+        return simulate(cfg, **kw)
+
+    monkeypatch.setattr(runner, "run", spy)
+    for asked, want in ((True, 0.004), (False, 0.0)):
+        seen.clear()
+        run_sim(PROFILE, tmp_path / f"sim-{asked}", points, output_len, num_prompts,
+                gauges=per_point, frontend_cores=1, host_cores=2, pinned_engines=asked,
+                tick_s=0.004)
+        assert seen == [want] * len(points), asked
+
+
+def test_each_parts_cores_real_against_the_simulated_processes(tmp_path: Path) -> None:
+    """The threads' cores per part beside the simulated processes' work over the run,
+    iterations averaged; a point without threads or without the simulated split is left
+    out, and the table says real / simulated."""
+    real, sim = tmp_path / "real", tmp_path / "sim"
+    real.mkdir()
+    sim.mkdir()
+    by = {"prefill engine": 0.2, "prefill beside": 0.1, "prefill-0": 0.1,
+          "decode engine": 0.8, "decode-0": 0.3, "relay": 0.2}
+    for it, (dec, busy) in enumerate(((0.5, 1.0), (0.7, 2.0))):
+        name = file_name("push", 8.0, 64, 24, it)
+        (real / name).write_text("{}")
+        (sim / name).write_text(json.dumps({
+            "duration": 2.0, "pushkv": {"host_busy_s_by_process": {
+                k: v * busy for k, v in by.items()}}}))
+    bare = file_name("pull", 8.0, 64, 24, 0)
+    (real / bare).write_text("{}")
+    (sim / bare).write_text(json.dumps({"duration": 2.0, "pushkv": {}}))
+    shares = {file_name("push", 8.0, 64, 24, it): {"threads": {
+        "prefill": {"pinned": {"cores": 0.2}, "floating": {"cores": 0.1}},
+        "decode": {"pinned": {"cores": dec}, "floating": {"cores": 0.1}},
+        "decode_api": {"floating": {"cores": 0.2}}}} for it, dec in ((0, 0.5), (1, 0.7))}
+    shares[bare] = {"threads": {"decode": {"pinned": {"cores": 0.5}}}}
+    rows = cpu_rows(real, sim, shares)
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["mode"], r["qps"]) == ("push", 8.0)
+    assert r["prefill_real"] == pytest.approx(0.3) and r["decode_real"] == pytest.approx(0.7)
+    assert r["prefill_sim"] == pytest.approx(0.4 * 1.5 / 2)  # (0.4 + 0.8) / 2 s, averaged
+    assert r["decode_sim"] == pytest.approx(0.8 * 1.5 / 2)
+    assert r["decode_api_sim"] == pytest.approx(0.3 * 1.5 / 2)
+    assert "router_real" not in r  # the run recorded no router threads
+    text = cpu_table(rows)
+    assert "| push | 8 | 0.30 / 0.30 | 0.70 / 0.60 | 0.20 / 0.23 | - | 1.20 / 1.12 |" in text
+    assert cpu_table([]) == ""
 
 
 def test_a_points_steps_are_fitted_on_the_host_it_is_simulated_on(

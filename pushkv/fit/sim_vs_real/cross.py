@@ -444,7 +444,8 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
                    seed: int = 0, arrivals: str = "vllm", frontend_cores: int | None = None,
                    host_cores: int | None = None, merge_tokens: bool = True,
                    api_loops: bool = API_LOOPS,
-                   pinned_engines: bool = PINNED_ENGINES, measured_speed: bool = False,
+                   pinned_engines: bool = PINNED_ENGINES, tick_s: float = 0.0,
+                   measured_speed: bool = False,
                    figures_dir: Path | None = None,
                    say: Callable[[str], None] = print) -> dict[str, Any]:
     """The cross-validation of a recorded run (``out/real``): split its points
@@ -469,7 +470,7 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
 
     from .runs import SHARES, real_points
     from .simulate import run_sim
-    from .tables import iteration_rows, segment_tables
+    from .tables import cpu_rows, cpu_table, iteration_rows, segment_tables
 
     real = out / "real"
     points, output_len, num_prompts = real_points(real)
@@ -518,7 +519,8 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
         run_sim(profile, sim, points, output_len, num_prompts, seed=seed,
                 arrivals=arrivals, frontend_cores=frontend_cores, host_cores=host_cores,
                 gauges=keys, merge_tokens=merge, api_loops=api_loops,
-                pinned_engines=pinned_engines, shares=shares, speeds=measured_speed,
+                pinned_engines=pinned_engines, tick_s=tick_s, shares=shares,
+                speeds=measured_speed,
                 speed_refs=refs,
                 timelines=out / "sim-timeline" / way)
         _, segs[way] = segment_tables(real, out / "sim-timeline" / way, shares)
@@ -571,6 +573,13 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
         say(f"\nAbove the training rates, each segment's median over the points' "
             f"iterations (ms; real / simulated / simulated {other.replace('_', ' ')}):\n")
         say(text)
+    summary["cpu"] = cpu_rows(real, out / "sim-cross", shares)
+    if summary["cpu"]:
+        say("\nThe cores each part kept busy while a point loaded it, mean over its "
+            "iterations (real: its threads' CPU time; simulated: its processes' work "
+            "over the run; the simulated router is the relay, the client's work "
+            "with it):\n")
+        say(cpu_table(summary["cpu"]))
     swept = [p[2] for p in points if p[1] == sweep_input]
     top = max(swept, default=None)  # none: a --sweep-input the run has no point of
     text, rows = ("", []) if top is None else iteration_rows(

@@ -289,3 +289,66 @@ def iteration_rows(real: Path, sim: Path, shares: dict[str, dict[str, Any]], *,
             f"{' (' + r['gc_part'] + ')' if r['gc_part'] else ''} | "
             f"{f(sp.get('prefill'), '.2f')} / {f(sp.get('decode'), '.2f')} |")
     return ("\n".join(lines) if rows else ""), rows
+
+
+#: the deployment's parts whose CPU the run records (:func:`.deployment.parts`), and
+#: the simulated processes each holds (:attr:`pushkv.sim.host.model.HostModel.busy_by_process`:
+#: an engine's loop and the work beside its steps by side, an API server by its engine's
+#: id, the relay of the router and the client)
+CPU_PARTS = {"prefill": ("prefill engine", "prefill beside", "prefill-"),
+             "decode": ("decode engine", "decode beside"),
+             "decode_api": ("decode-",), "router": ("relay",)}
+
+
+def _sim_part(by_process: dict[str, float], names: tuple[str, ...]) -> float:
+    return sum(s for p, s in by_process.items()
+               if any(p == n or (n.endswith("-") and p.startswith(n)) for n in names))
+
+
+def cpu_rows(real: Path, sim: Path, shares: dict[str, dict[str, Any]]
+             ) -> list[dict[str, Any]]:
+    """Per mode and rate (iterations averaged), the cores each part of the deployment
+    kept busy while the point loaded it (``threads`` in ``shares``, pinned and floating
+    threads together) against the simulated processes' (:data:`CPU_PARTS`; their
+    core-seconds over the simulated run's duration). The simulated relay holds the
+    client's work too, the real router does not. Points either half lacks: left out."""
+    acc: dict[tuple[str, float], dict[str, list[float]]] = {}
+    for path in sorted(real.iterdir()):
+        m = NAME.match(path.name)
+        threads = shares.get(path.name, {}).get("threads") or {}
+        if m is None or not threads or not (sim / path.name).exists():
+            continue
+        res = json.loads((sim / path.name).read_text())
+        pk = res.get("pushkv", res)
+        by, dur = pk.get("host_busy_s_by_process"), res.get("duration") or pk.get("duration")
+        if not by or not dur:
+            continue
+        row = acc.setdefault((m["mode"], float(m["qps"])), {})
+        for part, names in CPU_PARTS.items():
+            got = threads.get(part)
+            if got is None:
+                continue
+            row.setdefault(f"{part}_real", []).append(
+                sum((got.get(cls) or {}).get("cores") or 0.0 for cls in ("pinned", "floating")))
+            row.setdefault(f"{part}_sim", []).append(_sim_part(by, names) / dur)
+    return [{"mode": mode, "qps": qps,
+             **{k: round(statistics.fmean(v), 3) for k, v in sorted(cols.items())}}
+            for (mode, qps), cols in sorted(acc.items())]
+
+
+def cpu_table(rows: list[dict[str, Any]]) -> str:
+    """:func:`cpu_rows` as a table: each part's cores busy, real / simulated."""
+    if not rows:
+        return ""
+    lines = ["| mode | QPS | " + " | ".join(f"{p} real / sim" for p in CPU_PARTS)
+             + " | all real / sim |", "|---|---|" + "---|" * (len(CPU_PARTS) + 1)]
+    for r in rows:
+        cells, tot = [], [0.0, 0.0]
+        for p in CPU_PARTS:
+            a, b = r.get(f"{p}_real"), r.get(f"{p}_sim")
+            cells.append("-" if a is None else f"{a:.2f} / {b:.2f}")
+            tot[0] += a or 0.0
+            tot[1] += b or 0.0
+        lines.append(f"| {r['mode']} | {r['qps']:g} | " + " | ".join(cells)
+                     + f" | {tot[0]:.2f} / {tot[1]:.2f} |")
+    return "\n".join(lines)

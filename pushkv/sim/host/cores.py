@@ -45,6 +45,8 @@ import itertools
 import numpy as np
 import simpy
 
+from .fair import FairCore, base_slice_s
+
 #: work below this is done (a nanosecond: far above the float rounding of the rates'
 #: products at any simulated time, far below any cost the profiles hold)
 _EPS = 1e-9
@@ -66,7 +68,10 @@ class SharedCores:
         self._since = env.now  #: when ``_left`` was last brought up to date
         self._gen = 0  #: the timer of an older schedule finds a newer generation and stops
         self.busy_s = 0.0  #: core-seconds served
+        #: core-seconds served by the process they were given for ("": none given)
+        self.busy_by_process: dict[str, float] = {}
         self._spins: dict[int, float] = {}  #: spinner -> its demand (cores)
+        self._process: dict[int, str] = {}  #: piece or spinner -> its process
 
     @property
     def runnable(self) -> int:
@@ -96,15 +101,17 @@ class SharedCores:
     def _in_use(self, rate: float) -> float:
         return rate * len(self._left) + sum(min(d, rate) for d in self._spins.values())
 
-    def spin(self, demand: float = 1.0, core: int | None = None) -> int:
+    def spin(self, demand: float = 1.0, core: int | None = None,
+             process: str | None = None) -> int:
         """A process that keeps up to ``demand`` (0, 1] of a core busy from now until
         :meth:`unspin` of the handle returned; it slows the work beside it as work does
-        (``core``: as in :meth:`run`)."""
+        (``core``: as in :meth:`run`; ``process``: whose, which a fluid pool ignores)."""
         if not 0 < demand <= 1:
             raise ValueError(f"a spinner's demand must be in (0, 1] of a core, got {demand!r}")
         self._advance()
         k = next(self._ids)
         self._spins[k] = demand
+        self._process[k] = process or ""
         self._schedule()
         return k
 
@@ -114,12 +121,14 @@ class SharedCores:
             return
         self._advance()
         del self._spins[handle]
+        del self._process[handle]
         self._schedule()
 
-    def run(self, work_s: float, core: int | None = None) -> simpy.Event:
+    def run(self, work_s: float, core: int | None = None,
+            process: str | None = None) -> simpy.Event:
         """An event that fires when ``work_s`` (>= 0) of work has run on the pool
         (``core``: the core a pinned piece would run on; in one pool any piece runs on
-        any core)."""
+        any core; ``process``: whose work it is, which a fluid pool ignores)."""
         if not work_s >= 0:
             raise ValueError(f"work must be >= 0 seconds, got {work_s!r}")
         done = self.env.event()
@@ -130,6 +139,7 @@ class SharedCores:
         k = next(self._ids)
         self._left[k] = work_s
         self._done[k] = done
+        self._process[k] = process or ""
         self._schedule()
         return done
 
@@ -141,13 +151,18 @@ class SharedCores:
             return
         r = self.rate()  # once: with spinners it sorts their demands
         self.busy_s += dt * self._in_use(r)
+        by = self.busy_by_process
         for k in self._left:
             self._left[k] -= dt * r
+            by[self._process[k]] = by.get(self._process[k], 0.0) + dt * r
+        for k, d in self._spins.items():
+            by[self._process[k]] = by.get(self._process[k], 0.0) + dt * min(d, r)
 
     def _schedule(self) -> None:
         """Finish what is done; wake at the next piece's end at the current rate."""
         for k in [k for k, left in self._left.items() if left <= _EPS]:
             del self._left[k]
+            del self._process[k]
             self._done.pop(k).succeed()
         self._gen += 1
         if not self._left:
@@ -165,22 +180,40 @@ class SharedCores:
 
 
 class PinnedCores:
-    """``cores`` cores, each a pool of its own (:class:`SharedCores` of one core): a
-    piece given a ``core`` runs there, any other starts on the core with the fewest
-    runnable pieces (ties: one drawn from ``rng``) and stays there until it ends."""
+    """``cores`` cores, each a pool of its own (:class:`SharedCores` of one core, or with
+    ``tick_s`` a :class:`~.fair.FairCore`: shared by ticks as the kernel does): a piece
+    given a ``core`` runs there, any other starts on the core with the fewest runnable
+    pieces (ties: one drawn from ``rng``) and stays there until it ends."""
 
-    def __init__(self, env: simpy.Environment, cores: int, rng: np.random.Generator) -> None:
+    def __init__(self, env: simpy.Environment, cores: int, rng: np.random.Generator,
+                 tick_s: float = 0.0) -> None:
         if not isinstance(cores, int) or isinstance(cores, bool) or cores < 1:
             raise ValueError(f"pinned cores need at least one core, got {cores!r}")
         self.env = env
         self.cores = cores
-        self.pools = [SharedCores(env, 1) for _ in range(cores)]
+        self.pools: list[SharedCores | FairCore]
+        if tick_s:
+            memory: dict = {}  # where each process left a core, for all of them
+            slice_s = base_slice_s(cores)
+            self.pools = [FairCore(env, tick_s, slice_s=slice_s, index=i, memory=memory)
+                          for i in range(cores)]
+        else:
+            self.pools = [SharedCores(env, 1) for _ in range(cores)]
         self._rng = rng
 
     @property
     def busy_s(self) -> float:
         """Core-seconds served, on every core."""
         return sum(p.busy_s for p in self.pools)
+
+    @property
+    def busy_by_process(self) -> dict[str, float]:
+        """Core-seconds served by process, on every core."""
+        out: dict[str, float] = {}
+        for p in self.pools:
+            for name, s in p.busy_by_process.items():
+                out[name] = out.get(name, 0.0) + s
+        return out
 
     @property
     def runnable(self) -> int:
@@ -196,14 +229,16 @@ class PinnedCores:
         fewest = [i for i, n in enumerate(counts) if n == min(counts)]
         return fewest[0] if len(fewest) == 1 else fewest[int(self._rng.integers(len(fewest)))]
 
-    def run(self, work_s: float, core: int | None = None) -> simpy.Event:
+    def run(self, work_s: float, core: int | None = None,
+            process: str | None = None) -> simpy.Event:
         """As :meth:`SharedCores.run`, on ``core`` (None: the piece floats)."""
-        return self.pools[self._core(core)].run(work_s)
+        return self.pools[self._core(core)].run(work_s, process=process)
 
-    def spin(self, demand: float = 1.0, core: int | None = None) -> tuple[int, int]:
+    def spin(self, demand: float = 1.0, core: int | None = None,
+             process: str | None = None) -> tuple[int, int]:
         """As :meth:`SharedCores.spin`, on ``core`` (None: the spinner floats)."""
         i = self._core(core)
-        return i, self.pools[i].spin(demand)
+        return i, self.pools[i].spin(demand, process=process)
 
     def unspin(self, handle: tuple[int, int]) -> None:
         core, k = handle
@@ -211,8 +246,10 @@ class PinnedCores:
 
 
 def work(env: simpy.Environment, cores: SharedCores | PinnedCores | None,
-         seconds: float, core: int | None = None) -> simpy.Event:
-    """``seconds`` of one process's work: on the host's shared ``cores`` when the profile
+         seconds: float, core: int | None = None, process: str | None = None
+         ) -> simpy.Event:
+    """``seconds`` of ``process``'s work: on the host's shared ``cores`` when the profile
     has them (``host.cores``; ``core``: the core it is pinned to, None: it floats), else
     simply that long."""
-    return cores.run(seconds, core) if cores is not None else env.timeout(seconds)
+    return (cores.run(seconds, core, process) if cores is not None
+            else env.timeout(seconds))

@@ -36,6 +36,10 @@ class Dedicated:
     def busy_s(self) -> float:
         return 0.0
 
+    @property
+    def busy_by_process(self) -> dict[str, float]:
+        return {}
+
     def spread(self, seconds: float) -> float:
         return seconds
 

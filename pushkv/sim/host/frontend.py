@@ -214,7 +214,7 @@ class Frontend:
                 started()
             service = service_s() if callable(service_s) else service_s
             if service > 0:  # a frontend process's work, on the host's cores if shared
-                yield work(self.env, self.host, service)
+                yield work(self.env, self.host, service, process=process or None)
         if wait_s > 0:
             yield self.env.timeout(wait_s)
         self.busy_s += service

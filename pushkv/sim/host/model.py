@@ -36,6 +36,13 @@ class HostModel(Protocol):
         """Core-seconds the host's shared cores served (0 without them)."""
         ...
 
+    @property
+    def busy_by_process(self) -> dict[str, float]:
+        """:attr:`busy_s` by the process served: an engine's loop (``"prefill engine"``),
+        the work beside its steps (``"prefill beside"``), an API server (its engine's
+        id), the relay (router and client); empty without shared cores."""
+        ...
+
     def spread(self, seconds: float) -> float:
         """One draw of a host time the profile gives as a median (a connector key)."""
         ...

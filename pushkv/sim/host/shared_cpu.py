@@ -84,6 +84,18 @@ def on_shared_cores(profile: Profile) -> Profile:
             decode=dataclasses.replace(h.decode, cpu_share=1.0, cpu_speed=1.0)))
 
 
+def engine_process(side: Side) -> str:
+    """The process an engine loop's work is on the host's cores (its steps, its empty
+    steps): one a side, as each side's engine has a core of its own."""
+    return f"{side} engine"
+
+
+def beside_process(side: Side) -> str:
+    """The process the work beside ``side``'s steps is (its engine core's other threads,
+    transport threads; ``cores_busy``)."""
+    return f"{side} beside"
+
+
 class SharedCpu(Dedicated):
     """The host model of one machine's cores shared by every process."""
 
@@ -105,7 +117,8 @@ class SharedCpu(Dedicated):
         self._spread = Spread(h.spread, np.random.default_rng(seeds.spawn(1)[0]))
         self.cores: SharedCores | PinnedCores | None = None
         if h.cores and h.pinned:  # a core each engine, its ties drawn from a stream of its own
-            self.cores = PinnedCores(env, h.cores, np.random.default_rng(seeds.spawn(1)[0]))
+            self.cores = PinnedCores(env, h.cores, np.random.default_rng(seeds.spawn(1)[0]),
+                                     tick_s=h.tick_s)
         elif h.cores:
             self.cores = SharedCores(env, h.cores)
         self.frontend: Frontend | None = None
@@ -132,6 +145,10 @@ class SharedCpu(Dedicated):
     def busy_s(self) -> float:
         return self.cores.busy_s if self.cores is not None else 0.0
 
+    @property
+    def busy_by_process(self) -> dict[str, float]:
+        return self.cores.busy_by_process if self.cores is not None else {}
+
     def spread(self, seconds: float) -> float:
         return self._spread(seconds)
 
@@ -139,12 +156,13 @@ class SharedCpu(Dedicated):
         return self._spread.split(seconds)
 
     def work(self, seconds: float, side: Side) -> simpy.Event:
-        return work(self.env, self.cores, seconds, PINNED_CORE[side])  # the engine's loop
+        return work(self.env, self.cores, seconds, PINNED_CORE[side],  # the engine's loop
+                    engine_process(side))
 
     def beside(self, side: Side, dt: float) -> None:
         extra = self._side(side).cores_busy - 1
         if extra > 0 and self.cores is not None:
-            self.cores.run(extra * dt)
+            self.cores.run(extra * dt, process=beside_process(side))
 
     def idle(self, side: Side, holding: bool,
              sleep: Callable[[], simpy.Event]) -> Generator[Any, Any, float]:
@@ -171,8 +189,9 @@ class SharedCpu(Dedicated):
             return []
         spins: list[Any] = []
         while cores > 1e-9:
-            core = PINNED_CORE[side] if not spins else None
-            spins.append(self.cores.spin(min(1.0, cores), core))
+            core, process = ((PINNED_CORE[side], engine_process(side)) if not spins
+                             else (None, beside_process(side)))
+            spins.append(self.cores.spin(min(1.0, cores), core, process))
             cores -= 1.0
         return spins
 
