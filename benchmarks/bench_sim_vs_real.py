@@ -499,12 +499,6 @@ def main() -> int:
                    "pieces floating between the cores (host.pinned, where the host has two "
                    "cores or more), as the real deployment pins its engines (the "
                    "default); --no-pinned-engines: one pool of the cores")
-    p.add_argument("--tick-ms", type=float, default=None,
-                   help="with the engines pinned, each core shared by ticks of this many "
-                   "ms, one process at a time, as the kernel's fair scheduler shares it "
-                   "(host.tick_s, pushkv.sim.host.fair); default: the tick measured on "
-                   "this machine when the simulated half starts (pushkv.fit.sched.tick, "
-                   "about 1 s); 0: each core shared as a fluid (processor sharing)")
     p.add_argument("--measured-speed", action="store_true",
                    help="with --cross-validate: each point's cores as fast as the core "
                    "probe measured them during it, against the probe's rate over the "
@@ -532,8 +526,6 @@ def main() -> int:
             p.error(f"unknown mode {m!r} (choose from {', '.join(MODES)})")
     if args.point_seconds is not None and not args.point_seconds > 0:
         p.error(f"--point-seconds must be > 0, got {args.point_seconds}")
-    if args.tick_ms is not None and not 0 <= args.tick_ms <= 1000:
-        p.error(f"--tick-ms must be in [0, 1000], got {args.tick_ms}")
     if args.measured_speed and not args.cross_validate:
         p.error("--measured-speed needs --cross-validate")
     if args.points:  # the lengths the deployments must hold
@@ -557,7 +549,6 @@ def main() -> int:
     if not args.sim_only:
         failures |= run_real(args, real)
     real_s = time.monotonic() - t0
-    args.tick_s = sim_tick(args)
     if args.cross_validate:
         return cross_main(args, failures, t0, real_s, load)
     got = sim_half(args.out, args.profile, seed=args.seed, arrivals=args.arrivals,
@@ -565,8 +556,7 @@ def main() -> int:
                    use_real_keys=args.real_keys, cpu_share=args.cpu_share,
                    figures_dir=args.figures, failures=failures,
                    merge_tokens=args.output_len if args.merge_tokens else 0,
-                   api_loops=args.api_loops, pinned_engines=args.pinned_engines,
-                   tick_s=args.tick_s)
+                   api_loops=args.api_loops, pinned_engines=args.pinned_engines)
     summary = got.summary | {
         "real_s": round(real_s, 1), "total_s": round(time.monotonic() - t0, 1),
         "load_at_start": [round(x, 2) for x in load],
@@ -575,27 +565,11 @@ def main() -> int:
         "profile": str(args.profile), "arrivals": args.arrivals,
         "frontend_cores": args.frontend_cores, "host_cores": args.host_cores,
         "api_loops": args.api_loops, "pinned_engines": args.pinned_engines,
-        "tick_s": args.tick_s, "engine_spans": args.engine_spans, "real_keys": got.keys,
-        "way": got.way,
+        "engine_spans": args.engine_spans, "real_keys": got.keys, "way": got.way,
         "failures": failures}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
     return 1 if failures else 0
-
-
-def sim_tick(args: argparse.Namespace) -> float:
-    """The tick the simulated half shares each pinned core by (s): ``--tick-ms``, else
-    measured here now (:func:`pushkv.fit.sched.tick`); 0 without pinned engines."""
-    if not args.pinned_engines:
-        return 0.0
-    if args.tick_ms is not None:
-        return args.tick_ms / 1e3
-    from pushkv.fit.sched import tick
-
-    got = tick()
-    print(f"the kernel's tick here: {got * 1e3:.2f} ms (two processes on one core)",
-          flush=True)
-    return round(got, 6)
 
 
 def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
@@ -611,7 +585,7 @@ def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
                              seed=args.seed, arrivals=args.arrivals,
                              frontend_cores=args.frontend_cores, host_cores=args.host_cores,
                              merge_tokens=args.merge_tokens, api_loops=args.api_loops,
-                             pinned_engines=args.pinned_engines, tick_s=args.tick_s,
+                             pinned_engines=args.pinned_engines,
                              measured_speed=args.measured_speed,
                              figures_dir=args.figures)
     except ValueError as exc:  # a split that cannot cross-validate
@@ -632,8 +606,7 @@ def cross_main(args: argparse.Namespace, failures: dict[str, str], t0: float,
                   for m, v in (got.get(name) or {}).items()}
            for name in ("knee_interval", "knee_interval_median")},
         "merge_tokens": args.merge_tokens, "api_loops": args.api_loops,
-        "pinned_engines": args.pinned_engines, "tick_s": args.tick_s,
-        "measured_speed": args.measured_speed,
+        "pinned_engines": args.pinned_engines, "measured_speed": args.measured_speed,
         **{other: {"out_of_sample": [got[other].get("out_of_sample", {}).get(k)
                                      for k in ("ratio_min", "ratio_max")],
                    "out_of_sample_in_band": got[other].get("out_of_sample", {}).get("in_band"),

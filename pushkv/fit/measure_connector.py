@@ -136,7 +136,7 @@ def lone_steps(profile: Profile, *, mode: str, input_len: int, output_len: int) 
         raise MeasurementError(f"a lone decode step needs 2 output tokens or more, "
                                f"got {output_len}")
     own = dataclasses.replace(profile, host=dataclasses.replace(
-        profile.host, cores=0, pinned=False, tick_s=0.0)).validate()
+        profile.host, cores=0, pinned=False)).validate()
     gap = _lone_gap(own, mode=mode, input_len=input_len, output_len=output_len)
     target = _lone_segments(own, mode=mode, input_len=input_len, output_len=output_len,
                             gap_s=gap)

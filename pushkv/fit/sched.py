@@ -1,15 +1,15 @@
 """How the kernel shares one core among processes: two measurements.
 
 * :func:`tick` -- two CPU-bound processes pinned to one core: how long each runs
-  before the other takes over (the scheduler's tick, where the fair scheduler re-picks;
-  ``host.tick_s``);
+  before the other takes over (the scheduler's tick, where it switches between them);
 * :func:`wake_waits` -- a process that sleeps a random while and then works, pinned to
   one core beside ``spinners`` CPU-bound ones: how long after each due wake-up it runs,
   and when its work is done.
 
 Each starts fresh interpreters (``spawn``) pinned with ``os.sched_setaffinity``, so it
 measures the machine it runs on; nothing else should run meanwhile. Linux only.
-``benchmarks/bench_fair_core.py`` prints both beside :class:`pushkv.sim.host.fair.FairCore`.
+``benchmarks/bench_core_sharing.py`` prints them beside the simulator's processor
+sharing (:class:`pushkv.sim.host.cores.SharedCores`).
 """
 
 from __future__ import annotations

@@ -100,6 +100,49 @@ def test_the_pool_is_the_fluid_model(cores: int, jobs: list[tuple[float, float]]
     assert pool.runnable == 0
 
 
+@settings(max_examples=100, deadline=None)
+@given(cores=st.integers(1, 3),
+       jobs=st.lists(st.tuples(st.floats(0, 0.05), st.floats(1e-6, 0.02),
+                               st.sampled_from(["api", "relay", None])),
+                     min_size=1, max_size=10),
+       spin=st.sampled_from([0.0, 0.5, 1.0]))
+def test_the_pool_serves_each_process_exactly_its_work(
+        cores: int, jobs: list[tuple[float, float, str | None]], spin: float) -> None:
+    """``busy_by_process``: each process's work served to it, a spinner's share of the
+    cores to its own, and the whole is ``busy_s`` (a piece given no process: "")."""
+    env = simpy.Environment()
+    pool = SharedCores(env, cores)
+    h = pool.spin(spin, process="engine") if spin else None
+
+    def job(at: float, work: float, process: str | None):  # type: ignore[no-untyped-def]
+        yield env.timeout(at)
+        yield pool.run(work, process=process)
+
+    for at, work, process in jobs:
+        env.process(job(at, work, process))
+    env.run(until=1.0)
+    if h is not None:
+        pool.unspin(h)
+    by = pool.busy_by_process
+    for name in {p for _, _, p in jobs}:
+        assert by[name or ""] == pytest.approx(sum(w for _, w, p in jobs if p == name),
+                                               abs=1e-7)
+    assert sum(by.values()) == pytest.approx(pool.busy_s, abs=1e-7)
+    assert by.get("engine", 0.0) == pytest.approx(pool.busy_s - sum(w for _, w, _ in jobs),
+                                                  abs=1e-7)
+
+
+def test_a_loaded_run_says_which_process_had_the_cores() -> None:
+    """A pinned host's run: the engines' loops and the API servers by name, and the
+    processes' core-seconds add up to the host's."""
+    got = tiny_result("push", 32.0, 32, frontend_cores=1, cores=2, pinned=True)["pushkv"]
+    by = got["host_busy_s_by_process"]
+    assert {"prefill engine", "decode engine"} <= set(by)
+    assert any(name.startswith("decode-") for name in by)  # decode's API server
+    assert sum(by.values()) == pytest.approx(got["host_busy_s"])
+    assert tiny_result("push", 32.0, 4)["pushkv"]["host_busy_s_by_process"] == {}
+
+
 def test_no_more_jobs_than_cores_run_at_full_speed() -> None:
     jobs = [(0.0, 0.01), (0.002, 0.005), (0.003, 0.001)]
     assert _finish(3, jobs) == pytest.approx([0.01, 0.007, 0.004])

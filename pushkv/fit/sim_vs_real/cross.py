@@ -444,8 +444,7 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
                    seed: int = 0, arrivals: str = "vllm", frontend_cores: int | None = None,
                    host_cores: int | None = None, merge_tokens: bool = True,
                    api_loops: bool = API_LOOPS,
-                   pinned_engines: bool = PINNED_ENGINES, tick_s: float = 0.0,
-                   measured_speed: bool = False,
+                   pinned_engines: bool = PINNED_ENGINES, measured_speed: bool = False,
                    figures_dir: Path | None = None,
                    say: Callable[[str], None] = print) -> dict[str, Any]:
     """The cross-validation of a recorded run (``out/real``): split its points
@@ -519,8 +518,7 @@ def cross_validate(out: Path, profile: Path, *, rates: Sequence[float] = TRAIN_R
         run_sim(profile, sim, points, output_len, num_prompts, seed=seed,
                 arrivals=arrivals, frontend_cores=frontend_cores, host_cores=host_cores,
                 gauges=keys, merge_tokens=merge, api_loops=api_loops,
-                pinned_engines=pinned_engines, tick_s=tick_s, shares=shares,
-                speeds=measured_speed,
+                pinned_engines=pinned_engines, shares=shares, speeds=measured_speed,
                 speed_refs=refs,
                 timelines=out / "sim-timeline" / way)
         _, segs[way] = segment_tables(real, out / "sim-timeline" / way, shares)

@@ -59,7 +59,7 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
              use_real_keys: bool = False, cpu_share: bool = True,
              figures_dir: Path | None = None, failures: dict[str, str] | None = None,
              merge_tokens: int | None = None, api_loops: bool = API_LOOPS,
-             pinned_engines: bool = PINNED_ENGINES, tick_s: float = 0.0,
+             pinned_engines: bool = PINNED_ENGINES,
              say: Callable[[str], None] = _say) -> SimHalf:
     """Simulate the points of ``out/real`` every way, compare, print (``say``); see the
     module. ``profile``: the profile every way starts from; ``seed``, ``arrivals``: the
@@ -72,8 +72,7 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
     ``failures`` by name. ``merge_tokens``: every way's ``host.merge_tokens`` on the
     shared-CPU host (None: the profile's; see :func:`~.simulate.run_sim`);
     ``api_loops``: each API server a loop of its own where the run measured
-    ``token_api_s`` (:func:`~.simulate.run_sim`); ``tick_s``: the pinned cores shared by
-    ticks of that length (:func:`~.simulate.run_sim`; 0: as a fluid)."""
+    ``token_api_s`` (:func:`~.simulate.run_sim`)."""
     failures = {} if failures is None else failures
     real, sim = out / "real", out / "sim"
     points, output_len, num_prompts = real_points(real)
@@ -81,7 +80,7 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
     knobs: dict[str, Any] = {"arrivals": arrivals, "frontend_cores": frontend_cores,
                              "host_cores": host_cores, "keys": None,
                              "merge_tokens": merge_tokens, "api_loops": api_loops,
-                             "pinned_engines": pinned_engines, "tick_s": tick_s}
+                             "pinned_engines": pinned_engines}
     if use_real_keys:
         try:
             knobs["keys"] = real_keys(real, shares, profile)
@@ -145,7 +144,7 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
             run_sim(profile, gauged, points, output_len, num_prompts, seed=seed,
                     arrivals=arrivals, frontend_cores=frontend_cores,
                     host_cores=host_cores, gauges=per_point, merge_tokens=merge_tokens,
-                    api_loops=api_loops, pinned_engines=pinned_engines, tick_s=tick_s,
+                    api_loops=api_loops, pinned_engines=pinned_engines,
                     timelines=timelines / "gauge")
             gauge_table, gauge_summary = compare(real, gauged)
             say("\nSimulated with each point's profile from the gauges just before and "
@@ -185,7 +184,7 @@ def sim_half(out: Path, profile: Path, *, seed: int = 0, arrivals: str = "vllm",
                 run_sim(profile, there, points, output_len, num_prompts, seed=seed,
                         arrivals=arrivals, frontend_cores=frontend_cores,
                         host_cores=host_cores, merge_tokens=merge_tokens,
-                        api_loops=api_loops, pinned_engines=pinned_engines, tick_s=tick_s, **kw)
+                        api_loops=api_loops, pinned_engines=pinned_engines, **kw)
                 table, got = compare(real, there)
                 say(f"\nThe same {title}:\n")
                 say(table)

@@ -32,8 +32,7 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             speeds: bool = False,
             speed_refs: Mapping[str, dict[str, float]] | None = None,
             wall_steps: bool = False, merge_tokens: int | None = None,
-            api_loops: bool = API_LOOPS, pinned_engines: bool = PINNED_ENGINES,
-            tick_s: float = 0.0) -> None:
+            api_loops: bool = API_LOOPS, pinned_engines: bool = PINNED_ENGINES) -> None:
     """The simulator at ``(mode, input, rate, iteration)`` points, into ``sim``, each
     sending ``num_prompts`` requests (or its own count, by result file name); with
     ``shares`` (by result file name), each point's engines get the share of a core and
@@ -64,9 +63,7 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
     set to 0: the frontend queue serves everything (:mod:`pushkv.sim.host.frontend`).
     ``pinned_engines``: on every point whose host has two cores or more
     (``host.cores``), each engine's loop on a core of its own and the rest floating
-    (``host.pinned``, :class:`pushkv.sim.host.cores.PinnedCores`); with ``tick_s``, those
-    cores shared by ticks of that length as the kernel shares them (``host.tick_s``,
-    :class:`pushkv.sim.host.fair.FairCore`; 0: as a fluid)."""
+    (``host.pinned``, :class:`pushkv.sim.host.cores.PinnedCores`)."""
     from ...sim.marks import Timeline
     from ...sim.runner import run
     from ...sim.scenario import SimConfig, TransferMode
@@ -81,7 +78,6 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
             changes["token_api_s"] = 0.0
         if pinned_engines and h.model == SHARED_CPU and h.cores >= 2:
             changes["pinned"] = True
-            changes["tick_s"] = tick_s
         if merge_tokens is not None and h.model == SHARED_CPU:
             changes["merge_tokens"] = merge_tokens
         return dataclasses.replace(profile, host=dataclasses.replace(

@@ -25,6 +25,17 @@ random, and stays there until it ends. The kernel also moves a waiting task to a
 that falls idle; the model does not, which leaves a pinned engine no better off than
 the kernel would.
 
+Each piece may name its process (an engine's loop, the work beside its steps, an API
+server, the relay): :attr:`SharedCores.busy_by_process` then says which process had the
+cores, as the real runs' threads do (``pushkv.fit.sim_vs_real.tables.cpu_rows``).
+
+Processor sharing is the kernel's mean, measured: a sleeper pinned to one core beside
+one or two CPU-bound processes, working 0.2 or 2 ms of CPU a wake-up, has its work done
+on average 0.75-1.08x as long after it was due in the pool as under Linux 6.18 on a
+2-core VM, whose fair scheduler runs one task at a time and switches at its 4 ms tick
+(``benchmarks/bench_core_sharing.py``); what the pool leaves out is the spread, a
+wake-up now and then waiting for a tick (p90 3.6 ms beside two spinners, 0.6 here).
+
 The pool adds no parameter but the number of cores: the work itself is what the
 profile measured on requests that ran alone (where nothing shares the cores and
 a piece's wall time is its work), so a lone request takes exactly as long with
@@ -44,8 +55,6 @@ import itertools
 
 import numpy as np
 import simpy
-
-from .fair import FairCore, base_slice_s
 
 #: work below this is done (a nanosecond: far above the float rounding of the rates'
 #: products at any simulated time, far below any cost the profiles hold)
@@ -105,7 +114,7 @@ class SharedCores:
              process: str | None = None) -> int:
         """A process that keeps up to ``demand`` (0, 1] of a core busy from now until
         :meth:`unspin` of the handle returned; it slows the work beside it as work does
-        (``core``: as in :meth:`run`; ``process``: whose, which a fluid pool ignores)."""
+        (``core``: as in :meth:`run`; ``process``: whose, for :attr:`busy_by_process`)."""
         if not 0 < demand <= 1:
             raise ValueError(f"a spinner's demand must be in (0, 1] of a core, got {demand!r}")
         self._advance()
@@ -128,7 +137,7 @@ class SharedCores:
             process: str | None = None) -> simpy.Event:
         """An event that fires when ``work_s`` (>= 0) of work has run on the pool
         (``core``: the core a pinned piece would run on; in one pool any piece runs on
-        any core; ``process``: whose work it is, which a fluid pool ignores)."""
+        any core; ``process``: whose work it is, for :attr:`busy_by_process`)."""
         if not work_s >= 0:
             raise ValueError(f"work must be >= 0 seconds, got {work_s!r}")
         done = self.env.event()
@@ -180,25 +189,16 @@ class SharedCores:
 
 
 class PinnedCores:
-    """``cores`` cores, each a pool of its own (:class:`SharedCores` of one core, or with
-    ``tick_s`` a :class:`~.fair.FairCore`: shared by ticks as the kernel does): a piece
-    given a ``core`` runs there, any other starts on the core with the fewest runnable
-    pieces (ties: one drawn from ``rng``) and stays there until it ends."""
+    """``cores`` cores, each a pool of its own (:class:`SharedCores` of one core): a
+    piece given a ``core`` runs there, any other starts on the core with the fewest
+    runnable pieces (ties: one drawn from ``rng``) and stays there until it ends."""
 
-    def __init__(self, env: simpy.Environment, cores: int, rng: np.random.Generator,
-                 tick_s: float = 0.0) -> None:
+    def __init__(self, env: simpy.Environment, cores: int, rng: np.random.Generator) -> None:
         if not isinstance(cores, int) or isinstance(cores, bool) or cores < 1:
             raise ValueError(f"pinned cores need at least one core, got {cores!r}")
         self.env = env
         self.cores = cores
-        self.pools: list[SharedCores | FairCore]
-        if tick_s:
-            memory: dict = {}  # where each process left a core, for all of them
-            slice_s = base_slice_s(cores)
-            self.pools = [FairCore(env, tick_s, slice_s=slice_s, index=i, memory=memory)
-                          for i in range(cores)]
-        else:
-            self.pools = [SharedCores(env, 1) for _ in range(cores)]
+        self.pools = [SharedCores(env, 1) for _ in range(cores)]
         self._rng = rng
 
     @property

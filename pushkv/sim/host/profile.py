@@ -38,8 +38,6 @@ MAX_SPREAD = 1000
 MAX_WAKE_S = 10.0
 #: the fastest ``cpu_speed`` against the profile's measurement a machine may have
 MAX_SPEED = 100.0
-#: the longest scheduler tick ``host.tick_s`` may hold (s)
-MAX_TICK_S = 1.0
 #: the most cores one stepping engine may keep busy (``cores_busy``)
 MAX_CORES_BUSY = 64.0
 
@@ -153,22 +151,6 @@ class HostProfile:
         "set to a core each; a waking task takes an idle core when there is one "
         "(select_idle_sibling, Linux kernel/sched/fair.c); placed pieces never move, "
         "where the kernel moves a waiting one to a core falling idle (weaker)",
-    )
-    tick_s: float = _f(
-        0.0,
-        "with pinned, each core runs one process at a time as the kernel's fair "
-        "scheduler does, instead of sharing it as a fluid: every process keeps a "
-        "virtual runtime (its CPU time), a piece that arrives behind the running one "
-        "preempts it, else it waits, and at every tick of this many seconds the piece "
-        "furthest behind runs; a woken process is placed at most one tick behind the "
-        "core's least (pushkv.sim.host.fair.FairCore); so a process that used more "
-        "than its share lately waits for a tick when it wakes, one that used less runs "
-        "at once; 0: processor sharing (pushkv.sim.host.cores.SharedCores)",
-        "0; the kernel's tick, measured on the host: two CPU-bound processes pinned to "
-        "one core take turns of 4.0 ms on a 2-core VM with Linux 6.18 (CONFIG_HZ=250); "
-        "rules of Linux kernel/sched/fair.c (EEVDF: a tick re-picks once a slice of "
-        "0.75 ms x (1 + log2 CPUs) is used; a waking task's lag bounded by max(2 "
-        "slices, a tick)); benchmarks/bench_fair_core.py measures it beside the model",
     )
     frontend_cores: int = _f(
         0,
@@ -355,11 +337,6 @@ def validate_host(h: HostProfile) -> None:
                 raise HostError(f"host.{name} is a key of the shared-cpu host model: set "
                                 f"[host] model = \"{SHARED_CPU}\" (the dedicated model runs "
                                 "no host code)")
-    if not 0 <= h.tick_s <= MAX_TICK_S:
-        raise HostError(f"host.tick_s must be in [0, {MAX_TICK_S}] s, got {h.tick_s}")
-    if h.tick_s and not h.pinned:
-        raise HostError("host.tick_s needs host.pinned (a core each engine: the cores "
-                        "shared by ticks are the pinned ones)")
     if h.pinned and h.cores < len(PINNED_CORE):
         raise HostError(f"host.pinned needs host.cores >= {len(PINNED_CORE)} (a core for "
                         f"each side's engine), got {h.cores}")

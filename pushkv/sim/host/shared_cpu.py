@@ -117,8 +117,7 @@ class SharedCpu(Dedicated):
         self._spread = Spread(h.spread, np.random.default_rng(seeds.spawn(1)[0]))
         self.cores: SharedCores | PinnedCores | None = None
         if h.cores and h.pinned:  # a core each engine, its ties drawn from a stream of its own
-            self.cores = PinnedCores(env, h.cores, np.random.default_rng(seeds.spawn(1)[0]),
-                                     tick_s=h.tick_s)
+            self.cores = PinnedCores(env, h.cores, np.random.default_rng(seeds.spawn(1)[0]))
         elif h.cores:
             self.cores = SharedCores(env, h.cores)
         self.frontend: Frontend | None = None

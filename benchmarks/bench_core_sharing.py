@@ -1,27 +1,27 @@
-"""One core shared by processes: the kernel on this machine against the simulator's two
-models of it, side by side, in one run.
+"""One core shared by processes: the kernel on this machine against the simulator's
+model of it (processor sharing), side by side, in one run.
 
-The kernel (:mod:`pushkv.fit.sched`): two CPU-bound processes pinned to one core -- how
-long each turn lasts (the tick); then a sleeper pinned to that core beside 0, 1 or 2
-CPU-bound spinners, which sleeps 0.5-5 ms (uniform) and then works 0.2 or 2 ms of CPU
--- how long after each due wake-up its work is done. The models run the same
-experiment in SimPy: :class:`pushkv.sim.host.fair.FairCore` with the measured tick
-(``host.tick_s``) and processor sharing, :class:`pushkv.sim.host.cores.SharedCores`
-of one core (``host.tick_s = 0``)::
+The simulator runs every piece of CPU work on a shared core as a fluid: ``n`` runnable
+pieces each advance at ``1 / n`` of the core from the instant they are runnable
+(:class:`pushkv.sim.host.cores.SharedCores`). The kernel runs one task at a time and
+switches at its tick. This measures how far apart the two are where it matters to a
+frontend: a sleeper pinned to one core beside 0, 1 or 2 CPU-bound spinners, which
+sleeps 0.5-5 ms (uniform) and then works 0.2 or 2 ms of CPU -- how long after each due
+wake-up its work is done. The kernel's side is :mod:`pushkv.fit.sched` (and the tick:
+how long two CPU-bound processes on one core each run before the other takes over);
+the model's is the same experiment in SimPy on one core::
 
-    python benchmarks/bench_fair_core.py            # about 15 s; nothing else running
+    python benchmarks/bench_core_sharing.py         # about 15 s; nothing else running
 
-Prints a table (ms: mean and p90 of the time from a due wake-up to its work done, for
-the kernel and each model) and, last, one JSON object: ``tick_ms`` and per case the
-three means and p90s, and ``fair_over_kernel`` / ``sharing_over_kernel`` (the ratios of
-the means).
+Prints a table (ms: mean and p90 of the time from a due wake-up to its work done, the
+kernel's and the model's) and, last, one JSON object: ``tick_ms`` and per case both
+means and p90s and ``sharing_over_kernel`` (the ratio of the means).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -33,14 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pushkv.fit.sched import tick, wake_waits
 from pushkv.sim.host.cores import SharedCores
-from pushkv.sim.host.fair import FairCore, base_slice_s
 
 #: (spinners, the sleeper's work per wake-up in s)
 CASES = ((0, 0.2e-3), (1, 0.2e-3), (1, 2e-3), (2, 0.2e-3), (2, 2e-3))
 GAP_S = (0.5e-3, 5e-3)
 
 
-def modelled(core: FairCore | SharedCores, env: simpy.Environment, spinners: int,
+def modelled(core: SharedCores, env: simpy.Environment, spinners: int,
              work_s: float, seconds: float, seed: int) -> list[float]:
     """The sleeper's due-to-done times (s) on ``core`` beside ``spinners`` spinners."""
     for i in range(spinners):
@@ -75,23 +74,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--seconds must be > 0, got {args.seconds}")
     tick_s = tick(args.core)
     print(f"the kernel's tick here: {tick_s * 1e3:.2f} ms (two processes on core {args.core})")
-    print("\n| spinners | work (ms) | kernel mean / p90 | fair mean / p90 | sharing mean / p90 |")
+    print("\n| spinners | work (ms) | kernel mean / p90 | sharing mean / p90 | sharing / kernel |")
     print("|---|---|---|---|---|")
     out: dict[str, object] = {"tick_ms": round(tick_s * 1e3, 3), "cases": []}
     for spinners, work_s in CASES:
         kernel = [done for _, done in wake_waits(spinners, work_s, core=args.core,
                                                   seconds=args.seconds, gap_s=GAP_S)]
         env = simpy.Environment()
-        fair = modelled(FairCore(env, tick_s, slice_s=base_slice_s(os.cpu_count() or 1)),
-                        env, spinners, work_s, args.seconds, 0)
-        env = simpy.Environment()
         sharing = modelled(SharedCores(env, 1), env, spinners, work_s, args.seconds, 0)
-        k, f, s = stats(kernel), stats(fair), stats(sharing)
-        print(f"| {spinners} | {work_s * 1e3:g} | {k[0]} / {k[1]} | {f[0]} / {f[1]} | "
-              f"{s[0]} / {s[1]} |", flush=True)
+        k, s = stats(kernel), stats(sharing)
+        print(f"| {spinners} | {work_s * 1e3:g} | {k[0]} / {k[1]} | {s[0]} / {s[1]} | "
+              f"{s[0] / k[0]:.2f} |", flush=True)
         out["cases"].append({  # type: ignore[attr-defined]
-            "spinners": spinners, "work_ms": work_s * 1e3, "kernel": k, "fair": f,
-            "sharing": s, "fair_over_kernel": round(f[0] / k[0], 3),
+            "spinners": spinners, "work_ms": work_s * 1e3, "kernel": k, "sharing": s,
             "sharing_over_kernel": round(s[0] / k[0], 3)})
     print(json.dumps(out))
     return 0
