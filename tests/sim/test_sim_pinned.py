@@ -1,7 +1,8 @@
 """Engines pinned to a core each, the rest floating (``host.pinned``).
 
 Each engine's loop runs on its side's core; any other piece starts on the core with
-the fewest runnable pieces (a tie drawn at random) and stays there until it ends
+an idle core if there is one, else on a core drawn at random, and stays there until
+it ends
 (:class:`pushkv.sim.host.cores.PinnedCores`).
 """
 
@@ -61,6 +62,23 @@ def test_a_floating_piece_beside_two_engines_halves_one_and_stays_there(seed: in
     prefill, decode, job = _ends([(0.0, 1.0, 0), (0.0, 1.0, 1), (0.0, 1.0, None)], seed=seed)
     assert job == pytest.approx(2.0)
     assert sorted([prefill, decode]) == pytest.approx([1.0, 2.0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_with_no_core_idle_a_floating_piece_lands_on_either_whatever_their_queues(
+        seed: int) -> None:
+    """Core 0 runs one piece, core 1 three: a piece floating in meanwhile finds no core
+    idle and is drawn -- the kernel does not place a waking task by the queues' lengths
+    now -- so across seeds it lands on the longer queue too."""
+    landed = []
+    for s in range(seed * 16, seed * 16 + 16):
+        env = simpy.Environment()
+        pool = PinnedCores(env, 2, np.random.default_rng(s))
+        for core in (0, 1, 1, 1):
+            pool.run(1.0, core)
+        pool.run(1.0)
+        landed.append(pool.pools[1].runnable == 4)
+    assert any(landed) and not all(landed)
 
 
 def test_ties_are_drawn_both_ways_and_the_same_way_from_the_same_seed() -> None:

@@ -18,12 +18,18 @@ steps and, holding a request, its empty steps -- runs on its side's core (prefil
 core 0, decode on core 1: vLLM's CPU worker binds its OpenMP threads, the loop's
 among them, to ``VLLM_CPU_OMP_THREADS_BIND``'s cores with ``OMP_PLACES`` and
 ``OMP_PROC_BIND=true``, ``vllm/utils/ompmultiprocessing.py``, vLLM 0.32), and every
-other piece -- a frontend job, the work beside a step -- floats: it starts on the core
-with the fewest runnable pieces (a waking task goes to an idle core when there is one:
-``select_idle_sibling``, Linux ``kernel/sched/fair.c``), on a tie a core drawn at
-random, and stays there until it ends. The kernel also moves a waiting task to a core
-that falls idle; the model does not, which leaves a pinned engine no better off than
-the kernel would.
+other piece -- a frontend job, the work beside a step -- floats: it starts on an idle
+core when there is one (a waking task goes to an idle core: ``select_idle_sibling``,
+Linux ``kernel/sched/fair.c``), else on a core drawn at random, and stays there until
+it ends. With no core idle the kernel puts a waking task on its previous core or its
+waker's (``wake_affine``, by load averages that lag the queues, or neither once a
+task wakes many: ``wake_wide``), not on the core whose queue is shortest now; the model
+knows none of those, so it draws -- the weaker assumption: placing each piece on the
+shorter queue, as the model did before, gave the engines their cores back and put the
+simulated knees 1.12 and 1.39 times the real ones, drawn 1.01 and 1.21
+(``docs/validation/2026-12-06-sim-saturation.md``). The kernel also moves a waiting
+task to a core that falls idle; the model does not, which leaves a pinned engine no
+better off than the kernel would.
 
 Each piece may name its process (an engine's loop, the work beside its steps, an API
 server, the relay): :attr:`SharedCores.busy_by_process` then says which process had the
@@ -190,8 +196,8 @@ class SharedCores:
 
 class PinnedCores:
     """``cores`` cores, each a pool of its own (:class:`SharedCores` of one core): a
-    piece given a ``core`` runs there, any other starts on the core with the fewest
-    runnable pieces (ties: one drawn from ``rng``) and stays there until it ends."""
+    piece given a ``core`` runs there, any other starts on an idle core (more than one:
+    drawn from ``rng``), else on any core, drawn, and stays there until it ends."""
 
     def __init__(self, env: simpy.Environment, cores: int, rng: np.random.Generator) -> None:
         if not isinstance(cores, int) or isinstance(cores, bool) or cores < 1:
@@ -225,9 +231,8 @@ class PinnedCores:
             if not 0 <= core < self.cores:
                 raise ValueError(f"core {core} is not one of the host's {self.cores}")
             return core
-        counts = [p.runnable for p in self.pools]
-        fewest = [i for i, n in enumerate(counts) if n == min(counts)]
-        return fewest[0] if len(fewest) == 1 else fewest[int(self._rng.integers(len(fewest)))]
+        pick = [i for i, p in enumerate(self.pools) if p.runnable == 0] or range(self.cores)
+        return pick[0] if len(pick) == 1 else pick[int(self._rng.integers(len(pick)))]
 
     def run(self, work_s: float, core: int | None = None,
             process: str | None = None) -> simpy.Event:

@@ -141,16 +141,18 @@ class HostProfile:
         "engines pinned to a core each (needs cores >= 2): prefill's loop -- its steps and "
         "its empty steps while it holds a request -- runs on core 0, decode's on core 1, "
         "and every other piece (a frontend job, the work beside a step) floats: it starts "
-        "on the core with the fewest runnable pieces (a tie: one drawn at random) and "
-        "stays there, so a floating piece that lands beside a stepping engine halves its "
-        "pace until it ends (pushkv.sim.host.cores.PinnedCores); false: one pool, any "
-        "piece on any core",
+        "on an idle core if there is one, else on a core drawn at random, and stays "
+        "there, so a floating piece that lands beside a stepping engine halves its pace "
+        "until it ends (pushkv.sim.host.cores.PinnedCores); false: one pool, any piece "
+        "on any core",
         "deployment: vLLM's CPU worker binds its OpenMP threads, the engine loop's "
         "among them, to VLLM_CPU_OMP_THREADS_BIND's cores (OMP_PLACES, OMP_PROC_BIND=true; "
         "vllm/utils/ompmultiprocessing.py, vLLM 0.32), which the servers pushkv.fit runs "
         "set to a core each; a waking task takes an idle core when there is one "
-        "(select_idle_sibling, Linux kernel/sched/fair.c); placed pieces never move, "
-        "where the kernel moves a waiting one to a core falling idle (weaker)",
+        "(select_idle_sibling, Linux kernel/sched/fair.c), else its previous or its "
+        "waker's core by load averages the model does not have, so it draws (weaker "
+        "than the shortest queue); placed pieces never move, where the kernel moves a "
+        "waiting one to a core falling idle (weaker)",
     )
     frontend_cores: int = _f(
         0,
