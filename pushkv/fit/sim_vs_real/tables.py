@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import timeline
+from ...sim.host.profile import RELAY, beside_process, engine_process
 from .. import segments
 from .keys import gauge_speed
 from .runs import GAUGES, MODES, NAME, WAKES
@@ -295,9 +296,9 @@ def iteration_rows(real: Path, sim: Path, shares: dict[str, dict[str, Any]], *,
 #: the simulated processes each holds (:attr:`pushkv.sim.host.model.HostModel.busy_by_process`:
 #: an engine's loop and the work beside its steps by side, an API server by its engine's
 #: id, the relay of the router and the client)
-CPU_PARTS = {"prefill": ("prefill engine", "prefill beside", "prefill-"),
-             "decode": ("decode engine", "decode beside"),
-             "decode_api": ("decode-",), "router": ("relay",)}
+CPU_PARTS = {"prefill": (engine_process("prefill"), beside_process("prefill"), "prefill-"),
+             "decode": (engine_process("decode"), beside_process("decode")),
+             "decode_api": ("decode-",), "router": (RELAY,)}
 
 
 def _sim_part(by_process: dict[str, float], names: tuple[str, ...]) -> float:

@@ -68,14 +68,12 @@ import simpy
 
 from ..request import SimRequest
 from .cores import PinnedCores, SharedCores, work
-from .profile import PINNED_CORE
+from .profile import PINNED_CORE, RELAY
 from .spread import Spread
 
 #: a token's delivery to the client, given how long before its job's end it came
 Deliver = Callable[[float], None]
 
-#: the process name the router's and client's relay of tokens runs under
-RELAY = "relay"
 
 #: cores a P/D pair of the measured deployment pins an engine to (one each)
 PAIR_ENGINE_CORES = len(PINNED_CORE)

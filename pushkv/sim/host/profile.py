@@ -31,6 +31,22 @@ RETURN_WAKES = 3  #: a token to the client: decode's API server, the relay, the 
 #: with ``host.pinned``, the core each side's engine loop runs on
 PINNED_CORE = {"prefill": 0, "decode": 1}
 
+#: the process the router's and client's relay of tokens runs under (an API server's is
+#: its engine's id, ``prefill-0``)
+RELAY = "relay"
+
+
+def engine_process(side: str) -> str:
+    """The process an engine loop's work is on the host's cores (its steps, its empty
+    steps): one a side, as each side's engine has a core of its own."""
+    return f"{side} engine"
+
+
+def beside_process(side: str) -> str:
+    """The process the work beside ``side``'s steps is (its engine core's other threads,
+    transport threads; ``cores_busy``)."""
+    return f"{side} beside"
+
 #: the most multipliers ``host.spread`` may hold
 MAX_SPREAD = 1000
 #: the longest wait ``host.wake_beside_s`` may hold (s): a wake-up later than this is

@@ -42,7 +42,15 @@ from .cores import PinnedCores, SharedCores, work
 from .dedicated import Dedicated
 from .frontend import Frontend
 from .model import token_return_s
-from .profile import ENGINE_WAKES, HOP_WAKES, PINNED_CORE, RETURN_WAKES, HostSide
+from .profile import (
+    ENGINE_WAKES,
+    HOP_WAKES,
+    PINNED_CORE,
+    RETURN_WAKES,
+    HostSide,
+    beside_process,
+    engine_process,
+)
 from .spread import Spread
 
 if TYPE_CHECKING:
@@ -82,18 +90,6 @@ def on_shared_cores(profile: Profile) -> Profile:
         host=dataclasses.replace(
             h, prefill=dataclasses.replace(h.prefill, cpu_share=1.0, cpu_speed=1.0),
             decode=dataclasses.replace(h.decode, cpu_share=1.0, cpu_speed=1.0)))
-
-
-def engine_process(side: Side) -> str:
-    """The process an engine loop's work is on the host's cores (its steps, its empty
-    steps): one a side, as each side's engine has a core of its own."""
-    return f"{side} engine"
-
-
-def beside_process(side: Side) -> str:
-    """The process the work beside ``side``'s steps is (its engine core's other threads,
-    transport threads; ``cores_busy``)."""
-    return f"{side} beside"
 
 
 class SharedCpu(Dedicated):
