@@ -327,6 +327,8 @@ class DecodeEngine(_Loop):
         #: the router's failover for requests this instance can no longer serve
         self._hand_over: Callable[[SimRequest], bool] | None = None
         self._queued = env.event()  #: fires when a request is queued (heartbeats)
+        #: orders shipped this step, for its forward (``orders_at_forward``)
+        self._orders: list[Callable[[], None]] = []
         env.process(self._loop())
         if self.eng.heartbeat_queued:
             env.process(self._heartbeat_queued())
@@ -399,12 +401,19 @@ class DecodeEngine(_Loop):
         req.awaiting_handshake = False
         if self.mode is TransferMode.PUSH:
             self.transport.mark(tid, "registration_shipped")
-            if self.eng.order_handoff_s:  # the worker takes the order with the step
+            if self.eng.orders_at_forward:  # the worker takes it with the step's forward
+                req.handing_off = True
+                self._orders.append(lambda: self._register(req))
+            elif self.eng.order_handoff_s:  # the worker takes the order with the step
                 req.handing_off = True
                 self.env.timeout(self.host.spread(self.eng.order_handoff_s)).callbacks.append(
                     lambda _: self._register(req))
             else:
                 self._register(req)
+            return 0.0
+        if self.eng.orders_at_forward:
+            req.handing_off = True
+            self._orders.append(lambda: self._read(req))
             return 0.0
         if self.eng.order_handoff_s:  # the worker reads when it takes the step's orders
             req.handing_off = True
@@ -587,6 +596,7 @@ class DecodeEngine(_Loop):
                     chunks.append((r, n))
                     budget -= n
             if not decodes and not chunks:
+                self._hand_orders(None)  # no forward to take them: a lone hand-off each
                 if stall > 0:  # a step that only posted reads
                     yield self.env.timeout(stall)
                     self._account(stall, stall)
@@ -601,7 +611,10 @@ class DecodeEngine(_Loop):
             # Posting after the forward launch overlaps it (the GPU computes while the
             # CPU posts); posting before the forward delays it.
             dt = max(work, stall) if eng.inline_post == "after-forward" else stall + work
-            yield from self.transport.run_step(self.engine_id, eng.step_python_s, dt)
+            orders, self._orders = self._orders, []
+            yield from self.transport.run_step(
+                self.engine_id, eng.step_python_s, dt,
+                at_forward=(lambda orders=orders: self._hand_orders(orders)) if orders else None)
             if not self.alive:
                 return
             self._account(dt, dt - work if stall > 0 else 0.0)
@@ -617,6 +630,19 @@ class DecodeEngine(_Loop):
                 self.host.token(r)
                 if len(r.token_times) >= r.output_len:
                     self._complete(r)
+
+    def _hand_orders(self, orders: list[Callable[[], None]] | None) -> None:
+        """``orders`` (``decode.orders_at_forward``) reach the transport: at the forward of
+        the step that shipped them, now; None -- the orders shipped while the loop
+        computes nothing -- each ``order_handoff_s`` from now (a lone request's)."""
+        if orders is not None:
+            for order in orders:
+                order()
+            return
+        orders, self._orders = self._orders, []
+        for order in orders:
+            self.env.timeout(self.host.spread(self.eng.order_handoff_s)).callbacks.append(
+                lambda _, order=order: order())
 
     def _account(self, dt: float, stall: float) -> None:
         """``stall``: how much inline posting lengthened this step."""

@@ -56,6 +56,7 @@ UNUSED = {
         "decode_step_overhead_s": "prefill steps always prefill",
         "kv_read_efficiency": "prefill steps read no decode KV",
         "heartbeat_queued": "only decode renews leases",
+        "orders_at_forward": "prefill's worker takes no orders",
         "preemption": "prefill waits for free blocks instead",
         "order_handoff_s": "prefill's worker marks the finished prompt itself (no order "
         "waits for a step)",
@@ -223,6 +224,22 @@ class EngineProfile:
         "scheduler's step (the worker takes the orders when it runs the step; vLLM's "
         "NixlConnector reads in the worker's start_load_kv)",
         CONNECTOR + ": median('registration shipped -> handed')",
+    )
+    orders_at_forward: bool = _f(
+        False,
+        "decode: the orders a step ships (a push registration, a pull's read) reach the "
+        "transport when the worker runs that step's forward -- after the step's "
+        "interpreter part (step_python_s), on the engine's core as busy as it is -- not "
+        "order_handoff_s later; an order shipped while the loop computes nothing is "
+        "still handed order_handoff_s later (a lone request's hand-off, which the key "
+        "measured)",
+        "vLLM 0.32 on CPU runs a step's schedule and then its execute (async scheduling "
+        "off, vllm/platforms/cpu.py); the worker takes the connector's metadata in "
+        "start_load_kv, inside the forward's context (pushkv: WorkerSide.apply; vLLM's "
+        "NixlConnector reads there too); measured: 'registration shipped -> handed' 1.2 "
+        "ms alone, 7.7 at 24 QPS push on the 2-vCPU VM, as long as a decode step there "
+        "(docs/validation/2026-12-06-sim-saturation.md); false by default, so that "
+        "earlier profiles' outputs stand; benchmarks/bench_sim_vs_real.py sets it",
     )
     event_handoff_s: float = _f(
         0.0,

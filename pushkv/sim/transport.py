@@ -331,14 +331,19 @@ class SimTransport:
         if cost > held:
             yield self.env.timeout(cost - held)
 
-    def run_step(self, eid: str, python_s: float, dt: float, layers: Layers | None = None
+    def run_step(self, eid: str, python_s: float, dt: float, layers: Layers | None = None,
+                 at_forward: Callable[[], None] | None = None
                  ) -> Generator[Any, Any, float]:
         """An engine step of ``dt`` seconds whose first ``python_s`` need the interpreter
         lock: it waits while a posting thread of the same process holds it. The step is
         work on the host, which also runs what the processes around it do meanwhile
         (:meth:`HostModel.beside`). With ``layers`` (layer-wise push) the step's compute
-        is cut at each layer's end, where ``layers.done(l)`` is called. Returns the
-        seconds the step took."""
+        is cut at each layer's end, where ``layers.done(l)`` is called. ``at_forward()``
+        is called once the step's first ``python_s`` has run, where its forward starts.
+        Returns the seconds the step took."""
+        if layers is not None and at_forward is not None:
+            raise ValueError("a step's forward is cut by its layers or called back at its "
+                             "start, not both")
         start = self.env.now
         host = self.host
         side = self._side(eid)
@@ -349,13 +354,21 @@ class SimTransport:
                 yield req
                 self.gil_wait_s[eid] += self.env.now - start
                 yield host.work(min(python_s, dt), side)
+            if at_forward is not None:
+                at_forward()
             if layers is not None:
                 yield from layers.run(host, min(python_s, dt), side)
             elif dt > python_s:
                 yield host.work(dt - python_s, side)
         else:  # the lock is free: hold it for python_s without queueing (the fast path)
             self._loop_holds_until[eid] = start + min(python_s, dt)
-            if layers is not None:
+            if at_forward is not None:  # the interpreter part, then the forward
+                if python_s > 0:
+                    yield host.work(min(python_s, dt), side)
+                at_forward()
+                if dt > python_s:
+                    yield host.work(dt - python_s, side)
+            elif layers is not None:
                 yield from layers.run(host, 0.0, side)
             else:
                 yield host.work(dt, side)

@@ -183,6 +183,52 @@ def test_a_pulls_read_waits_exactly_the_order_handoff_alone() -> None:
     assert a["itls"] == b["itls"]
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_orders_at_the_forward_leave_a_lone_request_as_it_was(mode: str) -> None:
+    """A lone request is admitted while decode computes nothing: its order is handed
+    ``order_handoff_s`` later either way, so the key measured there stands."""
+    keyed = _with()
+    at = _with({"decode": {"orders_at_forward": True}})
+    assert json.dumps(_alone(at, mode)) == json.dumps(_alone(keyed, mode))
+
+
+def test_an_order_shipped_during_a_step_reaches_the_transport_at_its_forward() -> None:
+    """``decode.orders_at_forward``: an order shipped while decode computes a step reaches
+    the transport when that step's interpreter part (``step_python_s``) has run, on a
+    host of its own exactly that long after; without it, ``order_handoff_s`` after. Every
+    order shipped alone still takes ``order_handoff_s``."""
+    from pushkv.sim.marks import Timeline
+
+    py, handoff = TINY.decode.step_python_s, 0.004  # the two far apart
+    got = {}
+    for at in (False, True):
+        prof = _with({"decode": {"orders_at_forward": at, "order_handoff_s": handoff}})
+        cfg = config("push", qps=200.0, input_len=128, output_len=64, num_prompts=6)
+        marks = Timeline()
+        res = run(dataclasses.replace(cfg, profile=prof), timeline=marks).result
+        assert res["completed"] == 6
+        shipped, handed = ("registration_shipped", "registration_handed")
+        gaps = [m[handed] - m[shipped] for m in marks.requests.values()
+                if shipped in m and handed in m]
+        got[at] = gaps
+    assert got[False] == pytest.approx([handoff] * 6)
+    assert {round(g, 9) for g in got[True]} <= {round(handoff, 9), round(py, 9)}
+    assert any(g == pytest.approx(py) for g in got[True])  # some shipped mid-step
+
+
+def test_a_step_cut_by_layers_takes_no_forward_callback() -> None:
+    """A layer-wise step reports each layer; one that also asks for its forward's start
+    is refused, not silently ignored."""
+    from pushkv.sim.feed import Layers
+
+    cfg = config("push", qps=1.0, input_len=128, output_len=8, num_prompts=1)
+    transport = run(dataclasses.replace(cfg, profile=TINY), keep_objects=True).transport
+    assert transport is not None
+    layers = Layers(0.001, 0.001, 2, lambda _: None)
+    with pytest.raises(ValueError, match="not both"):
+        next(transport.run_step("prefill-0", 0.0, 0.003, layers, at_forward=lambda: None))
+
+
 def test_pull_without_the_handoff_posts_inline_as_before() -> None:
     """order_handoff_s 0: the read is posted inline in the scheduler's step, the result
     of a profile without the key (the default GPU profile's pull)."""

@@ -26,6 +26,9 @@ from typing import Any
 #: run measured ``host.token_api_s``, not one pool of cores and one frontend queue
 PINNED_ENGINES = True
 API_LOOPS = True
+#: a step's orders reach the decode worker at that step's forward (vLLM on CPU schedules
+#: and then executes each step; ``decode.orders_at_forward``), as the real servers do
+ORDERS_AT_FORWARD = True
 #: the measured CPU profile the simulated half starts from
 PROFILE = Path(__file__).resolve().parents[2] / "sim" / "profiles" / "cpu-tiny.toml"
 #: sim mode -> (real mode of pushkv.fit.e2e.modes, its deployment)

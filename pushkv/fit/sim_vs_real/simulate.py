@@ -18,7 +18,7 @@ from ...sim.host.profile import MAX_SPEED
 from ...sim.profile import Profile, load_profile, profile_from_dict
 from ..measure_connector import lone_steps
 from .keys import gauges_speed, speed_over
-from .runs import API_LOOPS, PINNED_ENGINES, file_name
+from .runs import API_LOOPS, ORDERS_AT_FORWARD, PINNED_ENGINES, file_name
 
 
 def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, float, int]],
@@ -71,7 +71,11 @@ def run_sim(profile_path: Path, sim: Path, points: Sequence[tuple[str, int, floa
 
     def placed(profile: Profile) -> Profile:
         """``profile``'s host as this run simulates it: the one frontend queue unless
-        ``api_loops``, the engines pinned with ``pinned_engines``, ``merge_tokens``."""
+        ``api_loops``, the engines pinned with ``pinned_engines``, ``merge_tokens``; and
+        decode's orders taken at its steps' forward (:data:`.runs.ORDERS_AT_FORWARD`)."""
+        if profile.decode.orders_at_forward != ORDERS_AT_FORWARD:
+            profile = dataclasses.replace(profile, decode=dataclasses.replace(
+                profile.decode, orders_at_forward=ORDERS_AT_FORWARD)).validate()
         h = profile.host
         changes: dict[str, Any] = {}
         if not api_loops and h.token_api_s:  # the one frontend queue
