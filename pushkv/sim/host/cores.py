@@ -37,10 +37,10 @@ cores, as the real runs' threads do (``pushkv.fit.sim_vs_real.tables.cpu_rows``)
 
 Processor sharing is the kernel's mean, measured: a sleeper pinned to one core beside
 one or two CPU-bound processes, working 0.2 or 2 ms of CPU a wake-up, has its work done
-on average 0.75-1.08x as long after it was due in the pool as under Linux 6.18 on a
+on average 0.75-1.15x as long after it was due in the pool as under Linux 6.18 on a
 2-core VM, whose fair scheduler runs one task at a time and switches at its 4 ms tick
 (``benchmarks/bench_core_sharing.py``); what the pool leaves out is the spread, a
-wake-up now and then waiting for a tick (p90 3.6 ms beside two spinners, 0.6 here).
+wake-up now and then waiting for a tick (p90 3.4 ms beside two spinners, 0.6 here).
 
 The pool adds no parameter but the number of cores: the work itself is what the
 profile measured on requests that ran alone (where nothing shares the cores and
