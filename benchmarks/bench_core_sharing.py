@@ -31,17 +31,17 @@ import simpy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pushkv.fit.sched import tick, wake_waits
+from pushkv.fit.sched import SLEEP_S, tick, wake_waits
 from pushkv.sim.host.cores import SharedCores
 
 #: (spinners, the sleeper's work per wake-up in s)
 CASES = ((0, 0.2e-3), (1, 0.2e-3), (1, 2e-3), (2, 0.2e-3), (2, 2e-3))
-GAP_S = (0.5e-3, 5e-3)
 
 
-def modelled(core: SharedCores, env: simpy.Environment, spinners: int,
-             work_s: float, seconds: float, seed: int) -> list[float]:
+def modelled(core: SharedCores, spinners: int, work_s: float, seconds: float,
+             seed: int) -> list[float]:
     """The sleeper's due-to-done times (s) on ``core`` beside ``spinners`` spinners."""
+    env = core.env
     for i in range(spinners):
         core.spin(1.0, process=f"spinner {i}")
     rng = np.random.default_rng(seed)
@@ -49,7 +49,7 @@ def modelled(core: SharedCores, env: simpy.Environment, spinners: int,
 
     def sleeper():
         while env.now < seconds:
-            yield env.timeout(float(rng.uniform(*GAP_S)))
+            yield env.timeout(float(rng.uniform(*SLEEP_S)))
             due = env.now
             yield core.run(work_s, process="sleeper")
             times.append(env.now - due)
@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, object] = {"tick_ms": round(tick_s * 1e3, 3), "cases": []}
     for spinners, work_s in CASES:
         kernel = [done for _, done in wake_waits(spinners, work_s, core=args.core,
-                                                  seconds=args.seconds, gap_s=GAP_S)]
+                                                  seconds=args.seconds)]
         env = simpy.Environment()
-        sharing = modelled(SharedCores(env, 1), env, spinners, work_s, args.seconds, 0)
+        sharing = modelled(SharedCores(env, 1), spinners, work_s, args.seconds, 0)
         k, s = stats(kernel), stats(sharing)
         print(f"| {spinners} | {work_s * 1e3:g} | {k[0]} / {k[1]} | {s[0]} / {s[1]} | "
               f"{s[0] / k[0]:.2f} |", flush=True)

@@ -24,6 +24,8 @@ from typing import Any
 #: a gap in a spinning loop longer than this is another process's turn (s): the loop
 #: itself takes well under a microsecond a turn
 GAP_S = 50e-6
+#: how long the sleeper of :func:`wake_waits` sleeps between its works (s, uniform)
+SLEEP_S = (0.5e-3, 5e-3)
 
 
 class SchedError(RuntimeError):
@@ -93,7 +95,7 @@ def tick(core: int = 0, seconds: float = 1.0) -> float:
 
 
 def wake_waits(spinners: int, work_s: float, *, core: int = 0, seconds: float = 2.0,
-               gap_s: tuple[float, float] = (0.5e-3, 5e-3), seed: int = 0
+               gap_s: tuple[float, float] = SLEEP_S, seed: int = 0
                ) -> list[tuple[float, float]]:
     """A sleeper on ``core`` beside ``spinners`` CPU-bound processes there: it sleeps a
     while drawn from ``gap_s``, then works ``work_s`` of CPU, for ``seconds``. For each

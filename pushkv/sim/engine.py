@@ -596,7 +596,8 @@ class DecodeEngine(_Loop):
                     chunks.append((r, n))
                     budget -= n
             if not decodes and not chunks:
-                self._hand_orders(None)  # no forward to take them: a lone hand-off each
+                if self._orders:  # no forward to take them: a lone hand-off each
+                    self._hand_orders(None)
                 if stall > 0:  # a step that only posted reads
                     yield self.env.timeout(stall)
                     self._account(stall, stall)
@@ -611,7 +612,9 @@ class DecodeEngine(_Loop):
             # Posting after the forward launch overlaps it (the GPU computes while the
             # CPU posts); posting before the forward delays it.
             dt = max(work, stall) if eng.inline_post == "after-forward" else stall + work
-            orders, self._orders = self._orders, []
+            orders = self._orders
+            if orders:  # this step's forward takes them
+                self._orders = []
             yield from self.transport.run_step(
                 self.engine_id, eng.step_python_s, dt,
                 at_forward=(lambda orders=orders: self._hand_orders(orders)) if orders else None)

@@ -320,8 +320,7 @@ def cpu_rows(real: Path, sim: Path, shares: dict[str, dict[str, Any]]
         if m is None or not threads or not (sim / path.name).exists():
             continue
         res = json.loads((sim / path.name).read_text())
-        pk = res.get("pushkv", res)
-        by, dur = pk.get("host_busy_s_by_process"), res.get("duration") or pk.get("duration")
+        by, dur = res.get("pushkv", {}).get("host_busy_s_by_process"), res.get("duration")
         if not by or not dur:
             continue
         row = acc.setdefault((m["mode"], float(m["qps"])), {})
